@@ -1,0 +1,148 @@
+"""
+Times training steps of a GPT of any size on one device: median ms/iter, tokens/s and MFU.
+
+python bench.py                                     # GPT-2 124M, block 1024, synthetic data, on the GPU
+python bench.py --model=gpt2-medium --batch_size=8
+python bench.py config/train_shakespeare_char_cpu.py --real_data=True --compile=False   # a config's model and batch
+python bench.py --profile=True                      # a torch.profiler trace in bench_log/ instead
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+
+from configurator import configure
+from model import GPT, GPTConfig
+
+# -----------------------------------------------------------------------------
+model = ''  # a GPT-2 shape ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') instead of n_layer / n_head / n_embd
+batch_size = 12
+block_size = 1024
+gradient_accumulation_steps = 1
+n_layer = 12
+n_head = 12
+n_embd = 768
+bias = False
+dropout = 0.0
+learning_rate = 6e-4
+weight_decay = 1e-1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0
+real_data = False  # read batches from data/<dataset>/train.bin; otherwise random tokens
+dataset = 'openwebtext'
+warmup = 10  # untimed steps first (compilation, allocator warm-up)
+iters = 50  # timed steps
+device = 'auto'
+dtype = 'auto'
+compile = True
+seed = 1337
+profile = False  # write a torch.profiler trace instead of timing
+# -----------------------------------------------------------------------------
+config, _ = configure(globals(), skip_unknown_in_files=True)  # training configs set keys a benchmark lacks
+SHAPES = {'gpt2': (12, 12, 768), 'gpt2-medium': (24, 16, 1024), 'gpt2-large': (36, 20, 1280), 'gpt2-xl': (48, 25, 1600)}
+if model:
+    if model not in SHAPES:
+        sys.exit(f"error: unknown model={model!r}: use one of {', '.join(SHAPES)}, or set n_layer, n_head, n_embd")
+    n_layer, n_head, n_embd = SHAPES[model]
+if device == 'auto':
+    device = 'cuda' if torch.cuda.is_available() else 'cpu'
+device_type = device.split(':')[0]
+if dtype == 'auto':
+    dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if device_type == 'cuda' else 'float32'
+ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
+torch.manual_seed(seed)
+if device_type == 'cuda':
+    torch.backends.cuda.matmul.fp32_precision = 'tf32'
+    torch.backends.cudnn.conv.fp32_precision = 'tf32'
+
+vocab_size = 50304
+if real_data:
+    path = os.path.join('data', dataset, 'train.bin')
+    if not os.path.exists(path):
+        sys.exit(f"error: {path} not found: run `python prepare.py {dataset}` first, or drop --real_data")
+    meta = os.path.join('data', dataset, 'meta.pkl')
+    if os.path.exists(meta):
+        import pickle
+        with open(meta, 'rb') as f:
+            vocab_size = pickle.load(f)['vocab_size']
+    gen = torch.Generator().manual_seed(seed)
+
+    def get_batch():
+        data = np.memmap(path, dtype=np.uint16, mode='r')
+        offsets = torch.randint(len(data) - block_size, (batch_size,), generator=gen).numpy()
+        chunk = torch.from_numpy(data[offsets[:, None] + np.arange(block_size + 1)].astype(np.int64))
+        return chunk[:, :-1].contiguous().to(device), chunk[:, 1:].contiguous().to(device)
+else:
+    x = torch.randint(vocab_size, (batch_size, block_size), device=device)
+    y = torch.randint(vocab_size, (batch_size, block_size), device=device)
+
+    def get_batch():
+        return x, y
+
+gpt = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                    dropout=dropout, bias=bias)).to(device)
+optimizer = gpt.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
+net = torch.compile(gpt) if compile else gpt
+device_name = torch.cuda.get_device_name(device) if device_type == 'cuda' else device_type
+
+
+def step():
+    """One optimizer step, as train.py takes it on one process."""
+    for _ in range(gradient_accumulation_steps):
+        X, Y = get_batch()
+        with ctx:
+            _, loss = net(X, Y)
+            loss = loss / gradient_accumulation_steps
+        scaler.scale(loss).backward()
+    if grad_clip != 0.0:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(gpt.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def sync():
+    if device_type == 'cuda':
+        torch.cuda.synchronize()
+
+
+print(f"{gpt.get_num_params() / 1e6:.2f}M parameters, {n_layer} layers, {n_head} heads, {n_embd} wide, "
+      f"batch {batch_size}x{gradient_accumulation_steps}x{block_size}, {dtype}, compile={compile}, on {device_name}")
+for _ in range(warmup):
+    step()
+sync()
+if profile:
+    from torch.profiler import ProfilerActivity, profile as torch_profile, tensorboard_trace_handler
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == 'cuda' else [])
+    with torch_profile(activities=activities, on_trace_ready=tensorboard_trace_handler('./bench_log')) as prof:
+        for _ in range(iters):
+            step()
+        sync()
+    sort = 'cuda_time_total' if device_type == 'cuda' else 'cpu_time_total'
+    print(prof.key_averages().table(sort_by=sort, row_limit=20))
+    sys.exit(0)
+
+times = []
+for _ in range(iters):
+    t0 = time.perf_counter()
+    loss = step()
+    loss.item()  # waits for the device, so each step's time is real
+    times.append(time.perf_counter() - t0)
+dt = statistics.median(times)
+tokens = batch_size * gradient_accumulation_steps * block_size
+mfu = gpt.estimate_mfu(batch_size * gradient_accumulation_steps, dt, device_name)
+print(f"median {dt * 1000:.2f} ms/iter (min {min(times) * 1000:.2f}, max {max(times) * 1000:.2f}) over {iters} steps, "
+      f"{tokens / dt:,.0f} tok/s" + (f", mfu {mfu * 100:.2f}%" if mfu is not None else ", mfu unknown for this device"))
+print(json.dumps({**config, 'device': device_name, 'dtype': dtype, 'params': gpt.get_num_params(), 'ms': dt * 1000,
+                  'tokens_per_sec': tokens / dt, 'mfu': mfu}))

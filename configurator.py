@@ -1,0 +1,95 @@
+"""
+nanoGPT's configuration convention, with the errors it left out.
+
+An entrypoint's module-level globals of type int, float, bool or str are its config. Call
+
+    config, given = configure(globals())
+
+right after them: every `config/x.py` argument is run as Python and every `--key=value` argument is parsed with
+ast.literal_eval (a bare word is a string), in the order given, each checked against the default's name and type.
+`config` is the final dict of every key; `given` the keys that a file or flag set. With skip_unknown_in_files,
+a config file may set keys the script lacks (bench.py reads training configs), but a flag may not.
+Bad input exits with a one-line error that names the fix.
+"""
+
+import ast
+import difflib
+import sys
+import types
+
+CONFIG_TYPES = (int, float, bool, str)
+
+
+def config_keys(namespace):
+    return {k: v for k, v in namespace.items() if not k.startswith('_') and type(v) in CONFIG_TYPES}
+
+
+def _check(key, value, defaults, where):
+    if key not in defaults:
+        close = difflib.get_close_matches(key, defaults, n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(sorted(defaults))}"
+        sys.exit(f"error: {where}: unknown config key '{key}'; {hint}")
+    want = type(defaults[key])
+    if want is float and type(value) is int:
+        value = float(value)  # --learning_rate=1 means 1.0
+    if type(value) is not want:
+        sys.exit(f"error: {where}: {key} must be {want.__name__} like its default {defaults[key]!r}, "
+                 f"got {type(value).__name__} {value!r}")
+    return value
+
+
+def _assigned_names(source):
+    """Names a config file assigns at its top level, even to the default's own value."""
+    names = set()
+    for node in ast.parse(source).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, 'target', None)]
+        names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def configure(namespace, argv=None, skip_unknown_in_files=False):
+    argv = sys.argv[1:] if argv is None else argv
+    defaults = config_keys(namespace)
+    given = set()
+    for arg in argv:
+        if not arg.startswith('--'):
+            if not arg.endswith('.py'):
+                sys.exit(f"error: argument '{arg}' is neither a config file (*.py) nor --key=value")
+            try:
+                with open(arg) as f:
+                    source = f.read()
+            except OSError as e:
+                sys.exit(f"error: cannot read config file {arg}: {e.strerror}")
+            scope = dict(defaults)
+            try:
+                exec(compile(source, arg, 'exec'), scope)
+            except Exception as e:
+                # name the config file's own line, not this module's
+                line = e.lineno if isinstance(e, SyntaxError) else None
+                tb = e.__traceback__
+                while tb is not None:
+                    if tb.tb_frame.f_code.co_filename == arg:
+                        line = tb.tb_lineno
+                    tb = tb.tb_next
+                sys.exit(f"error: {arg}:{line}: {type(e).__name__}: {e}")
+            assigned = _assigned_names(source)
+            for key, value in scope.items():
+                if key.startswith('_') or isinstance(value, (types.ModuleType, types.FunctionType, type)):
+                    continue
+                if key in defaults and value is defaults[key] and key not in assigned:
+                    continue  # left as it was
+                if key not in defaults and skip_unknown_in_files:
+                    continue  # e.g. a training config read by bench.py for its model and batch
+                namespace[key] = defaults[key] = _check(key, value, defaults, arg)
+                given.add(key)
+        else:
+            if '=' not in arg:
+                sys.exit(f"error: flag '{arg}' needs a value: write it as {arg}=VALUE")
+            key, text = arg[2:].split('=', 1)
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                value = text  # a bare word such as --device=cpu
+            namespace[key] = defaults[key] = _check(key, value, defaults, arg)
+            given.add(key)
+    return config_keys(namespace), given

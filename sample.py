@@ -1,0 +1,107 @@
+"""
+Samples text from a trained model: this repo's checkpoint or nanoGPT's (out_dir/ckpt.pt), or OpenAI's GPT-2.
+
+python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples=3 --max_new_tokens=200
+python sample.py --init_from=gpt2-xl --start=FILE:prompt.txt
+"""
+
+import os
+import pickle
+import sys
+from contextlib import nullcontext
+
+import torch
+
+from configurator import configure
+from model import GPT, GPTConfig
+
+# -----------------------------------------------------------------------------
+init_from = 'resume'  # 'resume' (from out_dir/ckpt.pt) or a GPT-2 variant: 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'
+out_dir = 'out'
+start = "\n"  # the prompt; "FILE:prompt.txt" reads it from a file
+num_samples = 10
+max_new_tokens = 500
+temperature = 0.8  # 1.0 keeps the model's distribution, lower is more conservative
+top_k = 200  # sample from the k most likely tokens only; 0 for all
+seed = 1337
+device = 'auto'  # 'auto' (cuda if there is a GPU, else cpu), 'cpu', 'cuda', 'cuda:1'
+dtype = 'auto'  # 'auto' (bfloat16 on GPUs that have it, else float16 on CUDA, float32 on CPU), or one of those
+meta_path = ''  # a char-level vocabulary (meta.pkl); by default data/<the checkpoint's dataset>/meta.pkl
+# -----------------------------------------------------------------------------
+configure(globals())
+
+if device == 'auto':
+    device = 'cuda' if torch.cuda.is_available() else 'cpu'
+device_type = device.split(':')[0]
+if dtype == 'auto':
+    dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if device_type == 'cuda' else 'float32'
+ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
+torch.manual_seed(seed)
+if device_type == 'cuda':
+    torch.backends.cuda.matmul.fp32_precision = 'tf32'
+
+# model
+dataset = None
+if init_from == 'resume':
+    ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+    if not os.path.exists(ckpt_path):
+        sys.exit(f"error: no checkpoint at {ckpt_path}: point --out_dir at a run's folder, or use --init_from=gpt2")
+    try:
+        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=True)  # a checkpoint is data, never code
+        model = GPT(GPTConfig(**checkpoint['model_args']))
+        model.load_state_dict(GPT.upgrade_state_dict(checkpoint['model']))
+    except Exception as e:
+        sys.exit(f"error: checkpoint {ckpt_path} is corrupt or not a model checkpoint ({type(e).__name__}): "
+                 f"delete it or restore a good copy")
+    dataset = checkpoint.get('config', {}).get('dataset')
+elif init_from.startswith('gpt2'):
+    model = GPT.from_pretrained(init_from, dict(dropout=0.0))
+else:
+    sys.exit(f"error: unknown init_from={init_from!r}: use resume, gpt2, gpt2-medium, gpt2-large or gpt2-xl")
+model.eval()
+model.to(device)
+
+# tokenizer: the char vocabulary the data was prepared with, else GPT-2's BPE
+if not meta_path and dataset:
+    meta_path = os.path.join('data', dataset, 'meta.pkl')
+if meta_path and os.path.exists(meta_path):
+    with open(meta_path, 'rb') as f:
+        meta = pickle.load(f)
+    stoi, itos = meta['stoi'], meta['itos']
+
+    def encode(s):
+        missing = sorted(set(c for c in s if c not in stoi))
+        if missing:
+            sys.exit(f"error: the prompt has characters the model's vocabulary lacks ({''.join(missing)!r}): remove them")
+        return [stoi[c] for c in s]
+
+    def decode(ids):
+        return ''.join(itos[i] for i in ids)
+    print(f"char vocabulary from {meta_path}", file=sys.stderr)
+else:
+    if model.config.vocab_size < 50257:
+        sys.exit(f"error: the model's vocabulary has {model.config.vocab_size} tokens, but no meta.pkl was found "
+                 f"({meta_path or 'no dataset in the checkpoint'}): pass --meta_path=data/<dataset>/meta.pkl")
+    import tiktoken
+    enc = tiktoken.get_encoding('gpt2')
+
+    def encode(s):
+        return enc.encode(s, allowed_special={"<|endoftext|>"})
+
+    def decode(ids):
+        return enc.decode(ids)
+
+if start.startswith('FILE:'):
+    with open(start[5:], encoding='utf-8') as f:
+        start = f.read()
+start_ids = encode(start)
+if not start_ids:
+    sys.exit("error: the prompt encodes to no tokens: give a non-empty --start")
+x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]
+
+with torch.no_grad(), ctx:
+    for k in range(num_samples):
+        y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k or None)
+        print(decode(y[0].tolist()))
+        print('---------------')

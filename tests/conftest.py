@@ -1,0 +1,65 @@
+"""Shared fixtures: the repo's scripts run as real processes (torchrun for several ranks) in temporary folders."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO.parent / 'shared' / 'data'
+SHAKESPEARE = SHARED_DATA / 'tinyshakespeare' / 'input.txt'
+
+# a model small enough for a step in a few milliseconds, in fp32 on the CPU
+TINY = ['--device=cpu', '--compile=False', '--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32',
+        '--batch_size=4', '--dropout=0.0', '--bias=True', '--learning_rate=3e-3', '--warmup_iters=2',
+        '--lr_decay_iters=40', '--min_lr=3e-4', '--eval_iters=4', '--log_interval=1']
+
+
+def env():
+    e = dict(os.environ)
+    e['TIKTOKEN_CACHE_DIR'] = str(SHARED_DATA / 'tiktoken_cache')  # tiktoken offline
+    e['PYTHONUNBUFFERED'] = '1'
+    e.pop('RANK', None)
+    return e
+
+
+def run(script, *args, nproc=1, cwd, check=True, nthreads=None):
+    """Runs one of the repo's scripts; with nproc > 1 under torchrun on a free port."""
+    if nproc == 1:
+        cmd = [sys.executable, str(REPO / script), *map(str, args)]
+    else:
+        cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
+               str(REPO / script), *map(str, args)]
+    e = env()
+    if nthreads:
+        e['OMP_NUM_THREADS'] = str(nthreads)
+    p = subprocess.run(cmd, cwd=cwd, env=e, capture_output=True, text=True, timeout=600)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
+    return p
+
+
+def read_metrics(out_dir):
+    """{iter: loss} of the logged steps, and the list of eval rows, from a run's metrics.jsonl."""
+    losses, evals = {}, []
+    with open(Path(out_dir) / 'metrics.jsonl') as f:
+        for line in f:
+            row = json.loads(line)
+            if 'loss' in row:
+                losses[row['iter']] = row['loss']
+            if 'val_loss' in row:
+                evals.append(row)
+    return losses, evals
+
+
+@pytest.fixture(scope='session')
+def data_dir(tmp_path_factory):
+    """tiny Shakespeare, char-level and GPT-2 BPE, prepared once for the whole session."""
+    assert SHAKESPEARE.exists(), f"{SHAKESPEARE} is missing: the tests need ../shared/data beside the repo"
+    root = tmp_path_factory.mktemp('data')
+    run('prepare.py', 'shakespeare_char', f'--input={SHAKESPEARE}', f'--out_root={root}', cwd=root)
+    run('prepare.py', 'shakespeare', f'--input={SHAKESPEARE}', f'--out_root={root}', cwd=root)
+    return root

@@ -1,0 +1,89 @@
+"""Each bad input: a one-line error that names the fix, a non-zero exit, and nothing written."""
+
+import shutil
+
+import pytest
+
+from conftest import TINY, run
+
+
+def fails(tmp_path, *args, nproc=1, script='train.py'):
+    p = run(script, *TINY, *args, nproc=nproc, cwd=tmp_path, check=False)
+    assert p.returncode != 0
+    errors = [l for l in p.stderr.splitlines() if l.startswith('error: ')]
+    assert errors, p.stderr[-2000:]
+    if nproc == 1:
+        assert p.stderr.strip() == errors[0]  # one line, no traceback
+    return errors[0]
+
+
+@pytest.fixture
+def ckpt_run(tmp_path, data_dir):
+    out = tmp_path / 'run'
+    run('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}', '--max_iters=2',
+        '--eval_interval=2', '--gradient_accumulation_steps=1', cwd=tmp_path)
+    return out
+
+
+def test_unknown_key_and_wrong_type(tmp_path, data_dir):
+    msg = fails(tmp_path, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out', '--max_iter=5')
+    assert "unknown config key 'max_iter'" in msg and 'max_iters' in msg
+    msg = fails(tmp_path, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out', '--max_iters=five')
+    assert 'max_iters must be int' in msg
+    assert not (tmp_path / 'out').exists()
+
+
+def test_missing_data(tmp_path):
+    msg = fails(tmp_path, '--dataset=nowhere', '--out_dir=out')
+    assert 'data/nowhere/train.bin not found' in msg and 'python prepare.py nowhere' in msg
+    assert not (tmp_path / 'out').exists()
+
+
+def test_bin_shorter_than_a_block(tmp_path, data_dir):
+    short = tmp_path / 'short'
+    shutil.copytree(data_dir / 'shakespeare_char', short)
+    (short / 'val.bin').write_bytes(b'\x01\x00' * 20)
+    msg = fails(tmp_path, f'--dataset={short}', '--out_dir=out')
+    assert 'val.bin holds 20 tokens, fewer than block_size + 1 = 33' in msg and 'lower --block_size' in msg
+    assert not (tmp_path / 'out').exists()
+
+
+def test_missing_checkpoint(tmp_path, data_dir):
+    msg = fails(tmp_path, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out', '--init_from=resume')
+    assert 'no checkpoint at out/ckpt.pt' in msg
+    assert not (tmp_path / 'out').exists()
+
+
+@pytest.mark.parametrize('damage', ['truncate', 'garbage'])
+def test_corrupt_checkpoint(tmp_path, data_dir, ckpt_run, damage):
+    ckpt = ckpt_run / 'ckpt.pt'
+    data = ckpt.read_bytes()
+    ckpt.write_bytes(data[:len(data) // 2] if damage == 'truncate' else b'not a checkpoint at all' * 100)
+    before = {p.name: p.stat().st_mtime_ns for p in ckpt_run.iterdir()}
+    msg = fails(tmp_path, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={ckpt_run}', '--init_from=resume')
+    assert 'is corrupt' in msg and 'restore a good copy' in msg
+    assert {p.name: p.stat().st_mtime_ns for p in ckpt_run.iterdir()} == before
+
+
+def test_model_key_that_contradicts_the_checkpoint(tmp_path, data_dir, ckpt_run):
+    before = {p.name: p.stat().st_mtime_ns for p in ckpt_run.iterdir()}
+    args = [f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={ckpt_run}', '--init_from=resume']
+    msg = fails(tmp_path, *args, '--n_layer=3')
+    assert "n_layer=3 contradicts the checkpoint's n_layer=2" in msg
+    assert {p.name: p.stat().st_mtime_ns for p in ckpt_run.iterdir()} == before
+    # the same value as the checkpoint's is no contradiction, and dropout is not part of the shape
+    run('train.py', *TINY, *args, '--n_layer=2', '--dropout=0.1', '--max_iters=3', '--eval_interval=3',
+        '--gradient_accumulation_steps=1', cwd=tmp_path)
+
+
+def test_batch_that_does_not_divide_across_ranks(tmp_path, data_dir):
+    msg = fails(tmp_path, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out',
+                '--gradient_accumulation_steps=3', nproc=2)
+    assert 'gradient_accumulation_steps=3 does not divide across 2 ranks' in msg and 'multiple of 2' in msg
+    assert not (tmp_path / 'out').exists()
+
+
+def test_unknown_init_from(tmp_path, data_dir):
+    msg = fails(tmp_path, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out', '--init_from=gpt3')
+    assert "unknown init_from='gpt3'" in msg and 'scratch' in msg
+    assert not (tmp_path / 'out').exists()

@@ -1,0 +1,167 @@
+import math
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig, peak_flops
+
+
+def tiny(**kw):
+    cfg = dict(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=16, dropout=0.0, bias=True)
+    cfg.update(kw)
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**cfg))
+
+
+def test_forward_shapes_loss_at_init_and_weight_tying():
+    model = tiny()
+    idx = torch.randint(50, (3, 10))
+    logits, loss = model(idx, idx)
+    assert logits.shape == (3, 10, 50)
+    assert abs(loss.item() - math.log(50)) < 0.2  # near-uniform predictions at init
+    logits, loss = model(idx)
+    assert logits.shape == (3, 1, 50) and loss is None  # generation: last position only
+    assert model.lm_head.weight is model.transformer.wte.weight
+    # a tied parameter is counted once
+    assert sum(p.numel() for p in model.parameters()) == len(torch.nn.utils.parameters_to_vector(model.parameters()))
+
+
+def test_causal_attention_ignores_the_future():
+    model = tiny().eval()
+    idx = torch.randint(50, (1, 12))
+    changed = idx.clone()
+    changed[0, 8:] = (changed[0, 8:] + 1) % 50
+    a, _ = model(idx, idx)
+    b, _ = model(changed, changed)
+    assert torch.allclose(a[0, :8], b[0, :8], atol=1e-6)
+    assert not torch.allclose(a[0, 8:], b[0, 8:], atol=1e-3)
+
+
+def test_residual_projections_get_the_scaled_init():
+    model = tiny(n_layer=8, n_embd=256, n_head=4)
+    proj = torch.cat([b.attn.c_proj.weight.flatten() for b in model.transformer.h])
+    fc = torch.cat([b.mlp.c_fc.weight.flatten() for b in model.transformer.h])
+    assert abs(proj.std().item() - 0.02 / math.sqrt(2 * 8)) < 2e-4
+    assert abs(fc.std().item() - 0.02) < 2e-4
+
+
+def test_hugging_face_import_matches_its_logits(tmp_path):
+    transformers = pytest.importorskip('transformers')
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_head=4, n_embd=64, n_positions=32, vocab_size=100, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0))
+    hf.eval()
+    # make every weight count: the default init zeroes the biases
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf.save_pretrained(tmp_path)
+    model = GPT.from_pretrained(str(tmp_path)).eval()
+    assert (model.config.n_layer, model.config.n_head, model.config.n_embd, model.config.block_size,
+            model.config.vocab_size) == (2, 4, 64, 32, 100)
+    idx = torch.randint(100, (2, 32))
+    ours, _ = model(idx, idx)
+    theirs = hf(idx).logits
+    assert (ours - theirs).abs().max().item() < 1e-5
+
+
+def test_peak_flops_by_device_name():
+    assert peak_flops('NVIDIA A100-SXM4-80GB') == 312e12
+    assert peak_flops('NVIDIA A100-PCIE-40GB') == 312e12
+    assert peak_flops('NVIDIA H100 80GB HBM3') == 989e12
+    assert peak_flops('NVIDIA H100 PCIe') == 756e12
+    assert peak_flops('NVIDIA H200') == 989e12
+    assert peak_flops('NVIDIA A10') == 125e12  # not A100's
+    assert peak_flops('NVIDIA H20') == 148e12  # not H200's
+    assert peak_flops('cpu') is None
+    assert peak_flops('NVIDIA GeForce GTX 1080') is None
+    assert peak_flops('') is None
+
+
+def test_estimate_mfu_counts_flops_and_is_none_where_the_peak_is_unknown():
+    model = tiny()
+    cfg = model.config
+    per_token = 6 * model.get_num_params() + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * cfg.block_size
+    expected = per_token * cfg.block_size * 8 / 0.5 / 989e12
+    assert model.estimate_mfu(8, 0.5, 'NVIDIA H100 80GB HBM3') == pytest.approx(expected, rel=1e-12)
+    assert model.estimate_mfu(8, 0.5, 'cpu') is None
+    assert model.estimate_mfu(8, 0.5, 'Some Future GPU') is None
+
+
+def test_generate_extends_and_crop_block_size():
+    model = tiny().eval()
+    idx = torch.randint(50, (2, 5))
+    out = model.generate(idx, 20, temperature=1.0, top_k=5)  # longer than block_size: the context slides
+    assert out.shape == (2, 25) and torch.equal(out[:, :5], idx)
+    torch.manual_seed(1)
+    greedy = model.generate(idx, 3, top_k=1)
+    torch.manual_seed(2)
+    assert torch.equal(greedy, model.generate(idx, 3, top_k=1))  # top_k=1 is argmax whatever the seed
+    model.crop_block_size(8)
+    assert model.transformer.wpe.weight.shape[0] == 8
+    assert model(torch.randint(50, (1, 8)))[0].shape == (1, 1, 50)
+
+
+def test_optimizer_decays_matrices_only():
+    model = tiny()
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    decay, nodecay = opt.param_groups
+    assert decay['weight_decay'] == 0.1 and nodecay['weight_decay'] == 0.0
+    assert all(p.dim() >= 2 for p in decay['params']) and all(p.dim() < 2 for p in nodecay['params'])
+    assert len(decay['params']) + len(nodecay['params']) == len(list(model.parameters()))
+
+
+def fuse_qkv(sd):
+    """This repo's state dict in nanoGPT's layout (one c_attn), as nanoGPT's torch.compile'd runs save it."""
+    out = {}
+    for k, v in sd.items():
+        if '.c_q.' in k:
+            out['_orig_mod.' + k.replace('c_q', 'c_attn')] = torch.cat([v, sd[k.replace('c_q', 'c_k')],
+                                                                       sd[k.replace('c_q', 'c_v')]])
+        elif '.c_k.' not in k and '.c_v.' not in k:
+            out['_orig_mod.' + k] = v
+    return out
+
+
+def test_nanogpt_layout_converts_to_ours():
+    model = tiny()
+    sd = model.state_dict()
+    assert not any('c_attn' in k for k in sd)
+    upgraded = GPT.upgrade_state_dict(fuse_qkv(sd))
+    assert upgraded.keys() == sd.keys()
+    assert all(torch.equal(upgraded[k], sd[k]) for k in sd)
+
+
+def test_nanogpt_optimizer_state_converts_to_ours():
+    model = tiny()
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    idx = torch.randint(50, (2, 8))
+    model(idx, idx)[1].backward()
+    opt.step()
+    ours = opt.state_dict()
+    # the same state in nanoGPT's order: each c_q, c_k, c_v triple stands as one c_attn
+    params = dict(model.named_parameters())
+    decay, nodecay = model.param_groups()
+    names = decay + nodecay
+    fused_names = [n.replace('c_q', 'c_attn') for n in names if '.c_k.' not in n and '.c_v.' not in n]
+    theirs_state = {}
+    for i, n in enumerate(fused_names):
+        if '.c_attn.' in n:
+            parts = [ours['state'][names.index(n.replace('c_attn', x))] for x in ('c_q', 'c_k', 'c_v')]
+            theirs_state[i] = {'step': parts[0]['step'].clone(),
+                               'exp_avg': torch.cat([p['exp_avg'] for p in parts]),
+                               'exp_avg_sq': torch.cat([p['exp_avg_sq'] for p in parts])}
+        else:
+            theirs_state[i] = ours['state'][names.index(n)]
+    n_decay_fused = sum(1 for n in fused_names if params.get(n, None) is None or params[n].dim() >= 2) - \
+        sum(1 for n in fused_names if '.c_attn.bias' in n)
+    groups = [dict(ours['param_groups'][0], params=list(range(n_decay_fused))),
+              dict(ours['param_groups'][1], params=list(range(n_decay_fused, len(fused_names))))]
+    upgraded = model.upgrade_optimizer_state({'state': theirs_state, 'param_groups': groups})
+    assert [g['params'] for g in upgraded['param_groups']] == [g['params'] for g in ours['param_groups']]
+    for i, s in ours['state'].items():
+        for k in ('step', 'exp_avg', 'exp_avg_sq'):
+            assert torch.equal(upgraded['state'][i][k], s[k]), (i, k)
+    # a state that is already ours passes through
+    assert model.upgrade_optimizer_state(ours) is ours

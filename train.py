@@ -1,0 +1,373 @@
+"""
+Trains a GPT with DistributedDataParallel, or on one process.
+
+One process:      python train.py config/train_shakespeare_char.py --device=cpu
+One node, 8 GPUs: torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py
+Two nodes:        torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HEAD:29500 train.py ...
+
+The global batch in tokens, the data stream and the logged loss do not depend on the world size, and a run
+resumed from its checkpoint repeats the uninterrupted run exactly (RNG and data position are saved with it).
+"""
+
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from configurator import configure
+from model import GPT, GPTConfig
+
+# -----------------------------------------------------------------------------
+# config: defaults train GPT-2 124M on OpenWebText; config/*.py and --key=value override them
+# I/O
+out_dir = 'out'
+eval_interval = 2000
+log_interval = 1
+eval_iters = 200
+eval_only = False  # exit right after the first eval
+always_save_checkpoint = True  # save after every eval, not only on a new best val loss
+init_from = 'scratch'  # 'scratch', 'resume' (from out_dir/ckpt.pt) or 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'
+# wandb logging
+wandb_log = False
+wandb_project = 'owt'
+wandb_run_name = 'gpt2'
+# data
+dataset = 'openwebtext'  # data/<dataset>/{train,val}.bin as prepare.py writes them (or a path to such a folder)
+gradient_accumulation_steps = 5 * 8  # micro-steps per optimizer step, in total over all ranks
+batch_size = 12  # sequences per micro-step per rank
+block_size = 1024
+# model
+n_layer = 12
+n_head = 12
+n_embd = 768
+dropout = 0.0  # 0 for pretraining, try 0.1+ for finetuning
+bias = False
+# AdamW
+learning_rate = 6e-4
+max_iters = 600000
+weight_decay = 1e-1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0  # clip gradients at this norm; 0 disables
+# learning rate schedule: linear warmup, then cosine decay to min_lr
+decay_lr = True
+warmup_iters = 2000
+lr_decay_iters = 600000  # ~ max_iters, per Chinchilla
+min_lr = 6e-5  # ~ learning_rate / 10, per Chinchilla
+# system
+device = 'auto'  # 'auto' (cuda:LOCAL_RANK if there is a GPU, else cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
+backend = 'auto'  # 'auto' (nccl on CUDA, gloo otherwise), 'nccl' or 'gloo'
+dtype = 'auto'  # 'auto' (bfloat16 on GPUs that have it, else float16 on CUDA, float32 on CPU), or one of those
+compile = True  # torch.compile the model
+seed = 1337
+# -----------------------------------------------------------------------------
+config, given = configure(globals())
+
+# distributed init: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
+ddp = 'RANK' in os.environ
+rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if ddp else (0, 0, 1)
+master_process = rank == 0  # does all the logging and checkpoint writing
+if device == 'auto':
+    device = f'cuda:{local_rank}' if torch.cuda.is_available() else 'cpu'
+elif device == 'cuda' and ddp:
+    device = f'cuda:{local_rank}'
+device_type = device.split(':')[0]
+if device_type == 'cuda' and not torch.cuda.is_available():
+    sys.exit("error: device=cuda but torch sees no GPU: use --device=cpu (or auto)")
+if dtype == 'auto':
+    dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if device_type == 'cuda' else 'float32'
+if dtype not in ('float32', 'bfloat16', 'float16'):
+    sys.exit(f"error: dtype={dtype!r} is not one of auto, float32, bfloat16, float16")
+if backend == 'auto':
+    backend = 'nccl' if device_type == 'cuda' else 'gloo'
+if gradient_accumulation_steps % world_size != 0:
+    sys.exit(f"error: gradient_accumulation_steps={gradient_accumulation_steps} does not divide across {world_size} "
+             f"ranks: make it a multiple of {world_size} (it is the total over all ranks)")
+accum_steps = gradient_accumulation_steps // world_size  # micro-steps on this rank
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
+if init_from not in ('scratch', 'resume') and not init_from.startswith('gpt2'):
+    sys.exit(f"error: unknown init_from={init_from!r}: use scratch, resume, gpt2, gpt2-medium, gpt2-large or gpt2-xl")
+if ddp:
+    if device_type == 'cuda':
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend=backend)
+torch.manual_seed(seed + rank)  # the same init everywhere (rank 0's is broadcast anyway), but each rank its own dropout
+if device_type == 'cuda':
+    torch.backends.cuda.matmul.fp32_precision = 'tf32'
+    torch.backends.cudnn.conv.fp32_precision = 'tf32'
+ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
+
+
+def print0(*args, **kwargs):
+    if master_process:
+        print(*args, **kwargs, flush=True)
+
+
+print0(f"world size {world_size}, {accum_steps} micro-steps per rank, {tokens_per_iter:,} tokens per iteration")
+
+# -----------------------------------------------------------------------------
+# data: nanoGPT's uint16 train.bin / val.bin
+data_dir = os.path.join('data', dataset)
+bin_path, n_tokens = {}, {}
+for split in ('train', 'val'):
+    bin_path[split] = os.path.join(data_dir, f'{split}.bin')
+    if not os.path.exists(bin_path[split]):
+        sys.exit(f"error: {bin_path[split]} not found: run `python prepare.py {dataset}` "
+                 f"(or `python prepare.py text --input=FILE --name={dataset}`) first")
+    n_tokens[split] = os.path.getsize(bin_path[split]) // 2
+    if n_tokens[split] < block_size + 1:
+        sys.exit(f"error: {bin_path[split]} holds {n_tokens[split]} tokens, fewer than block_size + 1 = {block_size + 1}: "
+                 f"lower --block_size or prepare more data")
+
+
+def get_batch(split, offsets):
+    # a new memmap per batch: a long-lived one keeps every page it touched and grows without bound
+    data = np.memmap(bin_path[split], dtype=np.uint16, mode='r')
+    chunk = torch.from_numpy(data[offsets.numpy()[:, None] + np.arange(block_size + 1)].astype(np.int64))
+    x, y = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+    if device_type == 'cuda':
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+# The training stream is a function of the seed and the step alone: each step draws the offsets of the whole
+# global batch from one generator and each (rank, micro-step) takes its own row, so 1, 2 or 8 ranks see the same
+# data, and saving this generator's state saves the data position.
+data_gen = torch.Generator().manual_seed(seed)
+
+
+def draw_train_offsets():
+    offsets = torch.randint(n_tokens['train'] - block_size, (gradient_accumulation_steps, batch_size), generator=data_gen)
+    return offsets[rank * accum_steps:(rank + 1) * accum_steps]
+
+
+# -----------------------------------------------------------------------------
+# model
+meta_vocab_size = None
+meta_path = os.path.join(data_dir, 'meta.pkl')
+if os.path.exists(meta_path):
+    import pickle
+    with open(meta_path, 'rb') as f:
+        meta_vocab_size = pickle.load(f)['vocab_size']
+model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
+                  vocab_size=meta_vocab_size or 50304, dropout=dropout)
+iter_num, best_val_loss, checkpoint = 0, 1e9, None
+if init_from == 'resume':
+    ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+    if not os.path.exists(ckpt_path):
+        sys.exit(f"error: no checkpoint at {ckpt_path}: point --out_dir at a run's folder, or use --init_from=scratch")
+    try:
+        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=True)  # a checkpoint is data, never code
+        ckpt_args = checkpoint['model_args']
+    except Exception as e:
+        sys.exit(f"error: checkpoint {ckpt_path} is corrupt or not a training checkpoint ({type(e).__name__}: "
+                 f"{str(e).splitlines()[0][:200] if str(e) else ''}): delete it or restore a good copy")
+    # the model's shape comes from the checkpoint; a key that says otherwise is a mistake, not a request
+    for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size'):
+        if k in given and config[k] != ckpt_args[k]:
+            sys.exit(f"error: {k}={config[k]!r} contradicts the checkpoint's {k}={ckpt_args[k]!r}: drop that setting "
+                     f"to resume, or use another out_dir to train a new model")
+        model_args[k] = ckpt_args[k]
+    model = GPT(GPTConfig(**model_args))
+    model.load_state_dict(GPT.upgrade_state_dict(checkpoint['model']))
+    iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
+elif init_from.startswith('gpt2'):
+    print0(f"initializing from OpenAI GPT-2 weights: {init_from}")
+    model = GPT.from_pretrained(init_from, dict(dropout=dropout))
+    for k in ('n_layer', 'n_head', 'n_embd', 'bias', 'vocab_size'):
+        model_args[k] = getattr(model.config, k)
+else:
+    model = GPT(GPTConfig(**model_args))
+if block_size < model.config.block_size:
+    model.crop_block_size(block_size)  # fine-tune GPT-2 with a shorter context
+    model_args['block_size'] = block_size
+elif block_size > model.config.block_size:
+    sys.exit(f"error: block_size={block_size} is longer than the model's {model.config.block_size} positions: "
+             f"use --block_size={model.config.block_size} or less")
+print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
+model.to(device)
+raw_model = model  # the bare module: its state_dict and MFU, whatever wraps it below
+
+# -----------------------------------------------------------------------------
+# optimizer, and the loss scaler that float16 needs
+optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
+
+# -----------------------------------------------------------------------------
+# checkpoint load: the rest of the state, so that the run continues exactly where it stopped
+if checkpoint is not None:
+    optimizer.load_state_dict(raw_model.upgrade_optimizer_state(checkpoint['optimizer']))
+    if 'scaler' in checkpoint:
+        scaler.load_state_dict(checkpoint['scaler'])
+    if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
+        data_gen.set_state(checkpoint['data_rng'])
+    rng = checkpoint.get('rng', [])
+    if len(rng) == world_size:
+        torch.set_rng_state(rng[rank]['cpu'])
+        if device_type == 'cuda' and 'cuda' in rng[rank]:
+            torch.cuda.set_rng_state(rng[rank]['cuda'])
+    elif rng:
+        print0(f"checkpoint was written by {len(rng)} ranks, not {world_size}: dropout masks start afresh")
+    print0(f"resuming from {ckpt_path} at iter {iter_num}")
+    checkpoint = None  # free the memory
+
+if compile:
+    print0("compiling the model... (takes a ~minute)")
+    model = torch.compile(model)
+eval_model = model  # evaluation needs no gradient sync, so it runs outside DDP
+if ddp:
+    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
+
+
+def save_checkpoint():
+    """Every rank calls this (RNG states are gathered); rank 0 writes, atomically: a crash mid-write leaves the
+    previous checkpoint in place."""
+    rng = {'cpu': torch.get_rng_state(), **({'cuda': torch.cuda.get_rng_state()} if device_type == 'cuda' else {})}
+    rngs = [None] * world_size
+    if ddp:
+        dist.all_gather_object(rngs, rng)
+    else:
+        rngs = [rng]
+    if not master_process:
+        return
+    checkpoint = {
+        'model': raw_model.state_dict(),
+        'optimizer': optimizer.state_dict(),
+        'model_args': model_args,
+        'iter_num': iter_num,
+        'best_val_loss': best_val_loss,
+        'config': config,
+        'rng': rngs,
+        'data_rng': data_gen.get_state(),
+        'scaler': scaler.state_dict(),
+    }
+    path = os.path.join(out_dir, 'ckpt.pt')
+    with open(path + '.tmp', 'wb') as f:
+        torch.save(checkpoint, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + '.tmp', path)
+    print0(f"saved checkpoint to {path}")
+
+
+@torch.no_grad()
+def estimate_loss():
+    """Mean loss over eval_iters batches per split, the same batches at every eval (a fixed seed), so that evals
+    compare; the batches are shared out over the ranks and the sum all-reduced."""
+    out = {}
+    eval_model.eval()
+    for i, split in enumerate(('train', 'val')):
+        gen = torch.Generator().manual_seed(seed + 1 + i)
+        offsets = torch.randint(n_tokens[split] - block_size, (eval_iters, batch_size), generator=gen)
+        total = torch.zeros((), device=device)
+        for k in range(rank, eval_iters, world_size):
+            X, Y = get_batch(split, offsets[k])
+            with ctx:
+                _, loss = eval_model(X, Y)
+            total += loss.float()
+        if ddp:
+            dist.all_reduce(total)
+        out[split] = total.item() / eval_iters
+    eval_model.train()
+    return out
+
+
+def get_lr(it):
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    decay_ratio = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))  # from 1 down to 0
+    return min_lr + coeff * (learning_rate - min_lr)
+
+
+# -----------------------------------------------------------------------------
+# logging: one line per logged step for people, the same as JSON in out_dir/metrics.jsonl for programs
+if master_process:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, 'config.json'), 'w') as f:
+        json.dump({**config, 'world_size': world_size}, f, indent=1)  # the run's settings, beside its results
+    metrics = open(os.path.join(out_dir, 'metrics.jsonl'), 'a' if init_from == 'resume' else 'w', buffering=1)
+if wandb_log and master_process:
+    import wandb
+    wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+device_name = torch.cuda.get_device_name(device) if device_type == 'cuda' else device_type
+
+
+def log_metrics(**row):
+    if master_process:
+        metrics.write(json.dumps({'iter': iter_num, **row, 'time': round(time.time() - t_start, 3)}) + '\n')
+
+
+# -----------------------------------------------------------------------------
+# training loop
+t_start = time.time()
+t0, steps_timed = time.time(), 0
+loss_sum = torch.zeros((), device=device)
+while True:
+    lr = get_lr(iter_num) if decay_lr else learning_rate
+    for param_group in optimizer.param_groups:
+        param_group['lr'] = lr
+
+    if iter_num % eval_interval == 0 or iter_num == max_iters:
+        losses = estimate_loss()
+        print0(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        log_metrics(train_loss=losses['train'], val_loss=losses['val'])
+        if wandb_log and master_process:
+            wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr})
+        if losses['val'] < best_val_loss or always_save_checkpoint:
+            best_val_loss = min(best_val_loss, losses['val'])
+            if iter_num > 0:
+                save_checkpoint()
+        t0, steps_timed = time.time(), 0  # leave evals out of the step time
+    if iter_num >= max_iters or eval_only:
+        break
+
+    # one optimizer step over the whole global batch, in accum_steps micro-steps on each rank
+    offsets = draw_train_offsets()
+    for micro_step in range(accum_steps):
+        X, Y = get_batch('train', offsets[micro_step])
+        # DDP all-reduces gradients in backward; only the last micro-step's backward needs to
+        sync = nullcontext() if not ddp or micro_step == accum_steps - 1 else model.no_sync()
+        with sync, ctx:
+            _, loss = model(X, Y)
+            # gradients add up over micro-steps, so each is scaled to make the sum a mean over the rank's batch
+            loss = loss / accum_steps
+        loss_sum += loss.detach().float()
+        scaler.scale(loss).backward()
+    if grad_clip != 0.0:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    steps_timed += 1
+
+    if iter_num % log_interval == 0:
+        # the loss of the whole global batch: the mean over ranks of each rank's mean over its micro-steps
+        if ddp:
+            dist.all_reduce(loss_sum)
+        lossf = loss_sum.item() / world_size  # .item() waits for the GPU, so the time below is real
+        dt = (time.time() - t0) / steps_timed
+        mfu = raw_model.estimate_mfu(batch_size * accum_steps, dt, device_name)
+        print0(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f} ms, {tokens_per_iter / dt:,.0f} tok/s"
+               + (f", mfu {mfu * 100:.2f}%" if mfu is not None else ""))
+        log_metrics(loss=lossf, lr=lr, ms=dt * 1000, tokens_per_sec=tokens_per_iter / dt, mfu=mfu)
+        t0, steps_timed = time.time(), 0
+    loss_sum.zero_()
+    iter_num += 1
+
+if master_process:
+    metrics.close()
+if ddp:
+    dist.barrier()  # gloo's teardown has aborted when one rank left while another was still in a collective
+    dist.destroy_process_group()
