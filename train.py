@@ -98,7 +98,7 @@ if ddp:
     if device_type == 'cuda':
         torch.cuda.set_device(device)
     dist.init_process_group(backend=backend)
-torch.manual_seed(seed + rank)  # the same init everywhere (rank 0's is broadcast anyway), but each rank its own dropout
+torch.manual_seed(seed)  # every rank builds the same initial model
 if device_type == 'cuda':
     torch.backends.cuda.matmul.fp32_precision = 'tf32'
     torch.backends.cudnn.conv.fp32_precision = 'tf32'
@@ -194,6 +194,7 @@ elif block_size > model.config.block_size:
              f"use --block_size={model.config.block_size} or less")
 print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
 model.to(device)
+torch.manual_seed(seed + rank)  # and then draws its own dropout masks
 raw_model = model  # the bare module: its state_dict and MFU, whatever wraps it below
 
 # -----------------------------------------------------------------------------
@@ -280,6 +281,14 @@ def estimate_loss():
     return out
 
 
+def state_bytes():
+    """Bytes of parameters, gradients and optimizer state on this rank: DDP keeps a full replica of each."""
+    size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)
+    return dict(param_bytes=size(model.parameters()),
+                grad_bytes=size(p.grad for p in model.parameters() if p.grad is not None),
+                optim_bytes=size(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)))
+
+
 def get_lr(it):
     if it < warmup_iters:
         return learning_rate * (it + 1) / (warmup_iters + 1)
@@ -312,6 +321,7 @@ def log_metrics(**row):
 # training loop
 t_start = time.time()
 t0, steps_timed = time.time(), 0
+local_iter_num = 0  # steps taken by this process, whatever iter_num it started from
 loss_sum = torch.zeros((), device=device)
 while True:
     lr = get_lr(iter_num) if decay_lr else learning_rate
@@ -349,6 +359,10 @@ while True:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     scaler.step(optimizer)
     scaler.update()
+    if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
+        mem = state_bytes()
+        print0("per-rank memory: " + ", ".join(f"{k.removesuffix('_bytes')} {v / 2**20:.2f} MiB" for k, v in mem.items()))
+        log_metrics(**mem)
     optimizer.zero_grad(set_to_none=True)
     steps_timed += 1
 
@@ -365,6 +379,7 @@ while True:
         t0, steps_timed = time.time(), 0
     loss_sum.zero_()
     iter_num += 1
+    local_iter_num += 1
 
 if master_process:
     metrics.close()
