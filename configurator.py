@@ -39,11 +39,11 @@ def _check(key, value, defaults, where):
 
 
 def _assigned_names(source):
-    """Names a config file assigns at its top level, even to the default's own value."""
-    names = set()
+    """{name: line} of the names a config file assigns at its top level, even to the default's own value."""
+    names = {}
     for node in ast.parse(source).body:
         targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, 'target', None)]
-        names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        names.update({t.id: node.lineno for t in targets if isinstance(t, ast.Name)})
     return names
 
 
@@ -80,7 +80,8 @@ def configure(namespace, argv=None, skip_unknown_in_files=False):
                     continue  # left as it was
                 if key not in defaults and skip_unknown_in_files:
                     continue  # e.g. a training config read by bench.py for its model and batch
-                namespace[key] = defaults[key] = _check(key, value, defaults, arg)
+                where = f"{arg}:{assigned[key]}" if key in assigned else arg
+                namespace[key] = defaults[key] = _check(key, value, defaults, where)
                 given.add(key)
         else:
             if '=' not in arg:
@@ -90,6 +91,8 @@ def configure(namespace, argv=None, skip_unknown_in_files=False):
                 value = ast.literal_eval(text)
             except (ValueError, SyntaxError):
                 value = text  # a bare word such as --device=cpu
+            if key in defaults and type(defaults[key]) is str and type(value) is not str:
+                value = text  # a string key takes any text: --out_dir=2024 is a folder, not a number
             namespace[key] = defaults[key] = _check(key, value, defaults, arg)
             given.add(key)
     return config_keys(namespace), given

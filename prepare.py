@@ -42,8 +42,11 @@ EOT = 50256  # GPT-2's <|endoftext|>
 def download(url, path):
     import requests
     print(f"downloading {url}")
-    r = requests.get(url, timeout=60)
-    r.raise_for_status()
+    try:
+        r = requests.get(url, timeout=60)
+        r.raise_for_status()
+    except requests.RequestException as e:
+        sys.exit(f"error: could not download {url} ({type(e).__name__}): pass a local copy with --input=FILE")
     with open(path + '.tmp', 'wb') as f:
         f.write(r.content)
     os.replace(path + '.tmp', path)
@@ -80,6 +83,15 @@ def safe_pieces(blocks):
         yield buf
 
 
+def gpt2_encoding():
+    import tiktoken
+    try:
+        return tiktoken.get_encoding('gpt2')
+    except Exception as e:  # its first use downloads two files
+        sys.exit(f"error: could not load the GPT-2 tokenizer ({type(e).__name__}): connect to the internet once, or "
+                 f"point TIKTOKEN_CACHE_DIR at a folder that holds tiktoken's gpt2 files")
+
+
 class Output:
     """A .bin written in appended pieces under a temporary name, renamed into place only when complete."""
 
@@ -105,18 +117,21 @@ def prepare_text(src, out_dir, kind):
     """A text file, as characters or GPT-2 BPE, split train/val by character position."""
     from tqdm import tqdm
     n_chars, chars = 0, set()
-    for block in text_blocks(src, 0, float('inf')):
-        n_chars += len(block)
-        if kind == 'char':
-            chars.update(block)
+    try:
+        for block in text_blocks(src, 0, float('inf')):
+            n_chars += len(block)
+            if kind == 'char':
+                chars.update(block)
+    except UnicodeDecodeError as e:
+        sys.exit(f"error: {src} is not UTF-8 text ({e.reason} at byte {e.start}): convert it, e.g. with iconv")
     if n_chars == 0:
         sys.exit(f"error: {src} is empty: give a text file with some text in it")
     frac = 0.1 if val_fraction < 0 else val_fraction
     n_train = int(n_chars * (1 - frac))
     if kind == 'char':
         itos = sorted(chars)
-        if len(itos) > 65535:
-            sys.exit(f"error: {src} has {len(itos):,} distinct characters, more than uint16 token ids hold (65,535): "
+        if len(itos) > 65536:
+            sys.exit(f"error: {src} has {len(itos):,} distinct characters, more than uint16 token ids hold (65,536): "
                      f"use --tokenizer=gpt2")
         codepoints = np.array([ord(c) for c in itos], dtype=np.uint32)
 
@@ -124,8 +139,7 @@ def prepare_text(src, out_dir, kind):
             # vectorized: each character's code point looked up in the sorted vocabulary
             return [np.searchsorted(codepoints, np.frombuffer(p.encode('utf-32-le'), dtype=np.uint32)) for p in pieces]
     else:
-        import tiktoken
-        enc = tiktoken.get_encoding('gpt2')
+        enc = gpt2_encoding()
 
         def encode(pieces):
             return enc.encode_ordinary_batch(pieces, num_threads=num_proc)  # Rust threads, GIL released
@@ -147,6 +161,8 @@ def prepare_text(src, out_dir, kind):
         for split in ('train', 'val'):
             if outputs[split].n == 0:
                 sys.exit(f"error: {src} is too short to give any {split} tokens: use a longer text")
+        if kind != 'char' and os.path.exists(os.path.join(out_dir, 'meta.pkl')):
+            os.remove(os.path.join(out_dir, 'meta.pkl'))  # an earlier char-level prep's: it would set the vocabulary
         if kind == 'char':
             meta = {'vocab_size': len(itos), 'itos': dict(enumerate(itos)), 'stoi': {c: i for i, c in enumerate(itos)}}
             with open(os.path.join(out_dir, 'meta.pkl.tmp'), 'wb') as f:
@@ -164,7 +180,6 @@ def prepare_text(src, out_dir, kind):
 def prepare_documents(dataset, out_dir):
     """A document dataset (the hub's, or local json / parquet / txt files), GPT-2 BPE with EOT after each document."""
     import datasets
-    import tiktoken
     if data_files:
         files = data_files.split(',')
         missing = [f for f in files if not os.path.exists(f)]
@@ -189,7 +204,7 @@ def prepare_documents(dataset, out_dir):
     if len(ds) < 2:
         sys.exit(f"error: {len(ds)} document(s): train and val need at least 2")
     split = ds.train_test_split(test_size=n_val, seed=2357, shuffle=True)
-    enc = tiktoken.get_encoding('gpt2')
+    enc = gpt2_encoding()
 
     def tokenize(example):
         ids = enc.encode_ordinary(example[text_column]) + [EOT]
@@ -216,6 +231,8 @@ def prepare_documents(dataset, out_dir):
             if os.path.exists(path + '.tmp'):
                 os.remove(path + '.tmp')
         print(f"{path}: {total:,} tokens")
+    if os.path.exists(os.path.join(out_dir, 'meta.pkl')):
+        os.remove(os.path.join(out_dir, 'meta.pkl'))  # an earlier char-level prep's: it would set the vocabulary
 
 
 def main():

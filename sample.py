@@ -34,7 +34,8 @@ if device == 'auto':
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
 device_type = device.split(':')[0]
 if dtype == 'auto':
-    dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if device_type == 'cuda' else 'float32'
+    dtype = ('bfloat16' if torch.cuda.is_bf16_supported(including_emulation=False) else 'float16') \
+        if device_type == 'cuda' else 'float32'
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
 ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
 torch.manual_seed(seed)
@@ -55,8 +56,14 @@ if init_from == 'resume':
         sys.exit(f"error: checkpoint {ckpt_path} is corrupt or not a model checkpoint ({type(e).__name__}): "
                  f"delete it or restore a good copy")
     dataset = checkpoint.get('config', {}).get('dataset')
-elif init_from.startswith('gpt2'):
-    model = GPT.from_pretrained(init_from, dict(dropout=0.0))
+elif init_from in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
+    try:
+        model = GPT.from_pretrained(init_from, dict(dropout=0.0))
+    except ImportError:
+        sys.exit(f"error: init_from={init_from} needs Hugging Face transformers: pip install transformers")
+    except OSError as e:
+        sys.exit(f"error: could not load {init_from} from the Hugging Face hub ({str(e).splitlines()[0][:200]}): "
+                 f"check the network, or set HF_HUB_OFFLINE=1 with the model in the local cache")
 else:
     sys.exit(f"error: unknown init_from={init_from!r}: use resume, gpt2, gpt2-medium, gpt2-large or gpt2-xl")
 model.eval()
@@ -78,7 +85,6 @@ if meta_path and os.path.exists(meta_path):
 
     def decode(ids):
         return ''.join(itos[i] for i in ids)
-    print(f"char vocabulary from {meta_path}", file=sys.stderr)
 else:
     if model.config.vocab_size < 50257:
         sys.exit(f"error: the model's vocabulary has {model.config.vocab_size} tokens, but no meta.pkl was found "
@@ -90,11 +96,15 @@ else:
         return enc.encode(s, allowed_special={"<|endoftext|>"})
 
     def decode(ids):
-        return enc.decode(ids)
+        # a model trained from scratch pads its vocabulary to 50304; the padding ids have no text
+        return enc.decode([i for i in ids if i < enc.n_vocab])
 
 if start.startswith('FILE:'):
-    with open(start[5:], encoding='utf-8') as f:
-        start = f.read()
+    try:
+        with open(start[5:], encoding='utf-8') as f:
+            start = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        sys.exit(f"error: cannot read the prompt file {start[5:]} ({type(e).__name__}): give a readable UTF-8 text file")
 start_ids = encode(start)
 if not start_ids:
     sys.exit("error: the prompt encodes to no tokens: give a non-empty --start")

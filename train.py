@@ -74,6 +74,7 @@ config, given = configure(globals())
 ddp = 'RANK' in os.environ
 rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if ddp else (0, 0, 1)
 master_process = rank == 0  # does all the logging and checkpoint writing
+dp_rank, dp_size = rank, world_size  # with DDP every rank is a data-parallel rank
 if device == 'auto':
     device = f'cuda:{local_rank}' if torch.cuda.is_available() else 'cpu'
 elif device == 'cuda' and ddp:
@@ -82,22 +83,24 @@ device_type = device.split(':')[0]
 if device_type == 'cuda' and not torch.cuda.is_available():
     sys.exit("error: device=cuda but torch sees no GPU: use --device=cpu (or auto)")
 if dtype == 'auto':
-    dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if device_type == 'cuda' else 'float32'
+    # real bf16 only: emulated bf16 on older GPUs (V100, T4) is slower than fp16 with a loss scaler
+    dtype = ('bfloat16' if torch.cuda.is_bf16_supported(including_emulation=False) else 'float16') \
+        if device_type == 'cuda' else 'float32'
 if dtype not in ('float32', 'bfloat16', 'float16'):
     sys.exit(f"error: dtype={dtype!r} is not one of auto, float32, bfloat16, float16")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
-if gradient_accumulation_steps % world_size != 0:
-    sys.exit(f"error: gradient_accumulation_steps={gradient_accumulation_steps} does not divide across {world_size} "
-             f"ranks: make it a multiple of {world_size} (it is the total over all ranks)")
-accum_steps = gradient_accumulation_steps // world_size  # micro-steps on this rank
+if gradient_accumulation_steps % dp_size != 0:
+    sys.exit(f"error: gradient_accumulation_steps={gradient_accumulation_steps} does not divide across {dp_size} "
+             f"data-parallel ranks: make it a multiple of {dp_size} (it is the total over all ranks)")
+accum_steps = gradient_accumulation_steps // dp_size  # micro-steps on this rank
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
-if init_from not in ('scratch', 'resume') and not init_from.startswith('gpt2'):
+if init_from not in ('scratch', 'resume', 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
     sys.exit(f"error: unknown init_from={init_from!r}: use scratch, resume, gpt2, gpt2-medium, gpt2-large or gpt2-xl")
 if ddp:
     if device_type == 'cuda':
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend)
+    dist.init_process_group(backend=backend, device_id=torch.device(device) if device_type == 'cuda' else None)
 torch.manual_seed(seed)  # every rank builds the same initial model
 if device_type == 'cuda':
     torch.backends.cuda.matmul.fp32_precision = 'tf32'
@@ -146,7 +149,7 @@ data_gen = torch.Generator().manual_seed(seed)
 
 def draw_train_offsets():
     offsets = torch.randint(n_tokens['train'] - block_size, (gradient_accumulation_steps, batch_size), generator=data_gen)
-    return offsets[rank * accum_steps:(rank + 1) * accum_steps]
+    return offsets[dp_rank * accum_steps:(dp_rank + 1) * accum_steps]
 
 
 # -----------------------------------------------------------------------------
@@ -167,21 +170,29 @@ if init_from == 'resume':
     try:
         checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=True)  # a checkpoint is data, never code
         ckpt_args = checkpoint['model_args']
+        # the model's shape comes from the checkpoint; a key that says otherwise is a mistake, not a request
+        for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size'):
+            if k in given and config[k] != ckpt_args[k]:
+                sys.exit(f"error: {k}={config[k]!r} contradicts the checkpoint's {k}={ckpt_args[k]!r}: drop that "
+                         f"setting to resume, or use another out_dir to train a new model")
+            model_args[k] = ckpt_args[k]
+            if k in config:  # and the globals (block_size sizes the batches) and the config saved with the run
+                globals()[k] = config[k] = ckpt_args[k]
+        model = GPT(GPTConfig(**model_args))
+        model.load_state_dict(GPT.upgrade_state_dict(checkpoint['model']))
+        iter_num, best_val_loss = checkpoint['iter_num'], float(checkpoint['best_val_loss'])  # nanoGPT saved a tensor
     except Exception as e:
         sys.exit(f"error: checkpoint {ckpt_path} is corrupt or not a training checkpoint ({type(e).__name__}: "
                  f"{str(e).splitlines()[0][:200] if str(e) else ''}): delete it or restore a good copy")
-    # the model's shape comes from the checkpoint; a key that says otherwise is a mistake, not a request
-    for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size'):
-        if k in given and config[k] != ckpt_args[k]:
-            sys.exit(f"error: {k}={config[k]!r} contradicts the checkpoint's {k}={ckpt_args[k]!r}: drop that setting "
-                     f"to resume, or use another out_dir to train a new model")
-        model_args[k] = ckpt_args[k]
-    model = GPT(GPTConfig(**model_args))
-    model.load_state_dict(GPT.upgrade_state_dict(checkpoint['model']))
-    iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
 elif init_from.startswith('gpt2'):
     print0(f"initializing from OpenAI GPT-2 weights: {init_from}")
-    model = GPT.from_pretrained(init_from, dict(dropout=dropout))
+    try:
+        model = GPT.from_pretrained(init_from, dict(dropout=dropout))
+    except ImportError:
+        sys.exit(f"error: init_from={init_from} needs Hugging Face transformers: pip install transformers")
+    except OSError as e:
+        sys.exit(f"error: could not load {init_from} from the Hugging Face hub ({str(e).splitlines()[0][:200]}): "
+                 f"check the network, or set HF_HUB_OFFLINE=1 with the model in the local cache")
     for k in ('n_layer', 'n_head', 'n_embd', 'bias', 'vocab_size'):
         model_args[k] = getattr(model.config, k)
 else:
@@ -194,7 +205,7 @@ elif block_size > model.config.block_size:
              f"use --block_size={model.config.block_size} or less")
 print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
 model.to(device)
-torch.manual_seed(seed + rank)  # and then draws its own dropout masks
+torch.manual_seed(seed + dp_rank)  # and then draws its own dropout masks
 raw_model = model  # the bare module: its state_dict and MFU, whatever wraps it below
 
 # -----------------------------------------------------------------------------
@@ -205,8 +216,12 @@ scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
 # -----------------------------------------------------------------------------
 # checkpoint load: the rest of the state, so that the run continues exactly where it stopped
 if checkpoint is not None:
-    optimizer.load_state_dict(raw_model.upgrade_optimizer_state(checkpoint['optimizer']))
-    if 'scaler' in checkpoint:
+    try:
+        optimizer.load_state_dict(raw_model.upgrade_optimizer_state(checkpoint['optimizer']))
+    except Exception as e:
+        sys.exit(f"error: checkpoint {ckpt_path} has an optimizer state that does not fit this model ({type(e).__name__}: "
+                 f"{str(e).splitlines()[0][:200]}): delete it or restore a good copy")
+    if checkpoint.get('scaler') and scaler.is_enabled():  # a bf16 or fp32 run saved the disabled scaler's {}
         scaler.load_state_dict(checkpoint['scaler'])
     if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
         data_gen.set_state(checkpoint['data_rng'])
@@ -225,7 +240,7 @@ if compile:
     model = torch.compile(model)
 eval_model = model  # evaluation needs no gradient sync, so it runs outside DDP
 if ddp:
-    model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
+    model = DDP(model, device_ids=[torch.device(device).index] if device_type == 'cuda' else None)
 
 
 def save_checkpoint():
@@ -269,7 +284,7 @@ def estimate_loss():
         gen = torch.Generator().manual_seed(seed + 1 + i)
         offsets = torch.randint(n_tokens[split] - block_size, (eval_iters, batch_size), generator=gen)
         total = torch.zeros((), device=device)
-        for k in range(rank, eval_iters, world_size):
+        for k in range(dp_rank, eval_iters, dp_size):
             X, Y = get_batch(split, offsets[k])
             with ctx:
                 _, loss = eval_model(X, Y)
@@ -305,7 +320,15 @@ if master_process:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
         json.dump({**config, 'world_size': world_size}, f, indent=1)  # the run's settings, beside its results
-    metrics = open(os.path.join(out_dir, 'metrics.jsonl'), 'a' if init_from == 'resume' else 'w', buffering=1)
+    metrics_path = os.path.join(out_dir, 'metrics.jsonl')
+    if init_from == 'resume' and os.path.exists(metrics_path):
+        # rows that an interrupted run logged after its checkpoint are about to be logged again
+        with open(metrics_path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line).get('iter', 0) < iter_num]
+        with open(metrics_path + '.tmp', 'w') as f:
+            f.writelines(kept)
+        os.replace(metrics_path + '.tmp', metrics_path)
+    metrics = open(metrics_path, 'a' if init_from == 'resume' else 'w', buffering=1)
 if wandb_log and master_process:
     import wandb
     wandb.init(project=wandb_project, name=wandb_run_name, config=config)

@@ -25,6 +25,12 @@ def test_flags_and_files_override_in_order_with_type_checks(tmp_path):
     assert given == {'batch_size', 'learning_rate', 'n_layer', 'compile', 'device'}
 
 
+def test_string_keys_take_any_text():
+    ns = defaults()
+    configure(ns, ['--out_dir=2024', "--device='cuda:1'"])
+    assert ns['out_dir'] == '2024' and ns['device'] == 'cuda:1'
+
+
 def test_unknown_key_lists_the_closest_valid_keys(capsys):
     msg = fails(defaults(), ['--batch_sise=3'], capsys)
     assert "unknown config key 'batch_sise'" in msg and 'batch_size' in msg and '\n' not in msg
@@ -51,7 +57,11 @@ def test_config_file_errors_name_the_file_and_line(tmp_path, capsys):
     unknown = tmp_path / 'unknown.py'
     unknown.write_text("bach_size = 4\n")
     msg = fails(defaults(), [str(unknown)], capsys)
-    assert str(unknown) in msg and "unknown config key 'bach_size'" in msg and 'batch_size' in msg
+    assert f'{unknown}:1' in msg and "unknown config key 'bach_size'" in msg and 'batch_size' in msg
+    typed = tmp_path / 'typed.py'
+    typed.write_text("batch_size = 4\n\ncompile = 'yes'\n")
+    msg = fails(defaults(), [str(typed)], capsys)
+    assert f'{typed}:3' in msg and 'compile must be bool' in msg
 
 
 def test_malformed_arguments(capsys):

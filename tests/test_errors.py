@@ -1,8 +1,10 @@
 """Each bad input: a one-line error that names the fix, a non-zero exit, and nothing written."""
 
+import argparse
 import shutil
 
 import pytest
+import torch
 
 from conftest import TINY, run
 
@@ -54,14 +56,24 @@ def test_missing_checkpoint(tmp_path, data_dir):
     assert not (tmp_path / 'out').exists()
 
 
-@pytest.mark.parametrize('damage', ['truncate', 'garbage'])
+@pytest.mark.parametrize('damage', ['truncate', 'garbage', 'code', 'no model', 'wrong optimizer'])
 def test_corrupt_checkpoint(tmp_path, data_dir, ckpt_run, damage):
     ckpt = ckpt_run / 'ckpt.pt'
     data = ckpt.read_bytes()
-    ckpt.write_bytes(data[:len(data) // 2] if damage == 'truncate' else b'not a checkpoint at all' * 100)
+    if damage in ('truncate', 'garbage'):
+        ckpt.write_bytes(data[:len(data) // 2] if damage == 'truncate' else b'not a checkpoint at all' * 100)
+    else:
+        c = torch.load(ckpt, weights_only=True)
+        if damage == 'code':  # an object that only unpickling code could rebuild: weights_only refuses it
+            c['config'] = argparse.Namespace(x=1)
+        elif damage == 'no model':
+            del c['model']
+        else:
+            c['optimizer']['param_groups'][0]['params'] = c['optimizer']['param_groups'][0]['params'][:2]
+        torch.save(c, ckpt)
     before = {p.name: p.stat().st_mtime_ns for p in ckpt_run.iterdir()}
     msg = fails(tmp_path, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={ckpt_run}', '--init_from=resume')
-    assert 'is corrupt' in msg and 'restore a good copy' in msg
+    assert ('is corrupt' in msg or 'does not fit this model' in msg) and 'restore a good copy' in msg
     assert {p.name: p.stat().st_mtime_ns for p in ckpt_run.iterdir()} == before
 
 
@@ -76,10 +88,20 @@ def test_model_key_that_contradicts_the_checkpoint(tmp_path, data_dir, ckpt_run)
         '--gradient_accumulation_steps=1', cwd=tmp_path)
 
 
+def test_resume_takes_the_shape_from_the_checkpoint(tmp_path, data_dir, ckpt_run):
+    # no model keys given at all, not even block_size: the checkpoint's 2 layers and 32 positions are used
+    args = [a for a in TINY if not a.startswith(('--n_layer', '--n_head', '--n_embd', '--block_size'))]
+    p = run('train.py', *args, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={ckpt_run}',
+            '--init_from=resume', '--max_iters=3', '--eval_interval=3', '--gradient_accumulation_steps=1', cwd=tmp_path)
+    assert 'at iter 2' in p.stdout
+    c = torch.load(ckpt_run / 'ckpt.pt', weights_only=True)
+    assert c['iter_num'] == 3 and c['config']['block_size'] == 32 and c['config']['n_layer'] == 2
+
+
 def test_batch_that_does_not_divide_across_ranks(tmp_path, data_dir):
     msg = fails(tmp_path, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out',
                 '--gradient_accumulation_steps=3', nproc=2)
-    assert 'gradient_accumulation_steps=3 does not divide across 2 ranks' in msg and 'multiple of 2' in msg
+    assert 'gradient_accumulation_steps=3 does not divide across 2 data-parallel ranks' in msg and 'multiple of 2' in msg
     assert not (tmp_path / 'out').exists()
 
 

@@ -41,6 +41,15 @@ def test_bpe_in_small_pieces_gives_the_tokens_of_the_whole(tmp_path, data_dir):
         assert np.array_equal(tokens(tmp_path / 'pieces' / f'{split}.bin'), tokens(data_dir / 'shakespeare' / f'{split}.bin'))
 
 
+def test_bpe_prep_over_a_char_folder_removes_its_vocabulary(tmp_path):
+    src = tmp_path / 'poem.txt'
+    src.write_text('the quick brown fox jumps over the lazy dog\n' * 50)
+    run('prepare.py', 'text', f'--input={src}', '--tokenizer=char', f'--out_root={tmp_path}', cwd=tmp_path)
+    assert (tmp_path / 'poem' / 'meta.pkl').exists()
+    run('prepare.py', 'text', f'--input={src}', '--tokenizer=gpt2', f'--out_root={tmp_path}', cwd=tmp_path)
+    assert not (tmp_path / 'poem' / 'meta.pkl').exists()  # else train.py would size the vocabulary from it
+
+
 def test_text_prep_of_any_file_with_char_tokenizer(tmp_path):
     src = tmp_path / 'poem.txt'
     src.write_text('the quick brown fox jumps over the lazy dog\n' * 50)
@@ -76,6 +85,14 @@ def test_vocab_larger_than_uint16_is_refused_without_output(tmp_path):
     assert p.returncode != 0
     assert 'more than uint16' in p.stderr and '--tokenizer=gpt2' in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / 'data').exists()
+
+
+def test_text_that_is_not_utf8(tmp_path):
+    src = tmp_path / 'latin1.txt'
+    src.write_bytes('caf\u00e9 au lait\n'.encode('latin-1') * 10)
+    p = run('prepare.py', 'text', f'--input={src}', f'--out_root={tmp_path}/data', cwd=tmp_path, check=False)
+    assert p.returncode != 0 and 'is not UTF-8 text' in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert not (tmp_path / 'data').exists()
 
 

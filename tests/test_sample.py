@@ -46,7 +46,10 @@ def test_sample_from_a_bpe_model(tmp_path, data_dir):
 
 
 def test_sample_errors(char_run, tmp_path):
-    p = run('sample.py', f'--out_dir={tmp_path}/none', cwd=tmp_path, check=False)
-    assert p.returncode != 0 and 'no checkpoint at' in p.stderr
-    p = run('sample.py', f'--out_dir={char_run}', '--start=\u00e9t\u00e9', '--device=cpu', cwd=char_run, check=False)
-    assert p.returncode != 0 and "characters the model's vocabulary lacks" in p.stderr
+    for args, message in ((['--out_dir=none'], 'no checkpoint at'),
+                          ([f'--out_dir={char_run}', '--start=\u00e9t\u00e9'], "characters the model's vocabulary lacks"),
+                          ([f'--out_dir={char_run}', '--start=FILE:missing.txt'], 'cannot read the prompt file'),
+                          (['--init_from=gpt3'], "unknown init_from='gpt3'")):
+        p = run('sample.py', *args, '--device=cpu', cwd=tmp_path, check=False)
+        assert p.returncode != 0 and message in p.stderr, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1

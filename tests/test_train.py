@@ -1,6 +1,7 @@
 """train.py in real processes: DDP on gloo against one process, exact resume, nanoGPT checkpoints, logging."""
 
 import json
+import math
 import re
 
 import pytest
@@ -70,7 +71,9 @@ def test_log_line_and_metrics_leave_mfu_out_on_cpu(tmp_path, data_dir):
 
 def nanogpt_checkpoint(path, model_args):
     """A checkpoint as nanoGPT's train.py writes it: a torch.compile'd model's keys (`_orig_mod.`), one fused
-    c_attn per layer, AdamW state in nanoGPT's parameter order, best_val_loss as a tensor, no RNG."""
+    c_attn per layer, AdamW state in nanoGPT's parameter order (its state_dict's order, tied lm_head left out),
+    best_val_loss as a tensor, no RNG. Each tensor's exp_avg_sq is filled with its own number (and c_attn's q, k,
+    v rows with three), so that a state landing on the wrong parameter shows."""
     from model import GPT, GPTConfig
     from test_model import fuse_qkv
     torch.manual_seed(123)
@@ -83,29 +86,73 @@ def nanogpt_checkpoint(path, model_args):
     opt = torch.optim.AdamW([{'params': decay, 'weight_decay': 0.1}, {'params': nodecay, 'weight_decay': 0.0}],
                             lr=1e-3, betas=(0.9, 0.99))
     for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
+        p.grad = torch.zeros_like(p)
     opt.step()
+    expected = {}
+    for i, (n, p) in enumerate(zip(names, params)):
+        st = opt.state[p]
+        if '.c_attn.' in n:
+            for j, qkv in enumerate(('c_q', 'c_k', 'c_v')):
+                st['exp_avg_sq'].narrow(0, j * model_args['n_embd'], model_args['n_embd']).fill_(100 * i + j + 1)
+                expected[n.replace('c_attn', qkv)] = 100 * i + j + 1
+        else:
+            st['exp_avg_sq'].fill_(100 * i + 1)
+            expected[n] = 100 * i + 1
     torch.save({'model': sd, 'optimizer': opt.state_dict(), 'model_args': model_args, 'iter_num': 6,
                 'best_val_loss': torch.tensor(4.0), 'config': {'dataset': 'shakespeare_char'}}, path)
-    return sd
+    return model, expected
 
 
 def test_a_nanogpt_checkpoint_resumes_and_samples(tmp_path, data_dir):
     out = tmp_path / 'nano'
     out.mkdir()
     model_args = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, bias=True, vocab_size=65, dropout=0.0)
-    sd = nanogpt_checkpoint(out / 'ckpt.pt', model_args)
-    p = train(tmp_path, data_dir, 'nano', '--init_from=resume', '--max_iters=9', '--eval_interval=3')
+    model, expected = nanogpt_checkpoint(out / 'ckpt.pt', model_args)
+    p = train(tmp_path, data_dir, 'nano', '--init_from=resume', '--max_iters=7', '--eval_interval=1',
+              '--always_save_checkpoint=True', '--grad_clip=0.0', '--gradient_accumulation_steps=1')
     assert 'resuming from' in p.stdout and 'at iter 6' in p.stdout
     losses, evals = read_metrics(out)
-    assert sorted(losses) == [6, 7, 8]
-    assert evals[0]['iter'] == 6
-    # the first eval saw nanoGPT's weights: its loss is far from a fresh model's (which would be ~ln 65 too,
-    # so compare with the loss our own code computes on the converted weights)
+    assert sorted(losses) == [6] and [e['iter'] for e in evals] == [6, 7]
+    # the first eval saw nanoGPT's weights: the same loss as the model the test built, on the eval batches
+    import numpy as np
+    data = np.fromfile(data_dir / 'shakespeare_char' / 'val.bin', dtype=np.uint16)
+    offsets = torch.randint(len(data) - 32, (4, 4), generator=torch.Generator().manual_seed(1337 + 2))
+    model.eval()
+    with torch.no_grad():
+        val = sum(model(torch.from_numpy(data[o.numpy()[:, None] + np.arange(32)].astype(np.int64)),
+                        torch.from_numpy(data[o.numpy()[:, None] + np.arange(1, 33)].astype(np.int64)))[1].item()
+                  for o in offsets) / 4
+    assert abs(evals[0]['val_loss'] - val) < 1e-5
+    # one AdamW step later each parameter's exp_avg_sq is beta2 times its own nanoGPT value, plus a tiny g^2
+    c = torch.load(out / 'ckpt.pt', weights_only=True)
     from model import GPT, GPTConfig
-    m = GPT(GPTConfig(**model_args))
-    m.load_state_dict(GPT.upgrade_state_dict(sd))
-    assert torch.equal(m.transformer.h[1].attn.c_v.weight, sd['_orig_mod.transformer.h.1.attn.c_attn.weight'][64:])
+    names = [n for group in GPT(GPTConfig(**model_args)).param_groups() for n in group]
+    for i, n in enumerate(names):
+        st = c['optimizer']['state'][i]
+        assert st['step'].item() == 2, n
+        ratio = st['exp_avg_sq'] / (0.99 * expected[n])
+        assert ratio.min().item() >= 1 and ratio.max().item() < 1.001, (n, ratio.min(), ratio.max())
     s = run('sample.py', f'--out_dir={out}', f'--meta_path={data_dir / "shakespeare_char" / "meta.pkl"}',
             '--num_samples=2', '--max_new_tokens=30', '--device=cpu', cwd=tmp_path)
     assert s.stdout.count('---------------') == 2
+
+
+def test_float16_with_a_loss_scaler_learns_and_resumes_a_float32_checkpoint(tmp_path, data_dir):
+    train(tmp_path, data_dir, 'fp32', '--max_iters=4', '--eval_interval=4', '--gradient_accumulation_steps=1')
+    train(tmp_path, data_dir, 'fp32', '--max_iters=12', '--eval_interval=4', '--gradient_accumulation_steps=1',
+          '--dtype=float16', '--init_from=resume')
+    losses, _ = read_metrics(tmp_path / 'fp32')
+    assert all(math.isfinite(v) for v in losses.values()) and losses[11] < losses[4] - 0.2
+    assert torch.load(tmp_path / 'fp32' / 'ckpt.pt', weights_only=True)['scaler']['scale'] > 0
+
+
+def test_bench_times_steps(tmp_path, data_dir):
+    p = run('bench.py', '--device=cpu', '--compile=False', '--n_layer=2', '--n_head=2', '--n_embd=32',
+            '--block_size=32', '--batch_size=4', '--warmup=1', '--iters=3', cwd=tmp_path)
+    assert re.search(r'median [\d.]+ ms/iter .* over 3 steps, [\d,]+ tok/s, mfu unknown', p.stdout), p.stdout
+    row = json.loads(p.stdout.strip().splitlines()[-1])
+    assert row['ms'] > 0 and row['mfu'] is None and row['params'] > 0
+    p = run('bench.py', '--device=cpu', '--compile=False', '--n_layer=2', '--n_head=2', '--n_embd=32', '--real_data=True',
+            f'--dataset={data_dir / "shakespeare_char"}', '--block_size=32', '--batch_size=4', '--warmup=1', '--iters=2',
+            cwd=tmp_path)
+    assert json.loads(p.stdout.strip().splitlines()[-1])['params'] > 0
