@@ -1,0 +1,147 @@
+"""fsdp_train.py in real process groups on gloo, in fp32: parity with train.py on one process (FSDP, TP, 2-D),
+exact resume, resume at another world size and mesh, interop with train.py's checkpoints, memory, bad input."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import TINY, read_metrics, run
+
+# the same global batch everywhere: 4 micro-steps of 4 sequences, shared out over the data-parallel ranks
+BASE = ['--gradient_accumulation_steps=4', '--eval_interval=5', '--always_save_checkpoint=True']
+
+
+def launch(script, tmp_path, data_dir, out, *extra, nproc=1, check=True):
+    return run(script, *TINY, *BASE, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path / out}',
+               *extra, nproc=nproc, cwd=tmp_path, check=check)
+
+
+def assert_same_curve(a, b, iters, rel=1e-5):
+    assert all(i in a and i in b for i in iters), (sorted(a), sorted(b))
+    for i in iters:
+        assert abs(a[i] - b[i]) <= rel * abs(a[i]), (i, a[i], b[i])
+
+
+def assert_same_weights(a, b, atol=1e-5):
+    wa = torch.load(a, map_location='cpu', weights_only=True)['model']
+    wb = torch.load(b, map_location='cpu', weights_only=True)['model']
+    assert wa.keys() == wb.keys()
+    for k in wa:  # absolute: c_k's bias gets no gradient and holds only rounding noise that Adam scales up
+        assert (wa[k] - wb[k]).abs().max().item() < atol, k
+
+
+@pytest.fixture(scope='module')
+def ref(tmp_path_factory, data_dir):
+    """train.py on one process, 10 steps: the curve every parallel layout must reproduce."""
+    tmp = tmp_path_factory.mktemp('ref')
+    launch('train.py', tmp, data_dir, 'ref', '--max_iters=10')
+    losses, evals = read_metrics(tmp / 'ref')
+    assert losses[9] < losses[0] - 0.3  # it learns
+    return tmp / 'ref', losses
+
+
+@pytest.fixture(scope='module')
+def fsdp2(tmp_path_factory, data_dir):
+    tmp = tmp_path_factory.mktemp('fsdp2')
+    launch('fsdp_train.py', tmp, data_dir, 'run', '--max_iters=10', '--save_consolidated=True', nproc=2)
+    return tmp / 'run', read_metrics(tmp / 'run')[0]
+
+
+def test_fsdp_two_ranks_match_single_process(ref, fsdp2):
+    assert_same_curve(ref[1], fsdp2[1], range(10))
+    assert_same_weights(ref[0] / 'ckpt.pt', fsdp2[0] / 'ckpt.pt')  # the consolidated export
+    assert (fsdp2[0] / 'dcp' / 'latest').read_text() == 'step-00000010'
+
+
+@pytest.mark.parametrize('nproc, tp', [(2, 2), (4, 2)], ids=['tp2', 'dp2xtp2'])
+def test_tensor_parallel_matches_single_process(tmp_path, data_dir, ref, nproc, tp):
+    launch('fsdp_train.py', tmp_path, data_dir, 'tp', '--max_iters=10', f'--tp_size={tp}', '--save_consolidated=True',
+           nproc=nproc)
+    assert_same_curve(ref[1], read_metrics(tmp_path / 'tp')[0], range(10))
+    assert_same_weights(ref[0] / 'ckpt.pt', tmp_path / 'tp' / 'ckpt.pt')
+
+
+def test_activation_checkpointing_gives_the_same_losses(tmp_path, data_dir, fsdp2):
+    launch('fsdp_train.py', tmp_path, data_dir, 'ac', '--max_iters=10', '--activation_checkpointing=True', nproc=2)
+    assert_same_curve(fsdp2[1], read_metrics(tmp_path / 'ac')[0], range(10), rel=1e-6)
+
+
+def test_bf16_mixed_precision_with_cpu_offload_runs_and_learns(tmp_path, data_dir, ref):
+    launch('fsdp_train.py', tmp_path, data_dir, 'mp', '--max_iters=10', '--dtype=bfloat16', '--cpu_offload=True',
+           nproc=2)
+    losses, _ = read_metrics(tmp_path / 'mp')
+    assert losses[9] < losses[0] - 0.3
+    assert all(abs(losses[i] - ref[1][i]) < 0.05 for i in range(10))  # bf16 matmuls: close, not equal
+
+
+def test_fsdp_exact_resume(tmp_path, data_dir):
+    args = ['--dropout=0.1']  # the RNG state has to come back too, on every rank
+    launch('fsdp_train.py', tmp_path, data_dir, 'full', *args, '--max_iters=10', nproc=2)
+    launch('fsdp_train.py', tmp_path, data_dir, 'split', *args, '--max_iters=5', nproc=2)
+    launch('fsdp_train.py', tmp_path, data_dir, 'split', *args, '--max_iters=10', '--init_from=resume', nproc=2)
+    full, split = read_metrics(tmp_path / 'full')[0], read_metrics(tmp_path / 'split')[0]
+    assert sorted(split) == list(range(10))
+    assert [split[i] for i in range(10)] == [full[i] for i in range(10)]  # bit for bit
+
+
+@pytest.mark.parametrize('first, second', [
+    ((2, 1), (1, 1)),   # 2 ranks -> 1
+    ((1, 1), (2, 1)),   # 1 -> 2
+    ((4, 1), (4, 2)),   # 4 ranks FSDP -> 2x2 TP x FSDP
+], ids=['2to1', '1to2', '4to2x2'])
+def test_resume_at_another_world_size_and_mesh(tmp_path, data_dir, ref, first, second):
+    (n1, tp1), (n2, tp2) = first, second
+    launch('fsdp_train.py', tmp_path, data_dir, 'run', '--max_iters=5', f'--tp_size={tp1}', nproc=n1)
+    launch('fsdp_train.py', tmp_path, data_dir, 'run', '--max_iters=10', f'--tp_size={tp2}', '--init_from=resume',
+           nproc=n2)
+    assert_same_curve(ref[1], read_metrics(tmp_path / 'run')[0], range(10))
+
+
+def test_train_checkpoint_into_fsdp_and_its_export_back_to_train_and_sample(tmp_path, data_dir, ref):
+    # train.py writes ckpt.pt at step 5, fsdp_train.py continues it on 2 ranks (the data stream too), exports it
+    launch('train.py', tmp_path, data_dir, 'run', '--max_iters=5')
+    launch('fsdp_train.py', tmp_path, data_dir, 'run', '--max_iters=10', '--init_from=resume',
+           '--save_consolidated=True', nproc=2)
+    assert_same_curve(ref[1], read_metrics(tmp_path / 'run')[0], range(10))
+    assert_same_weights(ref[0] / 'ckpt.pt', tmp_path / 'run' / 'ckpt.pt')
+    # the export resumes under train.py (it holds the optimizer state by train.py's numbering) and samples
+    shutil.rmtree(tmp_path / 'run' / 'dcp')
+    launch('train.py', tmp_path, data_dir, 'run', '--max_iters=12', '--init_from=resume')
+    losses = read_metrics(tmp_path / 'run')[0]
+    assert sorted(losses) == list(range(12)) and losses[11] < losses[5]
+    p = run('sample.py', f'--out_dir={tmp_path / "run"}', '--num_samples=2', '--max_new_tokens=20', '--device=cpu',
+            cwd=tmp_path)
+    assert p.stdout.count('---------------') == 2
+
+
+def test_per_rank_state_with_two_ranks_is_at_most_0_6_of_one(tmp_path, data_dir, fsdp2):
+    # one process without torchrun: fsdp_train.py makes its own group of one
+    launch('fsdp_train.py', tmp_path, data_dir, 'one', '--max_iters=1')
+
+    def total(out):
+        with open(out / 'metrics.jsonl') as f:
+            rows = [json.loads(line) for line in f]
+        row = next(r for r in rows if 'param_bytes' in r)
+        return row['param_bytes'] + row['grad_bytes'] + row['optim_bytes']
+    one, two = total(tmp_path / 'one'), total(fsdp2[0])
+    assert one > 0 and two <= 0.6 * one, (one, two)
+
+
+def test_bad_input(tmp_path, data_dir, fsdp2):
+    def fails(*args, nproc=1):
+        p = launch('fsdp_train.py', tmp_path, data_dir, 'bad', *args, nproc=nproc, check=False)
+        assert p.returncode != 0
+        errors = [line for line in p.stderr.splitlines() if line.startswith('error: ')]
+        assert errors, p.stderr[-2000:]
+        if nproc == 1:
+            assert p.stderr.strip() == errors[0]
+        return errors[0]
+    assert 'tp_size=2 does not divide the world size 1' in fails('--tp_size=2')
+    assert 'tp_size=2 does not divide n_head=1' in fails('--tp_size=2', '--n_head=1', nproc=2)
+    assert 'runs on cuda or cpu, not mps' in fails('--device=mps', '--cpu_offload=True')
+    assert not (tmp_path / 'bad').exists()
+    # a checkpoint of another shape
+    msg = fails(f'--out_dir={fsdp2[0]}', '--init_from=resume', '--n_embd=64')
+    assert "n_embd=64 contradicts the checkpoint's n_embd=32" in msg
