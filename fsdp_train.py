@@ -33,6 +33,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from checkpoint import find_checkpoint, load_checkpoint
 from configurator import configure
 from model import GPT, GPTConfig
 
@@ -45,7 +46,7 @@ log_interval = 1
 eval_iters = 200
 eval_only = False  # exit right after the first eval
 always_save_checkpoint = True  # save after every eval, not only on a new best val loss
-init_from = 'scratch'  # 'scratch', 'resume' (from out_dir/ckpt.pt) or 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'
+init_from = 'scratch'  # 'scratch', 'resume' (out_dir's checkpoint), 'gpt2'..'gpt2-xl', or a checkpoint's path (weights only)
 # wandb logging
 wandb_log = False
 wandb_project = 'owt'
@@ -79,6 +80,7 @@ backend = 'auto'  # 'auto' (nccl on CUDA, gloo otherwise), 'nccl' or 'gloo'
 dtype = 'auto'  # 'auto' (bfloat16 on GPUs, float32 on CPU), 'bfloat16' or 'float32'; bf16 params, fp32 reduce
 compile = True  # torch.compile each block
 seed = 1337
+deterministic = False  # deterministic algorithms and dropout off, so that reruns give identical curves, on GPUs too
 # parallelism
 tp_size = 1  # tensor-parallel ranks per group (within a node, ideally); the world size / tp_size ranks shard FSDP
 reshard_after_forward = True  # free each block's gathered parameters after its forward (ZeRO-3); False: ZeRO-2-like
@@ -118,8 +120,9 @@ if gradient_accumulation_steps % dp_size != 0:
              f"data-parallel ranks: make it a multiple of {dp_size} (it is the total over all ranks)")
 accum_steps = gradient_accumulation_steps // dp_size  # micro-steps on this rank
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
-if init_from not in ('scratch', 'resume', 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
-    sys.exit(f"error: unknown init_from={init_from!r}: use scratch, resume, gpt2, gpt2-medium, gpt2-large or gpt2-xl")
+if init_from not in ('scratch', 'resume', 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') and not os.path.exists(init_from):
+    sys.exit(f"error: unknown init_from={init_from!r}: use scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl "
+             f"or the path of a checkpoint (a ckpt.pt, a sharded checkpoint folder or a run's out_dir)")
 if device_type == 'cuda':
     torch.cuda.set_device(device)
 if ddp:
@@ -139,6 +142,19 @@ def print0(*args, **kwargs):
     if master_process:
         print(*args, **kwargs, flush=True)
 
+
+if deterministic:
+    os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')  # cuBLAS is deterministic only with a fixed workspace
+    torch.use_deterministic_algorithms(True)
+    if device_type == 'cuda':
+        torch.backends.cudnn.benchmark = False
+        # the fused attention kernels add up their backward in a varying order; the math one does not
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    if dropout != 0.0:
+        print0(f"deterministic: dropout {dropout} turned off")
+    dropout = config['dropout'] = 0.0
 
 print0(f"world size {world_size} (dp {dp_size} x tp {tp_size}), {accum_steps} micro-steps per rank, "
        f"{tokens_per_iter:,} tokens per iteration")
@@ -190,6 +206,19 @@ if os.path.exists(meta_path):
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=meta_vocab_size or 50304, dropout=dropout)
 iter_num, best_val_loss, checkpoint = 0, 1e9, None
+
+
+def take_shape(ckpt_args):
+    """The model's shape comes from the checkpoint; a key that says otherwise is a mistake, not a request."""
+    for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size'):
+        if k in given and config[k] != ckpt_args[k]:
+            sys.exit(f"error: {k}={config[k]!r} contradicts the checkpoint's {k}={ckpt_args[k]!r}: drop that "
+                     f"setting to start from it, or use another out_dir to train a new model")
+        model_args[k] = ckpt_args[k]
+        if k in config:  # and the globals (block_size sizes the batches) and the config saved with the run
+            globals()[k] = config[k] = ckpt_args[k]
+
+
 if init_from == 'resume':
     # the newest sharded checkpoint, else a train.py (or consolidated) ckpt.pt
     latest = os.path.join(out_dir, 'dcp', 'latest')
@@ -204,14 +233,7 @@ if init_from == 'resume':
         extra = os.path.join(ckpt_path, 'extra.pt') if os.path.isdir(ckpt_path) else ckpt_path
         checkpoint = torch.load(extra, map_location='cpu', weights_only=True)
         ckpt_args = checkpoint['model_args']
-        # the model's shape comes from the checkpoint; a key that says otherwise is a mistake, not a request
-        for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size'):
-            if k in given and config[k] != ckpt_args[k]:
-                sys.exit(f"error: {k}={config[k]!r} contradicts the checkpoint's {k}={ckpt_args[k]!r}: drop that "
-                         f"setting to resume, or use another out_dir to train a new model")
-            model_args[k] = ckpt_args[k]
-            if k in config:  # and the globals (block_size sizes the batches) and the config saved with the run
-                globals()[k] = config[k] = ckpt_args[k]
+        take_shape(ckpt_args)
         model = GPT(GPTConfig(**model_args))
         if 'model' in checkpoint:  # a whole train.py checkpoint: load it now, before the model is sharded
             model.load_state_dict(GPT.upgrade_state_dict(checkpoint['model']))
@@ -219,7 +241,7 @@ if init_from == 'resume':
     except Exception as e:
         sys.exit(f"error: checkpoint {ckpt_path} is corrupt or not a training checkpoint ({type(e).__name__}: "
                  f"{str(e).splitlines()[0][:200] if str(e) else ''}): delete it or restore a good copy")
-elif init_from.startswith('gpt2'):
+elif init_from in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
     print0(f"initializing from OpenAI GPT-2 weights: {init_from}")
     try:
         model = GPT.from_pretrained(init_from, dict(dropout=dropout))
@@ -230,6 +252,15 @@ elif init_from.startswith('gpt2'):
                  f"check the network, or set HF_HUB_OFFLINE=1 with the model in the local cache")
     for k in ('n_layer', 'n_head', 'n_embd', 'bias', 'vocab_size'):
         model_args[k] = getattr(model.config, k)
+elif init_from != 'scratch':
+    # any entrypoint's checkpoint, or a run folder's newest: its weights, with a new optimizer from step 0
+    try:
+        model, ckpt = load_checkpoint(init_from, dropout=dropout)
+        take_shape(ckpt['model_args'])
+    except Exception as e:
+        sys.exit(f"error: cannot read a checkpoint at {init_from} ({type(e).__name__}: "
+                 f"{str(e).splitlines()[0][:200] if str(e) else ''}): give a ckpt.pt, a sharded checkpoint or a run folder")
+    print0(f"initializing from the weights of {find_checkpoint(init_from)}")
 else:
     model = GPT(GPTConfig(**model_args))
 if block_size < model.config.block_size:

@@ -1,5 +1,6 @@
 """
-Samples text from a trained model: this repo's checkpoint or nanoGPT's (out_dir/ckpt.pt), or OpenAI's GPT-2.
+Samples text from a trained model: any entrypoint's checkpoint (train.py's or nanoGPT's ckpt.pt, fsdp_train.py's
+sharded folders), or OpenAI's GPT-2.
 
 python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples=3 --max_new_tokens=200
 python sample.py --init_from=gpt2-xl --start=FILE:prompt.txt
@@ -13,10 +14,11 @@ from contextlib import nullcontext
 import torch
 
 from configurator import configure
-from model import GPT, GPTConfig
+from checkpoint import find_checkpoint, load_checkpoint
+from model import GPT
 
 # -----------------------------------------------------------------------------
-init_from = 'resume'  # 'resume' (from out_dir/ckpt.pt) or a GPT-2 variant: 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'
+init_from = 'resume'  # 'resume' (out_dir's newest checkpoint), 'gpt2'..'gpt2-xl', or a checkpoint's path
 out_dir = 'out'
 start = "\n"  # the prompt; "FILE:prompt.txt" reads it from a file
 num_samples = 10
@@ -44,19 +46,7 @@ if device_type == 'cuda':
 
 # model
 dataset = None
-if init_from == 'resume':
-    ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-    if not os.path.exists(ckpt_path):
-        sys.exit(f"error: no checkpoint at {ckpt_path}: point --out_dir at a run's folder, or use --init_from=gpt2")
-    try:
-        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=True)  # a checkpoint is data, never code
-        model = GPT(GPTConfig(**checkpoint['model_args']))
-        model.load_state_dict(GPT.upgrade_state_dict(checkpoint['model']))
-    except Exception as e:
-        sys.exit(f"error: checkpoint {ckpt_path} is corrupt or not a model checkpoint ({type(e).__name__}): "
-                 f"delete it or restore a good copy")
-    dataset = checkpoint.get('config', {}).get('dataset')
-elif init_from in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
+if init_from in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
     try:
         model = GPT.from_pretrained(init_from, dict(dropout=0.0))
     except ImportError:
@@ -65,7 +55,19 @@ elif init_from in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
         sys.exit(f"error: could not load {init_from} from the Hugging Face hub ({str(e).splitlines()[0][:200]}): "
                  f"check the network, or set HF_HUB_OFFLINE=1 with the model in the local cache")
 else:
-    sys.exit(f"error: unknown init_from={init_from!r}: use resume, gpt2, gpt2-medium, gpt2-large or gpt2-xl")
+    if init_from != 'resume' and not os.path.exists(init_from):
+        sys.exit(f"error: unknown init_from={init_from!r}: use resume (out_dir's checkpoint), gpt2, gpt2-medium, "
+                 f"gpt2-large, gpt2-xl or the path of a checkpoint")
+    path = out_dir if init_from == 'resume' else init_from
+    try:
+        # any entrypoint's checkpoint: a ckpt.pt, a sharded folder, or a run folder's newest
+        model, checkpoint = load_checkpoint(path, dropout=0.0)
+    except FileNotFoundError as e:
+        sys.exit(f"error: {e}: point --out_dir at a run's folder, or use --init_from=gpt2")
+    except Exception as e:
+        sys.exit(f"error: checkpoint {find_checkpoint(path)} is corrupt or not a model checkpoint ({type(e).__name__}): "
+                 f"delete it or restore a good copy")
+    dataset = checkpoint.get('config', {}).get('dataset')
 model.eval()
 model.to(device)
 

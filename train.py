@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from checkpoint import find_checkpoint, load_checkpoint
 from configurator import configure
 from model import GPT, GPTConfig
 
@@ -33,7 +34,7 @@ log_interval = 1
 eval_iters = 200
 eval_only = False  # exit right after the first eval
 always_save_checkpoint = True  # save after every eval, not only on a new best val loss
-init_from = 'scratch'  # 'scratch', 'resume' (from out_dir/ckpt.pt) or 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'
+init_from = 'scratch'  # 'scratch', 'resume' (out_dir's checkpoint), 'gpt2'..'gpt2-xl', or a checkpoint's path (weights only)
 # wandb logging
 wandb_log = False
 wandb_project = 'owt'
@@ -67,6 +68,7 @@ backend = 'auto'  # 'auto' (nccl on CUDA, gloo otherwise), 'nccl' or 'gloo'
 dtype = 'auto'  # 'auto' (bfloat16 on GPUs that have it, else float16 on CUDA, float32 on CPU), or one of those
 compile = True  # torch.compile the model
 seed = 1337
+deterministic = False  # deterministic algorithms and dropout off, so that reruns give identical curves, on GPUs too
 # -----------------------------------------------------------------------------
 config, given = configure(globals())
 
@@ -95,8 +97,9 @@ if gradient_accumulation_steps % dp_size != 0:
              f"data-parallel ranks: make it a multiple of {dp_size} (it is the total over all ranks)")
 accum_steps = gradient_accumulation_steps // dp_size  # micro-steps on this rank
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
-if init_from not in ('scratch', 'resume', 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
-    sys.exit(f"error: unknown init_from={init_from!r}: use scratch, resume, gpt2, gpt2-medium, gpt2-large or gpt2-xl")
+if init_from not in ('scratch', 'resume', 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') and not os.path.exists(init_from):
+    sys.exit(f"error: unknown init_from={init_from!r}: use scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl "
+             f"or the path of a checkpoint (a ckpt.pt, a sharded checkpoint folder or a run's out_dir)")
 if ddp:
     if device_type == 'cuda':
         torch.cuda.set_device(device)
@@ -113,6 +116,19 @@ def print0(*args, **kwargs):
     if master_process:
         print(*args, **kwargs, flush=True)
 
+
+if deterministic:
+    os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')  # cuBLAS is deterministic only with a fixed workspace
+    torch.use_deterministic_algorithms(True)
+    if device_type == 'cuda':
+        torch.backends.cudnn.benchmark = False
+        # the fused attention kernels add up their backward in a varying order; the math one does not
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    if dropout != 0.0:
+        print0(f"deterministic: dropout {dropout} turned off")
+    dropout = config['dropout'] = 0.0
 
 print0(f"world size {world_size}, {accum_steps} micro-steps per rank, {tokens_per_iter:,} tokens per iteration")
 
@@ -163,6 +179,19 @@ if os.path.exists(meta_path):
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=meta_vocab_size or 50304, dropout=dropout)
 iter_num, best_val_loss, checkpoint = 0, 1e9, None
+
+
+def take_shape(ckpt_args):
+    """The model's shape comes from the checkpoint; a key that says otherwise is a mistake, not a request."""
+    for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size'):
+        if k in given and config[k] != ckpt_args[k]:
+            sys.exit(f"error: {k}={config[k]!r} contradicts the checkpoint's {k}={ckpt_args[k]!r}: drop that "
+                     f"setting to start from it, or use another out_dir to train a new model")
+        model_args[k] = ckpt_args[k]
+        if k in config:  # and the globals (block_size sizes the batches) and the config saved with the run
+            globals()[k] = config[k] = ckpt_args[k]
+
+
 if init_from == 'resume':
     ckpt_path = os.path.join(out_dir, 'ckpt.pt')
     if not os.path.exists(ckpt_path):
@@ -170,21 +199,14 @@ if init_from == 'resume':
     try:
         checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=True)  # a checkpoint is data, never code
         ckpt_args = checkpoint['model_args']
-        # the model's shape comes from the checkpoint; a key that says otherwise is a mistake, not a request
-        for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size'):
-            if k in given and config[k] != ckpt_args[k]:
-                sys.exit(f"error: {k}={config[k]!r} contradicts the checkpoint's {k}={ckpt_args[k]!r}: drop that "
-                         f"setting to resume, or use another out_dir to train a new model")
-            model_args[k] = ckpt_args[k]
-            if k in config:  # and the globals (block_size sizes the batches) and the config saved with the run
-                globals()[k] = config[k] = ckpt_args[k]
+        take_shape(ckpt_args)
         model = GPT(GPTConfig(**model_args))
         model.load_state_dict(GPT.upgrade_state_dict(checkpoint['model']))
         iter_num, best_val_loss = checkpoint['iter_num'], float(checkpoint['best_val_loss'])  # nanoGPT saved a tensor
     except Exception as e:
         sys.exit(f"error: checkpoint {ckpt_path} is corrupt or not a training checkpoint ({type(e).__name__}: "
                  f"{str(e).splitlines()[0][:200] if str(e) else ''}): delete it or restore a good copy")
-elif init_from.startswith('gpt2'):
+elif init_from in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
     print0(f"initializing from OpenAI GPT-2 weights: {init_from}")
     try:
         model = GPT.from_pretrained(init_from, dict(dropout=dropout))
@@ -195,6 +217,15 @@ elif init_from.startswith('gpt2'):
                  f"check the network, or set HF_HUB_OFFLINE=1 with the model in the local cache")
     for k in ('n_layer', 'n_head', 'n_embd', 'bias', 'vocab_size'):
         model_args[k] = getattr(model.config, k)
+elif init_from != 'scratch':
+    # any entrypoint's checkpoint, or a run folder's newest: its weights, with a new optimizer from step 0
+    try:
+        model, ckpt = load_checkpoint(init_from, dropout=dropout)
+        take_shape(ckpt['model_args'])
+    except Exception as e:
+        sys.exit(f"error: cannot read a checkpoint at {init_from} ({type(e).__name__}: "
+                 f"{str(e).splitlines()[0][:200] if str(e) else ''}): give a ckpt.pt, a sharded checkpoint or a run folder")
+    print0(f"initializing from the weights of {find_checkpoint(init_from)}")
 else:
     model = GPT(GPTConfig(**model_args))
 if block_size < model.config.block_size:

@@ -49,7 +49,8 @@ def test_sample_errors(char_run, tmp_path):
     for args, message in ((['--out_dir=none'], 'no checkpoint at'),
                           ([f'--out_dir={char_run}', '--start=\u00e9t\u00e9'], "characters the model's vocabulary lacks"),
                           ([f'--out_dir={char_run}', '--start=FILE:missing.txt'], 'cannot read the prompt file'),
-                          (['--init_from=gpt3'], "unknown init_from='gpt3'")):
+                          (['--init_from=gpt3'], "unknown init_from='gpt3'"),
+                          ([f'--init_from={tmp_path}'], 'no checkpoint at')):
         p = run('sample.py', *args, '--device=cpu', cwd=tmp_path, check=False)
         assert p.returncode != 0 and message in p.stderr, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1

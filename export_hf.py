@@ -1,0 +1,104 @@
+"""
+Exports any checkpoint of this repo to a Hugging Face folder: config.json and model.safetensors that
+transformers.GPT2LMHeadModel loads, plus GPT-2's tokenizer files where the model uses GPT-2's BPE, so that a
+text-generation pipeline runs from the folder as it is.
+
+python export_hf.py --ckpt=out --out=hf-model       # a run folder, a ckpt.pt or a sharded checkpoint folder
+python -c "from transformers import pipeline; print(pipeline('text-generation', model='hf-model')('Hello')[0])"
+"""
+
+import json
+import os
+import shutil
+import sys
+
+import torch
+
+from checkpoint import find_checkpoint, load_checkpoint
+from configurator import configure
+
+# -----------------------------------------------------------------------------
+ckpt = 'out'  # a run's out_dir (its newest checkpoint), a ckpt.pt, or a sharded checkpoint folder
+out = 'hf-model'  # the folder to write; it must not exist yet
+crop_vocab = True  # drop the padding rows a GPT-2 BPE model trained here carries (50304 -> 50257 tokens)
+# -----------------------------------------------------------------------------
+configure(globals())
+
+GPT2_VOCAB = 50257
+BPE_FILES = {  # tiktoken's sources of GPT-2's BPE, which Hugging Face's tokenizer reads under other names
+    'vocab.json': 'https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json',
+    'merges.txt': 'https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe',
+}
+
+
+def hf_state_dict(model, vocab_size):
+    """This repo's GPT as Hugging Face's GPT2LMHeadModel lays it out: q, k, v fused into c_attn, and the
+    Linear weights transposed, since Hugging Face keeps them as Conv1D."""
+    out = {}
+    for k, v in model.state_dict().items():
+        if '.attn.c_k.' in k or '.attn.c_v.' in k or k == 'lm_head.weight':
+            continue  # folded into c_attn below; lm_head is tied to wte, and Hugging Face ties it back
+        if '.attn.c_q.' in k:
+            k = k.replace('c_q', 'c_attn')
+            v = torch.cat([v, model.state_dict()[k.replace('c_attn', 'c_k')], model.state_dict()[k.replace('c_attn', 'c_v')]])
+        if k.endswith(('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')):
+            v = v.t()
+        if k == 'transformer.wte.weight':
+            v = v[:vocab_size]
+        out[k] = v.contiguous().clone()
+    return out
+
+
+def main():
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        sys.exit("error: export_hf.py needs Hugging Face transformers: pip install transformers")
+    if os.path.exists(out):
+        sys.exit(f"error: {out} exists: give a new folder with --out=PATH")
+    try:
+        model, checkpoint = load_checkpoint(ckpt, dropout=0.0)
+    except FileNotFoundError as e:
+        sys.exit(f"error: {e}: give --ckpt=a run folder, a ckpt.pt or a sharded checkpoint folder")
+    except Exception as e:
+        sys.exit(f"error: checkpoint {find_checkpoint(ckpt)} is corrupt or not a model checkpoint ({type(e).__name__})")
+    cfg = model.config
+    bpe = cfg.vocab_size >= GPT2_VOCAB  # a char-level model has a vocabulary of its own, with no tokenizer here
+    vocab_size = GPT2_VOCAB if bpe and crop_vocab else cfg.vocab_size
+    if not cfg.bias:
+        sys.exit("error: the model has no biases (bias=False), which GPT2LMHeadModel cannot express: export a "
+                 "model trained with --bias=True")
+    hf_config = GPT2Config(vocab_size=vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
+                           n_head=cfg.n_head, activation_function='gelu_new', resid_pdrop=0.0, embd_pdrop=0.0,
+                           attn_pdrop=0.0, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
+                           bos_token_id=GPT2_VOCAB - 1, eos_token_id=GPT2_VOCAB - 1)
+    hf_model = GPT2LMHeadModel(hf_config)
+    missing, unexpected = hf_model.load_state_dict(hf_state_dict(model, vocab_size), strict=False)
+    # only the causal-mask buffers (and the tied lm_head) may be missing
+    missing = [k for k in missing if not k.endswith(('.attn.bias', '.attn.masked_bias')) and k != 'lm_head.weight']
+    if missing or unexpected:
+        sys.exit(f"error: the exported weights do not fit GPT2LMHeadModel (missing {missing}, unexpected {unexpected})")
+    hf_model.tie_weights()
+    tmp = out.rstrip('/') + '.tmp'
+    shutil.rmtree(tmp, ignore_errors=True)
+    hf_model.save_pretrained(tmp, safe_serialization=True)
+    if bpe:
+        import tiktoken.load
+        try:
+            for name, url in BPE_FILES.items():
+                with open(os.path.join(tmp, name), 'wb') as f:
+                    f.write(tiktoken.load.read_file_cached(url))  # from tiktoken's cache, else downloaded once
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            sys.exit(f"error: could not get GPT-2's tokenizer files ({type(e).__name__}): connect to the internet "
+                     f"once, or point TIKTOKEN_CACHE_DIR at a folder that holds tiktoken's gpt2 files")
+        with open(os.path.join(tmp, 'tokenizer_config.json'), 'w') as f:
+            json.dump({'tokenizer_class': 'GPT2Tokenizer', 'model_max_length': cfg.block_size,
+                       'bos_token': '<|endoftext|>', 'eos_token': '<|endoftext|>', 'unk_token': '<|endoftext|>'}, f)
+    os.replace(tmp, out)  # the folder appears only when complete
+    what = 'with GPT-2 tokenizer files' if bpe else f'(a {cfg.vocab_size}-token vocabulary: no tokenizer written)'
+    print(f"wrote {out}: {model.get_num_params() / 1e6:.2f}M parameters, {vocab_size} tokens, {what}")
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,103 @@
+"""
+Sizes a GPT before it is trained: its parameters, its checkpoint, and the memory each rank needs for
+parameters, gradients, optimizer state (AdamW, fp32 master weights, as every entrypoint here keeps them) and
+activations (an estimate) under DDP, ZeRO-1/2/3, FSDP, tensor parallel and 2-D, at a world size and dtype.
+
+python model_size.py --model=gpt2-xl --world_size=8
+python model_size.py --n_layer=4 --n_head=4 --n_embd=128 --block_size=64 --vocab_size=65 --world_size=2 --dtype=float32
+"""
+
+import json
+import math
+
+import torch
+
+from configurator import configure
+from model import GPT, GPTConfig
+
+# -----------------------------------------------------------------------------
+model = ''  # a GPT-2 shape ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') instead of n_layer / n_head / n_embd
+n_layer = 12
+n_head = 12
+n_embd = 768
+block_size = 1024
+vocab_size = 50304
+bias = False
+world_size = 8
+tp_size = 0  # the tensor-parallel group of the 2-D row; 0: none shown unless world_size / 2 divides evenly
+batch_size = 12  # sequences per micro-step per rank, for the activation estimate
+dtype = 'bfloat16'  # the compute dtype: activations take 2 bytes an element in bfloat16, 4 in float32
+activation_checkpointing = False
+# -----------------------------------------------------------------------------
+config, _ = configure(globals())
+SHAPES = {'gpt2': (12, 12, 768), 'gpt2-medium': (24, 16, 1024), 'gpt2-large': (36, 20, 1280), 'gpt2-xl': (48, 25, 1600)}
+if model:
+    if model not in SHAPES:
+        raise SystemExit(f"error: unknown model={model!r}: use one of {', '.join(SHAPES)}, or set n_layer, n_head, n_embd")
+    n_layer, n_head, n_embd = SHAPES[model]
+if dtype not in ('bfloat16', 'float16', 'float32'):
+    raise SystemExit(f"error: dtype={dtype!r}: use bfloat16, float16 or float32")
+if world_size < 1:
+    raise SystemExit("error: world_size must be at least 1")
+
+with torch.device('meta'):  # shapes only: no memory, no time, whatever the size
+    gpt = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                        bias=bias))
+params = dict(gpt.named_parameters())  # a tied parameter once
+N = sum(p.numel() for p in params.values())
+COLWISE = ('attn.c_q', 'attn.c_k', 'attn.c_v', 'mlp.c_fc')  # split by output rows (weights and biases)
+ROWWISE = ('attn.c_proj', 'mlp.c_proj')  # split by input columns (weights; their biases stay whole)
+
+
+def local_numel(name, shape, tp, dp):
+    """Elements of one parameter on one rank: tensor parallel splits the blocks' matrices, then FSDP splits dim 0
+    of what is left into dp pieces, the last padded as FSDP2 pads it."""
+    shape = list(shape)
+    if tp > 1 and '.h.' in name:
+        if name.rsplit('.', 1)[0].endswith(COLWISE):
+            shape[0] //= tp
+        elif name.rsplit('.', 1)[0].endswith(ROWWISE) and name.endswith('weight'):
+            shape[1] //= tp
+    shape[0] = math.ceil(shape[0] / dp)
+    return math.prod(shape)
+
+
+def sharded(tp, dp):
+    return sum(local_numel(n, p.shape, tp, dp) for n, p in params.items())
+
+
+def activations(tp):
+    """Activation bytes a rank keeps for the backward, after Korthikanti et al. (2022), per layer
+    s·b·h·(10 + 24/t) elements of 2 bytes with flash attention (no s² scores), plus the fp32 logits and their
+    gradient; with checkpointing, each layer keeps only its input and one layer is rebuilt at a time."""
+    s, b, h, elem = block_size, batch_size, n_embd, (4 if dtype == 'float32' else 2)
+    layer = s * b * h * (10 + 24 / tp) * elem / 2
+    kept = n_layer * s * b * h * elem + layer if activation_checkpointing else n_layer * layer
+    return kept + 2 * s * b * vocab_size * 4
+
+
+W = world_size
+tp2 = tp_size or (W // 2 if W >= 4 and W % 2 == 0 else 0)
+rows = {  # (parameters, gradients, optimizer state) in bytes on one rank, fp32 master weights and AdamW
+    'DDP': (4 * N, 4 * N, 8 * N),
+    'ZeRO-1': (4 * N, 4 * N, 8 * N / W),
+    'ZeRO-2': (4 * N, 4 * N / W, 8 * N / W),
+    'ZeRO-3 / FSDP': (4 * sharded(1, W), 4 * sharded(1, W), 8 * sharded(1, W)),
+}
+if n_head % W == 0 and (4 * n_embd) % W == 0:
+    rows[f'TP {W}'] = (4 * sharded(W, 1), 4 * sharded(W, 1), 8 * sharded(W, 1))
+if tp2 > 1 and W % tp2 == 0 and n_head % tp2 == 0 and (4 * n_embd) % tp2 == 0:
+    rows[f'FSDP {W // tp2} x TP {tp2}'] = (4 * sharded(tp2, W // tp2), 4 * sharded(tp2, W // tp2), 8 * sharded(tp2, W // tp2))
+act = {name: activations(int(name.split('TP ')[1]) if 'TP ' in name else 1) for name in rows}
+
+print(f"{N:,} parameters ({gpt.get_num_params():,} without position embeddings), "
+      f"{n_layer} layers, {n_head} heads, {n_embd} wide, block {block_size}, vocab {vocab_size}")
+print(f"checkpoint: {4 * N / 2**20:,.1f} MiB of fp32 weights, {12 * N / 2**20:,.1f} MiB with AdamW state")
+print(f"per rank at world size {W}, {dtype}, batch {batch_size}x{block_size}"
+      f"{', activation checkpointing' if activation_checkpointing else ''} (MiB):")
+print(f"{'':>18} {'params':>10} {'grads':>10} {'optim':>10} {'acts (est.)':>12} {'total':>10}")
+for name, (p, g, o) in rows.items():
+    print(f"{name:>18} {p / 2**20:10.1f} {g / 2**20:10.1f} {o / 2**20:10.1f} {act[name] / 2**20:12.1f} "
+          f"{(p + g + o + act[name]) / 2**20:10.1f}")
+print(json.dumps({'params': N, 'checkpoint_bytes': 12 * N, **{name: dict(param_bytes=p, grad_bytes=g, optim_bytes=o,
+                  activation_bytes=act[name]) for name, (p, g, o) in rows.items()}}))

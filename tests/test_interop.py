@@ -1,0 +1,131 @@
+"""One checkpoint everywhere: round trips between the entrypoints, Hugging Face export, loss plots, model sizing
+and deterministic runs."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import TINY, read_metrics, run
+
+BASE = ['--gradient_accumulation_steps=2', '--eval_interval=3', '--always_save_checkpoint=True']
+
+
+def launch(script, tmp_path, data_dir, out, *extra, nproc=1, dataset='shakespeare_char', check=True):
+    return run(script, *TINY, *BASE, f'--dataset={data_dir / dataset}', f'--out_dir={tmp_path / out}', *extra,
+               nproc=nproc, cwd=tmp_path, check=check)
+
+
+def weights(path):
+    return torch.load(path, map_location='cpu', weights_only=True)['model']
+
+
+@pytest.fixture(scope='module')
+def trip(tmp_path_factory, data_dir):
+    """train.py (3 steps) -> fsdp_train.py on 2 ranks (loads it, saves sharded and consolidated) -> train.py."""
+    tmp = tmp_path_factory.mktemp('trip')
+    launch('train.py', tmp, data_dir, 'a', '--max_iters=3')
+    shutil.copytree(tmp / 'a', tmp / 'b')
+    launch('fsdp_train.py', tmp, data_dir, 'b', '--init_from=resume', '--eval_only=True', '--save_consolidated=True',
+           nproc=2)
+    shutil.copytree(tmp / 'b', tmp / 'c')
+    shutil.rmtree(tmp / 'c' / 'dcp')
+    launch('train.py', tmp, data_dir, 'c', '--init_from=resume', '--eval_only=True')
+    return tmp
+
+
+def test_train_fsdp_train_round_trip_keeps_the_weights_exactly(trip):
+    a, b, c = (weights(trip / x / 'ckpt.pt') for x in 'abc')
+    assert a.keys() == b.keys() == c.keys()
+    assert all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
+    assert (trip / 'b' / 'dcp' / 'latest').read_text() == 'step-00000003'
+
+
+def test_init_from_any_checkpoint_path(trip, data_dir, tmp_path):
+    # the sharded folder fsdp_train.py wrote, read by train.py in one process: the same weights give the same
+    # val loss as the run that saved them (evals use the same batches every time)
+    val_at_3 = read_metrics(trip / 'a')[1][-1]['val_loss']
+    for src in (trip / 'b' / 'dcp' / 'step-00000003', trip / 'b', trip / 'a' / 'ckpt.pt'):
+        p = launch('train.py', tmp_path, data_dir, 'new', f'--init_from={src}', '--eval_only=True')
+        assert 'initializing from the weights of' in p.stdout
+        assert read_metrics(tmp_path / 'new')[1][0]['val_loss'] == pytest.approx(val_at_3, abs=1e-6)
+    p = launch('fsdp_train.py', tmp_path, data_dir, 'new2', f'--init_from={trip / "a" / "ckpt.pt"}', '--max_iters=3',
+               nproc=2)
+    losses, evals = read_metrics(tmp_path / 'new2')
+    assert evals[0]['iter'] == 0 and evals[0]['val_loss'] == pytest.approx(val_at_3, abs=1e-6)  # a fresh run from them
+    # and sample.py reads every kind
+    for src in (trip / 'b' / 'dcp' / 'step-00000003', trip / 'c' / 'ckpt.pt'):
+        s = run('sample.py', f'--init_from={src}', f'--meta_path={data_dir / "shakespeare_char" / "meta.pkl"}',
+                '--num_samples=1', '--max_new_tokens=10', '--device=cpu', cwd=tmp_path)
+        assert s.stdout.count('---------------') == 1
+
+
+def test_export_hf_gives_transformers_the_same_logits(tmp_path, data_dir):
+    transformers = pytest.importorskip('transformers')
+    from checkpoint import load_checkpoint
+    launch('train.py', tmp_path, data_dir, 'bpe', '--max_iters=3', dataset='shakespeare')
+    p = run('export_hf.py', f'--ckpt={tmp_path / "bpe"}', f'--out={tmp_path / "hf"}', cwd=tmp_path)
+    assert 'with GPT-2 tokenizer files' in p.stdout
+    ours, _ = load_checkpoint(str(tmp_path / 'bpe'), dropout=0.0)
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / 'hf').eval()
+    idx = torch.randint(50257, (2, 32))
+    a = ours.eval()(idx, idx)[0][..., :50257]
+    b = theirs(idx).logits
+    assert b.shape == (2, 32, 50257) and (a - b).abs().max().item() < 1e-5
+    generator = transformers.pipeline('text-generation', model=str(tmp_path / 'hf'), device='cpu')
+    text = generator('To be', max_new_tokens=8, do_sample=False)[0]['generated_text']
+    assert text.startswith('To be') and len(text) > len('To be')
+    # the folder exists now: a second export refuses to write over it
+    p = run('export_hf.py', f'--ckpt={tmp_path / "bpe"}', f'--out={tmp_path / "hf"}', cwd=tmp_path, check=False)
+    assert p.returncode != 0 and 'exists' in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_plot_draws_two_runs(trip, tmp_path):
+    out = tmp_path / 'loss.png'
+    p = run('plot.py', trip / 'a', trip / 'b', '--labels=train.py,fsdp_train.py', f'--out={out}', cwd=tmp_path)
+    assert 'wrote' in p.stdout
+    data = out.read_bytes()
+    assert data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > 20000
+    # without matplotlib: a clear message, no file
+    fake = tmp_path / 'no_mpl'
+    (fake / 'matplotlib').mkdir(parents=True)
+    (fake / 'matplotlib' / '__init__.py').write_text("raise ImportError('no matplotlib here')\n")
+    import os
+    env = dict(os.environ, PYTHONPATH=str(fake))
+    import subprocess
+    import sys
+    from conftest import REPO
+    q = subprocess.run([sys.executable, str(REPO / 'plot.py'), str(trip / 'a'), f'--out={tmp_path / "x.png"}'],
+                       cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert q.returncode != 0 and 'pip install matplotlib' in q.stderr and not (tmp_path / 'x.png').exists()
+
+
+def logged_state(out):
+    with open(out / 'metrics.jsonl') as f:
+        return next(r for r in map(json.loads, f) if 'param_bytes' in r)
+
+
+def test_model_size_matches_what_the_entrypoints_log(tmp_path, data_dir):
+    launch('train.py', tmp_path, data_dir, 'ddp', '--max_iters=1', nproc=2)
+    launch('fsdp_train.py', tmp_path, data_dir, 'fsdp', '--max_iters=1', nproc=2)
+    p = run('model_size.py', '--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--vocab_size=65',
+            '--bias=True', '--world_size=2', '--dtype=float32', cwd=tmp_path)
+    sizes = json.loads(p.stdout.strip().splitlines()[-1])
+    for row, out in (('DDP', tmp_path / 'ddp'), ('ZeRO-3 / FSDP', tmp_path / 'fsdp')):
+        logged = logged_state(out)
+        for k in ('param_bytes', 'grad_bytes', 'optim_bytes'):
+            assert abs(sizes[row][k] - logged[k]) <= 0.05 * logged[k], (row, k, sizes[row][k], logged[k])
+    assert sizes['ZeRO-1']['optim_bytes'] == sizes['DDP']['optim_bytes'] / 2
+
+
+@pytest.mark.parametrize('script, nproc', [('train.py', 1), ('fsdp_train.py', 2)])
+def test_deterministic_runs_repeat_exactly(tmp_path, data_dir, script, nproc):
+    for out in ('one', 'two'):
+        p = launch(script, tmp_path, data_dir, out, '--max_iters=4', '--deterministic=True', '--dropout=0.1',
+                   nproc=nproc)
+        assert 'dropout 0.1 turned off' in p.stdout
+    one, two = read_metrics(tmp_path / 'one'), read_metrics(tmp_path / 'two')
+    assert [one[0][i] for i in range(4)] == [two[0][i] for i in range(4)]
+    assert [e['val_loss'] for e in one[1]] == [e['val_loss'] for e in two[1]]
+    assert json.loads((tmp_path / 'one' / 'config.json').read_text())['dropout'] == 0.0
