@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from configurator import configure
-from model import GPT, GPTConfig
+from model import GPT2_SHAPES, GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
 model = ''  # a GPT-2 shape ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') instead of n_layer / n_head / n_embd
@@ -46,11 +46,10 @@ seed = 1337
 profile = False  # write a torch.profiler trace instead of timing
 # -----------------------------------------------------------------------------
 config, _ = configure(globals(), skip_unknown_in_files=True)  # training configs set keys a benchmark lacks
-SHAPES = {'gpt2': (12, 12, 768), 'gpt2-medium': (24, 16, 1024), 'gpt2-large': (36, 20, 1280), 'gpt2-xl': (48, 25, 1600)}
 if model:
-    if model not in SHAPES:
-        sys.exit(f"error: unknown model={model!r}: use one of {', '.join(SHAPES)}, or set n_layer, n_head, n_embd")
-    n_layer, n_head, n_embd = SHAPES[model]
+    if model not in GPT2_SHAPES:
+        sys.exit(f"error: unknown model={model!r}: use one of {', '.join(GPT2_SHAPES)}, or set n_layer, n_head, n_embd")
+    n_layer, n_head, n_embd = GPT2_SHAPES[model]
 if device == 'auto':
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
 device_type = device.split(':')[0]

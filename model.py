@@ -27,6 +27,10 @@ class GPTConfig:
     bias: bool = True  # bias in Linears and LayerNorms, as GPT-2; False is a little faster and as good
 
 
+# (n_layer, n_head, n_embd) of OpenAI's GPT-2 sizes: 124M, 350M, 774M and 1558M parameters
+GPT2_SHAPES = {'gpt2': (12, 12, 768), 'gpt2-medium': (24, 16, 1024), 'gpt2-large': (36, 20, 1280), 'gpt2-xl': (48, 25, 1600)}
+
+
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):

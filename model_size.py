@@ -9,11 +9,12 @@ python model_size.py --n_layer=4 --n_head=4 --n_embd=128 --block_size=64 --vocab
 
 import json
 import math
+import sys
 
 import torch
 
 from configurator import configure
-from model import GPT, GPTConfig
+from model import GPT2_SHAPES, GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
 model = ''  # a GPT-2 shape ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') instead of n_layer / n_head / n_embd
@@ -30,15 +31,14 @@ dtype = 'bfloat16'  # the compute dtype: activations take 2 bytes an element in 
 activation_checkpointing = False
 # -----------------------------------------------------------------------------
 config, _ = configure(globals())
-SHAPES = {'gpt2': (12, 12, 768), 'gpt2-medium': (24, 16, 1024), 'gpt2-large': (36, 20, 1280), 'gpt2-xl': (48, 25, 1600)}
 if model:
-    if model not in SHAPES:
-        raise SystemExit(f"error: unknown model={model!r}: use one of {', '.join(SHAPES)}, or set n_layer, n_head, n_embd")
-    n_layer, n_head, n_embd = SHAPES[model]
+    if model not in GPT2_SHAPES:
+        sys.exit(f"error: unknown model={model!r}: use one of {', '.join(GPT2_SHAPES)}, or set n_layer, n_head, n_embd")
+    n_layer, n_head, n_embd = GPT2_SHAPES[model]
 if dtype not in ('bfloat16', 'float16', 'float32'):
-    raise SystemExit(f"error: dtype={dtype!r}: use bfloat16, float16 or float32")
+    sys.exit(f"error: dtype={dtype!r}: use bfloat16, float16 or float32")
 if world_size < 1:
-    raise SystemExit("error: world_size must be at least 1")
+    sys.exit("error: world_size must be at least 1")
 
 with torch.device('meta'):  # shapes only: no memory, no time, whatever the size
     gpt = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
