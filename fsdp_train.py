@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import time
+from pathlib import Path
 from contextlib import nullcontext
 
 import numpy as np
@@ -346,7 +347,7 @@ if checkpoint is not None:
     print0(f"resuming from {ckpt_path} at iter {iter_num}")
     checkpoint = None  # free the memory
 
-eval_model = model
+eval_model = model  # under FSDP every rank takes part in each forward, evaluation's too
 
 
 def atomic_save(obj, path):
@@ -375,7 +376,7 @@ def save_checkpoint():
         'rng': rngs,
         'data_rng': data_gen.get_state(),
     }
-    saved = os.path.exists(latest) and open(latest).read().strip() == name  # a resumed run's first eval finds it
+    saved = os.path.exists(latest) and Path(latest).read_text().strip() == name  # a resumed run's first eval finds it
     dist.barrier()  # everyone has looked before rank 0 may rewrite latest
     if not saved:
         model_sd, optim_sd = get_state_dict(model, optimizer)

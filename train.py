@@ -274,6 +274,14 @@ if ddp:
     model = DDP(model, device_ids=[torch.device(device).index] if device_type == 'cuda' else None)
 
 
+def atomic_save(obj, path):
+    with open(path + '.tmp', 'wb') as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + '.tmp', path)
+
+
 def save_checkpoint():
     """Every rank calls this (RNG states are gathered); rank 0 writes, atomically: a crash mid-write leaves the
     previous checkpoint in place."""
@@ -297,11 +305,7 @@ def save_checkpoint():
         'scaler': scaler.state_dict(),
     }
     path = os.path.join(out_dir, 'ckpt.pt')
-    with open(path + '.tmp', 'wb') as f:
-        torch.save(checkpoint, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + '.tmp', path)
+    atomic_save(checkpoint, path)
     print0(f"saved checkpoint to {path}")
 
 
