@@ -1,0 +1,273 @@
+"""slurm/torchrun.sbatch on a real SLURM: this module starts munged, slurmctld and two slurmd (nodes n1 and n2)
+on this host, runs CPU jobs on gloo through the script, and stops its own daemons at the end.
+
+Each slurmd runs in its own UTS and mount namespace, with the hostname of its node and an /etc/hosts that maps
+n1 and n2 to 127.0.0.1, so the node names that `scontrol show hostnames` gives resolve inside the jobs (the
+torchrun rendezvous is on the first of them). Starting the daemons takes root, as CI has.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TINY, env, read_metrics, run
+
+INSTALL = 'apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge'
+SBATCH = REPO / 'slurm' / 'torchrun.sbatch'
+NODES = ('n1', 'n2')
+# the reference's global batch: 4 micro-steps of 4 sequences, which 2 nodes share out as 2 each
+BASE = ['--gradient_accumulation_steps=4', '--max_iters=10', '--eval_interval=10']
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def slurm_conf(root, ports):
+    """One controller and two nodes on 127.0.0.1, each on its own port; no accounting, cgroups or systemd."""
+    return f"""\
+ClusterName=pytest
+SlurmctldHost=localhost
+SlurmctldPort={ports['ctld']}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={root}/munge-run/munge.socket
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool-%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd-%n.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd-%n.log
+MailProg=/bin/true
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+# the nodes are whatever this host is; take their size from this file
+SlurmdParameters=config_overrides
+# finished jobs stay in `scontrol show job` (there is no accounting database for sacct)
+MinJobAge=3600
+# a stopped run's processes get 5 s between SIGTERM and SIGKILL (30 by default): requeues are quicker
+KillWait=5
+NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port={ports['n1']} CPUs=2 State=UNKNOWN
+NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port={ports['n2']} CPUs=2 State=UNKNOWN
+PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+class Cluster:
+    """munged, slurmctld and a slurmd per node, as child processes of the test; stop() ends exactly those."""
+
+    def __init__(self, root):
+        self.root, self.procs = root, []
+        self.conf = root / 'slurm.conf'
+        self.env = {**env(), 'SLURM_CONF': str(self.conf), 'OMP_NUM_THREADS': '1'}  # 2 cores, up to 4 ranks
+        # jobs find this interpreter's python and torchrun first, and the daemons where Debian puts them
+        self.env['PATH'] = f"{os.path.dirname(sys.executable)}:{self.env.get('PATH', '')}:/usr/sbin:/sbin"
+        self.log = open(root / 'daemons.log', 'w')
+
+    def start(self):
+        missing = [b for b in ('munged', 'slurmctld', 'slurmd', 'sbatch', 'scontrol', 'sinfo', 'squeue', 'scancel')
+                   if shutil.which(b, path=self.env['PATH']) is None]
+        if missing:
+            pytest.fail(f"SLURM is not installed ({', '.join(missing)} missing): run `{INSTALL}` as root")
+        if os.geteuid() != 0:
+            pytest.fail("the SLURM test starts its nodes in their own mount namespaces, which takes root")
+        root = self.root
+        (root / 'state').mkdir()
+        for node in NODES:
+            (root / f'spool-{node}').mkdir()
+        (root / 'munge-key').mkdir(mode=0o700)  # munged refuses a key that others can read
+        (root / 'munge-run').mkdir()
+        (root / 'munge-run').chmod(0o755)
+        key = root / 'munge-key' / 'munge.key'
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        ports = {'ctld': free_port(), **{node: free_port() for node in NODES}}
+        self.conf.write_text(slurm_conf(root, ports))
+        hosts = root / 'hosts'
+        hosts.write_text(open('/etc/hosts').read() + '\n127.0.0.1 ' + ' '.join(NODES) + '\n')
+        # every daemon in the foreground, so that the PID the test holds is the daemon's own; --force because
+        # pytest's temporary folders are private (0700) and munged wants a socket path that anyone can traverse
+        self.spawn('munged', '--foreground', '--force', f'--key-file={key}', f'--socket={root}/munge-run/munge.socket',
+                   f'--pid-file={root}/munged.pid', f'--log-file={root}/munged.log', f'--seed-file={root}/munged.seed')
+        self.wait_for(lambda: (root / 'munge-run' / 'munge.socket').exists(), 10, 'munged to open its socket')
+        self.spawn('slurmctld', '-D', '-i', '-f', str(self.conf))
+        for node in NODES:
+            # unshare and sh exec into slurmd, so it keeps the PID; jobs inherit its hostname and /etc/hosts
+            self.spawn('unshare', '--mount', '--uts', '--propagation', 'private', 'sh', '-c',
+                       f'mount --bind {hosts} /etc/hosts && hostname {node} && exec slurmd -D -f {self.conf} -N {node}')
+        self.wait_for(lambda: self.node_states() == {node: 'idle' for node in NODES}, 30, 'both nodes to be idle')
+
+    def spawn(self, *cmd):
+        self.procs.append(subprocess.Popen(cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT))
+
+    def node_states(self):
+        p = subprocess.run(['sinfo', '--noheader', '--Node', '--format=%N %t'], env=self.env, capture_output=True,
+                           text=True)
+        return dict(line.split() for line in p.stdout.splitlines()) if p.returncode == 0 else {}
+
+    def jobs_left(self):
+        p = subprocess.run(['squeue', '--noheader'], env=self.env, capture_output=True, text=True)
+        return p.returncode == 0 and p.stdout.strip() != ''
+
+    def wait_for(self, ready, timeout, what):
+        deadline = time.time() + timeout
+        while not ready():
+            dead = [p.args[0] for p in self.procs if p.poll() is not None]
+            if dead or time.time() > deadline:
+                reason = f"{', '.join(dead)} exited" if dead else f"no luck in {timeout} s"
+                pytest.fail(f"waiting for {what}: {reason}\n{self.daemon_logs()}")
+            time.sleep(0.2)
+
+    def daemon_logs(self):
+        logs = sorted(self.root.glob('*.log'))
+        return '\n'.join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in logs)
+
+    def stop(self):
+        # our jobs first (scancel reaches only this cluster's), then our daemons, by the PIDs we started
+        if self.procs:
+            subprocess.run(['scancel', '--full', '--user=root'], env=self.env, capture_output=True)
+            deadline = time.time() + 20
+            while self.jobs_left() and time.time() < deadline:
+                time.sleep(0.5)
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.log.close()
+
+    def sbatch(self, cwd, script, *args, nodes, nproc):
+        """Submits slurm/torchrun.sbatch for `script` with `args`; returns the job id."""
+        e = {**self.env, 'NPROC_PER_NODE': str(nproc), 'RDZV_PORT': str(free_port())}
+        p = subprocess.run(['sbatch', '--parsable', f'--nodes={nodes}', f'--chdir={cwd}', str(SBATCH),
+                            str(REPO / script), *map(str, args)], env=e, capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        return p.stdout.strip().split(';')[0]
+
+    def job(self, job_id):
+        """JobState, Restarts, ExitCode and StdOut of a job, from `scontrol show job` (no accounting here)."""
+        p = subprocess.run(['scontrol', 'show', 'job', '--oneliner', job_id], env=self.env, capture_output=True,
+                           text=True, check=True)
+        return {k: re.search(rf'\b{k}=(\S+)', p.stdout).group(1) for k in ('JobState', 'Restarts', 'ExitCode',
+                                                                           'StdOut')}
+
+    def wait_job(self, job_id, until=('COMPLETED', 'FAILED', 'CANCELLED', 'TIMEOUT', 'NODE_FAIL'), timeout=240):
+        """Polls the job until its state is one of `until` (sbatch --wait polls far more slowly)."""
+        deadline = time.time() + timeout
+        while (info := self.job(job_id))['JobState'] not in until:
+            if time.time() > deadline:
+                subprocess.run(['scancel', job_id], env=self.env)
+                pytest.fail(f"job {job_id} still {info['JobState']} after {timeout} s\n{job_logs(info)}")
+            time.sleep(0.5)
+        return info
+
+
+def job_logs(info):
+    """The job's batch output and every node's log, for assertion messages."""
+    out = Path(info['StdOut'])
+    logs = [out, *sorted(out.parent.glob('logs/*/*.log'))]
+    return '\n'.join(f"== {p}\n{p.read_text()[-3000:]}" for p in logs if p.exists())
+
+
+@pytest.fixture(scope='module')
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp('slurm'))
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope='module')
+def ref(tmp_path_factory, data_dir):
+    """train.py in one plain process: the per-step losses that every job below must reproduce."""
+    tmp = tmp_path_factory.mktemp('ref')
+    run('train.py', *TINY, *BASE, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp / "ref"}', cwd=tmp)
+    losses, _ = read_metrics(tmp / 'ref')
+    assert losses[9] < losses[0] - 0.3  # it learns
+    return losses
+
+
+def submit_tiny(cluster, tmp_path, data_dir, script, *extra, nodes, nproc):
+    return cluster.sbatch(tmp_path, script, *TINY, *BASE, f'--dataset={data_dir / "shakespeare_char"}',
+                          f'--out_dir={tmp_path / "out"}', *extra, nodes=nodes, nproc=nproc)
+
+
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py'])
+def test_two_node_job_completes_and_matches_one_process(cluster, ref, tmp_path, data_dir, script):
+    job = submit_tiny(cluster, tmp_path, data_dir, script, nodes=2, nproc=1)
+    info = cluster.wait_job(job)
+    assert info['JobState'] == 'COMPLETED', job_logs(info)
+    node_logs = sorted(p.name for p in (tmp_path / 'logs' / f'gpt-train-{job}').iterdir())
+    assert node_logs == ['n1.log', 'n2.log']  # one torchrun per node, each with its own log
+    assert 'rendezvous n1:' in open(info['StdOut']).read()  # on the first of `scontrol show hostnames`
+    losses, _ = read_metrics(tmp_path / 'out')
+    config = json.loads((tmp_path / 'out' / 'config.json').read_text())
+    assert config['world_size'] == 2
+    assert sorted(losses) == list(range(10))
+    for it in range(10):
+        assert abs(losses[it] - ref[it]) <= 1e-5 * abs(ref[it]), (it, losses[it], ref[it])
+
+
+@pytest.mark.parametrize('bad, error', [
+    ('--bacth_size=4', "unknown config key 'bacth_size'; did you mean batch_size"),  # from launch/resume.py
+    ('--dataset=/nonexistent', "/nonexistent/train.bin not found: run `python prepare.py"),  # from train.py
+], ids=['bad-key', 'missing-data'])
+def test_a_failing_job_is_reported_failed_with_the_error_in_its_log(cluster, tmp_path, data_dir, bad, error):
+    job = submit_tiny(cluster, tmp_path, data_dir, 'train.py', bad, nodes=2, nproc=1)
+    info = cluster.wait_job(job)
+    assert info['JobState'] == 'FAILED' and info['ExitCode'] != '0:0', job_logs(info)
+    assert error in open(info['StdOut']).read(), job_logs(info)
+
+
+@pytest.mark.parametrize('sig', ['USR1', 'TERM'], ids=['time-limit-warning', 'preemption'])
+def test_a_signalled_job_is_requeued_and_resumes_from_its_checkpoint(cluster, tmp_path, data_dir, sig):
+    # long enough (seconds) that the signal lands between the first checkpoint, at iter 100, and the end
+    out = tmp_path / 'out'
+    job = cluster.sbatch(tmp_path, 'train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}',
+                         '--gradient_accumulation_steps=1', '--max_iters=1000', '--eval_interval=100',
+                         '--always_save_checkpoint=True', nodes=1, nproc=1)
+    cluster.wait_for(lambda: (out / 'ckpt.pt').exists() or cluster.job(job)['JobState'] not in ('PENDING', 'RUNNING'),
+                     120, 'the first checkpoint')
+    assert (out / 'ckpt.pt').exists(), job_logs(cluster.job(job))
+    # what SLURM sends the batch shell before a time limit (--signal=B:USR1@120) or on preemption (SIGTERM)
+    subprocess.run(['scancel', f'--signal={sig}', '--batch', job], env=cluster.env, check=True)
+    cluster.wait_for(lambda: cluster.job(job)['Restarts'] == '1' and cluster.job(job)['JobState'] == 'PENDING', 60,
+                     'the job to be requeued')
+    # SLURM holds a requeued job for two minutes; release it now
+    subprocess.run(['scontrol', 'update', f'JobId={job}', 'StartTime=now'], env=cluster.env, check=True)
+    info = cluster.wait_job(job)
+    assert info['JobState'] == 'COMPLETED' and info['Restarts'] == '1', job_logs(info)
+    batch_log = open(info['StdOut']).read()
+    assert f'SIG{sig}: requeueing job {job}' in batch_log, batch_log
+    node_log = (tmp_path / 'logs' / f'gpt-train-{job}' / 'n1.log').read_text()  # both runs, appended
+    assert node_log.count(f'{out} holds a checkpoint: resuming from it') == 1, node_log[-3000:]  # launch/resume.py
+    resumed = re.findall(r'resuming from .*ckpt\.pt at iter (\d+)', node_log)  # train.py
+    assert len(resumed) == 1 and 100 <= int(resumed[0]) < 1000, node_log[-3000:]
+    losses, _ = read_metrics(out)
+    assert sorted(losses) == list(range(1000))  # the steps after the checkpoint were logged again, once
