@@ -1,0 +1,730 @@
+"""
+Trains a GPT with decentralized data parallelism (Decent-DP, ICLR 2025): instead of all-reducing gradients, every
+rank keeps its own replica, takes its own optimizer step on its share of the batch, and then averages its
+parameters with a few peers that a topology picks.
+
+Ring, 8 GPUs:     torchrun --standalone --nproc_per_node=8 decent_train.py config/train_gpt2.py --topology=ring
+Two nodes:        torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HEAD:29500 \
+                      decent_train.py config/train_gpt2.py --topology=alternating-exp-ring --optimizer=accumadamw
+
+Everything but the distribution is train.py's: config keys, data stream, logging and exact resume. A topology is
+a cycle of mixing rounds; in each round the ranks split into groups and every group averages its replicas (an
+all-reduce within the group), so each round's mixing matrix is doubly stochastic. A bucket of parameters is
+updated and starts mixing as soon as its gradients are complete, while the backward goes on, and the next
+forward waits for each bucket only where it needs it. Evals run on the average of all replicas and log how far
+the replicas are from it. Checkpoints hold every rank's replica and optimizer state (out_dir/decent/step-N/), and
+out_dir/ckpt.pt the averaged model in train.py's format, for sample.py and train.py; a train.py checkpoint starts
+every replica here.
+"""
+
+import json
+import math
+import os
+import sys
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from checkpoint import find_checkpoint, load_checkpoint
+from configurator import configure
+from model import GPT, GPTConfig
+
+# -----------------------------------------------------------------------------
+# config: defaults train GPT-2 124M on OpenWebText; config/*.py and --key=value override them
+# I/O
+out_dir = 'out'
+eval_interval = 2000
+log_interval = 1
+eval_iters = 200
+eval_only = False  # exit right after the first eval
+always_save_checkpoint = True  # save after every eval, not only on a new best val loss
+init_from = 'scratch'  # 'scratch', 'resume' (out_dir's checkpoint), 'gpt2'..'gpt2-xl', or a checkpoint's path (weights only)
+# wandb logging
+wandb_log = False
+wandb_project = 'owt'
+wandb_run_name = 'gpt2'
+# data
+dataset = 'openwebtext'  # data/<dataset>/{train,val}.bin as prepare.py writes them (or a path to such a folder)
+gradient_accumulation_steps = 5 * 8  # micro-steps per optimizer step, in total over all ranks
+batch_size = 12  # sequences per micro-step per rank
+block_size = 1024
+# model
+n_layer = 12
+n_head = 12
+n_embd = 768
+dropout = 0.0  # 0 for pretraining, try 0.1+ for finetuning
+bias = False
+# AdamW
+learning_rate = 6e-4
+max_iters = 600000
+weight_decay = 1e-1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0  # clip gradients at this norm; 0 disables
+# learning rate schedule: linear warmup, then cosine decay to min_lr
+decay_lr = True
+warmup_iters = 2000
+lr_decay_iters = 600000  # ~ max_iters, per Chinchilla
+min_lr = 6e-5  # ~ learning_rate / 10, per Chinchilla
+# system
+device = 'auto'  # 'auto' (cuda:LOCAL_RANK if there is a GPU, else cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
+backend = 'auto'  # 'auto' (nccl on CUDA, gloo otherwise), 'nccl' or 'gloo'
+dtype = 'auto'  # 'auto' (bfloat16 on GPUs that have it, else float16 on CUDA, float32 on CPU), or one of those
+compile = True  # torch.compile the model
+seed = 1337
+deterministic = False  # deterministic algorithms and dropout off, so that reruns give identical curves, on GPUs too
+# decentralized
+topology = 'ring'  # 'complete', 'ring', 'one-peer-exp' (2^k ranks) or 'alternating-exp-ring' (2^k nodes)
+optimizer = 'adamw'  # 'adamw', 'accumadamw' (Adam's moments take in the mean gradient of accum_steps steps) or 'sgd'
+accum_steps = 4  # accumadamw: steps whose mean gradient makes one update of the moments; grow it with the ranks
+# -----------------------------------------------------------------------------
+config, given = configure(globals())
+
+# distributed init: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE; without it, a group of one
+ddp = 'RANK' in os.environ
+rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if ddp else (0, 0, 1)
+local_world_size = int(os.environ.get('LOCAL_WORLD_SIZE', world_size)) if ddp else 1  # ranks per node
+master_process = rank == 0  # does all the logging and checkpoint writing
+dp_rank, dp_size = rank, world_size  # every rank is a data-parallel rank with a replica of its own
+
+
+def mixing_rounds(topology, world_size, local_world_size):
+    """The topology's cycle of mixing rounds. A round is a partition of the ranks into groups (sorted lists of
+    ranks); every group averages its replicas, a rank alone keeps its own. Step t mixes with round t % len(rounds).
+    Raises ValueError where the topology cannot serve this world size."""
+    n = world_size
+    if topology == 'complete':
+        return [[list(range(n))]]
+    if topology == 'ring':
+        # each rank averages with its right neighbour, then with its left: the ring's edges in two matchings, or
+        # three when n is odd (the closing edge then needs a round of its own)
+        if n <= 2:
+            return [[list(range(n))]]
+        edges = [sorted([i, (i + 1) % n]) for i in range(n)]
+        if n % 2 == 0:
+            return [edges[0::2], edges[1::2]]
+        return [edges[0:n - 1:2] + [[n - 1]], edges[1::2] + [[0]], [edges[n - 1]] + [[i] for i in range(1, n - 1)]]
+    if topology == 'one-peer-exp':
+        # round k pairs each rank with the one 2^k away (their k-th bits differ): after the log2(n) rounds of a
+        # cycle every replica is the exact average, at one peer per round
+        if n & (n - 1):
+            raise ValueError(f"topology=one-peer-exp needs a power-of-2 world size, not {n}: use ring or complete")
+        return [[[j, j + 2 ** k] for j in range(n) if not j & 2 ** k] for k in range(n.bit_length() - 1)] or [[[0]]]
+    if topology == 'alternating-exp-ring':
+        # rounds within nodes (the fast links: every node averages its ranks) alternate with rounds between nodes,
+        # where nodes pair as in one-peer-exp and each rank averages with the same local rank on the peer node
+        nodes = n // local_world_size
+        if local_world_size < 2 or n % local_world_size or nodes < 2 or nodes & (nodes - 1):
+            raise ValueError(f"topology=alternating-exp-ring needs 2, 4, 8, ... nodes of at least 2 ranks each, not "
+                             f"world size {n} with LOCAL_WORLD_SIZE={local_world_size} ranks per node: use ring")
+        within = [list(range(a * local_world_size, (a + 1) * local_world_size)) for a in range(nodes)]
+        rounds = []
+        for node_pairs in mixing_rounds('one-peer-exp', nodes, 1):
+            rounds.append(within)
+            rounds.append([[a * local_world_size + j, b * local_world_size + j]
+                           for a, b in node_pairs for j in range(local_world_size)])
+        return rounds
+    raise ValueError(f"unknown topology={topology!r}: use complete, ring, one-peer-exp or alternating-exp-ring")
+
+
+try:
+    rounds = mixing_rounds(topology, world_size, local_world_size)
+except ValueError as e:
+    sys.exit(f"error: {e}")
+if optimizer not in ('adamw', 'accumadamw', 'sgd'):
+    sys.exit(f"error: unknown optimizer={optimizer!r}: use adamw, accumadamw or sgd")
+if accum_steps < 1:
+    sys.exit(f"error: accum_steps={accum_steps}: AccumAdamW needs at least 1 step per update of its moments")
+if device == 'auto':
+    device = f'cuda:{local_rank}' if torch.cuda.is_available() else 'cpu'
+elif device == 'cuda' and ddp:
+    device = f'cuda:{local_rank}'
+device_type = device.split(':')[0]
+if device_type == 'cuda' and not torch.cuda.is_available():
+    sys.exit("error: device=cuda but torch sees no GPU: use --device=cpu (or auto)")
+if dtype == 'auto':
+    dtype = 'bfloat16' if device_type == 'cuda' else 'float32'
+if dtype not in ('float32', 'bfloat16'):
+    sys.exit(f"error: dtype={dtype!r}: decent_train.py takes auto, float32 or bfloat16 (float16's loss scaler would "
+             f"have to see every bucket's gradients before any bucket steps; use train.py for it)")
+if backend == 'auto':
+    backend = 'nccl' if device_type == 'cuda' else 'gloo'
+if gradient_accumulation_steps % dp_size != 0:
+    sys.exit(f"error: gradient_accumulation_steps={gradient_accumulation_steps} does not divide across {dp_size} "
+             f"data-parallel ranks: make it a multiple of {dp_size} (it is the total over all ranks)")
+micro_steps = gradient_accumulation_steps // dp_size  # on this rank (accum_steps is AccumAdamW's)
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
+if init_from not in ('scratch', 'resume', 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') and not os.path.exists(init_from):
+    sys.exit(f"error: unknown init_from={init_from!r}: use scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl "
+             f"or the path of a checkpoint (a ckpt.pt, a sharded checkpoint folder or a run's out_dir)")
+if device_type == 'cuda':
+    torch.cuda.set_device(device)
+if ddp:
+    dist.init_process_group(backend=backend, device_id=torch.device(device) if device_type == 'cuda' else None)
+else:
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+# each round's process groups: every rank creates every group, in the same order, and keeps the one it is in
+mixing_groups, made = [], {}  # per round: (this rank's group, its size), or None where the round leaves it alone
+for groups in rounds:
+    mine = None
+    for ranks in groups:
+        if len(ranks) > 1:
+            if tuple(ranks) not in made:
+                made[tuple(ranks)] = dist.new_group(ranks)
+            if rank in ranks:
+                mine = (made[tuple(ranks)], len(ranks))
+    mixing_groups.append(mine)
+torch.manual_seed(seed)  # every rank builds the same initial model
+if device_type == 'cuda':
+    torch.backends.cuda.matmul.fp32_precision = 'tf32'
+    torch.backends.cudnn.conv.fp32_precision = 'tf32'
+ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
+
+
+def print0(*args, **kwargs):
+    if master_process:
+        print(*args, **kwargs, flush=True)
+
+
+if deterministic:
+    os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')  # cuBLAS is deterministic only with a fixed workspace
+    torch.use_deterministic_algorithms(True)
+    if device_type == 'cuda':
+        torch.backends.cudnn.benchmark = False
+        # the fused attention kernels add up their backward in a varying order; the math one does not
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    if dropout != 0.0:
+        print0(f"deterministic: dropout {dropout} turned off")
+    dropout = config['dropout'] = 0.0
+
+print0(f"world size {world_size}, {micro_steps} micro-steps per rank, {tokens_per_iter:,} tokens per iteration")
+print0(f"topology {topology}, a cycle of {len(rounds)} mixing rounds; optimizer {optimizer}")
+
+# -----------------------------------------------------------------------------
+# data: nanoGPT's uint16 train.bin / val.bin
+data_dir = os.path.join('data', dataset)
+bin_path, n_tokens = {}, {}
+for split in ('train', 'val'):
+    bin_path[split] = os.path.join(data_dir, f'{split}.bin')
+    if not os.path.exists(bin_path[split]):
+        sys.exit(f"error: {bin_path[split]} not found: run `python prepare.py {dataset}` "
+                 f"(or `python prepare.py text --input=FILE --name={dataset}`) first")
+    n_tokens[split] = os.path.getsize(bin_path[split]) // 2
+    if n_tokens[split] < block_size + 1:
+        sys.exit(f"error: {bin_path[split]} holds {n_tokens[split]} tokens, fewer than block_size + 1 = {block_size + 1}: "
+                 f"lower --block_size or prepare more data")
+
+
+def get_batch(split, offsets):
+    # a new memmap per batch: a long-lived one keeps every page it touched and grows without bound
+    data = np.memmap(bin_path[split], dtype=np.uint16, mode='r')
+    chunk = torch.from_numpy(data[offsets.numpy()[:, None] + np.arange(block_size + 1)].astype(np.int64))
+    x, y = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+    if device_type == 'cuda':
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+# The training stream is a function of the seed and the step alone: each step draws the offsets of the whole
+# global batch from one generator and each (rank, micro-step) takes its own row, so 1, 2 or 8 ranks see the same
+# data, and saving this generator's state saves the data position.
+data_gen = torch.Generator().manual_seed(seed)
+
+
+def draw_train_offsets():
+    offsets = torch.randint(n_tokens['train'] - block_size, (gradient_accumulation_steps, batch_size), generator=data_gen)
+    return offsets[dp_rank * micro_steps:(dp_rank + 1) * micro_steps]
+
+
+# -----------------------------------------------------------------------------
+# model
+meta_vocab_size = None
+meta_path = os.path.join(data_dir, 'meta.pkl')
+if os.path.exists(meta_path):
+    import pickle
+    with open(meta_path, 'rb') as f:
+        meta_vocab_size = pickle.load(f)['vocab_size']
+model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
+                  vocab_size=meta_vocab_size or 50304, dropout=dropout)
+iter_num, best_val_loss, checkpoint = 0, 1e9, None
+
+
+def take_shape(ckpt_args):
+    """The model's shape comes from the checkpoint; a key that says otherwise is a mistake, not a request."""
+    for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size'):
+        if k in given and config[k] != ckpt_args[k]:
+            sys.exit(f"error: {k}={config[k]!r} contradicts the checkpoint's {k}={ckpt_args[k]!r}: drop that "
+                     f"setting to start from it, or use another out_dir to train a new model")
+        model_args[k] = ckpt_args[k]
+        if k in config:  # and the globals (block_size sizes the batches) and the config saved with the run
+            globals()[k] = config[k] = ckpt_args[k]
+
+
+if init_from == 'resume':
+    # this run's own checkpoint, a replica per rank; else a ckpt.pt (train.py's, or this script's averaged export)
+    # that every replica starts from
+    ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+    latest = os.path.join(out_dir, 'decent', 'latest')
+    if os.path.exists(latest):
+        with open(latest) as f:
+            folder = os.path.join(out_dir, 'decent', f.read().strip())
+        files = os.listdir(folder) if os.path.isdir(folder) else []
+        saved = sum(n.startswith('rank-') and n.endswith('.pt') for n in files)
+        if saved != world_size:
+            sys.exit(f"error: {folder} holds the replicas of {saved} ranks, not {world_size}: resume with {saved} "
+                     f"ranks, or delete {os.path.dirname(latest)} to start every replica from the averaged {ckpt_path}")
+        ckpt_path = os.path.join(folder, f'rank-{rank}.pt')
+    if not os.path.exists(ckpt_path):
+        sys.exit(f"error: no checkpoint at {ckpt_path}: point --out_dir at a run's folder, or use --init_from=scratch")
+    try:
+        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=True)  # a checkpoint is data, never code
+        ckpt_args = checkpoint['model_args']
+        take_shape(ckpt_args)
+        model = GPT(GPTConfig(**model_args))
+        model.load_state_dict(GPT.upgrade_state_dict(checkpoint['model']))
+        iter_num, best_val_loss = checkpoint['iter_num'], float(checkpoint['best_val_loss'])  # nanoGPT saved a tensor
+    except Exception as e:
+        sys.exit(f"error: checkpoint {ckpt_path} is corrupt or not a training checkpoint ({type(e).__name__}: "
+                 f"{str(e).splitlines()[0][:200] if str(e) else ''}): delete it or restore a good copy")
+elif init_from in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
+    print0(f"initializing from OpenAI GPT-2 weights: {init_from}")
+    try:
+        model = GPT.from_pretrained(init_from, dict(dropout=dropout))
+    except ImportError:
+        sys.exit(f"error: init_from={init_from} needs Hugging Face transformers: pip install transformers")
+    except OSError as e:
+        sys.exit(f"error: could not load {init_from} from the Hugging Face hub ({str(e).splitlines()[0][:200]}): "
+                 f"check the network, or set HF_HUB_OFFLINE=1 with the model in the local cache")
+    for k in ('n_layer', 'n_head', 'n_embd', 'bias', 'vocab_size'):
+        model_args[k] = getattr(model.config, k)
+elif init_from != 'scratch':
+    # any entrypoint's checkpoint, or a run folder's newest: its weights, with a new optimizer from step 0
+    try:
+        model, ckpt = load_checkpoint(init_from, dropout=dropout)
+        take_shape(ckpt['model_args'])
+    except Exception as e:
+        sys.exit(f"error: cannot read a checkpoint at {init_from} ({type(e).__name__}: "
+                 f"{str(e).splitlines()[0][:200] if str(e) else ''}): give a ckpt.pt, a sharded checkpoint or a run folder")
+    print0(f"initializing from the weights of {find_checkpoint(init_from)}")
+else:
+    model = GPT(GPTConfig(**model_args))
+if block_size < model.config.block_size:
+    model.crop_block_size(block_size)  # fine-tune GPT-2 with a shorter context
+    model_args['block_size'] = block_size
+elif block_size > model.config.block_size:
+    sys.exit(f"error: block_size={block_size} is longer than the model's {model.config.block_size} positions: "
+             f"use --block_size={model.config.block_size} or less")
+print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
+model.to(device)
+torch.manual_seed(seed + dp_rank)  # and then draws its own dropout masks
+raw_model = model  # the bare module: its state_dict and MFU, whatever wraps it below
+
+
+# -----------------------------------------------------------------------------
+# buckets, the unit of update and mixing: the embeddings with the tied head and the final LayerNorm, then each
+# block. A bucket's parameters become views into one flat tensor, so that it mixes in one all-reduce, no copies.
+@dataclass(eq=False)  # buckets are compared by identity, not by their tensors
+class Bucket:
+    params: list
+    flat: torch.Tensor
+    optimizer: torch.optim.Optimizer = None
+    ready: int = 0  # parameters whose gradient this backward has completed
+    stepped_at: int = -1  # the iteration of its last update
+    work: dist.Work = None  # its mixing all-reduce, while in flight
+
+
+def make_bucket(params):
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    offset = 0
+    for p in params:
+        p.data = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return Bucket(params, flat)
+
+
+in_blocks = {p for block in model.transformer.h for p in block.parameters()}
+buckets = [make_bucket([p for p in model.parameters() if p not in in_blocks])]
+buckets += [make_bucket(list(block.parameters())) for block in model.transformer.h]
+bucket_of = {p: bucket for bucket in buckets for p in bucket.params}
+last_micro_step = False  # set by the loop: only the last micro-step's backward updates and mixes
+
+
+def update_and_mix(bucket):
+    """This rank's optimizer step on the bucket, then its average with this round's group, in the background."""
+    bucket.optimizer.step()
+    bucket.stepped_at = iter_num
+    group = mixing_groups[iter_num % len(mixing_groups)]
+    if group is not None:
+        process_group, size = group
+        bucket.flat.div_(size)  # the all-reduce adds up the group's x_j / size: their average
+        bucket.work = dist.all_reduce(bucket.flat, group=process_group, async_op=True)
+
+
+def on_gradient(param):
+    """A parameter's gradient is complete: once all of its bucket's are, the bucket updates and starts mixing
+    while the backward goes on through the layers before it."""
+    if not last_micro_step or grad_clip != 0.0:
+        return  # more micro-steps to come, or clipping, which needs the rank's whole gradient first
+    bucket = bucket_of[param]
+    bucket.ready += 1
+    if bucket.ready == len(bucket.params):
+        bucket.ready = 0
+        update_and_mix(bucket)
+
+
+def wait_for(bucket):
+    if bucket.work is not None:
+        bucket.work.wait()
+        bucket.work = None
+
+
+def finish_mixing():
+    for bucket in buckets:
+        wait_for(bucket)
+
+
+for p in bucket_of:
+    p.register_post_accumulate_grad_hook(on_gradient)
+# the next forward waits for each bucket's mixing just before the module that reads it, so the later buckets
+# still travel while the earlier layers compute
+model.register_forward_pre_hook(lambda module, args: wait_for(buckets[0]))
+for block, bucket in zip(model.transformer.h, buckets[1:]):
+    block.register_forward_pre_hook(lambda module, args, bucket=bucket: wait_for(bucket))
+
+
+# -----------------------------------------------------------------------------
+# optimizer: one per bucket, each with train.py's two groups (weight decay on matrices and embeddings only)
+class AccumAdamW(torch.optim.Optimizer):
+    """The method's AccumAdam, with AdamW's decoupled weight decay: the parameters move every step, but the
+    moments take in the mean gradient of accum_steps steps at once, so that with few samples per rank and step
+    they estimate the statistics of a larger batch. Each step's direction uses the moments as they would be with
+    this step's gradient taken in, so accum_steps=1 is exactly AdamW. state['step'] counts the moments' updates,
+    as AdamW's does, so AdamW's state carries over both ways."""
+
+    def __init__(self, params, lr, betas, weight_decay, accum_steps, eps=1e-8):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, accum_steps=accum_steps, eps=eps))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            beta1, beta2 = group['betas']
+            for p in group['params']:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if 'grad_sum' not in state:  # a fresh state, or AdamW's
+                    state.setdefault('step', 0)
+                    state.setdefault('exp_avg', torch.zeros_like(p))
+                    state.setdefault('exp_avg_sq', torch.zeros_like(p))
+                    state['grad_sum'], state['grads_summed'] = torch.zeros_like(p), 0
+                g = p.grad
+                exp_avg = state['exp_avg'].lerp(g, 1 - beta1)
+                exp_avg_sq = state['exp_avg_sq'].mul(beta2).addcmul_(g, g, value=1 - beta2)
+                t = state['step'] + 1
+                denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** t)).add_(group['eps'])
+                p.mul_(1 - group['lr'] * group['weight_decay'])
+                p.addcdiv_(exp_avg, denom, value=-group['lr'] / (1 - beta1 ** t))
+                state['grad_sum'].add_(g)
+                state['grads_summed'] += 1
+                if state['grads_summed'] == group['accum_steps']:
+                    mean = state['grad_sum'].div_(group['accum_steps'])
+                    state['exp_avg'].lerp_(mean, 1 - beta1)
+                    state['exp_avg_sq'].mul_(beta2).addcmul_(mean, mean, value=1 - beta2)
+                    state['step'] = t
+                    state['grad_sum'].zero_()
+                    state['grads_summed'] = 0
+
+
+decay = set(raw_model.param_groups()[0])
+names = {p: n for n, p in raw_model.named_parameters()}
+
+
+def make_optimizer(params):
+    groups = [{'params': [p for p in params if names[p] in decay], 'weight_decay': weight_decay},
+              {'params': [p for p in params if names[p] not in decay], 'weight_decay': 0.0}]
+    if optimizer == 'sgd':
+        return torch.optim.SGD(groups, lr=learning_rate)
+    if optimizer == 'accumadamw':
+        return AccumAdamW(groups, lr=learning_rate, betas=(beta1, beta2), weight_decay=weight_decay,
+                          accum_steps=accum_steps)
+    fused = {'fused': True} if device_type in ('cuda', 'cpu') else {}  # one kernel for the update, as train.py's
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=(beta1, beta2), **fused)
+
+
+for bucket in buckets:
+    bucket.optimizer = make_optimizer(bucket.params)
+
+# -----------------------------------------------------------------------------
+# checkpoint load: the rest of the state, so that the run continues exactly where it stopped
+if checkpoint is not None:
+    saved_optimizer = checkpoint.get('config', {}).get('optimizer', 'adamw')
+    if 'optimizers' in checkpoint and saved_optimizer != optimizer:
+        sys.exit(f"error: {ckpt_path} holds the state of optimizer={saved_optimizer}: resume with "
+                 f"--optimizer={saved_optimizer}, or delete {os.path.dirname(os.path.dirname(ckpt_path))} to start "
+                 f"from the averaged ckpt.pt")
+    try:
+        if 'optimizers' in checkpoint:  # this script's: every bucket's own
+            for bucket, state in zip(buckets, checkpoint['optimizers'], strict=True):
+                bucket.optimizer.load_state_dict(state)
+        elif optimizer != 'sgd':
+            # train.py's AdamW state, numbered over the whole model: train.py's optimizer reads it, and each
+            # bucket's takes its parameters' moments from there
+            adamw = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+            adamw.load_state_dict(raw_model.upgrade_optimizer_state(checkpoint['optimizer']))
+            for p, state in adamw.state.items():
+                if optimizer == 'accumadamw':
+                    state = {**state, 'step': int(state['step'])}  # it counts in a plain int
+                bucket_of[p].optimizer.state[p] = state
+    except Exception as e:
+        sys.exit(f"error: checkpoint {ckpt_path} has an optimizer state that does not fit this model ({type(e).__name__}: "
+                 f"{str(e).splitlines()[0][:200]}): delete it or restore a good copy")
+    if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
+        data_gen.set_state(checkpoint['data_rng'])
+    rng = checkpoint.get('rng', [])
+    if len(rng) == world_size:
+        torch.set_rng_state(rng[rank]['cpu'])
+        if device_type == 'cuda' and 'cuda' in rng[rank]:
+            torch.cuda.set_rng_state(rng[rank]['cuda'])
+    elif rng:
+        print0(f"checkpoint was written by {len(rng)} ranks, not {world_size}: dropout masks start afresh")
+    print0(f"resuming from {ckpt_path} at iter {iter_num}")
+    checkpoint = None  # free the memory
+
+if compile:
+    print0("compiling the blocks... (takes a ~minute)")
+    for block in model.transformer.h:
+        block.forward = torch.compile(block.forward)  # the forward only: the hooks that wait for mixing stay eager
+eval_model = model
+
+
+def atomic_save(obj, path):
+    with open(path + '.tmp', 'wb') as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + '.tmp', path)
+
+
+@torch.no_grad()
+def average_replicas():
+    """Replaces every rank's replica by the mean of all of them. Returns this rank's own, to put back with
+    restore_replica, and the consensus distance: the mean over ranks of ||x_i - mean|| / ||mean||."""
+    finish_mixing()
+    own = [bucket.flat.clone() for bucket in buckets]
+    for bucket in buckets:
+        dist.all_reduce(bucket.flat)
+        bucket.flat.div_(world_size)
+    sq_distance = sum((x - bucket.flat).pow(2).sum() for x, bucket in zip(own, buckets))
+    sq_norm = sum(bucket.flat.pow(2).sum() for bucket in buckets)
+    distance = (sq_distance / sq_norm).sqrt()
+    dist.all_reduce(distance)
+    return own, distance.item() / world_size
+
+
+@torch.no_grad()
+def restore_replica(own):
+    for bucket, x in zip(buckets, own):
+        bucket.flat.copy_(x)
+
+
+def save_checkpoint():
+    """Every rank calls this. Each writes its replica and optimizer state, with the rest of the state, to
+    out_dir/decent/step-N/rank-R.pt; once all have, rank 0 points out_dir/decent/latest at the folder (a crash
+    before leaves the previous one in place) and removes the older ones. Then rank 0 writes out_dir/ckpt.pt in
+    train.py's format: the average of the replicas and of their Adam moments, for sample.py and train.py."""
+    rng = {'cpu': torch.get_rng_state(), **({'cuda': torch.cuda.get_rng_state()} if device_type == 'cuda' else {})}
+    rngs = [None] * world_size
+    dist.all_gather_object(rngs, rng)
+    name = f'step-{iter_num:08d}'
+    folder = os.path.join(out_dir, 'decent', name)
+    checkpoint = {
+        'model_args': model_args,
+        'iter_num': iter_num,
+        'best_val_loss': best_val_loss,
+        'config': config,
+        'rng': rngs,
+        'data_rng': data_gen.get_state(),
+    }
+    os.makedirs(folder, exist_ok=True)
+    atomic_save({'model': raw_model.state_dict(), 'optimizers': [b.optimizer.state_dict() for b in buckets],
+                 **checkpoint}, os.path.join(folder, f'rank-{rank}.pt'))
+    dist.barrier()  # every replica is on disk
+    if master_process:
+        latest = os.path.join(out_dir, 'decent', 'latest')
+        with open(latest + '.tmp', 'w') as f:
+            f.write(name)
+        os.replace(latest + '.tmp', latest)
+        for old in os.listdir(os.path.dirname(folder)):
+            if old.startswith('step-') and old != name:
+                shutil.rmtree(os.path.join(out_dir, 'decent', old), ignore_errors=True)
+        print0(f"saved checkpoint to {folder}")
+    # the export: train.py's optimizer over the averaged model holds the averaged moments (sgd has none)
+    own, _ = average_replicas()
+    adamw = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+    for p, bucket in bucket_of.items():
+        state = bucket.optimizer.state.get(p, {})
+        if 'exp_avg' in state:
+            moments = torch.stack([state['exp_avg'], state['exp_avg_sq']])
+            dist.all_reduce(moments)
+            moments /= world_size
+            adamw.state[p] = dict(step=torch.tensor(float(state['step'])), exp_avg=moments[0], exp_avg_sq=moments[1])
+    if master_process:
+        atomic_save({'model': raw_model.state_dict(), 'optimizer': adamw.state_dict(), **checkpoint},
+                    os.path.join(out_dir, 'ckpt.pt'))
+        print0(f"saved the averaged model to {os.path.join(out_dir, 'ckpt.pt')}")
+    restore_replica(own)
+    dist.barrier()  # nobody reads or rewrites the folder until it is complete
+
+
+@torch.no_grad()
+def estimate_loss():
+    """Mean loss of the averaged model over eval_iters batches per split, the same batches at every eval (a fixed
+    seed), so that evals compare; the batches are shared out over the ranks and the sum all-reduced. Each rank's
+    own replica is put back after; the consensus distance comes along."""
+    own, consensus = average_replicas()
+    out = {}
+    eval_model.eval()
+    for i, split in enumerate(('train', 'val')):
+        gen = torch.Generator().manual_seed(seed + 1 + i)
+        offsets = torch.randint(n_tokens[split] - block_size, (eval_iters, batch_size), generator=gen)
+        total = torch.zeros((), device=device)
+        for k in range(dp_rank, eval_iters, dp_size):
+            X, Y = get_batch(split, offsets[k])
+            with ctx:
+                _, loss = eval_model(X, Y)
+            total += loss.float()
+        dist.all_reduce(total)
+        out[split] = total.item() / eval_iters
+    eval_model.train()
+    restore_replica(own)
+    return out, consensus
+
+
+def state_bytes():
+    """Bytes of parameters, gradients and optimizer state on this rank: a full replica of each, as DDP's."""
+    size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)
+    return dict(param_bytes=size(model.parameters()),
+                grad_bytes=size(p.grad for p in model.parameters() if p.grad is not None),
+                optim_bytes=size(v for b in buckets for s in b.optimizer.state.values() for v in s.values()
+                                 if torch.is_tensor(v)))
+
+
+def get_lr(it):
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    decay_ratio = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))  # from 1 down to 0
+    return min_lr + coeff * (learning_rate - min_lr)
+
+
+# -----------------------------------------------------------------------------
+# logging: one line per logged step for people, the same as JSON in out_dir/metrics.jsonl for programs
+if master_process:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, 'config.json'), 'w') as f:
+        json.dump({**config, 'world_size': world_size, 'local_world_size': local_world_size, 'mixing_rounds': rounds},
+                  f, indent=1)  # the run's settings, beside its results
+    metrics_path = os.path.join(out_dir, 'metrics.jsonl')
+    if init_from == 'resume' and os.path.exists(metrics_path):
+        # rows that an interrupted run logged after its checkpoint are about to be logged again
+        with open(metrics_path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line).get('iter', 0) < iter_num]
+        with open(metrics_path + '.tmp', 'w') as f:
+            f.writelines(kept)
+        os.replace(metrics_path + '.tmp', metrics_path)
+    metrics = open(metrics_path, 'a' if init_from == 'resume' else 'w', buffering=1)
+if wandb_log and master_process:
+    import wandb
+    wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+device_name = torch.cuda.get_device_name(device) if device_type == 'cuda' else device_type
+
+
+def log_metrics(**row):
+    if master_process:
+        metrics.write(json.dumps({'iter': iter_num, **row, 'time': round(time.time() - t_start, 3)}) + '\n')
+
+
+# -----------------------------------------------------------------------------
+# training loop
+t_start = time.time()
+t0, steps_timed = time.time(), 0
+local_iter_num = 0  # steps taken by this process, whatever iter_num it started from
+loss_sum = torch.zeros((), device=device)
+while True:
+    lr = get_lr(iter_num) if decay_lr else learning_rate
+    for bucket in buckets:
+        for param_group in bucket.optimizer.param_groups:
+            param_group['lr'] = lr
+
+    if iter_num % eval_interval == 0 or iter_num == max_iters:
+        losses, consensus = estimate_loss()
+        print0(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, "
+               f"consensus distance {consensus:.3e}")
+        log_metrics(train_loss=losses['train'], val_loss=losses['val'], consensus_distance=consensus)
+        if wandb_log and master_process:
+            wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr,
+                       'consensus_distance': consensus})
+        if losses['val'] < best_val_loss or always_save_checkpoint:
+            best_val_loss = min(best_val_loss, losses['val'])
+            if iter_num > 0:
+                save_checkpoint()
+        t0, steps_timed = time.time(), 0  # leave evals out of the step time
+    if iter_num >= max_iters or eval_only:
+        break
+
+    # one step of every replica on its share of the global batch, in micro_steps micro-steps on each rank
+    offsets = draw_train_offsets()
+    for micro_step in range(micro_steps):
+        X, Y = get_batch('train', offsets[micro_step])
+        # the last micro-step's backward updates each bucket and starts its mixing as soon as its gradients are in
+        last_micro_step = micro_step == micro_steps - 1
+        with ctx:
+            _, loss = model(X, Y)
+            # gradients add up over micro-steps, so each is scaled to make the sum a mean over the rank's batch
+            loss = loss / micro_steps
+        loss_sum += loss.detach().float()
+        loss.backward()
+    if grad_clip != 0.0:
+        # clipped by this rank's own gradient norm, which needs every gradient: the buckets update and mix only
+        # now, and the communication overlaps the next forward alone
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    for bucket in buckets:  # all of them when clipping; otherwise the backward has updated every one
+        if bucket.stepped_at != iter_num:
+            update_and_mix(bucket)
+    if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
+        mem = state_bytes()
+        print0("per-rank memory: " + ", ".join(f"{k.removesuffix('_bytes')} {v / 2**20:.2f} MiB" for k, v in mem.items()))
+        log_metrics(**mem)
+    for bucket in buckets:
+        bucket.optimizer.zero_grad(set_to_none=True)
+    steps_timed += 1
+
+    if iter_num % log_interval == 0:
+        # the loss of the whole global batch: the mean over ranks of each rank's mean over its micro-steps
+        dist.all_reduce(loss_sum)
+        lossf = loss_sum.item() / world_size  # .item() waits for the GPU, so the time below is real
+        dt = (time.time() - t0) / steps_timed
+        mfu = raw_model.estimate_mfu(batch_size * micro_steps, dt, device_name)
+        print0(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f} ms, {tokens_per_iter / dt:,.0f} tok/s"
+               + (f", mfu {mfu * 100:.2f}%" if mfu is not None else ""))
+        log_metrics(loss=lossf, lr=lr, ms=dt * 1000, tokens_per_sec=tokens_per_iter / dt, mfu=mfu)
+        t0, steps_timed = time.time(), 0
+    loss_sum.zero_()
+    iter_num += 1
+    local_iter_num += 1
+
+if master_process:
+    metrics.close()
+finish_mixing()
+dist.barrier()  # gloo's teardown has aborted when one rank left while another was still in a collective
+dist.destroy_process_group()

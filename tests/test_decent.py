@@ -1,0 +1,319 @@
+"""decent_train.py in real process groups on gloo, in fp32: one process is train.py; two ranks of plain SGD on the
+complete topology are one rank; every topology's rounds are doubly stochastic and their cycle contracts; the
+consensus distance falls as the rounds predict; alternating-exp-ring on two nodes of two; AccumAdamW; exact
+resume; the averaged export through sample.py and train.py; bad input."""
+
+import ast
+import json
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, TINY, env, read_metrics, run
+
+
+def launch(tmp_path, data_dir, out, *extra, nproc=1, script='decent_train.py', check=True):
+    return run(script, *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path / out}', *extra,
+               nproc=nproc, cwd=tmp_path, check=check)
+
+
+def launch_two_nodes(tmp_path, data_dir, out, *extra):
+    """Two torchrun launches of 2 processes each, as the two nodes of one job on this machine (static rendezvous
+    on a free port): each process sees LOCAL_WORLD_SIZE=2 in a world of 4."""
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    args = [*TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path / out}', *extra]
+    nodes = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--nnodes=2', '--nproc_per_node=2',
+                               f'--node_rank={i}', '--master_addr=127.0.0.1', f'--master_port={port}',
+                               str(REPO / 'decent_train.py'), *args],
+                              cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    for node, (_, stderr) in zip(nodes, outputs):
+        assert node.returncode == 0, stderr[-5000:]
+    return outputs[0][0]
+
+
+def script_definitions(*names):
+    """decent_train.py trains when it runs, so the pure definitions it holds are taken from its source: its plain
+    imports and the named functions and classes, run in a namespace of their own."""
+    tree = ast.parse((REPO / 'decent_train.py').read_text())
+    keep = [node for node in tree.body if isinstance(node, ast.Import) or getattr(node, 'name', None) in names]
+    assert {getattr(node, 'name', None) for node in keep} >= set(names)
+    namespace = {}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), str(REPO / 'decent_train.py'), 'exec'), namespace)
+    return [namespace[name] for name in names]
+
+
+mixing_rounds, AccumAdamW = script_definitions('mixing_rounds', 'AccumAdamW')
+
+
+def mixing_matrix(groups, n):
+    """W[i, j]: the weight of replica j in rank i's after the round; a group averages, a rank alone keeps its own."""
+    w = torch.zeros(n, n, dtype=torch.float64)
+    for g in groups:
+        for i in g:
+            w[i, g] = 1 / len(g)
+    return w
+
+
+def replicas_of(path):
+    """A checkpoint's model as one vector, each parameter once (lm_head.weight is the token embedding)."""
+    sd = torch.load(path, map_location='cpu', weights_only=True)['model']
+    return torch.cat([sd[k].flatten().double() for k in sorted(sd) if k != 'lm_head.weight'])
+
+
+def consensus_distance(x):
+    """The mean over ranks (rows) of ||x_i - mean|| / ||mean||, as decent_train.py logs it."""
+    mean = x.mean(0)
+    return ((x - mean).norm(dim=1) / mean.norm()).mean().item()
+
+
+# -----------------------------------------------------------------------------
+# the topologies, without processes
+
+SERVED = [('complete', n, n) for n in (2, 4, 8)] + [('ring', n, n) for n in (2, 3, 4, 5, 8)] + \
+         [('one-peer-exp', n, n) for n in (2, 4, 8)] + \
+         [('alternating-exp-ring', 4, 2), ('alternating-exp-ring', 8, 2), ('alternating-exp-ring', 8, 4)]
+
+
+@pytest.mark.parametrize('topology, n, per_node', SERVED, ids=[f'{t}-{n}/{l}' for t, n, l in SERVED])
+def test_rounds_are_doubly_stochastic_and_their_cycle_contracts(topology, n, per_node):
+    rounds = mixing_rounds(topology, n, per_node)
+    product = torch.eye(n, dtype=torch.float64)
+    for groups in rounds:
+        assert sorted(r for g in groups for r in g) == list(range(n)), groups  # every rank in exactly one group
+        w = mixing_matrix(groups, n)
+        assert (w >= 0).all()
+        assert torch.allclose(w.sum(0), torch.ones(n, dtype=torch.float64))  # keeps the average
+        assert torch.allclose(w.sum(1), torch.ones(n, dtype=torch.float64))  # a weighted mean of replicas
+        product = w @ product
+    # one cycle shrinks every deviation from the average by the product's largest singular value off the
+    # consensus direction: the spectral gap 1 - sigma must be positive
+    sigma = torch.linalg.matrix_norm(product - torch.full((n, n), 1 / n, dtype=torch.float64), ord=2).item()
+    assert sigma < 1 - 1e-3, sigma
+    if topology != 'ring' or n in (2, 4):
+        assert sigma < 1e-12  # these reach the exact average within a cycle
+    else:
+        assert sigma > 0.2  # larger rings approach it: a ring of 8 halves the squared deviation per cycle
+
+
+def test_rounds_pair_the_ranks_as_documented():
+    assert mixing_rounds('ring', 4, 4) == [[[0, 1], [2, 3]], [[1, 2], [0, 3]]]
+    assert mixing_rounds('one-peer-exp', 8, 8)[2] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # within the nodes, then rank j of node a with rank j of node b
+    assert mixing_rounds('alternating-exp-ring', 4, 2) == [[[0, 1], [2, 3]], [[0, 2], [1, 3]]]
+    assert len(mixing_rounds('alternating-exp-ring', 16, 4)) == 4  # 4 nodes: 2 rounds across, each after one within
+
+
+@pytest.mark.parametrize('topology, n, per_node, message', [
+    ('exp', 4, 4, "unknown topology='exp'"),
+    ('one-peer-exp', 6, 6, 'power-of-2 world size, not 6'),
+    ('alternating-exp-ring', 2, 2, 'not world size 2 with LOCAL_WORLD_SIZE=2'),  # one node
+    ('alternating-exp-ring', 4, 1, 'LOCAL_WORLD_SIZE=1'),  # nodes of one rank
+    ('alternating-exp-ring', 12, 4, '2, 4, 8, ... nodes'),  # 3 nodes
+])
+def test_topologies_refuse_world_sizes_they_cannot_serve(topology, n, per_node, message):
+    with pytest.raises(ValueError, match=message.replace('(', r'\(').replace('.', r'\.')):
+        mixing_rounds(topology, n, per_node)
+
+
+def test_accumadamw_is_adamw_at_one_step_and_feeds_its_moments_every_accum_steps():
+    torch.manual_seed(0)
+    x0, grads = torch.randn(5, 3), [torch.randn(5, 3) for _ in range(6)]
+    a, b = torch.nn.Parameter(x0.clone()), torch.nn.Parameter(x0.clone())
+    ours = AccumAdamW([a], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, accum_steps=1)
+    adamw = torch.optim.AdamW([b], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
+    for g in grads:
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        adamw.step()
+    assert (a - x0).abs().max() > 1e-2 and torch.allclose(a, b, rtol=0, atol=1e-7)
+    # accum_steps=3: the parameters move every step; the moments change at steps 3 and 6 only, by the mean
+    # gradient of the three steps before
+    c = torch.nn.Parameter(x0.clone())
+    opt = AccumAdamW([c], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, accum_steps=3)
+    m = v = torch.zeros(5, 3)
+    for t, g in enumerate(grads, 1):
+        before = c.detach().clone()
+        c.grad = g.clone()
+        opt.step()
+        assert not torch.equal(c, before)
+        if t % 3 == 0:
+            mean = sum(grads[t - 3:t]) / 3
+            m, v = 0.9 * m + 0.1 * mean, 0.95 * v + 0.05 * mean ** 2
+        state = opt.state[c]
+        assert state['step'] == t // 3 and state['grads_summed'] == t % 3
+        assert torch.allclose(state['exp_avg'], m, atol=1e-7) and torch.allclose(state['exp_avg_sq'], v, atol=1e-7)
+
+
+# -----------------------------------------------------------------------------
+# training runs
+
+@pytest.fixture(scope='module')
+def train_run(tmp_path_factory, data_dir):
+    """train.py on one process, 4 steps: the reference, and a checkpoint to start from."""
+    tmp = tmp_path_factory.mktemp('train_run')
+    launch(tmp, data_dir, 'run', '--gradient_accumulation_steps=2', '--max_iters=4', '--eval_interval=4',
+           script='train.py')
+    return tmp / 'run'
+
+
+def test_one_process_with_adamw_is_train_py(tmp_path, data_dir, train_run):
+    # the same step, bucket by bucket: per-parameter AdamW and the rank's own clipping are train.py's on one rank
+    launch(tmp_path, data_dir, 'run', '--gradient_accumulation_steps=2', '--max_iters=4', '--eval_interval=4',
+           '--optimizer=adamw')
+    (ref, ref_evals), (ours, our_evals) = read_metrics(train_run), read_metrics(tmp_path / 'run')
+    assert sorted(ref) == sorted(ours) == list(range(4)) and ref[3] < ref[0] - 0.1
+    assert all(abs(ref[i] - ours[i]) <= 1e-6 * ref[i] for i in range(4)), (ref, ours)
+    assert abs(ref_evals[-1]['val_loss'] - our_evals[-1]['val_loss']) <= 1e-6 * ref_evals[-1]['val_loss']
+
+
+def test_complete_sgd_two_ranks_match_one_rank_with_twice_the_micro_steps(tmp_path, data_dir):
+    # 4 micro-steps in a step either way: 4 on one rank, 2 on each of two. From equal replicas, the average of two
+    # SGD steps is one step on the average gradient, so the runs agree to rounding
+    args = ['--topology=complete', '--optimizer=sgd', '--grad_clip=0.0', '--learning_rate=0.5', '--min_lr=0.05',
+            '--gradient_accumulation_steps=4', '--max_iters=10', '--eval_interval=10']
+    launch(tmp_path, data_dir, 'one', *args)
+    launch(tmp_path, data_dir, 'two', *args, nproc=2)
+    (one, one_evals), (two, two_evals) = read_metrics(tmp_path / 'one'), read_metrics(tmp_path / 'two')
+    assert sorted(one) == sorted(two) == list(range(10))
+    assert one[9] < one[0] - 0.3  # it learns
+    for i in range(10):
+        assert abs(one[i] - two[i]) <= 1e-5 * one[i], (i, one[i], two[i])
+    assert abs(one_evals[-1]['val_loss'] - two_evals[-1]['val_loss']) <= 1e-5 * one_evals[-1]['val_loss']
+    assert two_evals[-1]['consensus_distance'] < 1e-7  # complete mixing: every replica is the average
+    assert (replicas_of(tmp_path / 'one' / 'ckpt.pt') - replicas_of(tmp_path / 'two' / 'ckpt.pt')).abs().max() < 1e-5
+
+
+@pytest.fixture(scope='module')
+def two_nodes(tmp_path_factory, data_dir):
+    """alternating-exp-ring on 4 processes as 2 nodes of 2, 6 steps: a checkpoint of 4 replicas at step 6."""
+    tmp = tmp_path_factory.mktemp('two_nodes')
+    stdout = launch_two_nodes(tmp, data_dir, 'run', '--topology=alternating-exp-ring',
+                              '--gradient_accumulation_steps=4', '--max_iters=6', '--eval_interval=3')
+    return tmp / 'run', stdout
+
+
+def test_alternating_exp_ring_runs_on_two_nodes_of_two(two_nodes):
+    out, stdout = two_nodes
+    config = json.loads((out / 'config.json').read_text())
+    assert config['world_size'] == 4 and config['local_world_size'] == 2
+    assert config['mixing_rounds'] == [[[0, 1], [2, 3]], [[0, 2], [1, 3]]]  # within nodes, then across
+    losses, evals = read_metrics(out)
+    assert sorted(losses) == list(range(6)) and losses[5] < losses[0] - 0.1
+    # the replicas see different data, so they drift apart between mixings, but stay close
+    assert evals[0]['consensus_distance'] < 1e-6 and all(1e-5 < e['consensus_distance'] < 0.05 for e in evals[1:])
+    assert 'topology alternating-exp-ring, a cycle of 2 mixing rounds' in stdout
+    # the export is the average of the four replicas
+    folder = out / 'decent' / 'step-00000006'
+    assert sorted(p.name for p in folder.iterdir()) == [f'rank-{r}.pt' for r in range(4)]
+    replicas = torch.stack([replicas_of(folder / f'rank-{r}.pt') for r in range(4)])
+    assert (replicas - replicas.mean(0)).abs().max() > 1e-5
+    assert (replicas_of(out / 'ckpt.pt') - replicas.mean(0)).abs().max() < 1e-6
+
+
+def test_consensus_distance_falls_as_the_mixing_rounds_predict(tmp_path, data_dir, two_nodes):
+    # four different replicas (GPTs from four seeds) in the 4-rank checkpoint, then ring steps with lr 0 on 4
+    # processes: only the mixing moves them, so each replica is the rounds' product applied to the four
+    from model import GPT, GPTConfig
+    out = tmp_path / 'run'
+    shutil.copytree(two_nodes[0], out)
+    folder = out / 'decent' / 'step-00000006'
+    for r in range(4):
+        c = torch.load(folder / f'rank-{r}.pt', weights_only=True)
+        torch.manual_seed(100 + r)
+        c['model'] = GPT(GPTConfig(**c['model_args'])).state_dict()
+        torch.save(c, folder / f'rank-{r}.pt')
+    x = torch.stack([replicas_of(folder / f'rank-{r}.pt') for r in range(4)])
+    args = ['--init_from=resume', '--topology=ring', '--learning_rate=0.0', '--min_lr=0.0',
+            '--gradient_accumulation_steps=4', '--max_iters=9', '--eval_interval=1', '--always_save_checkpoint=False']
+    launch(tmp_path, data_dir, 'run', *args, nproc=4)
+    evals = [e for e in read_metrics(out)[1] if e['iter'] >= 6]
+    assert [e['iter'] for e in evals] == [6, 7, 8, 9]
+    rounds = mixing_rounds('ring', 4, 4)
+    predicted = []
+    for t in range(6, 10):
+        predicted.append(consensus_distance(x))
+        x = mixing_matrix(rounds[t % len(rounds)], 4) @ x  # step t's mixing
+    measured = [e['consensus_distance'] for e in evals]
+    assert predicted[0] > 0.1 and predicted[1] < 0.8 * predicted[0]  # far apart at first; the first round pulls in
+    for p, m in zip(predicted, measured):
+        assert abs(p - m) <= 1e-4 * p + 1e-5, (predicted, measured)
+    # the mixing is doubly stochastic, so the average, which is what evals see, does not move
+    assert max(e['val_loss'] for e in evals) - min(e['val_loss'] for e in evals) < 1e-5
+
+
+def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path, data_dir):
+    # dropout on (every rank's RNG must come back), AccumAdamW stopped in the middle of its 3-step window (its
+    # gradient sum must come back), and the updates from the backward hooks (no clipping)
+    args = ['--optimizer=accumadamw', '--accum_steps=3', '--dropout=0.1', '--grad_clip=0.0',
+            '--gradient_accumulation_steps=2', '--eval_interval=4']
+    launch(tmp_path, data_dir, 'full', *args, '--max_iters=8', nproc=2)
+    launch(tmp_path, data_dir, 'split', *args, '--max_iters=4', nproc=2)
+    launch(tmp_path, data_dir, 'split', *args, '--max_iters=8', '--init_from=resume', nproc=2)
+    (full, full_evals), (split, split_evals) = read_metrics(tmp_path / 'full'), read_metrics(tmp_path / 'split')
+    assert sorted(split) == list(range(8))
+    assert [split[i] for i in range(8)] == [full[i] for i in range(8)]  # bit for bit
+    assert split_evals[-1] == {**full_evals[-1], 'time': split_evals[-1]['time']}
+    for r in range(2):
+        last = f'decent/step-00000008/rank-{r}.pt'
+        assert torch.equal(replicas_of(tmp_path / 'full' / last), replicas_of(tmp_path / 'split' / last))
+    assert not (tmp_path / 'split' / 'decent' / 'step-00000004').exists()  # the older checkpoint is gone
+
+
+def test_train_checkpoint_starts_the_replicas_and_their_average_goes_to_sample_and_train(tmp_path, data_dir,
+                                                                                          train_run):
+    out = tmp_path / 'run'
+    shutil.copytree(train_run, out)
+    train_eval = read_metrics(out)[1][-1]
+    p = launch(tmp_path, data_dir, 'run', '--init_from=resume', '--optimizer=accumadamw', '--max_iters=8',
+               '--gradient_accumulation_steps=2', '--eval_interval=4', nproc=2)
+    assert 'at iter 4' in p.stdout
+    losses, evals = read_metrics(out)  # train.py's rows from iter 4 on were dropped: they are logged again
+    assert sorted(losses) == list(range(8)) and [e['iter'] for e in evals] == [0, 4, 8]
+    # the first eval saw train.py's weights in every replica
+    assert abs(evals[1]['val_loss'] - train_eval['val_loss']) < 1e-6 and evals[1]['consensus_distance'] < 1e-7
+    # the export: the model (a ring of 2 averages both replicas every step) and the moments, by train.py's numbering
+    export = torch.load(out / 'ckpt.pt', weights_only=True)
+    assert torch.equal(replicas_of(out / 'ckpt.pt'), replicas_of(out / 'decent' / 'step-00000008' / 'rank-1.pt'))
+    assert export['iter_num'] == 8 and len(export['optimizer']['state']) == len(export['model']) - 1
+    s = run('sample.py', f'--out_dir={out}', '--num_samples=2', '--max_new_tokens=20', '--device=cpu', cwd=tmp_path)
+    assert s.stdout.count('---------------') == 2
+    # train.py resumes the export: its eval at 8 is decent_train.py's, on the same averaged model
+    launch(tmp_path, data_dir, 'run', '--init_from=resume', '--max_iters=10', '--gradient_accumulation_steps=2',
+           '--eval_interval=4', script='train.py')
+    losses, train_evals = read_metrics(out)
+    assert sorted(losses) == list(range(10)) and [e['iter'] for e in train_evals] == [0, 4, 8, 10]
+    assert abs(train_evals[2]['val_loss'] - evals[2]['val_loss']) < 1e-6
+
+
+def fails(tmp_path, data_dir, *args, nproc=1):
+    p = launch(tmp_path, data_dir, 'bad', *args, nproc=nproc, check=False)
+    assert p.returncode != 0
+    errors = [line for line in p.stderr.splitlines() if line.startswith('error: ')]
+    assert errors, p.stderr[-2000:]
+    if nproc == 1:
+        assert p.stderr.strip() == errors[0]  # one line, no traceback
+    return errors[0]
+
+
+def test_bad_topologies_world_sizes_and_keys_are_one_line_errors(tmp_path, data_dir, two_nodes):
+    assert "unknown topology='exp': use complete, ring, one-peer-exp or alternating-exp-ring" in \
+        fails(tmp_path, data_dir, '--topology=exp')
+    assert 'alternating-exp-ring needs 2, 4, 8, ... nodes of at least 2 ranks each, not world size 1' in \
+        fails(tmp_path, data_dir, '--topology=alternating-exp-ring')
+    assert 'one-peer-exp needs a power-of-2 world size, not 3' in \
+        fails(tmp_path, data_dir, '--topology=one-peer-exp', nproc=3)
+    assert "unknown optimizer='lamb': use adamw, accumadamw or sgd" in fails(tmp_path, data_dir, '--optimizer=lamb')
+    assert not (tmp_path / 'bad').exists()
+    # replicas do not reshard: a 4-rank checkpoint resumes on 4 ranks
+    before = {p: p.stat().st_mtime_ns for p in two_nodes[0].rglob('*')}
+    msg = fails(tmp_path, data_dir, f'--out_dir={two_nodes[0]}', '--init_from=resume')
+    assert 'holds the replicas of 4 ranks, not 1: resume with 4 ranks' in msg
+    assert {p: p.stat().st_mtime_ns for p in two_nodes[0].rglob('*')} == before
