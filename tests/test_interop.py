@@ -42,6 +42,17 @@ def test_train_fsdp_train_round_trip_keeps_the_weights_exactly(trip):
     assert (trip / 'b' / 'dcp' / 'latest').read_text() == 'step-00000003'
 
 
+def test_train_decent_train_round_trip_keeps_the_weights_exactly(trip, data_dir, tmp_path):
+    # decent_train.py starts every replica from train.py's checkpoint and exports their average: of equal
+    # replicas, that is the weights themselves
+    shutil.copytree(trip / 'a', tmp_path / 'd')
+    launch('decent_train.py', tmp_path, data_dir, 'd', '--init_from=resume', '--eval_only=True', nproc=2)
+    assert (tmp_path / 'd' / 'decent' / 'latest').exists()
+    launch('train.py', tmp_path, data_dir, 'd', '--init_from=resume', '--eval_only=True')
+    a, d = weights(trip / 'a' / 'ckpt.pt'), weights(tmp_path / 'd' / 'ckpt.pt')
+    assert a.keys() == d.keys() and all(torch.equal(a[k], d[k]) for k in a)
+
+
 def test_init_from_any_checkpoint_path(trip, data_dir, tmp_path):
     # the sharded folder fsdp_train.py wrote, read by train.py in one process: the same weights give the same
     # val loss as the run that saved them (evals use the same batches every time)
@@ -119,7 +130,7 @@ def test_model_size_matches_what_the_entrypoints_log(tmp_path, data_dir):
     assert sizes['ZeRO-1']['optim_bytes'] == sizes['DDP']['optim_bytes'] / 2
 
 
-@pytest.mark.parametrize('script, nproc', [('train.py', 1), ('fsdp_train.py', 2)])
+@pytest.mark.parametrize('script, nproc', [('train.py', 1), ('fsdp_train.py', 2), ('decent_train.py', 2)])
 def test_deterministic_runs_repeat_exactly(tmp_path, data_dir, script, nproc):
     for out in ('one', 'two'):
         p = launch(script, tmp_path, data_dir, out, '--max_iters=4', '--deterministic=True', '--dropout=0.1',
