@@ -236,7 +236,6 @@ def prepare_documents(dataset, out_dir):
 
 
 def main():
-    global input
     if len(sys.argv) < 2 or sys.argv[1] not in DATASETS:
         given = sys.argv[1] if len(sys.argv) > 1 else 'nothing'
         sys.exit(f"error: unknown dataset {given!r}: use one of {', '.join(DATASETS)}")

@@ -42,6 +42,17 @@ def run(script, *args, nproc=1, cwd, check=True, nthreads=None):
     return p
 
 
+def one_line_error(p, nproc=1):
+    """The `error: ...` line of a run that had to fail: a non-zero exit and, on one process, nothing else on
+    stderr (no traceback). Under torchrun the launcher adds its own report around it."""
+    assert p.returncode != 0, p.stdout[-2000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith('error: ')]
+    assert errors, p.stderr[-2000:]
+    if nproc == 1:
+        assert p.stderr.strip() == errors[0]
+    return errors[0]
+
+
 def read_metrics(out_dir):
     """{iter: loss} of the logged steps, and the list of eval rows, from a run's metrics.jsonl."""
     losses, evals = {}, []

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY, env, read_metrics, run
+from conftest import REPO, TINY, env, one_line_error, read_metrics, run
 
 
 def launch(tmp_path, data_dir, out, *extra, nproc=1, script='decent_train.py', check=True):
@@ -294,13 +294,7 @@ def test_train_checkpoint_starts_the_replicas_and_their_average_goes_to_sample_a
 
 
 def fails(tmp_path, data_dir, *args, nproc=1):
-    p = launch(tmp_path, data_dir, 'bad', *args, nproc=nproc, check=False)
-    assert p.returncode != 0
-    errors = [line for line in p.stderr.splitlines() if line.startswith('error: ')]
-    assert errors, p.stderr[-2000:]
-    if nproc == 1:
-        assert p.stderr.strip() == errors[0]  # one line, no traceback
-    return errors[0]
+    return one_line_error(launch(tmp_path, data_dir, 'bad', *args, nproc=nproc, check=False), nproc)
 
 
 def test_bad_topologies_world_sizes_and_keys_are_one_line_errors(tmp_path, data_dir, two_nodes):

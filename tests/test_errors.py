@@ -6,17 +6,11 @@ import shutil
 import pytest
 import torch
 
-from conftest import TINY, run
+from conftest import TINY, one_line_error, run
 
 
 def fails(tmp_path, *args, nproc=1, script='train.py'):
-    p = run(script, *TINY, *args, nproc=nproc, cwd=tmp_path, check=False)
-    assert p.returncode != 0
-    errors = [l for l in p.stderr.splitlines() if l.startswith('error: ')]
-    assert errors, p.stderr[-2000:]
-    if nproc == 1:
-        assert p.stderr.strip() == errors[0]  # one line, no traceback
-    return errors[0]
+    return one_line_error(run(script, *TINY, *args, nproc=nproc, cwd=tmp_path, check=False), nproc)
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import io
 import re
 import shlex
 import sys
-from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
