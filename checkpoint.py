@@ -10,6 +10,9 @@ which also restores the optimizer, RNG and data position.
 """
 
 import os
+import sys
+import tempfile
+import threading
 import warnings
 
 import torch
@@ -52,3 +55,102 @@ def load_checkpoint(path, dropout=None):
         model.load_state_dict(GPT.upgrade_state_dict(checkpoint.pop('model')))
         checkpoint.pop('optimizer', None)
     return model, checkpoint
+
+
+# -----------------------------------------------------------------------------
+# Fault tolerance, shared by the entrypoints: writing in the background, node-local memory snapshots, and
+# finding the newest state that loads.
+
+def atomic_save(obj, path, keep_previous=False):
+    """torch.save to path.tmp, then a rename: a crash mid-write leaves the old file. keep_previous moves the old
+    one to ckpt.prev.pt first, a fallback should the new one ever turn out damaged."""
+    with open(path + '.tmp', 'wb') as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if keep_previous and os.path.exists(path):
+        os.replace(path, previous(path))
+    os.replace(path + '.tmp', path)
+
+
+def previous(path):
+    root, ext = os.path.splitext(path)
+    return root + '.prev' + ext
+
+
+_host_copies = {}  # path -> the host copy of the state last written there, reused so that no save allocates
+_writers = {}  # path -> the thread writing it
+
+
+def save_in_background(state, path, keep_previous=False):
+    """Copies the state's tensors into host memory, which is all the caller waits for, and writes that copy to
+    path (atomically) in a background thread, while training goes on changing the originals."""
+    wait_for_saves(path)  # its host copy is about to be overwritten
+    _host_copies[path] = host_copy(state, _host_copies.get(path))
+    if any(t.is_cuda for t in tensors(state)):
+        torch.cuda.synchronize()  # the copies into pinned memory were asynchronous
+
+    def write():
+        try:
+            atomic_save(_host_copies[path], path, keep_previous)
+        except Exception as e:  # the previous file is still in place; training goes on
+            print(f"warning: writing {path} failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+    _writers[path] = threading.Thread(target=write, name=f'save {path}')
+    _writers[path].start()
+
+
+def wait_for_saves(path=None):
+    for p in [path] if path else list(_writers):
+        if p in _writers:
+            _writers.pop(p).join()
+
+
+def host_copy(obj, into=None):
+    """obj with every tensor copied to the CPU (pinned when it comes from a GPU), into the tensors of an earlier
+    copy where their shapes match."""
+    if torch.is_tensor(obj):
+        if torch.is_tensor(into) and into.shape == obj.shape and into.dtype == obj.dtype:
+            return into.copy_(obj.detach(), non_blocking=True)
+        out = torch.empty(obj.shape, dtype=obj.dtype, device='cpu', pin_memory=obj.is_cuda)
+        return out.copy_(obj.detach(), non_blocking=True)
+    if isinstance(obj, dict):
+        return {k: host_copy(v, into.get(k) if isinstance(into, dict) else None) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        into = into if isinstance(into, (list, tuple)) and len(into) == len(obj) else [None] * len(obj)
+        return type(obj)(host_copy(v, i) for v, i in zip(obj, into))
+    return obj
+
+
+def tensors(obj):
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors(v)
+
+
+def snapshot_dir(run_id):
+    """The node-local folder of a run's memory snapshots: /dev/shm lives in RAM, so it outlives a training
+    process (killed, crashed, restarted by torchrun) but not a reboot or a lost node."""
+    return os.path.join('/dev/shm' if os.path.isdir('/dev/shm') else tempfile.gettempdir(), f'nanogpt-{run_id}')
+
+
+def newest_loadable(paths):
+    """(iter_num, path, skipped) for the newest of the checkpoint files at paths that loads; missing ones are
+    passed over, and damaged ones (truncated, corrupt, not a checkpoint) listed in skipped as (path, reason).
+    (None, None, skipped) when none loads. With mmap only the file's index is read, not its tensors."""
+    best, skipped = (None, None), []
+    for path in paths:
+        if not os.path.exists(path):
+            continue
+        try:
+            it = int(torch.load(path, map_location='cpu', weights_only=True, mmap=True)['iter_num'])
+        except Exception as e:
+            skipped.append((path, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
+            continue
+        if best[0] is None or it > best[0]:
+            best = (it, path)
+    return (*best, skipped)

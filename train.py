@@ -12,8 +12,11 @@ resumed from its checkpoint repeats the uninterrupted run exactly (RNG and data 
 import json
 import math
 import os
+import shutil
+import signal
 import sys
 import time
+import uuid
 from contextlib import nullcontext
 
 import numpy as np
@@ -21,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import find_checkpoint, load_checkpoint
+from checkpoint import (find_checkpoint, load_checkpoint, newest_loadable, previous, save_in_background,
+                        snapshot_dir, wait_for_saves)
 from configurator import configure
 from model import GPT, GPTConfig
 
@@ -69,6 +73,11 @@ dtype = 'auto'  # 'auto' (bfloat16 on GPUs that have it, else float16 on CUDA, f
 compile = True  # torch.compile the model
 seed = 1337
 deterministic = False  # deterministic algorithms and dropout off, so that reruns give identical curves, on GPUs too
+# fault tolerance
+auto_resume = True  # on every start, continue from the newest complete snapshot or checkpoint of out_dir, if any
+save_memory_interval = 0  # steps between snapshots of the whole state into node-local memory (/dev/shm); 0: none
+save_storage_interval = 0  # steps between checkpoints to out_dir (in the background), besides the evals'; 0: none
+max_nonfinite_steps = 5  # a step whose loss or gradient is not finite is skipped; this many in a row stop the run
 # -----------------------------------------------------------------------------
 config, given = configure(globals())
 
@@ -103,7 +112,14 @@ if init_from not in ('scratch', 'resume', 'gpt2', 'gpt2-medium', 'gpt2-large', '
 if ddp:
     if device_type == 'cuda':
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend, device_id=torch.device(device) if device_type == 'cuda' else None)
+    store = None
+    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
+        # torchrun's store outlives a restart of the workers, and gloo would read the dead workers' addresses from it
+        # (and fail the restart): each incarnation of the group gets keys of its own
+        store = dist.PrefixStore(f"restart-{os.environ['TORCHELASTIC_RESTART_COUNT']}-of-{world_size}", dist.TCPStore(
+            os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size, is_master=False))
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                            device_id=torch.device(device) if device_type == 'cuda' else None)
 torch.manual_seed(seed)  # every rank builds the same initial model
 if device_type == 'cuda':
     torch.backends.cuda.matmul.fp32_precision = 'tf32'
@@ -131,6 +147,11 @@ if deterministic:
     dropout = config['dropout'] = 0.0
 
 print0(f"world size {world_size}, {accum_steps} micro-steps per rank, {tokens_per_iter:,} tokens per iteration")
+
+# SIGTERM is how SLURM and Kubernetes preempt a job (torchrun passes it on to the workers): the loop notices it at
+# the end of the step, saves a checkpoint and exits cleanly.
+stop_signals = []
+signal.signal(signal.SIGTERM, lambda signum, frame: stop_signals.append(signum))
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin
@@ -169,6 +190,48 @@ def draw_train_offsets():
 
 
 # -----------------------------------------------------------------------------
+# where to start: the newest complete state of this run, a memory snapshot or a checkpoint in out_dir
+ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+run_id_path = os.path.join(out_dir, 'run_id')  # names the run's snapshots, so that a new run in out_dir never takes an old one's
+
+
+def find_resume_point():
+    """(run_id, (iter_num, path) to resume from or None, damaged files passed over). All ranks agree: a memory
+    snapshot counts only if every node holds the same one (a replaced node holds none, a node that died while
+    writing an older one); else rank 0's newest checkpoint in out_dir, which must be storage they all share."""
+    run_id, mem_iter, disk, damaged = None, None, (None, None), []
+    if (auto_resume or init_from == 'resume') and os.path.exists(run_id_path):
+        with open(run_id_path) as f:
+            run_id = f.read().strip()
+        mem_iter, _, damaged = newest_loadable([os.path.join(snapshot_dir(run_id), 'ckpt.pt')])
+    if auto_resume or init_from == 'resume':
+        *disk, disk_damaged = newest_loadable([ckpt_path, previous(ckpt_path)])
+        damaged += disk_damaged
+    views = [(run_id, mem_iter, tuple(disk), uuid.uuid4().hex)]
+    if ddp:
+        views = [None] * world_size
+        dist.all_gather_object(views, (run_id, mem_iter, tuple(disk), uuid.uuid4().hex))
+    run_id, mem_iter, (disk_iter, disk_path), new_id = views[0]
+    if run_id is not None and mem_iter is not None and all(v[:2] == (run_id, mem_iter) for v in views) \
+            and (disk_iter is None or mem_iter >= disk_iter):
+        return run_id, (mem_iter, os.path.join(snapshot_dir(run_id), 'ckpt.pt')), damaged
+    if disk_iter is not None:
+        return run_id or new_id, (disk_iter, disk_path), damaged
+    return new_id, None, damaged  # a fresh run gets a new id
+
+
+run_id, resume_from, damaged = find_resume_point()
+if resume_from is None and damaged:
+    path, reason = damaged[0]
+    sys.exit(f"error: checkpoint {path} is corrupt or not a training checkpoint ({reason}): delete it or restore a "
+             f"good copy (or start afresh over it with --auto_resume=False)")
+if resume_from is None and init_from == 'resume':
+    sys.exit(f"error: no checkpoint at {ckpt_path}: point --out_dir at a run's folder, or use --init_from=scratch")
+for path, reason in damaged:
+    print0(f"warning: skipping the damaged {path} ({reason}); resuming from the newest one before it")
+snapshot_path = os.path.join(snapshot_dir(run_id), 'ckpt.pt')
+
+# -----------------------------------------------------------------------------
 # model
 meta_vocab_size = None
 meta_path = os.path.join(data_dir, 'meta.pkl')
@@ -192,19 +255,20 @@ def take_shape(ckpt_args):
             globals()[k] = config[k] = ckpt_args[k]
 
 
-if init_from == 'resume':
-    ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-    if not os.path.exists(ckpt_path):
-        sys.exit(f"error: no checkpoint at {ckpt_path}: point --out_dir at a run's folder, or use --init_from=scratch")
+if resume_from is not None:
+    resume_path = resume_from[1]
+    if init_from != 'resume':
+        print0(f"auto-resume: {out_dir} holds this run's state at iter {resume_from[0]}, so the run continues "
+               f"(--auto_resume=False starts afresh)")
     try:
-        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=True)  # a checkpoint is data, never code
+        checkpoint = torch.load(resume_path, map_location='cpu', weights_only=True)  # a checkpoint is data, never code
         ckpt_args = checkpoint['model_args']
         take_shape(ckpt_args)
         model = GPT(GPTConfig(**model_args))
         model.load_state_dict(GPT.upgrade_state_dict(checkpoint['model']))
         iter_num, best_val_loss = checkpoint['iter_num'], float(checkpoint['best_val_loss'])  # nanoGPT saved a tensor
     except Exception as e:
-        sys.exit(f"error: checkpoint {ckpt_path} is corrupt or not a training checkpoint ({type(e).__name__}: "
+        sys.exit(f"error: checkpoint {resume_path} is corrupt or not a training checkpoint ({type(e).__name__}: "
                  f"{str(e).splitlines()[0][:200] if str(e) else ''}): delete it or restore a good copy")
 elif init_from in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
     print0(f"initializing from OpenAI GPT-2 weights: {init_from}")
@@ -250,7 +314,7 @@ if checkpoint is not None:
     try:
         optimizer.load_state_dict(raw_model.upgrade_optimizer_state(checkpoint['optimizer']))
     except Exception as e:
-        sys.exit(f"error: checkpoint {ckpt_path} has an optimizer state that does not fit this model ({type(e).__name__}: "
+        sys.exit(f"error: checkpoint {resume_path} has an optimizer state that does not fit this model ({type(e).__name__}: "
                  f"{str(e).splitlines()[0][:200]}): delete it or restore a good copy")
     if checkpoint.get('scaler') and scaler.is_enabled():  # a bf16 or fp32 run saved the disabled scaler's {}
         scaler.load_state_dict(checkpoint['scaler'])
@@ -263,7 +327,7 @@ if checkpoint is not None:
             torch.cuda.set_rng_state(rng[rank]['cuda'])
     elif rng:
         print0(f"checkpoint was written by {len(rng)} ranks, not {world_size}: dropout masks start afresh")
-    print0(f"resuming from {ckpt_path} at iter {iter_num}")
+    print0(f"resuming from {resume_path} at iter {iter_num}")
     checkpoint = None  # free the memory
 
 if compile:
@@ -274,24 +338,18 @@ if ddp:
     model = DDP(model, device_ids=[torch.device(device).index] if device_type == 'cuda' else None)
 
 
-def atomic_save(obj, path):
-    with open(path + '.tmp', 'wb') as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + '.tmp', path)
-
-
-def save_checkpoint():
-    """Every rank calls this (RNG states are gathered); rank 0 writes, atomically: a crash mid-write leaves the
-    previous checkpoint in place."""
+def save_checkpoint(to='storage', wait=False):
+    """Every rank calls this (RNG states are gathered). to='storage': rank 0 writes out_dir/ckpt.pt, keeping the one
+    before as ckpt.prev.pt; to='memory': the first rank of each node writes the node's snapshot. The loop waits
+    only while the state is copied to host memory; a thread writes the copy to a temporary file and renames it
+    when complete, so a crash mid-write leaves the previous one in place."""
     rng = {'cpu': torch.get_rng_state(), **({'cuda': torch.cuda.get_rng_state()} if device_type == 'cuda' else {})}
     rngs = [None] * world_size
     if ddp:
         dist.all_gather_object(rngs, rng)
     else:
         rngs = [rng]
-    if not master_process:
+    if not (master_process if to == 'storage' else local_rank == 0):
         return
     checkpoint = {
         'model': raw_model.state_dict(),
@@ -304,9 +362,13 @@ def save_checkpoint():
         'data_rng': data_gen.get_state(),
         'scaler': scaler.state_dict(),
     }
-    path = os.path.join(out_dir, 'ckpt.pt')
-    atomic_save(checkpoint, path)
-    print0(f"saved checkpoint to {path}")
+    if to == 'memory':
+        os.makedirs(os.path.dirname(snapshot_path), exist_ok=True)
+    save_in_background(checkpoint, ckpt_path if to == 'storage' else snapshot_path, keep_previous=(to == 'storage'))
+    if wait:
+        wait_for_saves()
+    if to == 'storage':
+        print0(f"saving checkpoint to {ckpt_path}")
 
 
 @torch.no_grad()
@@ -351,19 +413,23 @@ def get_lr(it):
 
 # -----------------------------------------------------------------------------
 # logging: one line per logged step for people, the same as JSON in out_dir/metrics.jsonl for programs
+resumed = resume_from is not None
 if master_process:
     os.makedirs(out_dir, exist_ok=True)
+    with open(run_id_path + '.tmp', 'w') as f:
+        f.write(run_id)
+    os.replace(run_id_path + '.tmp', run_id_path)
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
         json.dump({**config, 'world_size': world_size}, f, indent=1)  # the run's settings, beside its results
     metrics_path = os.path.join(out_dir, 'metrics.jsonl')
-    if init_from == 'resume' and os.path.exists(metrics_path):
+    if resumed and os.path.exists(metrics_path):
         # rows that an interrupted run logged after its checkpoint are about to be logged again
         with open(metrics_path) as f:
             kept = [line for line in f if line.strip() and json.loads(line).get('iter', 0) < iter_num]
         with open(metrics_path + '.tmp', 'w') as f:
             f.writelines(kept)
         os.replace(metrics_path + '.tmp', metrics_path)
-    metrics = open(metrics_path, 'a' if init_from == 'resume' else 'w', buffering=1)
+    metrics = open(metrics_path, 'a' if resumed else 'w', buffering=1)
 if wandb_log and master_process:
     import wandb
     wandb.init(project=wandb_project, name=wandb_run_name, config=config)
@@ -381,6 +447,7 @@ t_start = time.time()
 t0, steps_timed = time.time(), 0
 local_iter_num = 0  # steps taken by this process, whatever iter_num it started from
 loss_sum = torch.zeros((), device=device)
+nonfinite_steps = 0  # in a row
 while True:
     lr = get_lr(iter_num) if decay_lr else learning_rate
     for param_group in optimizer.param_groups:
@@ -397,8 +464,12 @@ while True:
             if iter_num > 0:
                 save_checkpoint()
         t0, steps_timed = time.time(), 0  # leave evals out of the step time
+    elif save_storage_interval and iter_num % save_storage_interval == 0 and local_iter_num > 0:
+        save_checkpoint()
     if iter_num >= max_iters or eval_only:
         break
+    if save_memory_interval and iter_num % save_memory_interval == 0 and local_iter_num > 0:
+        save_checkpoint('memory')
 
     # one optimizer step over the whole global batch, in accum_steps micro-steps on each rank
     offsets = draw_train_offsets()
@@ -414,9 +485,29 @@ while True:
         scaler.scale(loss).backward()
     if grad_clip != 0.0:
         scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    scaler.step(optimizer)
-    scaler.update()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    else:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    # A non-finite loss or gradient would spoil the weights for good, so the step is skipped (float16's scaler
+    # skips overflowing gradients by itself: there only the loss counts). The ranks have to decide alike, as
+    # they do about a SIGTERM, so one small all-reduce carries both.
+    nonfinite = ~torch.isfinite(loss_sum if dtype == 'float16' else loss_sum + grad_norm)
+    flags = torch.stack([nonfinite.float(), torch.tensor(float(bool(stop_signals)), device=device)])
+    if ddp:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    nonfinite, stop = flags.tolist()
+    if not nonfinite or scaler.is_enabled():
+        scaler.step(optimizer)
+        scaler.update()
+    nonfinite_steps = nonfinite_steps + 1 if nonfinite else 0
+    if nonfinite:
+        print0(f"iter {iter_num}: non-finite loss or gradient, step skipped ({nonfinite_steps} in a row)")
+        log_metrics(skipped='non-finite loss or gradient')
+        if nonfinite_steps >= max_nonfinite_steps:
+            wait_for_saves()
+            sys.exit(f"error: {nonfinite_steps} steps in a row up to iter {iter_num} had a non-finite loss or "
+                     f"gradient; {ckpt_path} holds the last good state: lower learning_rate, use bfloat16 rather "
+                     f"than float16, or check the data")
     if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
         mem = state_bytes()
         print0("per-rank memory: " + ", ".join(f"{k.removesuffix('_bytes')} {v / 2**20:.2f} MiB" for k, v in mem.items()))
@@ -438,7 +529,14 @@ while True:
     loss_sum.zero_()
     iter_num += 1
     local_iter_num += 1
+    if stop:
+        print0(f"SIGTERM: saving a checkpoint at iter {iter_num} and exiting")
+        save_checkpoint(wait=True)
+        break
 
+wait_for_saves()
+if local_rank == 0 and os.path.exists(os.path.dirname(snapshot_path)):
+    shutil.rmtree(os.path.dirname(snapshot_path), ignore_errors=True)  # out_dir holds the final state: free the RAM
 if master_process:
     metrics.close()
 if ddp:

@@ -1,0 +1,241 @@
+"""Fault tolerance in real processes: SIGKILLed workers under elastic torchrun, a kill mid-write, damaged
+checkpoints, a changed world size, SIGTERM, and non-finite losses."""
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, TINY, env, read_metrics, run
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def elastic(script, *args, nproc=2, max_restarts=3):
+    """The command of an elastic torchrun job of one node (1 to 2 allowed), with the rendezvous settings that make
+    restarts quick (see the README)."""
+    return [sys.executable, '-m', 'torch.distributed.run', '--nnodes=1:2', f'--nproc_per_node={nproc}',
+            f'--max-restarts={max_restarts}', '--rdzv-backend=c10d', f'--rdzv-endpoint=127.0.0.1:{free_port()}',
+            '--rdzv-conf=last_call_timeout=1', str(REPO / script), *map(str, args)]
+
+
+def workers(pid):
+    """The worker processes torchrun (pid) started."""
+    with open(f'/proc/{pid}/task/{pid}/children') as f:
+        return [int(c) for c in f.read().split()]
+
+
+def logged_iters(out_dir):
+    try:
+        with open(Path(out_dir) / 'metrics.jsonl') as f:
+            return [json.loads(line)['iter'] for line in f if '"loss"' in line and line.endswith('\n')]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
+def run_with_kills(cmd, out_dir, kill_after, cwd, timeout=300):
+    """Runs cmd (a torchrun job) and SIGKILLs one of its workers, in turn, once the run has logged each iteration of
+    kill_after. Returns (stdout, [the last iteration logged before each kill])."""
+    log = open(Path(cwd) / 'torchrun.log', 'w')
+    p = subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=log, stderr=subprocess.STDOUT, text=True)
+    killed_at, deadline = [], time.time() + timeout
+    try:
+        for n, target in enumerate(kill_after):
+            while True:
+                assert p.poll() is None, f"the job ended before iter {target}:\n" + open(log.name).read()[-3000:]
+                assert time.time() < deadline, open(log.name).read()[-3000:]
+                done = logged_iters(out_dir)
+                pids = workers(p.pid)
+                if done and done[-1] >= target and len(pids) == 2:
+                    os.kill(pids[n % 2], signal.SIGKILL)
+                    killed_at.append(done[-1])
+                    break
+                time.sleep(0.005)
+            while p.poll() is None and set(workers(p.pid)) & set(pids):  # until torchrun has seen the death
+                time.sleep(0.01)
+        p.wait(timeout=max(1, deadline - time.time()))
+    finally:
+        p.kill()
+        log.close()
+    out = open(log.name).read()
+    assert p.returncode == 0, out[-5000:]
+    return out, killed_at
+
+
+def weights(path):
+    return torch.load(path, map_location='cpu', weights_only=True)['model']
+
+
+def same_weights(a, b):
+    return all(torch.equal(a[k], b[k]) for k in a) and a.keys() == b.keys()
+
+
+def tiny(data_dir, out, *extra):
+    return [*TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}', *extra]
+
+
+def test_train_sigkilled_workers_resume_from_memory_and_finish_bit_exact(tmp_path, data_dir):
+    # dropout on: the RNG of every rank comes back from the snapshot too
+    args = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=60', '--eval_interval=30',
+            '--save_memory_interval=4']
+    run('train.py', *tiny(data_dir, tmp_path / 'ref', *args), nproc=2, cwd=tmp_path)
+    rng = random.Random(0)
+    kill_after = sorted(rng.sample(range(3, 50), 3))
+    kill_after = [kill_after[0], max(kill_after[1], kill_after[0] + 6), max(kill_after[2], kill_after[1] + 12)]
+    out, killed_at = run_with_kills(elastic('train.py', *tiny(data_dir, tmp_path / 'ft', *args)), tmp_path / 'ft',
+                                    kill_after, cwd=tmp_path)
+    resumed = [int(m) for m in re.findall(r'resuming from \S+/nanogpt-\w+/ckpt\.pt at iter (\d+)', out)]
+    assert len(resumed) == len(killed_at), out[-5000:]
+    for last, start in zip(killed_at, resumed):
+        # the killed worker was at most in step last + 1, and the snapshot before it is at most 4 steps older
+        assert last + 1 - 4 <= start <= last + 1, (killed_at, resumed)
+    ref, ref_evals = read_metrics(tmp_path / 'ref')
+    ft, ft_evals = read_metrics(tmp_path / 'ft')
+    assert ft == ref  # every step's loss, bit for bit
+    assert [e['val_loss'] for e in ft_evals] == [e['val_loss'] for e in ref_evals]
+    assert same_weights(weights(tmp_path / 'ft' / 'ckpt.pt'), weights(tmp_path / 'ref' / 'ckpt.pt'))
+    run_id = (tmp_path / 'ft' / 'run_id').read_text()
+    assert not os.path.exists(f'/dev/shm/nanogpt-{run_id}')  # a finished run frees its snapshot
+
+
+def test_train_sigkill_during_a_storage_write_falls_back_to_the_previous_checkpoint(tmp_path, data_dir):
+    # a wide layer makes the checkpoint big enough (~90 MB with AdamW's moments) to be caught while it is written
+    args = ['--n_layer=1', '--n_embd=768', '--n_head=4', '--block_size=16', '--batch_size=2',
+            '--gradient_accumulation_steps=2', '--max_iters=16', '--eval_interval=100', '--save_storage_interval=4']
+    run('train.py', *tiny(data_dir, tmp_path / 'ref', *args), nproc=2, cwd=tmp_path)
+    out_dir = tmp_path / 'ft'
+    log = open(tmp_path / 'torchrun.log', 'w')
+    p = subprocess.Popen(elastic('train.py', *tiny(data_dir, out_dir, *args)), cwd=tmp_path, env=env(),
+                         stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        while not (out_dir / 'ckpt.pt').exists():  # the first checkpoint is complete ...
+            assert p.poll() is None, open(log.name).read()[-3000:]
+            time.sleep(0.002)
+        while not (out_dir / 'ckpt.pt.tmp').exists():  # ... and the second one is being written: kill its writer
+            assert p.poll() is None, open(log.name).read()[-3000:]
+            time.sleep(0.001)
+        os.kill(workers(p.pid)[0], signal.SIGKILL)
+        partial = (out_dir / 'ckpt.pt.tmp').stat().st_size
+        p.wait(timeout=300)
+    finally:
+        p.kill()
+        log.close()
+    out = open(log.name).read()
+    assert p.returncode == 0, out[-5000:]
+    assert partial < (out_dir / 'ckpt.pt').stat().st_size  # it really was cut short
+    assert re.search(r'resuming from \S+/ft/ckpt\.pt at iter 4\b', out), out[-5000:]
+    ref, _ = read_metrics(tmp_path / 'ref')
+    ft, _ = read_metrics(out_dir)
+    assert ft == ref
+    assert same_weights(weights(out_dir / 'ckpt.pt'), weights(tmp_path / 'ref' / 'ckpt.pt'))
+
+
+def test_train_truncated_newest_checkpoint_falls_back_to_the_one_before(tmp_path, data_dir):
+    args = ['--gradient_accumulation_steps=2', '--eval_interval=100', '--save_storage_interval=5']
+    run('train.py', *tiny(data_dir, tmp_path / 'ref', *args, '--max_iters=15'), cwd=tmp_path)
+    run('train.py', *tiny(data_dir, tmp_path / 'ft', *args, '--max_iters=10'), cwd=tmp_path)
+    ckpt = tmp_path / 'ft' / 'ckpt.pt'
+    assert torch.load(ckpt, weights_only=True)['iter_num'] == 10
+    assert torch.load(tmp_path / 'ft' / 'ckpt.prev.pt', weights_only=True)['iter_num'] == 5
+    ckpt.write_bytes(ckpt.read_bytes()[:ckpt.stat().st_size // 3])
+    p = run('train.py', *tiny(data_dir, tmp_path / 'ft', *args, '--max_iters=15'), cwd=tmp_path)
+    assert 'warning: skipping the damaged' in p.stdout and 'resuming from' in p.stdout and 'at iter 5' in p.stdout
+    ref, _ = read_metrics(tmp_path / 'ref')
+    ft, _ = read_metrics(tmp_path / 'ft')
+    assert ft == ref
+    assert same_weights(weights(ckpt), weights(tmp_path / 'ref' / 'ckpt.pt'))
+
+
+@pytest.mark.parametrize('first,then', [(2, 1), (1, 2)])
+def test_train_resumed_at_another_world_size_continues_the_curve(tmp_path, data_dir, first, then):
+    args = ['--gradient_accumulation_steps=4', '--eval_interval=8']
+    run('train.py', *tiny(data_dir, tmp_path / 'ref', *args, '--max_iters=16'), nproc=first, cwd=tmp_path)
+    run('train.py', *tiny(data_dir, tmp_path / 'ft', *args, '--max_iters=8'), nproc=first, cwd=tmp_path)
+    p = run('train.py', *tiny(data_dir, tmp_path / 'ft', *args, '--max_iters=16'), nproc=then, cwd=tmp_path)
+    assert 'auto-resume' in p.stdout and 'at iter 8' in p.stdout
+    ref, ref_evals = read_metrics(tmp_path / 'ref')
+    ft, ft_evals = read_metrics(tmp_path / 'ft')
+    assert sorted(ft) == list(range(16))
+    for it in ref:
+        assert abs(ft[it] - ref[it]) <= 1e-5 * abs(ref[it]), (it, ft[it], ref[it])
+    assert abs(ft_evals[-1]['val_loss'] - ref_evals[-1]['val_loss']) <= 1e-5 * ref_evals[-1]['val_loss']
+
+
+def test_train_sigterm_saves_and_exits_cleanly_then_resumes_exactly(tmp_path, data_dir):
+    args = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=40', '--eval_interval=100']
+    run('train.py', *tiny(data_dir, tmp_path / 'ref', *args), nproc=2, cwd=tmp_path)
+    out_dir = tmp_path / 'ft'
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+           str(REPO / 'train.py'), *tiny(data_dir, out_dir, *args)]
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    while not (logged_iters(out_dir) and logged_iters(out_dir)[-1] >= 10):
+        assert p.poll() is None
+        time.sleep(0.005)
+    p.send_signal(signal.SIGTERM)  # as SLURM or Kubernetes do; torchrun passes it on to the workers
+    out = p.communicate(timeout=120)[0]
+    stopped = int(re.search(r'SIGTERM: saving a checkpoint at iter (\d+) and exiting', out)[1])
+    assert 10 < stopped < 40, out[-3000:]
+    assert torch.load(out_dir / 'ckpt.pt', weights_only=True)['iter_num'] == stopped
+    assert 'train.py", line' not in out, out[-3000:]  # no worker failed (torchrun reports its own signal)
+    run('train.py', *tiny(data_dir, out_dir, *args), nproc=2, cwd=tmp_path)
+    assert read_metrics(out_dir)[0] == read_metrics(tmp_path / 'ref')[0]
+    assert same_weights(weights(out_dir / 'ckpt.pt'), weights(tmp_path / 'ref' / 'ckpt.pt'))
+
+
+# Runs train.py with GPT.forward returning a NaN loss on the training steps in NAN_STEPS (counted in micro-steps
+# of this process): the wrapper stands in for a real blow-up, which no small config brings about on cue.
+NAN_WRAPPER = '''
+import os, runpy, sys
+sys.path.insert(0, os.environ['REPO'])
+import model
+forward, calls, bad = model.GPT.forward, [0], {int(s) for s in os.environ['NAN_STEPS'].split(',')}
+def nan_forward(self, idx, targets=None):
+    logits, loss = forward(self, idx, targets)
+    if self.training and targets is not None:
+        calls[0] += 1
+        if calls[0] in bad:
+            loss = loss * float('nan')
+    return logits, loss
+model.GPT.forward = nan_forward
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name='__main__')
+'''
+
+
+def run_with_nans(tmp_path, nan_steps, *args):
+    wrapper = tmp_path / 'nan_wrapper.py'
+    wrapper.write_text(NAN_WRAPPER)
+    return subprocess.run([sys.executable, str(wrapper), str(REPO / 'train.py'), *args], cwd=tmp_path, text=True,
+                          env={**env(), 'REPO': str(REPO), 'NAN_STEPS': nan_steps}, capture_output=True, timeout=300)
+
+
+def test_train_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(tmp_path, data_dir):
+    args = ['--gradient_accumulation_steps=1', '--max_iters=12', '--eval_interval=6']
+    p = run_with_nans(tmp_path, '4', *tiny(data_dir, tmp_path / 'one', *args))  # step 3 (the 4th) goes bad
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert 'iter 3: non-finite loss or gradient, step skipped (1 in a row)' in p.stdout
+    losses, _ = read_metrics(tmp_path / 'one')
+    assert all(torch.isfinite(torch.tensor(v)) for it, v in losses.items() if it != 3) and losses[11] < losses[0]
+    assert all(torch.isfinite(t).all() for t in weights(tmp_path / 'one' / 'ckpt.pt').values())
+
+    # from the 8th step on every loss is NaN: after max_nonfinite_steps=3 the run stops, the checkpoint of
+    # iter 6 intact
+    p = run_with_nans(tmp_path, ','.join(map(str, range(8, 40))), *tiny(data_dir, tmp_path / 'many', *args),
+                      '--max_nonfinite_steps=3')
+    assert p.returncode != 0
+    assert p.stderr.strip().splitlines()[-1].startswith('error: 3 steps in a row up to iter 9 had a non-finite loss')
+    ckpt = torch.load(tmp_path / 'many' / 'ckpt.pt', weights_only=True)
+    assert ckpt['iter_num'] == 6 and all(torch.isfinite(t).all() for t in ckpt['model'].values())
