@@ -10,6 +10,7 @@ which also restores the optimizer, RNG and data position.
 """
 
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -79,30 +80,41 @@ def previous(path):
 
 
 _host_copies = {}  # path -> the host copy of the state last written there, reused so that no save allocates
-_writers = {}  # path -> the thread writing it
+_writers = {}  # path -> (the thread saving there, an event set once its copy of the state is complete)
 
 
 def save_in_background(state, path, keep_previous=False):
-    """Copies the state's tensors into host memory, which is all the caller waits for, and writes that copy to
-    path (atomically) in a background thread, while training goes on changing the originals."""
+    """Saves the state to path (atomically) from a background thread, which first copies the state's tensors into
+    host memory and then writes the copy. The caller goes on at once, but must call wait_for_copies() before it
+    changes the state (the optimizer step): the copy overlaps the next forward and backward, which only read it."""
     wait_for_saves(path)  # its host copy is about to be overwritten
-    _host_copies[path] = host_copy(state, _host_copies.get(path))
-    if any(t.is_cuda for t in tensors(state)):
-        torch.cuda.synchronize()  # the copies into pinned memory were asynchronous
+    copied = threading.Event()
 
-    def write():
+    def save():
+        try:
+            _host_copies[path] = host_copy(state, _host_copies.get(path))
+            if any(t.is_cuda for t in tensors(state)):
+                torch.cuda.synchronize()  # the copies into pinned memory were asynchronous
+        finally:
+            copied.set()
         try:
             atomic_save(_host_copies[path], path, keep_previous)
         except Exception as e:  # the previous file is still in place; training goes on
             print(f"warning: writing {path} failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
-    _writers[path] = threading.Thread(target=write, name=f'save {path}')
-    _writers[path].start()
+    thread = threading.Thread(target=save, name=f'save {path}')
+    thread.start()
+    _writers[path] = (thread, copied)
+
+
+def wait_for_copies():
+    for thread, copied in list(_writers.values()):
+        copied.wait()
 
 
 def wait_for_saves(path=None):
     for p in [path] if path else list(_writers):
         if p in _writers:
-            _writers.pop(p).join()
+            _writers.pop(p)[0].join()
 
 
 def host_copy(obj, into=None):
@@ -139,18 +151,76 @@ def snapshot_dir(run_id):
 
 
 def newest_loadable(paths):
-    """(iter_num, path, skipped) for the newest of the checkpoint files at paths that loads; missing ones are
-    passed over, and damaged ones (truncated, corrupt, not a checkpoint) listed in skipped as (path, reason).
-    (None, None, skipped) when none loads. With mmap only the file's index is read, not its tensors."""
+    """(iter_num, path, skipped) for the newest of the checkpoints at paths (files, or folders as checkpoint_iter
+    reads them) that loads; missing and incomplete ones are passed over, and damaged ones (truncated, corrupt,
+    not a checkpoint) listed in skipped as (path, reason). (None, None, skipped) when none loads. On a tie the
+    first in paths wins."""
     best, skipped = (None, None), []
     for path in paths:
         if not os.path.exists(path):
             continue
         try:
-            it = int(torch.load(path, map_location='cpu', weights_only=True, mmap=True)['iter_num'])
+            it = checkpoint_iter(path)
         except Exception as e:
             skipped.append((path, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
+            continue
+        if it is None:
             continue
         if best[0] is None or it > best[0]:
             best = (it, path)
     return (*best, skipped)
+
+
+def checkpoint_iter(path):
+    """The iteration of the checkpoint at path, or None while it is incomplete; raises where it is damaged. A file
+    is complete once it exists (every writer here renames a finished temporary file). A DCP folder (fsdp_train.py's)
+    once it holds .metadata, which DCP writes last, after every rank's shards; its shards must be as long as
+    .metadata says. A folder of per-rank files (decent_train.py's replicas) once every rank's file is in; they
+    must agree on the iteration. With mmap only a file's index is read, not its tensors."""
+    def iter_of(file):
+        return int(torch.load(file, map_location='cpu', weights_only=True, mmap=True)['iter_num'])
+    if not os.path.isdir(path):
+        return iter_of(path)
+    if os.path.exists(os.path.join(path, '.metadata')) or os.path.exists(os.path.join(path, 'extra.pt')):
+        if not os.path.exists(os.path.join(path, '.metadata')):
+            return None
+        from torch.distributed.checkpoint import FileSystemReader
+        ends = {}
+        for info in FileSystemReader(path).read_metadata().storage_data.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+        for name, end in ends.items():
+            if os.path.getsize(os.path.join(path, name)) < end:
+                raise ValueError(f"{name} holds {os.path.getsize(os.path.join(path, name))} bytes, not {end}")
+        return iter_of(os.path.join(path, 'extra.pt'))
+    if not os.path.exists(os.path.join(path, 'rank-0.pt')):
+        return None
+    ranks = len(torch.load(os.path.join(path, 'rank-0.pt'), map_location='cpu', weights_only=True, mmap=True)['rng'])
+    files = [os.path.join(path, f'rank-{r}.pt') for r in range(ranks)]
+    if not all(os.path.exists(f) for f in files):
+        return None
+    iters = {iter_of(f) for f in files}
+    if len(iters) != 1:
+        raise ValueError(f"its ranks' files hold iterations {sorted(iters)}")
+    return iters.pop()
+
+
+def point_latest(folder):
+    """Once the checkpoint folder out_dir/<kind>/step-N is complete: rewrites the latest file beside it to name it,
+    and removes the other step folders (ones cut short or damaged, or of a run that went back) but for the newest
+    complete one before it, the fallback should this one ever turn out damaged."""
+    root, name = os.path.split(folder)
+    latest = os.path.join(root, 'latest')
+    with open(latest + '.tmp', 'w') as f:
+        f.write(name)
+    os.replace(latest + '.tmp', latest)
+    fallback = None
+    for old in sorted((f for f in os.listdir(root) if f.startswith('step-') and f < name), reverse=True):
+        try:
+            if checkpoint_iter(os.path.join(root, old)) is not None:
+                fallback = old
+                break
+        except Exception:
+            pass
+    for old in os.listdir(root):
+        if old.startswith('step-') and old not in (name, fallback):
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import (find_checkpoint, load_checkpoint, newest_loadable, previous, save_in_background,
-                        snapshot_dir, wait_for_saves)
+                        snapshot_dir, wait_for_copies, wait_for_saves)
 from configurator import configure
 from model import GPT, GPTConfig
 
@@ -200,11 +200,12 @@ def find_resume_point():
     snapshot counts only if every node holds the same one (a replaced node holds none, a node that died while
     writing an older one); else rank 0's newest checkpoint in out_dir, which must be storage they all share."""
     run_id, mem_iter, disk, damaged = None, None, (None, None), []
-    if (auto_resume or init_from == 'resume') and os.path.exists(run_id_path):
+    wanted = init_from == 'resume' or (auto_resume and not eval_only)  # an eval of another model is no resume
+    if wanted and os.path.exists(run_id_path):
         with open(run_id_path) as f:
             run_id = f.read().strip()
         mem_iter, _, damaged = newest_loadable([os.path.join(snapshot_dir(run_id), 'ckpt.pt')])
-    if auto_resume or init_from == 'resume':
+    if wanted:
         *disk, disk_damaged = newest_loadable([ckpt_path, previous(ckpt_path)])
         damaged += disk_damaged
     views = [(run_id, mem_iter, tuple(disk), uuid.uuid4().hex)]
@@ -340,9 +341,10 @@ if ddp:
 
 def save_checkpoint(to='storage', wait=False):
     """Every rank calls this (RNG states are gathered). to='storage': rank 0 writes out_dir/ckpt.pt, keeping the one
-    before as ckpt.prev.pt; to='memory': the first rank of each node writes the node's snapshot. The loop waits
-    only while the state is copied to host memory; a thread writes the copy to a temporary file and renames it
-    when complete, so a crash mid-write leaves the previous one in place."""
+    before as ckpt.prev.pt; to='memory': the first rank of each node writes the node's snapshot. A thread copies
+    the state to host memory while the next step's forward and backward run (the loop waits only if the copy
+    takes longer), then writes the copy to a temporary file, renamed when complete: a crash mid-write leaves the
+    previous one in place."""
     rng = {'cpu': torch.get_rng_state(), **({'cuda': torch.cuda.get_rng_state()} if device_type == 'cuda' else {})}
     rngs = [None] * world_size
     if ddp:
@@ -416,9 +418,10 @@ def get_lr(it):
 resumed = resume_from is not None
 if master_process:
     os.makedirs(out_dir, exist_ok=True)
-    with open(run_id_path + '.tmp', 'w') as f:
-        f.write(run_id)
-    os.replace(run_id_path + '.tmp', run_id_path)
+    if not eval_only:
+        with open(run_id_path + '.tmp', 'w') as f:
+            f.write(run_id)
+        os.replace(run_id_path + '.tmp', run_id_path)
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
         json.dump({**config, 'world_size': world_size}, f, indent=1)  # the run's settings, beside its results
     metrics_path = os.path.join(out_dir, 'metrics.jsonl')
@@ -496,6 +499,7 @@ while True:
     if ddp:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     nonfinite, stop = flags.tolist()
+    wait_for_copies()  # a snapshot taken before this step may still be copying the weights it is about to change
     if not nonfinite or scaler.is_enabled():
         scaler.step(optimizer)
         scaler.update()
