@@ -206,8 +206,10 @@ def checkpoint_iter(path):
 
 def point_latest(folder):
     """Once the checkpoint folder out_dir/<kind>/step-N is complete: rewrites the latest file beside it to name it,
-    and removes the other step folders (ones cut short or damaged, or of a run that went back) but for the newest
-    complete one before it, the fallback should this one ever turn out damaged."""
+    and removes the older step folders (complete, cut short or damaged) but for the newest complete one, the
+    fallback should this one ever turn out damaged. Newer ones (a save cut short, or one passed over as damaged at
+    a resume) are left alone: another rank may be writing the next one already, and a save to the same step
+    replaces them."""
     root, name = os.path.split(folder)
     latest = os.path.join(root, 'latest')
     with open(latest + '.tmp', 'w') as f:
@@ -215,12 +217,11 @@ def point_latest(folder):
     os.replace(latest + '.tmp', latest)
     fallback = None
     for old in sorted((f for f in os.listdir(root) if f.startswith('step-') and f < name), reverse=True):
-        try:
-            if checkpoint_iter(os.path.join(root, old)) is not None:
-                fallback = old
-                break
-        except Exception:
-            pass
-    for old in os.listdir(root):
-        if old.startswith('step-') and old not in (name, fallback):
-            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+        if fallback is None:
+            try:
+                if checkpoint_iter(os.path.join(root, old)) is not None:
+                    fallback = old
+                    continue
+            except Exception:
+                pass
+        shutil.rmtree(os.path.join(root, old), ignore_errors=True)

@@ -20,9 +20,12 @@ every replica here.
 import json
 import math
 import os
-import sys
 import shutil
+import signal
+import sys
+import threading
 import time
+import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -30,7 +33,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import find_checkpoint, load_checkpoint
+from checkpoint import (atomic_save, find_checkpoint, host_copy, load_checkpoint, newest_loadable, point_latest,
+                        previous, save_in_background, snapshot_dir, wait_for_copies, wait_for_saves)
 from configurator import configure
 from model import GPT, GPTConfig
 
@@ -78,6 +82,11 @@ dtype = 'auto'  # 'auto' (bfloat16 on GPUs that have it, else float16 on CUDA, f
 compile = True  # torch.compile the model
 seed = 1337
 deterministic = False  # deterministic algorithms and dropout off, so that reruns give identical curves, on GPUs too
+# fault tolerance
+auto_resume = True  # on every start, continue from the newest complete snapshot or checkpoint of out_dir, if any
+save_memory_interval = 0  # steps between snapshots of the whole state into node-local memory (/dev/shm); 0: none
+save_storage_interval = 0  # steps between checkpoints to out_dir (in the background), besides the evals'; 0: none
+max_nonfinite_steps = 5  # a step whose loss is not finite is skipped; this many in a row stop the run
 # decentralized
 topology = 'ring'  # 'complete', 'ring', 'one-peer-exp' (2^k ranks) or 'alternating-exp-ring' (2^k nodes)
 optimizer = 'adamw'  # 'adamw', 'accumadamw' (Adam's moments take in the mean gradient of accum_steps steps) or 'sgd'
@@ -165,9 +174,19 @@ if init_from not in ('scratch', 'resume', 'gpt2', 'gpt2-medium', 'gpt2-large', '
 if device_type == 'cuda':
     torch.cuda.set_device(device)
 if ddp:
-    dist.init_process_group(backend=backend, device_id=torch.device(device) if device_type == 'cuda' else None)
+    store = None
+    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
+        # torchrun's store outlives a restart of the workers, and gloo would read the dead workers' addresses from it
+        # (and fail the restart): each incarnation of the group gets keys of its own
+        store = dist.PrefixStore(f"restart-{os.environ['TORCHELASTIC_RESTART_COUNT']}-of-{world_size}", dist.TCPStore(
+            os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size, is_master=False))
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                            device_id=torch.device(device) if device_type == 'cuda' else None)
 else:
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+# the background writers of storage checkpoints agree over a group of their own: collectives of two threads on
+# one group would interleave
+checkpoint_group = dist.new_group(backend='gloo')
 # each round's process groups: every rank creates every group, in the same order, and keeps the one it is in
 mixing_groups, made = [], {}  # per round: (this rank's group, its size), or None where the round leaves it alone
 for groups in rounds:
@@ -208,6 +227,11 @@ if deterministic:
 print0(f"world size {world_size}, {micro_steps} micro-steps per rank, {tokens_per_iter:,} tokens per iteration")
 print0(f"topology {topology}, a cycle of {len(rounds)} mixing rounds; optimizer {optimizer}")
 
+# SIGTERM is how SLURM and Kubernetes preempt a job (torchrun passes it on to the workers): the loop notices it at
+# the last micro-step, finishes the step, saves a checkpoint and exits cleanly.
+stop_signals = []
+signal.signal(signal.SIGTERM, lambda signum, frame: stop_signals.append(signum))
+
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin
 data_dir = os.path.join('data', dataset)
@@ -245,6 +269,64 @@ def draw_train_offsets():
 
 
 # -----------------------------------------------------------------------------
+# where to start: the newest complete state of this run, a memory snapshot or a checkpoint in out_dir
+ckpt_path = os.path.join(out_dir, 'ckpt.pt')  # the averaged export, or train.py's: every replica can start from it
+decent_dir = os.path.join(out_dir, 'decent')  # the replicas, a folder per step and a file per rank
+run_id_path = os.path.join(out_dir, 'run_id')  # names the run's snapshots, so that a new run in out_dir never takes an old one's
+snapshot_name = f'rank-{rank}-of-{world_size}.pt'  # a rank's own replica, which only this world size can take back
+
+
+def find_resume_point():
+    """(run_id, (iter_num, path) to resume from or None, damaged files passed over), alike on every rank. A memory
+    snapshot counts only at an iteration that every rank holds (a replaced node holds none; a rank killed while
+    writing holds the one before, which is why each keeps two); else rank 0's newest checkpoint in out_dir, which
+    must be storage they all share: a folder of replicas, or where there is none, a ckpt.pt."""
+    run_id, held, disk, damaged = None, {}, (None, None), []
+    wanted = init_from == 'resume' or (auto_resume and not eval_only)  # an eval of another model is no resume
+    if wanted and os.path.exists(run_id_path):
+        with open(run_id_path) as f:
+            run_id = f.read().strip()
+        for path in (os.path.join(snapshot_dir(run_id), snapshot_name),
+                     previous(os.path.join(snapshot_dir(run_id), snapshot_name))):
+            it, _, bad = newest_loadable([path])
+            damaged += bad
+            if it is not None:
+                held[it] = path
+    if wanted and master_process:
+        folders = sorted(os.listdir(decent_dir), reverse=True) if os.path.isdir(decent_dir) else []
+        # the replicas; only where none are complete, a ckpt.pt that every replica starts from
+        for paths in ([os.path.join(decent_dir, f) for f in folders if f.startswith('step-')],
+                      [ckpt_path, previous(ckpt_path)]):
+            *disk, bad = newest_loadable(paths)
+            damaged += bad
+            if disk[0] is not None:
+                break
+    views = [None] * world_size
+    dist.all_gather_object(views, (run_id, held, tuple(disk), damaged, uuid.uuid4().hex))
+    run_id, _, (disk_iter, disk_path), _, new_id = views[0]
+    damaged = [d for v in views for d in v[3]]
+    mem_iter = max(set.intersection(*(set(v[1]) for v in views)), default=None)
+    if run_id is not None and mem_iter is not None and all(v[0] == run_id for v in views) \
+            and (disk_iter is None or mem_iter >= disk_iter):
+        return run_id, (mem_iter, held[mem_iter]), damaged
+    if disk_iter is not None:
+        return run_id or new_id, (disk_iter, disk_path), damaged
+    return new_id, None, damaged  # a fresh run gets a new id
+
+
+run_id, resume_from, damaged = find_resume_point()
+if resume_from is None and damaged:
+    path, reason = damaged[0]
+    sys.exit(f"error: checkpoint {path} is corrupt or not a training checkpoint ({reason}): delete it or restore a "
+             f"good copy (or start afresh over it with --auto_resume=False)")
+if resume_from is None and init_from == 'resume':
+    sys.exit(f"error: no checkpoint at {decent_dir} or {ckpt_path}: point --out_dir at a run's folder, or use "
+             f"--init_from=scratch")
+for path, reason in damaged:
+    print0(f"warning: skipping the damaged {path} ({reason}); resuming from the newest one before it")
+snapshot_path = os.path.join(snapshot_dir(run_id), snapshot_name)
+
+# -----------------------------------------------------------------------------
 # model
 meta_vocab_size = None
 meta_path = os.path.join(data_dir, 'meta.pkl')
@@ -268,31 +350,29 @@ def take_shape(ckpt_args):
             globals()[k] = config[k] = ckpt_args[k]
 
 
-if init_from == 'resume':
-    # this run's own checkpoint, a replica per rank; else a ckpt.pt (train.py's, or this script's averaged export)
-    # that every replica starts from
-    ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-    latest = os.path.join(out_dir, 'decent', 'latest')
-    if os.path.exists(latest):
-        with open(latest) as f:
-            folder = os.path.join(out_dir, 'decent', f.read().strip())
-        files = os.listdir(folder) if os.path.isdir(folder) else []
-        saved = sum(n.startswith('rank-') and n.endswith('.pt') for n in files)
+if resume_from is not None:
+    # this run's own state, a replica per rank (a folder of them, or this rank's memory snapshot); else a ckpt.pt
+    # (train.py's, or this script's averaged export) that every replica starts from
+    resume_path = resume_from[1]
+    if os.path.isdir(resume_path):
+        # the decentralized algorithm is one of world_size replicas and a topology over them: it does not reshard
+        saved = sum(n.startswith('rank-') and n.endswith('.pt') for n in os.listdir(resume_path))
         if saved != world_size:
-            sys.exit(f"error: {folder} holds the replicas of {saved} ranks, not {world_size}: resume with {saved} "
-                     f"ranks, or delete {os.path.dirname(latest)} to start every replica from the averaged {ckpt_path}")
-        ckpt_path = os.path.join(folder, f'rank-{rank}.pt')
-    if not os.path.exists(ckpt_path):
-        sys.exit(f"error: no checkpoint at {ckpt_path}: point --out_dir at a run's folder, or use --init_from=scratch")
+            sys.exit(f"error: {resume_path} holds the replicas of {saved} ranks, not {world_size}: resume with "
+                     f"{saved} ranks, or delete {decent_dir} to start every replica from the averaged {ckpt_path}")
+        resume_path = os.path.join(resume_path, f'rank-{rank}.pt')
+    if init_from != 'resume':
+        print0(f"auto-resume: {out_dir} holds this run's state at iter {resume_from[0]}, so the run continues "
+               f"(--auto_resume=False starts afresh)")
     try:
-        checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=True)  # a checkpoint is data, never code
+        checkpoint = torch.load(resume_path, map_location='cpu', weights_only=True)  # a checkpoint is data, never code
         ckpt_args = checkpoint['model_args']
         take_shape(ckpt_args)
         model = GPT(GPTConfig(**model_args))
         model.load_state_dict(GPT.upgrade_state_dict(checkpoint['model']))
         iter_num, best_val_loss = checkpoint['iter_num'], float(checkpoint['best_val_loss'])  # nanoGPT saved a tensor
     except Exception as e:
-        sys.exit(f"error: checkpoint {ckpt_path} is corrupt or not a training checkpoint ({type(e).__name__}: "
+        sys.exit(f"error: checkpoint {resume_path} is corrupt or not a training checkpoint ({type(e).__name__}: "
                  f"{str(e).splitlines()[0][:200] if str(e) else ''}): delete it or restore a good copy")
 elif init_from in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
     print0(f"initializing from OpenAI GPT-2 weights: {init_from}")
@@ -467,9 +547,8 @@ for bucket in buckets:
 if checkpoint is not None:
     saved_optimizer = checkpoint.get('config', {}).get('optimizer', 'adamw')
     if 'optimizers' in checkpoint and saved_optimizer != optimizer:
-        sys.exit(f"error: {ckpt_path} holds the state of optimizer={saved_optimizer}: resume with "
-                 f"--optimizer={saved_optimizer}, or delete {os.path.dirname(os.path.dirname(ckpt_path))} to start "
-                 f"from the averaged ckpt.pt")
+        sys.exit(f"error: {resume_path} holds the state of optimizer={saved_optimizer}: resume with "
+                 f"--optimizer={saved_optimizer}, or delete {decent_dir} to start from the averaged {ckpt_path}")
     try:
         if 'optimizers' in checkpoint:  # this script's: every bucket's own
             for bucket, state in zip(buckets, checkpoint['optimizers'], strict=True):
@@ -484,7 +563,7 @@ if checkpoint is not None:
                     state = {**state, 'step': int(state['step'])}  # it counts in a plain int
                 bucket_of[p].optimizer.state[p] = state
     except Exception as e:
-        sys.exit(f"error: checkpoint {ckpt_path} has an optimizer state that does not fit this model ({type(e).__name__}: "
+        sys.exit(f"error: checkpoint {resume_path} has an optimizer state that does not fit this model ({type(e).__name__}: "
                  f"{str(e).splitlines()[0][:200]}): delete it or restore a good copy")
     if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
         data_gen.set_state(checkpoint['data_rng'])
@@ -495,7 +574,7 @@ if checkpoint is not None:
             torch.cuda.set_rng_state(rng[rank]['cuda'])
     elif rng:
         print0(f"checkpoint was written by {len(rng)} ranks, not {world_size}: dropout masks start afresh")
-    print0(f"resuming from {ckpt_path} at iter {iter_num}")
+    print0(f"resuming from {resume_path} at iter {iter_num}")
     checkpoint = None  # free the memory
 
 if compile:
@@ -503,14 +582,6 @@ if compile:
     for block in model.transformer.h:
         block.forward = torch.compile(block.forward)  # the forward only: the hooks that wait for mixing stay eager
 eval_model = model
-
-
-def atomic_save(obj, path):
-    with open(path + '.tmp', 'wb') as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + '.tmp', path)
 
 
 @torch.no_grad()
@@ -535,17 +606,25 @@ def restore_replica(own):
         bucket.flat.copy_(x)
 
 
-def save_checkpoint():
-    """Every rank calls this. Each writes its replica and optimizer state, with the rest of the state, to
-    out_dir/decent/step-N/rank-R.pt; once all have, rank 0 points out_dir/decent/latest at the folder (a crash
-    before leaves the previous one in place) and removes the older ones. Then rank 0 writes out_dir/ckpt.pt in
-    train.py's format: the average of the replicas and of their Adam moments, for sample.py and train.py."""
+storage_copy, storage_writer = None, None  # this rank's storage checkpoint in host memory, and its writer thread
+
+
+def save_checkpoint(to='storage', wait=False):
+    """Every rank calls this (RNG states are gathered) and saves its own replica and optimizer state, with the
+    rest of the state: to='storage' into out_dir/decent/step-N/rank-R.pt, to='memory' into a file of the node's
+    snapshot folder. Both are written in the background, from copies in host memory: storage's is made before this
+    returns, a snapshot's by its thread while the next step's forward runs (the last backward, whose hooks may
+    update the buckets, waits for it). A thread writes each to a temporary file, renamed when complete: a crash
+    mid-write leaves the previous one in place. Once every rank's file of a storage checkpoint is in, rank 0 points
+    out_dir/decent/latest at its folder and removes the ones before the previous. Storage also writes
+    out_dir/ckpt.pt in train.py's format: the average of the replicas and of their Adam moments, for sample.py
+    and train.py."""
+    global storage_copy, storage_writer
+    finish_mixing()  # the last step's averages may still be on their way into the replica
     rng = {'cpu': torch.get_rng_state(), **({'cuda': torch.cuda.get_rng_state()} if device_type == 'cuda' else {})}
     rngs = [None] * world_size
     dist.all_gather_object(rngs, rng)
-    name = f'step-{iter_num:08d}'
-    folder = os.path.join(out_dir, 'decent', name)
-    checkpoint = {
+    extra = {
         'model_args': model_args,
         'iter_num': iter_num,
         'best_val_loss': best_val_loss,
@@ -553,35 +632,61 @@ def save_checkpoint():
         'rng': rngs,
         'data_rng': data_gen.get_state(),
     }
-    os.makedirs(folder, exist_ok=True)
-    atomic_save({'model': raw_model.state_dict(), 'optimizers': [b.optimizer.state_dict() for b in buckets],
-                 **checkpoint}, os.path.join(folder, f'rank-{rank}.pt'))
-    dist.barrier()  # every replica is on disk
-    if master_process:
-        latest = os.path.join(out_dir, 'decent', 'latest')
-        with open(latest + '.tmp', 'w') as f:
-            f.write(name)
-        os.replace(latest + '.tmp', latest)
-        for old in os.listdir(os.path.dirname(folder)):
-            if old.startswith('step-') and old != name:
-                shutil.rmtree(os.path.join(out_dir, 'decent', old), ignore_errors=True)
-        print0(f"saved checkpoint to {folder}")
-    # the export: train.py's optimizer over the averaged model holds the averaged moments (sgd has none)
-    own, _ = average_replicas()
-    adamw = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
-    for p, bucket in bucket_of.items():
-        state = bucket.optimizer.state.get(p, {})
-        if 'exp_avg' in state:
-            moments = torch.stack([state['exp_avg'], state['exp_avg_sq']])
-            dist.all_reduce(moments)
-            moments /= world_size
-            adamw.state[p] = dict(step=torch.tensor(float(state['step'])), exp_avg=moments[0], exp_avg_sq=moments[1])
-    if master_process:
-        atomic_save({'model': raw_model.state_dict(), 'optimizer': adamw.state_dict(), **checkpoint},
-                    os.path.join(out_dir, 'ckpt.pt'))
-        print0(f"saved the averaged model to {os.path.join(out_dir, 'ckpt.pt')}")
-    restore_replica(own)
-    dist.barrier()  # nobody reads or rewrites the folder until it is complete
+    checkpoint = {'model': raw_model.state_dict(), 'optimizers': [b.optimizer.state_dict() for b in buckets], **extra}
+    if to == 'memory':
+        os.makedirs(os.path.dirname(snapshot_path), exist_ok=True)
+        # the one before is kept: a rank killed mid-write holds it still, and so do the others
+        save_in_background(checkpoint, snapshot_path, keep_previous=True)
+    else:
+        folder = os.path.join(decent_dir, f'step-{iter_num:08d}')
+        if not (resume_from is not None and resume_from[1] == folder):  # a resumed run's first eval finds it there
+            wait_for_storage()  # its host copy is about to be overwritten
+            storage_copy = host_copy(checkpoint, storage_copy)
+            if device_type == 'cuda':
+                torch.cuda.synchronize()  # the copies into pinned memory were asynchronous
+            os.makedirs(folder, exist_ok=True)
+            storage_writer = threading.Thread(target=write_storage, args=(storage_copy, folder))
+            storage_writer.start()
+            print0(f"saving checkpoint to {folder}")
+        # the export: train.py's optimizer over the averaged model holds the averaged moments (sgd has none)
+        own, _ = average_replicas()
+        adamw = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+        for p, bucket in bucket_of.items():
+            state = bucket.optimizer.state.get(p, {})
+            if 'exp_avg' in state:
+                moments = torch.stack([state['exp_avg'], state['exp_avg_sq']])
+                dist.all_reduce(moments)
+                moments /= world_size
+                adamw.state[p] = dict(step=torch.tensor(float(state['step'])), exp_avg=moments[0], exp_avg_sq=moments[1])
+        if master_process:
+            save_in_background({'model': raw_model.state_dict(), 'optimizer': adamw.state_dict(), **extra}, ckpt_path)
+            print0(f"saving the averaged model to {ckpt_path}")
+        wait_for_copies()  # the average has to be copied before the replica comes back
+        restore_replica(own)
+    if wait:
+        wait_for_storage()
+        wait_for_saves()
+
+
+def write_storage(state, folder):
+    """In the background: writes this rank's file of a storage checkpoint. Once every rank's is in (they agree over
+    the checkpoint group), rank 0 points latest at the folder and removes the older ones but the one before."""
+    written = torch.ones(())
+    try:
+        atomic_save(state, os.path.join(folder, f'rank-{rank}.pt'))
+    except Exception as e:  # the previous checkpoint is still in place; training goes on
+        print(f"warning: writing {folder} failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        written.zero_()
+    dist.all_reduce(written, op=dist.ReduceOp.MIN, group=checkpoint_group)
+    if master_process and written.item():
+        point_latest(folder)
+
+
+def wait_for_storage():
+    global storage_writer
+    if storage_writer is not None:
+        storage_writer.join()
+        storage_writer = None
 
 
 @torch.no_grad()
@@ -629,20 +734,25 @@ def get_lr(it):
 
 # -----------------------------------------------------------------------------
 # logging: one line per logged step for people, the same as JSON in out_dir/metrics.jsonl for programs
+resumed = resume_from is not None
 if master_process:
     os.makedirs(out_dir, exist_ok=True)
+    if not eval_only:
+        with open(run_id_path + '.tmp', 'w') as f:
+            f.write(run_id)
+        os.replace(run_id_path + '.tmp', run_id_path)
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
         json.dump({**config, 'world_size': world_size, 'local_world_size': local_world_size, 'mixing_rounds': rounds},
                   f, indent=1)  # the run's settings, beside its results
     metrics_path = os.path.join(out_dir, 'metrics.jsonl')
-    if init_from == 'resume' and os.path.exists(metrics_path):
+    if resumed and os.path.exists(metrics_path):
         # rows that an interrupted run logged after its checkpoint are about to be logged again
         with open(metrics_path) as f:
             kept = [line for line in f if line.strip() and json.loads(line).get('iter', 0) < iter_num]
         with open(metrics_path + '.tmp', 'w') as f:
             f.writelines(kept)
         os.replace(metrics_path + '.tmp', metrics_path)
-    metrics = open(metrics_path, 'a' if init_from == 'resume' else 'w', buffering=1)
+    metrics = open(metrics_path, 'a' if resumed else 'w', buffering=1)
 if wandb_log and master_process:
     import wandb
     wandb.init(project=wandb_project, name=wandb_run_name, config=config)
@@ -660,6 +770,7 @@ t_start = time.time()
 t0, steps_timed = time.time(), 0
 local_iter_num = 0  # steps taken by this process, whatever iter_num it started from
 loss_sum = torch.zeros((), device=device)
+nonfinite_steps = 0  # in a row
 while True:
     lr = get_lr(iter_num) if decay_lr else learning_rate
     for bucket in buckets:
@@ -679,8 +790,12 @@ while True:
             if iter_num > 0:
                 save_checkpoint()
         t0, steps_timed = time.time(), 0  # leave evals out of the step time
+    elif save_storage_interval and iter_num % save_storage_interval == 0 and local_iter_num > 0:
+        save_checkpoint()
     if iter_num >= max_iters or eval_only:
         break
+    if save_memory_interval and iter_num % save_memory_interval == 0 and local_iter_num > 0:
+        save_checkpoint('memory')
 
     # one step of every replica on its share of the global batch, in micro_steps micro-steps on each rank
     offsets = draw_train_offsets()
@@ -693,14 +808,35 @@ while True:
             # gradients add up over micro-steps, so each is scaled to make the sum a mean over the rank's batch
             loss = loss / micro_steps
         loss_sum += loss.detach().float()
+        if last_micro_step:
+            # A non-finite loss would spoil the replicas for good, so the step is skipped, before the backward
+            # whose hooks may update the buckets (so only the loss is checked, not the gradient). The ranks have to
+            # decide alike, as they do about a SIGTERM, so one small all-reduce carries both.
+            nonfinite = ~torch.isfinite(loss_sum)
+            flags = torch.stack([nonfinite.float(), torch.tensor(float(bool(stop_signals)), device=device)])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            nonfinite, stop = flags.tolist()
+            wait_for_copies()  # a snapshot taken before this step may still be copying the replica about to change
+            if nonfinite:
+                break
         loss.backward()
-    if grad_clip != 0.0:
-        # clipped by this rank's own gradient norm, which needs every gradient: the buckets update and mix only
-        # now, and the communication overlaps the next forward alone
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    for bucket in buckets:  # all of them when clipping; otherwise the backward has updated every one
-        if bucket.stepped_at != iter_num:
-            update_and_mix(bucket)
+    if not nonfinite:
+        if grad_clip != 0.0:
+            # clipped by this rank's own gradient norm, which needs every gradient: the buckets update and mix only
+            # now, and the communication overlaps the next forward alone
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        for bucket in buckets:  # all of them when clipping; otherwise the backward has updated every one
+            if bucket.stepped_at != iter_num:
+                update_and_mix(bucket)
+    nonfinite_steps = nonfinite_steps + 1 if nonfinite else 0
+    if nonfinite:
+        print0(f"iter {iter_num}: non-finite loss, step skipped ({nonfinite_steps} in a row)")
+        log_metrics(skipped='non-finite loss')
+        if nonfinite_steps >= max_nonfinite_steps:
+            wait_for_storage()
+            wait_for_saves()
+            sys.exit(f"error: {nonfinite_steps} steps in a row up to iter {iter_num} had a non-finite loss; "
+                     f"{decent_dir} holds the last good state: lower learning_rate or check the data")
     if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
         mem = state_bytes()
         print0("per-rank memory: " + ", ".join(f"{k.removesuffix('_bytes')} {v / 2**20:.2f} MiB" for k, v in mem.items()))
@@ -722,7 +858,16 @@ while True:
     loss_sum.zero_()
     iter_num += 1
     local_iter_num += 1
+    if stop:
+        print0(f"SIGTERM: saving a checkpoint at iter {iter_num} and exiting")
+        save_checkpoint(wait=True)
+        break
 
+wait_for_storage()
+wait_for_saves()
+dist.barrier()  # every rank's snapshot is written before its node's folder goes
+if local_rank == 0 and os.path.exists(os.path.dirname(snapshot_path)):
+    shutil.rmtree(os.path.dirname(snapshot_path), ignore_errors=True)  # out_dir holds the final state: free the RAM
 if master_process:
     metrics.close()
 finish_mixing()

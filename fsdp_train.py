@@ -17,9 +17,11 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
-from pathlib import Path
+import uuid
 from contextlib import nullcontext
 
 import numpy as np
@@ -33,8 +35,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils._pytree import tree_flatten_with_path, tree_map_only
 
-from checkpoint import find_checkpoint, load_checkpoint
+from checkpoint import (atomic_save, find_checkpoint, load_checkpoint, newest_loadable, point_latest, previous,
+                        save_in_background, snapshot_dir, wait_for_copies, wait_for_saves)
 from configurator import configure
 from model import GPT, GPTConfig
 
@@ -82,6 +86,11 @@ dtype = 'auto'  # 'auto' (bfloat16 on GPUs, float32 on CPU), 'bfloat16' or 'floa
 compile = True  # torch.compile each block
 seed = 1337
 deterministic = False  # deterministic algorithms and dropout off, so that reruns give identical curves, on GPUs too
+# fault tolerance
+auto_resume = True  # on every start, continue from the newest complete snapshot or checkpoint of out_dir, if any
+save_memory_interval = 0  # steps between snapshots of the whole state into node-local memory (/dev/shm); 0: none
+save_storage_interval = 0  # steps between checkpoints to out_dir (in the background), besides the evals'; 0: none
+max_nonfinite_steps = 5  # a step whose loss or gradient is not finite is skipped; this many in a row stop the run
 # parallelism
 tp_size = 1  # tensor-parallel ranks per group (within a node, ideally); the world size / tp_size ranks shard FSDP
 reshard_after_forward = True  # free each block's gathered parameters after its forward (ZeRO-3); False: ZeRO-2-like
@@ -127,9 +136,18 @@ if init_from not in ('scratch', 'resume', 'gpt2', 'gpt2-medium', 'gpt2-large', '
 if device_type == 'cuda':
     torch.cuda.set_device(device)
 if ddp:
-    dist.init_process_group(backend=backend, device_id=torch.device(device) if device_type == 'cuda' else None)
+    store = None
+    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
+        # torchrun's store outlives a restart of the workers, and gloo would read the dead workers' addresses from it
+        # (and fail the restart): each incarnation of the group gets keys of its own
+        store = dist.PrefixStore(f"restart-{os.environ['TORCHELASTIC_RESTART_COUNT']}-of-{world_size}", dist.TCPStore(
+            os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size, is_master=False))
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                            device_id=torch.device(device) if device_type == 'cuda' else None)
 else:
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+# DCP's background saves talk over a group of their own: collectives of two threads on one group would interleave
+checkpoint_group = dist.new_group(backend='gloo')
 mesh = init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=('dp', 'tp'))
 torch.manual_seed(seed)  # every rank builds the same initial model
 if device_type == 'cuda':
@@ -159,6 +177,11 @@ if deterministic:
 
 print0(f"world size {world_size} (dp {dp_size} x tp {tp_size}), {accum_steps} micro-steps per rank, "
        f"{tokens_per_iter:,} tokens per iteration")
+
+# SIGTERM is how SLURM and Kubernetes preempt a job (torchrun passes it on to the workers): the loop notices it at
+# the end of the step, saves a checkpoint and exits cleanly.
+stop_signals = []
+signal.signal(signal.SIGTERM, lambda signum, frame: stop_signals.append(signum))
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin
@@ -197,6 +220,60 @@ def draw_train_offsets():
 
 
 # -----------------------------------------------------------------------------
+# where to start: the newest complete state of this run, a memory snapshot or a checkpoint in out_dir
+ckpt_path = os.path.join(out_dir, 'ckpt.pt')  # train.py's checkpoint, or the consolidated one: a starting point too
+dcp_dir = os.path.join(out_dir, 'dcp')  # the sharded checkpoints, a folder per step
+run_id_path = os.path.join(out_dir, 'run_id')  # names the run's snapshots, so that a new run in out_dir never takes an old one's
+snapshot_name = f'rank-{rank}-of-{dp_size}x{tp_size}.pt'  # a rank's own shards, which only this mesh can read back
+
+
+def find_resume_point():
+    """(run_id, (iter_num, path) to resume from or None, damaged files passed over), alike on every rank. A memory
+    snapshot counts only at an iteration that every rank holds (a replaced node holds none; a rank killed while
+    writing holds the one before, which is why each keeps two); else rank 0's newest checkpoint in out_dir, which
+    must be storage they all share: a DCP folder (at any mesh), else a train.py checkpoint."""
+    run_id, held, disk, damaged = None, {}, (None, None), []
+    wanted = init_from == 'resume' or (auto_resume and not eval_only)  # an eval of another model is no resume
+    if wanted and os.path.exists(run_id_path):
+        with open(run_id_path) as f:
+            run_id = f.read().strip()
+        for path in (os.path.join(snapshot_dir(run_id), snapshot_name),
+                     previous(os.path.join(snapshot_dir(run_id), snapshot_name))):
+            it, _, bad = newest_loadable([path])
+            damaged += bad
+            if it is not None:
+                held[it] = path
+    if wanted and master_process:
+        folders = sorted(os.listdir(dcp_dir), reverse=True) if os.path.isdir(dcp_dir) else []
+        *disk, bad = newest_loadable([os.path.join(dcp_dir, f) for f in folders if f.startswith('step-')] +
+                                     [ckpt_path, previous(ckpt_path)])
+        damaged += bad
+    views = [None] * world_size
+    dist.all_gather_object(views, (run_id, held, tuple(disk), damaged, uuid.uuid4().hex))
+    run_id, _, (disk_iter, disk_path), _, new_id = views[0]
+    damaged = [d for v in views for d in v[3]]
+    mem_iter = max(set.intersection(*(set(v[1]) for v in views)), default=None)
+    if run_id is not None and mem_iter is not None and all(v[0] == run_id for v in views) \
+            and (disk_iter is None or mem_iter >= disk_iter):
+        return run_id, (mem_iter, held[mem_iter]), damaged
+    if disk_iter is not None:
+        return run_id or new_id, (disk_iter, disk_path), damaged
+    return new_id, None, damaged  # a fresh run gets a new id
+
+
+run_id, resume_from, damaged = find_resume_point()
+if resume_from is None and damaged:
+    path, reason = damaged[0]
+    sys.exit(f"error: checkpoint {path} is corrupt or not a training checkpoint ({reason}): delete it or restore a "
+             f"good copy (or start afresh over it with --auto_resume=False)")
+if resume_from is None and init_from == 'resume':
+    sys.exit(f"error: no checkpoint at {dcp_dir} or {ckpt_path}: point --out_dir at a run's folder, or use "
+             f"--init_from=scratch")
+for path, reason in damaged:
+    print0(f"warning: skipping the damaged {path} ({reason}); resuming from the newest one before it")
+snapshot_path = os.path.join(snapshot_dir(run_id), snapshot_name)
+
+# -----------------------------------------------------------------------------
 # model
 meta_vocab_size = None
 meta_path = os.path.join(data_dir, 'meta.pkl')
@@ -220,18 +297,15 @@ def take_shape(ckpt_args):
             globals()[k] = config[k] = ckpt_args[k]
 
 
-if init_from == 'resume':
-    # the newest sharded checkpoint, else a train.py (or consolidated) ckpt.pt
-    latest = os.path.join(out_dir, 'dcp', 'latest')
-    ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-    if os.path.exists(latest):
-        with open(latest) as f:
-            ckpt_path = os.path.join(out_dir, 'dcp', f.read().strip())
-    if not os.path.exists(ckpt_path):
-        sys.exit(f"error: no checkpoint at {ckpt_path}: point --out_dir at a run's folder, or use --init_from=scratch")
+if resume_from is not None:
+    resume_path = resume_from[1]
+    if init_from != 'resume':
+        print0(f"auto-resume: {out_dir} holds this run's state at iter {resume_from[0]}, so the run continues "
+               f"(--auto_resume=False starts afresh)")
     try:
-        # the small state beside the shards, or the whole train.py checkpoint; data, never code
-        extra = os.path.join(ckpt_path, 'extra.pt') if os.path.isdir(ckpt_path) else ckpt_path
+        # the small state beside a DCP folder's shards; or a whole file: this rank's memory snapshot, or a train.py
+        # checkpoint. Data, never code
+        extra = os.path.join(resume_path, 'extra.pt') if os.path.isdir(resume_path) else resume_path
         checkpoint = torch.load(extra, map_location='cpu', weights_only=True)
         ckpt_args = checkpoint['model_args']
         take_shape(ckpt_args)
@@ -240,7 +314,7 @@ if init_from == 'resume':
             model.load_state_dict(GPT.upgrade_state_dict(checkpoint['model']))
         iter_num, best_val_loss = checkpoint['iter_num'], float(checkpoint['best_val_loss'])  # nanoGPT saved a tensor
     except Exception as e:
-        sys.exit(f"error: checkpoint {ckpt_path} is corrupt or not a training checkpoint ({type(e).__name__}: "
+        sys.exit(f"error: checkpoint {resume_path} is corrupt or not a training checkpoint ({type(e).__name__}: "
                  f"{str(e).splitlines()[0][:200] if str(e) else ''}): delete it or restore a good copy")
 elif init_from in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
     print0(f"initializing from OpenAI GPT-2 weights: {init_from}")
@@ -321,19 +395,35 @@ def optim_state_dict_by_index(osd):
 
 # -----------------------------------------------------------------------------
 # checkpoint load: the rest of the state, so that the run continues exactly where it stopped
+def local_shards(state):
+    """The state with each DTensor replaced by this rank's piece of it (a view, no copy): a memory snapshot."""
+    return tree_map_only(DTensor, lambda t: t.to_local(), state)
+
+
 if checkpoint is not None:
     try:
-        if os.path.isdir(ckpt_path):
-            # each rank reads the pieces of the saved shards that its own shards cover, whatever mesh wrote them
+        if 'model' not in checkpoint:
+            # each rank reads the pieces of the saved shards that its own shards cover: from a DCP folder, whatever
+            # mesh wrote it, or from its own memory snapshot, which this mesh wrote
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {'model': model_sd, 'optim': optim_sd}
-            dcp.load(state, checkpoint_id=ckpt_path)
+            if 'shards' in checkpoint:
+                ours = tree_flatten_with_path(local_shards(state))[0]
+                saved = tree_flatten_with_path(checkpoint['shards'])[0]
+                if [path for path, _ in ours] != [path for path, _ in saved]:
+                    raise ValueError("its shards are not laid out as this model's and optimizer's")
+                with torch.no_grad():
+                    for (_, t), (_, s) in zip(ours, saved):
+                        if torch.is_tensor(t):
+                            t.copy_(s)
+            else:
+                dcp.load(state, checkpoint_id=resume_path)
             set_state_dict(model, optimizer, model_state_dict=state['model'], optim_state_dict=state['optim'])
         else:  # train.py's optimizer state is indexed by parameter order; the sharded one by name
             set_optimizer_state_dict(model, optimizer, optim_state_dict_by_name(raw_model.upgrade_optimizer_state(
                 checkpoint['optimizer'])), options=StateDictOptions(full_state_dict=True))
     except Exception as e:
-        sys.exit(f"error: checkpoint {ckpt_path} does not fit this model ({type(e).__name__}: "
+        sys.exit(f"error: checkpoint {resume_path} does not fit this model ({type(e).__name__}: "
                  f"{str(e).splitlines()[0][:200]}): delete it or restore a good copy")
     if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
         data_gen.set_state(checkpoint['data_rng'])
@@ -344,30 +434,27 @@ if checkpoint is not None:
             torch.cuda.set_rng_state(rng[rank]['cuda'])
     elif rng:
         print0(f"checkpoint was written by {len(rng)} ranks, not {world_size}: dropout masks start afresh")
-    print0(f"resuming from {ckpt_path} at iter {iter_num}")
+    print0(f"resuming from {resume_path} at iter {iter_num}")
     checkpoint = None  # free the memory
 
 eval_model = model  # under FSDP every rank takes part in each forward, evaluation's too
 
 
-def atomic_save(obj, path):
-    with open(path + '.tmp', 'wb') as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + '.tmp', path)
+storage_writer = None  # the thread that sees the storage checkpoint in flight through
 
 
-def save_checkpoint():
-    """Every rank calls this: each writes its own shards into out_dir/dcp/step-N/, rank 0 the rest of the state,
-    and only then does rank 0 point out_dir/dcp/latest at the folder (a crash before leaves the previous one in
-    place) and remove the older folders. With save_consolidated, also train.py's ckpt.pt."""
+def save_checkpoint(to='storage', wait=False):
+    """Every rank calls this (RNG states are gathered) and saves its own shards. to='storage': DCP writes them into
+    out_dir/dcp/step-N/, rank 0 the rest of the state beside them; to='memory': into a file of the node's snapshot
+    folder, which only this mesh can read back. Both are written in the background, from copies in host memory:
+    DCP's is made before it returns, a snapshot's by its thread while the next step's forward and backward run
+    (the optimizer step waits for it). A crash mid-write leaves the previous one in place: a DCP folder is complete
+    once it holds .metadata, which DCP writes last, and only then does rank 0 point out_dir/dcp/latest at it and
+    remove the folders before the previous one. With save_consolidated, also train.py's ckpt.pt."""
+    global storage_writer
     rng = {'cpu': torch.get_rng_state(), **({'cuda': torch.cuda.get_rng_state()} if device_type == 'cuda' else {})}
     rngs = [None] * world_size
     dist.all_gather_object(rngs, rng)
-    name = f'step-{iter_num:08d}'
-    path = os.path.join(out_dir, 'dcp', name)
-    latest = os.path.join(out_dir, 'dcp', 'latest')
     extra = {
         'model_args': model_args,
         'iter_num': iter_num,
@@ -376,30 +463,58 @@ def save_checkpoint():
         'rng': rngs,
         'data_rng': data_gen.get_state(),
     }
-    saved = os.path.exists(latest) and Path(latest).read_text().strip() == name  # a resumed run's first eval finds it
-    dist.barrier()  # everyone has looked before rank 0 may rewrite latest
-    if not saved:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({'model': model_sd, 'optim': optim_sd}, checkpoint_id=path)
-        if master_process:
-            atomic_save(extra, os.path.join(path, 'extra.pt'))
-            with open(latest + '.tmp', 'w') as f:
-                f.write(name)
-            os.replace(latest + '.tmp', latest)
-            for old in os.listdir(os.path.join(out_dir, 'dcp')):
-                if old.startswith('step-') and old != name:
-                    shutil.rmtree(os.path.join(out_dir, 'dcp', old), ignore_errors=True)
-            print0(f"saved checkpoint to {path}")
-    if save_consolidated:
-        # gathered to full tensors in rank 0's CPU memory: train.py's checkpoint format
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_sd = get_model_state_dict(model, options=full)
-        optim_sd = get_optimizer_state_dict(model, optimizer, options=full)
-        if master_process:
-            atomic_save({'model': model_sd, 'optimizer': optim_state_dict_by_index(optim_sd), **extra},
-                        os.path.join(out_dir, 'ckpt.pt'))
-            print0(f"saved consolidated checkpoint to {os.path.join(out_dir, 'ckpt.pt')}")
-    dist.barrier()  # nobody reads or rewrites the folder until it is complete
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    if to == 'memory':
+        os.makedirs(os.path.dirname(snapshot_path), exist_ok=True)
+        # the one before is kept: a rank killed mid-write holds it still, and so do the others
+        save_in_background({'shards': local_shards({'model': model_sd, 'optim': optim_sd}), **extra}, snapshot_path,
+                           keep_previous=True)
+    else:
+        path = os.path.join(dcp_dir, f'step-{iter_num:08d}')
+        wait_for_storage()  # one DCP save at a time: they share the checkpoint group
+        if not (resume_from is not None and resume_from[1] == path):  # a resumed run's first eval finds it there
+            if master_process:
+                shutil.rmtree(path, ignore_errors=True)  # what a save cut short left there
+                os.makedirs(path)
+                atomic_save(extra, os.path.join(path, 'extra.pt'))
+            dist.barrier()  # nobody writes into the folder before it is clean
+            # returns once the shards are copied to host memory; a thread of DCP's writes them
+            saving = dcp.async_save({'model': model_sd, 'optim': optim_sd}, checkpoint_id=path,
+                                    process_group=checkpoint_group)
+            storage_writer = threading.Thread(target=finish_storage_save, args=(saving, path))
+            storage_writer.start()
+            print0(f"saving checkpoint to {path}")
+        if save_consolidated:
+            # gathered to full tensors in rank 0's CPU memory: train.py's checkpoint format
+            full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            model_sd = get_model_state_dict(model, options=full)
+            optim_sd = get_optimizer_state_dict(model, optimizer, options=full)
+            if master_process:
+                save_in_background({'model': model_sd, 'optimizer': optim_state_dict_by_index(optim_sd), **extra},
+                                   ckpt_path)
+                print0(f"saving consolidated checkpoint to {ckpt_path}")
+    if wait:
+        wait_for_storage()
+        wait_for_saves()
+
+
+def finish_storage_save(saving, path):
+    """In the background: once DCP has written every rank's shards, then .metadata, rank 0 points latest at the
+    folder and removes the older ones but the one before."""
+    try:
+        saving.result()
+    except Exception as e:  # the previous checkpoint is still in place; training goes on
+        print(f"warning: writing {path} failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        return
+    if master_process:
+        point_latest(path)
+
+
+def wait_for_storage():
+    global storage_writer
+    if storage_writer is not None:
+        storage_writer.join()
+        storage_writer = None
 
 
 @torch.no_grad()
@@ -433,11 +548,10 @@ def state_bytes():
                 optim_bytes=size(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)))
 
 
-def clip_grad_norm(max_norm):
-    """Gradient clipping over sharded gradients: the global norm adds every rank's shards. Under tensor parallelism
-    the blocks' matrices live on the 2-D mesh and the rest on dp alone, so the squares are summed per mesh (a
-    DTensor's sum reduces over its own mesh) before the whole is added up."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+def total_norm(grads):
+    """The global norm of sharded gradients: it adds every rank's shards. Under tensor parallelism the blocks'
+    matrices live on the 2-D mesh and the rest on dp alone, so the squares are summed per mesh (a DTensor's sum
+    reduces over its own mesh) before the whole is added up."""
     by_mesh = {}
     for g in grads:
         by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
@@ -445,9 +559,17 @@ def clip_grad_norm(max_norm):
     for gs in by_mesh.values():
         sq = torch.stack([g.float().pow(2).sum() for g in gs]).sum()
         total_sq = total_sq + (sq.full_tensor() if isinstance(sq, DTensor) else sq)
-    scale = torch.clamp(max_norm / (total_sq.sqrt() + 1e-6), max=1.0)
+    return total_sq.sqrt()
+
+
+def clip_grad_norm(max_norm):
+    """Gradient clipping over sharded gradients, by their global norm, which it returns."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = total_norm(grads)
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
         g.mul_(scale.to(g.device))
+    return norm
 
 
 def get_lr(it):
@@ -462,19 +584,24 @@ def get_lr(it):
 
 # -----------------------------------------------------------------------------
 # logging: one line per logged step for people, the same as JSON in out_dir/metrics.jsonl for programs
+resumed = resume_from is not None
 if master_process:
     os.makedirs(out_dir, exist_ok=True)
+    if not eval_only:
+        with open(run_id_path + '.tmp', 'w') as f:
+            f.write(run_id)
+        os.replace(run_id_path + '.tmp', run_id_path)
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
         json.dump({**config, 'world_size': world_size}, f, indent=1)  # the run's settings, beside its results
     metrics_path = os.path.join(out_dir, 'metrics.jsonl')
-    if init_from == 'resume' and os.path.exists(metrics_path):
+    if resumed and os.path.exists(metrics_path):
         # rows that an interrupted run logged after its checkpoint are about to be logged again
         with open(metrics_path) as f:
             kept = [line for line in f if line.strip() and json.loads(line).get('iter', 0) < iter_num]
         with open(metrics_path + '.tmp', 'w') as f:
             f.writelines(kept)
         os.replace(metrics_path + '.tmp', metrics_path)
-    metrics = open(metrics_path, 'a' if init_from == 'resume' else 'w', buffering=1)
+    metrics = open(metrics_path, 'a' if resumed else 'w', buffering=1)
 if wandb_log and master_process:
     import wandb
     wandb.init(project=wandb_project, name=wandb_run_name, config=config)
@@ -492,6 +619,7 @@ t_start = time.time()
 t0, steps_timed = time.time(), 0
 local_iter_num = 0  # steps taken by this process, whatever iter_num it started from
 loss_sum = torch.zeros((), device=device)
+nonfinite_steps = 0  # in a row
 while True:
     lr = get_lr(iter_num) if decay_lr else learning_rate
     for param_group in optimizer.param_groups:
@@ -508,8 +636,12 @@ while True:
             if iter_num > 0:
                 save_checkpoint()
         t0, steps_timed = time.time(), 0  # leave evals out of the step time
+    elif save_storage_interval and iter_num % save_storage_interval == 0 and local_iter_num > 0:
+        save_checkpoint()
     if iter_num >= max_iters or eval_only:
         break
+    if save_memory_interval and iter_num % save_memory_interval == 0 and local_iter_num > 0:
+        save_checkpoint('memory')
 
     # one optimizer step over the whole global batch, in accum_steps micro-steps on each rank
     offsets = draw_train_offsets()
@@ -524,8 +656,27 @@ while True:
         loss_sum += loss.detach().float()
         loss.backward()
     if grad_clip != 0.0:
-        clip_grad_norm(grad_clip)
-    optimizer.step()
+        grad_norm = clip_grad_norm(grad_clip)
+    else:
+        grad_norm = total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    # A non-finite loss or gradient would spoil the weights for good, so the step is skipped. The ranks have to
+    # decide alike, as they do about a SIGTERM, so one small all-reduce carries both.
+    nonfinite = ~torch.isfinite(loss_sum + grad_norm.to(device))
+    flags = torch.stack([nonfinite.float(), torch.tensor(float(bool(stop_signals)), device=device)])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    nonfinite, stop = flags.tolist()
+    wait_for_copies()  # a snapshot taken before this step may still be copying the shards it is about to change
+    if not nonfinite:
+        optimizer.step()
+    nonfinite_steps = nonfinite_steps + 1 if nonfinite else 0
+    if nonfinite:
+        print0(f"iter {iter_num}: non-finite loss or gradient, step skipped ({nonfinite_steps} in a row)")
+        log_metrics(skipped='non-finite loss or gradient')
+        if nonfinite_steps >= max_nonfinite_steps:
+            wait_for_storage()
+            wait_for_saves()
+            sys.exit(f"error: {nonfinite_steps} steps in a row up to iter {iter_num} had a non-finite loss or "
+                     f"gradient; {dcp_dir} holds the last good state: lower learning_rate or check the data")
     if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
         mem = state_bytes()
         print0("per-rank memory: " + ", ".join(f"{k.removesuffix('_bytes')} {v / 2**20:.2f} MiB" for k, v in mem.items()))
@@ -546,7 +697,16 @@ while True:
     loss_sum.zero_()
     iter_num += 1
     local_iter_num += 1
+    if stop:
+        print0(f"SIGTERM: saving a checkpoint at iter {iter_num} and exiting")
+        save_checkpoint(wait=True)
+        break
 
+wait_for_storage()
+wait_for_saves()
+dist.barrier()  # every rank's snapshot is written before its node's folder goes
+if local_rank == 0 and os.path.exists(os.path.dirname(snapshot_path)):
+    shutil.rmtree(os.path.dirname(snapshot_path), ignore_errors=True)  # out_dir holds the final state: free the RAM
 if master_process:
     metrics.close()
 dist.barrier()  # gloo's teardown has aborted when one rank left while another was still in a collective

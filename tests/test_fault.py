@@ -1,7 +1,8 @@
 """Fault tolerance in real processes: SIGKILLed workers under elastic torchrun, a kill mid-write, damaged
-checkpoints, a changed world size, SIGTERM, and non-finite losses."""
+checkpoints, a changed world size, SIGTERM, and non-finite losses; in train.py, fsdp_train.py and decent_train.py."""
 
 import json
+import math
 import os
 import random
 import re
@@ -215,11 +216,12 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 '''
 
 
-def run_with_nans(tmp_path, nan_steps, *args):
+def run_with_nans(tmp_path, nan_steps, *args, script='train.py'):
     wrapper = tmp_path / 'nan_wrapper.py'
     wrapper.write_text(NAN_WRAPPER)
-    return subprocess.run([sys.executable, str(wrapper), str(REPO / 'train.py'), *args], cwd=tmp_path, text=True,
-                          env={**env(), 'REPO': str(REPO), 'NAN_STEPS': nan_steps}, capture_output=True, timeout=300)
+    return subprocess.run([sys.executable, str(wrapper), str(REPO / script), *args], cwd=tmp_path, text=True,
+                          env={**env(), 'REPO': str(REPO), 'NAN_STEPS': nan_steps, 'OMP_NUM_THREADS': '1'},
+                          capture_output=True, timeout=300)
 
 
 def test_train_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(tmp_path, data_dir):
@@ -239,3 +241,158 @@ def test_train_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(t
     assert p.stderr.strip().splitlines()[-1].startswith('error: 3 steps in a row up to iter 9 had a non-finite loss')
     ckpt = torch.load(tmp_path / 'many' / 'ckpt.pt', weights_only=True)
     assert ckpt['iter_num'] == 6 and all(torch.isfinite(t).all() for t in ckpt['model'].values())
+
+
+# -----------------------------------------------------------------------------
+# fsdp_train.py and decent_train.py: a memory snapshot and a storage checkpoint per rank (DCP shards, replicas)
+
+KIND = {'fsdp_train.py': 'dcp', 'decent_train.py': 'decent'}  # out_dir's folder of step folders
+
+
+def final_weights(script, out_dir):
+    """The weights of a run's newest storage checkpoint: fsdp_train.py's model, every replica of decent_train.py's."""
+    folder = Path(out_dir) / KIND[script] / (Path(out_dir) / KIND[script] / 'latest').read_text()
+    if script == 'fsdp_train.py':
+        from checkpoint import load_checkpoint
+        return load_checkpoint(str(folder))[0].state_dict()
+    return {f'{f.stem} {k}': v for f in sorted(folder.glob('rank-*.pt')) for k, v in weights(f).items()}
+
+
+def assert_same_run(ref_dir, ft_dir, script=None, exact=False):
+    """Every step's loss and the last eval within 1e-5 of the reference's (or equal), and the final weights within
+    1e-5 (or equal)."""
+    (ref, ref_evals), (ft, ft_evals) = read_metrics(ref_dir), read_metrics(ft_dir)
+    assert sorted(ft) == sorted(ref), (sorted(ft), sorted(ref))
+    rel = 0.0 if exact else 1e-5
+    for it in ref:
+        assert abs(ft[it] - ref[it]) <= rel * abs(ref[it]), (it, ft[it], ref[it])
+    assert abs(ft_evals[-1]['val_loss'] - ref_evals[-1]['val_loss']) <= rel * ref_evals[-1]['val_loss']
+    if script:
+        a, b = final_weights(script, ref_dir), final_weights(script, ft_dir)
+        assert a.keys() == b.keys()
+        for k in a:  # absolute: c_k's bias gets no gradient and holds only rounding noise that Adam scales up
+            assert (a[k] - b[k]).abs().max().item() <= (0.0 if exact else 1e-5), k
+
+
+# decent_train.py with the updates in the backward's hooks (no clipping) and AccumAdamW's window across the kills
+KILL_ARGS = {'fsdp_train.py': [], 'decent_train.py': ['--grad_clip=0.0', '--optimizer=accumadamw', '--accum_steps=3']}
+
+
+@pytest.mark.parametrize('script', ['fsdp_train.py', 'decent_train.py'])
+def test_sigkilled_workers_resume_from_their_memory_snapshots_and_finish_the_same(tmp_path, data_dir, script):
+    args = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=60', '--eval_interval=30',
+            '--save_memory_interval=4', *KILL_ARGS[script]]
+    run(script, *tiny(data_dir, tmp_path / 'ref', *args), nproc=2, cwd=tmp_path)
+    rng = random.Random(1)
+    kill_after = sorted(rng.sample(range(3, 50), 3))
+    kill_after = [kill_after[0], max(kill_after[1], kill_after[0] + 6), max(kill_after[2], kill_after[1] + 12)]
+    out, killed_at = run_with_kills(elastic(script, *tiny(data_dir, tmp_path / 'ft', *args)), tmp_path / 'ft',
+                                    kill_after, cwd=tmp_path)
+    # each rank holds a snapshot of its own shards or replica, and takes it back
+    resumed = [int(m) for m in re.findall(r'resuming from \S+/nanogpt-\w+/rank-0-of-\S+\.pt at iter (\d+)', out)]
+    assert len(resumed) == len(killed_at), out[-5000:]
+    for last, start in zip(killed_at, resumed):
+        # the killed worker was at most in step last + 1, and the snapshot before it is at most 4 steps older
+        assert last + 1 - 4 <= start <= last + 1, (killed_at, resumed)
+    # the same mesh or replicas take back exactly what they held: bit for bit, though 1e-5 is all the issue asks
+    assert_same_run(tmp_path / 'ref', tmp_path / 'ft', script, exact=True)
+    run_id = (tmp_path / 'ft' / 'run_id').read_text()
+    assert not os.path.exists(f'/dev/shm/nanogpt-{run_id}')  # a finished run frees its snapshots
+
+
+def test_fsdp_sigkill_during_a_storage_write_falls_back_to_the_previous_checkpoint(tmp_path, data_dir):
+    # a wide layer makes the shards big enough (~45 MB a rank with AdamW's moments) to be caught while written
+    args = ['--n_layer=1', '--n_embd=768', '--n_head=4', '--block_size=16', '--batch_size=2',
+            '--gradient_accumulation_steps=2', '--max_iters=16', '--eval_interval=100', '--save_storage_interval=4']
+    run('fsdp_train.py', *tiny(data_dir, tmp_path / 'ref', *args), nproc=2, cwd=tmp_path)
+    out_dir = tmp_path / 'ft'
+    first, second = out_dir / 'dcp' / 'step-00000004', out_dir / 'dcp' / 'step-00000008'
+    log = open(tmp_path / 'torchrun.log', 'w')
+    p = subprocess.Popen(elastic('fsdp_train.py', *tiny(data_dir, out_dir, *args)), cwd=tmp_path, env=env(),
+                         stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        while not (first / '.metadata').exists():  # the first checkpoint is complete ...
+            assert p.poll() is None, open(log.name).read()[-3000:]
+            time.sleep(0.002)
+        while not list(second.glob('*.distcp')):  # ... and the second one's shards are being written: kill a writer
+            assert p.poll() is None, open(log.name).read()[-3000:]
+            time.sleep(0.001)
+        os.kill(workers(p.pid)[0], signal.SIGKILL)
+        cut_short = not (second / '.metadata').exists()
+        p.wait(timeout=300)
+    finally:
+        p.kill()
+        log.close()
+    out = open(log.name).read()
+    assert p.returncode == 0, out[-5000:]
+    assert cut_short
+    assert re.search(r'resuming from \S+/ft/dcp/step-00000004 at iter 4\b', out), out[-5000:]
+    assert_same_run(tmp_path / 'ref', out_dir, 'fsdp_train.py', exact=True)
+    assert sorted(p.name for p in (out_dir / 'dcp').iterdir()) == ['latest', 'step-00000012', 'step-00000016']
+
+
+RESHARD_ARGS = ['--gradient_accumulation_steps=4', '--eval_interval=8', '--save_storage_interval=4']
+
+
+@pytest.fixture(scope='module')
+def fsdp_ref(tmp_path_factory, data_dir):
+    """fsdp_train.py on one process, 16 steps: the curve that any world size has to continue."""
+    tmp = tmp_path_factory.mktemp('fsdp_ref')
+    run('fsdp_train.py', *tiny(data_dir, tmp / 'ref', *RESHARD_ARGS, '--max_iters=16'), cwd=tmp, nthreads=1)
+    return tmp / 'ref'
+
+
+@pytest.mark.parametrize('first,then', [(2, 1), (1, 2)])
+def test_fsdp_resumed_at_another_world_size_past_a_truncated_checkpoint_continues_the_curve(tmp_path, data_dir,
+                                                                                            fsdp_ref, first, then):
+    run('fsdp_train.py', *tiny(data_dir, tmp_path / 'ft', *RESHARD_ARGS, '--max_iters=8'), nproc=first, cwd=tmp_path,
+        nthreads=1)
+    newest = tmp_path / 'ft' / 'dcp' / 'step-00000008'
+    assert (tmp_path / 'ft' / 'dcp' / 'step-00000004' / '.metadata').exists()  # the one before is kept
+    shard = newest / '__0_0.distcp'
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 3])
+    p = run('fsdp_train.py', *tiny(data_dir, tmp_path / 'ft', *RESHARD_ARGS, '--max_iters=16'), nproc=then,
+            cwd=tmp_path, nthreads=1)
+    assert f'warning: skipping the damaged {newest} (ValueError: __0_0.distcp holds' in p.stdout, p.stdout[-3000:]
+    assert 'auto-resume' in p.stdout and re.search(r'resuming from \S+/step-00000004 at iter 4\b', p.stdout)
+    assert_same_run(fsdp_ref, tmp_path / 'ft')
+
+
+@pytest.mark.parametrize('script', ['fsdp_train.py', 'decent_train.py'])
+def test_sigterm_saves_and_exits_cleanly_then_resumes_on_the_same_curve(tmp_path, data_dir, script):
+    # one process, which the signal reaches straight (train.py's test has torchrun pass it on)
+    args = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=20', '--eval_interval=100']
+    run(script, *tiny(data_dir, tmp_path / 'ref', *args), cwd=tmp_path, nthreads=1)
+    out_dir = tmp_path / 'ft'
+    p = subprocess.Popen([sys.executable, str(REPO / script), *tiny(data_dir, out_dir, *args)], cwd=tmp_path,
+                         env={**env(), 'OMP_NUM_THREADS': '1'}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    while not (logged_iters(out_dir) and logged_iters(out_dir)[-1] >= 6):
+        assert p.poll() is None
+        time.sleep(0.005)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0 and not err.strip(), err[-3000:]
+    stopped = int(re.search(r'SIGTERM: saving a checkpoint at iter (\d+) and exiting', out)[1])
+    assert 6 < stopped < 20, out[-3000:]
+    assert (out_dir / KIND[script] / 'latest').read_text() == f'step-{stopped:08d}'
+    p = run(script, *tiny(data_dir, out_dir, *args), cwd=tmp_path, nthreads=1)
+    assert f'at iter {stopped}' in p.stdout
+    assert_same_run(tmp_path / 'ref', out_dir, exact=True)
+
+
+@pytest.mark.parametrize('script', ['fsdp_train.py', 'decent_train.py'])
+def test_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(tmp_path, data_dir, script):
+    # the 4th step goes bad, then every one from the 8th: after max_nonfinite_steps=3 the run stops, the checkpoint
+    # of iter 6 intact
+    args = ['--gradient_accumulation_steps=1', '--max_iters=12', '--eval_interval=6', '--max_nonfinite_steps=3']
+    p = run_with_nans(tmp_path, ','.join(map(str, [4, *range(8, 40)])), *tiny(data_dir, tmp_path / 'run', *args),
+                      script=script)
+    assert p.returncode != 0
+    assert re.search(r'iter 3: non-finite loss[a-z ]*, step skipped \(1 in a row\)', p.stdout), p.stdout[-3000:]
+    assert 'iter 5: non-finite' not in p.stdout and 'iter 6: non-finite' not in p.stdout
+    assert p.stderr.strip().splitlines()[-1].startswith('error: 3 steps in a row up to iter 9 had a non-finite loss')
+    losses, _ = read_metrics(tmp_path / 'run')
+    assert [it for it, v in losses.items() if not math.isfinite(v)] == [3, 7, 8] and losses[6] < losses[0]
+    assert (tmp_path / 'run' / KIND[script] / 'latest').read_text() == 'step-00000006'
+    assert all(torch.isfinite(t).all() for t in final_weights(script, tmp_path / 'run').values())
