@@ -269,5 +269,8 @@ def test_a_signalled_job_is_requeued_and_resumes_from_its_checkpoint(cluster, tm
     assert node_log.count(f'{out} holds a checkpoint: resuming from it') == 1, node_log[-3000:]  # launch/resume.py
     resumed = re.findall(r'resuming from .*ckpt\.pt at iter (\d+)', node_log)  # train.py
     assert len(resumed) == 1 and 100 <= int(resumed[0]) < 1000, node_log[-3000:]
+    # the run SLURM stopped got SIGTERM and saved a checkpoint at the end of its step: nothing is redone
+    saved = re.findall(r'SIGTERM: saving a checkpoint at iter (\d+) and exiting', node_log)
+    assert saved == resumed, node_log[-3000:]
     losses, _ = read_metrics(out)
     assert sorted(losses) == list(range(1000))  # the steps after the checkpoint were logged again, once
