@@ -74,3 +74,9 @@ def data_dir(tmp_path_factory):
     run('prepare.py', 'shakespeare_char', f'--input={SHAKESPEARE}', f'--out_root={root}', cwd=root)
     run('prepare.py', 'shakespeare', f'--input={SHAKESPEARE}', f'--out_root={root}', cwd=root)
     return root
+
+
+# DeepSpeed builds its C++ ops the first time they are used (on 2 cores its shared-memory communicator takes about
+# a minute, CPU Adam two and a half) into TORCH_EXTENSIONS_DIR: one folder for every test of a session, and of the
+# sessions after it on the same machine, so that each op is built once
+os.environ.setdefault('TORCH_EXTENSIONS_DIR', str(Path.home() / '.cache' / 'torch_extensions' / 'nanogpt-tests'))

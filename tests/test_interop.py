@@ -53,6 +53,19 @@ def test_train_decent_train_round_trip_keeps_the_weights_exactly(trip, data_dir,
     assert a.keys() == d.keys() and all(torch.equal(a[k], d[k]) for k in a)
 
 
+def test_train_ds_train_round_trip_keeps_the_weights_exactly(trip, data_dir, tmp_path):
+    # ds_train.py starts from train.py's weights (init_from=PATH) and exports them gathered from ZeRO-3's
+    # partitions (a step at learning rate 0 changes nothing); train.py starts from that run's folder the same way
+    zero_lr = ['--max_iters=1', '--learning_rate=0', '--decay_lr=False']
+    launch('ds_train.py', tmp_path, data_dir, 'ds', f'--init_from={trip / "a" / "ckpt.pt"}', '--zero_stage=3',
+           *zero_lr, nproc=2)
+    launch('train.py', tmp_path, data_dir, 'back', f'--init_from={tmp_path / "ds"}', *zero_lr)
+    a, ds, back = weights(trip / 'a' / 'ckpt.pt'), weights(tmp_path / 'ds' / 'ckpt.pt'), weights(tmp_path / 'back' / 'ckpt.pt')
+    assert a.keys() == ds.keys() == back.keys()
+    assert all(torch.equal(a[k], ds[k]) and torch.equal(a[k], back[k]) for k in a)
+    assert (tmp_path / 'ds' / 'ds' / 'latest').read_text() == 'step-00000001'
+
+
 def test_init_from_any_checkpoint_path(trip, data_dir, tmp_path):
     # the sharded folder fsdp_train.py wrote, read by train.py in one process: the same weights give the same
     # val loss as the run that saved them (evals use the same batches every time)

@@ -277,7 +277,7 @@ def test_each_training_job_has_its_own_out_dir(monkeypatch):
                 if script != 'prepare.py':
                     pairs.add((doc['metadata']['name'], script_config(script, args)['out_dir']))
     jobs, out_dirs = {job for job, _ in pairs}, {d for _, d in pairs}
-    assert len(jobs) == len(out_dirs) == len(pairs) == 7, sorted(pairs)  # one to one
+    assert len(jobs) == len(out_dirs) == len(pairs) == 8, sorted(pairs)  # one to one
     assert all(d.startswith('/mnt/gpt/out/') for d in out_dirs), out_dirs  # on the volume, not in the pod
 
 
@@ -290,7 +290,7 @@ def test_dockerfile_puts_the_repo_where_the_manifests_run():
     assert ('RUN', 'pip install --no-cache-dir -r requirements.txt') in steps
     # nothing a manifest runs is left out of the image by .dockerignore
     ignored = [p for p in (REPO / '.dockerignore').read_text().split('\n') if p and not p.startswith('#')]
-    needed = ['train.py', 'fsdp_train.py', 'prepare.py', 'configurator.py', 'model.py', RESUME,
+    needed = ['train.py', 'fsdp_train.py', 'ds_train.py', 'prepare.py', 'configurator.py', 'model.py', RESUME,
               'config/train_gpt2.py', 'requirements.txt']
     assert not [(n, p) for n in needed for p in ignored if fnmatch.fnmatch(n, p) or n.startswith(p + '/')]
 
@@ -358,6 +358,8 @@ BROKEN = {
                                  replace_arg('--nproc-per-node=8', '--nprocs-per-node=8')),
     'launcher option as two words': ('elasticjob-train.yaml', "'8' is not a script in the repo",
                                      replace_arg('--nproc_per_node=8', '--nproc_per_node 8')),
+    'misspelt ds_train.py key': ('pytorchjob-ds.yaml', "unknown config key 'zero_stag'",
+                                 replace_arg('--zero_stage', '--zero_stag')),
     'undefined variable': ('pytorchjob-train.yaml', '$MASTER_ADR is neither set',
                            replace_arg('$(MASTER_ADDR)', '$(MASTER_ADR)')),
 }

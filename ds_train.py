@@ -1,0 +1,612 @@
+"""
+Trains a GPT with DeepSpeed's ZeRO: optimizer state (stage 1), gradients too (2) and parameters too (3) sharded
+over the data-parallel ranks, optionally offloaded to CPU memory (ZeRO-Offload) or NVMe (ZeRO-Infinity).
+
+torchrun, 8 GPUs:   torchrun --standalone --nproc_per_node=8 ds_train.py config/train_gpt2.py --zero_stage=2
+deepspeed, 8 GPUs:  deepspeed --num_gpus 8 ds_train.py config/train_gpt2.py --zero_stage=3 --offload_optimizer=cpu
+Two nodes:          torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HEAD:29500 ds_train.py ...
+
+Everything but the distribution is train.py's: config keys, data stream, logging, eval and exact resume. The
+DeepSpeed config is generated from train.py's keys, so that one config trains on the same global batch in tokens
+here and there; a ds_config JSON file may add to it, not contradict it. Checkpoints are the engine's folders
+(out_dir/ds/step-N/, resumed at the same world size and stage), and save_consolidated writes beside each one
+train.py's ckpt.pt, which sample.py, train.py and the other entrypoints read.
+"""
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+import warnings
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from checkpoint import find_checkpoint, load_checkpoint
+from configurator import configure
+from model import GPT, GPTConfig
+
+# -----------------------------------------------------------------------------
+# config: defaults train GPT-2 124M on OpenWebText; config/*.py and --key=value override them
+# I/O
+out_dir = 'out'
+eval_interval = 2000
+log_interval = 1
+eval_iters = 200
+eval_only = False  # exit right after the first eval
+always_save_checkpoint = True  # save after every eval, not only on a new best val loss
+init_from = 'scratch'  # 'scratch', 'resume' (out_dir's checkpoint), 'gpt2'..'gpt2-xl', or a checkpoint's path (weights only)
+# wandb logging
+wandb_log = False
+wandb_project = 'owt'
+wandb_run_name = 'gpt2'
+# data
+dataset = 'openwebtext'  # data/<dataset>/{train,val}.bin as prepare.py writes them (or a path to such a folder)
+gradient_accumulation_steps = 5 * 8  # micro-steps per optimizer step, in total over all ranks
+batch_size = 12  # sequences per micro-step per rank
+block_size = 1024
+# model
+n_layer = 12
+n_head = 12
+n_embd = 768
+dropout = 0.0  # 0 for pretraining, try 0.1+ for finetuning
+bias = False
+# AdamW
+learning_rate = 6e-4
+max_iters = 600000
+weight_decay = 1e-1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0  # clip gradients at this norm; 0 disables
+# learning rate schedule: linear warmup, then cosine decay to min_lr
+decay_lr = True
+warmup_iters = 2000
+lr_decay_iters = 600000  # ~ max_iters, per Chinchilla
+min_lr = 6e-5  # ~ learning_rate / 10, per Chinchilla
+# system
+device = 'auto'  # 'auto' (cuda:LOCAL_RANK if there is a GPU, else cpu), 'cpu', 'cuda', 'cuda:1'
+backend = 'auto'  # 'auto' (nccl on CUDA, gloo otherwise), 'nccl' or 'gloo'
+dtype = 'auto'  # 'auto' (bfloat16 on GPUs that have it, else float16 on CUDA, float32 on CPU), or one of those
+compile = True  # torch.compile the model
+seed = 1337
+deterministic = False  # deterministic algorithms and dropout off, so that reruns give identical curves, on GPUs too
+# DeepSpeed
+zero_stage = 2  # 0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters
+offload_optimizer = 'none'  # 'none', 'cpu' (optimizer state and step in CPU memory) or an NVMe folder (stage 3)
+offload_params = 'none'  # 'none', 'cpu' or an NVMe folder: parameters between uses (stage 3)
+ds_config = ''  # a DeepSpeed config JSON file whose entries are added to the generated config (never contradict it)
+save_consolidated = True  # with each checkpoint also write out_dir/ckpt.pt in train.py's format (gathered on rank 0)
+# -----------------------------------------------------------------------------
+# the deepspeed launcher adds --local_rank=K, which says what LOCAL_RANK in the environment says
+config, given = configure(globals(), [a for a in sys.argv[1:] if not a.startswith('--local_rank=')])
+
+# DeepSpeed, imported after the config: launch/resume.py and the manifest tests read the config without it
+try:
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+except ImportError as e:
+    sys.exit(f"error: ds_train.py needs DeepSpeed ({e}): pip install deepspeed==0.19.8")
+# DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates, and torch says so at each call
+warnings.filterwarnings('ignore', message=r'`torch\.distributed\.\w+` is deprecated', category=FutureWarning)
+
+# distributed init: torchrun and the deepspeed launcher set RANK, LOCAL_RANK and WORLD_SIZE; without, a group of one
+ddp = 'RANK' in os.environ
+rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if ddp else (0, 0, 1)
+master_process = rank == 0  # does all the logging and checkpoint writing
+dp_rank, dp_size = rank, world_size  # every rank is a data-parallel rank: ZeRO shards over all of them
+if device == 'auto':
+    device = f'cuda:{local_rank}' if torch.cuda.is_available() else 'cpu'
+elif device == 'cuda' and ddp:
+    device = f'cuda:{local_rank}'
+device_type = device.split(':')[0]
+if device_type == 'cuda' and not torch.cuda.is_available():
+    sys.exit("error: device=cuda but torch sees no GPU: use --device=cpu (or auto)")
+if device_type != get_accelerator().device_name():  # DeepSpeed puts the model on the accelerator it chose on import
+    sys.exit(f"error: device={device}, but DeepSpeed chose its {get_accelerator().device_name()} accelerator: set "
+             f"DS_ACCELERATOR={device_type} in the environment (cuda or cpu)")
+if dtype == 'auto':
+    # real bf16 only: emulated bf16 on older GPUs (V100, T4) is slower than fp16 with a loss scaler
+    dtype = ('bfloat16' if torch.cuda.is_bf16_supported(including_emulation=False) else 'float16') \
+        if device_type == 'cuda' else 'float32'
+if dtype not in ('float32', 'bfloat16', 'float16'):
+    sys.exit(f"error: dtype={dtype!r} is not one of auto, float32, bfloat16, float16")
+if dtype == 'float16' and not get_accelerator().is_fp16_supported():
+    sys.exit(f"error: dtype=float16: DeepSpeed's {get_accelerator().device_name()} accelerator has no float16 "
+             f"here; use bfloat16 or float32")
+if zero_stage not in (0, 1, 2, 3):
+    sys.exit(f"error: zero_stage={zero_stage} is not one of 0 (data parallel), 1 (optimizer state sharded), "
+             f"2 (and gradients), 3 (and parameters)")
+for key, value in (('offload_optimizer', offload_optimizer), ('offload_params', offload_params)):
+    nvme = value not in ('none', 'cpu')  # ZeRO-Infinity: a folder on an NVMe drive
+    if nvme and not os.path.isdir(value):
+        sys.exit(f"error: {key}={value!r} is neither none, cpu nor an existing folder (on an NVMe drive)")
+    lowest = 3 if nvme or key == 'offload_params' else 1
+    if value != 'none' and zero_stage < lowest:
+        sys.exit(f"error: {key}={value} needs zero_stage {'3' if lowest == 3 else '1 or more'}, not {zero_stage}")
+    if nvme and not getattr(get_accelerator().create_op_builder('AsyncIOBuilder'), 'is_compatible', lambda: False)():
+        sys.exit(f"error: {key} to NVMe needs DeepSpeed's async_io op, which needs libaio: apt-get install "
+                 f"libaio-dev (or yum install libaio-devel), or offload to cpu")
+if backend == 'auto':
+    backend = 'nccl' if device_type == 'cuda' else 'gloo'
+if gradient_accumulation_steps % dp_size != 0:
+    sys.exit(f"error: gradient_accumulation_steps={gradient_accumulation_steps} does not divide across {dp_size} "
+             f"data-parallel ranks: make it a multiple of {dp_size} (it is the total over all ranks)")
+accum_steps = gradient_accumulation_steps // dp_size  # micro-steps on this rank
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
+if init_from not in ('scratch', 'resume', 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') and not os.path.exists(init_from):
+    sys.exit(f"error: unknown init_from={init_from!r}: use scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl "
+             f"or the path of a checkpoint (a ckpt.pt, a sharded checkpoint folder or a run's out_dir)")
+if device_type == 'cuda':
+    torch.cuda.set_device(device)
+if not ddp:  # a group of one, which DeepSpeed wraps (it asks for the LOCAL_RANK that its launchers set)
+    os.environ.setdefault('LOCAL_RANK', '0')
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+deepspeed.init_distributed(dist_backend=backend)
+torch.manual_seed(seed)  # every rank builds the same initial model
+if device_type == 'cuda':
+    torch.backends.cuda.matmul.fp32_precision = 'tf32'
+    torch.backends.cudnn.conv.fp32_precision = 'tf32'
+ctx = nullcontext()  # no autocast: DeepSpeed's bf16 and fp16 modes cast the model, with fp32 master weights
+
+
+def print0(*args, **kwargs):
+    if master_process:
+        print(*args, **kwargs, flush=True)
+
+
+if deterministic:
+    os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')  # cuBLAS is deterministic only with a fixed workspace
+    torch.use_deterministic_algorithms(True)
+    if device_type == 'cuda':
+        torch.backends.cudnn.benchmark = False
+        # the fused attention kernels add up their backward in a varying order; the math one does not
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    if dropout != 0.0:
+        print0(f"deterministic: dropout {dropout} turned off")
+    dropout = config['dropout'] = 0.0
+
+print0(f"world size {world_size}, {accum_steps} micro-steps per rank, {tokens_per_iter:,} tokens per iteration")
+
+# -----------------------------------------------------------------------------
+# data: nanoGPT's uint16 train.bin / val.bin
+data_dir = os.path.join('data', dataset)
+bin_path, n_tokens = {}, {}
+for split in ('train', 'val'):
+    bin_path[split] = os.path.join(data_dir, f'{split}.bin')
+    if not os.path.exists(bin_path[split]):
+        sys.exit(f"error: {bin_path[split]} not found: run `python prepare.py {dataset}` "
+                 f"(or `python prepare.py text --input=FILE --name={dataset}`) first")
+    n_tokens[split] = os.path.getsize(bin_path[split]) // 2
+    if n_tokens[split] < block_size + 1:
+        sys.exit(f"error: {bin_path[split]} holds {n_tokens[split]} tokens, fewer than block_size + 1 = {block_size + 1}: "
+                 f"lower --block_size or prepare more data")
+
+
+def get_batch(split, offsets):
+    # a new memmap per batch: a long-lived one keeps every page it touched and grows without bound
+    data = np.memmap(bin_path[split], dtype=np.uint16, mode='r')
+    chunk = torch.from_numpy(data[offsets.numpy()[:, None] + np.arange(block_size + 1)].astype(np.int64))
+    x, y = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+    if device_type == 'cuda':
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+# The training stream is a function of the seed and the step alone: each step draws the offsets of the whole
+# global batch from one generator and each (rank, micro-step) takes its own row, so 1, 2 or 8 ranks see the same
+# data, and saving this generator's state saves the data position.
+data_gen = torch.Generator().manual_seed(seed)
+
+
+def draw_train_offsets():
+    offsets = torch.randint(n_tokens['train'] - block_size, (gradient_accumulation_steps, batch_size), generator=data_gen)
+    return offsets[dp_rank * accum_steps:(dp_rank + 1) * accum_steps]
+
+
+# -----------------------------------------------------------------------------
+# model
+meta_vocab_size = None
+meta_path = os.path.join(data_dir, 'meta.pkl')
+if os.path.exists(meta_path):
+    import pickle
+    with open(meta_path, 'rb') as f:
+        meta_vocab_size = pickle.load(f)['vocab_size']
+model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
+                  vocab_size=meta_vocab_size or 50304, dropout=dropout)
+iter_num, best_val_loss, checkpoint = 0, 1e9, None
+
+
+def take_shape(ckpt_args):
+    """The model's shape comes from the checkpoint; a key that says otherwise is a mistake, not a request."""
+    for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size'):
+        if k in given and config[k] != ckpt_args[k]:
+            sys.exit(f"error: {k}={config[k]!r} contradicts the checkpoint's {k}={ckpt_args[k]!r}: drop that "
+                     f"setting to start from it, or use another out_dir to train a new model")
+        model_args[k] = ckpt_args[k]
+        if k in config:  # and the globals (block_size sizes the batches) and the config saved with the run
+            globals()[k] = config[k] = ckpt_args[k]
+
+
+if init_from == 'resume':
+    # the engine's newest checkpoint folder; its weights and optimizer shards load into the engine below
+    latest = os.path.join(out_dir, 'ds', 'latest')
+    if not os.path.exists(latest):
+        weights = os.path.join(out_dir, 'ckpt.pt')
+        sys.exit(f"error: no DeepSpeed checkpoint at {latest}: point --out_dir at a ds_train.py run's folder, or use "
+                 + (f"--init_from={weights} to start from the weights there" if os.path.exists(weights)
+                    else "--init_from=scratch"))
+    with open(latest) as f:
+        ckpt_path = os.path.join(out_dir, 'ds', f.read().strip())
+    try:
+        # our state is the engine's client state, in the (first) model-states file; mmap reads only what is used
+        states = sorted(f for f in os.listdir(ckpt_path) if f.endswith('model_states.pt'))[0]
+        checkpoint = torch.load(os.path.join(ckpt_path, states), map_location='cpu', weights_only=True, mmap=True)
+        ckpt_args = checkpoint['model_args']
+        take_shape(ckpt_args)
+        model = GPT(GPTConfig(**model_args))
+        iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
+        saved = (checkpoint['world_size'], checkpoint['config']['zero_stage'])
+    except Exception as e:
+        sys.exit(f"error: checkpoint {ckpt_path} is corrupt or not a ds_train.py checkpoint ({type(e).__name__}: "
+                 f"{str(e).splitlines()[0][:200] if str(e) else ''}): delete it or restore a good copy")
+    # ZeRO's shards are cut for one world size and stage; the consolidated ckpt.pt is the way to another
+    if saved != (world_size, zero_stage):
+        sys.exit(f"error: {ckpt_path} was written by {saved[0]} ranks at zero_stage={saved[1]}, and ZeRO's shards "
+                 f"resume only so: use {saved[0]} ranks and --zero_stage={saved[1]}, or start from the weights with "
+                 f"--init_from={os.path.join(out_dir, 'ckpt.pt')}")
+elif init_from in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
+    print0(f"initializing from OpenAI GPT-2 weights: {init_from}")
+    try:
+        model = GPT.from_pretrained(init_from, dict(dropout=dropout))
+    except ImportError:
+        sys.exit(f"error: init_from={init_from} needs Hugging Face transformers: pip install transformers")
+    except OSError as e:
+        sys.exit(f"error: could not load {init_from} from the Hugging Face hub ({str(e).splitlines()[0][:200]}): "
+                 f"check the network, or set HF_HUB_OFFLINE=1 with the model in the local cache")
+    for k in ('n_layer', 'n_head', 'n_embd', 'bias', 'vocab_size'):
+        model_args[k] = getattr(model.config, k)
+elif init_from != 'scratch':
+    # any entrypoint's checkpoint, or a run folder's newest: its weights, with a new optimizer from step 0
+    try:
+        model, ckpt = load_checkpoint(init_from, dropout=dropout)
+        take_shape(ckpt['model_args'])
+    except Exception as e:
+        sys.exit(f"error: cannot read a checkpoint at {init_from} ({type(e).__name__}: "
+                 f"{str(e).splitlines()[0][:200] if str(e) else ''}): give a ckpt.pt, a sharded checkpoint or a run folder")
+    print0(f"initializing from the weights of {find_checkpoint(init_from)}")
+else:
+    model = GPT(GPTConfig(**model_args))
+if block_size < model.config.block_size:
+    model.crop_block_size(block_size)  # fine-tune GPT-2 with a shorter context
+    model_args['block_size'] = block_size
+elif block_size > model.config.block_size:
+    sys.exit(f"error: block_size={block_size} is longer than the model's {model.config.block_size} positions: "
+             f"use --block_size={model.config.block_size} or less")
+print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
+model.to(device)
+torch.manual_seed(seed + dp_rank)  # and then draws its own dropout masks
+raw_model = model  # the bare module: its state_dict and MFU, whatever wraps it below
+
+# -----------------------------------------------------------------------------
+# optimizer (train.py's AdamW and weight-decay groups), and the engine that shards it
+optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+adamw_groups = [{k: v for k, v in g.items() if k != 'params'} for g in optimizer.param_groups]  # for the export
+if offload_optimizer != 'none':
+    # the offloaded step runs on the CPU, in DeepSpeed's vectorized Adam (a C++ op it builds on first use)
+    groups = [{'params': g['params'], 'weight_decay': g['weight_decay']} for g in optimizer.param_groups]
+    optimizer = DeepSpeedCPUAdam(groups, lr=learning_rate, betas=(beta1, beta2), adamw_mode=True)
+
+
+def offload(value):
+    if value == 'cpu':
+        return {'device': 'cpu', 'pin_memory': device_type == 'cuda'}  # pinned: faster copies to and from GPUs
+    return {'device': 'nvme', 'nvme_path': value}
+
+
+# The DeepSpeed config, from train.py's keys: the same global batch (batch_size x gradient_accumulation_steps
+# sequences, over all ranks), clipping and precision. The LR schedule stays ours (get_lr sets it each step).
+ds_cfg = {
+    'train_batch_size': batch_size * gradient_accumulation_steps,
+    'train_micro_batch_size_per_gpu': batch_size,
+    'gradient_accumulation_steps': accum_steps,
+    'gradient_clipping': grad_clip,
+    'bf16': {'enabled': dtype == 'bfloat16'},
+    'fp16': {'enabled': dtype == 'float16'},
+    'zero_optimization': {'stage': zero_stage,
+                          **({'offload_optimizer': offload(offload_optimizer)} if offload_optimizer != 'none' else {}),
+                          **({'offload_param': offload(offload_params)} if offload_params != 'none' else {})},
+}
+
+
+def merge(ours, theirs, where):
+    """theirs added to ours, in place; a value of theirs that differs from ours is an error."""
+    for k, v in theirs.items():
+        if isinstance(v, dict) and isinstance(ours.get(k), dict):
+            merge(ours[k], v, f'{where}{k}.')
+        elif k in ('optimizer', 'scheduler') and not where:
+            sys.exit(f"error: {ds_config} sets {k}: ds_train.py makes the optimizer (AdamW, train.py's weight-decay "
+                     f"groups) and the LR schedule from its config keys; drop {k!r} from the file")
+        elif k in ours and ours[k] != v:
+            sys.exit(f"error: {ds_config} sets {where}{k}={json.dumps(v)}, which contradicts {json.dumps(ours[k])} "
+                     f"from the config (batch_size, gradient_accumulation_steps, grad_clip, dtype, zero_stage, "
+                     f"offload_*): set it with those keys, or drop it from the file")
+        else:
+            ours[k] = v
+
+
+if ds_config:
+    try:
+        with open(ds_config) as f:
+            extra = json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot read ds_config {ds_config} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+    if not isinstance(extra, dict):
+        sys.exit(f"error: ds_config {ds_config} holds a JSON {type(extra).__name__}, not an object of DeepSpeed settings")
+    merge(ds_cfg, extra, '')
+try:
+    model, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_cfg)
+except ValueError as e:  # pydantic's errors about ds_config's settings among them: the class, the field, the reason
+    sys.exit(f"error: DeepSpeed rejects the config ({'; '.join(line.strip() for line in str(e).splitlines()[:3])[:300]})"
+             f"{f': check {ds_config}' if ds_config else ''}")
+
+# -----------------------------------------------------------------------------
+# checkpoint load: the rest of the state, so that the run continues exactly where it stopped
+if checkpoint is not None:
+    try:  # each rank's shards of the weights and the optimizer state
+        loaded, _ = model.load_checkpoint(os.path.dirname(ckpt_path), tag=os.path.basename(ckpt_path))
+        assert loaded is not None, "DeepSpeed found no checkpoint there"
+    except Exception as e:
+        sys.exit(f"error: checkpoint {ckpt_path} does not load into this run ({type(e).__name__}: "
+                 f"{str(e).splitlines()[0][:200] if str(e) else ''}): delete it or restore a good copy")
+    data_gen.set_state(checkpoint['data_rng'])
+    torch.set_rng_state(checkpoint['rng'][rank]['cpu'])
+    if device_type == 'cuda':
+        torch.cuda.set_rng_state(checkpoint['rng'][rank]['cuda'])
+    print0(f"resuming from {ckpt_path} at iter {iter_num}")
+    checkpoint = None  # free the memory
+
+if compile:
+    print0("compiling the model... (takes a ~minute)")
+    model.compile()  # the engine compiles its module in place (at stage 3 it recompiles in ZeRO's hooks, though)
+eval_model = model  # at stage 3 every rank takes part in each forward, evaluation's too
+
+
+def atomic_save(obj, path):
+    with open(path + '.tmp', 'wb') as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + '.tmp', path)
+
+
+def gather_state():
+    """train.py's model and optimizer state dicts, whole, in CPU memory. A collective: under ZeRO each parameter's
+    fp32 master weights and Adam moments are all-reduced from the fragments that the ranks own."""
+    params = dict(raw_model.named_parameters())
+    moments = ('exp_avg', 'exp_avg_sq')
+    weights, state = {}, {}
+    if any(hasattr(p, '_hp_mapping') or hasattr(p, 'ds_id') for p in params.values()):  # ZeRO 1-3
+        for p in params.values():
+            # DeepSpeed 0.19.8 links parameters to their optimizer-state fragments after the first group's step,
+            # when the second group (biases, gains) has no state yet: link those now
+            m = getattr(p, '_hp_mapping', None)
+            if m is not None and not m.optim_fragment:
+                flat = optimizer.param_groups[m.param_group_index]['params'][0]
+                m.set_optim_state_fragment(flat, optimizer.state[flat])
+        for n, p in params.items():
+            weights[n] = safe_get_full_fp32_param(p).cpu()
+            state[n] = {k: safe_get_full_optimizer_state(p, k).cpu() for k in moments}
+    else:  # stage 0: AdamW steps the parameters themselves (fp32), or one flat fp32 copy of each group (bf16, fp16)
+        for group_names, g in zip(raw_model.param_groups(), optimizer.param_groups):
+            shapes = [params[n].shape for n in group_names]
+
+            def pieces(tensors):  # the group's parameters' tensors, or their views in its one flat tensor
+                if len(tensors) == len(shapes):
+                    return tensors
+                return [t.view(s) for t, s in zip(tensors[0].split([s.numel() for s in shapes]), shapes)]
+            ws = pieces(g['params'])
+            ms = {k: pieces([optimizer.state[m][k] for m in g['params']]) for k in moments}
+            for i, n in enumerate(group_names):
+                weights[n], state[n] = ws[i].detach().cpu(), {k: ms[k][i].cpu() for k in moments}
+    name_of = {id(p): n for n, p in params.items()}  # the tied lm_head.weight is wte's parameter
+    model_sd = {k: weights[name_of[id(v)]] for k, v in raw_model.state_dict(keep_vars=True).items()}
+    # numbered as train.py's AdamW numbers its parameters, with its hyperparameters
+    step = torch.tensor(float(next(iter(optimizer.state.values()))['step']))  # every parameter takes every step
+    names = [n for group in raw_model.param_groups() for n in group]
+    groups, start = [], 0
+    for g, live, group_names in zip(adamw_groups, optimizer.param_groups, raw_model.param_groups()):
+        groups.append({**g, 'lr': live['lr'], 'params': list(range(start, start + len(group_names)))})
+        start += len(group_names)
+    return model_sd, {'state': {i: {'step': step, **state[n]} for i, n in enumerate(names)}, 'param_groups': groups}
+
+
+def save_checkpoint():
+    """Every rank calls this: the engine writes each rank's shards into out_dir/ds/step-N/ with our state (the
+    RNG of every rank, the data position) as its client state; only when all are written does rank 0 point
+    out_dir/ds/latest at the folder (a crash before leaves the previous one in place) and remove the older ones.
+    With save_consolidated, also train.py's ckpt.pt, written atomically."""
+    ds_dir, name = os.path.join(out_dir, 'ds'), f'step-{iter_num:08d}'
+    latest = os.path.join(ds_dir, 'latest')
+    if os.path.exists(latest) and Path(latest).read_text().strip() == name:
+        return  # a resumed run's first eval: the checkpoint it started from (everyone looks before the save below)
+    rng = {'cpu': torch.get_rng_state(), **({'cuda': torch.cuda.get_rng_state()} if device_type == 'cuda' else {})}
+    rngs = [None] * world_size
+    dist.all_gather_object(rngs, rng)
+    extra = {
+        'model_args': model_args,
+        'iter_num': iter_num,
+        'best_val_loss': best_val_loss,
+        'config': config,
+        'rng': rngs,
+        'data_rng': data_gen.get_state(),
+        'world_size': world_size,
+    }
+    model.save_checkpoint(ds_dir, tag=name, client_state=extra, save_latest=False)  # its own latest is not atomic
+    dist.barrier()  # every rank's shards are written
+    if master_process:
+        with open(latest + '.tmp', 'w') as f:
+            f.write(name)
+        os.replace(latest + '.tmp', latest)
+        for old in os.listdir(ds_dir):
+            if old.startswith('step-') and old != name:
+                shutil.rmtree(os.path.join(ds_dir, old), ignore_errors=True)
+        print0(f"saved checkpoint to {os.path.join(ds_dir, name)}")
+    if save_consolidated:
+        model_sd, optim_sd = gather_state()
+        if master_process:
+            atomic_save({'model': model_sd, 'optimizer': optim_sd, **extra}, os.path.join(out_dir, 'ckpt.pt'))
+            print0(f"saved consolidated checkpoint to {os.path.join(out_dir, 'ckpt.pt')}")
+    dist.barrier()  # nobody reads or rewrites the folder until it is complete
+
+
+@torch.no_grad()
+def estimate_loss():
+    """Mean loss over eval_iters batches per split, the same batches at every eval (a fixed seed), so that evals
+    compare; the batches are shared out over the ranks and the sum all-reduced."""
+    out = {}
+    eval_model.eval()
+    for i, split in enumerate(('train', 'val')):
+        gen = torch.Generator().manual_seed(seed + 1 + i)
+        offsets = torch.randint(n_tokens[split] - block_size, (eval_iters, batch_size), generator=gen)
+        total = torch.zeros((), device=device)
+        # every rank runs the same number of forwards (at stage 3 each gathers parameters from the others); the
+        # extra ones where eval_iters does not divide by dp_size count for nothing
+        for k in range(dp_rank, -(-eval_iters // dp_size) * dp_size, dp_size):
+            X, Y = get_batch(split, offsets[k % eval_iters])
+            with ctx:
+                _, loss = eval_model(X, Y)
+            total += loss.float() * (k < eval_iters)
+        dist.all_reduce(total)
+        out[split] = total.item() / eval_iters
+    eval_model.train()
+    return out
+
+
+def state_bytes():
+    """Bytes of parameters, gradients and optimizer state on this rank, counted by storage (a flat buffer once,
+    however many views of it): the module's weights (their partitions at stage 3) and the fp32 master partitions
+    that ZeRO steps (the same storage at stage 3 in fp32, a copy at 1 and 2); the reduced gradients; the Adam
+    moments. DeepSpeed frees the gradients within its step, so they are counted before it."""
+    def size(tensors):
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    mine = [getattr(p, 'ds_tensor', p) for p in raw_model.parameters()]
+    # ZeRO-3 hands the optimizer its fp32 partitions only for the length of a step
+    masters = [p for g in optimizer.param_groups for p in g['params']] + \
+        list(getattr(model.optimizer, 'fp32_partitioned_groups_flat', []))
+    # where each stage keeps them after the reduction: stage 0 in .grad, 1 and 2 in averaged_gradients (views of
+    # one partition buffer), 3 in one flat buffer of partitions, and with offload beside the CPU master copies
+    zero_grads = [g for gs in getattr(model.optimizer, 'averaged_gradients', {}).values() for g in gs or []]
+    grads = [p.grad for p in list(raw_model.parameters()) + masters if p.grad is not None] + zero_grads + \
+        [getattr(model.optimizer, 'grad_partitions_flat_buffer', None)]
+    return dict(param_bytes=size(mine + masters),
+                grad_bytes=size(g for g in grads if g is not None),
+                optim_bytes=size(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)))
+
+
+def get_lr(it):
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    decay_ratio = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))  # from 1 down to 0
+    return min_lr + coeff * (learning_rate - min_lr)
+
+
+# -----------------------------------------------------------------------------
+# logging: one line per logged step for people, the same as JSON in out_dir/metrics.jsonl for programs
+if master_process:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, 'config.json'), 'w') as f:
+        json.dump({**config, 'world_size': world_size}, f, indent=1)  # the run's settings, beside its results
+    metrics_path = os.path.join(out_dir, 'metrics.jsonl')
+    if init_from == 'resume' and os.path.exists(metrics_path):
+        # rows that an interrupted run logged after its checkpoint are about to be logged again
+        with open(metrics_path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line).get('iter', 0) < iter_num]
+        with open(metrics_path + '.tmp', 'w') as f:
+            f.writelines(kept)
+        os.replace(metrics_path + '.tmp', metrics_path)
+    metrics = open(metrics_path, 'a' if init_from == 'resume' else 'w', buffering=1)
+if wandb_log and master_process:
+    import wandb
+    wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+device_name = torch.cuda.get_device_name(device) if device_type == 'cuda' else device_type
+
+
+def log_metrics(**row):
+    if master_process:
+        metrics.write(json.dumps({'iter': iter_num, **row, 'time': round(time.time() - t_start, 3)}) + '\n')
+
+
+# -----------------------------------------------------------------------------
+# training loop
+t_start = time.time()
+t0, steps_timed = time.time(), 0
+local_iter_num = 0  # steps taken by this process, whatever iter_num it started from
+loss_sum = torch.zeros((), device=device)
+while True:
+    lr = get_lr(iter_num) if decay_lr else learning_rate
+    for param_group in optimizer.param_groups:
+        param_group['lr'] = lr
+
+    if iter_num % eval_interval == 0 or iter_num == max_iters:
+        losses = estimate_loss()
+        print0(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        log_metrics(train_loss=losses['train'], val_loss=losses['val'])
+        if wandb_log and master_process:
+            wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr})
+        if losses['val'] < best_val_loss or always_save_checkpoint:
+            best_val_loss = min(best_val_loss, losses['val'])
+            if iter_num > 0:
+                save_checkpoint()
+        t0, steps_timed = time.time(), 0  # leave evals out of the step time
+    if iter_num >= max_iters or eval_only:
+        break
+
+    # one optimizer step over the whole global batch, in accum_steps micro-steps on each rank
+    offsets = draw_train_offsets()
+    for micro_step in range(accum_steps):
+        X, Y = get_batch('train', offsets[micro_step])
+        with ctx:
+            _, loss = model(X, Y)
+        # the engine scales each micro-step's loss by 1 / accum_steps (its gradient_accumulation_steps), so that
+        # the gradients add up to a mean over the rank's batch, and reduces them only at the last micro-step
+        loss_sum += loss.detach().float() / accum_steps
+        model.backward(loss)
+        if local_iter_num == 0 and micro_step == accum_steps - 1:
+            grad_bytes = state_bytes()['grad_bytes']  # reduced and not yet freed: the step frees them
+        model.step()  # clips and steps the optimizer at the last micro-step; only counts the others
+    if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
+        mem = {**state_bytes(), 'grad_bytes': grad_bytes}
+        print0("per-rank memory: " + ", ".join(f"{k.removesuffix('_bytes')} {v / 2**20:.2f} MiB" for k, v in mem.items()))
+        log_metrics(**mem)
+    steps_timed += 1
+
+    if iter_num % log_interval == 0:
+        # the loss of the whole global batch: the mean over ranks of each rank's mean over its micro-steps
+        dist.all_reduce(loss_sum)
+        lossf = loss_sum.item() / world_size  # .item() waits for the GPU, so the time below is real
+        dt = (time.time() - t0) / steps_timed
+        mfu = raw_model.estimate_mfu(batch_size * accum_steps, dt, device_name)
+        print0(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f} ms, {tokens_per_iter / dt:,.0f} tok/s"
+               + (f", mfu {mfu * 100:.2f}%" if mfu is not None else ""))
+        log_metrics(loss=lossf, lr=lr, ms=dt * 1000, tokens_per_sec=tokens_per_iter / dt, mfu=mfu)
+        t0, steps_timed = time.time(), 0
+    loss_sum.zero_()
+    iter_num += 1
+    local_iter_num += 1
+
+if master_process:
+    metrics.close()
+dist.barrier()  # gloo's teardown has aborted when one rank left while another was still in a collective
+dist.destroy_process_group()
