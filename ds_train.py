@@ -149,6 +149,13 @@ if not ddp:  # a group of one, which DeepSpeed wraps (it asks for the LOCAL_RANK
     os.environ.setdefault('LOCAL_RANK', '0')
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
 deepspeed.init_distributed(dist_backend=backend)
+if device_type == 'cpu':
+    # Under its launcher (which sets LOCAL_SIZE) DeepSpeed maps a 66 MB shared-memory file per rank for its
+    # inference all-reduce and never removes it; once every rank has mapped the others', the names can go
+    dist.barrier()
+    shm = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_{os.environ.get('MASTER_PORT')}_{rank}"
+    if os.path.exists(os.path.join('/dev/shm', shm)):
+        os.remove(os.path.join('/dev/shm', shm))
 torch.manual_seed(seed)  # every rank builds the same initial model
 if device_type == 'cuda':
     torch.backends.cuda.matmul.fp32_precision = 'tf32'
