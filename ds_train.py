@@ -17,8 +17,10 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
+import uuid
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
@@ -27,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import find_checkpoint, load_checkpoint
+from checkpoint import find_checkpoint, load_checkpoint, snapshot_dir
 from configurator import configure
 from model import GPT, GPTConfig
 
@@ -75,6 +77,10 @@ dtype = 'auto'  # 'auto' (bfloat16 on GPUs that have it, else float16 on CUDA, f
 compile = True  # torch.compile the model
 seed = 1337
 deterministic = False  # deterministic algorithms and dropout off, so that reruns give identical curves, on GPUs too
+# fault tolerance
+auto_resume = True  # on every start, continue from the newest complete snapshot or checkpoint of out_dir, if any
+save_memory_interval = 0  # steps between snapshots of the whole state into node-local memory (/dev/shm); 0: none
+save_storage_interval = 0  # steps between checkpoints to out_dir, besides the evals'; 0: none
 # DeepSpeed
 zero_stage = 2  # 0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters
 offload_optimizer = 'none'  # 'none', 'cpu' (optimizer state and step in CPU memory) or an NVMe folder (stage 3)
@@ -148,6 +154,13 @@ if device_type == 'cuda':
 if not ddp:  # a group of one, which DeepSpeed wraps (it asks for the LOCAL_RANK that its launchers set)
     os.environ.setdefault('LOCAL_RANK', '0')
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+elif os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
+    # torchrun's store outlives a restart of the workers, and gloo would read the dead workers' addresses from it
+    # (and fail the restart): each incarnation of the group gets keys of its own (DeepSpeed then takes this group)
+    store = dist.PrefixStore(f"restart-{os.environ['TORCHELASTIC_RESTART_COUNT']}-of-{world_size}", dist.TCPStore(
+        os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size, is_master=False))
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                            device_id=torch.device(device) if device_type == 'cuda' else None)
 deepspeed.init_distributed(dist_backend=backend)
 if device_type == 'cpu':
     # Under its launcher (which sets LOCAL_SIZE) DeepSpeed maps a 66 MB shared-memory file per rank for its
@@ -182,6 +195,11 @@ if deterministic:
     dropout = config['dropout'] = 0.0
 
 print0(f"world size {world_size}, {accum_steps} micro-steps per rank, {tokens_per_iter:,} tokens per iteration")
+
+# SIGTERM is how SLURM and Kubernetes preempt a job (torchrun passes it on to the workers): the loop notices it at
+# the end of the step, saves a checkpoint and exits cleanly.
+stop_signals = []
+signal.signal(signal.SIGTERM, lambda signum, frame: stop_signals.append(signum))
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin
@@ -243,16 +261,57 @@ def take_shape(ckpt_args):
             globals()[k] = config[k] = ckpt_args[k]
 
 
-if init_from == 'resume':
-    # the engine's newest checkpoint folder; its weights and optimizer shards load into the engine below
-    latest = os.path.join(out_dir, 'ds', 'latest')
-    if not os.path.exists(latest):
-        weights = os.path.join(out_dir, 'ckpt.pt')
-        sys.exit(f"error: no DeepSpeed checkpoint at {latest}: point --out_dir at a ds_train.py run's folder, or use "
-                 + (f"--init_from={weights} to start from the weights there" if os.path.exists(weights)
-                    else "--init_from=scratch"))
-    with open(latest) as f:
-        ckpt_path = os.path.join(out_dir, 'ds', f.read().strip())
+# where to start: the newest complete state of this run, a memory snapshot or a checkpoint in out_dir
+run_id_path = os.path.join(out_dir, 'run_id')  # names the run's snapshots, so that a new run in out_dir never takes an old one's
+
+
+def newest_engine_checkpoint(folder):
+    """(iter_num, path) of the engine checkpoint folder/latest names, when it is complete and loads, else None.
+    latest is written only once every rank's shards are."""
+    try:
+        with open(os.path.join(folder, 'latest')) as f:
+            path = os.path.join(folder, f.read().strip())
+        states = sorted(f for f in os.listdir(path) if f.endswith('model_states.pt'))[0]
+        return int(torch.load(os.path.join(path, states), map_location='cpu', weights_only=True, mmap=True)['iter_num']), path
+    except Exception:
+        return None
+
+
+def find_resume_point():
+    """(run_id, (iter_num, path) to resume from or None). All ranks agree: a memory snapshot counts only if every
+    rank sees the same complete one (on many nodes, only the first node's snapshot folder holds the engine's model
+    states, so there the run resumes from out_dir), else rank 0's newest engine checkpoint in out_dir."""
+    run_id, mem, disk = None, None, None
+    wanted = init_from == 'resume' or (auto_resume and not eval_only)  # an eval of another model is no resume
+    if wanted and os.path.exists(run_id_path):
+        with open(run_id_path) as f:
+            run_id = f.read().strip()
+        mem = newest_engine_checkpoint(snapshot_dir(run_id))
+    if wanted:
+        disk = newest_engine_checkpoint(os.path.join(out_dir, 'ds'))
+    views = [None] * world_size
+    dist.all_gather_object(views, (run_id, mem, disk, uuid.uuid4().hex))
+    run_id, mem, disk, new_id = views[0]
+    if run_id is not None and mem is not None and all(v[:2] == (run_id, mem) for v in views) \
+            and (disk is None or mem[0] >= disk[0]):
+        return run_id, mem
+    if disk is not None:
+        return run_id or new_id, disk
+    return new_id, None  # a fresh run gets a new id
+
+
+run_id, resume_from = find_resume_point()
+if resume_from is None and init_from == 'resume':
+    weights = os.path.join(out_dir, 'ckpt.pt')
+    sys.exit(f"error: no DeepSpeed checkpoint at {os.path.join(out_dir, 'ds', 'latest')}: point --out_dir at a "
+             f"ds_train.py run's folder, or use " + (f"--init_from={weights} to start from the weights there"
+                                                      if os.path.exists(weights) else "--init_from=scratch"))
+if resume_from is not None:
+    # the engine's checkpoint folder; its weights and optimizer shards load into the engine below
+    ckpt_path = resume_from[1]
+    if init_from != 'resume':
+        print0(f"auto-resume: {out_dir} holds this run's state at iter {resume_from[0]}, so the run continues "
+               f"(--auto_resume=False starts afresh)")
     try:
         # our state is the engine's client state, in the (first) model-states file; mmap reads only what is used
         states = sorted(f for f in os.listdir(ckpt_path) if f.endswith('model_states.pt'))[0]
@@ -436,12 +495,13 @@ def gather_state():
     return model_sd, {'state': {i: {'step': step, **state[n]} for i, n in enumerate(names)}, 'param_groups': groups}
 
 
-def save_checkpoint():
-    """Every rank calls this: the engine writes each rank's shards into out_dir/ds/step-N/ with our state (the
-    RNG of every rank, the data position) as its client state; only when all are written does rank 0 point
-    out_dir/ds/latest at the folder (a crash before leaves the previous one in place) and remove the older ones.
-    With save_consolidated, also train.py's ckpt.pt, written atomically."""
-    ds_dir, name = os.path.join(out_dir, 'ds'), f'step-{iter_num:08d}'
+def save_checkpoint(to='storage'):
+    """Every rank calls this: the engine writes each rank's shards into out_dir/ds/step-N/ (to='memory': into the
+    node's snapshot folder in /dev/shm) with our state (the RNG of every rank, the data position) as its client
+    state; only when all are written does the first rank point latest at the folder (a crash before leaves the
+    previous one in place) and remove the older ones but the one before. With save_consolidated, storage
+    checkpoints also write train.py's ckpt.pt, atomically. The engine writes synchronously: the loop waits."""
+    ds_dir, name = os.path.join(out_dir, 'ds') if to == 'storage' else snapshot_dir(run_id), f'step-{iter_num:08d}'
     latest = os.path.join(ds_dir, 'latest')
     if os.path.exists(latest) and Path(latest).read_text().strip() == name:
         return  # a resumed run's first eval: the checkpoint it started from (everyone looks before the save below)
@@ -459,15 +519,17 @@ def save_checkpoint():
     }
     model.save_checkpoint(ds_dir, tag=name, client_state=extra, save_latest=False)  # its own latest is not atomic
     dist.barrier()  # every rank's shards are written
-    if master_process:
+    if master_process if to == 'storage' else local_rank == 0:
+        before = Path(latest).read_text().strip() if os.path.exists(latest) else None
         with open(latest + '.tmp', 'w') as f:
             f.write(name)
         os.replace(latest + '.tmp', latest)
-        for old in os.listdir(ds_dir):
-            if old.startswith('step-') and old != name:
+        for old in os.listdir(ds_dir):  # the one before stays, should the newest ever turn out damaged
+            if old.startswith('step-') and old not in (name, before):
                 shutil.rmtree(os.path.join(ds_dir, old), ignore_errors=True)
-        print0(f"saved checkpoint to {os.path.join(ds_dir, name)}")
-    if save_consolidated:
+        if to == 'storage':
+            print0(f"saved checkpoint to {os.path.join(ds_dir, name)}")
+    if save_consolidated and to == 'storage':
         model_sd, optim_sd = gather_state()
         if master_process:
             atomic_save({'model': model_sd, 'optimizer': optim_sd, **extra}, os.path.join(out_dir, 'ckpt.pt'))
@@ -531,19 +593,24 @@ def get_lr(it):
 
 # -----------------------------------------------------------------------------
 # logging: one line per logged step for people, the same as JSON in out_dir/metrics.jsonl for programs
+resumed = resume_from is not None
 if master_process:
     os.makedirs(out_dir, exist_ok=True)
+    if not eval_only:
+        with open(run_id_path + '.tmp', 'w') as f:
+            f.write(run_id)
+        os.replace(run_id_path + '.tmp', run_id_path)
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
         json.dump({**config, 'world_size': world_size}, f, indent=1)  # the run's settings, beside its results
     metrics_path = os.path.join(out_dir, 'metrics.jsonl')
-    if init_from == 'resume' and os.path.exists(metrics_path):
+    if resumed and os.path.exists(metrics_path):
         # rows that an interrupted run logged after its checkpoint are about to be logged again
         with open(metrics_path) as f:
             kept = [line for line in f if line.strip() and json.loads(line).get('iter', 0) < iter_num]
         with open(metrics_path + '.tmp', 'w') as f:
             f.writelines(kept)
         os.replace(metrics_path + '.tmp', metrics_path)
-    metrics = open(metrics_path, 'a' if init_from == 'resume' else 'w', buffering=1)
+    metrics = open(metrics_path, 'a' if resumed else 'w', buffering=1)
 if wandb_log and master_process:
     import wandb
     wandb.init(project=wandb_project, name=wandb_run_name, config=config)
@@ -577,8 +644,12 @@ while True:
             if iter_num > 0:
                 save_checkpoint()
         t0, steps_timed = time.time(), 0  # leave evals out of the step time
+    elif save_storage_interval and iter_num % save_storage_interval == 0 and local_iter_num > 0:
+        save_checkpoint()
     if iter_num >= max_iters or eval_only:
         break
+    if save_memory_interval and iter_num % save_memory_interval == 0 and local_iter_num > 0:
+        save_checkpoint('memory')
 
     # one optimizer step over the whole global batch, in accum_steps micro-steps on each rank
     offsets = draw_train_offsets()
@@ -592,6 +663,16 @@ while True:
         model.backward(loss)
         if local_iter_num == 0 and micro_step == accum_steps - 1:
             grad_bytes = state_bytes()['grad_bytes']  # reduced and not yet freed: the step frees them
+        if micro_step == accum_steps - 1:
+            # A non-finite loss would spoil the weights for good, and the engine has no way to skip its step, so
+            # the run stops before it, its last checkpoint intact. The ranks have to decide alike, as they do
+            # about a SIGTERM, so one small all-reduce carries both.
+            flags = torch.stack([(~torch.isfinite(loss_sum)).float(), torch.tensor(float(bool(stop_signals)), device=device)])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            nonfinite, stop = flags.tolist()
+            if nonfinite:
+                sys.exit(f"error: iter {iter_num} had a non-finite loss; {os.path.join(out_dir, 'ds')} holds the last "
+                         f"good state: lower learning_rate, use bfloat16 rather than float16, or check the data")
         model.step()  # clips and steps the optimizer at the last micro-step; only counts the others
     if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
         mem = {**state_bytes(), 'grad_bytes': grad_bytes}
@@ -612,7 +693,13 @@ while True:
     loss_sum.zero_()
     iter_num += 1
     local_iter_num += 1
+    if stop:
+        print0(f"SIGTERM: saving a checkpoint at iter {iter_num} and exiting")
+        save_checkpoint()
+        break
 
+if local_rank == 0 and os.path.exists(snapshot_dir(run_id)):
+    shutil.rmtree(snapshot_dir(run_id), ignore_errors=True)  # out_dir holds the final state: free the RAM
 if master_process:
     metrics.close()
 dist.barrier()  # gloo's teardown has aborted when one rank left while another was still in a collective

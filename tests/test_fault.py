@@ -396,3 +396,28 @@ def test_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(tmp_pat
     assert [it for it, v in losses.items() if not math.isfinite(v)] == [3, 7, 8] and losses[6] < losses[0]
     assert (tmp_path / 'run' / KIND[script] / 'latest').read_text() == 'step-00000006'
     assert all(torch.isfinite(t).all() for t in final_weights(script, tmp_path / 'run').values())
+
+
+def test_ds_sigkilled_workers_resume_from_the_memory_snapshot_and_finish_the_same(tmp_path, data_dir):
+    # DeepSpeed's start-up is slow (it loads its communicator), so two kills; ZeRO-2, AdamW
+    args = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=40', '--eval_interval=20',
+            '--save_memory_interval=4', '--zero_stage=2']
+    run('ds_train.py', *tiny(data_dir, tmp_path / 'ref', *args), nproc=2, cwd=tmp_path)
+    rng = random.Random(2)
+    kill_after = sorted(rng.sample(range(3, 30), 2))
+    kill_after = [kill_after[0], max(kill_after[1], kill_after[0] + 8)]
+    out, killed_at = run_with_kills(elastic('ds_train.py', *tiny(data_dir, tmp_path / 'ft', *args)),
+                                    tmp_path / 'ft', kill_after, cwd=tmp_path)
+    resumed = [int(m) for m in re.findall(r'resuming from \S+/nanogpt-\w+/step-\d+ at iter (\d+)', out)]
+    assert len(resumed) == len(killed_at), out[-5000:]
+    for last, start in zip(killed_at, resumed):
+        assert last + 1 - 4 <= start <= last + 1, (killed_at, resumed)
+    (ref, ref_evals), (ft, ft_evals) = read_metrics(tmp_path / 'ref'), read_metrics(tmp_path / 'ft')
+    assert sorted(ft) == sorted(ref) == list(range(40))
+    for it in ref:
+        assert abs(ft[it] - ref[it]) <= 1e-5 * abs(ref[it]), (it, ft[it], ref[it])
+    a, b = weights(tmp_path / 'ref' / 'ckpt.pt'), weights(tmp_path / 'ft' / 'ckpt.pt')  # the consolidated exports
+    for k in a:
+        assert (a[k] - b[k]).abs().max().item() <= 1e-5, k
+    run_id = (tmp_path / 'ft' / 'run_id').read_text()
+    assert not os.path.exists(f'/dev/shm/nanogpt-{run_id}')
