@@ -218,7 +218,7 @@ def submit_tiny(cluster, tmp_path, data_dir, script, *extra, nodes, nproc):
                           f'--out_dir={tmp_path / "out"}', *extra, nodes=nodes, nproc=nproc)
 
 
-@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py'])
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'ds_train.py'])
 def test_two_node_job_completes_and_matches_one_process(cluster, ref, tmp_path, data_dir, script):
     job = submit_tiny(cluster, tmp_path, data_dir, script, nodes=2, nproc=1)
     info = cluster.wait_job(job)
@@ -232,6 +232,18 @@ def test_two_node_job_completes_and_matches_one_process(cluster, ref, tmp_path, 
     assert sorted(losses) == list(range(10))
     for it in range(10):
         assert abs(losses[it] - ref[it]) <= 1e-5 * abs(ref[it]), (it, losses[it], ref[it])
+
+
+def test_decentralized_job_on_two_nodes_of_two_mixes_within_and_across_nodes(cluster, tmp_path, data_dir):
+    # alternating-exp-ring needs the node structure: torchrun on each node sets LOCAL_WORLD_SIZE=2 of WORLD_SIZE=4
+    job = submit_tiny(cluster, tmp_path, data_dir, 'decent_train.py', '--topology=alternating-exp-ring', nodes=2, nproc=2)
+    info = cluster.wait_job(job)
+    assert info['JobState'] == 'COMPLETED', job_logs(info)
+    log = (tmp_path / 'logs' / f'gpt-train-{job}' / 'n1.log').read_text()
+    assert 'topology alternating-exp-ring, a cycle of 2 mixing rounds' in log, log[-3000:]
+    assert json.loads((tmp_path / 'out' / 'config.json').read_text())['world_size'] == 4
+    losses, _ = read_metrics(tmp_path / 'out')
+    assert sorted(losses) == list(range(10)) and losses[9] < losses[0] - 0.3  # it learns
 
 
 @pytest.mark.parametrize('bad, error', [
