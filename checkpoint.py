@@ -79,31 +79,42 @@ def previous(path):
     return root + '.prev' + ext
 
 
-_host_copies = {}  # path -> the host copy of the state last written there, reused so that no save allocates
-_writers = {}  # path -> (the thread saving there, an event set once its copy of the state is complete)
+_host_copies = {}  # slot -> the host copy of the state last saved in it, reused so that no save allocates
+_writers = {}  # slot -> (the thread saving it, an event set once its copy of the state is complete)
 
 
-def save_in_background(state, path, keep_previous=False):
+def save_in_background(state, path, keep_previous=False, slot=None, then=None):
     """Saves the state to path (atomically) from a background thread, which first copies the state's tensors into
     host memory and then writes the copy. The caller goes on at once, but must call wait_for_copies() before it
-    changes the state (the optimizer step): the copy overlaps the next forward and backward, which only read it."""
-    wait_for_saves(path)  # its host copy is about to be overwritten
+    changes the state (the optimizer step): the copy overlaps the next forward and backward, which only read it.
+    A checkpoint of several files (DeepSpeed's) gives lists of paths and of their states. slot names the host copy
+    to reuse and the save to wait for first (by default the path; one slot for saves whose paths change). then,
+    if given, runs in the thread once the files are written, with True, or False if one could not be."""
+    slot = slot or path
+    wait_for_saves(slot)  # its host copy is about to be overwritten
     copied = threading.Event()
+    paths, states = (path, state) if isinstance(path, list) else ([path], [state])
 
     def save():
+        ok = False
         try:
-            _host_copies[path] = host_copy(state, _host_copies.get(path))
-            if any(t.is_cuda for t in tensors(state)):
-                torch.cuda.synchronize()  # the copies into pinned memory were asynchronous
-        finally:
-            copied.set()
-        try:
-            atomic_save(_host_copies[path], path, keep_previous)
+            try:
+                _host_copies[slot] = host_copy(states, _host_copies.get(slot))
+                if any(t.is_cuda for t in tensors(states)):
+                    torch.cuda.synchronize()  # the copies into pinned memory were asynchronous
+            finally:
+                copied.set()
+            for p, s in zip(paths, _host_copies[slot]):
+                atomic_save(s, p, keep_previous)
+            ok = True
         except Exception as e:  # the previous file is still in place; training goes on
-            print(f"warning: writing {path} failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
-    thread = threading.Thread(target=save, name=f'save {path}')
+            print(f"warning: writing {slot} failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        finally:
+            if then is not None:
+                then(ok)  # always: it may be a collective that the other ranks' threads wait in
+    thread = threading.Thread(target=save, name=f'save {slot}')
     thread.start()
-    _writers[path] = (thread, copied)
+    _writers[slot] = (thread, copied)
 
 
 def wait_for_copies():
@@ -111,8 +122,8 @@ def wait_for_copies():
         copied.wait()
 
 
-def wait_for_saves(path=None):
-    for p in [path] if path else list(_writers):
+def wait_for_saves(slot=None):
+    for p in [slot] if slot else list(_writers):
         if p in _writers:
             _writers.pop(p)[0].join()
 

@@ -163,6 +163,10 @@ if dtype not in ('float32', 'bfloat16'):
              f"have to see every bucket's gradients before any bucket steps; use train.py for it)")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
+for key in ('save_memory_interval', 'save_storage_interval', 'max_nonfinite_steps'):
+    if config[key] < (key == 'max_nonfinite_steps'):
+        sys.exit(f"error: {key}={config[key]} " + ("must be 1 or more (1 stops at the first non-finite step)"
+                 if key == 'max_nonfinite_steps' else "is negative: give a number of steps, or 0 for none"))
 if gradient_accumulation_steps % dp_size != 0:
     sys.exit(f"error: gradient_accumulation_steps={gradient_accumulation_steps} does not divide across {dp_size} "
              f"data-parallel ranks: make it a multiple of {dp_size} (it is the total over all ranks)")

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import find_checkpoint, load_checkpoint, snapshot_dir
+from checkpoint import (atomic_save, find_checkpoint, load_checkpoint, save_in_background, snapshot_dir,
+                        wait_for_copies, wait_for_saves)
 from configurator import configure
 from model import GPT, GPTConfig
 
@@ -81,6 +82,7 @@ deterministic = False  # deterministic algorithms and dropout off, so that rerun
 auto_resume = True  # on every start, continue from the newest complete snapshot or checkpoint of out_dir, if any
 save_memory_interval = 0  # steps between snapshots of the whole state into node-local memory (/dev/shm); 0: none
 save_storage_interval = 0  # steps between checkpoints to out_dir, besides the evals'; 0: none
+max_nonfinite_steps = 5  # a step whose loss or gradient is not finite is skipped; this many in a row stop the run
 # DeepSpeed
 zero_stage = 2  # 0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters
 offload_optimizer = 'none'  # 'none', 'cpu' (optimizer state and step in CPU memory) or an NVMe folder (stage 3)
@@ -96,9 +98,15 @@ try:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 except ImportError as e:
     sys.exit(f"error: ds_train.py needs DeepSpeed ({e}): pip install deepspeed==0.19.8")
+# the classes that DeepSpeed 0.19.8 pickles into its checkpoints besides tensors and containers
+DS_SAFE_GLOBALS = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 # DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates, and torch says so at each call
 warnings.filterwarnings('ignore', message=r'`torch\.distributed\.\w+` is deprecated', category=FutureWarning)
 
@@ -141,6 +149,10 @@ for key, value in (('offload_optimizer', offload_optimizer), ('offload_params', 
                  f"libaio-dev (or yum install libaio-devel), or offload to cpu")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
+for key in ('save_memory_interval', 'save_storage_interval', 'max_nonfinite_steps'):
+    if config[key] < (key == 'max_nonfinite_steps'):
+        sys.exit(f"error: {key}={config[key]} " + ("must be 1 or more (1 stops at the first non-finite step)"
+                 if key == 'max_nonfinite_steps' else "is negative: give a number of steps, or 0 for none"))
 if gradient_accumulation_steps % dp_size != 0:
     sys.exit(f"error: gradient_accumulation_steps={gradient_accumulation_steps} does not divide across {dp_size} "
              f"data-parallel ranks: make it a multiple of {dp_size} (it is the total over all ranks)")
@@ -266,46 +278,67 @@ run_id_path = os.path.join(out_dir, 'run_id')  # names the run's snapshots, so t
 
 
 def newest_engine_checkpoint(folder):
-    """(iter_num, path) of the engine checkpoint folder/latest names, when it is complete and loads, else None.
-    latest is written only once every rank's shards are."""
+    """((iter_num, path) or None, damaged) for the engine checkpoints in folder: the one latest names, which is
+    written only once every rank's files are, or else the newest before it whose files load; damaged ones are
+    listed as (path, reason). With mmap only each file's index is read."""
     try:
         with open(os.path.join(folder, 'latest')) as f:
-            path = os.path.join(folder, f.read().strip())
-        states = sorted(f for f in os.listdir(path) if f.endswith('model_states.pt'))[0]
-        return int(torch.load(os.path.join(path, states), map_location='cpu', weights_only=True, mmap=True)['iter_num']), path
-    except Exception:
-        return None
+            newest = f.read().strip()
+    except OSError:
+        return None, []
+    damaged = []
+    for name in sorted((f for f in os.listdir(folder) if f.startswith('step-') and f <= newest), reverse=True):
+        path = os.path.join(folder, name)
+        try:
+            files = sorted(f for f in os.listdir(path) if f.endswith('.pt'))
+            with torch.serialization.safe_globals(DS_SAFE_GLOBALS):
+                for f in files:
+                    torch.load(os.path.join(path, f), map_location='cpu', weights_only=True, mmap=True)
+            states = [f for f in files if f.endswith('model_states.pt')][0]
+            return (int(torch.load(os.path.join(path, states), map_location='cpu', weights_only=True,
+                                   mmap=True)['iter_num']), path), damaged
+        except Exception as e:
+            damaged.append((path, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
+    return None, damaged
 
 
 def find_resume_point():
-    """(run_id, (iter_num, path) to resume from or None). All ranks agree: a memory snapshot counts only if every
-    rank sees the same complete one (on many nodes, only the first node's snapshot folder holds the engine's model
-    states, so there the run resumes from out_dir), else rank 0's newest engine checkpoint in out_dir."""
-    run_id, mem, disk = None, None, None
+    """(run_id, (iter_num, path) to resume from or None, damaged folders passed over). All ranks agree: a memory
+    snapshot counts only if every rank sees the same complete one (on many nodes, only the first node's snapshot
+    folder holds the engine's model states, so there the run resumes from out_dir), else rank 0's newest engine
+    checkpoint in out_dir."""
+    run_id, mem, disk, damaged = None, None, None, []
     wanted = init_from == 'resume' or (auto_resume and not eval_only)  # an eval of another model is no resume
     if wanted and os.path.exists(run_id_path):
         with open(run_id_path) as f:
             run_id = f.read().strip()
-        mem = newest_engine_checkpoint(snapshot_dir(run_id))
+        mem, damaged = newest_engine_checkpoint(snapshot_dir(run_id))
     if wanted:
-        disk = newest_engine_checkpoint(os.path.join(out_dir, 'ds'))
+        disk, disk_damaged = newest_engine_checkpoint(os.path.join(out_dir, 'ds'))
+        damaged += disk_damaged
     views = [None] * world_size
     dist.all_gather_object(views, (run_id, mem, disk, uuid.uuid4().hex))
     run_id, mem, disk, new_id = views[0]
     if run_id is not None and mem is not None and all(v[:2] == (run_id, mem) for v in views) \
             and (disk is None or mem[0] >= disk[0]):
-        return run_id, mem
+        return run_id, mem, damaged
     if disk is not None:
-        return run_id or new_id, disk
-    return new_id, None  # a fresh run gets a new id
+        return run_id or new_id, disk, damaged
+    return new_id, None, damaged  # a fresh run gets a new id
 
 
-run_id, resume_from = find_resume_point()
+run_id, resume_from, damaged = find_resume_point()
+if resume_from is None and damaged:
+    path, reason = damaged[0]
+    sys.exit(f"error: checkpoint {path} is corrupt or not a ds_train.py checkpoint ({reason}): delete it or restore "
+             f"a good copy (or start afresh over it with --auto_resume=False)")
 if resume_from is None and init_from == 'resume':
     weights = os.path.join(out_dir, 'ckpt.pt')
     sys.exit(f"error: no DeepSpeed checkpoint at {os.path.join(out_dir, 'ds', 'latest')}: point --out_dir at a "
              f"ds_train.py run's folder, or use " + (f"--init_from={weights} to start from the weights there"
                                                       if os.path.exists(weights) else "--init_from=scratch"))
+for path, reason in damaged:
+    print0(f"warning: skipping the damaged {path} ({reason}); resuming from the newest one before it")
 if resume_from is not None:
     # the engine's checkpoint folder; its weights and optimizer shards load into the engine below
     ckpt_path = resume_from[1]
@@ -424,6 +457,46 @@ except ValueError as e:  # pydantic's errors about ds_config's settings among th
     sys.exit(f"error: DeepSpeed rejects the config ({'; '.join(line.strip() for line in str(e).splitlines()[:3])[:300]})"
              f"{f': check {ds_config}' if ds_config else ''}")
 
+
+class DeferredWrites(CheckpointEngine):
+    """The engine's file I/O, taken over: at a save it hands us each file's state instead of writing it, and
+    save_checkpoint below writes them in the background. Loads read with weights_only, the engine's state being
+    data too (its few classes allowed by name)."""
+    def __init__(self):
+        super().__init__()
+        self.files = []
+
+    def create(self, info):
+        self.files = []
+
+    def save(self, state_dict, path):
+        self.files.append((path, state_dict))
+
+    def load(self, path, map_location=None):
+        with torch.serialization.safe_globals(DS_SAFE_GLOBALS):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    def commit(self, info):
+        return True
+
+    def preserves_storage_sharing(self):
+        return False  # no clones: the thread copies the tensors into host memory, while the next step runs
+
+
+if zero_stage == 0 and dtype == 'float32':
+    # Here DeepSpeed steps our AdamW as it is, unchecked: a step with non-finite gradients is skipped, and the
+    # overflow flag (which the engine reads after the step, as it does ZeRO's) says so
+    def guarded_step(adamw_step=model.optimizer.step):
+        grads = [p.grad for g in model.optimizer.param_groups for p in g['params'] if p.grad is not None]
+        model.optimizer.overflow = not torch.isfinite(torch.nn.utils.get_total_norm(grads)).item()
+        if not model.optimizer.overflow:
+            adamw_step()
+    model.optimizer.step = guarded_step
+model.checkpoint_engine = DeferredWrites()
+# the threads that write checkpoints agree in collectives of their own that they are complete, one group a kind
+# (memory, storage) so that two threads' collectives never meet
+checkpoint_groups = {to: dist.new_group(backend='gloo') for to in ('memory', 'storage')}
+
 # -----------------------------------------------------------------------------
 # checkpoint load: the rest of the state, so that the run continues exactly where it stopped
 if checkpoint is not None:
@@ -444,14 +517,6 @@ if compile:
     print0("compiling the model... (takes a ~minute)")
     model.compile()  # the engine compiles its module in place (at stage 3 it recompiles in ZeRO's hooks, though)
 eval_model = model  # at stage 3 every rank takes part in each forward, evaluation's too
-
-
-def atomic_save(obj, path):
-    with open(path + '.tmp', 'wb') as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + '.tmp', path)
 
 
 def gather_state():
@@ -495,16 +560,20 @@ def gather_state():
     return model_sd, {'state': {i: {'step': step, **state[n]} for i, n in enumerate(names)}, 'param_groups': groups}
 
 
-def save_checkpoint(to='storage'):
-    """Every rank calls this: the engine writes each rank's shards into out_dir/ds/step-N/ (to='memory': into the
-    node's snapshot folder in /dev/shm) with our state (the RNG of every rank, the data position) as its client
-    state; only when all are written does the first rank point latest at the folder (a crash before leaves the
-    previous one in place) and remove the older ones but the one before. With save_consolidated, storage
-    checkpoints also write train.py's ckpt.pt, atomically. The engine writes synchronously: the loop waits."""
-    ds_dir, name = os.path.join(out_dir, 'ds') if to == 'storage' else snapshot_dir(run_id), f'step-{iter_num:08d}'
-    latest = os.path.join(ds_dir, 'latest')
-    if os.path.exists(latest) and Path(latest).read_text().strip() == name:
-        return  # a resumed run's first eval: the checkpoint it started from (everyone looks before the save below)
+def save_checkpoint(to='storage', wait=False):
+    """Every rank calls this: the engine hands over each rank's files of the state (shards of the weights and
+    optimizer state, and our state as its client state: the RNG of every rank, the data position), and a thread
+    copies them into host memory and writes them into out_dir/ds/step-N/ (to='memory': into the node's snapshot
+    folder in /dev/shm), each atomically. The loop goes on at once: the copy overlaps the next forward and backward
+    (the step waits for it). Once every rank's files are written, the first rank (of each node, for snapshots)
+    points latest at the folder (a crash before leaves the previous one in place) and removes the older ones but
+    the one before. With save_consolidated, storage checkpoints also write train.py's ckpt.pt, in the background
+    too. wait=True returns once all is written."""
+    ds_dir = os.path.join(out_dir, 'ds') if to == 'storage' else snapshot_dir(run_id)
+    folder = os.path.join(ds_dir, f'step-{iter_num:08d}')
+    if resume_from is not None and resume_from[1] == folder:
+        return  # a resumed run's first eval: the checkpoint it started from
+    wait_for_saves(f'ds-{to}')  # the save before of this kind is complete and latest names it
     rng = {'cpu': torch.get_rng_state(), **({'cuda': torch.cuda.get_rng_state()} if device_type == 'cuda' else {})}
     rngs = [None] * world_size
     dist.all_gather_object(rngs, rng)
@@ -517,24 +586,34 @@ def save_checkpoint(to='storage'):
         'data_rng': data_gen.get_state(),
         'world_size': world_size,
     }
-    model.save_checkpoint(ds_dir, tag=name, client_state=extra, save_latest=False)  # its own latest is not atomic
-    dist.barrier()  # every rank's shards are written
-    if master_process if to == 'storage' else local_rank == 0:
-        before = Path(latest).read_text().strip() if os.path.exists(latest) else None
-        with open(latest + '.tmp', 'w') as f:
-            f.write(name)
-        os.replace(latest + '.tmp', latest)
-        for old in os.listdir(ds_dir):  # the one before stays, should the newest ever turn out damaged
-            if old.startswith('step-') and old not in (name, before):
-                shutil.rmtree(os.path.join(ds_dir, old), ignore_errors=True)
-        if to == 'storage':
-            print0(f"saved checkpoint to {os.path.join(ds_dir, name)}")
+    model.save_checkpoint(ds_dir, tag=os.path.basename(folder), client_state=extra, save_latest=False)
+    paths, states = zip(*model.checkpoint_engine.files) if model.checkpoint_engine.files else ((), ())
+
+    def commit(ok):  # in the thread: every rank's files are written, or one rank's could not be
+        written = torch.tensor(float(ok))
+        dist.all_reduce(written, op=dist.ReduceOp.MIN, group=checkpoint_groups[to])
+        if written.item() and (master_process if to == 'storage' else local_rank == 0):
+            latest = os.path.join(ds_dir, 'latest')
+            before = Path(latest).read_text().strip() if os.path.exists(latest) else None
+            if os.path.join(ds_dir, str(before)) in [path for path, _ in damaged]:
+                before = os.path.basename(resume_from[1])  # found damaged at the start: the run resumed from this
+            with open(latest + '.tmp', 'w') as f:
+                f.write(os.path.basename(folder))
+            os.replace(latest + '.tmp', latest)
+            damaged[:] = [d for d in damaged if d[0] != folder]  # written anew
+            for old in os.listdir(ds_dir):  # the one before stays, should the newest ever turn out damaged
+                if old.startswith('step-') and old < os.path.basename(folder) and old != before:
+                    shutil.rmtree(os.path.join(ds_dir, old), ignore_errors=True)
+    save_in_background(list(states), list(paths), slot=f'ds-{to}', then=commit)
+    if to == 'storage':
+        print0(f"saving checkpoint to {folder}")
     if save_consolidated and to == 'storage':
         model_sd, optim_sd = gather_state()
         if master_process:
-            atomic_save({'model': model_sd, 'optimizer': optim_sd, **extra}, os.path.join(out_dir, 'ckpt.pt'))
-            print0(f"saved consolidated checkpoint to {os.path.join(out_dir, 'ckpt.pt')}")
-    dist.barrier()  # nobody reads or rewrites the folder until it is complete
+            save_in_background({'model': model_sd, 'optimizer': optim_sd, **extra}, os.path.join(out_dir, 'ckpt.pt'))
+            print0(f"saving consolidated checkpoint to {os.path.join(out_dir, 'ckpt.pt')}")
+    if wait:
+        wait_for_saves()
 
 
 @torch.no_grad()
@@ -628,6 +707,7 @@ t_start = time.time()
 t0, steps_timed = time.time(), 0
 local_iter_num = 0  # steps taken by this process, whatever iter_num it started from
 loss_sum = torch.zeros((), device=device)
+nonfinite_steps = 0  # in a row
 while True:
     lr = get_lr(iter_num) if decay_lr else learning_rate
     for param_group in optimizer.param_groups:
@@ -664,16 +744,30 @@ while True:
         if local_iter_num == 0 and micro_step == accum_steps - 1:
             grad_bytes = state_bytes()['grad_bytes']  # reduced and not yet freed: the step frees them
         if micro_step == accum_steps - 1:
-            # A non-finite loss would spoil the weights for good, and the engine has no way to skip its step, so
-            # the run stops before it, its last checkpoint intact. The ranks have to decide alike, as they do
-            # about a SIGTERM, so one small all-reduce carries both.
+            # the ranks have to agree about a non-finite loss, as they do about a SIGTERM: one all-reduce for both
             flags = torch.stack([(~torch.isfinite(loss_sum)).float(), torch.tensor(float(bool(stop_signals)), device=device)])
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             nonfinite, stop = flags.tolist()
-            if nonfinite:
-                sys.exit(f"error: iter {iter_num} had a non-finite loss; {os.path.join(out_dir, 'ds')} holds the last "
-                         f"good state: lower learning_rate, use bfloat16 rather than float16, or check the data")
+            wait_for_copies()  # a save begun before this step may still be copying the state it is about to change
         model.step()  # clips and steps the optimizer at the last micro-step; only counts the others
+    # A non-finite loss or gradient would spoil the weights for good. The engine skips a step whose gradients are
+    # not finite (ZeRO and the bf16/fp16 optimizers check, our guard below does at stage 0 in fp32), and a
+    # non-finite loss gives non-finite gradients. float16's loss scaler skips overflows as a matter of course:
+    # there only the loss counts.
+    if nonfinite and model.was_step_applied():
+        sys.exit(f"error: iter {iter_num} had a non-finite loss but DeepSpeed took the step; "
+                 f"{os.path.join(out_dir, 'ds')} holds the last good state: lower learning_rate, use bfloat16 rather "
+                 f"than float16, or check the data")
+    nonfinite = nonfinite or (dtype != 'float16' and not model.was_step_applied())
+    nonfinite_steps = nonfinite_steps + 1 if nonfinite else 0
+    if nonfinite:
+        print0(f"iter {iter_num}: non-finite loss or gradient, step skipped ({nonfinite_steps} in a row)")
+        log_metrics(skipped='non-finite loss or gradient')
+        if nonfinite_steps >= max_nonfinite_steps:
+            wait_for_saves()
+            sys.exit(f"error: {nonfinite_steps} steps in a row up to iter {iter_num} had a non-finite loss or "
+                     f"gradient; {os.path.join(out_dir, 'ds')} holds the last good state: lower learning_rate, use "
+                     f"bfloat16 rather than float16, or check the data")
     if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
         mem = {**state_bytes(), 'grad_bytes': grad_bytes}
         print0("per-rank memory: " + ", ".join(f"{k.removesuffix('_bytes')} {v / 2**20:.2f} MiB" for k, v in mem.items()))
@@ -695,9 +789,10 @@ while True:
     local_iter_num += 1
     if stop:
         print0(f"SIGTERM: saving a checkpoint at iter {iter_num} and exiting")
-        save_checkpoint()
+        save_checkpoint(wait=True)
         break
 
+wait_for_saves()
 if local_rank == 0 and os.path.exists(snapshot_dir(run_id)):
     shutil.rmtree(snapshot_dir(run_id), ignore_errors=True)  # out_dir holds the final state: free the RAM
 if master_process:

@@ -103,3 +103,13 @@ def test_unknown_init_from(tmp_path, data_dir):
     msg = fails(tmp_path, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out', '--init_from=gpt3')
     assert "unknown init_from='gpt3'" in msg and 'scratch' in msg
     assert not (tmp_path / 'out').exists()
+
+
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'decent_train.py', 'ds_train.py'])
+def test_negative_save_intervals_and_no_nonfinite_steps_allowed(tmp_path, data_dir, script):
+    data = f'--dataset={data_dir / "shakespeare_char"}'
+    msg = fails(tmp_path, data, '--out_dir=out', '--save_memory_interval=-1', script=script)
+    assert 'save_memory_interval=-1 is negative: give a number of steps, or 0 for none' in msg
+    msg = fails(tmp_path, data, '--out_dir=out', '--max_nonfinite_steps=0', script=script)
+    assert 'max_nonfinite_steps=0 must be 1 or more' in msg
+    assert not (tmp_path / 'out').exists()
