@@ -29,8 +29,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import (atomic_save, find_checkpoint, load_checkpoint, save_in_background, snapshot_dir,
-                        wait_for_copies, wait_for_saves)
+from checkpoint import (find_checkpoint, load_checkpoint, save_in_background, snapshot_dir, wait_for_copies,
+                        wait_for_saves)
 from configurator import configure
 from model import GPT, GPTConfig
 
