@@ -13,7 +13,11 @@ import functools
 import inspect
 import sys
 
-from dlrover.trainer.torch import elastic_run
+try:
+    from dlrover.trainer.torch import elastic_run
+except ImportError as e:
+    sys.exit(f"error: launch/dlrover_run.py needs dlrover ({e}): pip install dlrover==0.6.1 grpcio==1.85.1 "
+             f"protobuf==7.36.2 kubernetes==35.0.0 pynvml==11.5.3")
 
 if 'numa_options' in inspect.signature(elastic_run.SubprocessHandler).parameters:
     elastic_run.SubprocessHandler = functools.partial(elastic_run.SubprocessHandler, numa_options=None)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TINY, env, read_metrics, run
+from conftest import REPO, TINY, env, one_line_error, read_metrics, run
 
 
 def free_port():
@@ -95,38 +95,6 @@ def same_weights(a, b):
 
 def tiny(data_dir, out, *extra):
     return [*TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}', *extra]
-
-
-def test_train_sigkill_during_a_storage_write_falls_back_to_the_previous_checkpoint(tmp_path, data_dir):
-    # a wide layer makes the checkpoint big enough (~90 MB with AdamW's moments) to be caught while it is written
-    args = ['--n_layer=1', '--n_embd=768', '--n_head=4', '--block_size=16', '--batch_size=2',
-            '--gradient_accumulation_steps=2', '--max_iters=16', '--eval_interval=100', '--save_storage_interval=4']
-    run('train.py', *tiny(data_dir, tmp_path / 'ref', *args), nproc=2, cwd=tmp_path)
-    out_dir = tmp_path / 'ft'
-    log = open(tmp_path / 'torchrun.log', 'w')
-    p = subprocess.Popen(elastic('train.py', *tiny(data_dir, out_dir, *args)), cwd=tmp_path, env=env(),
-                         stdout=log, stderr=subprocess.STDOUT, text=True)
-    try:
-        while not (out_dir / 'ckpt.pt').exists():  # the first checkpoint is complete ...
-            assert p.poll() is None, open(log.name).read()[-3000:]
-            time.sleep(0.002)
-        while not (out_dir / 'ckpt.pt.tmp').exists():  # ... and the second one is being written: kill its writer
-            assert p.poll() is None, open(log.name).read()[-3000:]
-            time.sleep(0.001)
-        os.kill(workers(p.pid)[0], signal.SIGKILL)
-        partial = (out_dir / 'ckpt.pt.tmp').stat().st_size
-        p.wait(timeout=300)
-    finally:
-        p.kill()
-        log.close()
-    out = open(log.name).read()
-    assert p.returncode == 0, out[-5000:]
-    assert partial < (out_dir / 'ckpt.pt').stat().st_size  # it really was cut short
-    assert re.search(r'resuming from \S+/ft/ckpt\.pt at iter 4\b', out), out[-5000:]
-    ref, _ = read_metrics(tmp_path / 'ref')
-    ft, _ = read_metrics(out_dir)
-    assert ft == ref
-    assert same_weights(weights(out_dir / 'ckpt.pt'), weights(tmp_path / 'ref' / 'ckpt.pt'))
 
 
 def test_train_truncated_newest_checkpoint_falls_back_to_the_one_before(tmp_path, data_dir):
@@ -291,25 +259,43 @@ def test_sigkilled_workers_resume_from_their_memory_snapshots_and_finish_the_sam
     assert not os.path.exists(f'/dev/shm/nanogpt-{run_id}')  # a finished run frees its snapshots
 
 
-def test_fsdp_sigkill_during_a_storage_write_falls_back_to_the_previous_checkpoint(tmp_path, data_dir):
-    # a wide layer makes the shards big enough (~45 MB a rank with AdamW's moments) to be caught while written
+# what each entrypoint says it resumes from when that is its first storage checkpoint (iter 4), and where the second one's (iter 8) files are while
+# they are written: train.py renames ckpt.pt.tmp into place, DCP writes its shards and then .metadata, ds_train.py
+# and decent_train.py rename each rank's file from .tmp and then point latest at the folder
+FIRST = {'train.py': 'ckpt.pt', 'fsdp_train.py': 'dcp/step-00000004', 'ds_train.py': 'ds/step-00000004',
+         'decent_train.py': 'decent/step-00000004/rank-0.pt'}
+WRITING = {'train.py': 'ckpt.pt.tmp', 'fsdp_train.py': 'dcp/step-00000008/*.distcp',
+           'ds_train.py': 'ds/step-00000008/*.tmp', 'decent_train.py': 'decent/step-00000008/*.tmp'}
+
+
+def first_complete(script, out_dir):
+    """Whether the run's newest complete storage checkpoint is the one of iter 4."""
+    if script == 'train.py':
+        ckpt = out_dir / 'ckpt.pt'  # replaced by a rename: an open file stays whole
+        return ckpt.exists() and torch.load(ckpt, weights_only=True, mmap=True)['iter_num'] == 4
+    latest = out_dir / KIND[script] / 'latest'
+    return latest.exists() and latest.read_text() == 'step-00000004'
+
+
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py'])
+def test_sigkill_during_a_storage_write_falls_back_to_the_previous_checkpoint(tmp_path, data_dir, script):
+    # a wide layer makes the checkpoint big enough (~90 MB with AdamW's moments) to be caught while it is written
     args = ['--n_layer=1', '--n_embd=768', '--n_head=4', '--block_size=16', '--batch_size=2',
             '--gradient_accumulation_steps=2', '--max_iters=16', '--eval_interval=100', '--save_storage_interval=4']
-    run('fsdp_train.py', *tiny(data_dir, tmp_path / 'ref', *args), nproc=2, cwd=tmp_path)
+    run(script, *tiny(data_dir, tmp_path / 'ref', *args), nproc=2, cwd=tmp_path)
     out_dir = tmp_path / 'ft'
-    first, second = out_dir / 'dcp' / 'step-00000004', out_dir / 'dcp' / 'step-00000008'
     log = open(tmp_path / 'torchrun.log', 'w')
-    p = subprocess.Popen(elastic('fsdp_train.py', *tiny(data_dir, out_dir, *args)), cwd=tmp_path, env=env(),
+    p = subprocess.Popen(elastic(script, *tiny(data_dir, out_dir, *args)), cwd=tmp_path, env=env(),
                          stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
-        while not (first / '.metadata').exists():  # the first checkpoint is complete ...
+        while not first_complete(script, out_dir):  # the first checkpoint is complete ...
             assert p.poll() is None, open(log.name).read()[-3000:]
             time.sleep(0.002)
-        while not list(second.glob('*.distcp')):  # ... and the second one's shards are being written: kill a writer
+        while not list(out_dir.glob(WRITING[script])):  # ... and the second one is being written: kill a writer
             assert p.poll() is None, open(log.name).read()[-3000:]
             time.sleep(0.001)
         os.kill(workers(p.pid)[0], signal.SIGKILL)
-        cut_short = not (second / '.metadata').exists()
+        cut_short = first_complete(script, out_dir)  # the second never became the newest
         p.wait(timeout=300)
     finally:
         p.kill()
@@ -317,9 +303,10 @@ def test_fsdp_sigkill_during_a_storage_write_falls_back_to_the_previous_checkpoi
     out = open(log.name).read()
     assert p.returncode == 0, out[-5000:]
     assert cut_short
-    assert re.search(r'resuming from \S+/ft/dcp/step-00000004 at iter 4\b', out), out[-5000:]
-    assert_same_run(tmp_path / 'ref', out_dir, 'fsdp_train.py', exact=True)
-    assert sorted(p.name for p in (out_dir / 'dcp').iterdir()) == ['latest', 'step-00000012', 'step-00000016']
+    assert re.search(rf'resuming from \S+/ft/{FIRST[script]} at iter 4\b', out), out[-5000:]
+    assert_same_run(tmp_path / 'ref', out_dir, script, exact=script != 'ds_train.py')
+    if script != 'train.py':  # the cut-short folder was written anew at iter 8, and gone with the older ones since
+        assert sorted(f.name for f in (out_dir / KIND[script]).glob('step-*')) == ['step-00000012', 'step-00000016']
 
 
 RESHARD_ARGS = ['--gradient_accumulation_steps=4', '--eval_interval=8', '--save_storage_interval=4']
@@ -421,3 +408,10 @@ def test_dlrover_run_restarts_sigkilled_workers_and_train_py_finishes_bit_exact(
     (ref, ref_evals), (ft, ft_evals) = read_metrics(tmp_path / 'ref'), read_metrics(tmp_path / 'ft')
     assert ft == ref and [e['val_loss'] for e in ft_evals] == [e['val_loss'] for e in ref_evals]
     assert same_weights(weights(tmp_path / 'ft' / 'ckpt.pt'), weights(tmp_path / 'ref' / 'ckpt.pt'))
+
+
+def test_dlrover_run_without_dlrover_a_one_line_error_says_how_to_install_it(tmp_path):
+    (tmp_path / 'dlrover.py').write_text("raise ImportError('No module named dlrover')\n")
+    p = subprocess.run([sys.executable, str(REPO / 'launch' / 'dlrover_run.py'), '--standalone', 'train.py'],
+                       cwd=tmp_path, env={**env(), 'PYTHONPATH': str(tmp_path)}, capture_output=True, text=True)
+    assert 'pip install dlrover==0.6.1' in one_line_error(p)
