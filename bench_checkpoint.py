@@ -6,8 +6,9 @@ Measures what fault tolerance costs and buys, with the functions the entrypoints
 - recovery: seconds from SIGKILLing a worker of an elastic torchrun job (train.py, the tiny model) until the
   restarted job logs its next step.
 
-python bench_checkpoint.py                          # both, GPT-2 124M with AdamW state on this machine's CPU
+python bench_checkpoint.py                          # both, GPT-2 124M with AdamW state, on the GPU if there is one
 python bench_checkpoint.py --what=save --n_layer=4  # a smaller state
+python bench_checkpoint.py --device=cpu             # on the CPU (recovery: 2 processes, or --nproc)
 """
 
 import json
@@ -19,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -35,43 +37,71 @@ n_head = 12
 n_embd = 768
 vocab_size = 50304
 block_size = 1024
-batch_size = 4  # save: the step the copy overlaps
+batch_size = 0  # save: sequences in the step the copy overlaps; 0: 4 on the CPU, 32 on a GPU (~100 ms on an H100)
+device = 'auto'  # 'auto' (cuda if there is a GPU, else cpu), 'cpu' or 'cuda'
+dtype = 'auto'  # save: autocast of the step, as in train.py ('auto': bfloat16 on GPUs that have it, float32 on CPU)
 kills = 3  # recovery: workers killed one after another in one job
+nproc = 0  # recovery: worker processes; 0: one per GPU, or 2 on the CPU
 dataset = 'shakespeare_char'  # recovery: data/<dataset> as prepare.py writes it
 # -----------------------------------------------------------------------------
 config, _ = configure(globals())
+if device == 'auto':
+    device = 'cuda' if torch.cuda.is_available() else 'cpu'
+device_type = device.split(':')[0]
+if dtype == 'auto':
+    dtype = ('bfloat16' if torch.cuda.is_bf16_supported(including_emulation=False) else 'float16') \
+        if device_type == 'cuda' else 'float32'
+ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+batch_size = batch_size or (32 if device_type == 'cuda' else 4)
+nproc = nproc or (torch.cuda.device_count() if device_type == 'cuda' else 2)
 os.makedirs(out_dir, exist_ok=True)
 
 
 def bench_save():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab_size, block_size=block_size))
-    optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), 'cpu')
-    x = torch.randint(vocab_size, (batch_size, block_size))
+    # weights and AdamW's moments stay float32, as in train.py: autocast runs the step in dtype
+    model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab_size,
+                          block_size=block_size)).to(device)
+    optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), device_type)
+    x = torch.randint(vocab_size, (batch_size, block_size), device=device)
+    ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
+    shm = os.path.join(snapshot_dir('bench'), 'ckpt.pt')
+    os.makedirs(os.path.dirname(shm), exist_ok=True)
+
+    def synchronize():
+        # The loop's own stream only, as train.py's .tolist() before wait_for_copies() waits: a device-wide
+        # synchronize would also wait for a copy running on a stream of its own, and hide what it costs.
+        if device_type == 'cuda':
+            torch.cuda.current_stream().synchronize()
 
     def step(snapshot_to=None):
         """A training step, as train.py takes it after a snapshot: the state is copied during forward and
-        backward, and the optimizer waits for the copy. Returns (seconds in all, seconds the loop was blocked)."""
+        backward, and the optimizer waits for the copy. Returns (seconds in all, seconds the loop was blocked).
+        On a GPU the clocks are read once the loop's queued work is done (but for t1: the save queues none)."""
+        synchronize()
         t0 = time.perf_counter()
         if snapshot_to:
             save_in_background({'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'iter_num': 1},
-                               snapshot_to, keep_previous=snapshot_to.endswith('ckpt.pt'))
+                               snapshot_to, keep_previous=snapshot_to != shm)  # as train.py
         t1 = time.perf_counter()
-        model(x, x)[1].backward()
+        with ctx:
+            loss = model(x, x)[1]
+        loss.backward()
+        synchronize()
         t2 = time.perf_counter()
         wait_for_copies()
         t3 = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        synchronize()
         return time.perf_counter() - t0, (t1 - t0) + (t3 - t2)
 
     step()  # AdamW's moments exist from the first step on
     size = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + \
         sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
     print(f"state: {model.get_num_params() / 1e6:.1f}M parameters, {size / 2**20:.0f} MiB with AdamW's moments; "
-          f"steps of {batch_size}x{block_size} tokens")
-    shm = os.path.join(snapshot_dir('bench'), 'ckpt.pt')
-    os.makedirs(os.path.dirname(shm), exist_ok=True)
+          f"steps of {batch_size}x{block_size} tokens" + (f" in {dtype} on {torch.cuda.get_device_name(device)}"
+                                                          if device_type == 'cuda' else ""))
     keys = ('sync torch.save', 'plain step', 'memory: blocked', 'memory: step', 'storage: blocked', 'storage: step')
     times = {k: [] for k in keys}
     for r in range(repeats + 1):  # the first round allocates the host copies: left out of the medians
@@ -94,7 +124,7 @@ def bench_save():
     for k in ('memory', 'storage'):
         print(f"{k}: the loop is blocked {med[k + ': blocked'] / med['sync torch.save'] * 100:.1f}% of a "
               f"synchronous save; the step with it takes {med[k + ': step'] / med['plain step']:.2f}x a plain one")
-    os.remove(shm)
+    shutil.rmtree(os.path.dirname(shm))
     return med
 
 
@@ -112,13 +142,28 @@ def steps_logged(path):
         return []
 
 
+def workers(pid):
+    """The pids of torchrun's children that run train.py."""
+    with open(f'/proc/{pid}/task/{pid}/children') as f:
+        children = sorted(int(c) for c in f.read().split())
+    train = []
+    for c in children:
+        try:
+            with open(f'/proc/{c}/cmdline', 'rb') as f:
+                if b'train.py' in f.read():
+                    train.append(c)
+        except FileNotFoundError:  # gone meanwhile
+            pass
+    return train
+
+
 def bench_recovery():
     run_dir = os.path.join(out_dir, 'recovery')
     metrics = os.path.join(run_dir, 'metrics.jsonl')
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nnodes=1:2', '--nproc_per_node=2',
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nnodes=1:2', f'--nproc_per_node={nproc}',
            f'--max-restarts={kills}', '--rdzv-backend=c10d', f'--rdzv-endpoint=127.0.0.1:{free_port()}',
            '--rdzv-conf=last_call_timeout=1', 'train.py', f'--dataset={dataset}', f'--out_dir={run_dir}',
-           '--device=cpu', '--compile=False', '--n_layer=2', '--n_head=2', '--n_embd=32',
+           f'--device={device_type}', '--compile=False', '--n_layer=2', '--n_head=2', '--n_embd=32',
            '--block_size=32', '--batch_size=4', '--gradient_accumulation_steps=2', '--eval_interval=100000',
            '--eval_iters=4', '--max_iters=100000', '--save_memory_interval=10']
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: an old one's checkpoint would be resumed
@@ -129,15 +174,16 @@ def bench_recovery():
         while not steps_logged(metrics) or steps_logged(metrics)[-1] < start + 30:  # 30 steps into this run
             assert p.poll() is None, f"the job ended early: see {log_path}"
             time.sleep(0.005)
-        with open(f'/proc/{p.pid}/task/{p.pid}/children') as f:
-            victim = int(f.read().split()[k % 2])
+        victim = workers(p.pid)[k % nproc]
         last = steps_logged(metrics)[-1]
+        written_before = os.stat(metrics).st_ino
         t_kill = time.time()
         os.kill(victim, signal.SIGKILL)
         while True:  # the restarted job says where it resumes, then logs that step first
             with open(log_path) as f:
                 resumed = [int(line.rsplit(' ', 1)[1]) for line in f if line.startswith('resuming from ')]
-            if len(resumed) > k and resumed[k] in steps_logged(metrics):
+            # the killed job logged that step too: the restarted one's row is in the file it puts in place of the old
+            if len(resumed) > k and os.stat(metrics).st_ino != written_before and resumed[k] in steps_logged(metrics):
                 break
             assert p.poll() is None, f"the job ended: see {log_path}"
             time.sleep(0.005)

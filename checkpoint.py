@@ -11,12 +11,18 @@ which also restores the optimizer, RNG and data position.
 
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import threading
+import time
+import uuid
 import warnings
+from contextlib import nullcontext
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from model import GPT, GPTConfig
 
@@ -62,6 +68,34 @@ def load_checkpoint(path, dropout=None):
 # Fault tolerance, shared by the entrypoints: writing in the background, node-local memory snapshots, and
 # finding the newest state that loads.
 
+def incarnation_store(rank, world_size):
+    """A store for init_process_group under torchrun's agents that this incarnation of the worker group alone uses.
+    The agents' store outlives a restart, and gloo (NCCL too) would read the dead workers' addresses from it and fail
+    the restart; nor can the restart count name the incarnation, since it differs between nodes (an agent that
+    restarts its workers because another node's died counts no restart). So rank 0 serves a new store on a free
+    port and posts its port and a new token in the agents' store; the other ranks take what is posted once the store
+    there holds that token (a post left by the last incarnation names a dead rank 0's port)."""
+    agents = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size, is_master=False)
+    if rank == 0:
+        token = uuid.uuid4().hex
+        store = dist.TCPStore(os.environ['MASTER_ADDR'], 0, world_size, is_master=True, wait_for_workers=False)
+        store.set('token', token)
+        agents.set('nanogpt/incarnation', f'{store.port} {token}')
+        return store
+    while True:
+        port, token = agents.get('nanogpt/incarnation').decode().split()
+        try:
+            socket.create_connection((os.environ['MASTER_ADDR'], int(port)), timeout=2).close()  # a dead one refuses
+            store = dist.TCPStore(os.environ['MASTER_ADDR'], int(port), world_size, is_master=False,
+                                  timeout=timedelta(seconds=10))
+            if store.get('token').decode() == token:  # not another store that took the port since
+                store.set_timeout(timedelta(minutes=30))
+                return store
+        except (OSError, RuntimeError):  # an old post
+            pass
+        time.sleep(0.1)
+
+
 def atomic_save(obj, path, keep_previous=False):
     """torch.save to path.tmp, then a rename: a crash mid-write leaves the old file. keep_previous moves the old
     one to ckpt.prev.pt first, a fallback should the new one ever turn out damaged."""
@@ -94,14 +128,22 @@ def save_in_background(state, path, keep_previous=False, slot=None, then=None):
     wait_for_saves(slot)  # its host copy is about to be overwritten
     copied = threading.Event()
     paths, states = (path, state) if isinstance(path, list) else ([path], [state])
+    # On a GPU the copy gets a stream of its own: on the loop's stream it would queue between the next forward's
+    # kernels and hold them up for as long as it takes. The stream first waits for the work queued so far (the last
+    # optimizer step), which has to be recorded here, in the caller's thread, before more is queued.
+    gpu, stream = next((t.device for t in tensors(states) if t.is_cuda), None), None
+    if gpu is not None:
+        stream = torch.cuda.Stream(gpu)
+        stream.wait_stream(torch.cuda.current_stream(gpu))
 
     def save():
         ok = False
         try:
             try:
-                _host_copies[slot] = host_copy(states, _host_copies.get(slot))
-                if any(t.is_cuda for t in tensors(states)):
-                    torch.cuda.synchronize()  # the copies into pinned memory were asynchronous
+                with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                    _host_copies[slot] = host_copy(states, _host_copies.get(slot))
+                if stream is not None:
+                    stream.synchronize()  # the copies into pinned memory were asynchronous
             finally:
                 copied.set()
             for p, s in zip(paths, _host_copies[slot]):
@@ -161,17 +203,20 @@ def snapshot_dir(run_id):
     return os.path.join('/dev/shm' if os.path.isdir('/dev/shm') else tempfile.gettempdir(), f'nanogpt-{run_id}')
 
 
-def newest_loadable(paths):
+def newest_loadable(paths, run_id=None, or_any=False):
     """(iter_num, path, skipped) for the newest of the checkpoints at paths (files, or folders as checkpoint_iter
-    reads them) that loads; missing and incomplete ones are passed over, and damaged ones (truncated, corrupt,
-    not a checkpoint) listed in skipped as (path, reason). (None, None, skipped) when none loads. On a tie the
-    first in paths wins."""
+    reads them) that loads; missing and incomplete ones are passed over, with run_id those of another run too (or,
+    with or_any, only where that run has none), and damaged ones (truncated, corrupt, not a checkpoint) are listed in
+    skipped as (path, reason). (None, None, skipped) when none loads. On a tie the first in paths wins."""
+    if run_id is not None and or_any:
+        found = newest_loadable(paths, run_id)
+        return found if found[0] is not None else newest_loadable(paths)
     best, skipped = (None, None), []
     for path in paths:
         if not os.path.exists(path):
             continue
         try:
-            it = checkpoint_iter(path)
+            it = checkpoint_iter(path, run_id)
         except Exception as e:
             skipped.append((path, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
             continue
@@ -182,14 +227,18 @@ def newest_loadable(paths):
     return (*best, skipped)
 
 
-def checkpoint_iter(path):
-    """The iteration of the checkpoint at path, or None while it is incomplete; raises where it is damaged. A file
+def checkpoint_iter(path, run_id=None):
+    """The iteration of the checkpoint at path, or None while it is incomplete, or, given a run_id, where another run
+    wrote it (one that a run started afresh over its out_dir left there); raises where it is damaged. A file
     is complete once it exists (every writer here renames a finished temporary file). A DCP folder (fsdp_train.py's)
     once it holds .metadata, which DCP writes last, after every rank's shards; its shards must be as long as
     .metadata says. A folder of per-rank files (decent_train.py's replicas) once every rank's file is in; they
     must agree on the iteration. With mmap only a file's index is read, not its tensors."""
     def iter_of(file):
-        return int(torch.load(file, map_location='cpu', weights_only=True, mmap=True)['iter_num'])
+        checkpoint = torch.load(file, map_location='cpu', weights_only=True, mmap=True)
+        if run_id is not None and checkpoint.get('run_id', run_id) != run_id:  # older ones without an id count
+            return None
+        return int(checkpoint['iter_num'])
     if not os.path.isdir(path):
         return iter_of(path)
     if os.path.exists(os.path.join(path, '.metadata')) or os.path.exists(os.path.join(path, 'extra.pt')):

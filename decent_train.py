@@ -14,7 +14,7 @@ updated and starts mixing as soon as its gradients are complete, while the backw
 forward waits for each bucket only where it needs it. Evals run on the average of all replicas and log how far
 the replicas are from it. Checkpoints hold every rank's replica and optimizer state (out_dir/decent/step-N/), and
 out_dir/ckpt.pt the averaged model in train.py's format, for sample.py and train.py; a train.py checkpoint starts
-every replica here.
+every replica here, and so does the average of the replicas where the world size has changed.
 """
 
 import json
@@ -33,8 +33,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import (atomic_save, find_checkpoint, host_copy, load_checkpoint, newest_loadable, point_latest,
-                        previous, save_in_background, snapshot_dir, wait_for_copies, wait_for_saves)
+from checkpoint import (atomic_save, find_checkpoint, host_copy, incarnation_store, load_checkpoint,
+                        newest_loadable, point_latest, previous, save_in_background, snapshot_dir, wait_for_copies,
+                        wait_for_saves)
 from configurator import configure
 from model import GPT, GPTConfig
 
@@ -181,9 +182,8 @@ if ddp:
     store = None
     if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
         # torchrun's store outlives a restart of the workers, and gloo would read the dead workers' addresses from it
-        # (and fail the restart): each incarnation of the group gets keys of its own
-        store = dist.PrefixStore(f"restart-{os.environ['TORCHELASTIC_RESTART_COUNT']}-of-{world_size}", dist.TCPStore(
-            os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size, is_master=False))
+        # (and fail the restart): each incarnation of the group gets a store of its own
+        store = incarnation_store(rank, world_size)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                             device_id=torch.device(device) if device_type == 'cuda' else None)
 else:
@@ -298,10 +298,12 @@ def find_resume_point():
                 held[it] = path
     if wanted and master_process:
         folders = sorted(os.listdir(decent_dir), reverse=True) if os.path.isdir(decent_dir) else []
+        # this run's newest, not one of a run that it was started afresh over (that only when asked to resume)
+        this_run = dict(run_id=run_id, or_any=init_from == 'resume')
         # the replicas; only where none are complete, a ckpt.pt that every replica starts from
         for paths in ([os.path.join(decent_dir, f) for f in folders if f.startswith('step-')],
                       [ckpt_path, previous(ckpt_path)]):
-            *disk, bad = newest_loadable(paths)
+            *disk, bad = newest_loadable(paths, **this_run)
             damaged += bad
             if disk[0] is not None:
                 break
@@ -354,22 +356,51 @@ def take_shape(ckpt_args):
             globals()[k] = config[k] = ckpt_args[k]
 
 
+def averaged_replicas(folder, ranks):
+    """The state that a run of that many ranks saved in folder: its replicas and their optimizer states (Adam's
+    moments, AccumAdamW's gradient sum) averaged over the ranks, the rest as rank 0 saved it. One file at a time,
+    summed in float64, so that equal replicas (complete mixing) average to themselves exactly."""
+    def fold(total, x, f):  # f(total's tensor, x's) for each floating-point tensor of x; total's value elsewhere
+        if torch.is_tensor(x) and x.is_floating_point():
+            return f(total, x)
+        if isinstance(x, dict):
+            return {k: fold(total[k], v, f) for k, v in x.items()}
+        if isinstance(x, list):
+            return [fold(t, v, f) for t, v in zip(total, x)]
+        return total
+
+    def replica(r, **kw):
+        saved = torch.load(os.path.join(folder, f'rank-{r}.pt'), map_location='cpu', weights_only=True, **kw)
+        return saved, {'model': saved['model'], 'optimizers': saved['optimizers']}
+
+    first, own = replica(0)
+    total = fold(own, own, lambda t, x: x.double())
+    for r in range(1, ranks):
+        total = fold(total, replica(r, mmap=True)[1], lambda t, x: t.add_(x))
+    return {**first, **fold(total, own, lambda t, x: t.div_(ranks).to(x.dtype))}
+
+
 if resume_from is not None:
     # this run's own state, a replica per rank (a folder of them, or this rank's memory snapshot); else a ckpt.pt
     # (train.py's, or this script's averaged export) that every replica starts from
     resume_path = resume_from[1]
-    if os.path.isdir(resume_path):
-        # the decentralized algorithm is one of world_size replicas and a topology over them: it does not reshard
-        saved = sum(n.startswith('rank-') and n.endswith('.pt') for n in os.listdir(resume_path))
-        if saved != world_size:
-            sys.exit(f"error: {resume_path} holds the replicas of {saved} ranks, not {world_size}: resume with "
-                     f"{saved} ranks, or delete {decent_dir} to start every replica from the averaged {ckpt_path}")
-        resume_path = os.path.join(resume_path, f'rank-{rank}.pt')
     if init_from != 'resume':
         print0(f"auto-resume: {out_dir} holds this run's state at iter {resume_from[0]}, so the run continues "
                f"(--auto_resume=False starts afresh)")
     try:
-        checkpoint = torch.load(resume_path, map_location='cpu', weights_only=True)  # a checkpoint is data, never code
+        if os.path.isdir(resume_path):
+            saved = len(torch.load(os.path.join(resume_path, 'rank-0.pt'), map_location='cpu', weights_only=True,
+                                   mmap=True)['rng'])  # ranks, each with its RNG in every file
+            if saved == world_size:
+                resume_path = os.path.join(resume_path, f'rank-{rank}.pt')
+            else:
+                # The algorithm's state is one replica per rank, which does not reshard: at another world size (an
+                # elastic restart with fewer or more nodes) every rank starts from their average, as evals see it
+                print0(f"{resume_path} holds the replicas of {saved} ranks, not {world_size}: every rank starts "
+                       f"from their average")
+                checkpoint = averaged_replicas(resume_path, saved)
+        if checkpoint is None:
+            checkpoint = torch.load(resume_path, map_location='cpu', weights_only=True)  # data, never code
         ckpt_args = checkpoint['model_args']
         take_shape(ckpt_args)
         model = GPT(GPTConfig(**model_args))
@@ -635,6 +666,7 @@ def save_checkpoint(to='storage', wait=False):
         'config': config,
         'rng': rngs,
         'data_rng': data_gen.get_state(),
+        'run_id': run_id,  # so that a run started afresh over this out_dir never takes it for its own
     }
     checkpoint = {'model': raw_model.state_dict(), 'optimizers': [b.optimizer.state_dict() for b in buckets], **extra}
     if to == 'memory':

@@ -10,7 +10,8 @@ Everything but the distribution is train.py's: config keys, data stream, logging
 DeepSpeed config is generated from train.py's keys, so that one config trains on the same global batch in tokens
 here and there; a ds_config JSON file may add to it, not contradict it. Checkpoints are the engine's folders
 (out_dir/ds/step-N/, resumed at the same world size and stage), and save_consolidated writes beside each one
-train.py's ckpt.pt, which sample.py, train.py and the other entrypoints read.
+train.py's ckpt.pt, which sample.py, train.py and the other entrypoints read, and from which this script resumes
+at another world size or stage (an elastic restart with fewer or more nodes).
 """
 
 import json
@@ -29,8 +30,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import (find_checkpoint, load_checkpoint, save_in_background, snapshot_dir, wait_for_copies,
-                        wait_for_saves)
+from checkpoint import (find_checkpoint, incarnation_store, load_checkpoint, newest_loadable, previous,
+                        save_in_background, snapshot_dir, wait_for_copies, wait_for_saves)
 from configurator import configure
 from model import GPT, GPTConfig
 
@@ -102,7 +103,8 @@ try:
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param,
+                                 safe_set_full_optimizer_state)
 except ImportError as e:
     sys.exit(f"error: ds_train.py needs DeepSpeed ({e}): pip install deepspeed==0.19.8")
 # the classes that DeepSpeed 0.19.8 pickles into its checkpoints besides tensors and containers
@@ -168,9 +170,8 @@ if not ddp:  # a group of one, which DeepSpeed wraps (it asks for the LOCAL_RANK
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
 elif os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
     # torchrun's store outlives a restart of the workers, and gloo would read the dead workers' addresses from it
-    # (and fail the restart): each incarnation of the group gets keys of its own (DeepSpeed then takes this group)
-    store = dist.PrefixStore(f"restart-{os.environ['TORCHELASTIC_RESTART_COUNT']}-of-{world_size}", dist.TCPStore(
-        os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size, is_master=False))
+    # (and fail the restart): each incarnation of the group gets a store of its own (DeepSpeed then takes this group)
+    store = incarnation_store(rank, world_size)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                             device_id=torch.device(device) if device_type == 'cuda' else None)
 deepspeed.init_distributed(dist_backend=backend)
@@ -274,13 +275,19 @@ def take_shape(ckpt_args):
 
 
 # where to start: the newest complete state of this run, a memory snapshot or a checkpoint in out_dir
+ckpt_path = os.path.join(out_dir, 'ckpt.pt')  # the consolidated export (or train.py's): resumes at any layout
 run_id_path = os.path.join(out_dir, 'run_id')  # names the run's snapshots, so that a new run in out_dir never takes an old one's
+layout = (world_size, zero_stage)  # what ZeRO cuts its shards for: an engine checkpoint resumes only at the same
 
 
-def newest_engine_checkpoint(folder):
-    """((iter_num, path) or None, damaged) for the engine checkpoints in folder: the one latest names, which is
-    written only once every rank's files are, or else the newest before it whose files load; damaged ones are
-    listed as (path, reason). With mmap only each file's index is read."""
+def newest_engine_checkpoint(folder, run_id=None, or_any=False):
+    """((iter_num, path, (world size, zero stage) that wrote it) or None, damaged) for the engine checkpoints in
+    folder: the one latest names, which is written only once every rank's files are, or else the newest before it
+    whose files load; damaged ones are listed as (path, reason); with run_id, another run's count as none (with
+    or_any, only where that run has none). With mmap only each file's index is read."""
+    if run_id is not None and or_any:
+        found = newest_engine_checkpoint(folder, run_id)
+        return found if found[0] is not None else newest_engine_checkpoint(folder)
     try:
         with open(os.path.join(folder, 'latest')) as f:
             newest = f.read().strip()
@@ -295,73 +302,90 @@ def newest_engine_checkpoint(folder):
                 for f in files:
                     torch.load(os.path.join(path, f), map_location='cpu', weights_only=True, mmap=True)
             states = [f for f in files if f.endswith('model_states.pt')][0]
-            return (int(torch.load(os.path.join(path, states), map_location='cpu', weights_only=True,
-                                   mmap=True)['iter_num']), path), damaged
+            ours = torch.load(os.path.join(path, states), map_location='cpu', weights_only=True, mmap=True)
+            if run_id is not None and ours.get('run_id', run_id) != run_id:
+                return None, damaged
+            return (int(ours['iter_num']), path, (ours['world_size'], ours['config']['zero_stage'])), damaged
         except Exception as e:
             damaged.append((path, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
     return None, damaged
 
 
 def find_resume_point():
-    """(run_id, (iter_num, path) to resume from or None, damaged folders passed over). All ranks agree: a memory
-    snapshot counts only if every rank sees the same complete one (on many nodes, only the first node's snapshot
-    folder holds the engine's model states, so there the run resumes from out_dir), else rank 0's newest engine
-    checkpoint in out_dir."""
-    run_id, mem, disk, damaged = None, None, None, []
+    """(run_id, (iter_num, path) to resume from or None, damaged files passed over). All ranks agree: a memory
+    snapshot counts only if every rank sees the same complete one (a replaced node holds none), else rank 0's
+    newest engine checkpoint in out_dir. Both resume only at the world size and stage that wrote them; at another
+    (an elastic restart with fewer or more nodes) the run continues from the newest consolidated ckpt.pt, which
+    load_state scatters into any layout."""
+    run_id, mem, disk, whole, damaged, whole_damaged = None, None, None, (None, None), [], []
     wanted = init_from == 'resume' or (auto_resume and not eval_only)  # an eval of another model is no resume
     if wanted and os.path.exists(run_id_path):
         with open(run_id_path) as f:
             run_id = f.read().strip()
         mem, damaged = newest_engine_checkpoint(snapshot_dir(run_id))
     if wanted:
-        disk, disk_damaged = newest_engine_checkpoint(os.path.join(out_dir, 'ds'))
+        # this run's newest, not one of a run that it was started afresh over (that only when asked to resume)
+        this_run = dict(run_id=run_id, or_any=init_from == 'resume')
+        disk, disk_damaged = newest_engine_checkpoint(os.path.join(out_dir, 'ds'), **this_run)
         damaged += disk_damaged
+        *whole, whole_damaged = newest_loadable([ckpt_path, previous(ckpt_path)], **this_run)
     views = [None] * world_size
-    dist.all_gather_object(views, (run_id, mem, disk, uuid.uuid4().hex))
-    run_id, mem, disk, new_id = views[0]
-    if run_id is not None and mem is not None and all(v[:2] == (run_id, mem) for v in views) \
+    dist.all_gather_object(views, (run_id, mem, disk, tuple(whole), uuid.uuid4().hex))
+    run_id, mem, disk, (whole_iter, whole_path), new_id = views[0]
+    if run_id is not None and mem is not None and mem[2] == layout and all(v[:2] == (run_id, mem) for v in views) \
             and (disk is None or mem[0] >= disk[0]):
-        return run_id, mem, damaged
+        return run_id, mem[:2], damaged
+    if disk is not None and disk[2] == layout:
+        return run_id or new_id, disk[:2], damaged
+    if whole_iter is not None:
+        if disk is not None:
+            print0(f"{disk[1]} was written by {disk[2][0]} ranks at zero_stage={disk[2][1]}, not {world_size} at "
+                   f"{zero_stage}: continuing from the consolidated {whole_path} instead")
+        return run_id or new_id, (whole_iter, whole_path), damaged + whole_damaged
     if disk is not None:
-        return run_id or new_id, disk, damaged
-    return new_id, None, damaged  # a fresh run gets a new id
+        sys.exit(f"error: {disk[1]} was written by {disk[2][0]} ranks at zero_stage={disk[2][1]}, and ZeRO's shards "
+                 f"resume only so; with no consolidated {ckpt_path} beside it (save_consolidated=False) use "
+                 f"{disk[2][0]} ranks and --zero_stage={disk[2][1]}")
+    return new_id, None, damaged + whole_damaged  # a fresh run gets a new id
 
 
 run_id, resume_from, damaged = find_resume_point()
 if resume_from is None and damaged:
     path, reason = damaged[0]
-    sys.exit(f"error: checkpoint {path} is corrupt or not a ds_train.py checkpoint ({reason}): delete it or restore "
+    sys.exit(f"error: checkpoint {path} is corrupt or not a training checkpoint ({reason}): delete it or restore "
              f"a good copy (or start afresh over it with --auto_resume=False)")
 if resume_from is None and init_from == 'resume':
-    weights = os.path.join(out_dir, 'ckpt.pt')
-    sys.exit(f"error: no DeepSpeed checkpoint at {os.path.join(out_dir, 'ds', 'latest')}: point --out_dir at a "
-             f"ds_train.py run's folder, or use " + (f"--init_from={weights} to start from the weights there"
-                                                      if os.path.exists(weights) else "--init_from=scratch"))
+    sys.exit(f"error: no checkpoint at {os.path.join(out_dir, 'ds', 'latest')} or {ckpt_path}: point --out_dir at a "
+             f"run's folder, or use --init_from=scratch")
 for path, reason in damaged:
     print0(f"warning: skipping the damaged {path} ({reason}); resuming from the newest one before it")
 if resume_from is not None:
-    # the engine's checkpoint folder; its weights and optimizer shards load into the engine below
-    ckpt_path = resume_from[1]
+    # the engine's checkpoint folder, whose weights and optimizer shards load into the engine below; or a ckpt.pt
+    # in train.py's format, whose whole weights and Adam moments load_state scatters over the ranks
+    resume_path = resume_from[1]
     if init_from != 'resume':
         print0(f"auto-resume: {out_dir} holds this run's state at iter {resume_from[0]}, so the run continues "
                f"(--auto_resume=False starts afresh)")
     try:
-        # our state is the engine's client state, in the (first) model-states file; mmap reads only what is used
-        states = sorted(f for f in os.listdir(ckpt_path) if f.endswith('model_states.pt'))[0]
-        checkpoint = torch.load(os.path.join(ckpt_path, states), map_location='cpu', weights_only=True, mmap=True)
+        if os.path.isdir(resume_path):
+            # our state is the engine's client state, in the (first) model-states file; mmap reads only what is used
+            states = sorted(f for f in os.listdir(resume_path) if f.endswith('model_states.pt'))[0]
+            checkpoint = torch.load(os.path.join(resume_path, states), map_location='cpu', weights_only=True, mmap=True)
+        else:
+            checkpoint = torch.load(resume_path, map_location='cpu', weights_only=True)
         ckpt_args = checkpoint['model_args']
         take_shape(ckpt_args)
         model = GPT(GPTConfig(**model_args))
-        iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
-        saved = (checkpoint['world_size'], checkpoint['config']['zero_stage'])
+        if 'model' in checkpoint:  # a ckpt.pt: its weights into the module now, with the moments into the engine later
+            checkpoint['model'] = GPT.upgrade_state_dict(checkpoint['model'])
+            model.load_state_dict(checkpoint['model'])
+            # checked against the parameters' shapes now: at stage 3 the engine leaves them empty
+            checkpoint['optimizer'] = model.upgrade_optimizer_state(checkpoint['optimizer']) \
+                if checkpoint.get('optimizer') else {'state': {}}
+        iter_num, best_val_loss = checkpoint['iter_num'], float(checkpoint['best_val_loss'])
     except Exception as e:
-        sys.exit(f"error: checkpoint {ckpt_path} is corrupt or not a ds_train.py checkpoint ({type(e).__name__}: "
+        sys.exit(f"error: checkpoint {resume_path} is corrupt or not a training checkpoint ({type(e).__name__}: "
                  f"{str(e).splitlines()[0][:200] if str(e) else ''}): delete it or restore a good copy")
-    # ZeRO's shards are cut for one world size and stage; the consolidated ckpt.pt is the way to another
-    if saved != (world_size, zero_stage):
-        sys.exit(f"error: {ckpt_path} was written by {saved[0]} ranks at zero_stage={saved[1]}, and ZeRO's shards "
-                 f"resume only so: use {saved[0]} ranks and --zero_stage={saved[1]}, or start from the weights with "
-                 f"--init_from={os.path.join(out_dir, 'ckpt.pt')}")
 elif init_from in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
     print0(f"initializing from OpenAI GPT-2 weights: {init_from}")
     try:
@@ -399,6 +423,7 @@ raw_model = model  # the bare module: its state_dict and MFU, whatever wraps it 
 # optimizer (train.py's AdamW and weight-decay groups), and the engine that shards it
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 adamw_groups = [{k: v for k, v in g.items() if k != 'params'} for g in optimizer.param_groups]  # for the export
+group_names = raw_model.param_groups()  # read now: at stage 3 the engine leaves each parameter an empty shape
 if offload_optimizer != 'none':
     # the offloaded step runs on the CPU, in DeepSpeed's vectorized Adam (a C++ op it builds on first use)
     groups = [{'params': g['params'], 'weight_decay': g['weight_decay']} for g in optimizer.param_groups]
@@ -497,26 +522,22 @@ model.checkpoint_engine = DeferredWrites()
 # (memory, storage) so that two threads' collectives never meet
 checkpoint_groups = {to: dist.new_group(backend='gloo') for to in ('memory', 'storage')}
 
-# -----------------------------------------------------------------------------
-# checkpoint load: the rest of the state, so that the run continues exactly where it stopped
-if checkpoint is not None:
-    try:  # each rank's shards of the weights and the optimizer state
-        loaded, _ = model.load_checkpoint(os.path.dirname(ckpt_path), tag=os.path.basename(ckpt_path))
-        assert loaded is not None, "DeepSpeed found no checkpoint there"
-    except Exception as e:
-        sys.exit(f"error: checkpoint {ckpt_path} does not load into this run ({type(e).__name__}: "
-                 f"{str(e).splitlines()[0][:200] if str(e) else ''}): delete it or restore a good copy")
-    data_gen.set_state(checkpoint['data_rng'])
-    torch.set_rng_state(checkpoint['rng'][rank]['cpu'])
-    if device_type == 'cuda':
-        torch.cuda.set_rng_state(checkpoint['rng'][rank]['cuda'])
-    print0(f"resuming from {ckpt_path} at iter {iter_num}")
-    checkpoint = None  # free the memory
+def link_optimizer_state():
+    """DeepSpeed 0.19.8 links each parameter to its fragments of the optimizer state lazily, in its step, after the
+    first weight-decay group's update, when the second group (biases, gains) has no state yet: link the rest."""
+    for p in raw_model.parameters():
+        m = getattr(p, '_hp_mapping', None)
+        if m is not None and not m.optim_fragment:
+            flat = optimizer.param_groups[m.param_group_index]['params'][0]
+            m.set_optim_state_fragment(flat, optimizer.state[flat])
 
-if compile:
-    print0("compiling the model... (takes a ~minute)")
-    model.compile()  # the engine compiles its module in place (at stage 3 it recompiles in ZeRO's hooks, though)
-eval_model = model  # at stage 3 every rank takes part in each forward, evaluation's too
+
+def stage0_pieces(tensors, shapes):
+    """At stage 0 AdamW steps the parameters themselves (fp32), or one flat fp32 copy of each group (bf16, fp16):
+    the group's parameters' tensors, or their views in that flat tensor."""
+    if len(tensors) == len(shapes):
+        return tensors
+    return [t.view(s) for t, s in zip(tensors[0].split([s.numel() for s in shapes]), shapes)]
 
 
 def gather_state():
@@ -526,38 +547,104 @@ def gather_state():
     moments = ('exp_avg', 'exp_avg_sq')
     weights, state = {}, {}
     if any(hasattr(p, '_hp_mapping') or hasattr(p, 'ds_id') for p in params.values()):  # ZeRO 1-3
-        for p in params.values():
-            # DeepSpeed 0.19.8 links parameters to their optimizer-state fragments after the first group's step,
-            # when the second group (biases, gains) has no state yet: link those now
-            m = getattr(p, '_hp_mapping', None)
-            if m is not None and not m.optim_fragment:
-                flat = optimizer.param_groups[m.param_group_index]['params'][0]
-                m.set_optim_state_fragment(flat, optimizer.state[flat])
+        link_optimizer_state()
         for n, p in params.items():
             weights[n] = safe_get_full_fp32_param(p).cpu()
             state[n] = {k: safe_get_full_optimizer_state(p, k).cpu() for k in moments}
-    else:  # stage 0: AdamW steps the parameters themselves (fp32), or one flat fp32 copy of each group (bf16, fp16)
-        for group_names, g in zip(raw_model.param_groups(), optimizer.param_groups):
-            shapes = [params[n].shape for n in group_names]
-
-            def pieces(tensors):  # the group's parameters' tensors, or their views in its one flat tensor
-                if len(tensors) == len(shapes):
-                    return tensors
-                return [t.view(s) for t, s in zip(tensors[0].split([s.numel() for s in shapes]), shapes)]
-            ws = pieces(g['params'])
-            ms = {k: pieces([optimizer.state[m][k] for m in g['params']]) for k in moments}
-            for i, n in enumerate(group_names):
+    else:
+        for group, g in zip(group_names, optimizer.param_groups):
+            shapes = [params[n].shape for n in group]
+            ws = stage0_pieces(g['params'], shapes)
+            ms = {k: stage0_pieces([optimizer.state[m][k] for m in g['params']], shapes) for k in moments}
+            for i, n in enumerate(group):
                 weights[n], state[n] = ws[i].detach().cpu(), {k: ms[k][i].cpu() for k in moments}
     name_of = {id(p): n for n, p in params.items()}  # the tied lm_head.weight is wte's parameter
     model_sd = {k: weights[name_of[id(v)]] for k, v in raw_model.state_dict(keep_vars=True).items()}
     # numbered as train.py's AdamW numbers its parameters, with its hyperparameters
     step = torch.tensor(float(next(iter(optimizer.state.values()))['step']))  # every parameter takes every step
-    names = [n for group in raw_model.param_groups() for n in group]
+    names = [n for group in group_names for n in group]
     groups, start = [], 0
-    for g, live, group_names in zip(adamw_groups, optimizer.param_groups, raw_model.param_groups()):
-        groups.append({**g, 'lr': live['lr'], 'params': list(range(start, start + len(group_names)))})
-        start += len(group_names)
+    for g, live, group in zip(adamw_groups, optimizer.param_groups, group_names):
+        groups.append({**g, 'lr': live['lr'], 'params': list(range(start, start + len(group)))})
+        start += len(group)
     return model_sd, {'state': {i: {'step': step, **state[n]} for i, n in enumerate(names)}, 'param_groups': groups}
+
+
+@torch.no_grad()
+def load_state(model_sd, optim_sd):
+    """gather_state's inverse: train.py's whole weights and AdamW state, whatever world size, stage or entrypoint
+    wrote them, into this engine; each rank keeps its own part (under ZeRO its fragments of every parameter's fp32
+    master weights and Adam moments). The module holds the weights already (they were loaded before the engine
+    was made); the fp32 master copies are set again, since in bf16 the engine made them from rounded weights."""
+    params = dict(raw_model.named_parameters())
+    names = [n for group in group_names for n in group]
+    saved = {names[i]: s for i, s in optim_sd['state'].items()}
+    if saved:
+        # Adam's state exists only from its first step on: a step on zero gradients at lr 0 makes it (zero moments,
+        # the weights unmoved), and then takes the saved moments and step count. Its flat fp32 tensors: each group's
+        # own, or at stage 3 the sub-groups that the engine hands it only for the length of a step
+        zero3 = getattr(model.optimizer, 'fp32_partitioned_groups_flat', None)
+        flats = [(model.optimizer.sub_group_to_group_id[j], t) for j, t in enumerate(zero3)] if zero3 else \
+            [(i, p) for i, g in enumerate(optimizer.param_groups) for p in g['params']]
+        before = [(g['params'], g['lr']) for g in optimizer.param_groups]
+        grads = [t.grad for _, t in flats]
+        for i, g in enumerate(optimizer.param_groups):
+            g['params'], g['lr'] = [t for j, t in flats if j == i], 0.0
+        for _, t in flats:
+            t.grad = torch.zeros_like(t)
+        optimizer.step()
+        for g, (params_before, lr) in zip(optimizer.param_groups, before):
+            g['params'], g['lr'] = params_before, lr
+        for (_, t), grad in zip(flats, grads):
+            t.grad = grad
+        step = float(next(iter(saved.values()))['step'])
+        for s in optimizer.state.values():
+            s['step'] = s['step'].fill_(step) if torch.is_tensor(s['step']) else int(step)
+    if any(hasattr(p, '_hp_mapping') or hasattr(p, 'ds_id') for p in params.values()):  # ZeRO 1-3
+        link_optimizer_state()
+        for n, p in params.items():
+            safe_set_full_fp32_param(p, model_sd[n].to(device))
+            for k in saved.get(n, {}):
+                if k != 'step':
+                    safe_set_full_optimizer_state(p, saved[n][k].to(device), k)
+    else:
+        for group, g in zip(group_names, optimizer.param_groups):
+            shapes = [params[n].shape for n in group]
+            for n, w in zip(group, stage0_pieces(g['params'], shapes)):
+                w.copy_(model_sd[n])
+            for k in ('exp_avg', 'exp_avg_sq') if saved else ():
+                for n, m in zip(group, stage0_pieces([optimizer.state[t][k] for t in g['params']], shapes)):
+                    m.copy_(saved[n][k])
+
+
+# -----------------------------------------------------------------------------
+# checkpoint load: the rest of the state, so that the run continues exactly where it stopped
+if checkpoint is not None:
+    try:
+        if os.path.isdir(resume_path):  # each rank's shards of the weights and the optimizer state
+            loaded, _ = model.load_checkpoint(os.path.dirname(resume_path), tag=os.path.basename(resume_path))
+            assert loaded is not None, "DeepSpeed found no checkpoint there"
+        else:  # a fp16 run's loss scale is not in it: the engine's starts afresh
+            load_state(checkpoint['model'], checkpoint['optimizer'])
+    except Exception as e:
+        sys.exit(f"error: checkpoint {resume_path} does not load into this run ({type(e).__name__}: "
+                 f"{str(e).splitlines()[0][:200] if str(e) else ''}): delete it or restore a good copy")
+    if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
+        data_gen.set_state(checkpoint['data_rng'])
+    rng = checkpoint.get('rng', [])
+    if len(rng) == world_size:
+        torch.set_rng_state(rng[rank]['cpu'])
+        if device_type == 'cuda' and 'cuda' in rng[rank]:
+            torch.cuda.set_rng_state(rng[rank]['cuda'])
+    elif rng:
+        print0(f"checkpoint was written by {len(rng)} ranks, not {world_size}: dropout masks start afresh")
+    print0(f"resuming from {resume_path} at iter {iter_num}")
+    checkpoint = None  # free the memory
+
+if compile:
+    print0("compiling the model... (takes a ~minute)")
+    model.compile()  # the engine compiles its module in place (at stage 3 it recompiles in ZeRO's hooks, though)
+eval_model = model  # at stage 3 every rank takes part in each forward, evaluation's too
 
 
 def save_checkpoint(to='storage', wait=False):
@@ -584,15 +671,24 @@ def save_checkpoint(to='storage', wait=False):
         'config': config,
         'rng': rngs,
         'data_rng': data_gen.get_state(),
+        'run_id': run_id,  # so that a run started afresh over this out_dir never takes it for its own
         'world_size': world_size,
     }
+    writer = master_process if to == 'storage' else local_rank == 0  # of latest, and of the folder's cleaning
+    if writer and os.path.isdir(folder):
+        shutil.rmtree(folder)  # cut short, damaged, or of another world size: written anew (after the barrier within)
+    # The engine writes its model-states file (our state in it) from the first data-parallel rank only; a snapshot
+    # needs one in every node's folder, so there the first rank of each node writes it too
+    first_only = model.save_non_zero_checkpoint
+    model.save_non_zero_checkpoint = first_only or (to == 'memory' and local_rank == 0)
     model.save_checkpoint(ds_dir, tag=os.path.basename(folder), client_state=extra, save_latest=False)
+    model.save_non_zero_checkpoint = first_only
     paths, states = zip(*model.checkpoint_engine.files) if model.checkpoint_engine.files else ((), ())
 
     def commit(ok):  # in the thread: every rank's files are written, or one rank's could not be
         written = torch.tensor(float(ok))
         dist.all_reduce(written, op=dist.ReduceOp.MIN, group=checkpoint_groups[to])
-        if written.item() and (master_process if to == 'storage' else local_rank == 0):
+        if written.item() and writer:
             latest = os.path.join(ds_dir, 'latest')
             before = Path(latest).read_text().strip() if os.path.exists(latest) else None
             if os.path.join(ds_dir, str(before)) in [path for path, _ in damaged]:
@@ -610,8 +706,8 @@ def save_checkpoint(to='storage', wait=False):
     if save_consolidated and to == 'storage':
         model_sd, optim_sd = gather_state()
         if master_process:
-            save_in_background({'model': model_sd, 'optimizer': optim_sd, **extra}, os.path.join(out_dir, 'ckpt.pt'))
-            print0(f"saving consolidated checkpoint to {os.path.join(out_dir, 'ckpt.pt')}")
+            save_in_background({'model': model_sd, 'optimizer': optim_sd, **extra}, ckpt_path, keep_previous=True)
+            print0(f"saving consolidated checkpoint to {ckpt_path}")
     if wait:
         wait_for_saves()
 

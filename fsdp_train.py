@@ -37,8 +37,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils._pytree import tree_flatten_with_path, tree_map_only
 
-from checkpoint import (atomic_save, find_checkpoint, load_checkpoint, newest_loadable, point_latest, previous,
-                        save_in_background, snapshot_dir, wait_for_copies, wait_for_saves)
+from checkpoint import (atomic_save, find_checkpoint, incarnation_store, load_checkpoint, newest_loadable,
+                        point_latest, previous, save_in_background, snapshot_dir, wait_for_copies, wait_for_saves)
 from configurator import configure
 from model import GPT, GPTConfig
 
@@ -143,9 +143,8 @@ if ddp:
     store = None
     if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
         # torchrun's store outlives a restart of the workers, and gloo would read the dead workers' addresses from it
-        # (and fail the restart): each incarnation of the group gets keys of its own
-        store = dist.PrefixStore(f"restart-{os.environ['TORCHELASTIC_RESTART_COUNT']}-of-{world_size}", dist.TCPStore(
-            os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size, is_master=False))
+        # (and fail the restart): each incarnation of the group gets a store of its own
+        store = incarnation_store(rank, world_size)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                             device_id=torch.device(device) if device_type == 'cuda' else None)
 else:
@@ -249,8 +248,10 @@ def find_resume_point():
                 held[it] = path
     if wanted and master_process:
         folders = sorted(os.listdir(dcp_dir), reverse=True) if os.path.isdir(dcp_dir) else []
+        # this run's newest, not one of a run that it was started afresh over (that only when asked to resume)
+        this_run = dict(run_id=run_id, or_any=init_from == 'resume')
         *disk, bad = newest_loadable([os.path.join(dcp_dir, f) for f in folders if f.startswith('step-')] +
-                                     [ckpt_path, previous(ckpt_path)])
+                                     [ckpt_path, previous(ckpt_path)], **this_run)
         damaged += bad
     views = [None] * world_size
     dist.all_gather_object(views, (run_id, held, tuple(disk), damaged, uuid.uuid4().hex))
@@ -466,6 +467,7 @@ def save_checkpoint(to='storage', wait=False):
         'config': config,
         'rng': rngs,
         'data_rng': data_gen.get_state(),
+        'run_id': run_id,  # so that a run started afresh over this out_dir never takes it for its own
     }
     model_sd, optim_sd = get_state_dict(model, optimizer)
     if to == 'memory':

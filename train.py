@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import (find_checkpoint, load_checkpoint, newest_loadable, previous, save_in_background,
-                        snapshot_dir, wait_for_copies, wait_for_saves)
+from checkpoint import (find_checkpoint, incarnation_store, load_checkpoint, newest_loadable, previous,
+                        save_in_background, snapshot_dir, wait_for_copies, wait_for_saves)
 from configurator import configure
 from model import GPT, GPTConfig
 
@@ -119,9 +119,8 @@ if ddp:
     store = None
     if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
         # torchrun's store outlives a restart of the workers, and gloo would read the dead workers' addresses from it
-        # (and fail the restart): each incarnation of the group gets keys of its own
-        store = dist.PrefixStore(f"restart-{os.environ['TORCHELASTIC_RESTART_COUNT']}-of-{world_size}", dist.TCPStore(
-            os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size, is_master=False))
+        # (and fail the restart): each incarnation of the group gets a store of its own
+        store = incarnation_store(rank, world_size)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                             device_id=torch.device(device) if device_type == 'cuda' else None)
 torch.manual_seed(seed)  # every rank builds the same initial model
@@ -210,7 +209,9 @@ def find_resume_point():
             run_id = f.read().strip()
         mem_iter, _, damaged = newest_loadable([os.path.join(snapshot_dir(run_id), 'ckpt.pt')])
     if wanted:
-        *disk, disk_damaged = newest_loadable([ckpt_path, previous(ckpt_path)])
+        # this run's newest, not one of a run that it was started afresh over (that only when asked to resume)
+        this_run = dict(run_id=run_id, or_any=init_from == 'resume')
+        *disk, disk_damaged = newest_loadable([ckpt_path, previous(ckpt_path)], **this_run)
         damaged += disk_damaged
     views = [(run_id, mem_iter, tuple(disk), uuid.uuid4().hex)]
     if ddp:
@@ -366,6 +367,7 @@ def save_checkpoint(to='storage', wait=False):
         'config': config,
         'rng': rngs,
         'data_rng': data_gen.get_state(),
+        'run_id': run_id,  # so that a run started afresh over this out_dir never takes it for its own
         'scaler': scaler.state_dict(),
     }
     if to == 'memory':

@@ -308,8 +308,15 @@ def test_bad_topologies_world_sizes_and_keys_are_one_line_errors(tmp_path, data_
         fails(tmp_path, data_dir, '--topology=one-peer-exp', nproc=3)
     assert "unknown optimizer='lamb': use adamw, accumadamw or sgd" in fails(tmp_path, data_dir, '--optimizer=lamb')
     assert not (tmp_path / 'bad').exists()
-    # replicas do not reshard: a 4-rank checkpoint resumes on 4 ranks
-    before = {p: p.stat().st_mtime_ns for p in two_nodes[0].rglob('*')}
-    msg = fails(tmp_path, data_dir, f'--out_dir={two_nodes[0]}', '--init_from=resume')
-    assert 'holds the replicas of 4 ranks, not 1: resume with 4 ranks' in msg
-    assert {p: p.stat().st_mtime_ns for p in two_nodes[0].rglob('*')} == before
+
+
+def test_at_another_world_size_every_rank_starts_from_the_average_of_the_replicas(tmp_path, data_dir, two_nodes):
+    # the 4 replicas of the 2-node run at step 6, resumed on 2 ranks: both start from their average, the model
+    # that the 4-rank run's own eval at step 6 saw
+    shutil.copytree(two_nodes[0], tmp_path / 'run')
+    p = launch(tmp_path, data_dir, 'run', '--gradient_accumulation_steps=4', '--max_iters=6', nproc=2)
+    assert 'holds the replicas of 4 ranks, not 2: every rank starts from their average' in p.stdout
+    assert 'resuming from' in p.stdout and 'at iter 6' in p.stdout
+    four, two = read_metrics(two_nodes[0])[1][-1], read_metrics(tmp_path / 'run')[1][-1]
+    assert four['iter'] == two['iter'] == 6 and four['consensus_distance'] > 1e-4
+    assert abs(two['val_loss'] - four['val_loss']) <= 1e-6 * four['val_loss'] and two['consensus_distance'] < 1e-7

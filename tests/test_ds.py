@@ -146,10 +146,13 @@ def test_bad_input(tmp_path, data_dir, stages):
     assert 'sets train_batch_size=32, which contradicts 16 from the config' in msg
     (tmp_path / 'ds.json').write_text(json.dumps({'zero_optimization': {'stage': 3}}))
     assert 'sets zero_optimization.stage=3, which contradicts 2' in fails(f'--ds_config={tmp_path / "ds.json"}')
-    # ZeRO's shards resume at the world size and stage that wrote them
-    msg = fails(f'--out_dir={stages[3]}', '--init_from=resume', '--zero_stage=3')
-    assert 'was written by 2 ranks at zero_stage=3' in msg and '--init_from=' in msg
     assert not (tmp_path / 'bad').exists()
+    # ZeRO's shards resume at the world size and stage that wrote them; elsewhere only a consolidated ckpt.pt does
+    shutil.copytree(stages[3], tmp_path / 'shards')
+    for name in ('ckpt.pt', 'ckpt.prev.pt'):
+        (tmp_path / 'shards' / name).unlink()
+    msg = fails(f'--out_dir={tmp_path / "shards"}', '--zero_stage=3')
+    assert 'was written by 2 ranks at zero_stage=3, and ZeRO' in msg and 'use 2 ranks and --zero_stage=3' in msg
 
 
 def test_without_deepspeed_a_one_line_error_says_how_to_install_it(tmp_path, data_dir):

@@ -113,13 +113,26 @@ def test_train_truncated_newest_checkpoint_falls_back_to_the_one_before(tmp_path
     assert same_weights(weights(ckpt), weights(tmp_path / 'ref' / 'ckpt.pt'))
 
 
-@pytest.mark.parametrize('first,then', [(2, 1), (1, 2)])
-def test_train_resumed_at_another_world_size_continues_the_curve(tmp_path, data_dir, first, then):
+# (script, world size and arguments of the first run, of the run that resumes it, what that one says it does).
+# ds_train.py's engine checkpoints are cut for one world size and stage, so it goes on from its consolidated ckpt.pt
+# (here also at another stage); decent_train.py's replicas do not reshard, so every rank starts from their average,
+# which continues the curve where the algorithm does not depend on the world size: complete mixing with plain SGD.
+DECENT_AS_DDP = ['--topology=complete', '--optimizer=sgd', '--grad_clip=0.0', '--learning_rate=0.5', '--min_lr=0.05']
+RESHAPES = [('train.py', 2, [], 1, [], 'at iter 8'), ('train.py', 1, [], 2, [], 'at iter 8'),
+            ('ds_train.py', 2, ['--zero_stage=3'], 1, ['--zero_stage=3'], 'continuing from the consolidated'),
+            ('ds_train.py', 1, ['--zero_stage=2'], 2, ['--zero_stage=3'], 'continuing from the consolidated'),
+            ('decent_train.py', 2, DECENT_AS_DDP, 1, DECENT_AS_DDP, 'every rank starts from their average'),
+            ('decent_train.py', 1, DECENT_AS_DDP, 2, DECENT_AS_DDP, 'every rank starts from their average')]
+
+
+@pytest.mark.parametrize('script,first,first_args,then,then_args,says', RESHAPES)
+def test_resumed_at_another_world_size_continues_the_curve(tmp_path, data_dir, script, first, first_args, then,
+                                                           then_args, says):
     args = ['--gradient_accumulation_steps=4', '--eval_interval=8']
-    run('train.py', *tiny(data_dir, tmp_path / 'ref', *args, '--max_iters=16'), nproc=first, cwd=tmp_path)
-    run('train.py', *tiny(data_dir, tmp_path / 'ft', *args, '--max_iters=8'), nproc=first, cwd=tmp_path)
-    p = run('train.py', *tiny(data_dir, tmp_path / 'ft', *args, '--max_iters=16'), nproc=then, cwd=tmp_path)
-    assert 'auto-resume' in p.stdout and 'at iter 8' in p.stdout
+    run(script, *tiny(data_dir, tmp_path / 'ref', *args, *first_args, '--max_iters=16'), nproc=first, cwd=tmp_path)
+    run(script, *tiny(data_dir, tmp_path / 'ft', *args, *first_args, '--max_iters=8'), nproc=first, cwd=tmp_path)
+    p = run(script, *tiny(data_dir, tmp_path / 'ft', *args, *then_args, '--max_iters=16'), nproc=then, cwd=tmp_path)
+    assert 'auto-resume' in p.stdout and says in p.stdout and re.search(r'resuming from \S+ at iter 8\b', p.stdout)
     ref, ref_evals = read_metrics(tmp_path / 'ref')
     ft, ft_evals = read_metrics(tmp_path / 'ft')
     assert sorted(ft) == list(range(16))
@@ -377,6 +390,71 @@ def test_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(tmp_pat
     assert all(torch.isfinite(t).all() for t in final_weights(script, tmp_path / 'run').values())
 
 
+def two_nodes_with_a_dev_shm_each(script, args, out_dir, kill_after=None):
+    """An elastic job of two nodes of one rank, each node with a /dev/shm of its own (a mount namespace), as on a
+    cluster; with kill_after, the second node's rank is SIGKILLed once that iteration is logged. Returns the two
+    nodes' output."""
+    torchrun = [sys.executable, '-m', 'torch.distributed.run', '--nnodes=2', '--nproc_per_node=1', '--max-restarts=2',
+                '--rdzv-backend=c10d', f'--rdzv-endpoint=127.0.0.1:{free_port()}', '--rdzv-conf=last_call_timeout=1',
+                str(REPO / script), *args]
+    own_shm = ['unshare', '--mount', '--propagation', 'private', 'sh', '-c',
+               'mount -t tmpfs tmpfs /dev/shm && exec "$@"', 'node']
+    logs = [open(out_dir.parent / f'{out_dir.name}-node{i}.log', 'w+') for i in range(2)]
+    nodes = [subprocess.Popen(own_shm + torchrun, cwd=out_dir.parent, env=env(), stdout=log, stderr=subprocess.STDOUT)
+             for log in logs]
+    try:
+        while kill_after is not None and not (logged_iters(out_dir) and logged_iters(out_dir)[-1] >= kill_after):
+            assert all(n.poll() is None for n in nodes), Path(logs[0].name).read_text()[-3000:]
+            time.sleep(0.005)
+        if kill_after is not None:
+            os.kill(workers(nodes[1].pid)[0], signal.SIGKILL)
+        for n in nodes:
+            n.wait(timeout=300)
+    finally:
+        for n in nodes:
+            n.kill()
+        for log in logs:
+            log.close()
+    out = Path(logs[0].name).read_text() + Path(logs[1].name).read_text()
+    assert [n.returncode for n in nodes] == [0, 0], out[-5000:]
+    return out
+
+
+def test_ds_memory_snapshots_of_two_nodes_with_a_dev_shm_each_resume_a_sigkilled_job(tmp_path, data_dir):
+    # The engine writes its model-states file (our state in it) from the first rank only; the second node's snapshot
+    # needs one too. Restarting the group also has to work when the first node's agent restarts its worker for the
+    # new member, which torchrun does not count as a restart.
+    args = tiny(data_dir, tmp_path / 'ref', '--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=30',
+                '--eval_interval=100', '--save_memory_interval=4', '--zero_stage=2')
+    two_nodes_with_a_dev_shm_each('ds_train.py', args, tmp_path / 'ref')
+    out = two_nodes_with_a_dev_shm_each('ds_train.py', [*args, f'--out_dir={tmp_path / "ft"}'], tmp_path / 'ft',
+                                        kill_after=9)
+    resumed = [int(m) for m in re.findall(r'resuming from /dev/shm/nanogpt-\w+/step-\d+ at iter (\d+)', out)]
+    assert len(resumed) == 1 and 6 <= resumed[0] <= 12, out[-5000:]
+    assert_same_run(tmp_path / 'ref', tmp_path / 'ft', 'ds_train.py')
+
+
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py'])
+def test_a_run_started_afresh_over_an_old_run_and_killed_before_its_first_save_never_resumes_the_old_one(
+        tmp_path, data_dir, script):
+    args = ['--gradient_accumulation_steps=1', '--eval_interval=4']
+    run(script, *tiny(data_dir, tmp_path / 'run', *args, '--max_iters=4'), cwd=tmp_path)  # the old run, saved at 4
+    (tmp_path / 'run' / 'metrics.jsonl').unlink()
+    fresh = subprocess.Popen([sys.executable, str(REPO / script), *tiny(data_dir, tmp_path / 'run', *args),
+                              '--max_iters=1000', '--eval_interval=1000', '--auto_resume=False'],
+                             cwd=tmp_path, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not (logged_iters(tmp_path / 'run') and logged_iters(tmp_path / 'run')[-1] >= 1):
+        assert fresh.poll() is None
+        time.sleep(0.005)
+    fresh.kill()
+    fresh.wait()
+    p = run(script, *tiny(data_dir, tmp_path / 'run', *args, '--max_iters=2'), cwd=tmp_path)
+    assert 'auto-resume' not in p.stdout and 'resuming from' not in p.stdout, p.stdout[-3000:]
+    assert logged_iters(tmp_path / 'run') == [0, 1]
+    p = run(script, *tiny(data_dir, tmp_path / 'run', *args, '--max_iters=2', '--init_from=resume'), cwd=tmp_path)
+    assert 'at iter 2' in p.stdout  # its own checkpoint now, which it resumes (and is done)
+
+
 def test_ds_truncated_newest_checkpoint_falls_back_to_the_one_before(tmp_path, data_dir):
     args = ['--gradient_accumulation_steps=2', '--eval_interval=4']
     run('ds_train.py', *tiny(data_dir, tmp_path / 'ref', *args, '--max_iters=12'), cwd=tmp_path)
@@ -415,3 +493,14 @@ def test_dlrover_run_without_dlrover_a_one_line_error_says_how_to_install_it(tmp
     p = subprocess.run([sys.executable, str(REPO / 'launch' / 'dlrover_run.py'), '--standalone', 'train.py'],
                        cwd=tmp_path, env={**env(), 'PYTHONPATH': str(tmp_path)}, capture_output=True, text=True)
     assert 'pip install dlrover==0.6.1' in one_line_error(p)
+
+
+def test_bench_checkpoint_times_the_loop_blocked_per_save_against_a_synchronous_one(tmp_path):
+    p = subprocess.run([sys.executable, str(REPO / 'bench_checkpoint.py'), '--what=save', '--device=cpu', '--n_layer=1',
+                        '--n_head=2', '--n_embd=64', '--vocab_size=256', '--block_size=32', '--repeats=1',
+                        f'--out_dir={tmp_path / "bench"}'], cwd=tmp_path, env=env(), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for kind in ('memory', 'storage'):
+        assert re.search(rf'{kind}: the loop is blocked [\d.]+% of a synchronous save; the step with it takes', p.stdout)
+    assert not os.path.exists('/dev/shm/nanogpt-bench')  # its snapshot folder is gone

@@ -53,17 +53,22 @@ def test_train_decent_train_round_trip_keeps_the_weights_exactly(trip, data_dir,
     assert a.keys() == d.keys() and all(torch.equal(a[k], d[k]) for k in a)
 
 
-def test_train_ds_train_round_trip_keeps_the_weights_exactly(trip, data_dir, tmp_path):
-    # ds_train.py starts from train.py's weights (init_from=PATH) and exports them gathered from ZeRO-3's
-    # partitions (a step at learning rate 0 changes nothing); train.py starts from that run's folder the same way
-    zero_lr = ['--max_iters=1', '--learning_rate=0', '--decay_lr=False']
-    launch('ds_train.py', tmp_path, data_dir, 'ds', f'--init_from={trip / "a" / "ckpt.pt"}', '--zero_stage=3',
-           *zero_lr, nproc=2)
-    launch('train.py', tmp_path, data_dir, 'back', f'--init_from={tmp_path / "ds"}', *zero_lr)
-    a, ds, back = weights(trip / 'a' / 'ckpt.pt'), weights(tmp_path / 'ds' / 'ckpt.pt'), weights(tmp_path / 'back' / 'ckpt.pt')
-    assert a.keys() == ds.keys() == back.keys()
-    assert all(torch.equal(a[k], ds[k]) and torch.equal(a[k], back[k]) for k in a)
-    assert (tmp_path / 'ds' / 'ds' / 'latest').read_text() == 'step-00000001'
+def test_train_ds_train_round_trip_keeps_the_weights_and_adam_state_exactly(trip, data_dir, tmp_path):
+    # ds_train.py resumes train.py's run, its weights and Adam's moments scattered over ZeRO-3's partitions on 2
+    # ranks, and gathers them back into its consolidated ckpt.pt; train.py starts from that run's folder (a step at
+    # learning rate 0 changes nothing)
+    shutil.copytree(trip / 'a', tmp_path / 'ds')
+    launch('ds_train.py', tmp_path, data_dir, 'ds', '--init_from=resume', '--eval_only=True', '--zero_stage=3', nproc=2)
+    assert (tmp_path / 'ds' / 'ds' / 'latest').read_text() == 'step-00000003'
+    launch('train.py', tmp_path, data_dir, 'back', f'--init_from={tmp_path / "ds"}', '--max_iters=1',
+           '--learning_rate=0', '--decay_lr=False')
+    a, ds = (torch.load(run / 'ckpt.pt', map_location='cpu', weights_only=True)
+             for run in (trip / 'a', tmp_path / 'ds'))
+    back = weights(tmp_path / 'back' / 'ckpt.pt')
+    assert a['model'].keys() == ds['model'].keys() == back.keys()
+    assert all(torch.equal(a['model'][k], ds['model'][k]) and torch.equal(a['model'][k], back[k]) for k in back)
+    sa, sd = a['optimizer']['state'], ds['optimizer']['state']
+    assert sa.keys() == sd.keys() and all(torch.equal(sa[i][k], sd[i][k]) for i in sa for k in sa[i])
 
 
 def test_init_from_any_checkpoint_path(trip, data_dir, tmp_path):
