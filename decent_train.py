@@ -17,6 +17,7 @@ out_dir/ckpt.pt the averaged model in train.py's format, for sample.py and train
 every replica here, and so does the average of the replicas where the world size has changed.
 """
 
+import atexit
 import json
 import math
 import os
@@ -188,6 +189,9 @@ if ddp:
                             device_id=torch.device(device) if device_type == 'cuda' else None)
 else:
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+# an early exit (a one-line error, an exception) tears the groups down too: left to the interpreter's end, gloo's
+# threads can abort it ('terminate called without an active exception')
+atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 # the background writers of storage checkpoints agree over a group of their own: collectives of two threads on
 # one group would interleave
 checkpoint_group = dist.new_group(backend='gloo')

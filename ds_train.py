@@ -14,6 +14,7 @@ train.py's ckpt.pt, which sample.py, train.py and the other entrypoints read, an
 at another world size or stage (an elastic restart with fewer or more nodes).
 """
 
+import atexit
 import json
 import math
 import os
@@ -175,6 +176,9 @@ elif os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                             device_id=torch.device(device) if device_type == 'cuda' else None)
 deepspeed.init_distributed(dist_backend=backend)
+# an early exit (a one-line error, an exception) tears the groups down too: left to the interpreter's end, gloo's
+# threads can abort it ('terminate called without an active exception')
+atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 if device_type == 'cpu':
     # Under its launcher (which sets LOCAL_SIZE) DeepSpeed maps a 66 MB shared-memory file per rank for its
     # inference all-reduce and never removes it; once every rank has mapped the others', the names can go

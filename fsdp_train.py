@@ -13,6 +13,7 @@ over dp. Checkpoints are torch.distributed.checkpoint folders that load at anoth
 train.py checkpoint resumes here, and save_consolidated writes train.py's ckpt.pt for sample.py and train.py.
 """
 
+import atexit
 import json
 import math
 import os
@@ -149,6 +150,9 @@ if ddp:
                             device_id=torch.device(device) if device_type == 'cuda' else None)
 else:
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+# an early exit (a one-line error, an exception) tears the groups down too: left to the interpreter's end, gloo's
+# threads can abort it ('terminate called without an active exception')
+atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 # DCP's background saves talk over a group of their own: collectives of two threads on one group would interleave
 checkpoint_group = dist.new_group(backend='gloo')
 mesh = init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=('dp', 'tp'))

@@ -9,6 +9,7 @@ The global batch in tokens, the data stream and the logged loss do not depend on
 resumed from its checkpoint repeats the uninterrupted run exactly (RNG and data position are saved with it).
 """
 
+import atexit
 import json
 import math
 import os
@@ -123,6 +124,9 @@ if ddp:
         store = incarnation_store(rank, world_size)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                             device_id=torch.device(device) if device_type == 'cuda' else None)
+    # an early exit (a one-line error, an exception) tears the groups down too: left to the interpreter's end, gloo's
+    # threads can abort it ('terminate called without an active exception')
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 torch.manual_seed(seed)  # every rank builds the same initial model
 if device_type == 'cuda':
     torch.backends.cuda.matmul.fp32_precision = 'tf32'
