@@ -13,12 +13,7 @@ import torch
 
 from checkpoint import snapshot_dir
 from conftest import REPO, env, run
-from test_fault import KIND, assert_same_run, logged_iters, tiny
-
-
-def cut_short(path):
-    """Truncates a file to a third, as a crash or a full disk would leave it."""
-    path.write_bytes(path.read_bytes()[:path.stat().st_size // 3])
+from test_fault import KIND, assert_same_run, cut_short, logged_iters, tiny
 
 
 # the file cut short in the newest storage checkpoint (iter 8) and what the run resumes from instead (iter 4):

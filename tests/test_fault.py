@@ -98,6 +98,11 @@ def tiny(data_dir, out, *extra):
     return [*TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}', *extra]
 
 
+def cut_short(path):
+    """Truncates a file to a third, as a crash or a full disk would leave it."""
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 3])
+
+
 # (script, world size and arguments of the first run, of the run that resumes it, what that one says it does).
 # ds_train.py's engine checkpoints are cut for one world size and stage, so it goes on from its consolidated ckpt.pt
 # (here also at another stage); decent_train.py's replicas do not reshard, so every rank starts from their average,
@@ -326,7 +331,7 @@ def test_fsdp_resumed_at_another_world_size_past_a_truncated_checkpoint_continue
     newest = tmp_path / 'ft' / 'dcp' / 'step-00000008'
     assert (tmp_path / 'ft' / 'dcp' / 'step-00000004' / '.metadata').exists()  # the one before is kept
     shard = newest / '__0_0.distcp'
-    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 3])
+    cut_short(shard)
     p = run('fsdp_train.py', *tiny(data_dir, tmp_path / 'ft', *RESHARD_ARGS, '--max_iters=16'), nproc=then,
             cwd=tmp_path, nthreads=1)
     assert f'warning: skipping the damaged {newest} (ValueError: __0_0.distcp holds' in p.stdout, p.stdout[-3000:]
