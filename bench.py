@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from configurator import configure
+from data import read_meta
 from model import GPT2_SHAPES, GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -70,9 +71,7 @@ if real_data:
         sys.exit(f"error: {path} not found: run `python prepare.py {dataset}` first, or drop --real_data")
     meta = os.path.join('data', dataset, 'meta.pkl')
     if os.path.exists(meta):
-        import pickle
-        with open(meta, 'rb') as f:
-            vocab_size = pickle.load(f)['vocab_size']
+        vocab_size = read_meta(meta)['vocab_size']
     gen = torch.Generator().manual_seed(seed)
 
     def get_batch():

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from checkpoint import (find_checkpoint, incarnation_store, load_checkpoint, newest_loadable, previous,
                         save_in_background, snapshot_dir, wait_for_copies, wait_for_saves)
 from configurator import configure
+from data import read_meta
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -259,9 +260,7 @@ def draw_train_offsets():
 meta_vocab_size = None
 meta_path = os.path.join(data_dir, 'meta.pkl')
 if os.path.exists(meta_path):
-    import pickle
-    with open(meta_path, 'rb') as f:
-        meta_vocab_size = pickle.load(f)['vocab_size']
+    meta_vocab_size = read_meta(meta_path)['vocab_size']
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=meta_vocab_size or 50304, dropout=dropout)
 iter_num, best_val_loss, checkpoint = 0, 1e9, None

@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten_with_path, tree_map_only
 from checkpoint import (atomic_save, find_checkpoint, incarnation_store, load_checkpoint, newest_loadable,
                         point_latest, previous, save_in_background, snapshot_dir, wait_for_copies, wait_for_saves)
 from configurator import configure
+from data import read_meta
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -287,9 +288,7 @@ snapshot_path = os.path.join(snapshot_dir(run_id), snapshot_name)
 meta_vocab_size = None
 meta_path = os.path.join(data_dir, 'meta.pkl')
 if os.path.exists(meta_path):
-    import pickle
-    with open(meta_path, 'rb') as f:
-        meta_vocab_size = pickle.load(f)['vocab_size']
+    meta_vocab_size = read_meta(meta_path)['vocab_size']
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=meta_vocab_size or 50304, dropout=dropout)
 iter_num, best_val_loss, checkpoint = 0, 1e9, None

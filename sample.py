@@ -7,7 +7,6 @@ python sample.py --init_from=gpt2-xl --start=FILE:prompt.txt
 """
 
 import os
-import pickle
 import sys
 from contextlib import nullcontext
 
@@ -15,6 +14,7 @@ import torch
 
 from configurator import configure
 from checkpoint import find_checkpoint, load_checkpoint
+from data import read_meta
 from model import GPT
 
 # -----------------------------------------------------------------------------
@@ -75,8 +75,7 @@ model.to(device)
 if not meta_path and dataset:
     meta_path = os.path.join('data', dataset, 'meta.pkl')
 if meta_path and os.path.exists(meta_path):
-    with open(meta_path, 'rb') as f:
-        meta = pickle.load(f)
+    meta = read_meta(meta_path)
     stoi, itos = meta['stoi'], meta['itos']
 
     def encode(s):
