@@ -1,25 +1,27 @@
 """
-Reads the model out of any checkpoint this repo's entrypoints (or nanoGPT) write, in one process:
+Checkpoints, shared by every entrypoint and tool. Three parts:
 
-- a train.py ckpt.pt (also fsdp_train.py's consolidated one, and nanoGPT's own),
-- an fsdp_train.py sharded folder (out_dir/dcp/step-N/, any world size or mesh wrote it),
-- a run's out_dir, standing for its newest checkpoint of either kind.
+- Reading the model out of any checkpoint this repo's entrypoints (or nanoGPT) write, in one process, for
+  sample.py, export_hf.py and init_from=<path>: a train.py ckpt.pt (also the consolidated exports of fsdp_train.py,
+  ds_train.py and decent_train.py, and nanoGPT's own), an fsdp_train.py sharded folder (any world size or mesh
+  wrote it), or a run's out_dir, standing for its newest checkpoint.
+- Writing without stopping training: atomic files, copies to host memory and writes in background threads,
+  node-local memory snapshots, and committing a checkpoint folder (every rank's files in, then `latest`, then the
+  older folders pruned but one).
+- Where a run starts: this run's newest complete state, found alike on every rank with damaged files skipped
+  (find_resume), the model built from it or from init_from (create_model), and old optimizer layouts upgraded.
 
-sample.py, export_hf.py and the entrypoints' init_from=<path> use it; resuming a run stays with each entrypoint,
-which also restores the optimizer, RNG and data position.
+What goes into a checkpoint, and loading the optimizer, RNG and data position, stays in each entrypoint.
 """
 
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import threading
-import time
 import uuid
 import warnings
 from contextlib import nullcontext
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -67,34 +69,6 @@ def load_checkpoint(path, dropout=None):
 # -----------------------------------------------------------------------------
 # Fault tolerance, shared by the entrypoints: writing in the background, node-local memory snapshots, and
 # finding the newest state that loads.
-
-def incarnation_store(rank, world_size):
-    """A store for init_process_group under torchrun's agents that this incarnation of the worker group alone uses.
-    The agents' store outlives a restart, and gloo (NCCL too) would read the dead workers' addresses from it and fail
-    the restart; nor can the restart count name the incarnation, since it differs between nodes (an agent that
-    restarts its workers because another node's died counts no restart). So rank 0 serves a new store on a free
-    port and posts its port and a new token in the agents' store; the other ranks take what is posted once the store
-    there holds that token (a post left by the last incarnation names a dead rank 0's port)."""
-    agents = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size, is_master=False)
-    if rank == 0:
-        token = uuid.uuid4().hex
-        store = dist.TCPStore(os.environ['MASTER_ADDR'], 0, world_size, is_master=True, wait_for_workers=False)
-        store.set('token', token)
-        agents.set('nanogpt/incarnation', f'{store.port} {token}')
-        return store
-    while True:
-        port, token = agents.get('nanogpt/incarnation').decode().split()
-        try:
-            socket.create_connection((os.environ['MASTER_ADDR'], int(port)), timeout=2).close()  # a dead one refuses
-            store = dist.TCPStore(os.environ['MASTER_ADDR'], int(port), world_size, is_master=False,
-                                  timeout=timedelta(seconds=10))
-            if store.get('token').decode() == token:  # not another store that took the port since
-                store.set_timeout(timedelta(minutes=30))
-                return store
-        except (OSError, RuntimeError):  # an old post
-            pass
-        time.sleep(0.1)
-
 
 def atomic_save(obj, path, keep_previous=False):
     """torch.save to path.tmp, then a rename: a crash mid-write leaves the old file. keep_previous moves the old
@@ -159,6 +133,37 @@ def save_in_background(state, path, keep_previous=False, slot=None, then=None):
     _writers[slot] = (thread, copied)
 
 
+def in_background(wait, slot, then):
+    """For a save that another library writes in the background (DCP's): a thread calls wait() until it is
+    written, then then(True), or then(False) if it failed. wait_for_saves(slot) waits for both."""
+    wait_for_saves(slot)
+    copied = threading.Event()
+    copied.set()
+
+    def finish():
+        ok = False
+        try:
+            wait()
+            ok = True
+        except Exception as e:  # the previous checkpoint is still in place; training goes on
+            print(f"warning: writing {slot} failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        then(ok)
+    thread = threading.Thread(target=finish, name=f'save {slot}')
+    thread.start()
+    _writers[slot] = (thread, copied)
+
+
+def commit(folder, ok, group, writer, iter_of=None):
+    """Called by each rank's writer thread once its files of the checkpoint folder are written (ok) or could not
+    be: the ranks agree over group (a gloo group of the writer threads' own, since two threads' collectives on one
+    group would pair up wrongly), and only if every rank's files are in does the writer point latest at the folder
+    and prune the ones before (point_latest). A crash before leaves latest naming the previous folder."""
+    written = torch.tensor(float(ok))
+    dist.all_reduce(written, op=dist.ReduceOp.MIN, group=group)
+    if written.item() and writer:
+        point_latest(folder, iter_of)
+
+
 def wait_for_copies():
     for thread, copied in list(_writers.values()):
         copied.wait()
@@ -203,20 +208,21 @@ def snapshot_dir(run_id):
     return os.path.join('/dev/shm' if os.path.isdir('/dev/shm') else tempfile.gettempdir(), f'nanogpt-{run_id}')
 
 
-def newest_loadable(paths, run_id=None, or_any=False):
-    """(iter_num, path, skipped) for the newest of the checkpoints at paths (files, or folders as checkpoint_iter
-    reads them) that loads; missing and incomplete ones are passed over, with run_id those of another run too (or,
-    with or_any, only where that run has none), and damaged ones (truncated, corrupt, not a checkpoint) are listed in
-    skipped as (path, reason). (None, None, skipped) when none loads. On a tie the first in paths wins."""
+def newest_loadable(paths, run_id=None, or_any=False, iter_of=None):
+    """(iter_num, path, skipped) for the newest of the checkpoints at paths (files, or folders as checkpoint_iter,
+    or the iter_of given, reads them) that loads; missing and incomplete ones are passed over, with run_id those of
+    another run too (or, with or_any, only where that run has none), and damaged ones (truncated, corrupt, not a
+    checkpoint) are listed in skipped as (path, reason). (None, None, skipped) when none loads. On a tie the first
+    in paths wins."""
     if run_id is not None and or_any:
-        found = newest_loadable(paths, run_id)
-        return found if found[0] is not None else newest_loadable(paths)
+        found = newest_loadable(paths, run_id, iter_of=iter_of)
+        return found if found[0] is not None else newest_loadable(paths, iter_of=iter_of)
     best, skipped = (None, None), []
     for path in paths:
         if not os.path.exists(path):
             continue
         try:
-            it = checkpoint_iter(path, run_id)
+            it = (iter_of or checkpoint_iter)(path, run_id)
         except Exception as e:
             skipped.append((path, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
             continue
@@ -264,7 +270,7 @@ def checkpoint_iter(path, run_id=None):
     return iters.pop()
 
 
-def point_latest(folder):
+def point_latest(folder, iter_of=None):
     """Once the checkpoint folder out_dir/<kind>/step-N is complete: rewrites the latest file beside it to name it,
     and removes the older step folders (complete, cut short or damaged) but for the newest complete one, the
     fallback should this one ever turn out damaged. Newer ones (a save cut short, or one passed over as damaged at
@@ -279,9 +285,186 @@ def point_latest(folder):
     for old in sorted((f for f in os.listdir(root) if f.startswith('step-') and f < name), reverse=True):
         if fallback is None:
             try:
-                if checkpoint_iter(os.path.join(root, old)) is not None:
+                if (iter_of or checkpoint_iter)(os.path.join(root, old)) is not None:
                     fallback = old
                     continue
             except Exception:
                 pass
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+
+
+# -----------------------------------------------------------------------------
+# Where a run starts, shared by the entrypoints: this run's newest state (a memory snapshot or a checkpoint in
+# out_dir), else the weights that init_from names.
+
+def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, where, iter_of=None):
+    """(run_id, (iter_num, path) to resume from or None), the same on every rank (a collective). out_dir/run_id
+    names the run; snapshots(folder) lists this rank's snapshot paths in the run's node-local folder; storage is
+    lists of paths in out_dir, which rank 0 reads (it must be storage every node shares): the first list that
+    holds a loadable checkpoint gives the newest of them. A memory snapshot counts only at an iteration that
+    every rank holds (a replaced node holds none; a rank killed while writing holds the one before) and the
+    checkpoints do not pass. Damaged ones are skipped with a warning, or are an error where nothing else loads;
+    init_from=resume with nothing to resume is an error naming where (what storage was looked for)."""
+    rank = dist.get_rank()
+    run_id, held, disk, damaged = None, {}, (None, None), []
+    wanted = init_from == 'resume' or (auto_resume and not eval_only)  # an eval of another model is no resume
+    run_id_path = os.path.join(out_dir, 'run_id')
+    if wanted and os.path.isfile(run_id_path):
+        with open(run_id_path) as f:
+            run_id = f.read().strip()
+        for path in snapshots(snapshot_dir(run_id)):
+            it, _, bad = newest_loadable([path], iter_of=iter_of)
+            damaged += bad
+            if it is not None:
+                held[it] = path
+    if wanted and rank == 0:
+        # this run's newest, not one of a run that it was started afresh over (that only when asked to resume)
+        for paths in storage:
+            *disk, bad = newest_loadable(paths, run_id=run_id, or_any=init_from == 'resume', iter_of=iter_of)
+            damaged += bad
+            if disk[0] is not None:
+                break
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (run_id, held, tuple(disk), damaged, uuid.uuid4().hex))
+    run_id, _, (disk_iter, disk_path), _, new_id = views[0]
+    damaged = [d for v in views for d in v[3]]
+    mem_iter = max(set.intersection(*(set(v[1]) for v in views)), default=None)
+    if run_id is not None and mem_iter is not None and all(v[0] == run_id for v in views) \
+            and (disk_iter is None or mem_iter >= disk_iter):
+        resume_from = (mem_iter, held[mem_iter])
+    elif disk_iter is not None:
+        run_id, resume_from = run_id or new_id, (disk_iter, disk_path)
+    else:
+        run_id, resume_from = new_id, None  # a fresh run gets a new id
+    if resume_from is None and damaged:
+        path, why = damaged[0]
+        sys.exit(f"error: checkpoint {path} is corrupt or not a training checkpoint ({why}): delete it or restore "
+                 f"a good copy (or start afresh over it with --auto_resume=False)")
+    if resume_from is None and init_from == 'resume':
+        sys.exit(f"error: no checkpoint at {where}: point --out_dir at a run's folder, or use --init_from=scratch")
+    if rank == 0:
+        for path, why in damaged:
+            print(f"warning: skipping the damaged {path} ({why}); resuming from the newest one before it", flush=True)
+        if resume_from is not None and init_from != 'resume':
+            print(f"auto-resume: {out_dir} holds this run's state at iter {resume_from[0]}, so the run continues "
+                  f"(--auto_resume=False starts afresh)", flush=True)
+    return run_id, resume_from
+
+
+def remove_snapshots(run_id):
+    """At the end of a run, once every rank's saves are written (out_dir holds the final state): the node's
+    snapshots go, to free the RAM they hold."""
+    dist.barrier()
+    if int(os.environ.get('LOCAL_RANK', 0)) == 0:
+        shutil.rmtree(snapshot_dir(run_id), ignore_errors=True)
+
+
+SHAPE_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size')
+PRETRAINED = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
+
+
+def take_shape(model_args, ckpt_args, config, given):
+    """The model's shape comes from the checkpoint; a key that says otherwise is a mistake, not a request. The
+    config saved with the run (and the entrypoint's block_size, which sizes the batches) follow it."""
+    for k in SHAPE_KEYS:
+        if k in given and config[k] != ckpt_args[k]:
+            sys.exit(f"error: {k}={config[k]!r} contradicts the checkpoint's {k}={ckpt_args[k]!r}: drop that "
+                     f"setting to start from it, or use another out_dir to train a new model")
+        model_args[k] = ckpt_args[k]
+        if k in config:
+            config[k] = ckpt_args[k]
+
+
+def create_model(resume_path, read, init_from, model_args, config, given):
+    """(model, checkpoint): the GPT to train, on the CPU, and the checkpoint it resumes (None for a new run).
+    A resumed run reads its checkpoint with read(resume_path), whose model_args give the shape, and takes its
+    weights from it ('model'; the shards of a checkpoint folder or a snapshot of 'shards' the entrypoint loads
+    itself, once the model is sharded); init_from names
+    OpenAI's GPT-2, or any entrypoint's checkpoint, whose weights start a new run; else a new model. Updates
+    model_args (and config) to the model's shape; a block_size below the model's crops it."""
+    checkpoint = None
+    if resume_path is not None:
+        try:
+            checkpoint = read(resume_path)
+            take_shape(model_args, checkpoint['model_args'], config, given)
+            model = GPT(GPTConfig(**model_args))
+            if 'model' in checkpoint or not (os.path.isdir(resume_path) or 'shards' in checkpoint):
+                model.load_state_dict(GPT.upgrade_state_dict(checkpoint['model']))
+        except Exception as e:
+            sys.exit(f"error: checkpoint {resume_path} is corrupt or not a training checkpoint ({reason(e)}): delete "
+                     f"it or restore a good copy")
+    elif init_from in PRETRAINED:
+        try:
+            model = GPT.from_pretrained(init_from, dict(dropout=model_args['dropout']))
+        except ImportError:
+            sys.exit(f"error: init_from={init_from} needs Hugging Face transformers: pip install transformers")
+        except OSError as e:
+            sys.exit(f"error: could not load {init_from} from the Hugging Face hub ({reason(e)}): check the "
+                     f"network, or set HF_HUB_OFFLINE=1 with the model in the local cache")
+        for k in ('n_layer', 'n_head', 'n_embd', 'bias', 'vocab_size'):
+            model_args[k] = getattr(model.config, k)
+    elif init_from != 'scratch':
+        # any entrypoint's checkpoint, or a run folder's newest: its weights, with a new optimizer from step 0
+        try:
+            model, ckpt = load_checkpoint(init_from, dropout=model_args['dropout'])
+            take_shape(model_args, ckpt['model_args'], config, given)
+        except Exception as e:
+            sys.exit(f"error: cannot read a checkpoint at {init_from} ({reason(e)}): give a ckpt.pt, a sharded "
+                     f"checkpoint or a run folder")
+    else:
+        model = GPT(GPTConfig(**model_args))
+    block_size = config['block_size']
+    if block_size < model.config.block_size:
+        model.crop_block_size(block_size)  # fine-tune GPT-2 with a shorter context
+        model_args['block_size'] = block_size
+    elif block_size > model.config.block_size:
+        sys.exit(f"error: block_size={block_size} is longer than the model's {model.config.block_size} positions: "
+                 f"use --block_size={model.config.block_size} or less")
+    return model, checkpoint
+
+
+def upgrade_optimizer_state(model, osd):
+    """Takes the state dict of an optimizer that configure_optimizers built, here or in nanoGPT, and returns it
+    for the model: nanoGPT's fused c_attn entries are split into c_q, c_k, c_v, whose parameters it
+    ordered the same way otherwise. A state that fits neither layout, or not the parameters' shapes, raises."""
+    ours = [n for group in model.param_groups() for n in group]
+    # nanoGPT's order is ours with each c_q, c_k, c_v triple standing as one c_attn
+    theirs = [n.replace('c_q', 'c_attn') for n in ours if '.c_k.' not in n and '.c_v.' not in n]
+    count = sum(len(g['params']) for g in osd['param_groups'])
+    if count not in (len(ours), len(theirs)) or len(osd['param_groups']) != 2:
+        raise ValueError(f"the optimizer state holds {count} parameters in {len(osd['param_groups'])} groups; "
+                         f"this model has {len(ours)} in 2")
+    if count == len(ours):
+        state = osd['state']
+    else:
+        index = {n: i for i, n in enumerate(ours)}
+        state = {}
+        for i, name in enumerate(theirs):
+            if i not in osd['state']:
+                continue
+            s = osd['state'][i]
+            if '.c_attn.' not in name:
+                state[index[name]] = s
+                continue
+            for j, qkv in enumerate(('c_q', 'c_k', 'c_v')):
+                state[index[name.replace('c_attn', qkv)]] = {
+                    k: (v.chunk(3, dim=0)[j] if v.dim() > 0 else v).clone() if torch.is_tensor(v) else v
+                    for k, v in s.items()}
+    params = dict(model.named_parameters())
+    for i, s in state.items():
+        for k, v in s.items():
+            if torch.is_tensor(v) and v.dim() > 0 and v.shape != params[ours[i]].shape:
+                raise ValueError(f"optimizer state {k} of {ours[i]} has shape {tuple(v.shape)}, the parameter "
+                                 f"{tuple(params[ours[i]].shape)}")
+    if state is osd['state']:
+        return osd
+    groups, start = [], 0
+    for g, names in zip(osd['param_groups'], model.param_groups()):
+        groups.append({**g, 'params': list(range(start, start + len(names)))})
+        start += len(names)
+    return {'state': state, 'param_groups': groups}
+
+
+def reason(e):
+    """An exception in a few words, for a one-line error."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__

@@ -14,7 +14,9 @@ Bad input exits with a one-line error that names the fix.
 
 import ast
 import difflib
+import os
 import sys
+import tempfile
 import types
 
 CONFIG_TYPES = (int, float, bool, str)
@@ -96,3 +98,56 @@ def configure(namespace, argv=None, skip_unknown_in_files=False):
             namespace[key] = defaults[key] = _check(key, value, defaults, arg)
             given.add(key)
     return config_keys(namespace), given
+
+
+# -----------------------------------------------------------------------------
+# The one validation step of the training entrypoints, before anything is written: each key of theirs that
+# holds a number has a range, and a value outside it is a one-line error.
+
+RANGES = {  # key: (least, bound): the value must lie in [least, bound), or be at least `least` where bound is None
+    'batch_size': (1, None), 'block_size': (1, None), 'gradient_accumulation_steps': (1, None),
+    'eval_interval': (1, None), 'eval_iters': (1, None), 'log_interval': (1, None), 'max_iters': (0, None),
+    'n_layer': (1, None), 'n_head': (1, None), 'n_embd': (1, None), 'dropout': (0, 1),
+    'learning_rate': (0, None), 'min_lr': (0, None), 'weight_decay': (0, None), 'beta1': (0, 1), 'beta2': (0, 1),
+    'grad_clip': (0, None), 'warmup_iters': (0, None), 'lr_decay_iters': (0, None),
+    'save_memory_interval': (0, None), 'save_storage_interval': (0, None), 'max_nonfinite_steps': (1, None),
+}
+
+
+def check_config(config):
+    """Exits with a one-line error naming the fix where a key is out of its range, the model's width does not
+    split into its heads, or out_dir cannot be a folder to write in."""
+    for key, (least, bound) in RANGES.items():
+        value = config.get(key)
+        if value is not None and not (least <= value and (bound is None or value < bound)):
+            want = f"{least} or more" if bound is None else f"in [{least}, {bound})"
+            sys.exit(f"error: {key}={value} is out of range: give --{key} {want}")
+    if 'n_embd' in config and config['n_embd'] % config['n_head']:
+        sys.exit(f"error: n_embd={config['n_embd']} is not a multiple of n_head={config['n_head']}: every head takes "
+                 f"n_embd / n_head channels, so make n_embd a multiple of n_head")
+    init_from = config.get('init_from', 'scratch')
+    if init_from not in ('scratch', 'resume', 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') and \
+            not os.path.exists(init_from):
+        sys.exit(f"error: unknown init_from={init_from!r}: use scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl "
+                 f"or the path of a checkpoint (a ckpt.pt, a sharded checkpoint folder or a run's out_dir)")
+    if 'out_dir' in config:
+        check_out_dir(config['out_dir'])
+
+
+def check_out_dir(out_dir):
+    """out_dir must be a folder this process can write in, or one it can make; nothing is written to find out
+    but a temporary file, removed at once, in the nearest folder that exists."""
+    if not out_dir:
+        sys.exit("error: out_dir is empty: give --out_dir=FOLDER")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        sys.exit(f"error: out_dir={out_dir} is a file, not a folder: give another --out_dir")
+    parent = os.path.abspath(out_dir)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        sys.exit(f"error: out_dir={out_dir} would lie below {parent}, which is a file: give another --out_dir")
+    try:
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as e:
+        sys.exit(f"error: cannot write in {parent} for out_dir={out_dir} ({e.strerror}): give a folder you can "
+                 f"write to with --out_dir")

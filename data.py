@@ -4,8 +4,11 @@ The token data every entrypoint reads, as prepare.py (and nanoGPT) write it: dat
 meta.pkl through an unpickler that admits no class, so a planted one runs no code.
 """
 
+import os
 import pickle
 import sys
+
+import numpy as np
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -22,6 +25,43 @@ def read_meta(path):
         if not isinstance(meta, dict) or type(meta.get('vocab_size')) is not int or meta['vocab_size'] < 1:
             raise ValueError("it holds no vocab_size")
     except Exception as e:
-        sys.exit(f"error: {path} is not a vocabulary ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                 f"): prepare the dataset again with prepare.py, or remove it for GPT-2's BPE")
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__
+        sys.exit(f"error: {path} is not a vocabulary ({why}): prepare the dataset again with prepare.py, or remove "
+                 f"it for GPT-2's BPE")
     return meta
+
+
+def find_bins(dataset, block_size):
+    """({split: path}, {split: tokens}) of data/<dataset>/train.bin and val.bin (dataset may be a folder's path),
+    or a one-line error where one is missing, is not whole uint16 tokens, or holds no block of block_size + 1."""
+    data_dir = os.path.join('data', dataset)
+    paths, n_tokens = {}, {}
+    for split in ('train', 'val'):
+        path = paths[split] = os.path.join(data_dir, f'{split}.bin')
+        if not os.path.isfile(path):
+            sys.exit(f"error: {path} not found: run `python prepare.py {dataset}` "
+                     f"(or `python prepare.py text --input=FILE --name={dataset}`) first")
+        size = os.path.getsize(path)
+        if size % 2:
+            sys.exit(f"error: {path} holds {size} bytes, not a whole number of uint16 tokens: it was cut short or is "
+                     f"no token file; prepare the dataset again with prepare.py")
+        n_tokens[split] = size // 2
+        if n_tokens[split] < block_size + 1:
+            sys.exit(f"error: {path} holds {n_tokens[split]} tokens, fewer than block_size + 1 = {block_size + 1}: "
+                     f"lower --block_size or prepare more data")
+    return paths, n_tokens
+
+
+def check_token_ids(paths, vocab_size):
+    """A one-line error where a token id is outside the model's vocabulary (which would index past its embedding
+    mid-run): data prepared with another tokenizer than the model's, or another dataset's meta.pkl. The files are
+    read in chunks, so a corpus of any size takes a pass at disk speed and little memory."""
+    for path in paths.values():
+        data = np.memmap(path, dtype=np.uint16, mode='r')
+        largest = max((int(data[i:i + CHUNK].max()) for i in range(0, len(data), CHUNK)), default=0)
+        if largest >= vocab_size:
+            sys.exit(f"error: {path} holds token id {largest}, past the model's vocabulary of {vocab_size}: prepare "
+                     f"the data with the model's tokenizer (its meta.pkl for a char-level model), or train a new model")
+
+
+CHUNK = 1 << 26  # tokens a chunk: 128 MB

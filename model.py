@@ -203,47 +203,6 @@ class GPT(nn.Module):
         fused = 'fused' in inspect.signature(torch.optim.AdamW).parameters and device_type in ('cuda', 'cpu')
         return torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas, **({'fused': True} if fused else {}))
 
-    def upgrade_optimizer_state(self, osd):
-        """Takes the state dict of an optimizer that configure_optimizers built, here or in nanoGPT, and returns it
-        for this model: nanoGPT's fused c_attn entries are split into c_q, c_k, c_v, whose parameters it
-        ordered the same way otherwise. A state that fits neither layout, or not the parameters' shapes, raises."""
-        ours = [n for group in self.param_groups() for n in group]
-        # nanoGPT's order is ours with each c_q, c_k, c_v triple standing as one c_attn
-        theirs = [n.replace('c_q', 'c_attn') for n in ours if '.c_k.' not in n and '.c_v.' not in n]
-        count = sum(len(g['params']) for g in osd['param_groups'])
-        if count not in (len(ours), len(theirs)) or len(osd['param_groups']) != 2:
-            raise ValueError(f"the optimizer state holds {count} parameters in {len(osd['param_groups'])} groups; "
-                             f"this model has {len(ours)} in 2")
-        if count == len(ours):
-            state = osd['state']
-        else:
-            index = {n: i for i, n in enumerate(ours)}
-            state = {}
-            for i, name in enumerate(theirs):
-                if i not in osd['state']:
-                    continue
-                s = osd['state'][i]
-                if '.c_attn.' not in name:
-                    state[index[name]] = s
-                    continue
-                for j, qkv in enumerate(('c_q', 'c_k', 'c_v')):
-                    state[index[name.replace('c_attn', qkv)]] = {
-                        k: (v.chunk(3, dim=0)[j] if v.dim() > 0 else v).clone() if torch.is_tensor(v) else v
-                        for k, v in s.items()}
-        params = dict(self.named_parameters())
-        for i, s in state.items():
-            for k, v in s.items():
-                if torch.is_tensor(v) and v.dim() > 0 and v.shape != params[ours[i]].shape:
-                    raise ValueError(f"optimizer state {k} of {ours[i]} has shape {tuple(v.shape)}, the parameter "
-                                     f"{tuple(params[ours[i]].shape)}")
-        if state is osd['state']:
-            return osd
-        groups, start = [], 0
-        for g, names in zip(osd['param_groups'], self.param_groups()):
-            groups.append({**g, 'params': list(range(start, start + len(names)))})
-            start += len(names)
-        return {'state': state, 'param_groups': groups}
-
     def flops_per_token(self):
         """Training FLOPs per token: 6N for the matmuls of forward and backward, plus attention's
         12·L·H·Q·T (PaLM paper, appendix B)."""

@@ -9,15 +9,10 @@ The global batch in tokens, the data stream and the logged loss do not depend on
 resumed from its checkpoint repeats the uninterrupted run exactly (RNG and data position are saved with it).
 """
 
-import atexit
-import json
 import math
 import os
-import shutil
-import signal
 import sys
 import time
-import uuid
 from contextlib import nullcontext
 
 import numpy as np
@@ -25,11 +20,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import (find_checkpoint, incarnation_store, load_checkpoint, newest_loadable, previous,
-                        save_in_background, snapshot_dir, wait_for_copies, wait_for_saves)
-from configurator import configure
-from data import read_meta
-from model import GPT, GPTConfig
+from checkpoint import (upgrade_optimizer_state, create_model, find_resume, previous, reason, remove_snapshots, save_in_background,
+                        snapshot_dir, wait_for_copies, wait_for_saves)
+from configurator import check_config, configure
+from data import check_token_ids, find_bins, read_meta
+from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
+                         state_bytes, use_deterministic_algorithms)
+from runlog import count_skipped, open_log
 
 # -----------------------------------------------------------------------------
 # config: defaults train GPT-2 124M on OpenWebText; config/*.py and --key=value override them
@@ -40,7 +37,7 @@ log_interval = 1
 eval_iters = 200
 eval_only = False  # exit right after the first eval
 always_save_checkpoint = True  # save after every eval, not only on a new best val loss
-init_from = 'scratch'  # 'scratch', 'resume' (out_dir's checkpoint), 'gpt2'..'gpt2-xl', or a checkpoint's path (weights only)
+init_from = 'scratch'  # 'scratch', 'resume' (out_dir's checkpoint), 'gpt2'..'gpt2-xl', or a checkpoint's path (weights)
 # wandb logging
 wandb_log = False
 wandb_project = 'owt'
@@ -82,19 +79,10 @@ save_storage_interval = 0  # steps between checkpoints to out_dir (in the backgr
 max_nonfinite_steps = 5  # a step whose loss or gradient is not finite is skipped; this many in a row stop the run
 # -----------------------------------------------------------------------------
 config, given = configure(globals())
+check_config(config)  # every key in its range and out_dir writable, before anything is written
 
-# distributed init: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE
-ddp = 'RANK' in os.environ
-rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')) if ddp else (0, 0, 1)
-master_process = rank == 0  # does all the logging and checkpoint writing
-dp_rank, dp_size = rank, world_size  # with DDP every rank is a data-parallel rank
-if device == 'auto':
-    device = f'cuda:{local_rank}' if torch.cuda.is_available() else 'cpu'
-elif device == 'cuda' and ddp:
-    device = f'cuda:{local_rank}'
-device_type = device.split(':')[0]
-if device_type == 'cuda' and not torch.cuda.is_available():
-    sys.exit("error: device=cuda but torch sees no GPU: use --device=cpu (or auto)")
+# distributed init: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without it, a group of one
+device, device_type = pick_device(device)
 if dtype == 'auto':
     # real bf16 only: emulated bf16 on older GPUs (V100, T4) is slower than fp16 with a loss scaler
     dtype = ('bfloat16' if torch.cuda.is_bf16_supported(including_emulation=False) else 'float16') \
@@ -103,31 +91,11 @@ if dtype not in ('float32', 'bfloat16', 'float16'):
     sys.exit(f"error: dtype={dtype!r} is not one of auto, float32, bfloat16, float16")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
-for key in ('save_memory_interval', 'save_storage_interval', 'max_nonfinite_steps'):
-    if config[key] < (key == 'max_nonfinite_steps'):
-        sys.exit(f"error: {key}={config[key]} " + ("must be 1 or more (1 stops at the first non-finite step)"
-                 if key == 'max_nonfinite_steps' else "is negative: give a number of steps, or 0 for none"))
-if gradient_accumulation_steps % dp_size != 0:
-    sys.exit(f"error: gradient_accumulation_steps={gradient_accumulation_steps} does not divide across {dp_size} "
-             f"data-parallel ranks: make it a multiple of {dp_size} (it is the total over all ranks)")
-accum_steps = gradient_accumulation_steps // dp_size  # micro-steps on this rank
+rank, local_rank, world_size = start(backend, device)
+master_process = rank == 0  # does all the logging and checkpoint writing
+dp_rank, dp_size = rank, world_size  # with DDP every rank is a data-parallel rank
+accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)  # micro-steps on this rank
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
-if init_from not in ('scratch', 'resume', 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') and not os.path.exists(init_from):
-    sys.exit(f"error: unknown init_from={init_from!r}: use scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl "
-             f"or the path of a checkpoint (a ckpt.pt, a sharded checkpoint folder or a run's out_dir)")
-if ddp:
-    if device_type == 'cuda':
-        torch.cuda.set_device(device)
-    store = None
-    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
-        # torchrun's store outlives a restart of the workers, and gloo would read the dead workers' addresses from it
-        # (and fail the restart): each incarnation of the group gets a store of its own
-        store = incarnation_store(rank, world_size)
-    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
-                            device_id=torch.device(device) if device_type == 'cuda' else None)
-    # an early exit (a one-line error, an exception) tears the groups down too: left to the interpreter's end, gloo's
-    # threads can abort it ('terminate called without an active exception')
-    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 torch.manual_seed(seed)  # every rank builds the same initial model
 if device_type == 'cuda':
     torch.backends.cuda.matmul.fp32_precision = 'tf32'
@@ -142,38 +110,15 @@ def print0(*args, **kwargs):
 
 
 if deterministic:
-    os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')  # cuBLAS is deterministic only with a fixed workspace
-    torch.use_deterministic_algorithms(True)
-    if device_type == 'cuda':
-        torch.backends.cudnn.benchmark = False
-        # the fused attention kernels add up their backward in a varying order; the math one does not
-        torch.backends.cuda.enable_flash_sdp(False)
-        torch.backends.cuda.enable_mem_efficient_sdp(False)
-        torch.backends.cuda.enable_cudnn_sdp(False)
+    use_deterministic_algorithms(device_type)
     if dropout != 0.0:
         print0(f"deterministic: dropout {dropout} turned off")
     dropout = config['dropout'] = 0.0
-
 print0(f"world size {world_size}, {accum_steps} micro-steps per rank, {tokens_per_iter:,} tokens per iteration")
-
-# SIGTERM is how SLURM and Kubernetes preempt a job (torchrun passes it on to the workers): the loop notices it at
-# the end of the step, saves a checkpoint and exits cleanly.
-stop_signals = []
-signal.signal(signal.SIGTERM, lambda signum, frame: stop_signals.append(signum))
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin
-data_dir = os.path.join('data', dataset)
-bin_path, n_tokens = {}, {}
-for split in ('train', 'val'):
-    bin_path[split] = os.path.join(data_dir, f'{split}.bin')
-    if not os.path.exists(bin_path[split]):
-        sys.exit(f"error: {bin_path[split]} not found: run `python prepare.py {dataset}` "
-                 f"(or `python prepare.py text --input=FILE --name={dataset}`) first")
-    n_tokens[split] = os.path.getsize(bin_path[split]) // 2
-    if n_tokens[split] < block_size + 1:
-        sys.exit(f"error: {bin_path[split]} holds {n_tokens[split]} tokens, fewer than block_size + 1 = {block_size + 1}: "
-                 f"lower --block_size or prepare more data")
+bin_path, n_tokens = find_bins(dataset, block_size)
 
 
 def get_batch(split, offsets):
@@ -193,120 +138,32 @@ data_gen = torch.Generator().manual_seed(seed)
 
 
 def draw_train_offsets():
-    offsets = torch.randint(n_tokens['train'] - block_size, (gradient_accumulation_steps, batch_size), generator=data_gen)
+    offsets = torch.randint(n_tokens['train'] - block_size, (gradient_accumulation_steps, batch_size),
+                            generator=data_gen)
     return offsets[dp_rank * accum_steps:(dp_rank + 1) * accum_steps]
 
 
 # -----------------------------------------------------------------------------
-# where to start: the newest complete state of this run, a memory snapshot or a checkpoint in out_dir
+# where to start: this run's newest complete state, a memory snapshot (one per node) or a checkpoint in out_dir
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-run_id_path = os.path.join(out_dir, 'run_id')  # names the run's snapshots, so that a new run in out_dir never takes an old one's
-
-
-def find_resume_point():
-    """(run_id, (iter_num, path) to resume from or None, damaged files passed over). All ranks agree: a memory
-    snapshot counts only if every node holds the same one (a replaced node holds none, a node that died while
-    writing an older one); else rank 0's newest checkpoint in out_dir, which must be storage they all share."""
-    run_id, mem_iter, disk, damaged = None, None, (None, None), []
-    wanted = init_from == 'resume' or (auto_resume and not eval_only)  # an eval of another model is no resume
-    if wanted and os.path.exists(run_id_path):
-        with open(run_id_path) as f:
-            run_id = f.read().strip()
-        mem_iter, _, damaged = newest_loadable([os.path.join(snapshot_dir(run_id), 'ckpt.pt')])
-    if wanted:
-        # this run's newest, not one of a run that it was started afresh over (that only when asked to resume)
-        this_run = dict(run_id=run_id, or_any=init_from == 'resume')
-        *disk, disk_damaged = newest_loadable([ckpt_path, previous(ckpt_path)], **this_run)
-        damaged += disk_damaged
-    views = [(run_id, mem_iter, tuple(disk), uuid.uuid4().hex)]
-    if ddp:
-        views = [None] * world_size
-        dist.all_gather_object(views, (run_id, mem_iter, tuple(disk), uuid.uuid4().hex))
-    run_id, mem_iter, (disk_iter, disk_path), new_id = views[0]
-    if run_id is not None and mem_iter is not None and all(v[:2] == (run_id, mem_iter) for v in views) \
-            and (disk_iter is None or mem_iter >= disk_iter):
-        return run_id, (mem_iter, os.path.join(snapshot_dir(run_id), 'ckpt.pt')), damaged
-    if disk_iter is not None:
-        return run_id or new_id, (disk_iter, disk_path), damaged
-    return new_id, None, damaged  # a fresh run gets a new id
-
-
-run_id, resume_from, damaged = find_resume_point()
-if resume_from is None and damaged:
-    path, reason = damaged[0]
-    sys.exit(f"error: checkpoint {path} is corrupt or not a training checkpoint ({reason}): delete it or restore a "
-             f"good copy (or start afresh over it with --auto_resume=False)")
-if resume_from is None and init_from == 'resume':
-    sys.exit(f"error: no checkpoint at {ckpt_path}: point --out_dir at a run's folder, or use --init_from=scratch")
-for path, reason in damaged:
-    print0(f"warning: skipping the damaged {path} ({reason}); resuming from the newest one before it")
+run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only,
+                                  snapshots=lambda folder: [os.path.join(folder, 'ckpt.pt')],
+                                  storage=[[ckpt_path, previous(ckpt_path)]], where=ckpt_path)
 snapshot_path = os.path.join(snapshot_dir(run_id), 'ckpt.pt')
+resume_path = resume_from and resume_from[1]
 
 # -----------------------------------------------------------------------------
 # model
-meta_vocab_size = None
-meta_path = os.path.join(data_dir, 'meta.pkl')
-if os.path.exists(meta_path):
-    meta_vocab_size = read_meta(meta_path)['vocab_size']
+meta_path = os.path.join('data', dataset, 'meta.pkl')
+meta_vocab_size = read_meta(meta_path)['vocab_size'] if os.path.exists(meta_path) else None
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=meta_vocab_size or 50304, dropout=dropout)
-iter_num, best_val_loss, checkpoint = 0, 1e9, None
-
-
-def take_shape(ckpt_args):
-    """The model's shape comes from the checkpoint; a key that says otherwise is a mistake, not a request."""
-    for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size'):
-        if k in given and config[k] != ckpt_args[k]:
-            sys.exit(f"error: {k}={config[k]!r} contradicts the checkpoint's {k}={ckpt_args[k]!r}: drop that "
-                     f"setting to start from it, or use another out_dir to train a new model")
-        model_args[k] = ckpt_args[k]
-        if k in config:  # and the globals (block_size sizes the batches) and the config saved with the run
-            globals()[k] = config[k] = ckpt_args[k]
-
-
-if resume_from is not None:
-    resume_path = resume_from[1]
-    if init_from != 'resume':
-        print0(f"auto-resume: {out_dir} holds this run's state at iter {resume_from[0]}, so the run continues "
-               f"(--auto_resume=False starts afresh)")
-    try:
-        checkpoint = torch.load(resume_path, map_location='cpu', weights_only=True)  # a checkpoint is data, never code
-        ckpt_args = checkpoint['model_args']
-        take_shape(ckpt_args)
-        model = GPT(GPTConfig(**model_args))
-        model.load_state_dict(GPT.upgrade_state_dict(checkpoint['model']))
-        iter_num, best_val_loss = checkpoint['iter_num'], float(checkpoint['best_val_loss'])  # nanoGPT saved a tensor
-    except Exception as e:
-        sys.exit(f"error: checkpoint {resume_path} is corrupt or not a training checkpoint ({type(e).__name__}: "
-                 f"{str(e).splitlines()[0][:200] if str(e) else ''}): delete it or restore a good copy")
-elif init_from in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
-    print0(f"initializing from OpenAI GPT-2 weights: {init_from}")
-    try:
-        model = GPT.from_pretrained(init_from, dict(dropout=dropout))
-    except ImportError:
-        sys.exit(f"error: init_from={init_from} needs Hugging Face transformers: pip install transformers")
-    except OSError as e:
-        sys.exit(f"error: could not load {init_from} from the Hugging Face hub ({str(e).splitlines()[0][:200]}): "
-                 f"check the network, or set HF_HUB_OFFLINE=1 with the model in the local cache")
-    for k in ('n_layer', 'n_head', 'n_embd', 'bias', 'vocab_size'):
-        model_args[k] = getattr(model.config, k)
-elif init_from != 'scratch':
-    # any entrypoint's checkpoint, or a run folder's newest: its weights, with a new optimizer from step 0
-    try:
-        model, ckpt = load_checkpoint(init_from, dropout=dropout)
-        take_shape(ckpt['model_args'])
-    except Exception as e:
-        sys.exit(f"error: cannot read a checkpoint at {init_from} ({type(e).__name__}: "
-                 f"{str(e).splitlines()[0][:200] if str(e) else ''}): give a ckpt.pt, a sharded checkpoint or a run folder")
-    print0(f"initializing from the weights of {find_checkpoint(init_from)}")
-else:
-    model = GPT(GPTConfig(**model_args))
-if block_size < model.config.block_size:
-    model.crop_block_size(block_size)  # fine-tune GPT-2 with a shorter context
-    model_args['block_size'] = block_size
-elif block_size > model.config.block_size:
-    sys.exit(f"error: block_size={block_size} is longer than the model's {model.config.block_size} positions: "
-             f"use --block_size={model.config.block_size} or less")
+# a checkpoint is data, never code
+model, checkpoint = create_model(resume_path, lambda path: torch.load(path, map_location='cpu', weights_only=True),
+                                 init_from, model_args, config, given)
+block_size = model_args['block_size']
+check_token_ids(bin_path, model.config.vocab_size)
+iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_loss'])) if checkpoint else (0, 1e9)
 print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
 model.to(device)
 torch.manual_seed(seed + dp_rank)  # and then draws its own dropout masks
@@ -321,21 +178,15 @@ scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
 # checkpoint load: the rest of the state, so that the run continues exactly where it stopped
 if checkpoint is not None:
     try:
-        optimizer.load_state_dict(raw_model.upgrade_optimizer_state(checkpoint['optimizer']))
+        optimizer.load_state_dict(upgrade_optimizer_state(raw_model, checkpoint['optimizer']))
     except Exception as e:
-        sys.exit(f"error: checkpoint {resume_path} has an optimizer state that does not fit this model ({type(e).__name__}: "
-                 f"{str(e).splitlines()[0][:200]}): delete it or restore a good copy")
+        sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): delete it or restore a "
+                 f"good copy")
     if checkpoint.get('scaler') and scaler.is_enabled():  # a bf16 or fp32 run saved the disabled scaler's {}
         scaler.load_state_dict(checkpoint['scaler'])
     if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
         data_gen.set_state(checkpoint['data_rng'])
-    rng = checkpoint.get('rng', [])
-    if len(rng) == world_size:
-        torch.set_rng_state(rng[rank]['cpu'])
-        if device_type == 'cuda' and 'cuda' in rng[rank]:
-            torch.cuda.set_rng_state(rng[rank]['cuda'])
-    elif rng:
-        print0(f"checkpoint was written by {len(rng)} ranks, not {world_size}: dropout masks start afresh")
+    restore_rng(checkpoint.get('rng', []), print0)
     print0(f"resuming from {resume_path} at iter {iter_num}")
     checkpoint = None  # free the memory
 
@@ -343,7 +194,7 @@ if compile:
     print0("compiling the model... (takes a ~minute)")
     model = torch.compile(model)
 eval_model = model  # evaluation needs no gradient sync, so it runs outside DDP
-if ddp:
+if world_size > 1:
     model = DDP(model, device_ids=[torch.device(device).index] if device_type == 'cuda' else None)
 
 
@@ -353,33 +204,25 @@ def save_checkpoint(to='storage', wait=False):
     the state to host memory while the next step's forward and backward run (the loop waits only if the copy
     takes longer), then writes the copy to a temporary file, renamed when complete: a crash mid-write leaves the
     previous one in place."""
-    rng = {'cpu': torch.get_rng_state(), **({'cuda': torch.cuda.get_rng_state()} if device_type == 'cuda' else {})}
-    rngs = [None] * world_size
-    if ddp:
-        dist.all_gather_object(rngs, rng)
-    else:
-        rngs = [rng]
-    if not (master_process if to == 'storage' else local_rank == 0):
-        return
-    checkpoint = {
-        'model': raw_model.state_dict(),
-        'optimizer': optimizer.state_dict(),
+    extra = {
         'model_args': model_args,
         'iter_num': iter_num,
         'best_val_loss': best_val_loss,
         'config': config,
-        'rng': rngs,
+        'rng': gather_rng(),
         'data_rng': data_gen.get_state(),
         'run_id': run_id,  # so that a run started afresh over this out_dir never takes it for its own
-        'scaler': scaler.state_dict(),
     }
-    if to == 'memory':
+    checkpoint = {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'scaler': scaler.state_dict(),
+                  **extra}
+    if to == 'memory' and local_rank == 0:
         os.makedirs(os.path.dirname(snapshot_path), exist_ok=True)
-    save_in_background(checkpoint, ckpt_path if to == 'storage' else snapshot_path, keep_previous=(to == 'storage'))
+        save_in_background(checkpoint, snapshot_path)
+    elif to == 'storage' and master_process:
+        save_in_background(checkpoint, ckpt_path, keep_previous=True)
+        print0(f"saving checkpoint to {ckpt_path}")
     if wait:
         wait_for_saves()
-    if to == 'storage':
-        print0(f"saving checkpoint to {ckpt_path}")
 
 
 @torch.no_grad()
@@ -392,24 +235,17 @@ def estimate_loss():
         gen = torch.Generator().manual_seed(seed + 1 + i)
         offsets = torch.randint(n_tokens[split] - block_size, (eval_iters, batch_size), generator=gen)
         total = torch.zeros((), device=device)
-        for k in range(dp_rank, eval_iters, dp_size):
-            X, Y = get_batch(split, offsets[k])
+        # every rank runs the same number of forwards (under FSDP, ZeRO-3 or TP each takes part in the others');
+        # the extra ones where eval_iters does not divide by dp_size count for nothing
+        for k in range(dp_rank, -(-eval_iters // dp_size) * dp_size, dp_size):
+            X, Y = get_batch(split, offsets[k % eval_iters])
             with ctx:
                 _, loss = eval_model(X, Y)
-            total += loss.float()
-        if ddp:
-            dist.all_reduce(total)
+            total += loss.float() * (k < eval_iters)
+        dist.all_reduce(total)
         out[split] = total.item() / eval_iters
     eval_model.train()
     return out
-
-
-def state_bytes():
-    """Bytes of parameters, gradients and optimizer state on this rank: DDP keeps a full replica of each."""
-    size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)
-    return dict(param_bytes=size(model.parameters()),
-                grad_bytes=size(p.grad for p in model.parameters() if p.grad is not None),
-                optim_bytes=size(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)))
 
 
 def get_lr(it):
@@ -424,38 +260,15 @@ def get_lr(it):
 
 # -----------------------------------------------------------------------------
 # logging: one line per logged step for people, the same as JSON in out_dir/metrics.jsonl for programs
-resumed = resume_from is not None
-if master_process:
-    os.makedirs(out_dir, exist_ok=True)
-    if not eval_only:
-        with open(run_id_path + '.tmp', 'w') as f:
-            f.write(run_id)
-        os.replace(run_id_path + '.tmp', run_id_path)
-    with open(os.path.join(out_dir, 'config.json'), 'w') as f:
-        json.dump({**config, 'world_size': world_size}, f, indent=1)  # the run's settings, beside its results
-    metrics_path = os.path.join(out_dir, 'metrics.jsonl')
-    if resumed and os.path.exists(metrics_path):
-        # rows that an interrupted run logged after its checkpoint are about to be logged again
-        with open(metrics_path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line).get('iter', 0) < iter_num]
-        with open(metrics_path + '.tmp', 'w') as f:
-            f.writelines(kept)
-        os.replace(metrics_path + '.tmp', metrics_path)
-    metrics = open(metrics_path, 'a' if resumed else 'w', buffering=1)
+log_metrics = open_log(out_dir, run_id, {**config, 'world_size': world_size}, resume_from and iter_num,
+                       write=master_process, eval_only=eval_only)
 if wandb_log and master_process:
     import wandb
     wandb.init(project=wandb_project, name=wandb_run_name, config=config)
 device_name = torch.cuda.get_device_name(device) if device_type == 'cuda' else device_type
 
-
-def log_metrics(**row):
-    if master_process:
-        metrics.write(json.dumps({'iter': iter_num, **row, 'time': round(time.time() - t_start, 3)}) + '\n')
-
-
 # -----------------------------------------------------------------------------
 # training loop
-t_start = time.time()
 t0, steps_timed = time.time(), 0
 local_iter_num = 0  # steps taken by this process, whatever iter_num it started from
 loss_sum = torch.zeros((), device=device)
@@ -468,7 +281,7 @@ while True:
     if iter_num % eval_interval == 0 or iter_num == max_iters:
         losses = estimate_loss()
         print0(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        log_metrics(train_loss=losses['train'], val_loss=losses['val'])
+        log_metrics(iter_num, train_loss=losses['train'], val_loss=losses['val'])
         if wandb_log and master_process:
             wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr})
         if losses['val'] < best_val_loss or always_save_checkpoint:
@@ -488,7 +301,7 @@ while True:
     for micro_step in range(accum_steps):
         X, Y = get_batch('train', offsets[micro_step])
         # DDP all-reduces gradients in backward; only the last micro-step's backward needs to
-        sync = nullcontext() if not ddp or micro_step == accum_steps - 1 else model.no_sync()
+        sync = nullcontext() if world_size == 1 or micro_step == accum_steps - 1 else model.no_sync()
         with sync, ctx:
             _, loss = model(X, Y)
             # gradients add up over micro-steps, so each is scaled to make the sum a mean over the rank's batch
@@ -501,43 +314,29 @@ while True:
     else:
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     # A non-finite loss or gradient would spoil the weights for good, so the step is skipped (float16's scaler
-    # skips overflowing gradients by itself: there only the loss counts). The ranks have to decide alike, as
-    # they do about a SIGTERM, so one small all-reduce carries both.
-    nonfinite = ~torch.isfinite(loss_sum if dtype == 'float16' else loss_sum + grad_norm)
-    flags = torch.stack([nonfinite.float(), torch.tensor(float(bool(stop_signals)), device=device)])
-    if ddp:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    nonfinite, stop = flags.tolist()
+    # skips overflowing gradients by itself: there only the loss counts); the ranks decide alike, as about SIGTERM
+    nonfinite, stop = agree(~torch.isfinite(loss_sum if dtype == 'float16' else loss_sum + grad_norm))
     wait_for_copies()  # a snapshot taken before this step may still be copying the weights it is about to change
     if not nonfinite or scaler.is_enabled():
         scaler.step(optimizer)
         scaler.update()
-    nonfinite_steps = nonfinite_steps + 1 if nonfinite else 0
-    if nonfinite:
-        print0(f"iter {iter_num}: non-finite loss or gradient, step skipped ({nonfinite_steps} in a row)")
-        log_metrics(skipped='non-finite loss or gradient')
-        if nonfinite_steps >= max_nonfinite_steps:
-            wait_for_saves()
-            sys.exit(f"error: {nonfinite_steps} steps in a row up to iter {iter_num} had a non-finite loss or "
-                     f"gradient; {ckpt_path} holds the last good state: lower learning_rate, use bfloat16 rather "
-                     f"than float16, or check the data")
+    nonfinite_steps = count_skipped(nonfinite, nonfinite_steps, max_nonfinite_steps, iter_num, log_metrics, ckpt_path)
     if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
-        mem = state_bytes()
-        print0("per-rank memory: " + ", ".join(f"{k.removesuffix('_bytes')} {v / 2**20:.2f} MiB" for k, v in mem.items()))
-        log_metrics(**mem)
+        mem = state_bytes(model.parameters(), [optimizer])
+        print0("per-rank memory: " + ", ".join(f"{k[:-6]} {v / 2**20:.2f} MiB" for k, v in mem.items()))
+        log_metrics(iter_num, **mem)
     optimizer.zero_grad(set_to_none=True)
     steps_timed += 1
 
     if iter_num % log_interval == 0:
         # the loss of the whole global batch: the mean over ranks of each rank's mean over its micro-steps
-        if ddp:
-            dist.all_reduce(loss_sum)
+        dist.all_reduce(loss_sum)
         lossf = loss_sum.item() / world_size  # .item() waits for the GPU, so the time below is real
         dt = (time.time() - t0) / steps_timed
         mfu = raw_model.estimate_mfu(batch_size * accum_steps, dt, device_name)
         print0(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f} ms, {tokens_per_iter / dt:,.0f} tok/s"
                + (f", mfu {mfu * 100:.2f}%" if mfu is not None else ""))
-        log_metrics(loss=lossf, lr=lr, ms=dt * 1000, tokens_per_sec=tokens_per_iter / dt, mfu=mfu)
+        log_metrics(iter_num, loss=lossf, lr=lr, ms=dt * 1000, tokens_per_sec=tokens_per_iter / dt, mfu=mfu)
         t0, steps_timed = time.time(), 0
     loss_sum.zero_()
     iter_num += 1
@@ -548,10 +347,5 @@ while True:
         break
 
 wait_for_saves()
-if local_rank == 0 and os.path.exists(os.path.dirname(snapshot_path)):
-    shutil.rmtree(os.path.dirname(snapshot_path), ignore_errors=True)  # out_dir holds the final state: free the RAM
-if master_process:
-    metrics.close()
-if ddp:
-    dist.barrier()  # gloo's teardown has aborted when one rank left while another was still in a collective
-    dist.destroy_process_group()
+remove_snapshots(run_id)  # out_dir holds the final state: free the RAM
+finish()

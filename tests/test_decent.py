@@ -3,7 +3,6 @@ complete topology are one rank; every topology's rounds are doubly stochastic an
 consensus distance falls as the rounds predict; alternating-exp-ring on two nodes of two; AccumAdamW; exact
 resume; the averaged export through sample.py and train.py; bad input."""
 
-import ast
 import json
 import shutil
 import socket
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from conftest import REPO, TINY, env, one_line_error, read_metrics, run
+from decent import AccumAdamW, mixing_rounds
 
 
 def launch(tmp_path, data_dir, out, *extra, nproc=1, script='decent_train.py', check=True):
@@ -39,18 +39,6 @@ def launch_two_nodes(tmp_path, data_dir, out, *extra):
     return outputs[0][0]
 
 
-def script_definitions(*names):
-    """decent_train.py trains when it runs, so the pure definitions it holds are taken from its source: its plain
-    imports and the named functions and classes, run in a namespace of their own."""
-    tree = ast.parse((REPO / 'decent_train.py').read_text())
-    keep = [node for node in tree.body if isinstance(node, ast.Import) or getattr(node, 'name', None) in names]
-    assert {getattr(node, 'name', None) for node in keep} >= set(names)
-    namespace = {}
-    exec(compile(ast.Module(body=keep, type_ignores=[]), str(REPO / 'decent_train.py'), 'exec'), namespace)
-    return [namespace[name] for name in names]
-
-
-mixing_rounds, AccumAdamW = script_definitions('mixing_rounds', 'AccumAdamW')
 
 
 def mixing_matrix(groups, n):
@@ -167,7 +155,7 @@ def train_run(tmp_path_factory, data_dir):
 def test_one_process_with_adamw_is_train_py(tmp_path, data_dir, train_run):
     # the same step, bucket by bucket: per-parameter AdamW and the rank's own clipping are train.py's on one rank
     launch(tmp_path, data_dir, 'run', '--gradient_accumulation_steps=2', '--max_iters=4', '--eval_interval=4',
-           '--optimizer=adamw')
+           '--replica_optimizer=adamw')
     (ref, ref_evals), (ours, our_evals) = read_metrics(train_run), read_metrics(tmp_path / 'run')
     assert sorted(ref) == sorted(ours) == list(range(4)) and ref[3] < ref[0] - 0.1
     assert all(abs(ref[i] - ours[i]) <= 1e-6 * ref[i] for i in range(4)), (ref, ours)
@@ -177,7 +165,7 @@ def test_one_process_with_adamw_is_train_py(tmp_path, data_dir, train_run):
 def test_complete_sgd_two_ranks_match_one_rank_with_twice_the_micro_steps(tmp_path, data_dir):
     # 4 micro-steps in a step either way: 4 on one rank, 2 on each of two. From equal replicas, the average of two
     # SGD steps is one step on the average gradient, so the runs agree to rounding
-    args = ['--topology=complete', '--optimizer=sgd', '--grad_clip=0.0', '--learning_rate=0.5', '--min_lr=0.05',
+    args = ['--topology=complete', '--replica_optimizer=sgd', '--grad_clip=0.0', '--learning_rate=0.5', '--min_lr=0.05',
             '--gradient_accumulation_steps=4', '--max_iters=10', '--eval_interval=10']
     launch(tmp_path, data_dir, 'one', *args)
     launch(tmp_path, data_dir, 'two', *args, nproc=2)
@@ -252,7 +240,7 @@ def test_consensus_distance_falls_as_the_mixing_rounds_predict(tmp_path, data_di
 def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path, data_dir):
     # dropout on (every rank's RNG must come back), AccumAdamW stopped in the middle of its 3-step window (its
     # gradient sum must come back), and the updates from the backward hooks (no clipping)
-    args = ['--optimizer=accumadamw', '--accum_steps=3', '--dropout=0.1', '--grad_clip=0.0',
+    args = ['--replica_optimizer=accumadamw', '--moment_accum_steps=3', '--dropout=0.1', '--grad_clip=0.0',
             '--gradient_accumulation_steps=2', '--eval_interval=4']
     launch(tmp_path, data_dir, 'full', *args, '--max_iters=8', nproc=2)
     launch(tmp_path, data_dir, 'split', *args, '--max_iters=4', nproc=2)
@@ -274,7 +262,7 @@ def test_train_checkpoint_starts_the_replicas_and_their_average_goes_to_sample_a
     out = tmp_path / 'run'
     shutil.copytree(train_run, out)
     train_eval = read_metrics(out)[1][-1]
-    p = launch(tmp_path, data_dir, 'run', '--init_from=resume', '--optimizer=accumadamw', '--max_iters=8',
+    p = launch(tmp_path, data_dir, 'run', '--init_from=resume', '--replica_optimizer=accumadamw', '--max_iters=8',
                '--gradient_accumulation_steps=2', '--eval_interval=4', nproc=2)
     assert 'at iter 4' in p.stdout
     losses, evals = read_metrics(out)  # train.py's rows from iter 4 on were dropped: they are logged again
@@ -306,7 +294,7 @@ def test_bad_topologies_world_sizes_and_keys_are_one_line_errors(tmp_path, data_
         fails(tmp_path, data_dir, '--topology=alternating-exp-ring')
     assert 'one-peer-exp needs a power-of-2 world size, not 3' in \
         fails(tmp_path, data_dir, '--topology=one-peer-exp', nproc=3)
-    assert "unknown optimizer='lamb': use adamw, accumadamw or sgd" in fails(tmp_path, data_dir, '--optimizer=lamb')
+    assert "unknown replica_optimizer='lamb': use adamw, accumadamw or sgd" in fails(tmp_path, data_dir, '--replica_optimizer=lamb')
     assert not (tmp_path / 'bad').exists()
 
 

@@ -107,7 +107,7 @@ def cut_short(path):
 # ds_train.py's engine checkpoints are cut for one world size and stage, so it goes on from its consolidated ckpt.pt
 # (here also at another stage); decent_train.py's replicas do not reshard, so every rank starts from their average,
 # which continues the curve where the algorithm does not depend on the world size: complete mixing with plain SGD.
-DECENT_AS_DDP = ['--topology=complete', '--optimizer=sgd', '--grad_clip=0.0', '--learning_rate=0.5', '--min_lr=0.05']
+DECENT_AS_DDP = ['--topology=complete', '--replica_optimizer=sgd', '--grad_clip=0.0', '--learning_rate=0.5', '--min_lr=0.05']
 RESHAPES = [('train.py', 2, [], 1, [], 'at iter 8'), ('train.py', 1, [], 2, [], 'at iter 8'),
             ('ds_train.py', 2, ['--zero_stage=3'], 1, ['--zero_stage=3'], 'continuing from the consolidated'),
             ('ds_train.py', 1, ['--zero_stage=2'], 2, ['--zero_stage=3'], 'continuing from the consolidated'),
@@ -236,7 +236,7 @@ def assert_same_run(ref_dir, ft_dir, script=None, exact=False):
 # decent_train.py with the updates in the backward's hooks (no clipping) and AccumAdamW's window across the kills;
 # DeepSpeed starts slowly (it loads its communicator), so two kills there
 KILL_ARGS = {'train.py': [], 'fsdp_train.py': [], 'ds_train.py': ['--zero_stage=2'],
-             'decent_train.py': ['--grad_clip=0.0', '--optimizer=accumadamw', '--accum_steps=3']}
+             'decent_train.py': ['--grad_clip=0.0', '--replica_optimizer=accumadamw', '--moment_accum_steps=3']}
 
 
 @pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'decent_train.py', 'ds_train.py'])

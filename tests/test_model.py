@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from checkpoint import upgrade_optimizer_state
 from model import GPT, GPTConfig, peak_flops
 
 
@@ -158,10 +159,10 @@ def test_nanogpt_optimizer_state_converts_to_ours():
         sum(1 for n in fused_names if '.c_attn.bias' in n)
     groups = [dict(ours['param_groups'][0], params=list(range(n_decay_fused))),
               dict(ours['param_groups'][1], params=list(range(n_decay_fused, len(fused_names))))]
-    upgraded = model.upgrade_optimizer_state({'state': theirs_state, 'param_groups': groups})
+    upgraded = upgrade_optimizer_state(model, {'state': theirs_state, 'param_groups': groups})
     assert [g['params'] for g in upgraded['param_groups']] == [g['params'] for g in ours['param_groups']]
     for i, s in ours['state'].items():
         for k in ('step', 'exp_avg', 'exp_avg_sq'):
             assert torch.equal(upgraded['state'][i][k], s[k]), (i, k)
     # a state that is already ours passes through
-    assert model.upgrade_optimizer_state(ours) is ours
+    assert upgrade_optimizer_state(model, ours) is ours

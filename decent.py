@@ -1,0 +1,190 @@
+"""
+What decent_train.py needs besides its loop: the topologies as cycles of mixing rounds, the flat buckets that a
+replica updates and mixes in, AccumAdamW, and the average of a checkpoint's replicas (to resume at another world
+size).
+"""
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def mixing_rounds(topology, world_size, local_world_size):
+    """The topology's cycle of mixing rounds. A round is a partition of the ranks into groups (sorted lists of
+    ranks); every group averages its replicas, a rank alone keeps its own. Step t mixes with round t % len(rounds).
+    Raises ValueError where the topology cannot serve this world size."""
+    n = world_size
+    if topology == 'complete':
+        return [[list(range(n))]]
+    if topology == 'ring':
+        # each rank averages with its right neighbour, then with its left: the ring's edges in two matchings, or
+        # three when n is odd (the closing edge then needs a round of its own)
+        if n <= 2:
+            return [[list(range(n))]]
+        edges = [sorted([i, (i + 1) % n]) for i in range(n)]
+        if n % 2 == 0:
+            return [edges[0::2], edges[1::2]]
+        return [edges[0:n - 1:2] + [[n - 1]], edges[1::2] + [[0]], [edges[n - 1]] + [[i] for i in range(1, n - 1)]]
+    if topology == 'one-peer-exp':
+        # round k pairs each rank with the one 2^k away (their k-th bits differ): after the log2(n) rounds of a
+        # cycle every replica is the exact average, at one peer per round
+        if n & (n - 1):
+            raise ValueError(f"topology=one-peer-exp needs a power-of-2 world size, not {n}: use ring or complete")
+        return [[[j, j + 2 ** k] for j in range(n) if not j & 2 ** k] for k in range(n.bit_length() - 1)] or [[[0]]]
+    if topology == 'alternating-exp-ring':
+        # rounds within nodes (the fast links: every node averages its ranks) alternate with rounds between nodes,
+        # where nodes pair as in one-peer-exp and each rank averages with the same local rank on the peer node
+        nodes = n // local_world_size
+        if local_world_size < 2 or n % local_world_size or nodes < 2 or nodes & (nodes - 1):
+            raise ValueError(f"topology=alternating-exp-ring needs 2, 4, 8, ... nodes of at least 2 ranks each, not "
+                             f"world size {n} with LOCAL_WORLD_SIZE={local_world_size} ranks per node: use ring")
+        within = [list(range(a * local_world_size, (a + 1) * local_world_size)) for a in range(nodes)]
+        rounds = []
+        for node_pairs in mixing_rounds('one-peer-exp', nodes, 1):
+            rounds.append(within)
+            rounds.append([[a * local_world_size + j, b * local_world_size + j]
+                           for a, b in node_pairs for j in range(local_world_size)])
+        return rounds
+    raise ValueError(f"unknown topology={topology!r}: use complete, ring, one-peer-exp or alternating-exp-ring")
+
+
+
+def make_mixing_groups(rounds, rank):
+    """Each round's process group for this rank, and its size (None where the round leaves the rank alone): every
+    rank creates every group, in the same order, as torch.distributed requires."""
+    mixing_groups, made = [], {}
+    for groups in rounds:
+        mine = None
+        for ranks in groups:
+            if len(ranks) > 1:
+                if tuple(ranks) not in made:
+                    made[tuple(ranks)] = dist.new_group(ranks)
+                if rank in ranks:
+                    mine = (made[tuple(ranks)], len(ranks))
+        mixing_groups.append(mine)
+    return mixing_groups
+
+
+@dataclass(eq=False)  # buckets are compared by identity, not by their tensors
+class Bucket:
+    params: list
+    flat: torch.Tensor
+    optimizer: torch.optim.Optimizer = None
+    ready: int = 0  # parameters whose gradient this backward has completed
+    stepped_at: int = -1  # the iteration of its last update
+    work: dist.Work = None  # its mixing all-reduce, while in flight
+
+
+def make_bucket(params):
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    offset = 0
+    for p in params:
+        p.data = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return Bucket(params, flat)
+
+
+
+class AccumAdamW(torch.optim.Optimizer):
+    """The method's AccumAdam, with AdamW's decoupled weight decay: the parameters move every step, but the
+    moments take in the mean gradient of accum_steps steps at once, so that with few samples per rank and step
+    they estimate the statistics of a larger batch. Each step's direction uses the moments as they would be with
+    this step's gradient taken in, so accum_steps=1 is exactly AdamW. state['step'] counts the moments' updates,
+    as AdamW's does, so AdamW's state carries over both ways."""
+
+    def __init__(self, params, lr, betas, weight_decay, accum_steps, eps=1e-8):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, accum_steps=accum_steps, eps=eps))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            beta1, beta2 = group['betas']
+            for p in group['params']:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if 'grad_sum' not in state:  # a fresh state, or AdamW's
+                    state.setdefault('step', 0)
+                    state.setdefault('exp_avg', torch.zeros_like(p))
+                    state.setdefault('exp_avg_sq', torch.zeros_like(p))
+                    state['grad_sum'], state['grads_summed'] = torch.zeros_like(p), 0
+                g = p.grad
+                exp_avg = state['exp_avg'].lerp(g, 1 - beta1)
+                exp_avg_sq = state['exp_avg_sq'].mul(beta2).addcmul_(g, g, value=1 - beta2)
+                t = state['step'] + 1
+                denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** t)).add_(group['eps'])
+                p.mul_(1 - group['lr'] * group['weight_decay'])
+                p.addcdiv_(exp_avg, denom, value=-group['lr'] / (1 - beta1 ** t))
+                state['grad_sum'].add_(g)
+                state['grads_summed'] += 1
+                if state['grads_summed'] == group['accum_steps']:
+                    mean = state['grad_sum'].div_(group['accum_steps'])
+                    state['exp_avg'].lerp_(mean, 1 - beta1)
+                    state['exp_avg_sq'].mul_(beta2).addcmul_(mean, mean, value=1 - beta2)
+                    state['step'] = t
+                    state['grad_sum'].zero_()
+                    state['grads_summed'] = 0
+
+
+
+def averaged_replicas(folder, ranks):
+    """The state that a run of that many ranks saved in folder: its replicas and their optimizer states (Adam's
+    moments, AccumAdamW's gradient sum) averaged over the ranks, the rest as rank 0 saved it. One file at a time,
+    summed in float64, so that equal replicas (complete mixing) average to themselves exactly."""
+    def fold(total, x, f):  # f(total's tensor, x's) for each floating-point tensor of x; total's value elsewhere
+        if torch.is_tensor(x) and x.is_floating_point():
+            return f(total, x)
+        if isinstance(x, dict):
+            return {k: fold(total[k], v, f) for k, v in x.items()}
+        if isinstance(x, list):
+            return [fold(t, v, f) for t, v in zip(total, x)]
+        return total
+
+    def replica(r, **kw):
+        saved = torch.load(os.path.join(folder, f'rank-{r}.pt'), map_location='cpu', weights_only=True, **kw)
+        return saved, {'model': saved['model'], 'optimizers': saved['optimizers']}
+
+    first, own = replica(0)
+    total = fold(own, own, lambda t, x: x.double())
+    for r in range(1, ranks):
+        total = fold(total, replica(r, mmap=True)[1], lambda t, x: t.add_(x))
+    return {**first, **fold(total, own, lambda t, x: t.div_(ranks).to(x.dtype))}
+
+
+
+@torch.no_grad()
+def average_replicas(buckets):
+    """Replaces every rank's replica by the mean of all of them (a collective, once mixing is done). Returns this
+    rank's own, to put back with restore_replica, and the consensus distance: the mean over ranks of
+    ||x_i - mean|| / ||mean||."""
+    world_size = dist.get_world_size()
+    own = [bucket.flat.clone() for bucket in buckets]
+    for bucket in buckets:
+        dist.all_reduce(bucket.flat)
+        bucket.flat.div_(world_size)
+    sq_distance = sum((x - bucket.flat).pow(2).sum() for x, bucket in zip(own, buckets))
+    sq_norm = sum(bucket.flat.pow(2).sum() for bucket in buckets)
+    distance = (sq_distance / sq_norm).sqrt()
+    dist.all_reduce(distance)
+    return own, distance.item() / world_size
+
+
+@torch.no_grad()
+def restore_replica(buckets, own):
+    for bucket, x in zip(buckets, own):
+        bucket.flat.copy_(x)
+
+
+def average_moments(bucket_of, adamw):
+    """Fills train.py's AdamW (over the averaged model) with the ranks' mean Adam moments (a collective), for the
+    export; SGD has none."""
+    for p, bucket in bucket_of.items():
+        state = bucket.optimizer.state.get(p, {})
+        if 'exp_avg' in state:
+            moments = torch.stack([state['exp_avg'], state['exp_avg_sq']])
+            dist.all_reduce(moments)
+            moments /= dist.get_world_size()
+            adamw.state[p] = dict(step=torch.tensor(float(state['step'])), exp_avg=moments[0], exp_avg_sq=moments[1])

@@ -1,0 +1,172 @@
+"""
+Process start-up and the collectives every entrypoint shares. Under torchrun (or srun, the deepspeed launcher,
+dlrover-run) a process learns its place from RANK, LOCAL_RANK and WORLD_SIZE; without them it is a group of one,
+so the entrypoints' code is the same on one process as on many.
+
+    rank, local_rank, world_size = start(backend, device)   # the process group, SIGTERM noted, teardown at exit
+    nonfinite, stop = agree(nonfinite)                       # the ranks decide alike about a step and a SIGTERM
+    rngs = gather_rng() ... restore_rng(rngs)                # every rank's RNG, for exact resume
+"""
+
+import atexit
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+_stop_signals = []
+
+
+def torchrun_env():
+    """(rank, local_rank, world_size, local_world_size) as the launcher set them, or a group of one's."""
+    if 'RANK' not in os.environ:
+        return 0, 0, 1, 1
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE'))
+    return rank, local_rank, world_size, int(os.environ.get('LOCAL_WORLD_SIZE', world_size))
+
+
+def pick_device(device):
+    """(device, device_type): 'auto' and 'cuda' become this process's GPU (cuda:LOCAL_RANK), or 'auto' the CPU
+    where there is none; a device torch does not know, or a GPU it cannot see, is a one-line error."""
+    local_rank = torchrun_env()[1]
+    if device == 'auto':
+        device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    if device == 'cuda':
+        device = f'cuda:{local_rank}'
+    try:
+        device_type = torch.device(device).type
+    except RuntimeError:
+        sys.exit(f"error: device={device!r} is not a device torch knows: use auto, cpu, cuda, cuda:N or mps")
+    if device_type == 'cuda' and not torch.cuda.is_available():
+        sys.exit("error: device=cuda but torch sees no GPU: use --device=cpu (or auto)")
+    return device, device_type
+
+
+def start(backend, device, deepspeed=False):
+    """Joins the process group (or makes a group of one), tears it down at exit whatever the way out, and notes a
+    SIGTERM for agree(). Returns (rank, local_rank, world_size)."""
+    rank, local_rank, world_size, _ = torchrun_env()
+    device_type = torch.device(device).type
+    if device_type == 'cuda':
+        torch.cuda.set_device(device)
+    store = dist.HashStore() if world_size == 1 and 'RANK' not in os.environ else None
+    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
+        # torchrun's store outlives a restart of the workers, and gloo would read the dead workers' addresses from
+        # it (and fail the restart): each incarnation of the group gets a store of its own
+        store = incarnation_store(rank, world_size)
+    if 'RANK' not in os.environ and deepspeed:
+        os.environ.setdefault('LOCAL_RANK', '0')  # DeepSpeed asks for what its launchers set
+    if store is not None or not deepspeed:
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                                device_id=torch.device(device) if device_type == 'cuda' else None)
+    # an early exit (a one-line error, an exception) tears the group down too: left to the interpreter's end,
+    # gloo's threads can abort it ('terminate called without an active exception')
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    # SIGTERM is how SLURM and Kubernetes preempt a job (torchrun passes it on to the workers): the loop learns of
+    # it from agree() at the end of a step, saves a checkpoint and exits cleanly
+    signal.signal(signal.SIGTERM, lambda signum, frame: _stop_signals.append(signum))
+    return rank, local_rank, world_size
+
+
+def split_accumulation(gradient_accumulation_steps, dp_size):
+    """The micro-steps of each data-parallel rank: the config's count is the total over all of them, so that the
+    global batch is the same at any world size."""
+    if gradient_accumulation_steps % dp_size:
+        sys.exit(f"error: gradient_accumulation_steps={gradient_accumulation_steps} does not divide across {dp_size} "
+                 f"data-parallel ranks: make it a multiple of {dp_size} (it is the total over all ranks)")
+    return gradient_accumulation_steps // dp_size
+
+
+def use_deterministic_algorithms(device_type):
+    """Deterministic kernels, so that reruns give identical curves, on GPUs too (dropout, which the caller turns
+    off, aside)."""
+    os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')  # cuBLAS is deterministic only with a fixed workspace
+    torch.use_deterministic_algorithms(True)
+    if device_type == 'cuda':
+        torch.backends.cudnn.benchmark = False
+        # the fused attention kernels add up their backward in a varying order; the math one does not
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def agree(nonfinite):
+    """(nonfinite, stop) as every rank sees them: whether any rank's step was not finite (a tensor, so that the
+    check queues on the device), and whether any rank was sent SIGTERM. One small all-reduce carries both."""
+    flags = torch.stack([nonfinite.float(), torch.tensor(float(bool(_stop_signals)), device=nonfinite.device)])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    nonfinite, stop = flags.tolist()
+    return bool(nonfinite), bool(stop)
+
+
+def gather_rng():
+    """Every rank's RNG states, in rank order (a collective): they go into each checkpoint."""
+    rng = {'cpu': torch.get_rng_state(), **({'cuda': torch.cuda.get_rng_state()} if torch.cuda.is_initialized()
+                                            else {})}
+    rngs = [None] * dist.get_world_size()
+    dist.all_gather_object(rngs, rng)
+    return rngs
+
+
+def restore_rng(rngs, print0=print):
+    """Takes back this rank's RNG states from a checkpoint's; at another world size dropout starts afresh."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if len(rngs) == world_size:
+        torch.set_rng_state(rngs[rank]['cpu'])
+        if 'cuda' in rngs[rank] and torch.cuda.is_initialized():
+            torch.cuda.set_rng_state(rngs[rank]['cuda'])
+    elif rngs:
+        print0(f"checkpoint was written by {len(rngs)} ranks, not {world_size}: dropout masks start afresh")
+
+
+def state_bytes(parameters, optimizers):
+    """Bytes of parameters, gradients and optimizer state that this rank holds: a full replica of each under DDP,
+    its shards under FSDP (a DTensor counts its local piece)."""
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t
+    size = lambda tensors: sum(local(t).numel() * t.element_size() for t in tensors)
+    parameters = list(parameters)
+    return dict(param_bytes=size(parameters), grad_bytes=size(p.grad for p in parameters if p.grad is not None),
+                optim_bytes=size(v for o in optimizers for s in o.state.values() for v in s.values()
+                                 if torch.is_tensor(v)))
+
+
+def finish():
+    """The normal end: every rank leaves together (gloo's teardown has aborted when one rank left while another
+    was still in a collective)."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def incarnation_store(rank, world_size):
+    """A store for init_process_group under torchrun's agents that this incarnation of the worker group alone uses.
+    The agents' store outlives a restart, and gloo (NCCL too) would read the dead workers' addresses from it and fail
+    the restart; nor can the restart count name the incarnation, since it differs between nodes (an agent that
+    restarts its workers because another node's died counts no restart). So rank 0 serves a new store on a free
+    port and posts its port and a new token in the agents' store; the other ranks take what is posted once the store
+    there holds that token (a post left by the last incarnation names a dead rank 0's port)."""
+    agents = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size, is_master=False)
+    if rank == 0:
+        token = uuid.uuid4().hex
+        store = dist.TCPStore(os.environ['MASTER_ADDR'], 0, world_size, is_master=True, wait_for_workers=False)
+        store.set('token', token)
+        agents.set('nanogpt/incarnation', f'{store.port} {token}')
+        return store
+    while True:
+        port, token = agents.get('nanogpt/incarnation').decode().split()
+        try:
+            socket.create_connection((os.environ['MASTER_ADDR'], int(port)), timeout=2).close()  # a dead one refuses
+            store = dist.TCPStore(os.environ['MASTER_ADDR'], int(port), world_size, is_master=False,
+                                  timeout=timedelta(seconds=10))
+            if store.get('token').decode() == token:  # not another store that took the port since
+                store.set_timeout(timedelta(minutes=30))
+                return store
+        except (OSError, RuntimeError):  # an old post
+            pass
+        time.sleep(0.1)

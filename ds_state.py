@@ -1,0 +1,191 @@
+"""
+What ds_train.py needs of DeepSpeed 0.19.8 besides its engine: the generated config's merge with a user's file,
+the engine's checkpoint I/O taken over (background writes, weights_only loads), its state as train.py's whole
+model and AdamW state and back (for the consolidated ckpt.pt, which resumes at any world size and stage), and
+what each rank holds in memory.
+"""
+
+import json
+import os
+import sys
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param,
+                             safe_set_full_optimizer_state)
+from deepspeed.utils.tensor_fragment import fragment_address
+
+# the classes that DeepSpeed 0.19.8 pickles into its checkpoints besides tensors and containers
+DS_SAFE_GLOBALS = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def merge_config(ours, theirs, where, path):
+    """theirs added to ours, in place; a value of theirs that differs from ours is an error."""
+    for k, v in theirs.items():
+        if isinstance(v, dict) and isinstance(ours.get(k), dict):
+            merge_config(ours[k], v, f'{where}{k}.', path)
+        elif k in ('optimizer', 'scheduler') and not where:
+            sys.exit(f"error: {path} sets {k}: ds_train.py makes the optimizer (AdamW, train.py's weight-decay "
+                     f"groups) and the LR schedule from its config keys; drop {k!r} from the file")
+        elif k in ours and ours[k] != v:
+            sys.exit(f"error: {path} sets {where}{k}={json.dumps(v)}, which contradicts {json.dumps(ours[k])} "
+                     f"from the config (batch_size, gradient_accumulation_steps, grad_clip, dtype, zero_stage, "
+                     f"offload_*): set it with those keys, or drop it from the file")
+        else:
+            ours[k] = v
+
+
+class DeferredWrites(CheckpointEngine):
+    """The engine's file I/O, taken over: at a save it hands us each file's state instead of writing it, and
+    save_checkpoint below writes them in the background. Loads read with weights_only, the engine's state being
+    data too (its few classes allowed by name)."""
+    def __init__(self):
+        super().__init__()
+        self.files = []
+
+    def create(self, info):
+        self.files = []
+
+    def save(self, state_dict, path):
+        self.files.append((path, state_dict))
+
+    def load(self, path, map_location=None):
+        with torch.serialization.safe_globals(DS_SAFE_GLOBALS):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    def commit(self, info):
+        return True
+
+    def preserves_storage_sharing(self):
+        return False  # no clones: the thread copies the tensors into host memory, while the next step runs
+
+
+def engine_state(path):
+    """Our state in the engine checkpoint folder at path (the client state: iter_num, run_id, world_size, config),
+    once every file of the folder loads; raises where one does not (cut short, corrupt). With mmap only each
+    file's index is read."""
+    files = sorted(f for f in os.listdir(path) if f.endswith('.pt'))
+    with torch.serialization.safe_globals(DS_SAFE_GLOBALS):
+        for f in files:
+            torch.load(os.path.join(path, f), map_location='cpu', weights_only=True, mmap=True)
+        states = [f for f in files if f.endswith('model_states.pt')][0]
+        return torch.load(os.path.join(path, states), map_location='cpu', weights_only=True, mmap=True)
+
+
+def link_optimizer_state(raw_model, optimizer):
+    """DeepSpeed 0.19.8 links each parameter to its fragments of the optimizer state lazily, in its step, after the
+    first weight-decay group's update, when the second group (biases, gains) has no state yet: link the rest."""
+    for p in raw_model.parameters():
+        m = getattr(p, '_hp_mapping', None)
+        if m is not None and not m.optim_fragment:
+            flat = optimizer.param_groups[m.param_group_index]['params'][0]
+            m.set_optim_state_fragment(flat, optimizer.state[flat])
+
+
+def stage0_pieces(tensors, shapes):
+    """At stage 0 AdamW steps the parameters themselves (fp32), or one flat fp32 copy of each group (bf16, fp16):
+    the group's parameters' tensors, or their views in that flat tensor."""
+    if len(tensors) == len(shapes):
+        return tensors
+    return [t.view(s) for t, s in zip(tensors[0].split([s.numel() for s in shapes]), shapes)]
+
+
+def gather_state(engine, raw_model, optimizer, group_names, adamw_groups):
+    """train.py's model and optimizer state dicts, whole, in CPU memory. A collective: under ZeRO each parameter's
+    fp32 master weights and Adam moments are all-reduced from the fragments that the ranks own."""
+    params = dict(raw_model.named_parameters())
+    moments = ('exp_avg', 'exp_avg_sq')
+    weights, state = {}, {}
+    if any(hasattr(p, '_hp_mapping') or hasattr(p, 'ds_id') for p in params.values()):  # ZeRO 1-3
+        link_optimizer_state(raw_model, optimizer)
+        for n, p in params.items():
+            weights[n] = safe_get_full_fp32_param(p).cpu()
+            state[n] = {k: safe_get_full_optimizer_state(p, k).cpu() for k in moments}
+    else:
+        for group, g in zip(group_names, optimizer.param_groups):
+            shapes = [params[n].shape for n in group]
+            ws = stage0_pieces(g['params'], shapes)
+            ms = {k: stage0_pieces([optimizer.state[m][k] for m in g['params']], shapes) for k in moments}
+            for i, n in enumerate(group):
+                weights[n], state[n] = ws[i].detach().cpu(), {k: ms[k][i].cpu() for k in moments}
+    name_of = {id(p): n for n, p in params.items()}  # the tied lm_head.weight is wte's parameter
+    model_sd = {k: weights[name_of[id(v)]] for k, v in raw_model.state_dict(keep_vars=True).items()}
+    # numbered as train.py's AdamW numbers its parameters, with its hyperparameters
+    step = torch.tensor(float(next(iter(optimizer.state.values()))['step']))  # every parameter takes every step
+    names = [n for group in group_names for n in group]
+    groups, start = [], 0
+    for g, live, group in zip(adamw_groups, optimizer.param_groups, group_names):
+        groups.append({**g, 'lr': live['lr'], 'params': list(range(start, start + len(group)))})
+        start += len(group)
+    return model_sd, {'state': {i: {'step': step, **state[n]} for i, n in enumerate(names)}, 'param_groups': groups}
+
+
+@torch.no_grad()
+def load_state(engine, raw_model, optimizer, group_names, model_sd, optim_sd, device):
+    """gather_state's inverse: train.py's whole weights and AdamW state, whatever world size, stage or entrypoint
+    wrote them, into this engine; each rank keeps its own part (under ZeRO its fragments of every parameter's fp32
+    master weights and Adam moments). The module holds the weights already (they were loaded before the engine
+    was made); the fp32 master copies are set again, since in bf16 the engine made them from rounded weights."""
+    params = dict(raw_model.named_parameters())
+    names = [n for group in group_names for n in group]
+    saved = {names[i]: s for i, s in optim_sd['state'].items()}
+    if saved:
+        # Adam's state exists only from its first step on: a step on zero gradients at lr 0 makes it (zero moments,
+        # the weights unmoved), and then takes the saved moments and step count. Its flat fp32 tensors: each group's
+        # own, or at stage 3 the sub-groups that the engine hands it only for the length of a step
+        zero3 = getattr(engine.optimizer, 'fp32_partitioned_groups_flat', None)
+        flats = [(engine.optimizer.sub_group_to_group_id[j], t) for j, t in enumerate(zero3)] if zero3 else \
+            [(i, p) for i, g in enumerate(optimizer.param_groups) for p in g['params']]
+        before = [(g['params'], g['lr']) for g in optimizer.param_groups]
+        grads = [t.grad for _, t in flats]
+        for i, g in enumerate(optimizer.param_groups):
+            g['params'], g['lr'] = [t for j, t in flats if j == i], 0.0
+        for _, t in flats:
+            t.grad = torch.zeros_like(t)
+        optimizer.step()
+        for g, (params_before, lr) in zip(optimizer.param_groups, before):
+            g['params'], g['lr'] = params_before, lr
+        for (_, t), grad in zip(flats, grads):
+            t.grad = grad
+        step = float(next(iter(saved.values()))['step'])
+        for s in optimizer.state.values():
+            s['step'] = s['step'].fill_(step) if torch.is_tensor(s['step']) else int(step)
+    if any(hasattr(p, '_hp_mapping') or hasattr(p, 'ds_id') for p in params.values()):  # ZeRO 1-3
+        link_optimizer_state(raw_model, optimizer)
+        for n, p in params.items():
+            safe_set_full_fp32_param(p, model_sd[n].to(device))
+            for k in saved.get(n, {}):
+                if k != 'step':
+                    safe_set_full_optimizer_state(p, saved[n][k].to(device), k)
+    else:
+        for group, g in zip(group_names, optimizer.param_groups):
+            shapes = [params[n].shape for n in group]
+            for n, w in zip(group, stage0_pieces(g['params'], shapes)):
+                w.copy_(model_sd[n])
+            for k in ('exp_avg', 'exp_avg_sq') if saved else ():
+                for n, m in zip(group, stage0_pieces([optimizer.state[t][k] for t in g['params']], shapes)):
+                    m.copy_(saved[n][k])
+
+
+def state_bytes(engine, raw_model, optimizer):
+    """Bytes of parameters, gradients and optimizer state on this rank, counted by storage (a flat buffer once,
+    however many views of it): the module's weights (their partitions at stage 3) and the fp32 master partitions
+    that ZeRO steps (the same storage at stage 3 in fp32, a copy at 1 and 2); the reduced gradients; the Adam
+    moments. DeepSpeed frees the gradients within its step, so they are counted before it."""
+    def size(tensors):
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    mine = [getattr(p, 'ds_tensor', p) for p in raw_model.parameters()]
+    # ZeRO-3 hands the optimizer its fp32 partitions only for the length of a step
+    masters = [p for g in optimizer.param_groups for p in g['params']] + \
+        list(getattr(engine.optimizer, 'fp32_partitioned_groups_flat', []))
+    # where each stage keeps them after the reduction: stage 0 in .grad, 1 and 2 in averaged_gradients (views of
+    # one partition buffer), 3 in one flat buffer of partitions, and with offload beside the CPU master copies
+    zero_grads = [g for gs in getattr(engine.optimizer, 'averaged_gradients', {}).values() for g in gs or []]
+    grads = [p.grad for p in list(raw_model.parameters()) + masters if p.grad is not None] + zero_grads + \
+        [getattr(engine.optimizer, 'grad_partitions_flat_buffer', None)]
+    return dict(param_bytes=size(mine + masters),
+                grad_bytes=size(g for g in grads if g is not None),
+                optim_bytes=size(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)))
+

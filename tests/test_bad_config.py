@@ -1,0 +1,115 @@
+"""Numbers, folders and data that cannot train: one validation step, shared by the four entrypoints, gives a
+one-line error that names the fix before anything is written; a resume that fails leaves the run it would have
+resumed as it was."""
+
+import pickle
+import shutil
+
+import pytest
+
+import configurator
+from conftest import TINY, one_line_error, run
+
+SCRIPTS = ['train.py', 'fsdp_train.py', 'decent_train.py', 'ds_train.py']
+
+
+def fails(tmp_path, *args, script='train.py'):
+    return one_line_error(run(script, *TINY, *args, cwd=tmp_path, check=False))
+
+
+@pytest.mark.parametrize('key, value, fix', [
+    ('batch_size', 0, '--batch_size 1 or more'), ('block_size', 0, '--block_size 1 or more'),
+    ('eval_iters', 0, '--eval_iters 1 or more'), ('eval_interval', 0, '--eval_interval 1 or more'),
+    ('log_interval', 0, '--log_interval 1 or more'), ('gradient_accumulation_steps', 0, '1 or more'),
+    ('max_iters', -1, '--max_iters 0 or more'), ('learning_rate', -1e-3, '--learning_rate 0 or more'),
+    ('beta1', 1.0, '--beta1 in [0, 1)'), ('beta2', -0.1, '--beta2 in [0, 1)'), ('dropout', 1.0, '--dropout in [0, 1)'),
+    ('dropout', -0.1, '--dropout in [0, 1)'), ('n_head', 0, '--n_head 1 or more'), ('n_layer', 0, '1 or more'),
+    ('weight_decay', -1.0, '0 or more'), ('grad_clip', -1.0, '0 or more'), ('save_memory_interval', -1, '0 or more'),
+    ('max_nonfinite_steps', 0, '--max_nonfinite_steps 1 or more'),
+])
+def test_each_number_has_a_range(key, value, fix):
+    with pytest.raises(SystemExit) as e:
+        configurator.check_config({'n_embd': 64, 'n_head': 4, key: value})
+    assert str(e.value.code).startswith(f'error: {key}={value} is out of range') and fix in str(e.value.code)
+
+
+def test_heads_must_split_the_width():
+    with pytest.raises(SystemExit) as e:
+        configurator.check_config({'n_embd': 100, 'n_head': 12})
+    assert 'n_embd=100 is not a multiple of n_head=12' in str(e.value.code)
+    configurator.check_config({'n_embd': 96, 'n_head': 12})  # and a multiple passes
+
+
+@pytest.mark.parametrize('script', SCRIPTS)
+def test_every_entrypoint_checks_before_it_writes(tmp_path, data_dir, script):
+    data = f'--dataset={data_dir / "shakespeare_char"}'
+    for bad, says in (('--eval_interval=0', 'eval_interval=0 is out of range'),
+                      ('--gradient_accumulation_steps=0', 'gradient_accumulation_steps=0 is out of range')):
+        assert says in fails(tmp_path, data, '--out_dir=out', bad, script=script)
+    assert not (tmp_path / 'out').exists()
+
+
+def test_device_and_out_dir(tmp_path, data_dir):
+    data = f'--dataset={data_dir / "shakespeare_char"}'
+    assert "device='banana' is not a device torch knows" in fails(tmp_path, data, '--out_dir=out', '--device=banana')
+    (tmp_path / 'afile').write_text('x')
+    assert 'out_dir=afile is a file, not a folder' in fails(tmp_path, data, '--out_dir=afile')
+    assert 'would lie below' in fails(tmp_path, data, '--out_dir=afile/run') and 'which is a file' in \
+        fails(tmp_path, data, '--out_dir=afile/run')
+    assert 'out_dir is empty: give --out_dir=FOLDER' in fails(tmp_path, data, '--out_dir=')
+    assert 'cannot write in /proc' in fails(tmp_path, data, '--out_dir=/proc/run')  # read-only, even for root
+    assert (tmp_path / 'afile').read_text() == 'x' and sorted(p.name for p in tmp_path.iterdir()) == ['afile']
+
+
+@pytest.fixture
+def odd_data(tmp_path, data_dir):
+    d = tmp_path / 'odd'
+    shutil.copytree(data_dir / 'shakespeare_char', d)
+    return d
+
+
+def test_damaged_data(tmp_path, odd_data):
+    data = f'--dataset={odd_data}'
+    with open(odd_data / 'val.bin', 'ab') as f:
+        f.write(b'\x01')  # half a token
+    assert 'not a whole number of uint16 tokens' in fails(tmp_path, data, '--out_dir=out')
+    (odd_data / 'val.bin').write_bytes((odd_data / 'val.bin').read_bytes()[:-1])
+    (odd_data / 'meta.pkl').write_bytes((odd_data / 'meta.pkl').read_bytes()[:40])
+    msg = fails(tmp_path, data, '--out_dir=out')
+    assert 'meta.pkl is not a vocabulary' in msg and 'prepare the dataset again' in msg
+    (odd_data / 'meta.pkl').write_bytes(pickle.dumps({'stoi': {}, 'itos': {}}))
+    assert 'meta.pkl is not a vocabulary (ValueError: it holds no vocab_size)' in fails(tmp_path, data, '--out_dir=out')
+    assert not (tmp_path / 'out').exists()
+
+
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py'])
+def test_token_ids_past_the_vocabulary(tmp_path, odd_data, script):
+    meta = pickle.loads((odd_data / 'meta.pkl').read_bytes())
+    (odd_data / 'meta.pkl').write_bytes(pickle.dumps({**meta, 'vocab_size': 40}))  # tiny Shakespeare has 65 chars
+    msg = fails(tmp_path, f'--dataset={odd_data}', '--out_dir=out', script=script)
+    assert 'train.bin holds token id 64, past the model\'s vocabulary of 40' in msg and "model's tokenizer" in msg
+    assert not (tmp_path / 'out').exists()
+
+
+@pytest.fixture(scope='module')
+def good_run(tmp_path_factory, data_dir):
+    tmp = tmp_path_factory.mktemp('good')
+    run('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp / "run"}', '--max_iters=4',
+        '--eval_interval=2', '--gradient_accumulation_steps=1', cwd=tmp)
+    return tmp / 'run'
+
+
+def test_a_resume_that_fails_leaves_the_run_as_it_was(tmp_path, data_dir, good_run, odd_data):
+    out = tmp_path / 'run'
+    shutil.copytree(good_run, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert before['metrics.jsonl'].count(b'\n') >= 6  # evals at 0, 2, 4 and four steps
+    resume = [f'--out_dir={out}', '--init_from=resume', '--max_iters=8']
+    msg = fails(tmp_path, f'--dataset={data_dir / "shakespeare_char"}', *resume, '--eval_interval=0')
+    assert 'eval_interval=0 is out of range' in msg
+    # data whose ids the checkpoint's 65-token vocabulary cannot embed: a larger meta.pkl passes, the ids do not
+    ids = (odd_data / 'train.bin').read_bytes()
+    (odd_data / 'train.bin').write_bytes(ids[:-2] + (70).to_bytes(2, 'little'))
+    msg = fails(tmp_path, f'--dataset={odd_data}', *resume)
+    assert 'holds token id 70, past the model\'s vocabulary of 65' in msg
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
