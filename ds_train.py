@@ -96,7 +96,7 @@ save_consolidated = True  # with each checkpoint also write out_dir/ckpt.pt in t
 # the deepspeed launcher adds --local_rank=K, which says what LOCAL_RANK in the environment says
 config, given = configure(globals(), [a for a in sys.argv[1:] if not a.startswith('--local_rank=')])
 
-# DeepSpeed, imported after the config: launch/resume.py and the manifest tests read the config without it
+# DeepSpeed, imported after the config: the manifest tests (tests/test_k8s.py) read the config without it
 try:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
