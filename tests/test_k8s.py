@@ -4,14 +4,15 @@ strict mode; Kubeflow's PyTorchJob and DLRover's ElasticJob against the openAPIV
 against the repo (the script exists, the launcher takes its options, the configurator takes its arguments).
 Each broken manifest in the last tests is rejected by these same checks."""
 
-import ast
 import contextlib
 import copy
 import fnmatch
 import io
 import re
+import runpy
 import shlex
 import sys
+from unittest import mock
 
 import jsonschema
 import kubernetes_validate
@@ -22,8 +23,8 @@ from yamllint.config import YamlLintConfig
 
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / 'launch'))
-from resume import script_config, script_globals  # noqa: E402
+sys.path.insert(0, str(REPO))
+import configurator  # noqa: E402
 
 CRDS = REPO.parent / 'shared' / 'k8s-crds'
 MANIFESTS = sorted((REPO / 'k8s').glob('*.yaml'))
@@ -31,8 +32,6 @@ K8S_VERSION = kubernetes_validate.latest_version()
 LINT = YamlLintConfig('{extends: default, rules: {line-length: {max: 120}, document-start: disable}}')
 IMAGE = 'gpt-train:latest'
 WORKDIR = '/workspace'  # k8s/Dockerfile's; the manifests name the repo's files relative to it
-DATASETS = script_globals(ast.parse((REPO / 'prepare.py').read_text()), 'prepare.py', True)['DATASETS']
-RESUME = 'launch/resume.py'
 
 # TensorStack publishes no CRD for PyTorchTrainingJob. This schema holds the fields that its user manual's page
 # on the kind shows (spec.torchrunConfig, spec.replicaSpecs[*], spec.runPolicy, spec.scheduler, spec.elastic),
@@ -184,9 +183,28 @@ def split_command(argv):
     launcher, rest = (argv or [''])[0], argv[1:]
     n_options = next((i for i, a in enumerate(rest) if not a.startswith('-')), len(rest))
     script, args = (rest[n_options:] or [''])[0], rest[n_options + 1:]
-    if script == RESUME and args:  # it runs the script after it
-        script, args = args[0], args[1:]
     return launcher, rest[:n_options], script, args, refs
+
+
+class Configured(Exception):
+    """What stops a script at its configure() call, with the config that call returned."""
+
+
+def script_config(script, args):
+    """The config that `python script *args` runs with. The script runs as itself, in this process, up to its
+    configure() call (imports, defaults and, for prepare.py, its check of the dataset), which stops it with the
+    config; bad arguments exit there with the script's one-line error."""
+    def configure_and_stop(namespace, argv=None, **kwargs):
+        raise Configured(real_configure(namespace, argv, **kwargs)[0])
+
+    real_configure = configurator.configure
+    with mock.patch.object(configurator, 'configure', configure_and_stop), \
+            mock.patch.object(sys, 'argv', [str(script), *args]):
+        try:
+            runpy.run_path(str(script), run_name='__main__')
+        except Configured as stopped:
+            return stopped.args[0]
+    raise AssertionError(f"{script} ran to its end without calling configure()")
 
 
 def command_problems(argv, env, kind):
@@ -210,10 +228,6 @@ def command_problems(argv, env, kind):
         found.append(f"python options {options}: name the script first")
     if not (REPO / script).is_file() or not script.endswith('.py'):
         return found + [f"{script!r} is not a script in the repo"]
-    if script == 'prepare.py':
-        if not args or args[0] not in DATASETS:
-            return found + [f"prepare.py needs a dataset first, one of {', '.join(DATASETS)}"]
-        args = args[1:]
     try:
         script_config(str(REPO / script), args)
     except SystemExit as e:
@@ -265,8 +279,9 @@ def test_the_manifests_cover_each_launcher_and_share_one_volume():
     assert claims == {docs['pvc.yaml']['metadata']['name']}
 
 
-def test_each_training_job_has_its_own_out_dir(monkeypatch):
-    # launch/resume.py resumes from whatever checkpoint out_dir holds: two jobs on one out_dir would mix
+def test_each_training_job_has_its_own_out_dir_and_resumes_from_it(monkeypatch):
+    # a restarted pod runs the same command, and the entrypoint continues the run in its out_dir by itself
+    # (auto_resume): two jobs on one out_dir would continue each other's runs
     monkeypatch.chdir(REPO)
     pairs = set()  # (job, out_dir), from every pod of every job
     for path in MANIFESTS:
@@ -275,7 +290,9 @@ def test_each_training_job_has_its_own_out_dir(monkeypatch):
                 c = template['spec']['containers'][0]
                 _, _, script, args, _ = split_command((launcher or c['command']) + c.get('args', []))
                 if script != 'prepare.py':
-                    pairs.add((doc['metadata']['name'], script_config(script, args)['out_dir']))
+                    config = script_config(script, args)
+                    assert config['auto_resume'], (path.name, args)
+                    pairs.add((doc['metadata']['name'], config['out_dir']))
     jobs, out_dirs = {job for job, _ in pairs}, {d for _, d in pairs}
     assert len(jobs) == len(out_dirs) == len(pairs) == 8, sorted(pairs)  # one to one
     assert all(d.startswith('/mnt/gpt/out/') for d in out_dirs), out_dirs  # on the volume, not in the pod
@@ -290,8 +307,8 @@ def test_dockerfile_puts_the_repo_where_the_manifests_run():
     assert ('RUN', 'pip install --no-cache-dir -r requirements.txt') in steps
     # nothing a manifest runs is left out of the image by .dockerignore
     ignored = [p for p in (REPO / '.dockerignore').read_text().split('\n') if p and not p.startswith('#')]
-    needed = ['train.py', 'fsdp_train.py', 'ds_train.py', 'prepare.py', 'configurator.py', 'model.py', RESUME,
-              'config/train_gpt2.py', 'requirements.txt']
+    needed = ['train.py', 'fsdp_train.py', 'ds_train.py', 'prepare.py', 'configurator.py', 'model.py', 'checkpoint.py',
+              'data.py', 'config/train_gpt2.py', 'requirements.txt']
     assert not [(n, p) for n in needed for p in ignored if fnmatch.fnmatch(n, p) or n.startswith(p + '/')]
 
 
@@ -352,7 +369,7 @@ BROKEN = {
                             replace_arg('config/train_gpt2.py', 'config/train_gtp2.py')),
     'missing script': ('elasticjob-train.yaml', "'trian.py' is not a script in the repo",
                        replace_arg(' train.py', ' trian.py')),
-    'unknown dataset for prepare.py': ('prepare-openwebtext.yaml', 'prepare.py needs a dataset first',
+    'unknown dataset for prepare.py': ('prepare-openwebtext.yaml', "prepare.py: error: unknown dataset 'owt'",
                                        replace_arg('openwebtext', 'owt')),
     'misspelt torchrun option': ('pytorchjob-train.yaml', 'torchrun does not take',
                                  replace_arg('--nproc-per-node=8', '--nprocs-per-node=8')),

@@ -248,7 +248,7 @@ def test_decentralized_job_on_two_nodes_of_two_mixes_within_and_across_nodes(clu
 
 
 @pytest.mark.parametrize('bad, error', [
-    ('--bacth_size=4', "unknown config key 'bacth_size'; did you mean batch_size"),  # from launch/resume.py
+    ('--bacth_size=4', "unknown config key 'bacth_size'; did you mean batch_size"),  # from train.py's configurator
     ('--dataset=/nonexistent', "/nonexistent/train.bin not found: run `python prepare.py"),  # from train.py
 ], ids=['bad-key', 'missing-data'])
 def test_a_failing_job_is_reported_failed_with_the_error_in_its_log(cluster, tmp_path, data_dir, bad, error):
@@ -280,9 +280,10 @@ def test_a_signalled_job_is_requeued_and_resumes_from_its_checkpoint(cluster, tm
     assert f'SIG{sig}: requeueing job {job}' in batch_log, batch_log
     # both runs, appended (each node's log, should the requeued run have landed on the other node)
     node_log = ''.join(p.read_text() for p in sorted((tmp_path / 'logs' / f'gpt-train-{job}').glob('*.log')))
-    assert node_log.count(f'{out} holds a checkpoint: resuming from it') == 1, node_log[-3000:]  # launch/resume.py
-    resumed = re.findall(r'resuming from .*ckpt\.pt at iter (\d+)', node_log)  # train.py
-    assert len(resumed) == 1 and 100 <= int(resumed[0]) < 1000, node_log[-3000:]
+    # the requeued run was started with the first one's arguments: it resumed by itself (train.py's auto_resume)
+    auto = re.findall(rf"auto-resume: {re.escape(str(out))} holds this run's state at iter (\d+)", node_log)
+    resumed = re.findall(r'resuming from .*ckpt\.pt at iter (\d+)', node_log)
+    assert len(resumed) == 1 and 100 <= int(resumed[0]) < 1000 and auto == resumed, node_log[-3000:]
     # the run SLURM stopped got SIGTERM and saved a checkpoint at the end of its step: nothing is redone
     saved = re.findall(r'SIGTERM: saving a checkpoint at iter (\d+) and exiting', node_log)
     assert saved == resumed, node_log[-3000:]
