@@ -7,6 +7,8 @@ An entrypoint's module-level globals of type int, float, bool or str are its con
 
 right after them: every `config/x.py` argument is run as Python and every `--key=value` argument is parsed with
 ast.literal_eval (a bare word is a string), in the order given, each checked against the default's name and type.
+A config file runs like a module: it may import (modules, functions and _names are not keys) and knows its own
+path as __file__.
 `config` is the final dict of every key; `given` the keys that a file or flag set. With skip_unknown_in_files,
 a config file may set keys the script lacks (bench.py reads training configs), but a flag may not.
 Bad input exits with a one-line error that names the fix.
@@ -62,7 +64,7 @@ def configure(namespace, argv=None, skip_unknown_in_files=False):
                     source = f.read()
             except OSError as e:
                 sys.exit(f"error: cannot read config file {arg}: {e.strerror}")
-            scope = dict(defaults)
+            scope = dict(defaults, __file__=arg)
             try:
                 exec(compile(source, arg, 'exec'), scope)
             except Exception as e:

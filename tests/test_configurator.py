@@ -68,3 +68,15 @@ def test_malformed_arguments(capsys):
     assert 'needs a value' in fails(defaults(), ['--batch_size'], capsys)
     assert 'neither a config file' in fails(defaults(), ['batch_size=3'], capsys)
     assert 'cannot read config file' in fails(defaults(), ['nope.py'], capsys)
+
+
+def test_config_file_may_run_another_by_its_own_path(tmp_path):
+    # config/train_shakespeare_char.py takes the CPU recipe's file this way when there is no GPU
+    (tmp_path / 'small.py').write_text("batch_size = 2\ncompile = False\n")
+    cfg_file = tmp_path / 'auto.py'
+    cfg_file.write_text("import os\nn_layer = 4\n_small = os.path.join(os.path.dirname(__file__), 'small.py')\n"
+                        "with open(_small) as _f:\n    exec(_f.read())\n")
+    ns = defaults()
+    config, given = configure(ns, [str(cfg_file)])
+    assert (ns['batch_size'], ns['compile'], ns['n_layer']) == (2, False, 4)
+    assert given == {'batch_size', 'compile', 'n_layer'}
