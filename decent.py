@@ -88,6 +88,13 @@ def make_bucket(params):
 
 
 
+def wait_for(bucket):
+    """Until the bucket's mixing all-reduce, if one is in flight, is done."""
+    if bucket.work is not None:
+        bucket.work.wait()
+        bucket.work = None
+
+
 class AccumAdamW(torch.optim.Optimizer):
     """The method's AccumAdam, with AdamW's decoupled weight decay: the parameters move every step, but the
     moments take in the mean gradient of accum_steps steps at once, so that with few samples per rank and step
@@ -128,6 +135,29 @@ class AccumAdamW(torch.optim.Optimizer):
                     state['grad_sum'].zero_()
                     state['grads_summed'] = 0
 
+
+
+def make_optimizer(kind, groups, lr, betas, weight_decay, moment_accum_steps, device_type):
+    """A bucket's optimizer: AdamW (fused, one kernel for the update, as train.py's), AccumAdamW or plain SGD."""
+    if kind == 'sgd':
+        return torch.optim.SGD(groups, lr=lr)
+    if kind == 'accumadamw':
+        return AccumAdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay, accum_steps=moment_accum_steps)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device_type in ('cuda', 'cpu'))
+
+
+def read_replica(path, rank, world_size, print0):
+    """A rank's replica and optimizer state from a folder of every rank's; a memory snapshot or a ckpt.pt
+    (train.py's, or decent_train.py's averaged export) whole. Data, never code. The algorithm's state is one
+    replica per rank, which does not reshard: at another world size (an elastic restart with fewer or more nodes)
+    every rank starts from their average, as evals see it."""
+    if not os.path.isdir(path):
+        return torch.load(path, map_location='cpu', weights_only=True)
+    saved = len(torch.load(os.path.join(path, 'rank-0.pt'), map_location='cpu', weights_only=True, mmap=True)['rng'])
+    if saved == world_size:
+        return torch.load(os.path.join(path, f'rank-{rank}.pt'), map_location='cpu', weights_only=True)
+    print0(f"{path} holds the replicas of {saved} ranks, not {world_size}: every rank starts from their average")
+    return averaged_replicas(path, saved)
 
 
 def averaged_replicas(folder, ranks):

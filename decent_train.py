@@ -8,14 +8,12 @@ Two nodes:        torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --r
                       decent_train.py config/train_gpt2.py --topology=alternating-exp-ring \
                       --replica_optimizer=accumadamw
 
-Everything but the distribution is train.py's: config keys, data stream, logging and exact resume. A topology is
-a cycle of mixing rounds; in each round the ranks split into groups and every group averages its replicas (an
-all-reduce within the group), so each round's mixing matrix is doubly stochastic. A bucket of parameters is
-updated and starts mixing as soon as its gradients are complete, while the backward goes on, and the next
-forward waits for each bucket only where it needs it. Evals run on the average of all replicas and log how far
-the replicas are from it. Checkpoints hold every rank's replica and optimizer state (out_dir/decent/step-N/), and
-out_dir/ckpt.pt the averaged model in train.py's format, for sample.py and train.py; a train.py checkpoint starts
-every replica here, and so does the average of the replicas where the world size has changed.
+Everything but the distribution is train.py's. A topology is a cycle of mixing rounds; in each round every group
+of ranks averages its replicas (an all-reduce within the group). A bucket of parameters is updated and starts
+mixing as soon as its gradients are complete, and the next forward waits for each bucket only where it needs it.
+Evals run on the average of all replicas and log how far the replicas are from it. Checkpoints hold every rank's
+replica and optimizer state (out_dir/decent/step-N/), and out_dir/ckpt.pt the averaged model in train.py's format;
+a train.py checkpoint starts every replica here, and so does their average where the world size has changed.
 """
 
 import math
@@ -28,14 +26,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import (upgrade_optimizer_state, commit, create_model, find_resume, previous, reason, remove_snapshots, save_in_background,
-                        snapshot_dir, wait_for_copies, wait_for_saves)
+from checkpoint import (commit, create_model, find_resume, previous, reason, remove_snapshots, save_in_background,
+                        snapshot_dir, upgrade_optimizer_state, wait_for_copies, wait_for_saves)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, read_meta
-from decent import (AccumAdamW, average_moments, average_replicas, averaged_replicas, make_bucket, make_mixing_groups,
-                    mixing_rounds, restore_replica)
-from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
-                         state_bytes, torchrun_env, use_deterministic_algorithms)
+from decent import (average_moments, average_replicas, make_bucket, make_mixing_groups, make_optimizer, mixing_rounds,
+                    read_replica, restore_replica, wait_for)
+from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start, state_bytes,
+                         torchrun_env, use_deterministic_algorithms)
 from runlog import count_skipped, open_log
 
 # -----------------------------------------------------------------------------
@@ -194,23 +192,9 @@ meta_path = os.path.join('data', dataset, 'meta.pkl')
 meta_vocab_size = read_meta(meta_path)['vocab_size'] if os.path.exists(meta_path) else None
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=meta_vocab_size or 50304, dropout=dropout)
-
-
-def read_replica(path):
-    """This rank's replica and optimizer state from a folder of every rank's; a memory snapshot or a ckpt.pt
-    (train.py's, or this script's averaged export) whole. Data, never code."""
-    if not os.path.isdir(path):
-        return torch.load(path, map_location='cpu', weights_only=True)
-    saved = len(torch.load(os.path.join(path, 'rank-0.pt'), map_location='cpu', weights_only=True, mmap=True)['rng'])
-    if saved == world_size:
-        return torch.load(os.path.join(path, f'rank-{rank}.pt'), map_location='cpu', weights_only=True)
-    # The algorithm's state is one replica per rank, which does not reshard: at another world size (an elastic
-    # restart with fewer or more nodes) every rank starts from their average, as evals see it
-    print0(f"{path} holds the replicas of {saved} ranks, not {world_size}: every rank starts from their average")
-    return averaged_replicas(path, saved)
-
-
-model, checkpoint = create_model(resume_path, read_replica, init_from, model_args, config, given)
+# this rank's replica from a folder of every rank's (at another world size, their average), or a whole file
+model, checkpoint = create_model(resume_path, lambda path: read_replica(path, rank, world_size, print0), init_from,
+                                 model_args, config, given)
 block_size = model_args['block_size']
 check_token_ids(bin_path, model.config.vocab_size)
 iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_loss'])) if checkpoint else (0, 1e9)
@@ -251,12 +235,6 @@ def on_gradient(param):
         update_and_mix(bucket)
 
 
-def wait_for(bucket):
-    if bucket.work is not None:
-        bucket.work.wait()
-        bucket.work = None
-
-
 def finish_mixing():
     for bucket in buckets:
         wait_for(bucket)
@@ -272,21 +250,12 @@ for block, bucket in zip(model.transformer.h, buckets[1:]):
 
 # -----------------------------------------------------------------------------
 # optimizer: one per bucket, each with train.py's two groups (weight decay on matrices and embeddings only)
-decay = set(raw_model.param_groups()[0])
-names = {p: n for n, p in raw_model.named_parameters()}
-
-
+decay, names = set(raw_model.param_groups()[0]), {p: n for n, p in raw_model.named_parameters()}
 for bucket in buckets:
     groups = [{'params': [p for p in bucket.params if names[p] in decay], 'weight_decay': weight_decay},
               {'params': [p for p in bucket.params if names[p] not in decay], 'weight_decay': 0.0}]
-    if replica_optimizer == 'sgd':
-        bucket.optimizer = torch.optim.SGD(groups, lr=learning_rate)
-    elif replica_optimizer == 'accumadamw':
-        bucket.optimizer = AccumAdamW(groups, lr=learning_rate, betas=(beta1, beta2), weight_decay=weight_decay,
-                                      accum_steps=moment_accum_steps)
-    else:  # fused: one kernel for the update, as train.py's
-        bucket.optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=(beta1, beta2),
-                                             fused=device_type in ('cuda', 'cpu'))
+    bucket.optimizer = make_optimizer(replica_optimizer, groups, learning_rate, (beta1, beta2), weight_decay,
+                                      moment_accum_steps, device_type)
 optimizers = [bucket.optimizer for bucket in buckets]
 
 # -----------------------------------------------------------------------------
@@ -330,14 +299,13 @@ eval_model = model
 
 
 def save_checkpoint(to='storage', wait=False):
-    """Every rank calls this (RNG states are gathered) and saves its own replica and optimizer state, with the
-    rest of the state: to='storage' into out_dir/decent/step-N/rank-R.pt, to='memory' into a file of the node's
-    snapshot folder. A thread copies it to host memory while the next step's forward runs (the last backward,
-    whose hooks may update the buckets, waits for it), then writes the copy to a temporary file, renamed when
-    complete: a crash mid-write leaves the previous one in place. Once every rank's file of a storage checkpoint
-    is in, rank 0 points out_dir/decent/latest at its folder and removes the ones before the previous. Storage also
-    writes out_dir/ckpt.pt in train.py's format: the average of the replicas and of their Adam moments, for
-    sample.py and train.py."""
+    """Every rank calls this (RNG states are gathered). to='storage': a checkpoint in out_dir; to='memory': a
+    snapshot in the node's folder in /dev/shm. A thread copies the state to host memory while the next step's
+    forward and backward run (the optimizer step waits for the copy), then writes it to temporary files, renamed
+    when complete: a crash mid-write leaves the previous one in place. Each rank saves its own replica and optimizer
+    state, into out_dir/decent/step-N/rank-R.pt (once every rank's is in, rank 0 points latest at the folder) or
+    its snapshot; storage also writes out_dir/ckpt.pt in train.py's format: the average of the replicas and of
+    their Adam moments, for sample.py and train.py."""
     finish_mixing()  # the last step's averages may still be on their way into the replica
     extra = {
         'model_args': model_args,

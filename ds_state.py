@@ -1,8 +1,9 @@
 """
-What ds_train.py needs of DeepSpeed 0.19.8 besides its engine: the generated config's merge with a user's file,
-the engine's checkpoint I/O taken over (background writes, weights_only loads), its state as train.py's whole
-model and AdamW state and back (for the consolidated ckpt.pt, which resumes at any world size and stage), and
-what each rank holds in memory.
+What ds_train.py needs of DeepSpeed 0.19.8 besides its engine: the offload settings and a user's config file
+merged into the generated config, the engine's checkpoint I/O taken over (background writes, weights_only loads)
+and its checkpoint folders read (which iteration, which layout), a guard for the one step it leaves unchecked,
+its state as train.py's whole model and AdamW state and back (for the consolidated ckpt.pt, which resumes at any
+world size and stage), and what each rank holds in memory.
 """
 
 import json
@@ -10,6 +11,8 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -17,8 +20,46 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
                              safe_set_full_optimizer_state)
 from deepspeed.utils.tensor_fragment import fragment_address
 
+from checkpoint import checkpoint_iter
+
 # the classes that DeepSpeed 0.19.8 pickles into its checkpoints besides tensors and containers
 DS_SAFE_GLOBALS = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def check_offload(offload_optimizer, offload_params, zero_stage):
+    """A one-line error where an offload setting is no device or folder, or needs a higher ZeRO stage or libaio."""
+    for key, value in (('offload_optimizer', offload_optimizer), ('offload_params', offload_params)):
+        nvme = value not in ('none', 'cpu')  # ZeRO-Infinity: a folder on an NVMe drive
+        if nvme and not os.path.isdir(value):
+            sys.exit(f"error: {key}={value!r} is neither none, cpu nor an existing folder (on an NVMe drive)")
+        lowest = 3 if nvme or key == 'offload_params' else 1
+        if value != 'none' and zero_stage < lowest:
+            sys.exit(f"error: {key}={value} needs zero_stage {'3' if lowest == 3 else '1 or more'}, not {zero_stage}")
+        if nvme and not getattr(get_accelerator().create_op_builder('AsyncIOBuilder'), 'is_compatible',
+                                lambda: False)():
+            sys.exit(f"error: {key} to NVMe needs DeepSpeed's async_io op, which needs libaio: apt-get install "
+                     f"libaio-dev (or yum install libaio-devel), or offload to cpu")
+
+
+def offload(key, value, device_type):
+    """The DeepSpeed config's offload entry for a key's value: none, cpu, or an NVMe folder."""
+    if value == 'none':
+        return {}
+    if value == 'cpu':
+        return {key: {'device': 'cpu', 'pin_memory': device_type == 'cuda'}}  # pinned: faster copies to GPUs
+    return {key: {'device': 'nvme', 'nvme_path': value}}
+
+
+def add_config_file(ds_cfg, path):
+    """Adds a user's DeepSpeed config file to the generated config; a setting that contradicts it is an error."""
+    try:
+        with open(path) as f:
+            extra = json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot read ds_config {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+    if not isinstance(extra, dict):
+        sys.exit(f"error: ds_config {path} holds a JSON {type(extra).__name__}, not an object of DeepSpeed settings")
+    merge_config(ds_cfg, extra, '', path)
 
 
 def merge_config(ours, theirs, where, path):
@@ -72,6 +113,52 @@ def engine_state(path):
             torch.load(os.path.join(path, f), map_location='cpu', weights_only=True, mmap=True)
         states = [f for f in files if f.endswith('model_states.pt')][0]
         return torch.load(os.path.join(path, states), map_location='cpu', weights_only=True, mmap=True)
+
+
+def checkpoint_iter_at(path, run_id, layout, foreign, ds_dir):
+    """The iteration of an engine checkpoint folder, None where another run or another layout (world size, ZeRO
+    stage: the shards resume only at the one that cut them) wrote it, those in ds_dir noted in foreign; or a
+    ckpt.pt's, as checkpoint_iter reads it."""
+    if not os.path.isdir(path):
+        return checkpoint_iter(path, run_id)
+    ours = engine_state(path)
+    if run_id is not None and ours.get('run_id', run_id) != run_id:
+        return None
+    if (ours['world_size'], ours['config']['zero_stage']) != layout:
+        if path.startswith(ds_dir):
+            foreign.append((path, ours['world_size'], ours['config']['zero_stage']))
+        return None
+    return int(ours['iter_num'])
+
+
+def engine_folders(folder):
+    """The step folders of an engine's checkpoints up to the one latest names: those after it were cut short."""
+    latest = os.path.join(folder, 'latest')
+    if not os.path.exists(latest):
+        return []
+    with open(latest) as f:
+        newest = f.read().strip()
+    return [os.path.join(folder, f) for f in sorted(os.listdir(folder), reverse=True) if 'step-' <= f <= newest]
+
+
+def guard_step(optimizer):
+    """At stage 0 in fp32 DeepSpeed steps our AdamW as it is, unchecked: a step with non-finite gradients is
+    skipped, and the overflow flag (which the engine reads after the step, as it does ZeRO's) says so."""
+    def guarded_step(adamw_step=optimizer.step):
+        grads = [p.grad for g in optimizer.param_groups for p in g['params'] if p.grad is not None]
+        optimizer.overflow = not torch.isfinite(torch.nn.utils.get_total_norm(grads)).item()
+        if not optimizer.overflow:
+            adamw_step()
+    optimizer.step = guarded_step
+
+
+def remove_shm_buffer_name(rank):
+    """Under its launcher (which sets LOCAL_SIZE) DeepSpeed on the CPU maps a 66 MB shared-memory file per rank
+    for its inference all-reduce and never removes it; once every rank has mapped the others', the names can go."""
+    dist.barrier()
+    shm = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_{os.environ.get('MASTER_PORT')}"
+    if os.path.exists(f'/dev/shm/{shm}_{rank}'):
+        os.remove(f'/dev/shm/{shm}_{rank}')
 
 
 def link_optimizer_state(raw_model, optimizer):

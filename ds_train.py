@@ -15,7 +15,6 @@ train.py's ckpt.pt, which sample.py, train.py and the other entrypoints read, an
 at another world size or stage (an elastic restart with fewer or more nodes).
 """
 
-import json
 import math
 import os
 import shutil
@@ -28,8 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import (upgrade_optimizer_state, checkpoint_iter, commit, create_model, find_resume, previous, reason, remove_snapshots,
-                        save_in_background, snapshot_dir, wait_for_copies, wait_for_saves)
+from checkpoint import (commit, create_model, find_resume, previous, reason, remove_snapshots, save_in_background,
+                        snapshot_dir, upgrade_optimizer_state, wait_for_copies, wait_for_saves)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, read_meta
 from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
@@ -102,7 +101,8 @@ try:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-    from ds_state import DeferredWrites, engine_state, gather_state, load_state, merge_config, state_bytes
+    from ds_state import (DeferredWrites, add_config_file, check_offload, checkpoint_iter_at, engine_folders,
+                          gather_state, guard_step, load_state, offload, remove_shm_buffer_name, state_bytes)
 except ImportError as e:
     sys.exit(f"error: ds_train.py needs DeepSpeed ({e}): pip install deepspeed==0.19.8")
 # DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates, and torch says so at each call
@@ -125,16 +125,7 @@ if dtype == 'float16' and not get_accelerator().is_fp16_supported():
 if zero_stage not in (0, 1, 2, 3):
     sys.exit(f"error: zero_stage={zero_stage} is not one of 0 (data parallel), 1 (optimizer state sharded), "
              f"2 (and gradients), 3 (and parameters)")
-for key, value in (('offload_optimizer', offload_optimizer), ('offload_params', offload_params)):
-    nvme = value not in ('none', 'cpu')  # ZeRO-Infinity: a folder on an NVMe drive
-    if nvme and not os.path.isdir(value):
-        sys.exit(f"error: {key}={value!r} is neither none, cpu nor an existing folder (on an NVMe drive)")
-    lowest = 3 if nvme or key == 'offload_params' else 1
-    if value != 'none' and zero_stage < lowest:
-        sys.exit(f"error: {key}={value} needs zero_stage {'3' if lowest == 3 else '1 or more'}, not {zero_stage}")
-    if nvme and not getattr(get_accelerator().create_op_builder('AsyncIOBuilder'), 'is_compatible', lambda: False)():
-        sys.exit(f"error: {key} to NVMe needs DeepSpeed's async_io op, which needs libaio: apt-get install "
-                 f"libaio-dev (or yum install libaio-devel), or offload to cpu")
+check_offload(offload_optimizer, offload_params, zero_stage)
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
 rank, local_rank, world_size = start(backend, device, deepspeed=True)
@@ -142,13 +133,7 @@ deepspeed.init_distributed(dist_backend=backend)  # takes the group start() made
 master_process = rank == 0  # does all the logging and checkpoint writing
 dp_rank, dp_size = rank, world_size  # every rank is a data-parallel rank: ZeRO shards over all of them
 if device_type == 'cpu':
-    # Under its launcher (which sets LOCAL_SIZE) DeepSpeed maps a 66 MB shared-memory file per rank for its
-    # inference all-reduce and never removes it; once every rank has mapped the others', the names can go
-    dist.barrier()
-    shm = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
-           f"{os.environ.get('MASTER_PORT')}_{rank}")
-    if os.path.exists(os.path.join('/dev/shm', shm)):
-        os.remove(os.path.join('/dev/shm', shm))
+    remove_shm_buffer_name(rank)
 # the threads that write checkpoints agree in collectives of their own that they are complete, one group a kind
 # (memory, storage) so that two threads' collectives never meet
 checkpoint_groups = {to: dist.new_group(backend='gloo') for to in ('memory', 'storage')}
@@ -206,32 +191,7 @@ def draw_train_offsets():
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')  # the consolidated export (or train.py's): resumes at any layout
 ds_dir = os.path.join(out_dir, 'ds')  # the engine's checkpoints, a folder per step
 foreign = []  # engine checkpoints in ds_dir of another world size or stage: (path, world size, stage)
-
-
-def engine_iter(path, run_id=None):
-    """The iteration of an engine checkpoint folder (None where another run or layout wrote it), or of a ckpt.pt."""
-    if not os.path.isdir(path):
-        return checkpoint_iter(path, run_id)
-    ours = engine_state(path)
-    if run_id is not None and ours.get('run_id', run_id) != run_id:
-        return None
-    if (ours['world_size'], ours['config']['zero_stage']) != (world_size, zero_stage):
-        if path.startswith(ds_dir):
-            foreign.append((path, ours['world_size'], ours['config']['zero_stage']))
-        return None
-    return int(ours['iter_num'])
-
-
-def engine_folders(folder):
-    """The step folders up to the one latest names: those after it were cut short."""
-    latest = os.path.join(folder, 'latest')
-    if not os.path.exists(latest):
-        return []
-    with open(latest) as f:
-        newest = f.read().strip()
-    return [os.path.join(folder, f) for f in sorted(os.listdir(folder), reverse=True) if 'step-' <= f <= newest]
-
-
+engine_iter = lambda path, run_id=None: checkpoint_iter_at(path, run_id, (world_size, zero_stage), foreign, ds_dir)
 run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only, snapshots=engine_folders,
                                   storage=[engine_folders(ds_dir) + [ckpt_path, previous(ckpt_path)]],
                                   where=f"{os.path.join(ds_dir, 'latest')} or {ckpt_path}", iter_of=engine_iter)
@@ -290,12 +250,6 @@ if offload_optimizer != 'none':
     optimizer = DeepSpeedCPUAdam(groups, lr=learning_rate, betas=(beta1, beta2), adamw_mode=True)
 
 
-def offload(value):
-    if value == 'cpu':
-        return {'device': 'cpu', 'pin_memory': device_type == 'cuda'}  # pinned: faster copies to and from GPUs
-    return {'device': 'nvme', 'nvme_path': value}
-
-
 # The DeepSpeed config, from train.py's keys: the same global batch (batch_size x gradient_accumulation_steps
 # sequences, over all ranks), clipping and precision. The LR schedule stays ours (get_lr sets it each step).
 ds_cfg = {
@@ -306,33 +260,18 @@ ds_cfg = {
     'bf16': {'enabled': dtype == 'bfloat16'},
     'fp16': {'enabled': dtype == 'float16'},
     'zero_optimization': {'stage': zero_stage,
-                          **({'offload_optimizer': offload(offload_optimizer)} if offload_optimizer != 'none' else {}),
-                          **({'offload_param': offload(offload_params)} if offload_params != 'none' else {})},
+                          **offload('offload_optimizer', offload_optimizer, device_type),
+                          **offload('offload_param', offload_params, device_type)},
 }
-if ds_config:
-    try:
-        with open(ds_config) as f:
-            extra = json.load(f)
-    except (OSError, ValueError) as e:
-        sys.exit(f"error: cannot read ds_config {ds_config} ({reason(e)})")
-    if not isinstance(extra, dict):
-        sys.exit(f"error: ds_config {ds_config} holds a JSON {type(extra).__name__}, not an object of DeepSpeed "
-                 f"settings")
-    merge_config(ds_cfg, extra, '', ds_config)
+if ds_config:  # a user's settings, added where they contradict none of ours
+    add_config_file(ds_cfg, ds_config)
 try:
     model, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_cfg)
 except ValueError as e:  # pydantic's errors about ds_config's settings among them: the class, the field, the reason
     why = '; '.join(line.strip() for line in str(e).splitlines()[:3])[:300]
     sys.exit(f"error: DeepSpeed rejects the config ({why}){f': check {ds_config}' if ds_config else ''}")
 if zero_stage == 0 and dtype == 'float32':
-    # Here DeepSpeed steps our AdamW as it is, unchecked: a step with non-finite gradients is skipped, and the
-    # overflow flag (which the engine reads after the step, as it does ZeRO's) says so
-    def guarded_step(adamw_step=model.optimizer.step):
-        grads = [p.grad for g in model.optimizer.param_groups for p in g['params'] if p.grad is not None]
-        model.optimizer.overflow = not torch.isfinite(torch.nn.utils.get_total_norm(grads)).item()
-        if not model.optimizer.overflow:
-            adamw_step()
-    model.optimizer.step = guarded_step
+    guard_step(model.optimizer)  # DeepSpeed steps our AdamW unchecked here: a non-finite step is skipped as ZeRO's are
 model.checkpoint_engine = DeferredWrites()  # its saves are ours to write in the background
 
 # -----------------------------------------------------------------------------
@@ -360,14 +299,13 @@ eval_model = model  # at stage 3 every rank takes part in each forward, evaluati
 
 
 def save_checkpoint(to='storage', wait=False):
-    """Every rank calls this: the engine hands over each rank's files of the state (shards of the weights and
-    optimizer state, and our state as its client state: the RNG of every rank, the data position), and a thread
-    copies them into host memory and writes them into out_dir/ds/step-N/ (to='memory': into the node's snapshot
-    folder in /dev/shm), each atomically. The loop goes on at once: the copy overlaps the next forward and backward
-    (the step waits for it). Once every rank's files are written, the first rank (of each node, for snapshots)
-    points latest at the folder (a crash before leaves the previous one in place) and removes the older ones but
-    the one before. With save_consolidated, storage checkpoints also write train.py's ckpt.pt, in the background
-    too. wait=True returns once all is written."""
+    """Every rank calls this (RNG states are gathered). to='storage': a checkpoint in out_dir; to='memory': a
+    snapshot in the node's folder in /dev/shm. A thread copies the state to host memory while the next step's
+    forward and backward run (the optimizer step waits for the copy), then writes it to temporary files, renamed
+    when complete: a crash mid-write leaves the previous one in place. The engine hands over each rank's files (its
+    shards, and our state as its client state) for out_dir/ds/step-N/ or the node's snapshot folder; once every
+    rank's are written, the first rank (of each node, for snapshots) points latest at the folder. With
+    save_consolidated, storage also writes train.py's ckpt.pt."""
     folder = os.path.join(ds_dir if to == 'storage' else snapshot_dir(run_id), f'step-{iter_num:08d}')
     if folder == resume_path:
         return  # a resumed run's first eval: the checkpoint it started from

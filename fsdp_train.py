@@ -34,8 +34,8 @@ from checkpoint import (atomic_save, create_model, find_resume, in_background, p
                         remove_snapshots, save_in_background, snapshot_dir, wait_for_copies, wait_for_saves)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, read_meta
-from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
-                         state_bytes, use_deterministic_algorithms)
+from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start, state_bytes,
+                         use_deterministic_algorithms)
 from runlog import count_skipped, open_log
 from sharded import clip_grad_norm, full_state, load_sharded_state, local_shards, total_norm
 
@@ -253,13 +253,13 @@ eval_model = model  # under FSDP every rank takes part in each forward, evaluati
 
 
 def save_checkpoint(to='storage', wait=False):
-    """Every rank calls this (RNG states are gathered) and saves its own shards. to='storage': DCP writes them into
-    out_dir/dcp/step-N/, rank 0 the rest of the state beside them; to='memory': into a file of the node's snapshot
-    folder, which only this mesh can read back. Both are written in the background, from copies in host memory:
-    DCP's is made before it returns, a snapshot's by its thread while the next step's forward and backward run
-    (the optimizer step waits for it). A crash mid-write leaves the previous one in place: a DCP folder is complete
-    once it holds .metadata, which DCP writes last, and only then does rank 0 point out_dir/dcp/latest at it and
-    remove the folders before the previous one. With save_consolidated, also train.py's ckpt.pt."""
+    """Every rank calls this (RNG states are gathered). to='storage': a checkpoint in out_dir; to='memory': a
+    snapshot in the node's folder in /dev/shm. A thread copies the state to host memory while the next step's
+    forward and backward run (the optimizer step waits for the copy), then writes it to temporary files, renamed
+    when complete: a crash mid-write leaves the previous one in place. Each rank saves its own shards: DCP writes them
+    into out_dir/dcp/step-N/ (its copy is made before it returns) and, once .metadata is in, rank 0 points latest
+    at the folder; a snapshot holds a rank's shards, which only this mesh reads back. With save_consolidated, also
+    train.py's ckpt.pt."""
     extra = {
         'model_args': model_args,
         'iter_num': iter_num,

@@ -1,7 +1,7 @@
 """
 Trains a GPT with DistributedDataParallel, or on one process.
 
-One process:      python train.py config/train_shakespeare_char.py --device=cpu
+One process:      python train.py config/train_shakespeare_char.py
 One node, 8 GPUs: torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py
 Two nodes:        torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HEAD:29500 train.py ...
 
@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import (upgrade_optimizer_state, create_model, find_resume, previous, reason, remove_snapshots, save_in_background,
-                        snapshot_dir, wait_for_copies, wait_for_saves)
+from checkpoint import (create_model, find_resume, previous, reason, remove_snapshots, save_in_background, snapshot_dir,
+                        upgrade_optimizer_state, wait_for_copies, wait_for_saves)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, read_meta
-from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
-                         state_bytes, use_deterministic_algorithms)
+from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start, state_bytes,
+                         use_deterministic_algorithms)
 from runlog import count_skipped, open_log
 
 # -----------------------------------------------------------------------------
@@ -199,11 +199,11 @@ if world_size > 1:
 
 
 def save_checkpoint(to='storage', wait=False):
-    """Every rank calls this (RNG states are gathered). to='storage': rank 0 writes out_dir/ckpt.pt, keeping the one
-    before as ckpt.prev.pt; to='memory': the first rank of each node writes the node's snapshot. A thread copies
-    the state to host memory while the next step's forward and backward run (the loop waits only if the copy
-    takes longer), then writes the copy to a temporary file, renamed when complete: a crash mid-write leaves the
-    previous one in place."""
+    """Every rank calls this (RNG states are gathered). to='storage': a checkpoint in out_dir; to='memory': a
+    snapshot in the node's folder in /dev/shm. A thread copies the state to host memory while the next step's
+    forward and backward run (the optimizer step waits for the copy), then writes it to temporary files, renamed
+    when complete: a crash mid-write leaves the previous one in place. Rank 0 writes out_dir/ckpt.pt (the one before
+    kept as ckpt.prev.pt), the first rank of each node the node's snapshot."""
     extra = {
         'model_args': model_args,
         'iter_num': iter_num,
