@@ -9,7 +9,8 @@ right after them: every `config/x.py` argument is run as Python and every `--key
 ast.literal_eval (a bare word is a string), in the order given, each checked against the default's name and type.
 `config` is the final dict of every key; `given` the keys that a file or flag set. With skip_unknown_in_files,
 a config file may set keys the script lacks (bench.py reads training configs), but a flag may not.
-Bad input exits with a one-line error that names the fix.
+Bad input exits with a one-line error that names the fix. check_model_shape(config) and check_optimizer(config)
+check the values of the model's and AdamW's keys, where a script has them.
 """
 
 import ast
@@ -56,14 +57,19 @@ def configure(namespace, argv=None, skip_unknown_in_files=False):
             if not arg.endswith('.py'):
                 sys.exit(f"error: argument '{arg}' is neither a config file (*.py) nor --key=value")
             try:
-                with open(arg) as f:
-                    source = f.read()
+                with open(arg, 'rb') as f:
+                    data = f.read()
             except OSError as e:
                 sys.exit(f"error: cannot read config file {arg}: {e.strerror}")
+            try:
+                source = data.decode('utf-8-sig')  # as Python reads a source file; a BOM from an editor is fine
+            except UnicodeDecodeError as e:
+                line = data.count(b'\n', 0, e.start) + 1
+                sys.exit(f"error: {arg}:{line}: not UTF-8 (byte {data[e.start]:#x}): save the config file as UTF-8")
             scope = dict(defaults)
             try:
                 exec(compile(source, arg, 'exec'), scope)
-            except Exception as e:
+            except (Exception, SystemExit) as e:  # SystemExit too: sys.exit(0) in a config must not end the run as done
                 # name the config file's own line, not this module's
                 line = e.lineno if isinstance(e, SyntaxError) else None
                 tb = e.__traceback__
@@ -71,7 +77,10 @@ def configure(namespace, argv=None, skip_unknown_in_files=False):
                     if tb.tb_frame.f_code.co_filename == arg:
                         line = tb.tb_lineno
                     tb = tb.tb_next
-                sys.exit(f"error: {arg}:{line}: {type(e).__name__}: {e}")
+                if isinstance(e, SystemExit):
+                    sys.exit(f"error: {arg}:{line}: the config file calls sys.exit({e.code!r}): "
+                             f"a config file only sets keys; remove the exit")
+                sys.exit(f"error: {arg}:{line}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
             assigned = _assigned_names(source)
             for key, value in scope.items():
                 if key.startswith('_') or isinstance(value, (types.ModuleType, types.FunctionType, type)):
@@ -96,3 +105,31 @@ def configure(namespace, argv=None, skip_unknown_in_files=False):
             namespace[key] = defaults[key] = _check(key, value, defaults, arg)
             given.add(key)
     return config_keys(namespace), given
+
+
+def check_model_shape(config):
+    """Exits with a one-line error where the keys of config that shape a GPT (any of n_layer, n_head, n_embd,
+    block_size, vocab_size, dropout; those missing are not checked) cannot make one."""
+    for key in ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size'):
+        if key in config and not config[key] >= 1:
+            sys.exit(f"error: {key}={config[key]} must be 1 or more")
+    if 'n_embd' in config and 'n_head' in config and config['n_embd'] % config['n_head']:
+        n_embd, n_head = config['n_embd'], config['n_head']
+        near = max(1, round(n_embd / n_head)) * n_head
+        sys.exit(f"error: n_embd={n_embd} is not a multiple of n_head={n_head}: each head takes n_embd / n_head "
+                 f"channels; use n_embd={near}, or an n_head that divides {n_embd}")
+    if 'dropout' in config and not 0 <= config['dropout'] < 1:
+        sys.exit(f"error: dropout={config['dropout']} must be at least 0 and below 1 "
+                 f"(0.0 to pretrain, about 0.1 to finetune)")
+
+
+def check_optimizer(config):
+    """Exits with a one-line error where an AdamW key of config (any of learning_rate, weight_decay, beta1, beta2,
+    grad_clip) is out of range: torch raises on some, and a negative weight_decay or grad_clip would run on silently."""
+    for key in ('learning_rate', 'weight_decay', 'grad_clip'):
+        if key in config and not config[key] >= 0:  # written so that NaN fails too
+            hint = ' (0 turns clipping off)' if key == 'grad_clip' else ''
+            sys.exit(f"error: {key}={config[key]} must be 0 or more{hint}")
+    for key in ('beta1', 'beta2'):
+        if key in config and not 0 <= config[key] < 1:
+            sys.exit(f"error: {key}={config[key]} must be at least 0 and below 1 (usually beta1=0.9, beta2=0.95)")
