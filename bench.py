@@ -17,7 +17,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from configurator import configure
+from configurator import check_model_shape, check_optimizer, configure
 from data import read_meta
 from model import GPT2_SHAPES, GPT, GPTConfig
 
@@ -51,9 +51,28 @@ if model:
     if model not in GPT2_SHAPES:
         sys.exit(f"error: unknown model={model!r}: use one of {', '.join(GPT2_SHAPES)}, or set n_layer, n_head, n_embd")
     n_layer, n_head, n_embd = GPT2_SHAPES[model]
+    config.update(n_layer=n_layer, n_head=n_head, n_embd=n_embd)  # the JSON line reports the shape timed
+check_model_shape(config)
+check_optimizer(config)
+for key, least in (('batch_size', 1), ('gradient_accumulation_steps', 1), ('iters', 1), ('warmup', 0)):
+    if config[key] < least:
+        sys.exit(f"error: {key}={config[key]} must be {least} or more")
+if dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
+    sys.exit(f"error: dtype={dtype!r}: use auto, float32, bfloat16 or float16")
 if device == 'auto':
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
+try:
+    torch.empty(1, device=device)  # a misspelt device, or a GPU this machine lacks, fails here rather than mid-run
+except Exception as e:
+    sys.exit(f"error: device={device!r} cannot be used here ({type(e).__name__}: {str(e).splitlines()[0][:150]}): "
+             f"use cpu, or cuda / cuda:N for a GPU this machine has")
 device_type = device.split(':')[0]
+if profile:
+    try:
+        os.makedirs('bench_log', exist_ok=True)  # now, not after the profiled steps have run
+    except OSError as e:
+        sys.exit(f"error: cannot create ./bench_log for the trace ({e.strerror}): run bench.py in a folder where it "
+                 f"can write bench_log/")
 if dtype == 'auto':
     dtype = ('bfloat16' if torch.cuda.is_bf16_supported(including_emulation=False) else 'float16') \
         if device_type == 'cuda' else 'float32'
@@ -69,13 +88,17 @@ if real_data:
     path = os.path.join('data', dataset, 'train.bin')
     if not os.path.exists(path):
         sys.exit(f"error: {path} not found: run `python prepare.py {dataset}` first, or drop --real_data")
+    n_tokens = os.path.getsize(path) // 2
+    if n_tokens < block_size + 1:
+        sys.exit(f"error: {path} holds {n_tokens} tokens, fewer than block_size + 1 = {block_size + 1}: "
+                 f"lower --block_size or prepare more data")
     meta = os.path.join('data', dataset, 'meta.pkl')
     if os.path.exists(meta):
         vocab_size = read_meta(meta)['vocab_size']
     gen = torch.Generator().manual_seed(seed)
 
     def get_batch():
-        data = np.memmap(path, dtype=np.uint16, mode='r')
+        data = np.memmap(path, dtype=np.uint16, mode='r', shape=(n_tokens,))
         offsets = torch.randint(len(data) - block_size, (batch_size,), generator=gen).numpy()
         chunk = torch.from_numpy(data[offsets[:, None] + np.arange(block_size + 1)].astype(np.int64))
         return chunk[:, :-1].contiguous().to(device), chunk[:, 1:].contiguous().to(device)

@@ -11,7 +11,8 @@ A config file runs like a module: it may import (modules, functions and _names a
 path as __file__.
 `config` is the final dict of every key; `given` the keys that a file or flag set. With skip_unknown_in_files,
 a config file may set keys the script lacks (bench.py reads training configs), but a flag may not.
-Bad input exits with a one-line error that names the fix.
+Bad input exits with a one-line error that names the fix. check_model_shape(config) and check_optimizer(config)
+check the values of the model's and AdamW's keys, where a script has them.
 """
 
 import ast
@@ -60,14 +61,19 @@ def configure(namespace, argv=None, skip_unknown_in_files=False):
             if not arg.endswith('.py'):
                 sys.exit(f"error: argument '{arg}' is neither a config file (*.py) nor --key=value")
             try:
-                with open(arg) as f:
-                    source = f.read()
+                with open(arg, 'rb') as f:
+                    data = f.read()
             except OSError as e:
                 sys.exit(f"error: cannot read config file {arg}: {e.strerror}")
+            try:
+                source = data.decode('utf-8-sig')  # as Python reads a source file; a BOM from an editor is fine
+            except UnicodeDecodeError as e:
+                line = data.count(b'\n', 0, e.start) + 1
+                sys.exit(f"error: {arg}:{line}: not UTF-8 (byte {data[e.start]:#x}): save the config file as UTF-8")
             scope = dict(defaults, __file__=arg)
             try:
                 exec(compile(source, arg, 'exec'), scope)
-            except Exception as e:
+            except (Exception, SystemExit) as e:  # SystemExit too: sys.exit(0) in a config must not end the run as done
                 # name the config file's own line, not this module's
                 line = e.lineno if isinstance(e, SyntaxError) else None
                 tb = e.__traceback__
@@ -75,7 +81,10 @@ def configure(namespace, argv=None, skip_unknown_in_files=False):
                     if tb.tb_frame.f_code.co_filename == arg:
                         line = tb.tb_lineno
                     tb = tb.tb_next
-                sys.exit(f"error: {arg}:{line}: {type(e).__name__}: {e}")
+                if isinstance(e, SystemExit):
+                    sys.exit(f"error: {arg}:{line}: the config file calls sys.exit({e.code!r}): "
+                             f"a config file only sets keys; remove the exit")
+                sys.exit(f"error: {arg}:{line}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
             assigned = _assigned_names(source)
             for key, value in scope.items():
                 if key.startswith('_') or isinstance(value, (types.ModuleType, types.FunctionType, type)):
@@ -102,31 +111,53 @@ def configure(namespace, argv=None, skip_unknown_in_files=False):
     return config_keys(namespace), given
 
 
-# -----------------------------------------------------------------------------
-# The one validation step of the training entrypoints, before anything is written: each key of theirs that
-# holds a number has a range, and a value outside it is a one-line error.
+def check_model_shape(config):
+    """Exits with a one-line error where the keys of config that shape a GPT (any of n_layer, n_head, n_embd,
+    block_size, vocab_size, dropout; those missing are not checked) cannot make one."""
+    for key in ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size'):
+        if key in config and not config[key] >= 1:
+            sys.exit(f"error: {key}={config[key]} must be 1 or more")
+    if 'n_embd' in config and 'n_head' in config and config['n_embd'] % config['n_head']:
+        n_embd, n_head = config['n_embd'], config['n_head']
+        near = max(1, round(n_embd / n_head)) * n_head
+        sys.exit(f"error: n_embd={n_embd} is not a multiple of n_head={n_head}: each head takes n_embd / n_head "
+                 f"channels; use n_embd={near}, or an n_head that divides {n_embd}")
+    if 'dropout' in config and not 0 <= config['dropout'] < 1:
+        sys.exit(f"error: dropout={config['dropout']} must be at least 0 and below 1 "
+                 f"(0.0 to pretrain, about 0.1 to finetune)")
 
-RANGES = {  # key: (least, bound): the value must lie in [least, bound), or be at least `least` where bound is None
-    'batch_size': (1, None), 'block_size': (1, None), 'gradient_accumulation_steps': (1, None),
-    'eval_interval': (1, None), 'eval_iters': (1, None), 'log_interval': (1, None), 'max_iters': (0, None),
-    'n_layer': (1, None), 'n_head': (1, None), 'n_embd': (1, None), 'dropout': (0, 1),
-    'learning_rate': (0, None), 'min_lr': (0, None), 'weight_decay': (0, None), 'beta1': (0, 1), 'beta2': (0, 1),
-    'grad_clip': (0, None), 'warmup_iters': (0, None), 'lr_decay_iters': (0, None),
-    'save_memory_interval': (0, None), 'save_storage_interval': (0, None), 'max_nonfinite_steps': (1, None),
+
+def check_optimizer(config):
+    """Exits with a one-line error where an AdamW key of config (any of learning_rate, weight_decay, beta1, beta2,
+    grad_clip) is out of range: torch raises on some, and a negative weight_decay or grad_clip would run on silently."""
+    for key in ('learning_rate', 'weight_decay', 'grad_clip'):
+        if key in config and not config[key] >= 0:  # written so that NaN fails too
+            hint = ' (0 turns clipping off)' if key == 'grad_clip' else ''
+            sys.exit(f"error: {key}={config[key]} must be 0 or more{hint}")
+    for key in ('beta1', 'beta2'):
+        if key in config and not 0 <= config[key] < 1:
+            sys.exit(f"error: {key}={config[key]} must be at least 0 and below 1 (usually beta1=0.9, beta2=0.95)")
+
+
+# -----------------------------------------------------------------------------
+# The one validation step of the training entrypoints, before anything is written (bench.py and model_size.py
+# check the shape and optimizer keys they share): a value out of its range is a one-line error.
+
+STEPS = {  # the counts of the loop and of its saves: key -> the least it may be
+    'batch_size': 1, 'gradient_accumulation_steps': 1, 'eval_interval': 1, 'eval_iters': 1, 'log_interval': 1,
+    'max_iters': 0, 'warmup_iters': 0, 'lr_decay_iters': 0, 'min_lr': 0, 'save_memory_interval': 0,
+    'save_storage_interval': 0, 'max_nonfinite_steps': 1,
 }
 
 
 def check_config(config):
-    """Exits with a one-line error naming the fix where a key is out of its range, the model's width does not
-    split into its heads, or out_dir cannot be a folder to write in."""
-    for key, (least, bound) in RANGES.items():
-        value = config.get(key)
-        if value is not None and not (least <= value and (bound is None or value < bound)):
-            want = f"{least} or more" if bound is None else f"in [{least}, {bound})"
-            sys.exit(f"error: {key}={value} is out of range: give --{key} {want}")
-    if 'n_embd' in config and config['n_embd'] % config['n_head']:
-        sys.exit(f"error: n_embd={config['n_embd']} is not a multiple of n_head={config['n_head']}: every head takes "
-                 f"n_embd / n_head channels, so make n_embd a multiple of n_head")
+    """Exits with a one-line error naming the fix where a key is out of its range (the model's shape, the
+    optimizer's, the loop's counts), init_from names nothing, or out_dir cannot be a folder to write in."""
+    check_model_shape(config)
+    check_optimizer(config)
+    for key, least in STEPS.items():
+        if key in config and not config[key] >= least:  # written so that NaN fails too
+            sys.exit(f"error: {key}={config[key]} must be {least} or more")
     init_from = config.get('init_from', 'scratch')
     if init_from not in ('scratch', 'resume', 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') and \
             not os.path.exists(init_from):

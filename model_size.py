@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from configurator import configure
+from configurator import check_model_shape, configure
 from model import GPT2_SHAPES, GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -37,8 +37,17 @@ if model:
     n_layer, n_head, n_embd = GPT2_SHAPES[model]
 if dtype not in ('bfloat16', 'float16', 'float32'):
     sys.exit(f"error: dtype={dtype!r}: use bfloat16, float16 or float32")
-if world_size < 1:
-    sys.exit("error: world_size must be at least 1")
+check_model_shape(dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, vocab_size=vocab_size))
+for key in ('world_size', 'batch_size'):
+    if config[key] < 1:
+        sys.exit(f"error: {key}={config[key]} must be 1 or more")
+if tp_size:  # one asked for by name is shown, or refused with the reason: never dropped silently
+    if tp_size < 2:
+        sys.exit(f"error: tp_size={tp_size} must be 2 or more, or 0 to choose one from world_size")
+    for key, value in (('world_size', world_size), ('n_head', n_head), ('4 * n_embd', 4 * n_embd)):
+        if value % tp_size:
+            sys.exit(f"error: {key}={value} is not a multiple of tp_size={tp_size}: tensor parallelism splits it "
+                     f"evenly; choose a tp_size that divides world_size, n_head and 4 * n_embd")
 
 with torch.device('meta'):  # shapes only: no memory, no time, whatever the size
     gpt = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,

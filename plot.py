@@ -1,6 +1,7 @@
 """
-Draws loss curves from one or more runs' metrics.jsonl into a PNG: train loss per logged step and val loss at each
-eval, against the step (left) and against wall time (right), one colour per run.
+Draws loss curves from one or more runs' metrics.jsonl into an image (PNG, or the format --out's extension names):
+train loss per logged step and val loss at each eval, against the step (left) and against wall time (right), one
+colour per run.
 
 python plot.py out-ddp out-fsdp --labels=train.py,fsdp_train.py --out=parity.png
 """
@@ -19,18 +20,44 @@ title = ''
 
 
 def read_run(path):
-    """The logged steps and evals of a run folder (or a metrics.jsonl path)."""
+    """The logged steps and evals of a run folder (or a metrics.jsonl path); a line that is not such a row, or a
+    run with none, is a one-line error."""
     if os.path.isdir(path):
         path = os.path.join(path, 'metrics.jsonl')
     steps, evals = [], []
-    with open(path) as f:
-        for line in f:
-            row = json.loads(line)
-            if 'loss' in row:
-                steps.append(row)
-            if 'val_loss' in row:
-                evals.append(row)
+    with open(path, encoding='utf-8') as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                sys.exit(f"error: {path}:{n}: not a JSON line ({e}): remove or repair that line")
+            if not isinstance(row, dict):
+                sys.exit(f"error: {path}:{n}: not a JSON object: remove or repair that line")
+            for kind, rows in (('loss', steps), ('val_loss', evals)):
+                if kind not in row:
+                    continue
+                bad = [k for k in ('iter', 'time', kind) if type(row.get(k)) not in (int, float)]
+                if bad:
+                    sys.exit(f"error: {path}:{n}: a row with '{kind}' lacks a number for '{bad[0]}': plot.py reads "
+                             f"metrics.jsonl as the entrypoints write it; remove or repair that line")
+                rows.append(row)
+    if not steps and not evals:
+        sys.exit(f"error: {path} holds no logged step or eval yet: plot the run once it has logged one")
     return steps, evals
+
+
+def check_out():
+    """A bad --out fails before any reading or plotting: an empty one, a folder, or one in no folder."""
+    if not out:
+        sys.exit("error: --out is empty: name the image to write, e.g. --out=loss.png")
+    if os.path.isdir(out):
+        sys.exit(f"error: --out={out} is a folder: name a file in it, e.g. --out={os.path.join(out, 'loss.png')}")
+    folder = os.path.dirname(out) or '.'
+    if not os.path.isdir(folder):
+        problem = 'is not a folder' if os.path.exists(folder) else 'does not exist'
+        sys.exit(f"error: --out={out}: {folder} {problem}: create that folder or choose another --out")
 
 
 def main():
@@ -41,12 +68,14 @@ def main():
     names = labels.split(',') if labels else [os.path.basename(os.path.normpath(r)) for r in runs]
     if len(names) != len(runs):
         sys.exit(f"error: {len(names)} labels for {len(runs)} runs: give one label per run")
+    check_out()
     data = []
     for r in runs:
         try:
             data.append(read_run(r))
-        except (OSError, ValueError) as e:
-            sys.exit(f"error: cannot read the metrics of {r} ({type(e).__name__}): give a run's out_dir or its metrics.jsonl")
+        except (OSError, UnicodeDecodeError) as e:
+            sys.exit(f"error: cannot read the metrics of {r} ({type(e).__name__}): give a run's out_dir or its "
+                     f"metrics.jsonl")
     try:
         import matplotlib
     except ImportError:
@@ -55,6 +84,12 @@ def main():
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    # the extension's format, as matplotlib would take it (png without one), given explicitly: the temporary name's
+    # .tmp would not do
+    fmt = os.path.splitext(out)[1][1:].lower() or 'png'
+    if fmt not in fig.canvas.get_supported_filetypes():
+        sys.exit(f"error: --out={out}: matplotlib cannot write .{fmt} files: end it in one of "
+                 f"{', '.join('.' + f for f in sorted(fig.canvas.get_supported_filetypes()))}")
     for (steps, evals), name, color in zip(data, names, plt.rcParams['axes.prop_cycle'].by_key()['color'] * 10):
         for ax, x in zip(axes, ('iter', 'time')):
             ax.plot([r[x] for r in steps], [r['loss'] for r in steps], color=color, alpha=0.35, lw=1,
@@ -70,9 +105,14 @@ def main():
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    tmp = out + '.tmp.png'
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, out)
+    tmp = out + '.tmp'
+    try:
+        fig.savefig(tmp, dpi=110, format=fmt)
+        os.replace(tmp, out)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        sys.exit(f"error: cannot write {out} ({e.strerror}): choose a writable --out")
     print(f"wrote {out}: {len(runs)} run(s)")
 
 

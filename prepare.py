@@ -13,9 +13,11 @@ Document datasets (json, parquet) get an end-of-text token (50256) after each do
 documents for val. Token ids stream to disk: the corpus is never held in memory.
 """
 
+import json
 import os
 import pickle
 import sys
+import tempfile
 
 import numpy as np
 
@@ -37,6 +39,26 @@ SHAKESPEARE_URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/da
 HUB = {'openwebtext': 'Skylion007/openwebtext', 'openwebtext-10k': 'stas/openwebtext-10k'}
 DATASETS = ('shakespeare_char', 'shakespeare', 'openwebtext', 'openwebtext-10k', 'text')
 EOT = 50256  # GPT-2's <|endoftext|>
+created = []  # the folders this run made, deepest first: a failed run removes those still empty
+
+
+def make_out_dir(out_dir):
+    """Creates out_dir once the inputs have passed their checks, and tries writing in it before any tokenizing."""
+    d = out_dir
+    while d and not os.path.isdir(d):
+        created.append(d)
+        d = os.path.dirname(d)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as e:
+        sys.exit(f"error: cannot write in {out_dir} ({e.strerror}): choose a writable --out_root")
+
+
+def write_failed(out_dir, e):
+    sys.exit(f"error: writing in {out_dir} failed ({e.strerror}: {e.filename}): free some space or choose another "
+             f"--out_root")
 
 
 def download(url, path):
@@ -96,7 +118,6 @@ class Output:
     """A .bin written in appended pieces under a temporary name, renamed into place only when complete."""
 
     def __init__(self, path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         self.path, self.f, self.n = path, open(path + '.tmp', 'wb'), 0
 
     def write(self, ids):
@@ -128,6 +149,9 @@ def prepare_text(src, out_dir, kind):
         sys.exit(f"error: {src} is empty: give a text file with some text in it")
     frac = 0.1 if val_fraction < 0 else val_fraction
     n_train = int(n_chars * (1 - frac))
+    if n_train in (0, n_chars):
+        sys.exit(f"error: {src}'s {n_chars} characters split at val_fraction={frac} leave none for "
+                 f"{'train' if n_train == 0 else 'val'}: use a longer text or another --val_fraction")
     if kind == 'char':
         itos = sorted(chars)
         if len(itos) > 65536:
@@ -143,8 +167,11 @@ def prepare_text(src, out_dir, kind):
 
         def encode(pieces):
             return enc.encode_ordinary_batch(pieces, num_threads=num_proc)  # Rust threads, GIL released
-    outputs = {split: Output(os.path.join(out_dir, f'{split}.bin')) for split in ('train', 'val')}
+    make_out_dir(out_dir)
+    outputs = {}
     try:
+        for split in ('train', 'val'):
+            outputs[split] = Output(os.path.join(out_dir, f'{split}.bin'))
         with tqdm(total=n_chars, unit='char', unit_scale=True, desc=f'tokenizing {os.path.basename(src)}') as bar:
             for split, (start, stop) in (('train', (0, n_train)), ('val', (n_train, n_chars))):
                 batch = []
@@ -170,6 +197,8 @@ def prepare_text(src, out_dir, kind):
             os.replace(os.path.join(out_dir, 'meta.pkl.tmp'), os.path.join(out_dir, 'meta.pkl'))
         for out in outputs.values():
             out.commit()
+    except OSError as e:
+        write_failed(out_dir, e)
     finally:
         for out in outputs.values():
             out.discard()
@@ -177,19 +206,65 @@ def prepare_text(src, out_dir, kind):
     print(f"{out_dir}: {outputs['train'].n:,} train and {outputs['val'].n:,} val tokens ({vocab})")
 
 
+def first_bad_line(files):
+    """'file:line' of the first line of JSON-lines files that is not a JSON object, or None."""
+    for path in files:
+        with open(path, 'rb') as f:
+            for n, line in enumerate(f, 1):
+                try:
+                    row = json.loads(line) if line.strip() else {}
+                except ValueError:  # a JSONDecodeError, or a UnicodeDecodeError of bytes that are not UTF-8
+                    return f"{path}:{n}"
+                if not isinstance(row, dict):
+                    return f"{path}:{n}"
+    return None
+
+
+def load_local(files, builder):
+    """Local document files as a dataset, or a one-line error that names what is wrong with them."""
+    import datasets
+    # its progress bars and logged errors would come before the one-line error: quiet while reading local files
+    verbosity, bars_off = datasets.logging.get_verbosity(), datasets.are_progress_bars_disabled()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    datasets.disable_progress_bars()
+    print(f"reading {len(files)} {builder} file(s)")
+    try:
+        return datasets.load_dataset(builder, data_files=files, split='train')
+    except Exception as e:
+        bad = first_bad_line(files) if files[0].endswith('.jsonl') else None
+        if bad:
+            sys.exit(f"error: {bad}: not a JSON object: each line of a .jsonl file must be one document such as "
+                     f"{{\"{text_column}\": \"...\"}}; fix or remove that line")
+        while e.__cause__ is not None:  # datasets wraps the reader's error in its own
+            e = e.__cause__
+        reason = str(e).splitlines()[0][:200] if str(e) else ''
+        sys.exit(f"error: cannot read --data_files as {builder} ({type(e).__name__}: {reason}): check that they are "
+                 f"{builder} files, each holding documents")
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if not bars_off:
+            datasets.enable_progress_bars()
+
+
 def prepare_documents(dataset, out_dir):
     """A document dataset (the hub's, or local json / parquet / txt files), GPT-2 BPE with EOT after each document."""
     import datasets
     if data_files:
         files = data_files.split(',')
-        missing = [f for f in files if not os.path.exists(f)]
-        if missing:
-            sys.exit(f"error: --data_files names {missing[0]}, which does not exist")
         ext = os.path.splitext(files[0])[1].lstrip('.')
         builder = {'jsonl': 'json', 'json': 'json', 'parquet': 'parquet', 'txt': 'text'}.get(ext)
         if builder is None:
             sys.exit(f"error: --data_files of type .{ext}: give .json, .jsonl, .parquet or .txt files")
-        ds = datasets.load_dataset(builder, data_files=files, split='train')
+        for f in files:
+            if not os.path.isfile(f):
+                problem = 'is not a file' if os.path.exists(f) else 'does not exist'
+                sys.exit(f"error: --data_files names {f}, which {problem}")
+            if os.path.splitext(f)[1].lstrip('.') != ext:
+                sys.exit(f"error: --data_files mixes .{ext} and {os.path.splitext(f)[1] or 'no extension'} files: "
+                         f"give files of one type")
+            if os.path.getsize(f) == 0:
+                sys.exit(f"error: --data_files names {f}, which is empty: give files that hold documents")
+        ds = load_local(files, builder)
     else:
         try:
             ds = datasets.load_dataset(HUB[dataset], split='train', num_proc=num_proc)
@@ -199,10 +274,24 @@ def prepare_documents(dataset, out_dir):
     if text_column not in ds.column_names:
         sys.exit(f"error: the documents have no '{text_column}' field (they have {ds.column_names}): "
                  f"set --text_column")
-    frac = 0.0005 if val_fraction < 0 else val_fraction
-    n_val = max(1, round(len(ds) * frac))
+    # checked on the column as a whole, before any tokenizing: a bad document would fail it deep in a worker
+    if getattr(ds.features[text_column], 'dtype', None) not in ('string', 'large_string'):
+        sys.exit(f"error: the documents' '{text_column}' field is not text in each of them (its type is "
+                 f"{ds.features[text_column]}): make it a string in every document, or set --text_column")
+    nulls = ds.data.column(text_column).null_count
+    if nulls:
+        sys.exit(f"error: {nulls} document(s) have a null '{text_column}': give each one a string, or remove them")
+    try:
+        if data_files:  # the json reader keeps bytes that are not UTF-8 as they are (a full pass: local files only)
+            ds.data.column(text_column).validate(full=True)
+    except Exception as e:
+        bad = first_bad_line(files) if files[0].endswith('.jsonl') else None
+        sys.exit(f"error: {bad or 'a document'}: its '{text_column}' is not UTF-8 text ({str(e)[:100]}): convert the "
+                 f"files to UTF-8, e.g. with iconv")
     if len(ds) < 2:
         sys.exit(f"error: {len(ds)} document(s): train and val need at least 2")
+    frac = 0.0005 if val_fraction < 0 else val_fraction
+    n_val = min(max(1, round(len(ds) * frac)), len(ds) - 1)  # at least one document each
     split = ds.train_test_split(test_size=n_val, seed=2357, shuffle=True)
     enc = gpt2_encoding()
 
@@ -210,14 +299,17 @@ def prepare_documents(dataset, out_dir):
         ids = enc.encode_ordinary(example[text_column]) + [EOT]
         return {'ids': ids, 'len': len(ids)}
 
+    make_out_dir(out_dir)
+    tokenized = {}
     for name_, dset in (('train', split['train']), ('val', split['test'])):
         # tokenized documents go to datasets' on-disk cache, not to memory; then stream into a memmap
-        dset = dset.map(tokenize, remove_columns=dset.column_names, num_proc=num_proc, desc=f'tokenizing {name_}')
-        total = int(np.sum(dset['len'], dtype=np.int64))
-        os.makedirs(out_dir, exist_ok=True)
-        path = os.path.join(out_dir, f'{name_}.bin')
-        arr = np.memmap(path + '.tmp', dtype=np.uint16, mode='w+', shape=(total,))
-        try:
+        tokenized[name_] = dset.map(tokenize, remove_columns=dset.column_names, num_proc=num_proc,
+                                    desc=f'tokenizing {name_}')
+    paths = {name_: os.path.join(out_dir, f'{name_}.bin') for name_ in tokenized}
+    totals = {name_: int(np.sum(dset['len'], dtype=np.int64)) for name_, dset in tokenized.items()}
+    try:
+        for name_, dset in tokenized.items():
+            arr = np.memmap(paths[name_] + '.tmp', dtype=np.uint16, mode='w+', shape=(totals[name_],))
             idx, n_shards = 0, min(1024, len(dset))
             for i in range(n_shards):
                 shard = dset.shard(num_shards=n_shards, index=i, contiguous=True).with_format('numpy')
@@ -226,11 +318,15 @@ def prepare_documents(dataset, out_dir):
                 idx += len(ids)
             arr.flush()
             del arr
+        for name_, path in paths.items():  # both splits in place only once both are complete
             os.replace(path + '.tmp', path)
-        finally:
+            print(f"{path}: {totals[name_]:,} tokens")
+    except OSError as e:
+        write_failed(out_dir, e)
+    finally:
+        for path in paths.values():
             if os.path.exists(path + '.tmp'):
                 os.remove(path + '.tmp')
-        print(f"{path}: {total:,} tokens")
     if os.path.exists(os.path.join(out_dir, 'meta.pkl')):
         os.remove(os.path.join(out_dir, 'meta.pkl'))  # an earlier char-level prep's: it would set the vocabulary
 
@@ -249,8 +345,36 @@ def main():
         sys.exit(f"error: --input={input} is not a file")
     if data_files and dataset not in HUB:
         sys.exit(f"error: --data_files is for openwebtext and openwebtext-10k; use --input=FILE for {dataset}")
+    for key in ('num_proc', 'chunk_chars'):
+        if globals()[key] < 1:
+            sys.exit(f"error: {key}={globals()[key]} must be 1 or more")
+    if val_fraction != -1 and not 0 < val_fraction < 1:
+        sys.exit(f"error: val_fraction={val_fraction} must be above 0 and below 1 (e.g. 0.1), or -1 for the default: "
+                 f"train and val both need tokens")
+    if name and (os.path.basename(name) != name or name in ('.', '..')):
+        sys.exit(f"error: name={name!r} must be a folder name, not a path: set --out_root for where it goes")
     folder = name or (os.path.splitext(os.path.basename(input))[0] if dataset == 'text' else dataset)
     out_dir = os.path.join(out_root, folder)
+    above = out_dir  # the folder is made only once the inputs pass, but one that cannot be fails before the loading
+    while above and not os.path.exists(above):
+        above = os.path.dirname(above)
+    above = above or '.'
+    if not os.path.isdir(above):
+        sys.exit(f"error: cannot write in {out_dir}: {above} is a file: choose another --out_root or --name")
+    if not os.access(above, os.W_OK | os.X_OK):
+        sys.exit(f"error: cannot write in {out_dir}: {above} is not writable: choose another --out_root")
+    try:
+        prepare(dataset, out_dir)
+    except BaseException:
+        for d in created:  # a folder that now holds something (a downloaded input.txt) stays
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+        raise
+
+
+def prepare(dataset, out_dir):
     if dataset in HUB:
         prepare_documents(dataset, out_dir)
         return
@@ -258,7 +382,7 @@ def main():
     if not src:  # tiny Shakespeare, downloaded once next to the data as nanoGPT does
         src = os.path.join(out_dir, 'input.txt')
         if not os.path.exists(src):
-            os.makedirs(out_dir, exist_ok=True)
+            make_out_dir(out_dir)
             download(SHAKESPEARE_URL, src)
     kind = 'char' if dataset == 'shakespeare_char' else 'gpt2' if dataset == 'shakespeare' else tokenizer
     prepare_text(src, out_dir, kind)

@@ -1,6 +1,6 @@
 import pytest
 
-from configurator import configure
+from configurator import check_model_shape, check_optimizer, configure
 
 
 def defaults():
@@ -80,3 +80,75 @@ def test_config_file_may_run_another_by_its_own_path(tmp_path):
     config, given = configure(ns, [str(cfg_file)])
     assert (ns['batch_size'], ns['compile'], ns['n_layer']) == (2, False, 4)
     assert given == {'batch_size', 'compile', 'n_layer'}
+
+
+def test_config_file_that_is_not_utf8_names_its_line(tmp_path, capsys):
+    latin = tmp_path / 'latin.py'
+    latin.write_bytes("batch_size = 4\nout_dir = 'caf\u00e9'\n".encode('latin-1'))
+    msg = fails(defaults(), [str(latin)], capsys)
+    assert msg == f"error: {latin}:2: not UTF-8 (byte 0xe9): save the config file as UTF-8"
+    bom = tmp_path / 'bom.py'  # a byte-order mark, as some editors write, is UTF-8 all the same
+    bom.write_bytes(b'\xef\xbb\xbfbatch_size = 4\n')
+    ns = defaults()
+    configure(ns, [str(bom)])
+    assert ns['batch_size'] == 4
+
+
+@pytest.mark.parametrize('body, code', [("import sys\nsys.exit(0)\n", '0'), ("exit()\n", 'None'),
+                                        ("raise SystemExit('bye')\n", "'bye'")])
+def test_config_file_that_exits_is_an_error_not_a_finished_run(tmp_path, capsys, body, code):
+    cfg = tmp_path / 'exits.py'
+    cfg.write_text("batch_size = 4\n" + body)
+    msg = fails(defaults(), [str(cfg)], capsys)
+    line = body.count('\n') + 1
+    assert msg == (f"error: {cfg}:{line}: the config file calls sys.exit({code}): a config file only sets keys; "
+                   f"remove the exit")
+
+
+def test_exception_with_a_multi_line_message_stays_one_line(tmp_path, capsys):
+    cfg = tmp_path / 'multi.py'
+    cfg.write_text("raise ValueError('first\\nsecond')\n")
+    assert fails(defaults(), [str(cfg)], capsys) == f"error: {cfg}:1: ValueError: first"
+
+
+def check_fails(check, config):
+    with pytest.raises(SystemExit) as e:
+        check(config)
+    assert e.value.code not in (0, None) and '\n' not in str(e.value.code)
+    return str(e.value.code)
+
+
+@pytest.mark.parametrize('config, message', [
+    (dict(n_layer=0), 'error: n_layer=0 must be 1 or more'),
+    (dict(n_head=-2), 'error: n_head=-2 must be 1 or more'),
+    (dict(n_head=0, n_embd=32), 'error: n_head=0 must be 1 or more'),  # before the modulo that would divide by 0
+    (dict(n_embd=0), 'error: n_embd=0 must be 1 or more'),
+    (dict(block_size=-1), 'error: block_size=-1 must be 1 or more'),
+    (dict(vocab_size=0), 'error: vocab_size=0 must be 1 or more'),
+    (dict(n_embd=100, n_head=12), 'error: n_embd=100 is not a multiple of n_head=12: each head takes n_embd / n_head '
+                                  'channels; use n_embd=96, or an n_head that divides 100'),
+    (dict(n_embd=5, n_head=12), 'use n_embd=12,'),
+    (dict(dropout=1.0), 'error: dropout=1.0 must be at least 0 and below 1'),
+    (dict(dropout=-0.1), 'error: dropout=-0.1 must be at least 0 and below 1'),
+    (dict(dropout=float('nan')), 'error: dropout=nan must be'),
+])
+def test_check_model_shape_names_the_key_and_the_fix(config, message):
+    assert message in check_fails(check_model_shape, config)
+
+
+def test_check_model_shape_passes_good_shapes_and_ignores_missing_keys():
+    check_model_shape(dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=65, dropout=0.0, bias=True))
+    check_model_shape(dict(n_embd=100))  # no n_head here to divide it
+    check_model_shape({})
+
+
+@pytest.mark.parametrize('config, message', [
+    (dict(learning_rate=-1e-3), 'error: learning_rate=-0.001 must be 0 or more'),
+    (dict(weight_decay=-0.1), 'error: weight_decay=-0.1 must be 0 or more'),
+    (dict(grad_clip=-1.0), 'error: grad_clip=-1.0 must be 0 or more (0 turns clipping off)'),
+    (dict(beta1=1.0), 'error: beta1=1.0 must be at least 0 and below 1'),
+    (dict(beta2=-0.5), 'error: beta2=-0.5 must be at least 0 and below 1'),
+])
+def test_check_optimizer_names_the_key_and_the_fix(config, message):
+    assert message in check_fails(check_optimizer, config)
+    check_optimizer(dict(learning_rate=0.0, weight_decay=0.0, grad_clip=0.0, beta1=0.0, beta2=0.99))

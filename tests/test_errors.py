@@ -109,7 +109,7 @@ def test_unknown_init_from(tmp_path, data_dir):
 def test_negative_save_intervals_and_no_nonfinite_steps_allowed(tmp_path, data_dir, script):
     data = f'--dataset={data_dir / "shakespeare_char"}'
     msg = fails(tmp_path, data, '--out_dir=out', '--save_memory_interval=-1', script=script)
-    assert 'save_memory_interval=-1 is out of range: give --save_memory_interval 0 or more' in msg
+    assert 'save_memory_interval=-1 must be 0 or more' in msg
     msg = fails(tmp_path, data, '--out_dir=out', '--max_nonfinite_steps=0', script=script)
-    assert 'max_nonfinite_steps=0 is out of range: give --max_nonfinite_steps 1 or more' in msg
+    assert 'max_nonfinite_steps=0 must be 1 or more' in msg
     assert not (tmp_path / 'out').exists()

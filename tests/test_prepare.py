@@ -1,11 +1,13 @@
 import json
 import os
 import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from conftest import SHAKESPEARE, env, run
+from conftest import REPO, SHAKESPEARE, env, one_line_error, run
 
 
 def tokens(path):
@@ -108,3 +110,80 @@ def test_bad_prepare_arguments(tmp_path, args, message):
     assert p.returncode != 0 and message in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
     assert not (tmp_path / 'data').exists()
+
+
+DOCS = [{'text': f"document number {i} says hello"} for i in range(20)]
+
+
+def jsonl(rows, tail=''):
+    return ''.join(json.dumps(r) + '\n' for r in rows) + tail
+
+
+@pytest.mark.parametrize('files, args, message', [
+    ({'d.jsonl': jsonl(DOCS, '{"text": "cut off\n')}, [],
+     'd.jsonl:21: not a JSON object: each line of a .jsonl file must be one document such as {"text": "..."}; '
+     'fix or remove that line'),
+    ({'d.jsonl': jsonl(DOCS[:3], '[1, 2]\n')}, [], 'd.jsonl:4: not a JSON object'),
+    ({'d.jsonl': jsonl(DOCS + [{'text': 5}])}, [],
+     "the documents' 'text' field is not text in each of them (its type is Json"),
+    ({'d.jsonl': jsonl([{'text': [d['text']]} for d in DOCS])}, [], "its type is List(Value('string'))"),
+    ({'d.jsonl': jsonl(DOCS + [{'text': None}])}, [],
+     "1 document(s) have a null 'text': give each one a string, or remove them"),
+    ({'d.jsonl': jsonl(DOCS).encode() + b'{"text": "caf\xe9"}\n'}, [], "d.jsonl:21: its 'text' is not UTF-8 text"),
+    ({'d.jsonl': ''}, [], '--data_files names d.jsonl, which is empty'),
+    ({'d.jsonl': jsonl(DOCS), 'e.txt': 'text\n'}, [], 'mixes .jsonl and .txt files: give files of one type'),
+    ({'d.parquet': 'not parquet at all'}, [], 'cannot read --data_files as parquet (ArrowInvalid: Parquet magic bytes'),
+    ({'d.jsonl': jsonl(DOCS)}, ['--val_fraction=0.0'],
+     'val_fraction=0.0 must be above 0 and below 1 (e.g. 0.1), or -1 for the default'),
+    ({'d.jsonl': jsonl(DOCS)}, ['--val_fraction=1.0'], 'val_fraction=1.0 must be above 0 and below 1'),
+    ({'d.jsonl': jsonl(DOCS)}, ['--val_fraction=-0.5'], 'val_fraction=-0.5 must be above 0 and below 1'),
+    ({'d.jsonl': jsonl(DOCS)}, ['--num_proc=0'], 'num_proc=0 must be 1 or more'),
+    ({'d.jsonl': jsonl(DOCS)}, ['--name=../up'], "name='../up' must be a folder name, not a path"),
+    ({'d.jsonl': jsonl(DOCS), 'data': 'a file'}, [], 'cannot write in data/owt: data is a file'),
+])
+def test_bad_document_files_leave_no_folder(tmp_path, files, args, message):
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    data_files = ','.join(n for n in files if n != 'data')
+    p = run('prepare.py', 'openwebtext-10k', f'--data_files={data_files}', '--name=owt', '--num_proc=1', *args,
+            cwd=tmp_path, check=False)
+    msg = one_line_error(p)
+    assert message in msg, msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(files)  # no data/ nor data/owt/ left
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--num_proc=0'], 'error: num_proc=0 must be 1 or more'),  # it was a ValueError of a thread pool
+    (['--chunk_chars=0'], 'error: chunk_chars=0 must be 1 or more'),  # it said the file was empty
+    (['--val_fraction=0.0'], 'error: val_fraction=0.0 must be above 0 and below 1'),  # it said the text was too short
+    (['--val_fraction=1.5'], 'error: val_fraction=1.5 must be above 0 and below 1'),
+    (['--val_fraction=0.9999'], "error: poem.txt's 880 characters split at val_fraction=0.9999 leave none for train: "
+                                "use a longer text or another --val_fraction"),
+    (['--name=sub/dir'], "error: name='sub/dir' must be a folder name, not a path"),
+    (['--out_root=poem.txt/data'], 'error: cannot write in poem.txt/data/poem: poem.txt is a file'),
+])
+def test_bad_text_settings_leave_no_folder(tmp_path, args, message):
+    (tmp_path / 'poem.txt').write_text('the quick brown fox jumps over the lazy dog\n' * 20)
+    msg = one_line_error(run('prepare.py', 'text', '--input=poem.txt', *args, cwd=tmp_path, check=False))
+    assert msg.startswith(message), msg
+    assert [p.name for p in tmp_path.iterdir()] == ['poem.txt']
+
+
+def test_failed_download_removes_the_folders_it_made(tmp_path):
+    # a proxy on a closed port fails the download at once, online or not
+    e = dict(env(), HTTPS_PROXY='http://127.0.0.1:9', HTTP_PROXY='http://127.0.0.1:9')
+    p = subprocess.run([sys.executable, str(REPO / 'prepare.py'), 'shakespeare_char', '--out_root=new/data'],
+                       cwd=tmp_path, env=e, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and p.stderr.startswith('error: could not download ') and '--input=FILE' in p.stderr
+    assert not any(tmp_path.iterdir())  # new/, new/data/ and new/data/shakespeare_char/ were made for input.txt
+
+
+def test_document_files_as_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({'text': [d['text'] for d in DOCS], 'id': list(range(20))}), tmp_path / 'd.parquet')
+    run('prepare.py', 'openwebtext-10k', '--data_files=d.parquet', '--val_fraction=0.1', '--name=owt', '--num_proc=1',
+        cwd=tmp_path)
+    assert tokens(tmp_path / 'data' / 'owt' / 'val.bin').tolist().count(50256) == 2
+    assert tokens(tmp_path / 'data' / 'owt' / 'train.bin').tolist().count(50256) == 18
+    assert sorted(p.name for p in (tmp_path / 'data' / 'owt').iterdir()) == ['train.bin', 'val.bin']

@@ -1,0 +1,135 @@
+"""Bad input to the tools beside training (model_size.py, bench.py, plot.py): a one-line error that names the fix,
+a non-zero exit, and nothing written."""
+
+import json
+
+import pytest
+
+from conftest import one_line_error, run
+
+SMALL = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32']
+BENCH = ['--device=cpu', '--compile=False', *SMALL, '--batch_size=4', '--warmup=1', '--iters=2']
+
+
+def fails(tmp_path, script, *args):
+    return one_line_error(run(script, *args, cwd=tmp_path, check=False))
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--n_layer=0'], 'error: n_layer=0 must be 1 or more'),
+    (['--n_layer=-1'], 'error: n_layer=-1 must be 1 or more'),
+    (['--n_head=0'], 'error: n_head=0 must be 1 or more'),
+    (['--n_embd=-32'], 'error: n_embd=-32 must be 1 or more'),
+    (['--n_embd=33'], 'error: n_embd=33 is not a multiple of n_head=2: each head takes n_embd / n_head channels; '
+                      'use n_embd=32'),
+    (['--block_size=0'], 'error: block_size=0 must be 1 or more'),
+    (['--vocab_size=-5'], 'error: vocab_size=-5 must be 1 or more'),
+    (['--batch_size=0'], 'error: batch_size=0 must be 1 or more'),
+    (['--world_size=0'], 'error: world_size=0 must be 1 or more'),
+    (['--tp_size=-1'], 'error: tp_size=-1 must be 2 or more, or 0 to choose one from world_size'),
+    (['--tp_size=3'], 'error: world_size=2 is not a multiple of tp_size=3'),
+    (['--world_size=4', '--tp_size=4'], 'error: n_head=2 is not a multiple of tp_size=4'),
+    (['--dtype=float64'], "error: dtype='float64': use bfloat16, float16 or float32"),
+])
+def test_model_size_refuses_shapes_that_make_no_model(tmp_path, args, message):
+    msg = fails(tmp_path, 'model_size.py', *SMALL, '--vocab_size=65', '--world_size=2', *args)
+    assert msg.startswith(message), msg
+    assert not any(tmp_path.iterdir())
+
+
+def test_model_size_shows_the_tensor_parallel_size_asked_for(tmp_path):
+    p = run('model_size.py', *SMALL, '--vocab_size=65', '--world_size=4', '--tp_size=2', cwd=tmp_path)
+    sizes = json.loads(p.stdout.strip().splitlines()[-1])
+    assert sizes['FSDP 2 x TP 2']['param_bytes'] < sizes['DDP']['param_bytes']
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--n_layer=-1'], 'error: n_layer=-1 must be 1 or more'),  # it ran and timed a model of no layers
+    (['--n_head=0'], 'error: n_head=0 must be 1 or more'),
+    (['--n_embd=33'], 'error: n_embd=33 is not a multiple of n_head=2'),
+    (['--block_size=0'], 'error: block_size=0 must be 1 or more'),
+    (['--batch_size=-1'], 'error: batch_size=-1 must be 1 or more'),
+    (['--gradient_accumulation_steps=0'], 'error: gradient_accumulation_steps=0 must be 1 or more'),
+    (['--iters=0'], 'error: iters=0 must be 1 or more'),
+    (['--warmup=-1'], 'error: warmup=-1 must be 0 or more'),
+    (['--dropout=1.0'], 'error: dropout=1.0 must be at least 0 and below 1'),
+    (['--learning_rate=-1.0'], 'error: learning_rate=-1.0 must be 0 or more'),
+    (['--grad_clip=-1.0'], 'error: grad_clip=-1.0 must be 0 or more (0 turns clipping off)'),
+    (['--beta2=1.5'], 'error: beta2=1.5 must be at least 0 and below 1'),
+    (['--dtype=float64'], "error: dtype='float64': use auto, float32, bfloat16 or float16"),
+    (['--device=nonsense'], "error: device='nonsense' cannot be used here (RuntimeError: "),
+])
+def test_bench_refuses_bad_settings_before_building_a_model(tmp_path, args, message):
+    p = run('bench.py', *BENCH, *args, cwd=tmp_path, check=False)
+    msg = one_line_error(p)
+    assert msg.startswith(message), msg
+    assert 'parameters' not in p.stdout  # refused before the model was built, let alone timed
+    assert not any(tmp_path.iterdir())
+
+
+def test_bench_on_too_little_real_data_or_with_nowhere_to_profile(tmp_path):
+    (tmp_path / 'data' / 'tiny').mkdir(parents=True)
+    (tmp_path / 'data' / 'tiny' / 'train.bin').write_bytes(b'\x01\x00' * 20)
+    msg = fails(tmp_path, 'bench.py', *BENCH, '--real_data=True', '--dataset=tiny')
+    assert msg == ('error: data/tiny/train.bin holds 20 tokens, fewer than block_size + 1 = 33: lower --block_size '
+                   'or prepare more data')
+    (tmp_path / 'bench_log').write_text('a file where the trace folder goes')
+    msg = fails(tmp_path, 'bench.py', *BENCH, '--profile=True')
+    assert msg.startswith('error: cannot create ./bench_log for the trace (File exists)'), msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['bench_log', 'data']
+
+
+@pytest.fixture
+def metrics(tmp_path):
+    """A run folder whose metrics.jsonl holds the rows given, one JSON object (or raw text) a line."""
+    def write(*rows):
+        run_dir = tmp_path / 'run'
+        run_dir.mkdir(exist_ok=True)
+        text = ''.join((r if isinstance(r, str) else json.dumps(r)) + '\n' for r in rows)
+        (run_dir / 'metrics.jsonl').write_text(text)
+        return run_dir
+    return write
+
+
+STEP = {'iter': 0, 'loss': 4.2, 'lr': 1e-3, 'time': 0.5}
+
+
+@pytest.mark.parametrize('rows, message', [
+    ([STEP, {'loss': 4.0, 'time': 1.0}], "run/metrics.jsonl:2: a row with 'loss' lacks a number for 'iter'"),
+    ([STEP, {'iter': 1, 'loss': 4.0}], "run/metrics.jsonl:2: a row with 'loss' lacks a number for 'time'"),
+    ([STEP, {'iter': 1, 'val_loss': 'high', 'time': 1.0}],
+     "run/metrics.jsonl:2: a row with 'val_loss' lacks a number for 'val_loss'"),
+    ([STEP, '{"iter": 1, "loss": 4.'], 'run/metrics.jsonl:2: not a JSON line ('),
+    ([STEP, '[1, 2]'], 'run/metrics.jsonl:2: not a JSON object'),
+    ([{'iter': 0, 'param_bytes': 100, 'time': 0.1}], 'run/metrics.jsonl holds no logged step or eval yet'),
+])
+def test_plot_names_the_bad_line_of_a_metrics_file(tmp_path, metrics, rows, message):
+    run_dir = metrics(*rows)
+    msg = fails(tmp_path, 'plot.py', run_dir, f'--out={tmp_path / "loss.png"}')
+    assert msg.startswith('error: ') and message in msg, msg
+    assert not (tmp_path / 'loss.png').exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['run']
+
+
+@pytest.mark.parametrize('out, message', [
+    ('', 'error: --out is empty: name the image to write, e.g. --out=loss.png'),
+    ('run', 'is a folder: name a file in it, e.g. --out='),
+    ('run/metrics.jsonl/loss.png', 'run/metrics.jsonl is not a folder: create that folder or choose another --out'),
+    ('no/such/loss.png', 'no/such does not exist: create that folder or choose another --out'),
+    ('loss.xyz', 'matplotlib cannot write .xyz files: end it in one of '),
+    ('/proc/loss.png', 'error: cannot write /proc/loss.png ('),  # a folder no one can write in, root included
+])
+def test_plot_refuses_an_output_it_cannot_write(tmp_path, metrics, out, message):
+    run_dir = metrics(STEP)
+    msg = fails(tmp_path, 'plot.py', run_dir, f'--out={tmp_path / out}' if out and out[0] != '/' else f'--out={out}')
+    assert message in msg, msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['run']
+    assert sorted(p.name for p in run_dir.iterdir()) == ['metrics.jsonl']
+
+
+def test_plot_writes_the_format_its_extension_names(tmp_path, metrics):
+    run_dir = metrics(STEP, '', {'iter': 1, 'loss': 4.0, 'time': 1.0}, {'iter': 1, 'val_loss': 4.1, 'time': 1.2})
+    for name, magic in (('loss.pdf', b'%PDF'), ('loss.svg', b'<?xml'), ('loss', b'\x89PNG')):  # it wrote PNG always
+        run('plot.py', run_dir, f'--out={tmp_path / name}', cwd=tmp_path)
+        assert (tmp_path / name).read_bytes()[:len(magic)] == magic
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['loss', 'loss.pdf', 'loss.svg', 'run']
