@@ -7,6 +7,7 @@ python prepare.py shakespeare                   # tiny Shakespeare, GPT-2 BPE   
 python prepare.py openwebtext                   # OpenWebText, GPT-2 BPE        (--data_files=a.parquet,b.json)
 python prepare.py openwebtext-10k               # its first 10k documents       (--data_files=...)
 python prepare.py text --input=FILE [--tokenizer=char|gpt2] [--name=NAME]
+python prepare.py hellaswag                     # HellaSwag's validation set, for eval_hellaswag.py  (--input=FILE)
 
 A text file is one document, split as nanoGPT does: its first 90% of characters for train, the rest for val.
 Document datasets (json, parquet) get an end-of-text token (50256) after each document and a random 0.05% of
@@ -37,7 +38,8 @@ chunk_chars = 1 << 20  # characters of text tokenized at a time per worker
 
 SHAKESPEARE_URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt'
 HUB = {'openwebtext': 'Skylion007/openwebtext', 'openwebtext-10k': 'stas/openwebtext-10k'}
-DATASETS = ('shakespeare_char', 'shakespeare', 'openwebtext', 'openwebtext-10k', 'text')
+DATASETS = ('shakespeare_char', 'shakespeare', 'openwebtext', 'openwebtext-10k', 'text', 'hellaswag')
+HELLASWAG_URL = 'https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl'
 EOT = 50256  # GPT-2's <|endoftext|>
 created = []  # the folders this run made, deepest first: a failed run removes those still empty
 
@@ -331,6 +333,33 @@ def prepare_documents(dataset, out_dir):
         os.remove(os.path.join(out_dir, 'meta.pkl'))  # an earlier char-level prep's: it would set the vocabulary
 
 
+def prepare_hellaswag(out_dir):
+    """HellaSwag's validation set as data/hellaswag/hellaswag_val.jsonl, every example checked (hellaswag.py) before
+    the file is put in place: a bad local copy is refused before anything is written."""
+    import shutil
+    from hellaswag import load_examples
+    path = os.path.join(out_dir, 'hellaswag_val.jsonl')
+    try:
+        if input:
+            n = len(load_examples(input))
+            os.makedirs(out_dir, exist_ok=True)
+            shutil.copyfile(input, path + '.tmp')
+        else:
+            os.makedirs(out_dir, exist_ok=True)
+            download(HELLASWAG_URL, path + '.tmp')
+            n = len(load_examples(path + '.tmp'))
+        os.replace(path + '.tmp', path)
+    except (ValueError, OSError) as e:
+        if input:
+            sys.exit(f"error: {e}")
+        sys.exit(f"error: the download of {HELLASWAG_URL} is damaged ({e}); try again, or pass a local copy with "
+                 f"--input=FILE")
+    finally:
+        if os.path.exists(path + '.tmp'):
+            os.remove(path + '.tmp')
+    print(f"{path}: {n:,} examples")
+
+
 def main():
     if len(sys.argv) < 2 or sys.argv[1] not in DATASETS:
         given = sys.argv[1] if len(sys.argv) > 1 else 'nothing'
@@ -377,6 +406,9 @@ def main():
 def prepare(dataset, out_dir):
     if dataset in HUB:
         prepare_documents(dataset, out_dir)
+        return
+    if dataset == 'hellaswag':
+        prepare_hellaswag(out_dir)
         return
     src = input
     if not src:  # tiny Shakespeare, downloaded once next to the data as nanoGPT does

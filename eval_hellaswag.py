@@ -1,0 +1,93 @@
+"""
+HellaSwag accuracy of a model: any entrypoint's checkpoint (train.py's or nanoGPT's ckpt.pt, fsdp_train.py's
+sharded folders, a run's out_dir), or OpenAI's GPT-2. The data comes from `python prepare.py hellaswag`.
+
+python eval_hellaswag.py --ckpt=out-gpt2
+python eval_hellaswag.py --init_from=gpt2 --limit=1000
+torchrun --standalone --nproc_per_node=8 eval_hellaswag.py --init_from=gpt2-xl   # the examples shared out
+
+Reference marks by this scoring: GPT-2 124M acc_norm 0.2955 (llm.c quotes 0.2945), GPT-3 124M 0.337.
+"""
+
+import sys
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from checkpoint import find_checkpoint, load_checkpoint
+from configurator import configure
+from distributed import pick_device, torchrun_env
+from hellaswag import DEFAULT_PATH, encoding, evaluate, load_or_exit
+from model import GPT
+
+# -----------------------------------------------------------------------------
+ckpt = 'out'  # a run's out_dir (its newest checkpoint), a ckpt.pt, or a sharded checkpoint folder
+init_from = ''  # instead of ckpt: 'gpt2'..'gpt2-xl' from Hugging Face, or a folder that save_pretrained wrote
+input = DEFAULT_PATH  # HellaSwag's jsonl
+limit = 0  # score the first `limit` examples only; 0 for all
+device = 'auto'  # 'auto' (cuda if there is a GPU, else cpu), 'cpu', 'cuda', 'cuda:1'
+dtype = 'auto'  # 'auto' (bfloat16 on GPUs that have it, else float16 on CUDA, float32 on CPU), or one of those
+# -----------------------------------------------------------------------------
+config, given = configure(globals())
+if 'ckpt' in given and init_from:
+    sys.exit("error: both ckpt and init_from are given: give --ckpt for a checkpoint of this repo or --init_from "
+             "for GPT-2, not both")
+if limit < 0:
+    sys.exit(f"error: limit={limit} is out of range: give --limit 0 (all) or more")
+if dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
+    sys.exit(f"error: dtype={dtype!r}: use auto, float32, bfloat16 or float16")
+
+device, device_type = pick_device(device)
+if dtype == 'auto':
+    dtype = ('bfloat16' if torch.cuda.is_bf16_supported(including_emulation=False) else 'float16') \
+        if device_type == 'cuda' else 'float32'
+ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
+
+# model, read before the process group starts: a one-line error then leaves no group behind
+if init_from:
+    try:
+        model = GPT.from_pretrained(init_from, dict(dropout=0.0))
+    except ImportError:
+        sys.exit(f"error: init_from={init_from} needs Hugging Face transformers: pip install transformers")
+    except OSError as e:
+        sys.exit(f"error: could not load {init_from} from the Hugging Face hub ({str(e).splitlines()[0][:200]}): "
+                 f"check the network, or set HF_HUB_OFFLINE=1 with the model in the local cache")
+    name = init_from
+else:
+    try:
+        model, _ = load_checkpoint(ckpt, dropout=0.0)
+    except FileNotFoundError as e:
+        sys.exit(f"error: {e}: give --ckpt=a run folder, a ckpt.pt or a sharded checkpoint folder, or --init_from=gpt2")
+    except Exception as e:
+        sys.exit(f"error: checkpoint {find_checkpoint(ckpt)} is corrupt or not a model checkpoint "
+                 f"({type(e).__name__}): delete it or restore a good copy")
+    name = find_checkpoint(ckpt)
+examples = load_or_exit(input, model.config.vocab_size)
+if limit:
+    examples = examples[:limit]
+try:
+    encoding()
+except Exception as e:  # its first use downloads two files
+    sys.exit(f"error: could not load the GPT-2 tokenizer ({type(e).__name__}): connect to the internet once, or "
+             f"point TIKTOKEN_CACHE_DIR at a folder that holds tiktoken's gpt2 files")
+
+# under torchrun every rank holds the whole model and scores its share of the examples; the counts are all-reduced.
+# (distributed.start is the training loops': it would hold back a SIGTERM until a step ends, and here none does)
+rank, _, world_size, _ = torchrun_env()
+if world_size > 1:
+    if device_type == 'cuda':
+        torch.cuda.set_device(device)
+    dist.init_process_group('nccl' if device_type == 'cuda' else 'gloo')
+if device_type == 'cuda':
+    torch.backends.cuda.matmul.fp32_precision = 'tf32'
+model.to(device)
+if rank == 0:
+    print(f"{name}: {model.get_num_params() / 1e6:.2f}M parameters, {dtype} on {device}")
+scores = evaluate(model, examples, device, ctx, model.config.block_size, rank, world_size, progress=True)
+if rank == 0:
+    print(f"hellaswag: {scores['n']} examples, acc {scores['acc']:.4f}, acc_norm {scores['acc_norm']:.4f}")
+if world_size > 1:
+    dist.barrier()  # gloo's teardown has aborted when one rank left while another was still in a collective
+    dist.destroy_process_group()
