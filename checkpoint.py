@@ -342,13 +342,17 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                  f"a good copy (or start afresh over it with --auto_resume=False)")
     if resume_from is None and init_from == 'resume':
         sys.exit(f"error: no checkpoint at {where}: point --out_dir at a run's folder, or use --init_from=scratch")
-    if rank == 0:
-        for path, why in damaged:
-            print(f"warning: skipping the damaged {path} ({why}); resuming from the newest one before it", flush=True)
-        if resume_from is not None and init_from != 'resume':
-            print(f"auto-resume: {out_dir} holds this run's state at iter {resume_from[0]}, so the run continues "
-                  f"(--auto_resume=False starts afresh)", flush=True)
+    for path, why in damaged:
+        print0(f"warning: skipping the damaged {path} ({why}); resuming from the newest one before it")
+    if resume_from is not None and init_from != 'resume':
+        print0(f"auto-resume: {out_dir} holds this run's state at iter {resume_from[0]}, so the run continues "
+               f"(--auto_resume=False starts afresh)")
     return run_id, resume_from
+
+
+def print0(*args):
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
 
 
 def remove_snapshots(run_id):
@@ -394,6 +398,7 @@ def create_model(resume_path, read, init_from, model_args, config, given):
             sys.exit(f"error: checkpoint {resume_path} is corrupt or not a training checkpoint ({reason(e)}): delete "
                      f"it or restore a good copy")
     elif init_from in PRETRAINED:
+        print0(f"initializing from OpenAI GPT-2 weights: {init_from}")
         try:
             model = GPT.from_pretrained(init_from, dict(dropout=model_args['dropout']))
         except ImportError:
@@ -411,6 +416,7 @@ def create_model(resume_path, read, init_from, model_args, config, given):
         except Exception as e:
             sys.exit(f"error: cannot read a checkpoint at {init_from} ({reason(e)}): give a ckpt.pt, a sharded "
                      f"checkpoint or a run folder")
+        print0(f"initializing from the weights of {find_checkpoint(init_from)}")
     else:
         model = GPT(GPTConfig(**model_args))
     block_size = config['block_size']

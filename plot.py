@@ -1,7 +1,7 @@
 """
 Draws loss curves from one or more runs' metrics.jsonl into an image (PNG, or the format --out's extension names):
 train loss per logged step and val loss at each eval, against the step (left) and against wall time (right), one
-colour per run.
+colour per run; and where a run logged HellaSwag (hellaswag_interval), its acc_norm (and acc, dashed) per step.
 
 python plot.py out-ddp out-fsdp --labels=train.py,fsdp_train.py --out=parity.png
 """
@@ -24,7 +24,7 @@ def read_run(path):
     run with none, is a one-line error."""
     if os.path.isdir(path):
         path = os.path.join(path, 'metrics.jsonl')
-    steps, evals = [], []
+    steps, evals, hellaswag = [], [], []
     with open(path, encoding='utf-8') as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -35,7 +35,7 @@ def read_run(path):
                 sys.exit(f"error: {path}:{n}: not a JSON line ({e}): remove or repair that line")
             if not isinstance(row, dict):
                 sys.exit(f"error: {path}:{n}: not a JSON object: remove or repair that line")
-            for kind, rows in (('loss', steps), ('val_loss', evals)):
+            for kind, rows in (('loss', steps), ('val_loss', evals), ('hellaswag_acc_norm', hellaswag)):
                 if kind not in row:
                     continue
                 bad = [k for k in ('iter', 'time', kind) if type(row.get(k)) not in (int, float)]
@@ -45,7 +45,7 @@ def read_run(path):
                 rows.append(row)
     if not steps and not evals:
         sys.exit(f"error: {path} holds no logged step or eval yet: plot the run once it has logged one")
-    return steps, evals
+    return steps, evals, hellaswag
 
 
 def check_out():
@@ -83,14 +83,20 @@ def main():
     matplotlib.use('Agg')  # files only, no display needed
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    with_hellaswag = any(hs for _, _, hs in data)
+    fig, axes = plt.subplots(1, 3 if with_hellaswag else 2, figsize=(18 if with_hellaswag else 12, 4.5))
     # the extension's format, as matplotlib would take it (png without one), given explicitly: the temporary name's
     # .tmp would not do
     fmt = os.path.splitext(out)[1][1:].lower() or 'png'
     if fmt not in fig.canvas.get_supported_filetypes():
         sys.exit(f"error: --out={out}: matplotlib cannot write .{fmt} files: end it in one of "
                  f"{', '.join('.' + f for f in sorted(fig.canvas.get_supported_filetypes()))}")
-    for (steps, evals), name, color in zip(data, names, plt.rcParams['axes.prop_cycle'].by_key()['color'] * 10):
+    for (steps, evals, hs), name, color in zip(data, names, plt.rcParams['axes.prop_cycle'].by_key()['color'] * 10):
+        if hs:
+            axes[2].plot([r['iter'] for r in hs], [r['hellaswag_acc_norm'] for r in hs], color=color, marker='o', ms=3,
+                         label=f'{name} acc_norm')
+            axes[2].plot([r['iter'] for r in hs], [r.get('hellaswag_acc', float('nan')) for r in hs], color=color,
+                         ls='--', lw=1, label=f'{name} acc')
         for ax, x in zip(axes, ('iter', 'time')):
             ax.plot([r[x] for r in steps], [r['loss'] for r in steps], color=color, alpha=0.35, lw=1,
                     label=f'{name} train')
@@ -102,6 +108,9 @@ def main():
         ax.set_ylabel('loss')
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
+    if with_hellaswag:
+        axes[2].set(xlabel='step', ylabel='HellaSwag accuracy')
+        axes[2].legend(fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -26,6 +26,7 @@ from configurator import check_config, configure
 from data import check_token_ids, find_bins, read_meta
 from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start, state_bytes,
                          use_deterministic_algorithms)
+from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from runlog import count_skipped, open_log
 
 # -----------------------------------------------------------------------------
@@ -36,6 +37,7 @@ eval_interval = 2000
 log_interval = 1
 eval_iters = 200
 eval_only = False  # exit right after the first eval
+hellaswag_interval = 0  # steps between HellaSwag evals (run `python prepare.py hellaswag` first); 0: none
 always_save_checkpoint = True  # save after every eval, not only on a new best val loss
 init_from = 'scratch'  # 'scratch', 'resume' (out_dir's checkpoint), 'gpt2'..'gpt2-xl', or a checkpoint's path (weights)
 # wandb logging
@@ -163,6 +165,7 @@ model, checkpoint = create_model(resume_path, lambda path: torch.load(path, map_
                                  init_from, model_args, config, given)
 block_size = model_args['block_size']
 check_token_ids(bin_path, model.config.vocab_size)
+hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []
 iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_loss'])) if checkpoint else (0, 1e9)
 print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
 model.to(device)
@@ -289,6 +292,11 @@ while True:
             if iter_num > 0:
                 save_checkpoint()
         t0, steps_timed = time.time(), 0  # leave evals out of the step time
+    if hellaswag_interval and (iter_num % hellaswag_interval == 0 or iter_num == max_iters):
+        hs = evaluate(eval_model, hellaswag, device, ctx, block_size, dp_rank, dp_size)
+        print0(f"step {iter_num}: hellaswag acc {hs['acc']:.4f}, acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
+        log_metrics(iter_num, hellaswag_acc=hs['acc'], hellaswag_acc_norm=hs['acc_norm'])
+        t0, steps_timed = time.time(), 0
     elif save_storage_interval and iter_num % save_storage_interval == 0 and local_iter_num > 0:
         save_checkpoint()
     if iter_num >= max_iters or eval_only:

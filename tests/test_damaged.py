@@ -19,9 +19,10 @@ from test_fault import KIND, assert_same_run, cut_short, logged_iters, tiny
 # the file cut short in the newest storage checkpoint (iter 8) and what the run resumes from instead (iter 4):
 # train.py's ckpt.pt and the ckpt.prev.pt kept beside it; a rank's file of ds_train.py's and decent_train.py's
 # step folders (decent_train.py on two ranks: rank 0 checks the second rank's file too, and names its own)
+# (ds_train.py's consolidated ckpt.pt of the same step is cut too: it would resume there, as it is whole)
 NEWEST = {'train.py': ('ckpt.pt', 'ckpt.prev.pt'),
           'ds_train.py': ('ds/step-00000008/zero_pp_rank_0_mp_rank_00_optim_states.pt', 'ds/step-00000004'),
-          'decent_train.py': ('decent/step-00000008/rank-1.pt', 'decent/step-00000004/rank-0.pt')}
+          'decent_train.py': ('decent/step-00000008/rank-1.pt', 'decent/step-00000004')}
 
 
 @pytest.mark.parametrize('script,nproc', [('train.py', 1), ('ds_train.py', 1), ('decent_train.py', 2)])
@@ -31,6 +32,8 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_one_before(tmp_path, da
     run(script, *tiny(data_dir, tmp_path / 'ft', *args, '--max_iters=8'), nproc=nproc, cwd=tmp_path)
     damaged, before = NEWEST[script]
     cut_short(tmp_path / 'ft' / damaged)
+    if script == 'ds_train.py':
+        cut_short(tmp_path / 'ft' / 'ckpt.pt')
     p = run(script, *tiny(data_dir, tmp_path / 'ft', *args, '--max_iters=12'), nproc=nproc, cwd=tmp_path)
     newest = tmp_path / 'ft' / (damaged if script == 'train.py' else str(Path(damaged).parent))
     assert f'warning: skipping the damaged {newest} (' in p.stdout, p.stdout[-3000:]

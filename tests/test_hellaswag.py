@@ -12,7 +12,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from conftest import REPO, env, one_line_error, run
+from conftest import REPO, TINY, env, one_line_error, run
 
 os.environ.update(TIKTOKEN_CACHE_DIR=env()['TIKTOKEN_CACHE_DIR'], HF_HUB_OFFLINE='1')
 import hellaswag  # noqa: E402
@@ -270,3 +270,39 @@ def test_prepare_hellaswag_checks_the_file_and_writes_it_whole(setup, tmp_path):
     p = run('prepare.py', 'hellaswag', f'--input={bad}', f'--out_root={tmp_path / "fresh"}', cwd=tmp_path, check=False)
     assert one_line_error(p).startswith(f"error: {bad}:4: ctx must be a non-empty string")
     assert not (tmp_path / 'fresh').exists()
+
+
+@pytest.fixture(scope='module')
+def in_the_loop(tmp_path_factory, data_dir):
+    """The made-up file where the entrypoints look for it (data/hellaswag/ below their working folder), and the
+    arguments of a 2-step run on GPT-2 BPE data that evaluates HellaSwag at steps 0 and 2."""
+    tmp = tmp_path_factory.mktemp('loop')
+    (tmp / 'data' / 'hellaswag').mkdir(parents=True)
+    write_jsonl(tmp / 'data' / 'hellaswag' / 'hellaswag_val.jsonl', made_up_examples(7, seed=3))
+    args = [a for a in TINY if not a.startswith('--block_size')] + [
+        '--block_size=64', f'--dataset={data_dir / "shakespeare"}', '--max_iters=2', '--eval_interval=2',
+        '--hellaswag_interval=2', '--gradient_accumulation_steps=2']
+    return tmp, args
+
+
+def hellaswag_rows(out):
+    rows = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines()]
+    return {r['iter']: (r['hellaswag_acc'], r['hellaswag_acc_norm']) for r in rows if 'hellaswag_acc' in r}
+
+
+@pytest.mark.parametrize('script, nproc, extra', [
+    ('fsdp_train.py', 2, []), ('fsdp_train.py', 2, ['--tp_size=2']), ('ds_train.py', 2, ['--zero_stage=3']),
+    ('decent_train.py', 2, [])])
+def test_every_entrypoint_scores_hellaswag_as_train_py_does(in_the_loop, script, nproc, extra):
+    """At step 0 every entrypoint holds the same model (the same seed), sharded, replicated or split as its mode
+    does: the counts over the ranks must be train.py's on one process."""
+    tmp, args = in_the_loop
+    if not (tmp / 'ref' / 'metrics.jsonl').exists():
+        p = run('train.py', *args, f'--out_dir={tmp / "ref"}', cwd=tmp)
+        assert 'step 0: hellaswag acc' in p.stdout and '(7 examples)' in p.stdout
+    ref = hellaswag_rows(tmp / 'ref')
+    assert sorted(ref) == [0, 2] and all(0 <= a <= 1 for pair in ref.values() for a in pair)
+    name = script.split('.')[0] + ''.join(extra).replace('--', '-').replace('=', '')
+    run(script, *args, *extra, f'--out_dir={tmp / name}', nproc=nproc, cwd=tmp)
+    rows = hellaswag_rows(tmp / name)
+    assert sorted(rows) == [0, 2] and rows[0] == ref[0]
