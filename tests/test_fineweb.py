@@ -17,8 +17,8 @@ EOT = 50256
 
 
 def documents(n, min_chars=0, max_chars=400):
-    """n documents cut from tiny Shakespeare at varied places and lengths, with some non-ASCII text, whitespace at
-    the ends and an empty document: each is tokenized on its own, so a document boundary is never merged."""
+    """n documents cut from tiny Shakespeare at varied places and lengths, some with non-ASCII text or whitespace at
+    an end, and one empty: a prep that ran documents together, or dropped one, would not give expected()'s tokens."""
     text = SHAKESPEARE.read_text()
     docs = []
     for i in range(n):
