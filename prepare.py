@@ -6,12 +6,16 @@ python prepare.py shakespeare_char              # tiny Shakespeare, characters  
 python prepare.py shakespeare                   # tiny Shakespeare, GPT-2 BPE   (--input=FILE)
 python prepare.py openwebtext                   # OpenWebText, GPT-2 BPE        (--data_files=a.parquet,b.json)
 python prepare.py openwebtext-10k               # its first 10k documents       (--data_files=...)
+python prepare.py fineweb-edu                   # FineWeb-Edu's sample-10BT     (--data_files=a.parquet,...)
+python prepare.py fineweb                       # FineWeb's sample-10BT         (--data_files=a.parquet,...)
 python prepare.py text --input=FILE [--tokenizer=char|gpt2] [--name=NAME]
 python prepare.py hellaswag                     # HellaSwag's validation set, for eval_hellaswag.py  (--input=FILE)
 
 A text file is one document, split as nanoGPT does: its first 90% of characters for train, the rest for val.
 Document datasets (json, parquet) get an end-of-text token (50256) after each document and a random 0.05% of
 documents for val. Token ids stream to disk: the corpus is never held in memory.
+FineWeb's samples (~10B tokens) stream from their parquet files instead, with a fixed val split: the first val_docs
+documents (files in sorted order). An interrupted prep of them resumes where it stopped; a finished one is kept.
 """
 
 import json
@@ -34,11 +38,16 @@ out_root = 'data'
 val_fraction = -1.0  # -1: 0.1 of a text file's characters, 0.0005 of a document dataset's documents
 num_proc = max(1, (os.cpu_count() or 2) // 2)  # tokenizer workers
 chunk_chars = 1 << 20  # characters of text tokenized at a time per worker
+val_docs = 100_000  # fineweb*: the first N documents are val: ~100M tokens if they average ~1,000 tokens
+chunk_docs = 1024  # fineweb*: documents read, tokenized, written and recorded as done at a time
+force = False  # fineweb*: prepare again a folder that holds a finished prep, or start an interrupted one over
 # -----------------------------------------------------------------------------
 
 SHAKESPEARE_URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt'
 HUB = {'openwebtext': 'Skylion007/openwebtext', 'openwebtext-10k': 'stas/openwebtext-10k'}
-DATASETS = ('shakespeare_char', 'shakespeare', 'openwebtext', 'openwebtext-10k', 'text', 'hellaswag')
+FINEWEB = {'fineweb-edu': 'HuggingFaceFW/fineweb-edu', 'fineweb': 'HuggingFaceFW/fineweb'}  # hub repos
+FINEWEB_CONFIG = 'sample-10BT'  # each repo's ~10B-token sample
+DATASETS = ('shakespeare_char', 'shakespeare', 'openwebtext', 'openwebtext-10k', 'text', 'hellaswag') + tuple(FINEWEB)
 HELLASWAG_URL = 'https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl'
 EOT = 50256  # GPT-2's <|endoftext|>
 created = []  # the folders this run made, deepest first: a failed run removes those still empty
@@ -117,14 +126,23 @@ def gpt2_encoding():
 
 
 class Output:
-    """A .bin written in appended pieces under a temporary name, renamed into place only when complete."""
+    """A .bin written in appended pieces under a temporary name, renamed into place only when complete. With keep,
+    an interrupted prep's temporary file is cut back to the keep bytes that it recorded, and appended to."""
 
-    def __init__(self, path):
-        self.path, self.f, self.n = path, open(path + '.tmp', 'wb'), 0
+    def __init__(self, path, keep=0):
+        self.path, self.n = path, keep // 2
+        self.f = open(path + '.tmp', 'r+b' if keep else 'wb')
+        self.f.truncate(keep)  # tokens written after the last record of progress, by a prep killed in between
+        self.f.seek(keep)
 
     def write(self, ids):
         self.f.write(np.asarray(ids, dtype=np.uint16).tobytes())
         self.n += len(ids)
+
+    def sync(self):
+        """Puts the tokens on disk, so that a record of progress written after this never counts tokens a crash lost."""
+        self.f.flush()
+        os.fsync(self.f.fileno())
 
     def commit(self):
         self.f.close()
@@ -360,21 +378,215 @@ def prepare_hellaswag(out_dir):
     print(f"{path}: {n:,} examples")
 
 
+def write_json(path, obj):
+    with open(path + '.tmp', 'w') as f:
+        json.dump(obj, f)
+    os.replace(path + '.tmp', path)  # whole or not at all, whenever the prep is killed
+
+
+def fineweb_files(dataset, progress_path):
+    """The parquet files of a FineWeb sample, sorted so that val is the same however they are listed, and the fix
+    to name if one of them cannot be read."""
+    if data_files:
+        files = sorted(os.path.abspath(f) for f in data_files.split(','))
+        for f in files:
+            if not f.endswith('.parquet'):
+                sys.exit(f"error: --data_files names {f}: {dataset} takes .parquet files, the format of the hub's")
+            if not os.path.isfile(f):
+                problem = 'is not a file' if os.path.exists(f) else 'does not exist'
+                sys.exit(f"error: --data_files names {f}, which {problem}")
+        return files, "give parquet files that hold documents"
+    fix = "check the connection, or download the files and pass --data_files=FILE[,FILE...]"
+    if os.path.exists(progress_path) and not force:
+        try:  # a resumed prep reads the files of the commit it started on, whatever the repo holds now
+            with open(progress_path) as f:
+                files = json.load(f)['settings']['files']
+            if files[0].startswith('hf://'):
+                return files, fix
+        except (ValueError, KeyError, TypeError, IndexError):
+            pass
+    import datasets
+    try:
+        builder = datasets.load_dataset_builder(FINEWEB[dataset], FINEWEB_CONFIG)
+        return sorted(builder.config.data_files['train']), fix  # hf://datasets/REPO@COMMIT/PATH
+    except Exception as e:
+        sys.exit(f"error: could not list {FINEWEB[dataset]} ({FINEWEB_CONFIG}) on the Hugging Face hub "
+                 f"({type(e).__name__}): download its parquet files and pass --data_files=FILE[,FILE...]")
+
+
+def count_documents(files, fix):
+    """The documents in the files, from their parquet footers (the rows stay unread), once their text column is
+    checked."""
+    import fsspec
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    total = 0
+    for path in files:
+        try:
+            with fsspec.open(path, 'rb') as f:
+                meta = pq.read_metadata(f)
+        except Exception as e:
+            reason = str(e).splitlines()[0][:200] if str(e) else ''
+            sys.exit(f"error: cannot read {path} as parquet ({type(e).__name__}: {reason}): {fix}")
+        schema = meta.schema.to_arrow_schema()
+        if text_column not in schema.names:
+            sys.exit(f"error: {path} has no '{text_column}' column (it has {schema.names}): set --text_column")
+        kind = schema.field(text_column).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+            sys.exit(f"error: the '{text_column}' column of {path} holds {kind}, not text: set --text_column")
+        total += meta.num_rows
+    return total
+
+
+def text_chunks(files, start):
+    """(file, row in it, texts as an arrow array) for up to chunk_docs documents at a time, from document `start`
+    of the files on. Only the text column is read, a MiB at a time, so memory stays flat whatever the size of the
+    row groups; whole row groups before `start` are not read at all."""
+    import fsspec
+    import pyarrow.parquet as pq
+    for path in files:
+        try:
+            with fsspec.open(path, 'rb') as f:
+                pf = pq.ParquetFile(f, pre_buffer=False, buffer_size=1 << 20)
+                rows = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
+                group, row = 0, 0
+                while group < len(rows) and row + rows[group] <= start:
+                    row += rows[group]
+                    group += 1
+                start -= row
+                if group == len(rows):  # the whole file comes before `start`
+                    continue
+                for batch in pf.iter_batches(chunk_docs, row_groups=range(group, len(rows)), columns=[text_column]):
+                    texts = batch.column(0)[start:]
+                    row, start = row + min(start, batch.num_rows), max(0, start - batch.num_rows)
+                    if len(texts):
+                        yield path, row, texts
+                        row += len(texts)
+        except Exception as e:  # a connection that broke, a damaged file: what was done stays done
+            reason = str(e).splitlines()[0][:200] if str(e) else ''
+            sys.exit(f"error: reading {path} failed ({type(e).__name__}: {reason}): fix that, then run the same "
+                     f"command again to resume")
+
+
+def load_progress(path, settings, outputs):
+    """An interrupted prep's record of progress, or None if there is none or its partial files fall short of it."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            progress = json.load(f)
+        old, sizes = progress['settings'], progress['bytes']
+        if old != settings:
+            changed = ', '.join(f"{k}={v!r}" for k, v in old.items() if settings.get(k) != v)
+            sys.exit(f"error: {os.path.dirname(path)} holds a prep interrupted with other input or settings "
+                     f"({changed[:300]}): give those to resume it, or pass --force=True to start over")
+        if all(os.path.getsize(p + '.tmp') >= sizes[split] for split, p in outputs.items()):
+            return progress
+    except (OSError, ValueError, KeyError, TypeError):  # a partial file gone, a record from an older version
+        pass
+    print(f"{path} does not match the partial files beside it: starting over")
+    return None
+
+
+def prepare_fineweb(dataset, out_dir):
+    """A FineWeb sample from its parquet files, the hub's or local ones, streamed chunk by chunk into val.bin (its
+    first val_docs documents) and train.bin (the rest), GPT-2 BPE with EOT after each document. After each chunk
+    progress.json records the documents done and the bytes that the partial files then held: a rerun resumes there."""
+    from tqdm import tqdm
+    paths = {split: os.path.join(out_dir, f'{split}.bin') for split in ('val', 'train')}
+    progress_path = os.path.join(out_dir, 'progress.json')
+    if all(os.path.exists(p) for p in paths.values()) and not os.path.exists(progress_path) and not force:
+        print(f"{out_dir} is already prepared (train.bin and val.bin): pass --force=True to prepare it again")
+        return
+    files, fix = fineweb_files(dataset, progress_path)
+    settings = {'dataset': dataset, 'files': files, 'text_column': text_column, 'val_docs': val_docs}
+    progress = None if force else load_progress(progress_path, settings, paths)
+    total = count_documents(files, fix)
+    if val_docs >= total:
+        sys.exit(f"error: val_docs={val_docs:,} but the files hold {total:,} documents: lower --val_docs to leave "
+                 f"some for train")
+    enc = gpt2_encoding()
+    make_out_dir(out_dir)
+    done = progress['docs'] if progress else 0
+    if progress:
+        print(f"resuming: {done:,} documents already done")
+    outputs = {}
+
+    def abandon(message):  # the input is bad, so what was made of it is dropped
+        for out in outputs.values():
+            out.discard()
+        if os.path.exists(progress_path):
+            os.remove(progress_path)
+        sys.exit(message)
+
+    try:
+        for split, path in paths.items():
+            outputs[split] = Output(path, progress['bytes'][split] if progress else 0)
+        tokens = sum(out.n for out in outputs.values())
+        with tqdm(initial=tokens, total=round(tokens / done * total) if done else None, unit='tok', unit_scale=True,
+                  desc=f'tokenizing {dataset}') as bar:
+            for path, row, texts in text_chunks(files, done):
+                if texts.null_count:
+                    first = row + texts.is_null().to_pylist().index(True)
+                    abandon(f"error: {path}: row {first} has a null '{text_column}': give each document a string, "
+                            f"or remove it")
+                try:
+                    texts.validate(full=True)
+                except Exception as e:
+                    abandon(f"error: {path}: rows {row} to {row + len(texts) - 1} hold a '{text_column}' that is not "
+                            f"UTF-8 text ({str(e)[:100]}): convert the files to UTF-8")
+                ids = enc.encode_ordinary_batch(texts.to_pylist(), num_threads=num_proc)  # Rust threads, GIL released
+                n_val = min(max(val_docs - done, 0), len(ids))
+                for split, docs in (('val', ids[:n_val]), ('train', ids[n_val:])):
+                    flat = []
+                    for doc in docs:
+                        flat += doc
+                        flat.append(EOT)
+                    outputs[split].write(flat)
+                    outputs[split].sync()
+                done += len(ids)
+                write_json(progress_path, {'settings': settings, 'docs': done,
+                                           'bytes': {split: out.n * 2 for split, out in outputs.items()}})
+                tokens = sum(out.n for out in outputs.values())
+                bar.total = round(tokens / done * total)  # estimated from the documents so far, for the ETA
+                bar.set_postfix_str(f'{done:,}/{total:,} documents', refresh=False)
+                bar.update(tokens - bar.n)
+        # the record goes first: a crash before both renames leaves a prep that starts over, not one taken as done
+        os.remove(progress_path)
+        for out in outputs.values():
+            out.commit()
+    except OSError as e:
+        write_failed(out_dir, e)
+    finally:
+        for out in outputs.values():
+            out.f.close()
+    if os.path.exists(os.path.join(out_dir, 'meta.pkl')):
+        os.remove(os.path.join(out_dir, 'meta.pkl'))  # an earlier char-level prep's: it would set the vocabulary
+    print(f"{out_dir}: {outputs['train'].n:,} train and {outputs['val'].n:,} val tokens (val: the first "
+          f"{val_docs:,} of {total:,} documents)")
+
+
 def main():
     if len(sys.argv) < 2 or sys.argv[1] not in DATASETS:
         given = sys.argv[1] if len(sys.argv) > 1 else 'nothing'
         sys.exit(f"error: unknown dataset {given!r}: use one of {', '.join(DATASETS)}")
     dataset = sys.argv[1]
-    configure(globals(), sys.argv[2:])
+    _, set_keys = configure(globals(), sys.argv[2:])
     if tokenizer not in ('char', 'gpt2'):
         sys.exit(f"error: tokenizer={tokenizer!r}: use char or gpt2")
     if dataset == 'text' and not input:
         sys.exit("error: text needs --input=FILE, the text file to prepare")
     if input and not os.path.isfile(input):
         sys.exit(f"error: --input={input} is not a file")
-    if data_files and dataset not in HUB:
-        sys.exit(f"error: --data_files is for openwebtext and openwebtext-10k; use --input=FILE for {dataset}")
-    for key in ('num_proc', 'chunk_chars'):
+    if data_files and dataset not in HUB and dataset not in FINEWEB:
+        sys.exit(f"error: --data_files is for openwebtext*, fineweb and fineweb-edu; use --input=FILE for {dataset}")
+    if dataset in FINEWEB and 'val_fraction' in set_keys:
+        sys.exit(f"error: {dataset}'s val is its first --val_docs documents, a fixed split: set val_docs, not "
+                 f"val_fraction")
+    misplaced = sorted(set_keys & {'val_docs', 'chunk_docs', 'force'})
+    if dataset not in FINEWEB and misplaced:
+        sys.exit(f"error: {', '.join(misplaced)} is for fineweb and fineweb-edu only: leave it out for {dataset}")
+    for key in ('num_proc', 'chunk_chars', 'val_docs', 'chunk_docs'):
         if globals()[key] < 1:
             sys.exit(f"error: {key}={globals()[key]} must be 1 or more")
     if val_fraction != -1 and not 0 < val_fraction < 1:
@@ -404,6 +616,9 @@ def main():
 
 
 def prepare(dataset, out_dir):
+    if dataset in FINEWEB:
+        prepare_fineweb(dataset, out_dir)
+        return
     if dataset in HUB:
         prepare_documents(dataset, out_dir)
         return
