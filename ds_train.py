@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import (find_checkpoint, incarnation_store, load_checkpoint, newest_loadable, previous,
+from checkpoint import (find_checkpoint, incarnation_store, load_checkpoint, newest_loadable, previous, reason_of,
                         save_in_background, snapshot_dir, wait_for_copies, wait_for_saves)
 from configurator import configure
 from data import read_meta
@@ -310,7 +310,7 @@ def newest_engine_checkpoint(folder, run_id=None, or_any=False):
                 return None, damaged
             return (int(ours['iter_num']), path, (ours['world_size'], ours['config']['zero_stage'])), damaged
         except Exception as e:
-            damaged.append((path, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
+            damaged.append((path, reason_of(e)))
     return None, damaged
 
 
@@ -387,8 +387,8 @@ if resume_from is not None:
                 if checkpoint.get('optimizer') else {'state': {}}
         iter_num, best_val_loss = checkpoint['iter_num'], float(checkpoint['best_val_loss'])
     except Exception as e:
-        sys.exit(f"error: checkpoint {resume_path} is corrupt or not a training checkpoint ({type(e).__name__}: "
-                 f"{str(e).splitlines()[0][:200] if str(e) else ''}): delete it or restore a good copy")
+        sys.exit(f"error: checkpoint {resume_path} is corrupt or not a training checkpoint ({reason_of(e)}): "
+                 f"delete it or restore a good copy")
 elif init_from in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
     print0(f"initializing from OpenAI GPT-2 weights: {init_from}")
     try:
@@ -406,8 +406,8 @@ elif init_from != 'scratch':
         model, ckpt = load_checkpoint(init_from, dropout=dropout)
         take_shape(ckpt['model_args'])
     except Exception as e:
-        sys.exit(f"error: cannot read a checkpoint at {init_from} ({type(e).__name__}: "
-                 f"{str(e).splitlines()[0][:200] if str(e) else ''}): give a ckpt.pt, a sharded checkpoint or a run folder")
+        sys.exit(f"error: cannot read a checkpoint at {init_from} ({reason_of(e)}): "
+                 f"give a ckpt.pt, a sharded checkpoint or a run folder")
     print0(f"initializing from the weights of {find_checkpoint(init_from)}")
 else:
     model = GPT(GPTConfig(**model_args))
@@ -630,8 +630,8 @@ if checkpoint is not None:
         else:  # a fp16 run's loss scale is not in it: the engine's starts afresh
             load_state(checkpoint['model'], checkpoint['optimizer'])
     except Exception as e:
-        sys.exit(f"error: checkpoint {resume_path} does not load into this run ({type(e).__name__}: "
-                 f"{str(e).splitlines()[0][:200] if str(e) else ''}): delete it or restore a good copy")
+        sys.exit(f"error: checkpoint {resume_path} does not load into this run ({reason_of(e)}): "
+                 f"delete it or restore a good copy")
     if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
         data_gen.set_state(checkpoint['data_rng'])
     rng = checkpoint.get('rng', [])

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import (find_checkpoint, incarnation_store, load_checkpoint, newest_loadable, previous,
+from checkpoint import (find_checkpoint, incarnation_store, load_checkpoint, newest_loadable, previous, reason_of,
                         save_in_background, snapshot_dir, wait_for_copies, wait_for_saves)
 from configurator import configure
 from data import read_meta
@@ -277,8 +277,8 @@ if resume_from is not None:
         model.load_state_dict(GPT.upgrade_state_dict(checkpoint['model']))
         iter_num, best_val_loss = checkpoint['iter_num'], float(checkpoint['best_val_loss'])  # nanoGPT saved a tensor
     except Exception as e:
-        sys.exit(f"error: checkpoint {resume_path} is corrupt or not a training checkpoint ({type(e).__name__}: "
-                 f"{str(e).splitlines()[0][:200] if str(e) else ''}): delete it or restore a good copy")
+        sys.exit(f"error: checkpoint {resume_path} is corrupt or not a training checkpoint ({reason_of(e)}): "
+                 f"delete it or restore a good copy")
 elif init_from in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
     print0(f"initializing from OpenAI GPT-2 weights: {init_from}")
     try:
@@ -296,8 +296,8 @@ elif init_from != 'scratch':
         model, ckpt = load_checkpoint(init_from, dropout=dropout)
         take_shape(ckpt['model_args'])
     except Exception as e:
-        sys.exit(f"error: cannot read a checkpoint at {init_from} ({type(e).__name__}: "
-                 f"{str(e).splitlines()[0][:200] if str(e) else ''}): give a ckpt.pt, a sharded checkpoint or a run folder")
+        sys.exit(f"error: cannot read a checkpoint at {init_from} ({reason_of(e)}): "
+                 f"give a ckpt.pt, a sharded checkpoint or a run folder")
     print0(f"initializing from the weights of {find_checkpoint(init_from)}")
 else:
     model = GPT(GPTConfig(**model_args))
@@ -323,8 +323,8 @@ if checkpoint is not None:
     try:
         optimizer.load_state_dict(raw_model.upgrade_optimizer_state(checkpoint['optimizer']))
     except Exception as e:
-        sys.exit(f"error: checkpoint {resume_path} has an optimizer state that does not fit this model ({type(e).__name__}: "
-                 f"{str(e).splitlines()[0][:200]}): delete it or restore a good copy")
+        sys.exit(f"error: checkpoint {resume_path} has an optimizer state that does not fit this model "
+                 f"({reason_of(e)}): delete it or restore a good copy")
     if checkpoint.get('scaler') and scaler.is_enabled():  # a bf16 or fp32 run saved the disabled scaler's {}
         scaler.load_state_dict(checkpoint['scaler'])
     if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
