@@ -14,7 +14,12 @@ Checkpoints, shared by every entrypoint and tool. Three parts:
 What goes into a checkpoint, and loading the optimizer, RNG and data position, stays in each entrypoint.
 """
 
+import functools
+import io
 import os
+import pathlib
+import pickle
+import re
 import shutil
 import sys
 import tempfile
@@ -43,20 +48,19 @@ def find_checkpoint(path):
 def load_checkpoint(path, dropout=None):
     """Returns (model, checkpoint) for the checkpoint at path: the GPT with its weights (on the CPU; dropout as
     given, else as saved), and the checkpoint's small state (model_args, config, iter_num, ...). Raises
-    FileNotFoundError where there is none, and other exceptions where it is damaged."""
+    FileNotFoundError where there is none, and other exceptions (never a BaseException) where it is damaged."""
     path = find_checkpoint(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint at {path}")
     overrides = {} if dropout is None else {'dropout': dropout}
     if os.path.isdir(path):
         # a torch.distributed.checkpoint folder: its shards are read into a whole model, whatever wrote them
-        import torch.distributed.checkpoint as dcp
         checkpoint = torch.load(os.path.join(path, 'extra.pt'), map_location='cpu', weights_only=True)
         model = GPT(GPTConfig(**{**checkpoint['model_args'], **overrides}))
         state = {'model': model.state_dict()}
         with warnings.catch_warnings():  # it says it assumes one process, which is what is meant
             warnings.simplefilter('ignore', UserWarning)
-            dcp.load(state, checkpoint_id=path, no_dist=True)
+            dcp_load(state, path, no_dist=True)
         model.load_state_dict(state['model'])
     else:
         checkpoint = torch.load(path, map_location='cpu', weights_only=True)  # a checkpoint is data, never code
@@ -64,6 +68,101 @@ def load_checkpoint(path, dropout=None):
         model.load_state_dict(GPT.upgrade_state_dict(checkpoint.pop('model')))
         checkpoint.pop('optimizer', None)
     return model, checkpoint
+
+
+def reason(e):
+    """Exception e in a few words on one line, for an error message or a warning. torch's refusal of a pickle that
+    holds code advises loading it with weights_only=False, which would run that code: that is not passed on."""
+    text = str(e).strip()
+    if isinstance(e, pickle.UnpicklingError) and 'weights_only' in text:
+        found = re.search(r'GLOBAL ([\w.]{1,100})', text)
+        if found:
+            return f"UnpicklingError: it holds objects other than tensors and plain data ({found[1]}), refused unread"
+        return "UnpicklingError: it is no pickle of tensors and plain data"  # garbage, most likely
+    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
+
+
+# -----------------------------------------------------------------------------
+# DCP folders read as data. DCP unpickles a folder's .metadata, and the non-tensor values among its shards (the
+# optimizer's settings), with no restriction: a planted one would run its code in whoever reads the folder.
+
+@functools.cache
+def _dcp_metadata_globals():
+    """The names that DCP's metadata pickles, with what they stand for: its own dataclasses, torch.Size, dtypes,
+    layouts (through torch's own helper) and the checkpoint's path."""
+    from torch.distributed.checkpoint import filesystem, metadata
+    names = {('torch.distributed.checkpoint.metadata', name): getattr(metadata, name) for name in (
+        'Metadata', 'TensorStorageMetadata', 'BytesStorageMetadata', 'ChunkStorageMetadata', 'TensorProperties',
+        'StorageMeta', 'MetadataIndex', '_MEM_FORMAT_ENCODING')}
+    names[('torch.distributed.checkpoint.filesystem', '_StorageInfo')] = filesystem._StorageInfo
+    names[('torch', 'Size')] = torch.Size
+    names.update({('torch', name): v for name, v in vars(torch).items() if isinstance(v, torch.dtype)})
+    names[('torch.serialization', '_get_layout')] = torch.serialization._get_layout  # a lookup by name
+    for module in ('pathlib', 'pathlib._local'):  # the module that Python 3.13 and later names
+        names.update({(module, name): getattr(pathlib, name) for name in ('PosixPath', 'PurePosixPath')})
+    return names
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        # only what is listed, taken from modules already imported: a name is never imported on a pickle's say
+        if (module, name) in _dcp_metadata_globals():
+            return _dcp_metadata_globals()[module, name]
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP's metadata never holds")
+
+
+def read_dcp_metadata(folder):
+    """The Metadata of the DCP folder, read as data: refuses a .metadata that names anything but DCP's own types,
+    or shards outside the folder; and a folder whose shards are missing or shorter than it says."""
+    from torch.distributed.checkpoint.metadata import Metadata
+    if not os.path.exists(os.path.join(folder, '.metadata')):
+        raise ValueError("it has no .metadata, which DCP writes last: its save was cut short")
+    with open(os.path.join(folder, '.metadata'), 'rb') as f:
+        metadata = _DCPMetadataUnpickler(f).load()
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise ValueError("its .metadata holds no DCP metadata")
+    ends = {}
+    for info in metadata.storage_data.values():
+        name = getattr(info, 'relative_path', None)
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ('', '.', '..'):
+            raise ValueError(f"its .metadata names a shard {name!r} that is not a file of the folder")
+        ends[name] = max(ends.get(name, 0), info.offset + info.length)
+    for name, end in ends.items():
+        if not os.path.exists(os.path.join(folder, name)):
+            raise ValueError(f"its shard {name} is missing")
+        if os.path.getsize(os.path.join(folder, name)) < end:
+            raise ValueError(f"{name} holds {os.path.getsize(os.path.join(folder, name))} bytes, not {end}")
+    return metadata
+
+
+def dcp_load(state, folder, **kwargs):
+    """dcp.load(state) from the DCP folder, reading it as data: .metadata through read_dcp_metadata, the
+    non-tensor values with weights_only. A failure is raised as what caused it: DCP's own CheckpointException is a
+    BaseException, which `except Exception` would let through as a traceback."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    metadata = read_dcp_metadata(folder)  # its errors raised here, before DCP could log them with a traceback
+
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self):  # no rank argument, so DCP never falls back to a rank's own metadata file
+            metadata.storage_meta = metadata.storage_meta or StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(dcp.DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            # read back with weights_only, then handed on re-saved: DCP's own code still puts it in place
+            plain = io.BytesIO()
+            torch.save(torch.load(value, map_location='cpu', weights_only=True), plain)
+            plain.seek(0)
+            super().load_bytes(read_item, plain)
+
+    try:
+        dcp.load(state, storage_reader=Reader(folder), planner=Planner(), **kwargs)
+    except CheckpointException as e:
+        raise next(iter(e.failures.values()))[0] from None  # what went wrong, on the first rank it went wrong on
 
 
 # -----------------------------------------------------------------------------
@@ -224,7 +323,7 @@ def newest_loadable(paths, run_id=None, or_any=False, iter_of=None):
         try:
             it = (iter_of or checkpoint_iter)(path, run_id)
         except Exception as e:
-            skipped.append((path, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
+            skipped.append((path, reason(e)))
             continue
         if it is None:
             continue
@@ -250,13 +349,7 @@ def checkpoint_iter(path, run_id=None):
     if os.path.exists(os.path.join(path, '.metadata')) or os.path.exists(os.path.join(path, 'extra.pt')):
         if not os.path.exists(os.path.join(path, '.metadata')):
             return None
-        from torch.distributed.checkpoint import FileSystemReader
-        ends = {}
-        for info in FileSystemReader(path).read_metadata().storage_data.values():
-            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-        for name, end in ends.items():
-            if os.path.getsize(os.path.join(path, name)) < end:
-                raise ValueError(f"{name} holds {os.path.getsize(os.path.join(path, name))} bytes, not {end}")
+        read_dcp_metadata(path)  # raises where it is damaged, shards cut short among that
         return iter_of(os.path.join(path, 'extra.pt'))
     if not os.path.exists(os.path.join(path, 'rank-0.pt')):
         return None
@@ -469,8 +562,3 @@ def upgrade_optimizer_state(model, osd):
         groups.append({**g, 'params': list(range(start, start + len(names)))})
         start += len(names)
     return {'state': state, 'param_groups': groups}
-
-
-def reason(e):
-    """An exception in a few words, for a one-line error."""
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__

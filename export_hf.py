@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from checkpoint import find_checkpoint, load_checkpoint
+from checkpoint import find_checkpoint, load_checkpoint, reason
 from configurator import configure
 
 # -----------------------------------------------------------------------------
@@ -33,14 +33,19 @@ BPE_FILES = {  # tiktoken's sources of GPT-2's BPE, which Hugging Face's tokeniz
 
 def hf_state_dict(model, vocab_size):
     """This repo's GPT as Hugging Face's GPT2LMHeadModel lays it out: q, k, v fused into c_attn, and the
-    Linear weights transposed, since Hugging Face keeps them as Conv1D."""
+    Linear weights transposed, since Hugging Face keeps them as Conv1D. A model without biases (bias=False) gets
+    zero ones, which GPT2LMHeadModel always has: a missing bias adds nothing, as a zero one does."""
+    sd = dict(model.state_dict())
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.LayerNorm)) and module.bias is None and name != 'lm_head':
+            sd[name + '.bias'] = torch.zeros(module.weight.shape[0], dtype=module.weight.dtype)
     out = {}
-    for k, v in model.state_dict().items():
+    for k, v in sd.items():
         if '.attn.c_k.' in k or '.attn.c_v.' in k or k == 'lm_head.weight':
             continue  # folded into c_attn below; lm_head is tied to wte, and Hugging Face ties it back
         if '.attn.c_q.' in k:
             k = k.replace('c_q', 'c_attn')
-            v = torch.cat([v, model.state_dict()[k.replace('c_attn', 'c_k')], model.state_dict()[k.replace('c_attn', 'c_v')]])
+            v = torch.cat([v, sd[k.replace('c_attn', 'c_k')], sd[k.replace('c_attn', 'c_v')]])
         if k.endswith(('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')):
             v = v.t()
         if k == 'transformer.wte.weight':
@@ -50,28 +55,30 @@ def hf_state_dict(model, vocab_size):
 
 
 def main():
-    try:
-        from transformers import GPT2Config, GPT2LMHeadModel
-    except ImportError:
-        sys.exit("error: export_hf.py needs Hugging Face transformers: pip install transformers")
     if os.path.exists(out):
         sys.exit(f"error: {out} exists: give a new folder with --out=PATH")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        sys.exit(f"error: cannot write {out}: {parent} is not a writable folder; give --out=PATH in one")
     try:
         model, checkpoint = load_checkpoint(ckpt, dropout=0.0)
     except FileNotFoundError as e:
         sys.exit(f"error: {e}: give --ckpt=a run folder, a ckpt.pt or a sharded checkpoint folder")
     except Exception as e:
-        sys.exit(f"error: checkpoint {find_checkpoint(ckpt)} is corrupt or not a model checkpoint ({type(e).__name__})")
+        sys.exit(f"error: checkpoint {find_checkpoint(ckpt)} is corrupt or not a model checkpoint ({reason(e)}): "
+                 f"give a good one with --ckpt=PATH")
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel  # after the checks: it takes seconds to import
+    except ImportError:
+        sys.exit("error: export_hf.py needs Hugging Face transformers: pip install transformers")
     cfg = model.config
     bpe = cfg.vocab_size >= GPT2_VOCAB  # a char-level model has a vocabulary of its own, with no tokenizer here
     vocab_size = GPT2_VOCAB if bpe and crop_vocab else cfg.vocab_size
-    if not cfg.bias:
-        sys.exit("error: the model has no biases (bias=False), which GPT2LMHeadModel cannot express: export a "
-                 "model trained with --bias=True")
+    eot = GPT2_VOCAB - 1 if bpe else None  # GPT-2's <|endoftext|>; a char-level vocabulary has no such token
     hf_config = GPT2Config(vocab_size=vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
                            n_head=cfg.n_head, activation_function='gelu_new', resid_pdrop=0.0, embd_pdrop=0.0,
                            attn_pdrop=0.0, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
-                           bos_token_id=GPT2_VOCAB - 1, eos_token_id=GPT2_VOCAB - 1)
+                           bos_token_id=eot, eos_token_id=eot)
     hf_model = GPT2LMHeadModel(hf_config)
     missing, unexpected = hf_model.load_state_dict(hf_state_dict(model, vocab_size), strict=False)
     # only the causal-mask buffers (and the tied lm_head) may be missing
@@ -79,23 +86,29 @@ def main():
     if missing or unexpected:
         sys.exit(f"error: the exported weights do not fit GPT2LMHeadModel (missing {missing}, unexpected {unexpected})")
     hf_model.tie_weights()
-    tmp = out.rstrip('/') + '.tmp'
-    shutil.rmtree(tmp, ignore_errors=True)
-    hf_model.save_pretrained(tmp, safe_serialization=True)
+    files = {}  # GPT-2's tokenizer, as Hugging Face names its files
     if bpe:
         import tiktoken.load
         try:
             for name, url in BPE_FILES.items():
-                with open(os.path.join(tmp, name), 'wb') as f:
-                    f.write(tiktoken.load.read_file_cached(url))  # from tiktoken's cache, else downloaded once
+                files[name] = tiktoken.load.read_file_cached(url)  # from tiktoken's cache, else downloaded once
         except Exception as e:
-            shutil.rmtree(tmp, ignore_errors=True)
             sys.exit(f"error: could not get GPT-2's tokenizer files ({type(e).__name__}): connect to the internet "
                      f"once, or point TIKTOKEN_CACHE_DIR at a folder that holds tiktoken's gpt2 files")
-        with open(os.path.join(tmp, 'tokenizer_config.json'), 'w') as f:
-            json.dump({'tokenizer_class': 'GPT2Tokenizer', 'model_max_length': cfg.block_size,
-                       'bos_token': '<|endoftext|>', 'eos_token': '<|endoftext|>', 'unk_token': '<|endoftext|>'}, f)
-    os.replace(tmp, out)  # the folder appears only when complete
+        files['tokenizer_config.json'] = json.dumps({
+            'tokenizer_class': 'GPT2Tokenizer', 'model_max_length': cfg.block_size, 'bos_token': '<|endoftext|>',
+            'eos_token': '<|endoftext|>', 'unk_token': '<|endoftext|>'}).encode()
+    tmp = out.rstrip('/') + '.tmp'
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        hf_model.save_pretrained(tmp, safe_serialization=True)
+        for name, data in files.items():
+            with open(os.path.join(tmp, name), 'wb') as f:
+                f.write(data)
+        os.replace(tmp, out)  # the folder appears only when complete
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        sys.exit(f"error: cannot write {out} ({reason(e)}): give --out=PATH in a writable folder with room")
     what = 'with GPT-2 tokenizer files' if bpe else f'(a {cfg.vocab_size}-token vocabulary: no tokenizer written)'
     print(f"wrote {out}: {model.get_num_params() / 1e6:.2f}M parameters, {vocab_size} tokens, {what}")
 

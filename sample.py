@@ -13,7 +13,7 @@ from contextlib import nullcontext
 import torch
 
 from configurator import configure
-from checkpoint import find_checkpoint, load_checkpoint
+from checkpoint import find_checkpoint, load_checkpoint, reason
 from data import read_meta
 from model import GPT
 
@@ -23,7 +23,7 @@ out_dir = 'out'
 start = "\n"  # the prompt; "FILE:prompt.txt" reads it from a file
 num_samples = 10
 max_new_tokens = 500
-temperature = 0.8  # 1.0 keeps the model's distribution, lower is more conservative
+temperature = 0.8  # 1.0 keeps the model's distribution, lower is more conservative, 0 always takes the likeliest
 top_k = 200  # sample from the k most likely tokens only; 0 for all
 seed = 1337
 device = 'auto'  # 'auto' (cuda if there is a GPU, else cpu), 'cpu', 'cuda', 'cuda:1'
@@ -32,13 +32,33 @@ meta_path = ''  # a char-level vocabulary (meta.pkl); by default data/<the check
 # -----------------------------------------------------------------------------
 configure(globals())
 
+for name in ('num_samples', 'max_new_tokens'):
+    if globals()[name] < 0:
+        sys.exit(f"error: {name}={globals()[name]} is negative: give 0 or more")
+if top_k < 0:
+    sys.exit(f"error: top_k={top_k} is negative: give how many of the likeliest tokens to sample from, or 0 for all")
+if temperature < 0:
+    sys.exit(f"error: temperature={temperature} is negative: give 0 (always the likeliest token) or more")
+if temperature == 0:  # greedy, the limit of sampling as the temperature falls (dividing by 0 would give nan)
+    temperature, top_k = 1.0, 1
 if device == 'auto':
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
-device_type = device.split(':')[0]
+try:
+    device_type, index = torch.device(device).type, torch.device(device).index
+except RuntimeError:
+    device_type, index = None, None
+if device_type not in ('cpu', 'cuda'):
+    sys.exit(f"error: unknown device={device!r}: use auto, cpu, cuda or cuda:N")
+if device_type == 'cuda' and (index or 0) >= torch.cuda.device_count():
+    sys.exit(f"error: device={device} but torch sees {torch.cuda.device_count()} GPUs here: use --device=cpu "
+             f"(or auto)")
 if dtype == 'auto':
     dtype = ('bfloat16' if torch.cuda.is_bf16_supported(including_emulation=False) else 'float16') \
         if device_type == 'cuda' else 'float32'
-ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+dtypes = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+if dtype not in dtypes:
+    sys.exit(f"error: unknown dtype={dtype!r}: use auto, {', '.join(dtypes)}")
+ptdtype = dtypes[dtype]
 ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
 torch.manual_seed(seed)
 if device_type == 'cuda':
@@ -65,18 +85,28 @@ else:
     except FileNotFoundError as e:
         sys.exit(f"error: {e}: point --out_dir at a run's folder, or use --init_from=gpt2")
     except Exception as e:
-        sys.exit(f"error: checkpoint {find_checkpoint(path)} is corrupt or not a model checkpoint ({type(e).__name__}): "
+        sys.exit(f"error: checkpoint {find_checkpoint(path)} is corrupt or not a model checkpoint ({reason(e)}): "
                  f"delete it or restore a good copy")
     dataset = checkpoint.get('config', {}).get('dataset')
 model.eval()
 model.to(device)
 
-# tokenizer: the char vocabulary the data was prepared with, else GPT-2's BPE
-if not meta_path and dataset:
-    meta_path = os.path.join('data', dataset, 'meta.pkl')
+# tokenizer: the char vocabulary the data was prepared with, else GPT-2's BPE. The checkpoint's dataset leads to
+# data/<dataset>/meta.pkl only where it is a folder's name: a path in a checkpoint is not followed out of data/
+where = 'no dataset in the checkpoint'
+if not meta_path and isinstance(dataset, str) and dataset:
+    if os.path.basename(dataset) == dataset and dataset not in ('.', '..') and not os.path.isabs(dataset):
+        meta_path = os.path.join('data', dataset, 'meta.pkl')
+    else:
+        where = f"the checkpoint's dataset {dataset[:200]!r} is a path, which is not followed"
 if meta_path and os.path.exists(meta_path):
     meta = read_meta(meta_path)
-    stoi, itos = meta['stoi'], meta['itos']
+    stoi, itos = meta.get('stoi'), meta.get('itos')
+    vocab = model.config.vocab_size
+    if not (isinstance(stoi, dict) and isinstance(itos, dict) and all(i in itos for i in range(vocab))
+            and all(type(i) is int and 0 <= i < vocab for i in stoi.values())):
+        sys.exit(f"error: {meta_path} does not hold the vocabulary of this {vocab}-token model "
+                 f"({meta['vocab_size']} tokens): pass the --meta_path of the data the model was trained on")
 
     def encode(s):
         missing = sorted(set(c for c in s if c not in stoi))
@@ -89,7 +119,7 @@ if meta_path and os.path.exists(meta_path):
 else:
     if model.config.vocab_size < 50257:
         sys.exit(f"error: the model's vocabulary has {model.config.vocab_size} tokens, but no meta.pkl was found "
-                 f"({meta_path or 'no dataset in the checkpoint'}): pass --meta_path=data/<dataset>/meta.pkl")
+                 f"({meta_path or where}): pass --meta_path=data/<dataset>/meta.pkl")
     import tiktoken
     enc = tiktoken.get_encoding('gpt2')
 

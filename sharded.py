@@ -6,13 +6,12 @@ optimizer state numbered by parameter as train.py's, where the sharded one is ke
 """
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      get_state_dict, set_optimizer_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten_with_path, tree_map_only
 
-from checkpoint import upgrade_optimizer_state
+from checkpoint import dcp_load, upgrade_optimizer_state
 
 
 def total_norm(grads):
@@ -69,7 +68,7 @@ def load_sharded_state(model, optimizer, checkpoint, path, raw_model):
     if 'shards' in checkpoint:
         load_local_shards(state, checkpoint['shards'])
     else:
-        dcp.load(state, checkpoint_id=path)
+        dcp_load(state, path)  # .metadata and the shards read as data
     set_state_dict(model, optimizer, model_state_dict=state['model'], optim_state_dict=state['optim'])
 
 

@@ -110,6 +110,29 @@ def test_export_hf_gives_transformers_the_same_logits(tmp_path, data_dir):
     assert p.returncode != 0 and 'exists' in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
 
+def test_export_hf_of_a_bias_free_char_model_gives_transformers_the_same_logits(tmp_path, data_dir):
+    # bias=False, train.py's default: GPT2LMHeadModel always has biases, and zero ones add what none do
+    import transformers
+    from checkpoint import load_checkpoint
+    launch('train.py', tmp_path, data_dir, 'run', '--max_iters=3', '--bias=False')
+    p = run('export_hf.py', f'--ckpt={tmp_path / "run"}', f'--out={tmp_path / "hf"}', cwd=tmp_path)
+    assert '65 tokens, (a 65-token vocabulary: no tokenizer written)' in p.stdout
+    ours, _ = load_checkpoint(str(tmp_path / 'run'), dropout=0.0)
+    assert not any(k.endswith('.bias') for k in ours.state_dict())
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / 'hf').eval()
+    biases = [v for k, v in theirs.state_dict().items() if k.endswith('.bias') and v.dtype.is_floating_point]
+    assert len(biases) == 2 * 6 + 1 and all(not b.any() for b in biases)  # 6 a block (2 layers), ln_f's
+    idx = torch.randint(65, (2, 32))
+    a = ours.eval()(idx, idx)[0]
+    b = theirs(idx).logits
+    assert b.shape == (2, 32, 65) and (a - b).abs().max().item() < 1e-5 and a.abs().max().item() > 0.1
+    # a char-level vocabulary has no GPT-2 <|endoftext|> (50256, outside its 65 ids) to begin or end with
+    config = json.loads((tmp_path / 'hf' / 'config.json').read_text())
+    assert config['bos_token_id'] is None and config['eos_token_id'] is None
+    assert sorted(f.name for f in (tmp_path / 'hf').iterdir()) == ['config.json', 'generation_config.json',
+                                                                   'model.safetensors']
+
+
 def test_plot_draws_two_runs(trip, tmp_path):
     out = tmp_path / 'loss.png'
     p = run('plot.py', trip / 'a', trip / 'b', '--labels=train.py,fsdp_train.py', f'--out={out}', cwd=tmp_path)

@@ -1,15 +1,20 @@
 import pickle
 
 import pytest
+import torch
 
-from conftest import TINY, run
+from conftest import TINY, one_line_error, run
 
 
 @pytest.fixture(scope='module')
 def char_run(tmp_path_factory, data_dir):
+    """train.py, 30 steps, on data/shakespeare_char of its folder: the checkpoint names the dataset by that name,
+    which sample.py (run in the same folder) follows to data/shakespeare_char/meta.pkl."""
     out = tmp_path_factory.mktemp('char_run')
-    run('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}', '--max_iters=30',
-        '--eval_interval=30', '--gradient_accumulation_steps=1', cwd=out)
+    (out / 'data').mkdir()
+    (out / 'data' / 'shakespeare_char').symlink_to(data_dir / 'shakespeare_char')
+    run('train.py', *TINY, '--dataset=shakespeare_char', f'--out_dir={out}', '--max_iters=30', '--eval_interval=30',
+        '--gradient_accumulation_steps=1', cwd=out)
     return out
 
 
@@ -51,6 +56,59 @@ def test_sample_errors(char_run, tmp_path):
                           ([f'--out_dir={char_run}', '--start=FILE:missing.txt'], 'cannot read the prompt file'),
                           (['--init_from=gpt3'], "unknown init_from='gpt3'"),
                           ([f'--init_from={tmp_path}'], 'no checkpoint at')):
-        p = run('sample.py', *args, '--device=cpu', cwd=tmp_path, check=False)
+        p = run('sample.py', *args, '--device=cpu', cwd=char_run, check=False)
         assert p.returncode != 0 and message in p.stderr, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1
+
+
+NO_GPU = 'cuda' if not torch.cuda.is_available() else f'cuda:{torch.cuda.device_count()}'
+
+
+@pytest.mark.parametrize('flag, message', [
+    ('--temperature=-0.5', 'temperature=-0.5 is negative: give 0 (always the likeliest token) or more'),
+    ('--top_k=-1', 'top_k=-1 is negative: give how many of the likeliest tokens to sample from, or 0 for all'),
+    ('--num_samples=-2', 'num_samples=-2 is negative: give 0 or more'),
+    ('--max_new_tokens=-1', 'max_new_tokens=-1 is negative: give 0 or more'),
+    ('--dtype=float64', "unknown dtype='float64': use auto, float32, bfloat16, float16"),
+    ('--device=gpu', "unknown device='gpu': use auto, cpu, cuda or cuda:N"),
+    (f'--device={NO_GPU}', f'device={NO_GPU} but torch sees {torch.cuda.device_count()} GPUs here: use --device=cpu'),
+    ('SMALL_META', "does not hold the vocabulary of this 65-token model (10 tokens): pass the --meta_path of the data"),
+])
+def test_sample_bad_input(char_run, tmp_path, flag, message):
+    if flag == 'SMALL_META':  # a vocabulary of 10 characters for a model of 65: its ids 10 and up have no text
+        chars = 'abcdefghij'
+        meta = {'vocab_size': 10, 'itos': dict(enumerate(chars)), 'stoi': {c: i for i, c in enumerate(chars)}}
+        (tmp_path / 'meta.pkl').write_bytes(pickle.dumps(meta))
+        flag = f'--meta_path={tmp_path / "meta.pkl"}'
+    p = run('sample.py', f'--out_dir={char_run}', '--device=cpu', '--num_samples=1', '--max_new_tokens=5', flag,
+            cwd=char_run, check=False)
+    assert message in one_line_error(p)
+
+
+def test_temperature_zero_takes_the_likeliest_token_every_time(char_run, data_dir):
+    from checkpoint import load_checkpoint
+    outs = [run('sample.py', f'--out_dir={char_run}', '--start=ROMEO:', '--num_samples=2', '--max_new_tokens=30',
+                '--temperature=0', f'--seed={seed}', '--device=cpu', cwd=char_run).stdout for seed in (1, 2)]
+    assert outs[0] == outs[1]  # no sampling: the seed changes nothing
+    model, _ = load_checkpoint(str(char_run), dropout=0.0)
+    meta = pickle.loads((data_dir / 'shakespeare_char' / 'meta.pkl').read_bytes())
+    ids = [meta['stoi'][c] for c in 'ROMEO:']
+    with torch.no_grad():
+        for _ in range(30):
+            ids.append(model.eval()(torch.tensor([ids[-32:]]))[0][0, -1].argmax().item())
+    greedy = ''.join(meta['itos'][i] for i in ids)
+    assert outs[0] == f'{greedy}\n---------------\n' * 2
+    # top_k=0 samples from every token
+    p = run('sample.py', f'--out_dir={char_run}', '--top_k=0', '--num_samples=1', '--max_new_tokens=30',
+            '--device=cpu', cwd=char_run)
+    assert p.stdout.count('---------------') == 1 and p.stdout != outs[0]
+
+
+def test_export_hf_bad_input(char_run, tmp_path):
+    (tmp_path / 'file').write_text('not a folder')
+    for out, message in ((tmp_path / 'file' / 'hf', f"cannot write {tmp_path / 'file' / 'hf'}: {tmp_path / 'file'} "
+                          "is not a writable folder; give --out=PATH in one"),
+                         (tmp_path / 'file', f"{tmp_path / 'file'} exists: give a new folder with --out=PATH")):
+        p = run('export_hf.py', f'--ckpt={char_run}', f'--out={out}', cwd=tmp_path, check=False)
+        assert message in one_line_error(p)
+    assert sorted(f.name for f in tmp_path.iterdir()) == ['file']
