@@ -415,6 +415,8 @@ while True:
             if iter_num > 0:
                 save_checkpoint()
         t0, steps_timed = time.time(), 0  # leave evals out of the step time
+    elif save_storage_interval and iter_num % save_storage_interval == 0 and local_iter_num > 0:
+        save_checkpoint()
     if hellaswag_interval and (iter_num % hellaswag_interval == 0 or iter_num == max_iters):
         finish_mixing()
         own, _ = average_replicas(buckets)  # the averaged model, as evals see it
@@ -423,8 +425,6 @@ while True:
         print0(f"step {iter_num}: hellaswag acc {hs['acc']:.4f}, acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
         log_metrics(iter_num, hellaswag_acc=hs['acc'], hellaswag_acc_norm=hs['acc_norm'])
         t0, steps_timed = time.time(), 0
-    elif save_storage_interval and iter_num % save_storage_interval == 0 and local_iter_num > 0:
-        save_checkpoint()
     if iter_num >= max_iters or eval_only:
         break
     if save_memory_interval and iter_num % save_memory_interval == 0 and local_iter_num > 0:

@@ -365,13 +365,13 @@ while True:
             if iter_num > 0:
                 save_checkpoint()
         t0, steps_timed = time.time(), 0  # leave evals out of the step time
+    elif save_storage_interval and iter_num % save_storage_interval == 0 and local_iter_num > 0:
+        save_checkpoint()
     if hellaswag_interval and (iter_num % hellaswag_interval == 0 or iter_num == max_iters):
         hs = evaluate(eval_model, hellaswag, device, ctx, block_size, dp_rank, dp_size)
         print0(f"step {iter_num}: hellaswag acc {hs['acc']:.4f}, acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
         log_metrics(iter_num, hellaswag_acc=hs['acc'], hellaswag_acc_norm=hs['acc_norm'])
         t0, steps_timed = time.time(), 0
-    elif save_storage_interval and iter_num % save_storage_interval == 0 and local_iter_num > 0:
-        save_checkpoint()
     if iter_num >= max_iters or eval_only:
         break
     if save_memory_interval and iter_num % save_memory_interval == 0 and local_iter_num > 0:

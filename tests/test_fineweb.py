@@ -200,3 +200,20 @@ def test_fineweb_settings_given_to_another_dataset_are_refused(tmp_path):
                              cwd=tmp_path, check=False))
     assert msg == 'error: force, val_docs is for fineweb and fineweb-edu only: leave it out for shakespeare', msg
     assert not any(tmp_path.iterdir())
+
+
+def test_the_recipe_runs_end_to_end_on_a_cpu_with_its_smoke_config(tmp_path):
+    """prepare.py fineweb-edu and hellaswag, then config/train_gpt2_fineweb_smoke.py (the recipe at a CPU's size):
+    val loss and HellaSwag at steps 0, 20 and 40, and the loss falls."""
+    from test_hellaswag import made_up_examples, write_jsonl
+    write_parquet(tmp_path / 'a.parquet', documents(400, min_chars=200, max_chars=800), 64)
+    run('prepare.py', 'fineweb-edu', '--data_files=a.parquet', '--val_docs=40', cwd=tmp_path)
+    write_jsonl(tmp_path / 'made_up.jsonl', made_up_examples(5, seed=7))
+    run('prepare.py', 'hellaswag', '--input=made_up.jsonl', cwd=tmp_path)
+    p = run('train.py', str(REPO / 'config' / 'train_gpt2_fineweb_smoke.py'), cwd=tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / 'out-gpt2-fineweb-smoke' / 'metrics.jsonl').read_text().splitlines()]
+    assert [r['iter'] for r in rows if 'val_loss' in r] == [0, 20, 40]
+    assert [r['iter'] for r in rows if 'hellaswag_acc_norm' in r] == [0, 20, 40]
+    losses = {r['iter']: r['loss'] for r in rows if 'loss' in r}
+    assert sorted(losses) == list(range(0, 40, 5)) and losses[35] < losses[0] - 1.0
+    assert 'hellaswag acc' in p.stdout and '524,288' not in p.stdout  # the smoke sizes, not the recipe's batch
