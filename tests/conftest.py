@@ -18,24 +18,28 @@ TINY = ['--device=cpu', '--compile=False', '--n_layer=2', '--n_head=2', '--n_emb
         '--lr_decay_iters=40', '--min_lr=3e-4', '--eval_iters=4', '--log_interval=1']
 
 
-def env():
+def env(nthreads=1):
+    """The environment of a run: tiktoken offline, and nthreads threads per process (None: the environment's).
+    torchrun gives each rank one thread; a process started alone takes one per core, and its OpenMP threads spin
+    while the other xdist worker's runs hold a core: a 40-step run of the tiny model, with other jobs on the 2
+    cores, took 713 s (181 s of CPU) with 2 threads and 58 s (12 s of CPU) with one."""
     e = dict(os.environ)
     e['TIKTOKEN_CACHE_DIR'] = str(SHARED_DATA / 'tiktoken_cache')  # tiktoken offline
     e['PYTHONUNBUFFERED'] = '1'
+    if nthreads:
+        e['OMP_NUM_THREADS'] = str(nthreads)
     e.pop('RANK', None)
     return e
 
 
-def run(script, *args, nproc=1, cwd, check=True, nthreads=None):
+def run(script, *args, nproc=1, cwd, check=True, nthreads=1):
     """Runs one of the repo's scripts; with nproc > 1 under torchrun on a free port."""
     if nproc == 1:
         cmd = [sys.executable, str(REPO / script), *map(str, args)]
     else:
         cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
                str(REPO / script), *map(str, args)]
-    e = env()
-    if nthreads:
-        e['OMP_NUM_THREADS'] = str(nthreads)
+    e = env(nthreads)
     p = subprocess.run(cmd, cwd=cwd, env=e, capture_output=True, text=True, timeout=600)
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
