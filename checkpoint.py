@@ -460,6 +460,29 @@ SHAPE_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size')
 PRETRAINED = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
 
 
+def pretrained_or_exit(name, dropout=0.0):
+    """OpenAI's GPT-2 (gpt2 ... gpt2-xl) from the Hugging Face hub, or a one-line error saying what is missing."""
+    try:
+        return GPT.from_pretrained(name, dict(dropout=dropout))
+    except ImportError:
+        sys.exit(f"error: init_from={name} needs Hugging Face transformers: pip install transformers")
+    except OSError as e:
+        sys.exit(f"error: could not load {name} from the Hugging Face hub ({reason(e)}): check the network, or set "
+                 f"HF_HUB_OFFLINE=1 with the model in the local cache")
+
+
+def checkpoint_or_exit(path, fix):
+    """load_checkpoint(path) for a tool (dropout off), or a one-line error: where there is no checkpoint, naming
+    fix; where it is damaged, saying so."""
+    try:
+        return load_checkpoint(path, dropout=0.0)
+    except FileNotFoundError as e:
+        sys.exit(f"error: {e}: {fix}")
+    except Exception as e:
+        sys.exit(f"error: checkpoint {find_checkpoint(path)} is corrupt or not a model checkpoint ({reason(e)}): "
+                 f"delete it or restore a good copy")
+
+
 def take_shape(model_args, ckpt_args, config, given):
     """The model's shape comes from the checkpoint; a key that says otherwise is a mistake, not a request. The
     config saved with the run (and the entrypoint's block_size, which sizes the batches) follow it."""
@@ -492,13 +515,7 @@ def create_model(resume_path, read, init_from, model_args, config, given):
                      f"it or restore a good copy")
     elif init_from in PRETRAINED:
         print0(f"initializing from OpenAI GPT-2 weights: {init_from}")
-        try:
-            model = GPT.from_pretrained(init_from, dict(dropout=model_args['dropout']))
-        except ImportError:
-            sys.exit(f"error: init_from={init_from} needs Hugging Face transformers: pip install transformers")
-        except OSError as e:
-            sys.exit(f"error: could not load {init_from} from the Hugging Face hub ({reason(e)}): check the "
-                     f"network, or set HF_HUB_OFFLINE=1 with the model in the local cache")
+        model = pretrained_or_exit(init_from, model_args['dropout'])
         for k in ('n_layer', 'n_head', 'n_embd', 'bias', 'vocab_size'):
             model_args[k] = getattr(model.config, k)
     elif init_from != 'scratch':

@@ -15,11 +15,10 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from checkpoint import find_checkpoint, load_checkpoint
+from checkpoint import checkpoint_or_exit, find_checkpoint, pretrained_or_exit
 from configurator import configure
 from distributed import pick_device, torchrun_env
 from hellaswag import DEFAULT_PATH, encoding, evaluate, load_or_exit
-from model import GPT
 
 # -----------------------------------------------------------------------------
 ckpt = 'out'  # a run's out_dir (its newest checkpoint), a ckpt.pt, or a sharded checkpoint folder
@@ -47,22 +46,10 @@ ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device
 
 # model, read before the process group starts: a one-line error then leaves no group behind
 if init_from:
-    try:
-        model = GPT.from_pretrained(init_from, dict(dropout=0.0))
-    except ImportError:
-        sys.exit(f"error: init_from={init_from} needs Hugging Face transformers: pip install transformers")
-    except OSError as e:
-        sys.exit(f"error: could not load {init_from} from the Hugging Face hub ({str(e).splitlines()[0][:200]}): "
-                 f"check the network, or set HF_HUB_OFFLINE=1 with the model in the local cache")
-    name = init_from
+    model, name = pretrained_or_exit(init_from), init_from
 else:
-    try:
-        model, _ = load_checkpoint(ckpt, dropout=0.0)
-    except FileNotFoundError as e:
-        sys.exit(f"error: {e}: give --ckpt=a run folder, a ckpt.pt or a sharded checkpoint folder, or --init_from=gpt2")
-    except Exception as e:
-        sys.exit(f"error: checkpoint {find_checkpoint(ckpt)} is corrupt or not a model checkpoint "
-                 f"({type(e).__name__}): delete it or restore a good copy")
+    model, _ = checkpoint_or_exit(ckpt, "give --ckpt=a run folder, a ckpt.pt or a sharded checkpoint folder, or "
+                                        "--init_from=gpt2")
     name = find_checkpoint(ckpt)
 examples = load_or_exit(input, model.config.vocab_size)
 if limit:

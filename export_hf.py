@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from checkpoint import find_checkpoint, load_checkpoint, reason
+from checkpoint import checkpoint_or_exit, reason
 from configurator import configure
 
 # -----------------------------------------------------------------------------
@@ -60,13 +60,7 @@ def main():
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         sys.exit(f"error: cannot write {out}: {parent} is not a writable folder; give --out=PATH in one")
-    try:
-        model, checkpoint = load_checkpoint(ckpt, dropout=0.0)
-    except FileNotFoundError as e:
-        sys.exit(f"error: {e}: give --ckpt=a run folder, a ckpt.pt or a sharded checkpoint folder")
-    except Exception as e:
-        sys.exit(f"error: checkpoint {find_checkpoint(ckpt)} is corrupt or not a model checkpoint ({reason(e)}): "
-                 f"give a good one with --ckpt=PATH")
+    model, checkpoint = checkpoint_or_exit(ckpt, "give --ckpt=a run folder, a ckpt.pt or a sharded checkpoint folder")
     try:
         from transformers import GPT2Config, GPT2LMHeadModel  # after the checks: it takes seconds to import
     except ImportError:

@@ -13,9 +13,8 @@ from contextlib import nullcontext
 import torch
 
 from configurator import configure
-from checkpoint import find_checkpoint, load_checkpoint, reason
+from checkpoint import checkpoint_or_exit, pretrained_or_exit
 from data import read_meta
-from model import GPT
 
 # -----------------------------------------------------------------------------
 init_from = 'resume'  # 'resume' (out_dir's newest checkpoint), 'gpt2'..'gpt2-xl', or a checkpoint's path
@@ -67,26 +66,14 @@ if device_type == 'cuda':
 # model
 dataset = None
 if init_from in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
-    try:
-        model = GPT.from_pretrained(init_from, dict(dropout=0.0))
-    except ImportError:
-        sys.exit(f"error: init_from={init_from} needs Hugging Face transformers: pip install transformers")
-    except OSError as e:
-        sys.exit(f"error: could not load {init_from} from the Hugging Face hub ({str(e).splitlines()[0][:200]}): "
-                 f"check the network, or set HF_HUB_OFFLINE=1 with the model in the local cache")
+    model = pretrained_or_exit(init_from)
 else:
     if init_from != 'resume' and not os.path.exists(init_from):
         sys.exit(f"error: unknown init_from={init_from!r}: use resume (out_dir's checkpoint), gpt2, gpt2-medium, "
                  f"gpt2-large, gpt2-xl or the path of a checkpoint")
-    path = out_dir if init_from == 'resume' else init_from
-    try:
-        # any entrypoint's checkpoint: a ckpt.pt, a sharded folder, or a run folder's newest
-        model, checkpoint = load_checkpoint(path, dropout=0.0)
-    except FileNotFoundError as e:
-        sys.exit(f"error: {e}: point --out_dir at a run's folder, or use --init_from=gpt2")
-    except Exception as e:
-        sys.exit(f"error: checkpoint {find_checkpoint(path)} is corrupt or not a model checkpoint ({reason(e)}): "
-                 f"delete it or restore a good copy")
+    # any entrypoint's checkpoint: a ckpt.pt, a sharded folder, or a run folder's newest
+    model, checkpoint = checkpoint_or_exit(out_dir if init_from == 'resume' else init_from,
+                                           "point --out_dir at a run's folder, or use --init_from=gpt2")
     dataset = checkpoint.get('config', {}).get('dataset')
 model.eval()
 model.to(device)

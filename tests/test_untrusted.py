@@ -255,7 +255,7 @@ def test_damaged_dcp_folder_gives_one_line(copy, tmp_path, data_dir, script, how
         fix = 'restore a good copy'
     elif script == 'export_hf.py':
         p = run(script, f'--ckpt={folder}', f'--out={tmp_path / "hf"}', cwd=tmp_path, check=False)
-        fix = 'give a good one with --ckpt=PATH'
+        fix = 'restore a good copy'
     else:
         p = run(script, *args(data_dir), f'--init_from={folder}', f'--out_dir={tmp_path / "out"}', cwd=tmp_path,
                 check=False)
