@@ -1,6 +1,6 @@
-"""Damaged state in real processes: a truncated newest checkpoint in out_dir, or a truncated newest memory snapshot
-in /dev/shm, is skipped with a warning, and the run goes on from the one before it on the same curve (all four
-entrypoints; fsdp_train.py's truncated DCP checkpoint is also tested at another world size in test_fault.py)."""
+"""Damaged state in real processes: a truncated newest memory snapshot in /dev/shm is skipped with a warning, and
+the run goes on from the one before it on the same curve (all four entrypoints; a truncated newest checkpoint in
+out_dir, at the same world size or another: test_fault_resize.py)."""
 
 import re
 import subprocess
@@ -14,31 +14,6 @@ import torch
 from checkpoint import snapshot_dir
 from conftest import REPO, env, run
 from test_fault import KIND, assert_same_run, cut_short, logged_iters, tiny
-
-
-# the file cut short in the newest storage checkpoint (iter 8) and what the run resumes from instead (iter 4):
-# train.py's ckpt.pt and the ckpt.prev.pt kept beside it; a rank's file of ds_train.py's and decent_train.py's
-# step folders (decent_train.py on two ranks: rank 0 checks the second rank's file too, and names its own)
-NEWEST = {'train.py': ('ckpt.pt', 'ckpt.prev.pt'),
-          'ds_train.py': ('ds/step-00000008/zero_pp_rank_0_mp_rank_00_optim_states.pt', 'ds/step-00000004'),
-          'decent_train.py': ('decent/step-00000008/rank-1.pt', 'decent/step-00000004/rank-0.pt')}
-
-
-@pytest.mark.parametrize('script,nproc', [('train.py', 1), ('ds_train.py', 1), ('decent_train.py', 2)])
-def test_a_truncated_newest_checkpoint_falls_back_to_the_one_before(tmp_path, data_dir, script, nproc):
-    args = ['--gradient_accumulation_steps=2', '--eval_interval=4', '--save_storage_interval=4']
-    run(script, *tiny(data_dir, tmp_path / 'ref', *args, '--max_iters=12'), nproc=nproc, cwd=tmp_path)
-    run(script, *tiny(data_dir, tmp_path / 'ft', *args, '--max_iters=8'), nproc=nproc, cwd=tmp_path)
-    damaged, before = NEWEST[script]
-    cut_short(tmp_path / 'ft' / damaged)
-    p = run(script, *tiny(data_dir, tmp_path / 'ft', *args, '--max_iters=12'), nproc=nproc, cwd=tmp_path)
-    newest = tmp_path / 'ft' / (damaged if script == 'train.py' else str(Path(damaged).parent))
-    assert f'warning: skipping the damaged {newest} (' in p.stdout, p.stdout[-3000:]
-    assert re.search(rf'resuming from \S+/ft/{before} at iter 4\b', p.stdout), p.stdout[-3000:]
-    assert_same_run(tmp_path / 'ref', tmp_path / 'ft', script, exact=script != 'ds_train.py')
-    if script != 'train.py':  # step 8 written anew is the fallback now, not step 4
-        assert sorted(f.name for f in (tmp_path / 'ft' / KIND[script]).glob('step-*')) == ['step-00000008',
-                                                                                            'step-00000012']
 
 
 def newest_snapshot(script, folder):
