@@ -1,6 +1,8 @@
-"""Fault tolerance in real processes: SIGKILLed workers under elastic torchrun (all four entrypoints) and
-dlrover-run, two nodes with a /dev/shm each, SIGTERM passed on by torchrun (a kill mid-write: test_fault_write.py;
-one process: test_fault_single.py; another world size and damaged checkpoints: test_fault_resize.py)."""
+"""Fault tolerance in real processes, and the helpers of every test_fault*.py: SIGKILLed workers of 2-rank runs
+under elastic torchrun (all four entrypoints) and dlrover-run, two nodes with a /dev/shm each, SIGTERM passed on by
+torchrun. These compare against one uninterrupted run per entrypoint, made once (shared_run). The other faults:
+test_fault_write.py (a kill mid-write), test_fault_resize.py (another world size, damaged checkpoints),
+test_fault_single.py (one process: SIGTERM, damaged snapshots, a run started afresh, non-finite losses)."""
 
 import json
 import os
@@ -102,27 +104,6 @@ def cut_short(path):
     path.write_bytes(path.read_bytes()[:path.stat().st_size // 3])
 
 
-def test_train_sigterm_saves_and_exits_cleanly_then_resumes_exactly(tmp_path, data_dir):
-    args = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=40', '--eval_interval=100']
-    run('train.py', *tiny(data_dir, tmp_path / 'ref', *args), nproc=2, cwd=tmp_path)
-    out_dir = tmp_path / 'ft'
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-           str(REPO / 'train.py'), *tiny(data_dir, out_dir, *args)]
-    p = subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    while not (logged_iters(out_dir) and logged_iters(out_dir)[-1] >= 10):
-        assert p.poll() is None
-        time.sleep(0.005)
-    p.send_signal(signal.SIGTERM)  # as SLURM or Kubernetes do; torchrun passes it on to the workers
-    out = p.communicate(timeout=120)[0]
-    stopped = int(re.search(r'SIGTERM: saving a checkpoint at iter (\d+) and exiting', out)[1])
-    assert 10 < stopped < 40, out[-3000:]
-    assert torch.load(out_dir / 'ckpt.pt', weights_only=True)['iter_num'] == stopped
-    assert 'train.py", line' not in out, out[-3000:]  # no worker failed (torchrun reports its own signal)
-    run('train.py', *tiny(data_dir, out_dir, *args), nproc=2, cwd=tmp_path)
-    assert read_metrics(out_dir)[0] == read_metrics(tmp_path / 'ref')[0]
-    assert same_weights(weights(out_dir / 'ckpt.pt'), weights(tmp_path / 'ref' / 'ckpt.pt'))
-
-
 # -----------------------------------------------------------------------------
 # fsdp_train.py and decent_train.py: a memory snapshot and a storage checkpoint per rank (DCP shards, replicas)
 
@@ -157,18 +138,21 @@ def assert_same_run(ref_dir, ft_dir, script=None, exact=False):
             assert (a[k] - b[k]).abs().max().item() <= (0.0 if exact else 1e-5), k
 
 
+# 2 ranks with dropout (the RNG of every rank comes back from the snapshot too), a memory snapshot every 4 steps.
 # decent_train.py with the updates in the backward's hooks (no clipping) and AccumAdamW's window across the kills;
-# DeepSpeed starts slowly (it loads its communicator), so two kills there
+# DeepSpeed starts slowly (it loads its communicator), so two kills there. The uninterrupted run of each entrypoint,
+# shared_run(script, *KILLED, *KILL_ARGS[script], nproc=2), is the reference of every test below that runs it.
+KILLED = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=60', '--eval_interval=30',
+          '--save_memory_interval=4']
 KILL_ARGS = {'train.py': [], 'fsdp_train.py': [], 'ds_train.py': ['--zero_stage=2'],
              'decent_train.py': ['--grad_clip=0.0', '--optimizer=accumadamw', '--accum_steps=3']}
 
 
 @pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'decent_train.py', 'ds_train.py'])
-def test_sigkilled_workers_resume_from_their_memory_snapshots_and_finish_the_same(tmp_path, data_dir, script):
-    # dropout on: the RNG of every rank comes back from the snapshot too
-    args = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=60', '--eval_interval=30',
-            '--save_memory_interval=4', *KILL_ARGS[script]]
-    run(script, *tiny(data_dir, tmp_path / 'ref', *args), nproc=2, cwd=tmp_path)
+def test_sigkilled_workers_resume_from_their_memory_snapshots_and_finish_the_same(tmp_path, data_dir, shared_run,
+                                                                                   script):
+    args = [*KILLED, *KILL_ARGS[script]]
+    ref = shared_run(script, *args, nproc=2)
     rng = random.Random(1)
     kill_after = sorted(rng.sample(range(3, 50), 3))
     kill_after = [kill_after[0], max(kill_after[1], kill_after[0] + 6), max(kill_after[2], kill_after[1] + 12)]
@@ -181,9 +165,29 @@ def test_sigkilled_workers_resume_from_their_memory_snapshots_and_finish_the_sam
         # the killed worker was at most in step last + 1, and the snapshot before it is at most 4 steps older
         assert last + 1 - 4 <= start <= last + 1, (killed_at, resumed)
     # the same ranks take back exactly what they held: bit for bit (DeepSpeed: within 1e-5, all the issue asks)
-    assert_same_run(tmp_path / 'ref', tmp_path / 'ft', script, exact=script != 'ds_train.py')
+    assert_same_run(ref, tmp_path / 'ft', script, exact=script != 'ds_train.py')
     run_id = (tmp_path / 'ft' / 'run_id').read_text()
     assert not os.path.exists(f'/dev/shm/nanogpt-{run_id}')  # a finished run frees its snapshots
+
+
+def test_train_sigterm_saves_and_exits_cleanly_then_resumes_exactly(tmp_path, data_dir, shared_run):
+    ref = shared_run('train.py', *KILLED, nproc=2)
+    out_dir = tmp_path / 'ft'
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+           str(REPO / 'train.py'), *tiny(data_dir, out_dir, *KILLED)]
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    while not (logged_iters(out_dir) and logged_iters(out_dir)[-1] >= 10):
+        assert p.poll() is None
+        time.sleep(0.005)
+    p.send_signal(signal.SIGTERM)  # as SLURM or Kubernetes do; torchrun passes it on to the workers
+    out = p.communicate(timeout=120)[0]
+    stopped = int(re.search(r'SIGTERM: saving a checkpoint at iter (\d+) and exiting', out)[1])
+    assert 10 < stopped < 60, out[-3000:]
+    assert torch.load(out_dir / 'ckpt.pt', weights_only=True)['iter_num'] == stopped
+    assert 'train.py", line' not in out, out[-3000:]  # no worker failed (torchrun reports its own signal)
+    run('train.py', *tiny(data_dir, out_dir, *KILLED), nproc=2, cwd=tmp_path)
+    assert read_metrics(out_dir)[0] == read_metrics(ref)[0]
+    assert same_weights(weights(out_dir / 'ckpt.pt'), weights(ref / 'ckpt.pt'))
 
 
 def two_nodes_with_a_dev_shm_each(script, args, out_dir, kill_after=None):
@@ -216,36 +220,33 @@ def two_nodes_with_a_dev_shm_each(script, args, out_dir, kill_after=None):
     return out
 
 
-def test_ds_memory_snapshots_of_two_nodes_with_a_dev_shm_each_resume_a_sigkilled_job(tmp_path, data_dir):
+def test_ds_memory_snapshots_of_two_nodes_with_a_dev_shm_each_resume_a_sigkilled_job(tmp_path, data_dir, shared_run):
     # The engine writes its model-states file (our state in it) from the first rank only; the second node's snapshot
     # needs one too. Restarting the group also has to work when the first node's agent restarts its worker for the
-    # new member, which torchrun does not count as a restart.
-    args = tiny(data_dir, tmp_path / 'ref', '--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=30',
-                '--eval_interval=100', '--save_memory_interval=4', '--zero_stage=2')
-    two_nodes_with_a_dev_shm_each('ds_train.py', args, tmp_path / 'ref')
-    out = two_nodes_with_a_dev_shm_each('ds_train.py', [*args, f'--out_dir={tmp_path / "ft"}'], tmp_path / 'ft',
+    # new member, which torchrun does not count as a restart. The reference: the same 2 ranks on one node.
+    args = [*KILLED, *KILL_ARGS['ds_train.py']]
+    ref = shared_run('ds_train.py', *args, nproc=2)
+    out = two_nodes_with_a_dev_shm_each('ds_train.py', tiny(data_dir, tmp_path / 'ft', *args), tmp_path / 'ft',
                                         kill_after=9)
     resumed = [int(m) for m in re.findall(r'resuming from /dev/shm/nanogpt-\w+/step-\d+ at iter (\d+)', out)]
     assert len(resumed) == 1 and 6 <= resumed[0] <= 12, out[-5000:]
-    assert_same_run(tmp_path / 'ref', tmp_path / 'ft', 'ds_train.py')
+    assert_same_run(ref, tmp_path / 'ft', 'ds_train.py')
 
 
-def test_dlrover_run_restarts_sigkilled_workers_and_train_py_finishes_bit_exact(tmp_path, data_dir):
+def test_dlrover_run_restarts_sigkilled_workers_and_train_py_finishes_bit_exact(tmp_path, data_dir, shared_run):
     # dlrover-run in place of torchrun, standalone (its job master on this node): it gives the workers no agent
     # store, and a new MASTER_PORT at each restart
-    args = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=30', '--eval_interval=15',
-            '--save_memory_interval=4']
-    run('train.py', *tiny(data_dir, tmp_path / 'ref', *args), nproc=2, cwd=tmp_path)
+    ref_dir = shared_run('train.py', *KILLED, nproc=2)
     cmd = [sys.executable, str(REPO / 'launch' / 'dlrover_run.py'), '--standalone', '--nproc_per_node=2',
-           '--max_restarts=3', str(REPO / 'train.py'), *tiny(data_dir, tmp_path / 'ft', *args)]
+           '--max_restarts=3', str(REPO / 'train.py'), *tiny(data_dir, tmp_path / 'ft', *KILLED)]
     out, killed_at = run_with_kills(cmd, tmp_path / 'ft', [6, 18], cwd=tmp_path)
     resumed = [int(m) for m in re.findall(r'resuming from \S+/nanogpt-\w+/ckpt\.pt at iter (\d+)', out)]
     assert len(resumed) == len(killed_at), out[-5000:]
     for last, start in zip(killed_at, resumed):
         assert last + 1 - 4 <= start <= last + 1, (killed_at, resumed)
-    (ref, ref_evals), (ft, ft_evals) = read_metrics(tmp_path / 'ref'), read_metrics(tmp_path / 'ft')
+    (ref, ref_evals), (ft, ft_evals) = read_metrics(ref_dir), read_metrics(tmp_path / 'ft')
     assert ft == ref and [e['val_loss'] for e in ft_evals] == [e['val_loss'] for e in ref_evals]
-    assert same_weights(weights(tmp_path / 'ft' / 'ckpt.pt'), weights(tmp_path / 'ref' / 'ckpt.pt'))
+    assert same_weights(weights(tmp_path / 'ft' / 'ckpt.pt'), weights(ref_dir / 'ckpt.pt'))
 
 
 def test_dlrover_run_without_dlrover_a_one_line_error_says_how_to_install_it(tmp_path):
@@ -262,5 +263,6 @@ def test_bench_checkpoint_times_the_loop_blocked_per_save_against_a_synchronous_
                        timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     for kind in ('memory', 'storage'):
-        assert re.search(rf'{kind}: the loop is blocked [\d.]+% of a synchronous save; the step with it takes', p.stdout)
+        assert re.search(rf'{kind}: the loop is blocked [\d.]+% of a synchronous save; the step with it takes',
+                         p.stdout)
     assert not os.path.exists('/dev/shm/nanogpt-bench')  # its snapshot folder is gone
