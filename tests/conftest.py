@@ -84,3 +84,21 @@ def data_dir(tmp_path_factory):
 # a minute, CPU Adam two and a half) into TORCH_EXTENSIONS_DIR: one folder for every test of a session, and of the
 # sessions after it on the same machine, so that each op is built once
 os.environ.setdefault('TORCH_EXTENSIONS_DIR', str(Path.home() / '.cache' / 'torch_extensions' / 'nanogpt-tests'))
+
+
+@pytest.fixture(scope='session')
+def shared_run(tmp_path_factory, data_dir):
+    """shared_run(script, *args, nproc=1) -> the out_dir of that run of the tiny model on char-level Shakespeare,
+    made once per session (once per xdist worker) for every test that compares against it or starts from it. The
+    folder is shared: read it, or copy it before anything writes into it."""
+    done = {}
+
+    def shared(script, *args, nproc=1):
+        key = (script, nproc, *map(str, args))
+        if key not in done:
+            out = tmp_path_factory.mktemp('shared') / 'run'
+            run(script, *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}', *args, nproc=nproc,
+                cwd=out.parent)
+            done[key] = out
+        return done[key]
+    return shared

@@ -79,13 +79,12 @@ def cpu_adam(cpu_adam_build):
 
 
 @pytest.fixture(scope='module')
-def ref(tmp_path_factory, data_dir, cpu_adam_build):  # the build starts before the first run
-    """train.py on one process, 10 steps: the curve every ZeRO stage must reproduce."""
-    tmp = tmp_path_factory.mktemp('ref')
-    launch('train.py', tmp, data_dir, 'ref', '--max_iters=10')
-    losses, _ = read_metrics(tmp / 'ref')
+def ref(shared_run, cpu_adam_build):  # the build starts before the first run
+    """train.py on one process, 10 steps: the curve every ZeRO stage must reproduce (test_fsdp.py's too)."""
+    out = shared_run('train.py', *BASE, '--max_iters=10')
+    losses, _ = read_metrics(out)
     assert losses[9] < losses[0] - 0.3  # it learns
-    return tmp / 'ref', losses
+    return out, losses
 
 
 @pytest.fixture(scope='module')
@@ -171,7 +170,8 @@ def offload(tmp_path_factory, data_dir, cpu_adam):
     """ZeRO-Offload on 2 ranks, 10 steps: stage 2 with the optimizer in CPU memory, and stage 3 with the parameters
     there too."""
     tmp = tmp_path_factory.mktemp('offload')
-    launch('ds_train.py', tmp, data_dir, 'zero2', '--zero_stage=2', '--offload_optimizer=cpu', '--max_iters=10', nproc=2)
+    launch('ds_train.py', tmp, data_dir, 'zero2', '--zero_stage=2', '--offload_optimizer=cpu', '--max_iters=10',
+           nproc=2)
     launch('ds_train.py', tmp, data_dir, 'zero3', '--zero_stage=3', '--offload_optimizer=cpu', '--offload_params=cpu',
            '--max_iters=10', nproc=2)
     return {2: tmp / 'zero2', 3: tmp / 'zero3'}

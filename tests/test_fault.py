@@ -1,9 +1,10 @@
-"""Fault tolerance in real processes: SIGKILLed workers under elastic torchrun and dlrover-run, a kill mid-write, a
-changed world size, SIGTERM, and non-finite losses, in all four entrypoints (damaged snapshots and checkpoints:
-test_damaged.py)."""
+"""Fault tolerance in real processes, and the helpers of every test_fault*.py: SIGKILLed workers of 2-rank runs
+under elastic torchrun (all four entrypoints) and dlrover-run, two nodes with a /dev/shm each, SIGTERM passed on by
+torchrun. These compare against one uninterrupted run per entrypoint, made once (shared_run). The other faults:
+test_fault_write.py (a kill mid-write), test_fault_resize.py (another world size, damaged checkpoints),
+test_fault_single.py (one process: SIGTERM, damaged snapshots, a run started afresh, non-finite losses)."""
 
 import json
-import math
 import os
 import random
 import re
@@ -103,102 +104,6 @@ def cut_short(path):
     path.write_bytes(path.read_bytes()[:path.stat().st_size // 3])
 
 
-# (script, world size and arguments of the first run, of the run that resumes it, what that one says it does).
-# ds_train.py's engine checkpoints are cut for one world size and stage, so it goes on from its consolidated ckpt.pt
-# (here also at another stage); decent_train.py's replicas do not reshard, so every rank starts from their average,
-# which continues the curve where the algorithm does not depend on the world size: complete mixing with plain SGD.
-DECENT_AS_DDP = ['--topology=complete', '--replica_optimizer=sgd', '--grad_clip=0.0', '--learning_rate=0.5', '--min_lr=0.05']
-RESHAPES = [('train.py', 2, [], 1, [], 'at iter 8'), ('train.py', 1, [], 2, [], 'at iter 8'),
-            ('ds_train.py', 2, ['--zero_stage=3'], 1, ['--zero_stage=3'], 'continuing from the consolidated'),
-            ('ds_train.py', 1, ['--zero_stage=2'], 2, ['--zero_stage=3'], 'continuing from the consolidated'),
-            ('decent_train.py', 2, DECENT_AS_DDP, 1, DECENT_AS_DDP, 'every rank starts from their average'),
-            ('decent_train.py', 1, DECENT_AS_DDP, 2, DECENT_AS_DDP, 'every rank starts from their average')]
-
-
-@pytest.mark.parametrize('script,first,first_args,then,then_args,says', RESHAPES)
-def test_resumed_at_another_world_size_continues_the_curve(tmp_path, data_dir, script, first, first_args, then,
-                                                           then_args, says):
-    args = ['--gradient_accumulation_steps=4', '--eval_interval=8']
-    run(script, *tiny(data_dir, tmp_path / 'ref', *args, *first_args, '--max_iters=16'), nproc=first, cwd=tmp_path)
-    run(script, *tiny(data_dir, tmp_path / 'ft', *args, *first_args, '--max_iters=8'), nproc=first, cwd=tmp_path)
-    p = run(script, *tiny(data_dir, tmp_path / 'ft', *args, *then_args, '--max_iters=16'), nproc=then, cwd=tmp_path)
-    assert 'auto-resume' in p.stdout and says in p.stdout and re.search(r'resuming from \S+ at iter 8\b', p.stdout)
-    ref, ref_evals = read_metrics(tmp_path / 'ref')
-    ft, ft_evals = read_metrics(tmp_path / 'ft')
-    assert sorted(ft) == list(range(16))
-    for it in ref:
-        assert abs(ft[it] - ref[it]) <= 1e-5 * abs(ref[it]), (it, ft[it], ref[it])
-    assert abs(ft_evals[-1]['val_loss'] - ref_evals[-1]['val_loss']) <= 1e-5 * ref_evals[-1]['val_loss']
-
-
-def test_train_sigterm_saves_and_exits_cleanly_then_resumes_exactly(tmp_path, data_dir):
-    args = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=40', '--eval_interval=100']
-    run('train.py', *tiny(data_dir, tmp_path / 'ref', *args), nproc=2, cwd=tmp_path)
-    out_dir = tmp_path / 'ft'
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-           str(REPO / 'train.py'), *tiny(data_dir, out_dir, *args)]
-    p = subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    while not (logged_iters(out_dir) and logged_iters(out_dir)[-1] >= 10):
-        assert p.poll() is None
-        time.sleep(0.005)
-    p.send_signal(signal.SIGTERM)  # as SLURM or Kubernetes do; torchrun passes it on to the workers
-    out = p.communicate(timeout=120)[0]
-    stopped = int(re.search(r'SIGTERM: saving a checkpoint at iter (\d+) and exiting', out)[1])
-    assert 10 < stopped < 40, out[-3000:]
-    assert torch.load(out_dir / 'ckpt.pt', weights_only=True)['iter_num'] == stopped
-    assert 'train.py", line' not in out, out[-3000:]  # no worker failed (torchrun reports its own signal)
-    run('train.py', *tiny(data_dir, out_dir, *args), nproc=2, cwd=tmp_path)
-    assert read_metrics(out_dir)[0] == read_metrics(tmp_path / 'ref')[0]
-    assert same_weights(weights(out_dir / 'ckpt.pt'), weights(tmp_path / 'ref' / 'ckpt.pt'))
-
-
-# Runs train.py with GPT.forward returning a NaN loss on the training steps in NAN_STEPS (counted in micro-steps
-# of this process): the wrapper stands in for a real blow-up, which no small config brings about on cue.
-NAN_WRAPPER = '''
-import os, runpy, sys
-sys.path.insert(0, os.environ['REPO'])
-import model
-forward, calls, bad = model.GPT.forward, [0], {int(s) for s in os.environ['NAN_STEPS'].split(',')}
-def nan_forward(self, idx, targets=None):
-    logits, loss = forward(self, idx, targets)
-    if self.training and targets is not None:
-        calls[0] += 1
-        if calls[0] in bad:
-            loss = loss * float('nan')
-    return logits, loss
-model.GPT.forward = nan_forward
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name='__main__')
-'''
-
-
-def run_with_nans(tmp_path, nan_steps, *args, script='train.py'):
-    wrapper = tmp_path / 'nan_wrapper.py'
-    wrapper.write_text(NAN_WRAPPER)
-    return subprocess.run([sys.executable, str(wrapper), str(REPO / script), *args], cwd=tmp_path, text=True,
-                          env={**env(), 'REPO': str(REPO), 'NAN_STEPS': nan_steps, 'OMP_NUM_THREADS': '1'},
-                          capture_output=True, timeout=300)
-
-
-def test_train_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(tmp_path, data_dir):
-    args = ['--gradient_accumulation_steps=1', '--max_iters=12', '--eval_interval=6']
-    p = run_with_nans(tmp_path, '4', *tiny(data_dir, tmp_path / 'one', *args))  # step 3 (the 4th) goes bad
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert 'iter 3: non-finite loss or gradient, step skipped (1 in a row)' in p.stdout
-    losses, _ = read_metrics(tmp_path / 'one')
-    assert all(torch.isfinite(torch.tensor(v)) for it, v in losses.items() if it != 3) and losses[11] < losses[0]
-    assert all(torch.isfinite(t).all() for t in weights(tmp_path / 'one' / 'ckpt.pt').values())
-
-    # from the 8th step on every loss is NaN: after max_nonfinite_steps=3 the run stops, the checkpoint of
-    # iter 6 intact
-    p = run_with_nans(tmp_path, ','.join(map(str, range(8, 40))), *tiny(data_dir, tmp_path / 'many', *args),
-                      '--max_nonfinite_steps=3')
-    assert p.returncode != 0
-    assert p.stderr.strip().splitlines()[-1].startswith('error: 3 steps in a row up to iter 9 had a non-finite loss')
-    ckpt = torch.load(tmp_path / 'many' / 'ckpt.pt', weights_only=True)
-    assert ckpt['iter_num'] == 6 and all(torch.isfinite(t).all() for t in ckpt['model'].values())
-
-
 # -----------------------------------------------------------------------------
 # fsdp_train.py and decent_train.py: a memory snapshot and a storage checkpoint per rank (DCP shards, replicas)
 
@@ -233,18 +138,21 @@ def assert_same_run(ref_dir, ft_dir, script=None, exact=False):
             assert (a[k] - b[k]).abs().max().item() <= (0.0 if exact else 1e-5), k
 
 
+# 2 ranks with dropout (the RNG of every rank comes back from the snapshot too), a memory snapshot every 4 steps.
 # decent_train.py with the updates in the backward's hooks (no clipping) and AccumAdamW's window across the kills;
-# DeepSpeed starts slowly (it loads its communicator), so two kills there
+# DeepSpeed starts slowly (it loads its communicator), so two kills there. The uninterrupted run of each entrypoint,
+# shared_run(script, *KILLED, *KILL_ARGS[script], nproc=2), is the reference of every test below that runs it.
+KILLED = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=60', '--eval_interval=30',
+          '--save_memory_interval=4']
 KILL_ARGS = {'train.py': [], 'fsdp_train.py': [], 'ds_train.py': ['--zero_stage=2'],
              'decent_train.py': ['--grad_clip=0.0', '--replica_optimizer=accumadamw', '--moment_accum_steps=3']}
 
 
 @pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'decent_train.py', 'ds_train.py'])
-def test_sigkilled_workers_resume_from_their_memory_snapshots_and_finish_the_same(tmp_path, data_dir, script):
-    # dropout on: the RNG of every rank comes back from the snapshot too
-    args = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=60', '--eval_interval=30',
-            '--save_memory_interval=4', *KILL_ARGS[script]]
-    run(script, *tiny(data_dir, tmp_path / 'ref', *args), nproc=2, cwd=tmp_path)
+def test_sigkilled_workers_resume_from_their_memory_snapshots_and_finish_the_same(tmp_path, data_dir, shared_run,
+                                                                                   script):
+    args = [*KILLED, *KILL_ARGS[script]]
+    ref = shared_run(script, *args, nproc=2)
     rng = random.Random(1)
     kill_after = sorted(rng.sample(range(3, 50), 3))
     kill_after = [kill_after[0], max(kill_after[1], kill_after[0] + 6), max(kill_after[2], kill_after[1] + 12)]
@@ -257,127 +165,29 @@ def test_sigkilled_workers_resume_from_their_memory_snapshots_and_finish_the_sam
         # the killed worker was at most in step last + 1, and the snapshot before it is at most 4 steps older
         assert last + 1 - 4 <= start <= last + 1, (killed_at, resumed)
     # the same ranks take back exactly what they held: bit for bit (DeepSpeed: within 1e-5, all the issue asks)
-    assert_same_run(tmp_path / 'ref', tmp_path / 'ft', script, exact=script != 'ds_train.py')
+    assert_same_run(ref, tmp_path / 'ft', script, exact=script != 'ds_train.py')
     run_id = (tmp_path / 'ft' / 'run_id').read_text()
     assert not os.path.exists(f'/dev/shm/nanogpt-{run_id}')  # a finished run frees its snapshots
 
 
-# what each entrypoint says it resumes from when that is its first storage checkpoint (iter 4), and where the second one's (iter 8) files are while
-# they are written: train.py renames ckpt.pt.tmp into place, DCP writes its shards and then .metadata, ds_train.py
-# and decent_train.py rename each rank's file from .tmp and then point latest at the folder
-FIRST = {'train.py': 'ckpt.pt', 'fsdp_train.py': 'dcp/step-00000004', 'ds_train.py': 'ds/step-00000004',
-         'decent_train.py': 'decent/step-00000004/rank-0.pt'}
-WRITING = {'train.py': 'ckpt.pt.tmp', 'fsdp_train.py': 'dcp/step-00000008/*.distcp',
-           'ds_train.py': 'ds/step-00000008/*.tmp', 'decent_train.py': 'decent/step-00000008/*.tmp'}
-
-
-def first_complete(script, out_dir):
-    """Whether the run's newest complete storage checkpoint is the one of iter 4."""
-    if script == 'train.py':
-        ckpt = out_dir / 'ckpt.pt'  # replaced by a rename: an open file stays whole
-        return ckpt.exists() and torch.load(ckpt, weights_only=True, mmap=True)['iter_num'] == 4
-    latest = out_dir / KIND[script] / 'latest'
-    return latest.exists() and latest.read_text() == 'step-00000004'
-
-
-@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py'])
-def test_sigkill_during_a_storage_write_falls_back_to_the_previous_checkpoint(tmp_path, data_dir, script):
-    # a wide layer makes the checkpoint big enough (~90 MB with AdamW's moments) to be caught while it is written
-    args = ['--n_layer=1', '--n_embd=768', '--n_head=4', '--block_size=16', '--batch_size=2',
-            '--gradient_accumulation_steps=2', '--max_iters=16', '--eval_interval=100', '--save_storage_interval=4']
-    run(script, *tiny(data_dir, tmp_path / 'ref', *args), nproc=2, cwd=tmp_path)
+def test_train_sigterm_saves_and_exits_cleanly_then_resumes_exactly(tmp_path, data_dir, shared_run):
+    ref = shared_run('train.py', *KILLED, nproc=2)
     out_dir = tmp_path / 'ft'
-    log = open(tmp_path / 'torchrun.log', 'w')
-    p = subprocess.Popen(elastic(script, *tiny(data_dir, out_dir, *args)), cwd=tmp_path, env=env(),
-                         stdout=log, stderr=subprocess.STDOUT, text=True)
-    try:
-        while not first_complete(script, out_dir):  # the first checkpoint is complete ...
-            assert p.poll() is None, open(log.name).read()[-3000:]
-            time.sleep(0.002)
-        while not list(out_dir.glob(WRITING[script])):  # ... and the second one is being written: kill a writer
-            assert p.poll() is None, open(log.name).read()[-3000:]
-            time.sleep(0.001)
-        os.kill(workers(p.pid)[0], signal.SIGKILL)
-        cut_short = first_complete(script, out_dir)  # the second never became the newest
-        p.wait(timeout=300)
-    finally:
-        p.kill()
-        log.close()
-    out = open(log.name).read()
-    assert p.returncode == 0, out[-5000:]
-    assert cut_short
-    assert re.search(rf'resuming from \S+/ft/{FIRST[script]} at iter 4\b', out), out[-5000:]
-    assert_same_run(tmp_path / 'ref', out_dir, script, exact=script != 'ds_train.py')
-    if script != 'train.py':  # the cut-short folder was written anew at iter 8, and gone with the older ones since
-        assert sorted(f.name for f in (out_dir / KIND[script]).glob('step-*')) == ['step-00000012', 'step-00000016']
-
-
-RESHARD_ARGS = ['--gradient_accumulation_steps=4', '--eval_interval=8', '--save_storage_interval=4']
-
-
-@pytest.fixture(scope='module')
-def fsdp_ref(tmp_path_factory, data_dir):
-    """fsdp_train.py on one process, 16 steps: the curve that any world size has to continue."""
-    tmp = tmp_path_factory.mktemp('fsdp_ref')
-    run('fsdp_train.py', *tiny(data_dir, tmp / 'ref', *RESHARD_ARGS, '--max_iters=16'), cwd=tmp, nthreads=1)
-    return tmp / 'ref'
-
-
-@pytest.mark.parametrize('first,then', [(2, 1), (1, 2)])
-def test_fsdp_resumed_at_another_world_size_past_a_truncated_checkpoint_continues_the_curve(tmp_path, data_dir,
-                                                                                            fsdp_ref, first, then):
-    run('fsdp_train.py', *tiny(data_dir, tmp_path / 'ft', *RESHARD_ARGS, '--max_iters=8'), nproc=first, cwd=tmp_path,
-        nthreads=1)
-    newest = tmp_path / 'ft' / 'dcp' / 'step-00000008'
-    assert (tmp_path / 'ft' / 'dcp' / 'step-00000004' / '.metadata').exists()  # the one before is kept
-    shard = newest / '__0_0.distcp'
-    cut_short(shard)
-    p = run('fsdp_train.py', *tiny(data_dir, tmp_path / 'ft', *RESHARD_ARGS, '--max_iters=16'), nproc=then,
-            cwd=tmp_path, nthreads=1)
-    assert f'warning: skipping the damaged {newest} (ValueError: __0_0.distcp holds' in p.stdout, p.stdout[-3000:]
-    assert 'auto-resume' in p.stdout and re.search(r'resuming from \S+/step-00000004 at iter 4\b', p.stdout)
-    assert_same_run(fsdp_ref, tmp_path / 'ft')
-
-
-@pytest.mark.parametrize('script', ['fsdp_train.py', 'decent_train.py', 'ds_train.py'])
-def test_sigterm_saves_and_exits_cleanly_then_resumes_on_the_same_curve(tmp_path, data_dir, script):
-    # one process, which the signal reaches straight (train.py's test has torchrun pass it on)
-    args = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=20', '--eval_interval=100']
-    run(script, *tiny(data_dir, tmp_path / 'ref', *args), cwd=tmp_path, nthreads=1)
-    out_dir = tmp_path / 'ft'
-    p = subprocess.Popen([sys.executable, str(REPO / script), *tiny(data_dir, out_dir, *args)], cwd=tmp_path,
-                         env={**env(), 'OMP_NUM_THREADS': '1'}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
-    while not (logged_iters(out_dir) and logged_iters(out_dir)[-1] >= 6):
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+           str(REPO / 'train.py'), *tiny(data_dir, out_dir, *KILLED)]
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    while not (logged_iters(out_dir) and logged_iters(out_dir)[-1] >= 10):
         assert p.poll() is None
         time.sleep(0.005)
-    p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 0 and 'Traceback' not in err and 'error' not in err, err[-3000:]
+    p.send_signal(signal.SIGTERM)  # as SLURM or Kubernetes do; torchrun passes it on to the workers
+    out = p.communicate(timeout=120)[0]
     stopped = int(re.search(r'SIGTERM: saving a checkpoint at iter (\d+) and exiting', out)[1])
-    assert 6 < stopped < 20, out[-3000:]
-    assert (out_dir / KIND[script] / 'latest').read_text() == f'step-{stopped:08d}'
-    p = run(script, *tiny(data_dir, out_dir, *args), cwd=tmp_path, nthreads=1)
-    assert f'at iter {stopped}' in p.stdout
-    assert_same_run(tmp_path / 'ref', out_dir, exact=script != 'ds_train.py')  # DeepSpeed's resume: within 1e-5
-
-
-@pytest.mark.parametrize('script,extra', [('fsdp_train.py', []), ('decent_train.py', []),
-                                          ('ds_train.py', ['--zero_stage=2']), ('ds_train.py', ['--zero_stage=0'])])
-def test_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(tmp_path, data_dir, script, extra):
-    # the 4th step goes bad, then every one from the 8th: after max_nonfinite_steps=3 the run stops, the checkpoint
-    # of iter 6 intact. DeepSpeed skips the step itself under ZeRO; at stage 0 ds_train.py guards our AdamW.
-    args = ['--gradient_accumulation_steps=1', '--max_iters=12', '--eval_interval=6', '--max_nonfinite_steps=3', *extra]
-    p = run_with_nans(tmp_path, ','.join(map(str, [4, *range(8, 40)])), *tiny(data_dir, tmp_path / 'run', *args),
-                      script=script)
-    assert p.returncode != 0
-    assert re.search(r'iter 3: non-finite loss[a-z ]*, step skipped \(1 in a row\)', p.stdout), p.stdout[-3000:]
-    assert 'iter 5: non-finite' not in p.stdout and 'iter 6: non-finite' not in p.stdout
-    assert p.stderr.strip().splitlines()[-1].startswith('error: 3 steps in a row up to iter 9 had a non-finite loss')
-    losses, _ = read_metrics(tmp_path / 'run')
-    assert [it for it, v in losses.items() if not math.isfinite(v)] == [3, 7, 8] and losses[6] < losses[0]
-    assert (tmp_path / 'run' / KIND[script] / 'latest').read_text() == 'step-00000006'
-    assert all(torch.isfinite(t).all() for t in final_weights(script, tmp_path / 'run').values())
+    assert 10 < stopped < 60, out[-3000:]
+    assert torch.load(out_dir / 'ckpt.pt', weights_only=True)['iter_num'] == stopped
+    assert 'train.py", line' not in out, out[-3000:]  # no worker failed (torchrun reports its own signal)
+    run('train.py', *tiny(data_dir, out_dir, *KILLED), nproc=2, cwd=tmp_path)
+    assert read_metrics(out_dir)[0] == read_metrics(ref)[0]
+    assert same_weights(weights(out_dir / 'ckpt.pt'), weights(ref / 'ckpt.pt'))
 
 
 def two_nodes_with_a_dev_shm_each(script, args, out_dir, kill_after=None):
@@ -410,57 +220,33 @@ def two_nodes_with_a_dev_shm_each(script, args, out_dir, kill_after=None):
     return out
 
 
-def test_ds_memory_snapshots_of_two_nodes_with_a_dev_shm_each_resume_a_sigkilled_job(tmp_path, data_dir):
+def test_ds_memory_snapshots_of_two_nodes_with_a_dev_shm_each_resume_a_sigkilled_job(tmp_path, data_dir, shared_run):
     # The engine writes its model-states file (our state in it) from the first rank only; the second node's snapshot
     # needs one too. Restarting the group also has to work when the first node's agent restarts its worker for the
-    # new member, which torchrun does not count as a restart.
-    args = tiny(data_dir, tmp_path / 'ref', '--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=30',
-                '--eval_interval=100', '--save_memory_interval=4', '--zero_stage=2')
-    two_nodes_with_a_dev_shm_each('ds_train.py', args, tmp_path / 'ref')
-    out = two_nodes_with_a_dev_shm_each('ds_train.py', [*args, f'--out_dir={tmp_path / "ft"}'], tmp_path / 'ft',
+    # new member, which torchrun does not count as a restart. The reference: the same 2 ranks on one node.
+    args = [*KILLED, *KILL_ARGS['ds_train.py']]
+    ref = shared_run('ds_train.py', *args, nproc=2)
+    out = two_nodes_with_a_dev_shm_each('ds_train.py', tiny(data_dir, tmp_path / 'ft', *args), tmp_path / 'ft',
                                         kill_after=9)
     resumed = [int(m) for m in re.findall(r'resuming from /dev/shm/nanogpt-\w+/step-\d+ at iter (\d+)', out)]
     assert len(resumed) == 1 and 6 <= resumed[0] <= 12, out[-5000:]
-    assert_same_run(tmp_path / 'ref', tmp_path / 'ft', 'ds_train.py')
+    assert_same_run(ref, tmp_path / 'ft', 'ds_train.py')
 
 
-@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py'])
-def test_a_run_started_afresh_over_an_old_run_and_killed_before_its_first_save_never_resumes_the_old_one(
-        tmp_path, data_dir, script):
-    args = ['--gradient_accumulation_steps=1', '--eval_interval=4']
-    run(script, *tiny(data_dir, tmp_path / 'run', *args, '--max_iters=4'), cwd=tmp_path)  # the old run, saved at 4
-    (tmp_path / 'run' / 'metrics.jsonl').unlink()
-    fresh = subprocess.Popen([sys.executable, str(REPO / script), *tiny(data_dir, tmp_path / 'run', *args),
-                              '--max_iters=1000', '--eval_interval=1000', '--auto_resume=False'],
-                             cwd=tmp_path, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while not (logged_iters(tmp_path / 'run') and logged_iters(tmp_path / 'run')[-1] >= 1):
-        assert fresh.poll() is None
-        time.sleep(0.005)
-    fresh.kill()
-    fresh.wait()
-    p = run(script, *tiny(data_dir, tmp_path / 'run', *args, '--max_iters=2'), cwd=tmp_path)
-    assert 'auto-resume' not in p.stdout and 'resuming from' not in p.stdout, p.stdout[-3000:]
-    assert logged_iters(tmp_path / 'run') == [0, 1]
-    p = run(script, *tiny(data_dir, tmp_path / 'run', *args, '--max_iters=2', '--init_from=resume'), cwd=tmp_path)
-    assert 'at iter 2' in p.stdout  # its own checkpoint now, which it resumes (and is done)
-
-
-def test_dlrover_run_restarts_sigkilled_workers_and_train_py_finishes_bit_exact(tmp_path, data_dir):
+def test_dlrover_run_restarts_sigkilled_workers_and_train_py_finishes_bit_exact(tmp_path, data_dir, shared_run):
     # dlrover-run in place of torchrun, standalone (its job master on this node): it gives the workers no agent
     # store, and a new MASTER_PORT at each restart
-    args = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=30', '--eval_interval=15',
-            '--save_memory_interval=4']
-    run('train.py', *tiny(data_dir, tmp_path / 'ref', *args), nproc=2, cwd=tmp_path)
+    ref_dir = shared_run('train.py', *KILLED, nproc=2)
     cmd = [sys.executable, str(REPO / 'launch' / 'dlrover_run.py'), '--standalone', '--nproc_per_node=2',
-           '--max_restarts=3', str(REPO / 'train.py'), *tiny(data_dir, tmp_path / 'ft', *args)]
+           '--max_restarts=3', str(REPO / 'train.py'), *tiny(data_dir, tmp_path / 'ft', *KILLED)]
     out, killed_at = run_with_kills(cmd, tmp_path / 'ft', [6, 18], cwd=tmp_path)
     resumed = [int(m) for m in re.findall(r'resuming from \S+/nanogpt-\w+/ckpt\.pt at iter (\d+)', out)]
     assert len(resumed) == len(killed_at), out[-5000:]
     for last, start in zip(killed_at, resumed):
         assert last + 1 - 4 <= start <= last + 1, (killed_at, resumed)
-    (ref, ref_evals), (ft, ft_evals) = read_metrics(tmp_path / 'ref'), read_metrics(tmp_path / 'ft')
+    (ref, ref_evals), (ft, ft_evals) = read_metrics(ref_dir), read_metrics(tmp_path / 'ft')
     assert ft == ref and [e['val_loss'] for e in ft_evals] == [e['val_loss'] for e in ref_evals]
-    assert same_weights(weights(tmp_path / 'ft' / 'ckpt.pt'), weights(tmp_path / 'ref' / 'ckpt.pt'))
+    assert same_weights(weights(tmp_path / 'ft' / 'ckpt.pt'), weights(ref_dir / 'ckpt.pt'))
 
 
 def test_dlrover_run_without_dlrover_a_one_line_error_says_how_to_install_it(tmp_path):
@@ -477,5 +263,6 @@ def test_bench_checkpoint_times_the_loop_blocked_per_save_against_a_synchronous_
                        timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     for kind in ('memory', 'storage'):
-        assert re.search(rf'{kind}: the loop is blocked [\d.]+% of a synchronous save; the step with it takes', p.stdout)
+        assert re.search(rf'{kind}: the loop is blocked [\d.]+% of a synchronous save; the step with it takes',
+                         p.stdout)
     assert not os.path.exists('/dev/shm/nanogpt-bench')  # its snapshot folder is gone

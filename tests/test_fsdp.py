@@ -33,13 +33,12 @@ def assert_same_weights(a, b, atol=1e-5):
 
 
 @pytest.fixture(scope='module')
-def ref(tmp_path_factory, data_dir):
-    """train.py on one process, 10 steps: the curve every parallel layout must reproduce."""
-    tmp = tmp_path_factory.mktemp('ref')
-    launch('train.py', tmp, data_dir, 'ref', '--max_iters=10')
-    losses, evals = read_metrics(tmp / 'ref')
+def ref(shared_run):
+    """train.py on one process, 10 steps: the curve every parallel layout must reproduce (test_ds.py's too)."""
+    out = shared_run('train.py', *BASE, '--max_iters=10')
+    losses, evals = read_metrics(out)
     assert losses[9] < losses[0] - 0.3  # it learns
-    return tmp / 'ref', losses
+    return out, losses
 
 
 @pytest.fixture(scope='module')
@@ -86,14 +85,19 @@ def test_fsdp_exact_resume(tmp_path, data_dir):
     assert [split[i] for i in range(10)] == [full[i] for i in range(10)]  # bit for bit
 
 
+def first_half(shared_run, nproc, tp):
+    """fsdp_train.py stopped at iter 5, made once (shared_run): copy it before going on from it."""
+    return shared_run('fsdp_train.py', *BASE, '--max_iters=5', f'--tp_size={tp}', nproc=nproc)
+
+
 @pytest.mark.parametrize('first, second', [
     ((2, 1), (1, 1)),   # 2 ranks -> 1
     ((1, 1), (2, 1)),   # 1 -> 2
     ((4, 1), (4, 2)),   # 4 ranks FSDP -> 2x2 TP x FSDP
 ], ids=['2to1', '1to2', '4to2x2'])
-def test_resume_at_another_world_size_and_mesh(tmp_path, data_dir, ref, first, second):
+def test_resume_at_another_world_size_and_mesh(tmp_path, data_dir, ref, shared_run, first, second):
     (n1, tp1), (n2, tp2) = first, second
-    launch('fsdp_train.py', tmp_path, data_dir, 'run', '--max_iters=5', f'--tp_size={tp1}', nproc=n1)
+    shutil.copytree(first_half(shared_run, n1, tp1), tmp_path / 'run')
     launch('fsdp_train.py', tmp_path, data_dir, 'run', '--max_iters=10', f'--tp_size={tp2}', '--init_from=resume',
            nproc=n2)
     assert_same_curve(ref[1], read_metrics(tmp_path / 'run')[0], range(10))
@@ -117,22 +121,23 @@ def test_train_checkpoint_into_fsdp_and_its_export_back_to_train_and_sample(tmp_
     assert p.stdout.count('---------------') == 2
 
 
-def test_per_rank_state_with_two_ranks_is_at_most_0_6_of_one(tmp_path, data_dir, fsdp2):
-    # one process without torchrun: fsdp_train.py makes its own group of one
-    launch('fsdp_train.py', tmp_path, data_dir, 'one', '--max_iters=1')
+def test_per_rank_state_with_two_ranks_is_at_most_0_6_of_one(shared_run, fsdp2):
+    # one process without torchrun: fsdp_train.py makes its own group of one (the first half of the 1 -> 2 resume)
+    one_process = first_half(shared_run, 1, 1)
 
     def total(out):
         with open(out / 'metrics.jsonl') as f:
             rows = [json.loads(line) for line in f]
         row = next(r for r in rows if 'param_bytes' in r)
         return row['param_bytes'] + row['grad_bytes'] + row['optim_bytes']
-    one, two = total(tmp_path / 'one'), total(fsdp2[0])
+    one, two = total(one_process), total(fsdp2[0])
     assert one > 0 and two <= 0.6 * one, (one, two)
 
 
 def test_bad_input(tmp_path, data_dir, fsdp2):
     def fails(*args, nproc=1):
-        return one_line_error(launch('fsdp_train.py', tmp_path, data_dir, 'bad', *args, nproc=nproc, check=False), nproc)
+        p = launch('fsdp_train.py', tmp_path, data_dir, 'bad', *args, nproc=nproc, check=False)
+        return one_line_error(p, nproc)
     assert 'tp_size=2 does not divide the world size 1' in fails('--tp_size=2')
     assert 'tp_size=2 does not divide n_head=1' in fails('--tp_size=2', '--n_head=1', nproc=2)
     assert 'runs on cuda or cpu, not mps' in fails('--device=mps', '--cpu_offload=True')

@@ -1,0 +1,172 @@
+"""Faults of runs on one process, which a signal reaches straight, in real processes: SIGTERM saves a checkpoint
+and exits cleanly, and the run resumes on the same curve; a truncated newest memory snapshot of a SIGKILLed run is
+skipped with a warning, the run finishing on the same curve; a run started afresh over an old one never resumes the
+old one; non-finite losses skip the step, and several in a row stop the run. One uninterrupted run per entrypoint
+(dropout, memory snapshots and storage checkpoints) is made once (shared_run): the reference of the first two, the
+old run of the third."""
+
+import math
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint import snapshot_dir
+from conftest import REPO, env, read_metrics, run
+from test_fault import KIND, assert_same_run, cut_short, final_weights, logged_iters, tiny, weights
+
+ONE = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=24', '--eval_interval=12',
+       '--save_memory_interval=2', '--save_storage_interval=6']
+
+
+def newest_snapshot(script, folder):
+    """(the path that a resume names as damaged, the file in it to cut short, its iteration) for the newest complete
+    memory snapshot in folder: a file of train.py's, fsdp_train.py's or decent_train.py's (each of these but
+    train.py's keeps the one before as .prev.pt), the step folder that ds_train.py's latest names there."""
+    def iter_of(file):
+        return torch.load(file, map_location='cpu', weights_only=True, mmap=True)['iter_num']
+    if script == 'ds_train.py':
+        step = folder / (folder / 'latest').read_text().strip()
+        return step, step / 'zero_pp_rank_0_mp_rank_00_optim_states.pt', iter_of(step / 'mp_rank_00_model_states.pt')
+    held = {iter_of(f): f for f in folder.glob('*.pt')}  # files still being written end in .tmp
+    it = max(held)
+    return held[it], held[it], it
+
+
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py'])
+def test_a_truncated_newest_memory_snapshot_falls_back_to_the_one_before(tmp_path, data_dir, shared_run, script):
+    ref_dir = shared_run(script, *ONE)
+    out_dir = tmp_path / 'ft'
+    p = subprocess.Popen([sys.executable, str(REPO / script), *tiny(data_dir, out_dir, *ONE)], cwd=tmp_path,
+                         env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stored = out_dir / ('ckpt.pt' if script == 'train.py' else f'{KIND[script]}/latest')
+    try:  # killed past its first storage checkpoint (iter 6), with snapshots every 2 steps
+        while not (stored.exists() and logged_iters(out_dir) and logged_iters(out_dir)[-1] >= 9):
+            assert p.poll() is None
+            time.sleep(0.005)
+    finally:
+        p.kill()
+        p.wait()
+    shm = Path(snapshot_dir((out_dir / 'run_id').read_text().strip()))
+    damaged, file, held = newest_snapshot(script, shm)
+    cut_short(file)
+    p = run(script, *tiny(data_dir, out_dir, *ONE), cwd=tmp_path)
+    assert f'warning: skipping the damaged {damaged} (' in p.stdout, p.stdout[-3000:]
+    start = int(re.search(r'resuming from \S+ at iter (\d+)', p.stdout)[1])
+    # the snapshot before it; train.py's node keeps one, so its storage checkpoint (iter 6, or of the same iter)
+    assert 6 <= start < held or (script == 'train.py' and start == held), (start, held)
+    assert_same_run(ref_dir, out_dir, script, exact=script != 'ds_train.py')
+    assert not shm.exists()  # the finished run freed its snapshots, the damaged one too
+
+
+@pytest.mark.parametrize('script', ['fsdp_train.py', 'decent_train.py', 'ds_train.py'])
+def test_sigterm_saves_and_exits_cleanly_then_resumes_on_the_same_curve(tmp_path, data_dir, shared_run, script):
+    # one process, which the signal reaches straight (train.py's test has torchrun pass it on)
+    ref_dir = shared_run(script, *ONE)
+    out_dir = tmp_path / 'ft'
+    p = subprocess.Popen([sys.executable, str(REPO / script), *tiny(data_dir, out_dir, *ONE)], cwd=tmp_path,
+                         env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not (logged_iters(out_dir) and logged_iters(out_dir)[-1] >= 6):
+        assert p.poll() is None
+        time.sleep(0.005)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0 and 'Traceback' not in err and 'error' not in err, err[-3000:]
+    stopped = int(re.search(r'SIGTERM: saving a checkpoint at iter (\d+) and exiting', out)[1])
+    assert 6 < stopped < 24, out[-3000:]
+    assert (out_dir / KIND[script] / 'latest').read_text() == f'step-{stopped:08d}'
+    p = run(script, *tiny(data_dir, out_dir, *ONE), cwd=tmp_path)
+    assert f'at iter {stopped}' in p.stdout
+    assert_same_run(ref_dir, out_dir, exact=script != 'ds_train.py')  # DeepSpeed's resume: within 1e-5
+
+
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py'])
+def test_a_run_started_afresh_over_an_old_run_and_killed_before_its_first_save_never_resumes_the_old_one(
+        tmp_path, data_dir, shared_run, script):
+    args = ['--gradient_accumulation_steps=1', '--eval_interval=4']
+    shutil.copytree(shared_run(script, *ONE), tmp_path / 'run')  # the old run, saved at 24
+    (tmp_path / 'run' / 'metrics.jsonl').unlink()
+    fresh = subprocess.Popen([sys.executable, str(REPO / script), *tiny(data_dir, tmp_path / 'run', *args),
+                              '--max_iters=1000', '--eval_interval=1000', '--auto_resume=False'],
+                             cwd=tmp_path, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not (logged_iters(tmp_path / 'run') and logged_iters(tmp_path / 'run')[-1] >= 1):
+        assert fresh.poll() is None
+        time.sleep(0.005)
+    fresh.kill()
+    fresh.wait()
+    p = run(script, *tiny(data_dir, tmp_path / 'run', *args, '--max_iters=2'), cwd=tmp_path)
+    assert 'auto-resume' not in p.stdout and 'resuming from' not in p.stdout, p.stdout[-3000:]
+    assert logged_iters(tmp_path / 'run') == [0, 1]
+    p = run(script, *tiny(data_dir, tmp_path / 'run', *args, '--max_iters=2', '--init_from=resume'), cwd=tmp_path)
+    assert re.search(r'at iter 2\b', p.stdout)  # its own checkpoint now, which it resumes (and is done)
+
+
+# Runs train.py with GPT.forward returning a NaN loss on the training steps in NAN_STEPS (counted in micro-steps
+# of this process): the wrapper stands in for a real blow-up, which no small config brings about on cue.
+NAN_WRAPPER = '''
+import os, runpy, sys
+sys.path.insert(0, os.environ['REPO'])
+import model
+forward, calls, bad = model.GPT.forward, [0], {int(s) for s in os.environ['NAN_STEPS'].split(',')}
+def nan_forward(self, idx, targets=None):
+    logits, loss = forward(self, idx, targets)
+    if self.training and targets is not None:
+        calls[0] += 1
+        if calls[0] in bad:
+            loss = loss * float('nan')
+    return logits, loss
+model.GPT.forward = nan_forward
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name='__main__')
+'''
+
+
+def run_with_nans(tmp_path, nan_steps, *args, script='train.py'):
+    wrapper = tmp_path / 'nan_wrapper.py'
+    wrapper.write_text(NAN_WRAPPER)
+    return subprocess.run([sys.executable, str(wrapper), str(REPO / script), *args], cwd=tmp_path, text=True,
+                          env={**env(), 'REPO': str(REPO), 'NAN_STEPS': nan_steps, 'OMP_NUM_THREADS': '1'},
+                          capture_output=True, timeout=300)
+
+
+def test_train_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(tmp_path, data_dir):
+    args = ['--gradient_accumulation_steps=1', '--max_iters=12', '--eval_interval=6']
+    p = run_with_nans(tmp_path, '4', *tiny(data_dir, tmp_path / 'one', *args))  # step 3 (the 4th) goes bad
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert 'iter 3: non-finite loss or gradient, step skipped (1 in a row)' in p.stdout
+    losses, _ = read_metrics(tmp_path / 'one')
+    assert all(torch.isfinite(torch.tensor(v)) for it, v in losses.items() if it != 3) and losses[11] < losses[0]
+    assert all(torch.isfinite(t).all() for t in weights(tmp_path / 'one' / 'ckpt.pt').values())
+
+    # from the 8th step on every loss is NaN: after max_nonfinite_steps=3 the run stops, the checkpoint of
+    # iter 6 intact
+    p = run_with_nans(tmp_path, ','.join(map(str, range(8, 40))), *tiny(data_dir, tmp_path / 'many', *args),
+                      '--max_nonfinite_steps=3')
+    assert p.returncode != 0
+    assert p.stderr.strip().splitlines()[-1].startswith('error: 3 steps in a row up to iter 9 had a non-finite loss')
+    ckpt = torch.load(tmp_path / 'many' / 'ckpt.pt', weights_only=True)
+    assert ckpt['iter_num'] == 6 and all(torch.isfinite(t).all() for t in ckpt['model'].values())
+
+
+@pytest.mark.parametrize('script,extra', [('fsdp_train.py', []), ('decent_train.py', []),
+                                          ('ds_train.py', ['--zero_stage=2']), ('ds_train.py', ['--zero_stage=0'])])
+def test_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(tmp_path, data_dir, script, extra):
+    # the 4th step goes bad, then every one from the 8th: after max_nonfinite_steps=3 the run stops, the checkpoint
+    # of iter 6 intact. DeepSpeed skips the step itself under ZeRO; at stage 0 ds_train.py guards our AdamW.
+    args = ['--gradient_accumulation_steps=1', '--max_iters=12', '--eval_interval=6', '--max_nonfinite_steps=3', *extra]
+    p = run_with_nans(tmp_path, ','.join(map(str, [4, *range(8, 40)])), *tiny(data_dir, tmp_path / 'run', *args),
+                      script=script)
+    assert p.returncode != 0
+    assert re.search(r'iter 3: non-finite loss[a-z ]*, step skipped \(1 in a row\)', p.stdout), p.stdout[-3000:]
+    assert 'iter 5: non-finite' not in p.stdout and 'iter 6: non-finite' not in p.stdout
+    assert p.stderr.strip().splitlines()[-1].startswith('error: 3 steps in a row up to iter 9 had a non-finite loss')
+    losses, _ = read_metrics(tmp_path / 'run')
+    assert [it for it, v in losses.items() if not math.isfinite(v)] == [3, 7, 8] and losses[6] < losses[0]
+    assert (tmp_path / 'run' / KIND[script] / 'latest').read_text() == 'step-00000006'
+    assert all(torch.isfinite(t).all() for t in final_weights(script, tmp_path / 'run').values())
