@@ -28,7 +28,8 @@ class GPTConfig:
 
 
 # (n_layer, n_head, n_embd) of OpenAI's GPT-2 sizes: 124M, 350M, 774M and 1558M parameters
-GPT2_SHAPES = {'gpt2': (12, 12, 768), 'gpt2-medium': (24, 16, 1024), 'gpt2-large': (36, 20, 1280), 'gpt2-xl': (48, 25, 1600)}
+GPT2_SHAPES = {'gpt2': (12, 12, 768), 'gpt2-medium': (24, 16, 1024), 'gpt2-large': (36, 20, 1280),
+               'gpt2-xl': (48, 25, 1600)}
 
 
 class CausalSelfAttention(nn.Module):

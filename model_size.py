@@ -96,7 +96,8 @@ rows = {  # (parameters, gradients, optimizer state) in bytes on one rank, fp32 
 if n_head % W == 0 and (4 * n_embd) % W == 0:
     rows[f'TP {W}'] = (4 * sharded(W, 1), 4 * sharded(W, 1), 8 * sharded(W, 1))
 if tp2 > 1 and W % tp2 == 0 and n_head % tp2 == 0 and (4 * n_embd) % tp2 == 0:
-    rows[f'FSDP {W // tp2} x TP {tp2}'] = (4 * sharded(tp2, W // tp2), 4 * sharded(tp2, W // tp2), 8 * sharded(tp2, W // tp2))
+    per_rank = sharded(tp2, W // tp2)
+    rows[f'FSDP {W // tp2} x TP {tp2}'] = (4 * per_rank, 4 * per_rank, 8 * per_rank)
 act = {name: activations(int(name.split('TP ')[1]) if 'TP ' in name else 1) for name in rows}
 
 print(f"{N:,} parameters ({gpt.get_num_params():,} without position embeddings), "

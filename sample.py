@@ -98,7 +98,8 @@ if meta_path and os.path.exists(meta_path):
     def encode(s):
         missing = sorted(set(c for c in s if c not in stoi))
         if missing:
-            sys.exit(f"error: the prompt has characters the model's vocabulary lacks ({''.join(missing)!r}): remove them")
+            sys.exit(f"error: the prompt has characters the model's vocabulary lacks ({''.join(missing)!r}): "
+                     f"remove them")
         return [stoi[c] for c in s]
 
     def decode(ids):
@@ -122,7 +123,8 @@ if start.startswith('FILE:'):
         with open(start[5:], encoding='utf-8') as f:
             start = f.read()
     except (OSError, UnicodeDecodeError) as e:
-        sys.exit(f"error: cannot read the prompt file {start[5:]} ({type(e).__name__}): give a readable UTF-8 text file")
+        sys.exit(f"error: cannot read the prompt file {start[5:]} ({type(e).__name__}): give a readable UTF-8 "
+                 f"text file")
 start_ids = encode(start)
 if not start_ids:
     sys.exit("error: the prompt encodes to no tokens: give a non-empty --start")

@@ -296,7 +296,8 @@ def test_bad_topologies_world_sizes_and_keys_are_one_line_errors(tmp_path, data_
         fails(tmp_path, data_dir, '--topology=alternating-exp-ring')
     assert 'one-peer-exp needs a power-of-2 world size, not 3' in \
         fails(tmp_path, data_dir, '--topology=one-peer-exp', nproc=3)
-    assert "unknown replica_optimizer='lamb': use adamw, accumadamw or sgd" in fails(tmp_path, data_dir, '--replica_optimizer=lamb')
+    msg = fails(tmp_path, data_dir, '--replica_optimizer=lamb')
+    assert "unknown replica_optimizer='lamb': use adamw, accumadamw or sgd" in msg
     assert not (tmp_path / 'bad').exists()
 
 

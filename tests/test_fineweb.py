@@ -211,7 +211,8 @@ def test_the_recipe_runs_end_to_end_on_a_cpu_with_its_smoke_config(tmp_path):
     write_jsonl(tmp_path / 'made_up.jsonl', made_up_examples(5, seed=7))
     run('prepare.py', 'hellaswag', '--input=made_up.jsonl', cwd=tmp_path)
     p = run('train.py', str(REPO / 'config' / 'train_gpt2_fineweb_smoke.py'), cwd=tmp_path)
-    rows = [json.loads(line) for line in (tmp_path / 'out-gpt2-fineweb-smoke' / 'metrics.jsonl').read_text().splitlines()]
+    metrics = tmp_path / 'out-gpt2-fineweb-smoke' / 'metrics.jsonl'
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r['iter'] for r in rows if 'val_loss' in r] == [0, 20, 40]
     assert [r['iter'] for r in rows if 'hellaswag_acc_norm' in r] == [0, 20, 40]
     losses = {r['iter']: r['loss'] for r in rows if 'loss' in r}

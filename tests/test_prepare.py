@@ -40,7 +40,8 @@ def test_bpe_in_small_pieces_gives_the_tokens_of_the_whole(tmp_path, data_dir):
     run('prepare.py', 'text', f'--input={SHAKESPEARE}', '--tokenizer=gpt2', '--chunk_chars=1000', '--name=pieces',
         '--num_proc=2', f'--out_root={tmp_path}', cwd=tmp_path)
     for split in ('train', 'val'):
-        assert np.array_equal(tokens(tmp_path / 'pieces' / f'{split}.bin'), tokens(data_dir / 'shakespeare' / f'{split}.bin'))
+        ours, whole = tmp_path / 'pieces' / f'{split}.bin', data_dir / 'shakespeare' / f'{split}.bin'
+        assert np.array_equal(tokens(ours), tokens(whole))
 
 
 def test_bpe_prep_over_a_char_folder_removes_its_vocabulary(tmp_path):

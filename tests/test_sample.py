@@ -52,7 +52,8 @@ def test_sample_from_a_bpe_model(tmp_path, data_dir):
 
 def test_sample_errors(char_run, tmp_path):
     for args, message in ((['--out_dir=none'], 'no checkpoint at'),
-                          ([f'--out_dir={char_run}', '--start=\u00e9t\u00e9'], "characters the model's vocabulary lacks"),
+                          ([f'--out_dir={char_run}', '--start=\u00e9t\u00e9'],
+                           "characters the model's vocabulary lacks"),
                           ([f'--out_dir={char_run}', '--start=FILE:missing.txt'], 'cannot read the prompt file'),
                           (['--init_from=gpt3'], "unknown init_from='gpt3'"),
                           ([f'--init_from={tmp_path}'], 'no checkpoint at')):

@@ -236,7 +236,8 @@ def test_two_node_job_completes_and_matches_one_process(cluster, ref, tmp_path, 
 
 def test_decentralized_job_on_two_nodes_of_two_mixes_within_and_across_nodes(cluster, tmp_path, data_dir):
     # alternating-exp-ring needs the node structure: torchrun on each node sets LOCAL_WORLD_SIZE=2 of WORLD_SIZE=4
-    job = submit_tiny(cluster, tmp_path, data_dir, 'decent_train.py', '--topology=alternating-exp-ring', nodes=2, nproc=2)
+    job = submit_tiny(cluster, tmp_path, data_dir, 'decent_train.py', '--topology=alternating-exp-ring', nodes=2,
+                      nproc=2)
     info = cluster.wait_job(job)
     assert info['JobState'] == 'COMPLETED', job_logs(info)
     # rank 0 prints, on whichever node the rendezvous made the first

@@ -152,7 +152,7 @@ def test_bench_times_steps(tmp_path, data_dir):
     assert re.search(r'median [\d.]+ ms/iter .* over 3 steps, [\d,]+ tok/s, mfu unknown', p.stdout), p.stdout
     row = json.loads(p.stdout.strip().splitlines()[-1])
     assert row['ms'] > 0 and row['mfu'] is None and row['params'] > 0
-    p = run('bench.py', '--device=cpu', '--compile=False', '--n_layer=2', '--n_head=2', '--n_embd=32', '--real_data=True',
-            f'--dataset={data_dir / "shakespeare_char"}', '--block_size=32', '--batch_size=4', '--warmup=1', '--iters=2',
-            cwd=tmp_path)
+    p = run('bench.py', '--device=cpu', '--compile=False', '--n_layer=2', '--n_head=2', '--n_embd=32',
+            '--real_data=True', f'--dataset={data_dir / "shakespeare_char"}', '--block_size=32', '--batch_size=4',
+            '--warmup=1', '--iters=2', cwd=tmp_path)
     assert json.loads(p.stdout.strip().splitlines()[-1])['params'] > 0
