@@ -38,8 +38,14 @@ def back_to_step_4(out, script):
 def test_old_checkpoints_resume_exactly(tmp_path, data_dir, old_code, script, nproc):
     args = [*TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path / "run"}', *ARGS]
     launcher = ['-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}'] if nproc > 1 else []
-    p = subprocess.run([sys.executable, *launcher, str(old_code / script), *args], cwd=tmp_path, env=env(),
-                       capture_output=True, text=True, timeout=600)
+    for attempt in range(2):
+        # the old code's gloo teardown aborts now and then at the interpreter's end under load ('terminate called
+        # without an active exception', the flake that 5d34ab8 documents): that run is made again from scratch
+        shutil.rmtree(tmp_path / 'run', ignore_errors=True)
+        p = subprocess.run([sys.executable, *launcher, str(old_code / script), *args], cwd=tmp_path, env=env(),
+                           capture_output=True, text=True, timeout=600)
+        if p.returncode == 0 or 'terminate called without an active exception' not in p.stderr:
+            break
     assert p.returncode == 0, p.stderr[-3000:]
     old_losses, old_evals = read_metrics(tmp_path / 'run')
     back_to_step_4(tmp_path / 'run', script)
