@@ -72,7 +72,7 @@ def load_checkpoint(path, dropout=None):
 
 def reason(e):
     """Exception e in a few words on one line, for an error message or a warning. torch's refusal of a pickle that
-    holds code advises loading it with weights_only=False, which would run that code: that is not passed on."""
+    holds code advises loading it with the check turned off, which would run that code: that is not passed on."""
     text = str(e).strip()
     if isinstance(e, pickle.UnpicklingError) and 'weights_only' in text:
         found = re.search(r'GLOBAL ([\w.]{1,100})', text)
