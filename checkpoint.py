@@ -363,6 +363,12 @@ def checkpoint_iter(path, run_id=None):
     return iters.pop()
 
 
+def step_folders(root):
+    """The checkpoint folders root/step-N, newest first (none where root is missing)."""
+    return [os.path.join(root, f) for f in sorted(os.listdir(root), reverse=True) if f.startswith('step-')] \
+        if os.path.isdir(root) else []
+
+
 def point_latest(folder, iter_of=None):
     """Once the checkpoint folder out_dir/<kind>/step-N is complete: rewrites the latest file beside it to name it,
     and removes the older step folders (complete, cut short or damaged) but for the newest complete one, the
@@ -392,7 +398,8 @@ def point_latest(folder, iter_of=None):
 
 def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, where, iter_of=None):
     """(run_id, (iter_num, path) to resume from or None), the same on every rank (a collective). out_dir/run_id
-    names the run; snapshots(folder) lists this rank's snapshot paths in the run's node-local folder; storage is
+    names the run; snapshots names this rank's snapshot files in the run's node-local folder (or is a function of
+    the folder that lists their paths); storage is
     lists of paths in out_dir, which rank 0 reads (it must be storage every node shares): the first list that
     holds a loadable checkpoint gives the newest of them. A memory snapshot counts only at an iteration that
     every rank holds (a replaced node holds none; a rank killed while writing holds the one before) and the
@@ -405,7 +412,8 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     if wanted and os.path.isfile(run_id_path):
         with open(run_id_path) as f:
             run_id = f.read().strip()
-        for path in snapshots(snapshot_dir(run_id)):
+        folder = snapshot_dir(run_id)
+        for path in snapshots(folder) if callable(snapshots) else [os.path.join(folder, n) for n in snapshots]:
             it, _, bad = newest_loadable([path], iter_of=iter_of)
             damaged += bad
             if it is not None:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import (commit, create_model, find_resume, previous, reason, remove_snapshots, save_in_background,
-                        snapshot_dir, upgrade_optimizer_state, wait_for_copies, wait_for_saves)
+                        snapshot_dir, step_folders, upgrade_optimizer_state, wait_for_copies, wait_for_saves)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, read_meta
 from decent import (average_moments, average_replicas, make_bucket, make_mixing_groups, make_optimizer, mixing_rounds,
@@ -179,12 +179,10 @@ def draw_train_offsets():
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')  # the averaged export, or train.py's
 decent_dir = os.path.join(out_dir, 'decent')  # the replicas, a folder per step and a file per rank
 snapshot_name = f'rank-{rank}-of-{world_size}.pt'  # a rank's own replica, which only this world size can take back
-steps = sorted(os.listdir(decent_dir), reverse=True) if os.path.isdir(decent_dir) else []
-run_id, resume_from = find_resume(
-    out_dir, init_from, auto_resume, eval_only,
-    snapshots=lambda folder: [os.path.join(folder, snapshot_name), previous(os.path.join(folder, snapshot_name))],
-    storage=[[os.path.join(decent_dir, f) for f in steps if f.startswith('step-')], [ckpt_path, previous(ckpt_path)]],
-    where=f"{decent_dir} or {ckpt_path}")
+run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only,
+                                  snapshots=[snapshot_name, previous(snapshot_name)],
+                                  storage=[step_folders(decent_dir), [ckpt_path, previous(ckpt_path)]],
+                                  where=f"{decent_dir} or {ckpt_path}")
 snapshot_path = os.path.join(snapshot_dir(run_id), snapshot_name)
 resume_path = resume_from and resume_from[1]
 
@@ -458,8 +456,8 @@ while True:
         for bucket in buckets:  # all of them when clipping; otherwise the backward has updated every one
             if bucket.stepped_at != iter_num:
                 update_and_mix(bucket)
-    nonfinite_steps = count_skipped(nonfinite, nonfinite_steps, max_nonfinite_steps, iter_num, log_metrics,
-                                    decent_dir, what='loss')
+    nonfinite_steps = count_skipped(nonfinite, nonfinite_steps, max_nonfinite_steps, iter_num, log_metrics, out_dir,
+                                    what='loss')
     if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
         mem = state_bytes(model.parameters(), optimizers)
         print0("per-rank memory: " + ", ".join(f"{k[:-6]} {v / 2**20:.2f} MiB" for k, v in mem.items()))

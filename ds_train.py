@@ -447,7 +447,7 @@ while True:
         sys.exit(f"error: iter {iter_num} had a non-finite loss but DeepSpeed took the step; {ds_dir} holds the last "
                  f"good state: lower learning_rate, use bfloat16 rather than float16, or check the data")
     nonfinite = nonfinite or (dtype != 'float16' and not model.was_step_applied())
-    nonfinite_steps = count_skipped(nonfinite, nonfinite_steps, max_nonfinite_steps, iter_num, log_metrics, ds_dir)
+    nonfinite_steps = count_skipped(nonfinite, nonfinite_steps, max_nonfinite_steps, iter_num, log_metrics, out_dir)
     if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
         mem = {**state_bytes(model, raw_model, optimizer), 'grad_bytes': grad_bytes}
         print0("per-rank memory: " + ", ".join(f"{k[:-6]} {v / 2**20:.2f} MiB" for k, v in mem.items()))

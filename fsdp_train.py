@@ -1,21 +1,18 @@
 """
 Trains a GPT with FSDP2 (fully_shard), tensor parallelism, or both on a 2-D mesh.
 
-FSDP, 8 GPUs:       torchrun --standalone --nproc_per_node=8 fsdp_train.py config/train_gpt2.py
-TP within a node:   torchrun --standalone --nproc_per_node=8 fsdp_train.py config/train_gpt2.py --tp_size=8
-2-D, 2 nodes:       torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HEAD:29500 \
-                        fsdp_train.py config/train_gpt2.py --tp_size=8     # TP inside each node, FSDP across
+FSDP, 8 GPUs:     torchrun --standalone --nproc_per_node=8 fsdp_train.py config/train_gpt2.py
+TP in a node:     torchrun --standalone --nproc_per_node=8 fsdp_train.py config/train_gpt2.py --tp_size=8
+2-D, two nodes:   torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HEAD:29500 \
+                      fsdp_train.py config/train_gpt2.py --tp_size=8     # TP inside each node, FSDP across
 
-Everything but the distribution is train.py's: config keys, data stream, logging, eval and exact resume. Each
-block's parameters, gradients and optimizer state are sharded over the data-parallel ranks; with tp_size > 1 the
-ranks form a (dp, tp) mesh, each block's matmuls are split by heads and hidden units over tp, and FSDP shards
-over dp. Checkpoints are torch.distributed.checkpoint folders that load at another world size and mesh; a
-train.py checkpoint resumes here, and save_consolidated writes train.py's ckpt.pt for sample.py and train.py.
+The global batch in tokens, the data stream and the logged loss do not depend on the world size, and a run
+resumed from its checkpoint repeats the uninterrupted run exactly (RNG and data position are saved with it).
+Checkpoints are DCP folders, loaded at any world size and mesh; train.py checkpoints resume here (docs/fsdp.md).
 """
 
 import math
 import os
-import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -23,22 +20,21 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed._composable import checkpoint as checkpoint_activations
-from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from checkpoint import (atomic_save, create_model, find_resume, in_background, point_latest, previous, reason,
-                        remove_snapshots, save_in_background, snapshot_dir, wait_for_copies, wait_for_saves)
+from checkpoint import (create_model, find_resume, previous, reason, remove_snapshots, save_in_background, snapshot_dir,
+                        step_folders, wait_for_copies, wait_for_saves)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, read_meta
 from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start, state_bytes,
                          use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from runlog import count_skipped, open_log
-from sharded import clip_grad_norm, full_state, load_sharded_state, local_shards, total_norm
+from sharded import (check_tp_size, clip_grad_norm, load_sharded_state, local_shards, read_start, save_dcp, save_full,
+                     sharded_state, total_norm)
 
 # -----------------------------------------------------------------------------
 # config: defaults train GPT-2 124M on OpenWebText; config/*.py and --key=value override them
@@ -82,7 +78,7 @@ min_lr = 6e-5  # ~ learning_rate / 10, per Chinchilla
 device = 'auto'  # 'auto' (cuda:LOCAL_RANK if there is a GPU, else cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
 backend = 'auto'  # 'auto' (nccl on CUDA, gloo otherwise), 'nccl' or 'gloo'
 dtype = 'auto'  # 'auto' (bfloat16 on GPUs, float32 on CPU), 'bfloat16' or 'float32'; bf16 params, fp32 reduce
-compile = True  # torch.compile each block
+compile = True  # torch.compile the model
 seed = 1337
 deterministic = False  # deterministic algorithms and dropout off, so that reruns give identical curves, on GPUs too
 # fault tolerance
@@ -105,21 +101,19 @@ device, device_type = pick_device(device)
 if dtype == 'auto':
     dtype = 'bfloat16' if device_type == 'cuda' else 'float32'
 if dtype not in ('float32', 'bfloat16'):
-    sys.exit(f"error: dtype={dtype!r}: fsdp_train.py takes auto, float32 or bfloat16 (float16 needs a loss "
-             f"scaler for sharded gradients; use train.py for it)")
+    sys.exit(f"error: dtype={dtype!r}: fsdp_train.py takes auto, float32 or bfloat16 (for float16 use train.py)")
 if device_type not in ('cuda', 'cpu'):
-    sys.exit(f"error: FSDP{' with cpu_offload' if cpu_offload else ''} runs on cuda or cpu, not {device_type}: "
-             f"use --device=cuda or cpu, or train.py")
+    sys.exit(f"error: FSDP runs on cuda or cpu, not {device_type}: use --device=cuda or cpu, or train.py")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
 rank, local_rank, world_size = start(backend, device)
 master_process = rank == 0  # does all the logging and checkpoint writing
 if tp_size < 1 or world_size % tp_size != 0:
     sys.exit(f"error: tp_size={tp_size} does not divide the world size {world_size}: use a divisor of it")
-# the mesh is (dp, tp) with tp innermost, so a tp group is tp_size consecutive ranks: the GPUs of one node
+# the mesh is (dp, tp) with tp innermost, so a tp group is tp_size consecutive ranks (the GPUs of one node); the
+# ranks of a tp group read the same batches and draw the same dropout masks
 dp_rank, dp_size = rank // tp_size, world_size // tp_size
 mesh = init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=('dp', 'tp'))
-checkpoint_group = dist.new_group(backend='gloo')  # DCP's background saves: two threads' collectives would interleave
 accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)  # micro-steps on this rank
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
 torch.manual_seed(seed)  # every rank builds the same initial model
@@ -171,17 +165,14 @@ def draw_train_offsets():
 
 
 # -----------------------------------------------------------------------------
-# where to start: this run's newest complete state, a memory snapshot (two per rank: one may be cut short) or a
-# checkpoint in out_dir: a DCP folder (written at any mesh), else a train.py checkpoint
-ckpt_path = os.path.join(out_dir, 'ckpt.pt')  # train.py's checkpoint, or the consolidated one: a starting point too
-dcp_dir = os.path.join(out_dir, 'dcp')  # the sharded checkpoints, a folder per step
+# where to start: this run's newest complete state, a memory snapshot (two per rank) or a checkpoint in out_dir
+ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+dcp_dir = os.path.join(out_dir, 'dcp')
 snapshot_name = f'rank-{rank}-of-{dp_size}x{tp_size}.pt'  # a rank's own shards, which only this mesh can read back
-steps = sorted(os.listdir(dcp_dir), reverse=True) if os.path.isdir(dcp_dir) else []
-run_id, resume_from = find_resume(
-    out_dir, init_from, auto_resume, eval_only,
-    snapshots=lambda folder: [os.path.join(folder, snapshot_name), previous(os.path.join(folder, snapshot_name))],
-    storage=[[os.path.join(dcp_dir, f) for f in steps if f.startswith('step-')] + [ckpt_path, previous(ckpt_path)]],
-    where=f"{dcp_dir} or {ckpt_path}")
+run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only,
+                                  snapshots=[snapshot_name, previous(snapshot_name)],
+                                  storage=[step_folders(dcp_dir) + [ckpt_path, previous(ckpt_path)]],
+                                  where=f"{dcp_dir} or {ckpt_path}")
 snapshot_path = os.path.join(snapshot_dir(run_id), snapshot_name)
 resume_path = resume_from and resume_from[1]
 
@@ -191,52 +182,40 @@ meta_path = os.path.join('data', dataset, 'meta.pkl')
 meta_vocab_size = read_meta(meta_path)['vocab_size'] if os.path.exists(meta_path) else None
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=meta_vocab_size or 50304, dropout=dropout)
-# the small state beside a DCP folder's shards, or a whole file: this rank's memory snapshot, or a train.py
-# checkpoint, whose weights load now, before the model is sharded. Data, never code
-extra_of = lambda path: os.path.join(path, 'extra.pt') if os.path.isdir(path) else path
-model, checkpoint = create_model(resume_path, lambda path: torch.load(extra_of(path), map_location='cpu',
-                                                                      weights_only=True),
+# a checkpoint is data, never code
+model, checkpoint = create_model(resume_path, read_start,
                                  init_from, model_args, config, given)
 block_size = model_args['block_size']
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []
 iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_loss'])) if checkpoint else (0, 1e9)
-for name, n, what in (('n_head', model.config.n_head, 'heads'), ('4 * n_embd', 4 * model.config.n_embd, 'MLP units')):
-    if n % tp_size != 0:
-        sys.exit(f"error: tp_size={tp_size} does not divide {name}={n}: tensor parallelism splits the {what} "
-                 f"evenly, so use a tp_size that divides {n}")
+check_tp_size(model.config, tp_size)
 print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
 model.to(device)
-torch.manual_seed(seed + dp_rank)  # and then draws its own dropout masks (the same within a tp group)
+torch.manual_seed(seed + dp_rank)  # and then draws its own dropout masks
 raw_model = model  # the module itself, sharded in place below: its config and MFU
-
 # tensor parallel first (torchtitan's order): q, k, v and the MLP's first layer split by output (heads, hidden
 # units), the projections back by input, so each block needs one all-reduce in attention and one in the MLP
-if tp_size > 1:
-    for block in model.transformer.h:
+# then FSDP over dp: each block is a unit (gathered for its forward and backward only), the root holds the rest
+fsdp = dict(mesh=mesh['dp'], reshard_after_forward=reshard_after_forward,
+            mp_policy=MixedPrecisionPolicy(param_dtype=ptdtype, reduce_dtype=torch.float32),
+            offload_policy=CPUOffloadPolicy(pin_memory=(device_type == 'cuda')) if cpu_offload else OffloadPolicy())
+for block in model.transformer.h:
+    if tp_size > 1:
         parallelize_module(block, mesh['tp'], {
             'attn.c_q': ColwiseParallel(), 'attn.c_k': ColwiseParallel(), 'attn.c_v': ColwiseParallel(),
             'attn.c_proj': RowwiseParallel(), 'mlp.c_fc': ColwiseParallel(), 'mlp.c_proj': RowwiseParallel()})
-for block in model.transformer.h:
     if activation_checkpointing:
         checkpoint_activations(block)
     if compile:
         block.compile()  # in place, so parameter names (and checkpoints) stay the same
-# then FSDP over dp: each block is a unit (gathered for its forward and backward only), the root holds the rest
-mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if dtype == 'bfloat16' else None,
-                                 reduce_dtype=torch.float32)
-offload_policy = CPUOffloadPolicy(pin_memory=(device_type == 'cuda')) if cpu_offload else OffloadPolicy()
-for block in model.transformer.h:
-    fully_shard(block, mesh=mesh['dp'], reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                offload_policy=offload_policy)
-fully_shard(model, mesh=mesh['dp'], reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-            offload_policy=offload_policy)
+    fully_shard(block, **fsdp)
+fully_shard(model, **fsdp)
 
 # -----------------------------------------------------------------------------
 # optimizer, over the sharded parameters (in CPU memory with cpu_offload)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2),
                                        'cpu' if cpu_offload else device_type)
-
 
 # -----------------------------------------------------------------------------
 # checkpoint load: the rest of the state, so that the run continues exactly where it stopped
@@ -259,10 +238,8 @@ def save_checkpoint(to='storage', wait=False):
     """Every rank calls this (RNG states are gathered). to='storage': a checkpoint in out_dir; to='memory': a
     snapshot in the node's folder in /dev/shm. A thread copies the state to host memory while the next step's
     forward and backward run (the optimizer step waits for the copy), then writes it to temporary files, renamed
-    when complete: a crash mid-write leaves the previous one in place. Each rank saves its own shards: DCP writes them
-    into out_dir/dcp/step-N/ (its copy is made before it returns) and, once .metadata is in, rank 0 points latest
-    at the folder; a snapshot holds a rank's shards, which only this mesh reads back. With save_consolidated, also
-    train.py's ckpt.pt."""
+    when complete: a crash mid-write leaves the previous one in place. Each rank saves its own shards, into a DCP
+    folder out_dir/dcp/step-N or its own snapshot; with save_consolidated, rank 0 also writes train.py's ckpt.pt."""
     extra = {
         'model_args': model_args,
         'iter_num': iter_num,
@@ -272,31 +249,15 @@ def save_checkpoint(to='storage', wait=False):
         'data_rng': data_gen.get_state(),
         'run_id': run_id,  # so that a run started afresh over this out_dir never takes it for its own
     }
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    checkpoint = sharded_state(model, optimizer)
     if to == 'memory':
         os.makedirs(os.path.dirname(snapshot_path), exist_ok=True)
         # the one before is kept: a rank killed mid-write holds it still, and so do the others
-        save_in_background({'shards': local_shards({'model': model_sd, 'optim': optim_sd}), **extra}, snapshot_path,
-                           keep_previous=True)
+        save_in_background({'shards': local_shards(checkpoint), **extra}, snapshot_path, keep_previous=True)
     else:
-        path = os.path.join(dcp_dir, f'step-{iter_num:08d}')
-        wait_for_saves('dcp')  # one DCP save at a time: they share the checkpoint group
-        if path != resume_path:  # a resumed run's first eval finds it there
-            if master_process:
-                shutil.rmtree(path, ignore_errors=True)  # what a save cut short left there
-                os.makedirs(path)
-                atomic_save(extra, os.path.join(path, 'extra.pt'))
-            dist.barrier()  # nobody writes into the folder before it is clean
-            # returns once the shards are copied to host memory; a thread of DCP's writes them, then .metadata
-            saving = dcp.async_save({'model': model_sd, 'optim': optim_sd}, checkpoint_id=path,
-                                    process_group=checkpoint_group)
-            in_background(saving.result, 'dcp', then=lambda ok: ok and master_process and point_latest(path))
-            print0(f"saving checkpoint to {path}")
-        if save_consolidated:
-            model_sd, optim_sd = full_state(model, optimizer, raw_model)  # gathered in rank 0's CPU memory
-            if master_process:
-                save_in_background({'model': model_sd, 'optimizer': optim_sd, **extra}, ckpt_path)
-                print0(f"saving consolidated checkpoint to {ckpt_path}")
+        save_dcp(checkpoint, extra, os.path.join(dcp_dir, f'step-{iter_num:08d}'), resume_path)
+        if save_consolidated:  # and train.py's whole checkpoint, gathered in rank 0's CPU memory
+            save_full(model, optimizer, raw_model, extra, ckpt_path)
     if wait:
         wait_for_saves()
 
@@ -393,13 +354,13 @@ while True:
         grad_norm = clip_grad_norm(model.parameters(), grad_clip)
     else:
         grad_norm = total_norm([p.grad for p in model.parameters() if p.grad is not None])
-    # A non-finite loss or gradient would spoil the weights for good, so the step is skipped; the ranks decide
-    # alike, as about a SIGTERM
+    # A non-finite loss or gradient would spoil the weights for good, so the step is skipped; the ranks decide alike,
+    # as about SIGTERM
     nonfinite, stop = agree(~torch.isfinite(loss_sum + grad_norm.to(device)))
-    wait_for_copies()  # a snapshot taken before this step may still be copying the shards it is about to change
+    wait_for_copies()  # a snapshot taken before this step may still be copying the weights it is about to change
     if not nonfinite:
         optimizer.step()
-    nonfinite_steps = count_skipped(nonfinite, nonfinite_steps, max_nonfinite_steps, iter_num, log_metrics, dcp_dir)
+    nonfinite_steps = count_skipped(nonfinite, nonfinite_steps, max_nonfinite_steps, iter_num, log_metrics, out_dir)
     if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
         mem = state_bytes(model.parameters(), [optimizer])
         print0("per-rank memory: " + ", ".join(f"{k[:-6]} {v / 2**20:.2f} MiB" for k, v in mem.items()))

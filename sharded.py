@@ -1,17 +1,33 @@
 """
-What fsdp_train.py needs of sharded parameters besides FSDP2 and tensor parallelism themselves: the global norm
-of gradients that live on one or two meshes (and clipping by it), a rank's own pieces of its state (for memory
-snapshots), loading a checkpoint of any kind into the shards, and train.py's whole state out of them (the
-optimizer state numbered by parameter as train.py's, where the sharded one is keyed by name).
+What fsdp_train.py needs of sharded parameters besides FSDP2 and tensor parallelism themselves: the check that
+tensor parallelism can split the model, the global norm of gradients that live on one or two meshes (and clipping
+by it), a rank's own pieces of its state (for memory snapshots), writing a DCP checkpoint folder in the background,
+loading a checkpoint of any kind into the shards, and train.py's whole state out of them (a consolidated
+checkpoint, the optimizer state numbered by parameter as train.py's, where the sharded one is keyed by name).
 """
 
+import os
+import shutil
+import sys
+
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      get_state_dict, set_optimizer_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten_with_path, tree_map_only
 
-from checkpoint import dcp_load, upgrade_optimizer_state
+from checkpoint import (atomic_save, dcp_load, in_background, point_latest, print0, save_in_background,
+                        upgrade_optimizer_state, wait_for_saves)
+
+
+def check_tp_size(config, tp_size):
+    """Exits with the fix unless tensor parallelism can split the model's heads and MLP units evenly."""
+    for name, n, what in (('n_head', config.n_head, 'heads'), ('4 * n_embd', 4 * config.n_embd, 'MLP units')):
+        if n % tp_size != 0:
+            sys.exit(f"error: tp_size={tp_size} does not divide {name}={n}: tensor parallelism splits the {what} "
+                     f"evenly, so use a tp_size that divides {n}")
 
 
 def total_norm(grads):
@@ -43,6 +59,37 @@ def local_shards(state):
     return tree_map_only(DTensor, lambda t: t.to_local(), state)
 
 
+_checkpoint_group = None  # DCP's background saves' own: two threads' collectives on one group would interleave
+
+
+def save_dcp(state, extra, path, resume_path):
+    """Every rank calls this: it starts writing the sharded state into the DCP folder path (out_dir/dcp/step-N)
+    and returns once DCP has copied this rank's shards to host memory; a thread of DCP's writes them, then
+    .metadata, and rank 0 then points latest at the folder (point_latest). extra, the small state, goes beside them
+    in extra.pt. One save at a time, as they share a group. A resumed run's first eval finds its folder there."""
+    global _checkpoint_group
+    wait_for_saves('dcp')
+    if path == resume_path:
+        return
+    if _checkpoint_group is None:
+        _checkpoint_group = dist.new_group(backend='gloo')
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)  # what a save cut short left there
+        os.makedirs(path)
+        atomic_save(extra, os.path.join(path, 'extra.pt'))
+    dist.barrier()  # nobody writes into the folder before it is clean
+    saving = dcp.async_save(state, checkpoint_id=path, process_group=_checkpoint_group)
+    in_background(saving.result, 'dcp', then=lambda ok: ok and dist.get_rank() == 0 and point_latest(path))
+    print0(f"saving checkpoint to {path}")
+
+
+def read_start(path):
+    """A starting point's small state, read as data, never code: the extra.pt beside a DCP folder's shards, or a
+    whole file (this rank's memory snapshot, or a train.py checkpoint, whose weights load before sharding)."""
+    return torch.load(os.path.join(path, 'extra.pt') if os.path.isdir(path) else path, map_location='cpu',
+                      weights_only=True)
+
+
 @torch.no_grad()
 def load_local_shards(state, saved):
     """Copies a memory snapshot's pieces (local_shards of the same mesh) into the state's shards."""
@@ -70,6 +117,21 @@ def load_sharded_state(model, optimizer, checkpoint, path, raw_model):
     else:
         dcp_load(state, path)  # .metadata and the shards read as data
     set_state_dict(model, optimizer, model_state_dict=state['model'], optim_state_dict=state['optim'])
+
+
+def sharded_state(model, optimizer):
+    """The model's and the optimizer's state dicts, with this rank's shards (DTensors) in them: what DCP saves."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {'model': model_sd, 'optim': optim_sd}
+
+
+def save_full(model, optimizer, raw_model, extra, path):
+    """Every rank calls this: it gathers the whole state into rank 0's CPU memory, and rank 0 writes it to path in
+    train.py's format, in the background (a consolidated checkpoint, for train.py, sample.py and export_hf.py)."""
+    model_sd, optim_sd = full_state(model, optimizer, raw_model)
+    if dist.get_rank() == 0:
+        save_in_background({'model': model_sd, 'optimizer': optim_sd, **extra}, path)
+        print0(f"saving consolidated checkpoint to {path}")
 
 
 def full_state(model, optimizer, raw_model):

@@ -149,7 +149,7 @@ def draw_train_offsets():
 # where to start: this run's newest complete state, a memory snapshot (one per node) or a checkpoint in out_dir
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only,
-                                  snapshots=lambda folder: [os.path.join(folder, 'ckpt.pt')],
+                                  snapshots=['ckpt.pt'],
                                   storage=[[ckpt_path, previous(ckpt_path)]], where=ckpt_path)
 snapshot_path = os.path.join(snapshot_dir(run_id), 'ckpt.pt')
 resume_path = resume_from and resume_from[1]
@@ -321,14 +321,14 @@ while True:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     else:
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-    # A non-finite loss or gradient would spoil the weights for good, so the step is skipped (float16's scaler
-    # skips overflowing gradients by itself: there only the loss counts); the ranks decide alike, as about SIGTERM
+    # A non-finite loss or gradient would spoil the weights for good, so the step is skipped; the ranks decide alike,
+    # as about SIGTERM (float16's scaler skips overflowing gradients by itself: there only the loss counts)
     nonfinite, stop = agree(~torch.isfinite(loss_sum if dtype == 'float16' else loss_sum + grad_norm))
     wait_for_copies()  # a snapshot taken before this step may still be copying the weights it is about to change
     if not nonfinite or scaler.is_enabled():
         scaler.step(optimizer)
         scaler.update()
-    nonfinite_steps = count_skipped(nonfinite, nonfinite_steps, max_nonfinite_steps, iter_num, log_metrics, ckpt_path)
+    nonfinite_steps = count_skipped(nonfinite, nonfinite_steps, max_nonfinite_steps, iter_num, log_metrics, out_dir)
     if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
         mem = state_bytes(model.parameters(), [optimizer])
         print0("per-rank memory: " + ", ".join(f"{k[:-6]} {v / 2**20:.2f} MiB" for k, v in mem.items()))
