@@ -6,7 +6,6 @@ test_fault_single.py (one process: SIGTERM, damaged snapshots, a run started afr
 
 import json
 import os
-import random
 import re
 import signal
 import socket
@@ -140,7 +139,7 @@ def assert_same_run(ref_dir, ft_dir, script=None, exact=False):
 
 # 2 ranks with dropout (the RNG of every rank comes back from the snapshot too), a memory snapshot every 4 steps.
 # decent_train.py with the updates in the backward's hooks (no clipping) and AccumAdamW's window across the kills;
-# DeepSpeed starts slowly (it loads its communicator), so two kills there. The uninterrupted run of each entrypoint,
+# two kills (one of each rank, the second in the restarted group). The uninterrupted run of each entrypoint,
 # shared_run(script, *KILLED, *KILL_ARGS[script], nproc=2), is the reference of every test below that runs it.
 KILLED = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=60', '--eval_interval=30',
           '--save_memory_interval=4']
@@ -153,17 +152,18 @@ def test_sigkilled_workers_resume_from_their_memory_snapshots_and_finish_the_sam
                                                                                    script):
     args = [*KILLED, *KILL_ARGS[script]]
     ref = shared_run(script, *args, nproc=2)
-    rng = random.Random(1)
-    kill_after = sorted(rng.sample(range(3, 50), 3))
-    kill_after = [kill_after[0], max(kill_after[1], kill_after[0] + 6), max(kill_after[2], kill_after[1] + 12)]
+    # rank 0 past iter 7 (between snapshots), then rank 1 of the restarted group past iter 13
     out, killed_at = run_with_kills(elastic(script, *tiny(data_dir, tmp_path / 'ft', *args)), tmp_path / 'ft',
-                                    kill_after[:2] if script == 'ds_train.py' else kill_after, cwd=tmp_path)
+                                    [7, 13], cwd=tmp_path)
     # the node's snapshot (train.py, ds_train.py) or each rank's of its own shards or replica (fsdp, decent)
     resumed = [int(m) for m in re.findall(r'resuming from \S+/nanogpt-\w+/\S+ at iter (\d+)', out)]
     assert len(resumed) == len(killed_at), out[-5000:]
+    # the killed worker was at most in step last + 1, and the snapshot before it is at most 4 steps older; DeepSpeed
+    # writes its engine's files for a snapshot over more than one step on a busy machine, so there the newest
+    # complete one can be the one before (a kill at 13 while 12's is written resumes from 8)
+    older = 8 if script == 'ds_train.py' else 4
     for last, start in zip(killed_at, resumed):
-        # the killed worker was at most in step last + 1, and the snapshot before it is at most 4 steps older
-        assert last + 1 - 4 <= start <= last + 1, (killed_at, resumed)
+        assert last + 1 - older <= start <= last + 1, (killed_at, resumed)
     # the same ranks take back exactly what they held: bit for bit (DeepSpeed: within 1e-5, all the issue asks)
     assert_same_run(ref, tmp_path / 'ft', script, exact=script != 'ds_train.py')
     run_id = (tmp_path / 'ft' / 'run_id').read_text()
