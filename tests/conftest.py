@@ -12,30 +12,30 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / 'shared' / 'data'
 SHAKESPEARE = SHARED_DATA / 'tinyshakespeare' / 'input.txt'
 
-# The test files, slowest first, by their time in `pytest -n 2 --dist loadfile --durations=0 tests` on the 2-core
+# The test files, slowest first, by their time in `pytest -n 3 --dist loadfile --durations=0 tests` on the 2-core
 # machine (seconds, summed over their tests): each xdist worker takes the next file when it is done with one, so with
-# the slow ones first the two end within a few seconds of each other. xdist would otherwise order the files by
-# their number of tests, which put the four slowest last and left one worker idle for up to two minutes at the end.
-# A file not listed goes after these.
-SLOWEST_FIRST = ['test_fault.py',  # 273
-                 'test_ds.py',  # 215
-                 'test_fault_resize.py',  # 206
-                 'test_fault_single.py',  # 190
-                 'test_interop.py',  # 167
-                 'test_fsdp.py',  # 166
-                 'test_fault_write.py',  # 150
-                 'test_slurm.py',  # 145
-                 'test_decent.py',  # 102
-                 'test_hellaswag.py',  # 97
-                 'test_errors.py',  # 96
-                 'test_train.py',  # 90
-                 'test_compat.py',  # 73
-                 'test_bad_config.py',  # 72
-                 'test_untrusted.py',  # 57
-                 'test_tools_bad_input.py',  # 50
-                 'test_sample.py',  # 44
-                 'test_fineweb.py',  # 37
-                 'test_prepare.py']  # 21
+# the slow ones first the workers end within seconds of each other. xdist would otherwise order the files by their
+# number of tests, which put the slowest last and left a worker idle for up to two minutes at the end. A file not
+# listed goes after these.
+SLOWEST_FIRST = ['test_fault_resize.py',  # 230
+                 'test_fault.py',  # 225
+                 'test_ds.py',  # 220
+                 'test_fault_single.py',  # 198
+                 'test_fault_write.py',  # 187
+                 'test_interop.py',  # 166
+                 'test_fsdp.py',  # 141
+                 'test_errors.py',  # 140
+                 'test_slurm.py',  # 122
+                 'test_decent.py',  # 110
+                 'test_hellaswag.py',  # 92
+                 'test_bad_config.py',  # 74
+                 'test_untrusted.py',  # 70
+                 'test_train.py',  # 69
+                 'test_tools_bad_input.py',  # 66
+                 'test_compat.py',  # 65
+                 'test_sample.py',  # 47
+                 'test_fineweb.py',  # 43
+                 'test_prepare.py']  # 25
 
 
 def pytest_configure(config):

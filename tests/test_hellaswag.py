@@ -188,7 +188,7 @@ for block in model.transformer.h:
 fully_shard(model, mesh=mesh)
 examples = hellaswag.load_examples({data!r})
 out = [hellaswag.evaluate(model, examples[:n], 'cpu', nullcontext(), {block}, dist.get_rank(), 2) for n in (12, 7, 1)]
-sys.stdout.write(json.dumps(out) + '\n')  # one write: print's two would let the other rank's line in between
+sys.stdout.write(json.dumps(out) + '\\n')  # one write: print's two would let the other rank's line in between
 dist.barrier()
 dist.destroy_process_group()
 """
