@@ -194,13 +194,13 @@ print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
 model.to(device)
 torch.manual_seed(seed + dp_rank)  # and then draws its own dropout masks
 raw_model = model  # the module itself, sharded in place below: its config and MFU
-# tensor parallel first (torchtitan's order): q, k, v and the MLP's first layer split by output (heads, hidden
-# units), the projections back by input, so each block needs one all-reduce in attention and one in the MLP
-# then FSDP over dp: each block is a unit (gathered for its forward and backward only), the root holds the rest
+# FSDP over dp: each block is a unit (gathered for its forward and backward only), the root holds the rest
 fsdp = dict(mesh=mesh['dp'], reshard_after_forward=reshard_after_forward,
             mp_policy=MixedPrecisionPolicy(param_dtype=ptdtype, reduce_dtype=torch.float32),
             offload_policy=CPUOffloadPolicy(pin_memory=(device_type == 'cuda')) if cpu_offload else OffloadPolicy())
 for block in model.transformer.h:
+    # tensor parallel first (torchtitan's order): q, k, v and the MLP's first layer split by output (heads,
+    # hidden units), the projections back by input: one all-reduce in attention and one in the MLP per block
     if tp_size > 1:
         parallelize_module(block, mesh['tp'], {
             'attn.c_q': ColwiseParallel(), 'attn.c_k': ColwiseParallel(), 'attn.c_v': ColwiseParallel(),
@@ -209,7 +209,7 @@ for block in model.transformer.h:
         checkpoint_activations(block)
     if compile:
         block.compile()  # in place, so parameter names (and checkpoints) stay the same
-    fully_shard(block, **fsdp)
+    fully_shard(block, **fsdp)  # then FSDP
 fully_shard(model, **fsdp)
 
 # -----------------------------------------------------------------------------
