@@ -399,12 +399,12 @@ def point_latest(folder, iter_of=None):
 def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, where, iter_of=None):
     """(run_id, (iter_num, path) to resume from or None), the same on every rank (a collective). out_dir/run_id
     names the run; snapshots names this rank's snapshot files in the run's node-local folder (or is a function of
-    the folder that lists their paths); storage is
-    lists of paths in out_dir, which rank 0 reads (it must be storage every node shares): the first list that
-    holds a loadable checkpoint gives the newest of them. A memory snapshot counts only at an iteration that
-    every rank holds (a replaced node holds none; a rank killed while writing holds the one before) and the
-    checkpoints do not pass. Damaged ones are skipped with a warning, or are an error where nothing else loads;
-    init_from=resume with nothing to resume is an error naming where (what storage was looked for)."""
+    the folder that lists their paths); storage is lists of paths in out_dir, which rank 0 reads (it must be
+    storage every node shares): the first list that holds a loadable checkpoint gives the newest of them. A
+    memory snapshot counts only at an iteration that every rank holds (a replaced node holds none; a rank killed
+    while writing holds the one before) and the checkpoints do not pass. Damaged ones are skipped with a warning,
+    or are an error where nothing else loads; init_from=resume with nothing to resume is an error naming where
+    (what storage was looked for)."""
     rank = dist.get_rank()
     run_id, held, disk, damaged = None, {}, (None, None), []
     wanted = init_from == 'resume' or (auto_resume and not eval_only)  # an eval of another model is no resume

@@ -20,7 +20,7 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
                              safe_set_full_optimizer_state)
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from checkpoint import checkpoint_iter
+from checkpoint import checkpoint_iter, step_folders
 
 # the classes that DeepSpeed 0.19.8 pickles into its checkpoints besides tensors and containers
 DS_SAFE_GLOBALS = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
@@ -138,7 +138,7 @@ def engine_folders(folder):
         return []
     with open(latest) as f:
         newest = f.read().strip()
-    return [os.path.join(folder, f) for f in sorted(os.listdir(folder), reverse=True) if 'step-' <= f <= newest]
+    return [path for path in step_folders(folder) if os.path.basename(path) <= newest]
 
 
 def guard_step(optimizer):

@@ -128,17 +128,12 @@ def sharded_state(model, optimizer):
 def save_full(model, optimizer, raw_model, extra, path):
     """Every rank calls this: it gathers the whole state into rank 0's CPU memory, and rank 0 writes it to path in
     train.py's format, in the background (a consolidated checkpoint, for train.py, sample.py and export_hf.py)."""
-    model_sd, optim_sd = full_state(model, optimizer, raw_model)
-    if dist.get_rank() == 0:
-        save_in_background({'model': model_sd, 'optimizer': optim_sd, **extra}, path)
-        print0(f"saving consolidated checkpoint to {path}")
-
-
-def full_state(model, optimizer, raw_model):
-    """train.py's model and optimizer state dicts, whole, gathered into rank 0's CPU memory (a collective)."""
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    osd = get_optimizer_state_dict(model, optimizer, options=full)
-    return get_model_state_dict(model, options=full), optim_state_dict_by_index(osd, raw_model) if osd else osd
+    model_sd = get_model_state_dict(model, options=full)
+    osd = get_optimizer_state_dict(model, optimizer, options=full)  # keyed by name; empty but on rank 0
+    if dist.get_rank() == 0:
+        save_in_background({'model': model_sd, 'optimizer': optim_state_dict_by_index(osd, raw_model), **extra}, path)
+        print0(f"saving consolidated checkpoint to {path}")
 
 
 def optim_state_dict_by_name(osd, model):
