@@ -1,4 +1,5 @@
-"""Shared fixtures: the repo's scripts run as real processes (torchrun for several ranks) in temporary folders."""
+"""Shared fixtures: the repo's scripts run as real processes (forked as torchrun would start them, launcher.py) in
+temporary folders."""
 
 import json
 import os
@@ -7,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from launcher import launch
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / 'shared' / 'data'
@@ -17,25 +20,20 @@ SHAKESPEARE = SHARED_DATA / 'tinyshakespeare' / 'input.txt'
 # the slow ones first the workers end within seconds of each other. xdist would otherwise order the files by their
 # number of tests, which put the slowest last and left a worker idle for up to two minutes at the end. A file not
 # listed goes after these.
-SLOWEST_FIRST = ['test_fault_resize.py',  # 230
-                 'test_fault.py',  # 225
-                 'test_ds.py',  # 220
-                 'test_fault_single.py',  # 198
-                 'test_fault_write.py',  # 187
-                 'test_interop.py',  # 166
-                 'test_fsdp.py',  # 141
-                 'test_errors.py',  # 140
-                 'test_slurm.py',  # 122
-                 'test_decent.py',  # 110
-                 'test_hellaswag.py',  # 92
-                 'test_bad_config.py',  # 74
-                 'test_untrusted.py',  # 70
-                 'test_train.py',  # 69
-                 'test_tools_bad_input.py',  # 66
-                 'test_compat.py',  # 65
-                 'test_sample.py',  # 47
-                 'test_fineweb.py',  # 43
-                 'test_prepare.py']  # 25
+SLOWEST_FIRST = ['test_fault.py',  # 170
+                 'test_fault_write.py',  # 144
+                 'test_ds.py',  # 123
+                 'test_fault_single.py',  # 117
+                 'test_slurm.py',  # 109
+                 'test_interop.py',  # 76
+                 'test_hellaswag.py',  # 64
+                 'test_fault_resize.py',  # 55
+                 'test_compat.py',  # 42
+                 'test_fsdp.py',  # 39
+                 'test_fineweb.py',  # 29
+                 'test_decent.py',  # 25
+                 'test_prepare.py',  # 21
+                 'test_tools_bad_input.py']  # 13; the rest under 10 each
 
 
 def pytest_configure(config):
@@ -69,22 +67,24 @@ def env(nthreads=1):
 
 
 def run(script, *args, nproc=1, cwd, check=True, nthreads=1):
-    """Runs one of the repo's scripts; with nproc > 1 under torchrun on a free port."""
-    if nproc == 1:
-        cmd = [sys.executable, str(REPO / script), *map(str, args)]
+    """Runs one of the repo's scripts, on nproc ranks, in processes forked from a server that has imported torch
+    (launcher.py: as torchrun would start them, in milliseconds instead of seconds). nthreads=None, the environment's
+    threads, runs a fresh interpreter (under torchrun for several ranks): the server's OpenMP has one thread."""
+    if nthreads == 1:
+        p = launch(str(REPO / script), list(map(str, args)), env(), cwd, nproc=nproc)
     else:
-        cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
-               str(REPO / script), *map(str, args)]
-    e = env(nthreads)
-    p = subprocess.run(cmd, cwd=cwd, env=e, capture_output=True, text=True, timeout=600)
+        launcher = [] if nproc == 1 else ['-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}']
+        p = subprocess.run([sys.executable, *launcher, str(REPO / script), *map(str, args)], cwd=cwd, env=env(nthreads),
+                           capture_output=True, text=True, timeout=600)
     if check and p.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
+        raise AssertionError(f"{script} {' '.join(map(str, args))} on {nproc} exited {p.returncode}\n"
+                             f"{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
     return p
 
 
 def one_line_error(p, nproc=1):
     """The `error: ...` line of a run that had to fail: a non-zero exit and, on one process, nothing else on
-    stderr (no traceback). Under torchrun the launcher adds its own report around it."""
+    stderr (no traceback). With several ranks, each rank that failed may add its own."""
     assert p.returncode != 0, p.stdout[-2000:]
     errors = [line for line in p.stderr.splitlines() if line.startswith('error: ')]
     assert errors, p.stderr[-2000:]

@@ -1,6 +1,6 @@
-"""ds_train.py in real process groups on gloo, in fp32: ZeRO 0-3 against train.py on one process, under torchrun
-and the deepspeed launcher; ZeRO-Offload; exact resume; the consolidated export read by sample.py and train.py;
-per-rank memory; bad input."""
+"""ds_train.py in real process groups on gloo, in fp32: ZeRO 0-3 against train.py on one process, on ranks started
+as torchrun starts them and under the deepspeed launcher; ZeRO-Offload; exact resume; the consolidated export read
+by sample.py and train.py; per-rank memory; bad input."""
 
 import json
 import shutil

@@ -1,0 +1,122 @@
+"""Runs the repo's scripts as processes forked from a server that has imported torch once (multiprocessing's
+forkserver). A fresh interpreter spends about 2 s of CPU on `import torch` and on torch._dynamo, which torch's
+optimizer imports at its first param group; the suite starts hundreds of such processes on 2 cores, and a forked one
+starts in milliseconds. Each process is still its own: its own interpreter state from the server's snapshot (which
+has run no torch op, so no thread pool, and holds none of the repo's modules), its own gloo group, its own exit.
+
+Several ranks get what torchrun gives its workers: the RANK/WORLD_SIZE/... environment and an agents' store that
+this process serves, so distributed.start() takes the same path as under torchrun (a store per incarnation of the
+group). As under torchrun, a rank that fails brings the others down (SIGTERM, then SIGKILL) and the run exits 1.
+What is about torchrun itself (its restarts, kills of a worker, signals passed on, SLURM) runs torchrun."""
+
+import atexit
+import json
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.forkserver
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+# what every entrypoint imports and would take a fresh interpreter seconds; none of them starts a thread on import
+PRELOAD = ['torch', 'torch._dynamo', 'torch.distributed.checkpoint', 'torch.distributed.fsdp', 'numpy']
+_context = None
+_clean_path = None
+
+
+def _start_server(env):
+    """The forkserver, started once per test process with the settings its children need from their start:
+    one OpenMP thread (read when torch loads libgomp) and unbuffered stdout (read when the interpreter starts)."""
+    global _context, _clean_path
+    if _context is None:
+        # sys.path as a fresh `python script.py` has it, past its first entry (the script's folder)
+        _clean_path = json.loads(subprocess.check_output([sys.executable, '-c', 'import sys, json; '
+                                                          'print(json.dumps(sys.path[1:]))'], env=env, text=True))
+        saved = dict(os.environ)
+        os.environ.update(OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
+        try:
+            _context = multiprocessing.get_context('forkserver')
+            _context.set_forkserver_preload(PRELOAD)
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+    return _context
+
+
+def _child(script, args, env, cwd, out, err, path):
+    """In the forked process: what `python script args` would do, with its stdout and stderr into the files out and
+    err (appended to, so that several ranks share them as torchrun's workers share its streams)."""
+    for fd, name in ((1, out), (2, err)):
+        os.dup2(os.open(name, os.O_WRONLY | os.O_APPEND), fd)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [script, *args]
+    sys.path[:] = [os.path.dirname(script), *path]
+    code = 0
+    try:
+        runpy.run_path(script, run_name='__main__')
+    except SystemExit as e:  # as the interpreter reads sys.exit's argument
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    # the interpreter's end: wait for the threads that are not daemons, then the atexit functions
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def launch(script, args, env, cwd, nproc=1, timeout=600):
+    """Runs script with args on nproc ranks; a CompletedProcess with both streams (every rank's) and the exit code
+    (the process's own for one rank; 0 or 1 for several, as torchrun's)."""
+    import torch.distributed as dist  # the agents' store; the test process has imported torch already
+    context = _start_server(env)
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, 'out'), os.path.join(tmp, 'err')
+        open(out, 'w').close()
+        open(err, 'w').close()
+        store, envs = None, [env]
+        if nproc > 1:
+            store = dist.TCPStore('127.0.0.1', 0, nproc, is_master=True, wait_for_workers=False)
+            common = dict(env, MASTER_ADDR='127.0.0.1', MASTER_PORT=str(store.port), WORLD_SIZE=str(nproc),
+                          LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc), GROUP_RANK='0', GROUP_WORLD_SIZE='1',
+                          ROLE_NAME='default', TORCHELASTIC_USE_AGENT_STORE='True', TORCHELASTIC_RESTART_COUNT='0',
+                          TORCHELASTIC_MAX_RESTARTS='0', TORCHELASTIC_RUN_ID='none')
+            envs = [dict(common, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r)) for r in range(nproc)]
+        procs = [context.Process(target=_child, args=(script, args, e, str(cwd), out, err, _clean_path)) for e in envs]
+        for p in procs:
+            p.start()
+        deadline, kill_at = time.time() + timeout, None
+        while any(p.exitcode is None for p in procs):
+            multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=1)
+            now = time.time()
+            if now > deadline:
+                for p in procs:
+                    p.kill()
+                raise subprocess.TimeoutExpired([script, *args], timeout)
+            if kill_at is None and any(p.exitcode not in (None, 0) for p in procs):  # as torchrun: stop the others
+                kill_at = now + 30
+                for p in procs:
+                    if p.exitcode is None:
+                        p.terminate()
+            if kill_at is not None and now > kill_at:
+                for p in procs:
+                    p.kill()
+        with open(out) as f, open(err) as g:
+            stdout, stderr = f.read(), g.read()
+        del store
+    code = procs[0].exitcode if nproc == 1 else int(any(p.exitcode != 0 for p in procs))
+    return subprocess.CompletedProcess([script, *args], code, stdout, stderr)
