@@ -273,8 +273,9 @@ def test_a_signalled_job_is_requeued_and_resumes_from_its_checkpoint(cluster, tm
     subprocess.run(['scancel', f'--signal={sig}', '--batch', job], env=cluster.env, check=True)
     cluster.wait_for(lambda: cluster.job(job)['Restarts'] == '1' and cluster.job(job)['JobState'] == 'PENDING', 60,
                      'the job to be requeued')
-    # SLURM holds a requeued job for two minutes; release it now
-    subprocess.run(['scontrol', 'update', f'JobId={job}', 'StartTime=now'], env=cluster.env, check=True)
+    # SLURM holds a requeued job for two minutes; release it in 3 s. Not at once: slurmd refuses a credential made in
+    # the second its old run was killed in ('Job credential revoked'), and slurmctld then fails the job
+    subprocess.run(['scontrol', 'update', f'JobId={job}', 'StartTime=now+3'], env=cluster.env, check=True)
     info = cluster.wait_job(job)
     assert info['JobState'] == 'COMPLETED' and info['Restarts'] == '1', job_logs(info)
     batch_log = open(info['StdOut']).read()
