@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from checkpoint import checkpoint_or_exit, find_checkpoint, pretrained_or_exit
 from configurator import configure
-from distributed import pick_device, torchrun_env
+from distributed import finish, pick_device, torchrun_env
 from hellaswag import DEFAULT_PATH, encoding, evaluate, load_or_exit
 
 # -----------------------------------------------------------------------------
@@ -76,5 +76,4 @@ scores = evaluate(model, examples, device, ctx, model.config.block_size, rank, w
 if rank == 0:
     print(f"hellaswag: {scores['n']} examples, acc {scores['acc']:.4f}, acc_norm {scores['acc_norm']:.4f}")
 if world_size > 1:
-    dist.barrier()  # gloo's teardown has aborted when one rank left while another was still in a collective
-    dist.destroy_process_group()
+    finish()  # the ranks leave together, and skip the interpreter's C++ teardown, where gloo has aborted a run
