@@ -62,7 +62,7 @@ def run_with_kills(cmd, out_dir, kill_after, cwd, timeout=300):
     kill_after. Returns (stdout, [the last iteration logged before each kill])."""
     log = open(Path(cwd) / 'torchrun.log', 'w')
     p = subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=log, stderr=subprocess.STDOUT, text=True)
-    killed_at, deadline = [], time.time() + timeout
+    killed_at, deadline, seen = [], time.time() + timeout, 0
     try:
         for n, target in enumerate(kill_after):
             while True:
@@ -70,13 +70,17 @@ def run_with_kills(cmd, out_dir, kill_after, cwd, timeout=300):
                 assert time.time() < deadline, open(log.name).read()[-3000:]
                 done = logged_iters(out_dir)
                 pids = workers(p.pid)
-                if done and done[-1] >= target and len(pids) == 2:
+                # the current group past where the killed one got to (a resume drops the log's later rows): the
+                # killed one's last iteration can be past the next target already (a starved poller kills late),
+                # and killing a group before it has resumed proves nothing
+                if len(done) > seen and done[-1] >= target and len(pids) == 2:
                     os.kill(pids[n % 2], signal.SIGKILL)
                     killed_at.append(done[-1])
                     break
                 time.sleep(0.005)
             while p.poll() is None and set(workers(p.pid)) & set(pids):  # until torchrun has seen the death
                 time.sleep(0.01)
+            seen = len(logged_iters(out_dir))  # every worker of the killed group is gone: its log is complete
         p.wait(timeout=max(1, deadline - time.time()))
     finally:
         p.kill()
