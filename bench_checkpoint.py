@@ -144,17 +144,14 @@ def steps_logged(path):
 
 def workers(pid):
     """The pids of torchrun's children that run train.py."""
-    with open(f'/proc/{pid}/task/{pid}/children') as f:
-        children = sorted(int(c) for c in f.read().split())
-    train = []
-    for c in children:
+    def read(path):  # a process that ends meanwhile makes /proc answer ENOENT or, while it is reaped, ESRCH
         try:
-            with open(f'/proc/{c}/cmdline', 'rb') as f:
-                if b'train.py' in f.read():
-                    train.append(c)
-        except FileNotFoundError:  # gone meanwhile
-            pass
-    return train
+            with open(path, 'rb') as f:
+                return f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            return b''
+    children = sorted(int(c) for c in read(f'/proc/{pid}/task/{pid}/children').split())
+    return [c for c in children if b'train.py' in read(f'/proc/{c}/cmdline')]
 
 
 def bench_recovery():

@@ -36,17 +36,14 @@ def elastic(script, *args, nproc=2, max_restarts=3):
 
 def workers(pid):
     """The training processes that the launcher (pid) started (dlrover-run's children include its job master)."""
-    with open(f'/proc/{pid}/task/{pid}/children') as f:
-        children = [int(c) for c in f.read().split()]
-    found = []
-    for c in children:
+    def read(path):  # a process that ends meanwhile makes /proc answer ENOENT or, while it is reaped, ESRCH
         try:
-            with open(f'/proc/{c}/cmdline', 'rb') as f:
-                if b'train.py' in f.read():
-                    found.append(c)
-        except FileNotFoundError:  # gone meanwhile
-            pass
-    return found
+            with open(path, 'rb') as f:
+                return f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            return b''
+    children = [int(c) for c in read(f'/proc/{pid}/task/{pid}/children').split()]
+    return [c for c in children if b'train.py' in read(f'/proc/{c}/cmdline')]
 
 
 def logged_iters(out_dir):
