@@ -87,6 +87,15 @@ def run_with_kills(cmd, out_dir, kill_after, cwd, timeout=300):
     return out, killed_at
 
 
+def assert_resumed_near(killed_at, resumed, interval=4):
+    """Each kill resumed from a snapshot no later than the killed step and at most two intervals older: the killed
+    worker was at most in step last + 1 and the newest snapshot is at most one interval older, but its file is
+    written in the background while training goes on, so on a busy machine a kill can come before it is complete,
+    and the run resumes from the one before (a kill at 13 while 12's is written resumes from 8)."""
+    for last, start in zip(killed_at, resumed):
+        assert last + 1 - 2 * interval <= start <= last + 1, (killed_at, resumed)
+
+
 def weights(path):
     return torch.load(path, map_location='cpu', weights_only=True)['model']
 
@@ -159,12 +168,7 @@ def test_sigkilled_workers_resume_from_their_memory_snapshots_and_finish_the_sam
     # the node's snapshot (train.py, ds_train.py) or each rank's of its own shards or replica (fsdp, decent)
     resumed = [int(m) for m in re.findall(r'resuming from \S+/nanogpt-\w+/\S+ at iter (\d+)', out)]
     assert len(resumed) == len(killed_at), out[-5000:]
-    # the killed worker was at most in step last + 1, and the snapshot before it is at most 4 steps older; DeepSpeed
-    # writes its engine's files for a snapshot over more than one step on a busy machine, so there the newest
-    # complete one can be the one before (a kill at 13 while 12's is written resumes from 8)
-    older = 8 if script == 'ds_train.py' else 4
-    for last, start in zip(killed_at, resumed):
-        assert last + 1 - older <= start <= last + 1, (killed_at, resumed)
+    assert_resumed_near(killed_at, resumed)
     # the same ranks take back exactly what they held: bit for bit (DeepSpeed: within 1e-5, all the issue asks)
     assert_same_run(ref, tmp_path / 'ft', script, exact=script != 'ds_train.py')
     run_id = (tmp_path / 'ft' / 'run_id').read_text()
@@ -243,8 +247,7 @@ def test_dlrover_run_restarts_sigkilled_workers_and_train_py_finishes_bit_exact(
     out, killed_at = run_with_kills(cmd, tmp_path / 'ft', [6, 18], cwd=tmp_path)
     resumed = [int(m) for m in re.findall(r'resuming from \S+/nanogpt-\w+/ckpt\.pt at iter (\d+)', out)]
     assert len(resumed) == len(killed_at), out[-5000:]
-    for last, start in zip(killed_at, resumed):
-        assert last + 1 - 4 <= start <= last + 1, (killed_at, resumed)
+    assert_resumed_near(killed_at, resumed)
     (ref, ref_evals), (ft, ft_evals) = read_metrics(ref_dir), read_metrics(tmp_path / 'ft')
     assert ft == ref and [e['val_loss'] for e in ft_evals] == [e['val_loss'] for e in ref_evals]
     assert same_weights(weights(tmp_path / 'ft' / 'ckpt.pt'), weights(ref_dir / 'ckpt.pt'))
