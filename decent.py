@@ -1,7 +1,7 @@
 """
 What decent_train.py needs besides its loop: the topologies as cycles of mixing rounds, the flat buckets that a
-replica updates and mixes in, AccumAdamW, and the average of a checkpoint's replicas (to resume at another world
-size).
+replica updates and mixes in, DiLoCo's outer step on a bucket, AccumAdamW, and the average of a checkpoint's
+replicas (to resume at another world size).
 """
 
 import math
@@ -75,7 +75,9 @@ class Bucket:
     optimizer: torch.optim.Optimizer = None
     ready: int = 0  # parameters whose gradient this backward has completed
     stepped_at: int = -1  # the iteration of its last update
-    work: dist.Work = None  # its mixing all-reduce, while in flight
+    work: dist.Work = None  # its mixing all-reduce (or DiLoCo's of the pseudo-gradient), while in flight
+    outer: torch.Tensor = None  # DiLoCo: the bucket of θ_global, as the last outer step left it
+    outer_optimizer: torch.optim.Optimizer = None  # DiLoCo: moves outer by the replicas' mean pseudo-gradient
 
 
 def make_bucket(params):
@@ -89,10 +91,31 @@ def make_bucket(params):
 
 
 def wait_for(bucket):
-    """Until the bucket's mixing all-reduce, if one is in flight, is done."""
+    """Until the bucket's mixing all-reduce, if one is in flight, is done. Under DiLoCo that all-reduce is the
+    pseudo-gradient's, and the outer step follows: θ_global moves, and the replica starts again from it."""
     if bucket.work is not None:
         bucket.work.wait()
         bucket.work = None
+        if bucket.outer is not None:
+            bucket.outer_optimizer.step()
+            bucket.outer.grad = None
+            bucket.flat.copy_(bucket.outer)
+
+
+def start_outer_step(bucket):
+    """DiLoCo, at the end of a window: the sum over ranks of (θ_global - θ_local) / world size, the mean
+    pseudo-gradient, in the background, as the gradient of θ_global; wait_for(bucket) then takes the outer step."""
+    bucket.outer.grad = (bucket.outer - bucket.flat).div_(dist.get_world_size())
+    bucket.work = dist.all_reduce(bucket.outer.grad, async_op=True)
+
+
+@torch.no_grad()
+def global_model(buckets):
+    """Puts DiLoCo's θ_global in place of this rank's replica (every rank holds the same one: no communication);
+    returns the replica, to put back with restore_replica."""
+    own = [bucket.flat.clone() for bucket in buckets]
+    restore_replica(buckets, [bucket.outer for bucket in buckets])
+    return own
 
 
 class AccumAdamW(torch.optim.Optimizer):

@@ -14,6 +14,10 @@ mixing as soon as its gradients are complete, and the next forward waits for eac
 Evals run on the average of all replicas and log how far the replicas are from it. Checkpoints hold every rank's
 replica and optimizer state (out_dir/decent/step-N/), and out_dir/ckpt.pt the averaged model in train.py's format;
 a train.py checkpoint starts every replica here, and so does their average where the world size has changed.
+
+DiLoCo (--diloco_steps=H): no mixing between outer steps; each replica takes H steps of its own optimizer, then the
+replicas average their pseudo-gradients (one all-reduce, bucket by bucket) and an outer Nesterov step moves the
+global model, which every replica starts the next window from; evals and ckpt.pt see the global model.
 """
 
 import math
@@ -30,8 +34,8 @@ from checkpoint import (commit, create_model, find_resume, previous, reason, rem
                         snapshot_dir, step_folders, upgrade_optimizer_state, wait_for_copies, wait_for_saves)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, read_meta
-from decent import (average_moments, average_replicas, make_bucket, make_mixing_groups, make_optimizer, mixing_rounds,
-                    read_replica, restore_replica, wait_for)
+from decent import (average_moments, average_replicas, global_model, make_bucket, make_mixing_groups, make_optimizer,
+                    mixing_rounds, read_replica, restore_replica, start_outer_step, wait_for)
 from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start, state_bytes,
                          torchrun_env, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
@@ -93,6 +97,12 @@ replica_optimizer = 'adamw'  # 'adamw', 'accumadamw' (Adam's moments take in the
 # accumadamw: steps whose mean gradient makes one update of the moments (the method's accum_iter); grow it with the
 # ranks. Not gradient_accumulation_steps, which splits each step's batch into micro-steps as in every entrypoint
 moment_accum_steps = 4
+# DiLoCo (Douillard et al., 2023): every replica takes diloco_steps steps of its replica_optimizer alone (a window),
+# then the replicas average their pseudo-gradients θ_global - θ_local and an outer optimizer moves θ_global
+diloco_steps = 0  # H, the window; 0: off, the topology mixes the replicas every step
+outer_optimizer = 'nesterov'  # 'nesterov' (the paper's) or 'sgd' (heavy-ball momentum; none at outer_momentum=0)
+outer_learning_rate = 0.7
+outer_momentum = 0.9
 # -----------------------------------------------------------------------------
 config, given = configure(globals())
 check_config(config)  # every key in its range and out_dir writable, before anything is written
@@ -109,6 +119,15 @@ if replica_optimizer not in ('adamw', 'accumadamw', 'sgd'):
 if moment_accum_steps < 1:
     sys.exit(f"error: moment_accum_steps={moment_accum_steps}: AccumAdamW needs at least 1 step per update of its "
              f"moments")
+if diloco_steps < 0:
+    sys.exit(f"error: diloco_steps={diloco_steps}: give the inner steps per outer step, or 0 to mix every step")
+if outer_optimizer not in ('nesterov', 'sgd'):
+    sys.exit(f"error: unknown outer_optimizer={outer_optimizer!r}: use nesterov or sgd")
+if not 0 <= outer_momentum < 1 or (outer_optimizer == 'nesterov' and outer_momentum == 0):
+    sys.exit(f"error: outer_momentum={outer_momentum} with outer_optimizer={outer_optimizer}: give a momentum in "
+             f"[0, 1), above 0 for nesterov (or use outer_optimizer=sgd)")
+if not outer_learning_rate > 0:
+    sys.exit(f"error: outer_learning_rate={outer_learning_rate} must be above 0 (the paper's is 0.7)")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
 rank, local_rank, world_size = start(backend, device)
@@ -116,7 +135,7 @@ master_process = rank == 0  # does all the logging and checkpoint writing
 dp_rank, dp_size = rank, world_size  # every rank is a data-parallel rank with a replica of its own
 local_world_size = torchrun_env()[3]  # ranks per node
 try:
-    rounds = mixing_rounds(topology, world_size, local_world_size)
+    rounds = [] if diloco_steps else mixing_rounds(topology, world_size, local_world_size)  # DiLoCo mixes nothing
 except ValueError as e:
     sys.exit(f"error: {e}")
 # the background writers of storage checkpoints agree over a group of their own: collectives of two threads on
@@ -144,7 +163,10 @@ if deterministic:
         print0(f"deterministic: dropout {dropout} turned off")
     dropout = config['dropout'] = 0.0
 print0(f"world size {world_size}, {accum_steps} micro-steps per rank, {tokens_per_iter:,} tokens per iteration")
-print0(f"topology {topology}, a cycle of {len(rounds)} mixing rounds; optimizer {replica_optimizer}")
+if diloco_steps:
+    print0(f"DiLoCo: an outer {outer_optimizer} step every {diloco_steps} steps; inner optimizer {replica_optimizer}")
+else:
+    print0(f"topology {topology}, a cycle of {len(rounds)} mixing rounds; optimizer {replica_optimizer}")
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin
@@ -217,6 +239,10 @@ def update_and_mix(bucket):
     """This rank's optimizer step on the bucket, then its average with this round's group, in the background."""
     bucket.optimizer.step()
     bucket.stepped_at = iter_num
+    if diloco_steps:
+        if (iter_num + 1) % diloco_steps == 0:  # the window's last step: the outer step follows
+            start_outer_step(bucket)
+        return
     group = mixing_groups[iter_num % len(mixing_groups)]
     if group is not None:
         process_group, size = group
@@ -258,6 +284,11 @@ for bucket in buckets:
     bucket.optimizer = make_optimizer(replica_optimizer, groups, learning_rate, (beta1, beta2), weight_decay,
                                       moment_accum_steps, device_type)
 optimizers = [bucket.optimizer for bucket in buckets]
+if diloco_steps:
+    for bucket in buckets:  # θ_global, as a bucket of its own beside each bucket of the replica, with its optimizer
+        bucket.outer = bucket.flat.clone()
+        bucket.outer_optimizer = torch.optim.SGD([bucket.outer], lr=outer_learning_rate, momentum=outer_momentum,
+                                                 nesterov=outer_optimizer == 'nesterov')
 
 # -----------------------------------------------------------------------------
 # checkpoint load: the rest of the state, so that the run continues exactly where it stopped
@@ -284,6 +315,25 @@ if checkpoint is not None:
     except Exception as e:
         sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): delete it or restore a "
                  f"good copy")
+    if diloco_steps:
+        # θ_global and its optimizer's momentum, from a DiLoCo checkpoint: rank 0's (every rank's are the same), and in
+        # ckpt.pt the model itself; from any other, the average of the replicas loaded. The position in the window is
+        # iter_num's: windows end where iter_num + 1 divides by diloco_steps
+        saved = checkpoint.get('diloco')
+        if saved is None:
+            average_replicas(buckets)
+        own = len(checkpoint.get('rng', [])) == world_size and 'optimizers' in checkpoint  # not an average, not ckpt.pt
+        for i, bucket in enumerate(buckets):
+            if saved is not None and 'outer' in saved:
+                bucket.outer.copy_(saved['outer'][i])
+            else:
+                bucket.outer.copy_(bucket.flat)
+            if saved is not None:
+                bucket.outer_optimizer.load_state_dict(saved['outer_optimizers'][i])
+                bucket.outer_optimizer.param_groups[0].update(lr=outer_learning_rate, momentum=outer_momentum,
+                                                              nesterov=outer_optimizer == 'nesterov')  # the config's
+            if not own:  # mid-window replicas only continue on the ranks that made them: the rest start from θ_global
+                bucket.flat.copy_(bucket.outer)
     if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
         data_gen.set_state(checkpoint['data_rng'])
     restore_rng(checkpoint.get('rng', []), print0)
@@ -318,6 +368,9 @@ def save_checkpoint(to='storage', wait=False):
         'run_id': run_id,  # so that a run started afresh over this out_dir never takes it for its own
     }
     checkpoint = {'model': raw_model.state_dict(), 'optimizers': [o.state_dict() for o in optimizers], **extra}
+    if diloco_steps:  # θ_global and its optimizer's state, in each rank's file (ckpt.pt's model is θ_global)
+        checkpoint['diloco'] = {'outer': [b.outer for b in buckets],
+                                'outer_optimizers': [b.outer_optimizer.state_dict() for b in buckets]}
     if to == 'memory':
         os.makedirs(os.path.dirname(snapshot_path), exist_ok=True)
         # the one before is kept: a rank killed mid-write holds it still, and so do the others
@@ -331,9 +384,11 @@ def save_checkpoint(to='storage', wait=False):
             print0(f"saving checkpoint to {folder}")
         # the export: train.py's optimizer over the averaged model holds the averaged moments (sgd has none)
         wait_for_copies()  # the replica is copied before it is averaged in place
-        own, _ = average_replicas(buckets)
+        own = global_model(buckets) if diloco_steps else average_replicas(buckets)[0]
         adamw = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
         average_moments(bucket_of, adamw)
+        if diloco_steps:
+            extra['diloco'] = {'outer_optimizers': checkpoint['diloco']['outer_optimizers']}
         if master_process:
             save_in_background({'model': raw_model.state_dict(), 'optimizer': adamw.state_dict(), **extra}, ckpt_path)
             print0(f"saving the averaged model to {ckpt_path}")
@@ -350,6 +405,8 @@ def estimate_loss():
     own replica is put back after; the consensus distance comes along."""
     finish_mixing()
     own, consensus = average_replicas(buckets)
+    if diloco_steps:
+        global_model(buckets)  # evals see θ_global, the model of ckpt.pt
     out = {}
     eval_model.eval()
     for i, split in enumerate(('train', 'val')):
@@ -417,7 +474,7 @@ while True:
         save_checkpoint()
     if hellaswag_interval and (iter_num % hellaswag_interval == 0 or iter_num == max_iters):
         finish_mixing()
-        own, _ = average_replicas(buckets)  # the averaged model, as evals see it
+        own = global_model(buckets) if diloco_steps else average_replicas(buckets)[0]  # the model evals see
         hs = evaluate(eval_model, hellaswag, device, ctx, block_size, dp_rank, dp_size)
         restore_replica(buckets, own)
         print0(f"step {iter_num}: hellaswag acc {hs['acc']:.4f}, acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")

@@ -1,0 +1,133 @@
+"""DiLoCo in decent_train.py (--diloco_steps=H), in real process groups on gloo, in fp32: at H=1 with an outer SGD
+step of learning rate 1 and no momentum it is the complete topology; a resume in the middle of a window repeats the
+uninterrupted run bit for bit; at another world size every replica starts from θ_global; ckpt.pt holds θ_global and
+goes through sample.py and export_hf.py; bad DiLoCo keys are one-line errors."""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import TINY, one_line_error, read_metrics, run
+
+
+def launch(tmp_path, data_dir, out, *extra, nproc=1, check=True):
+    return run('decent_train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path / out}',
+               *extra, nproc=nproc, cwd=tmp_path, check=check)
+
+
+def flat(state):
+    """A model's state dict as one vector, each parameter once (lm_head.weight is the token embedding)."""
+    return torch.cat([state[k].flatten().double() for k in sorted(state) if k != 'lm_head.weight'])
+
+
+def load(path):
+    return torch.load(path, map_location='cpu', weights_only=True)
+
+
+def test_one_step_windows_with_outer_sgd_at_lr_1_are_the_complete_topology(tmp_path, data_dir):
+    # θ_global - mean(θ_global - θ_i) = mean(θ_i): the outer step lands on the replicas' average, which is what
+    # complete mixing gives after every step; the inner AdamW and its moments are each rank's own either way
+    args = ['--gradient_accumulation_steps=4', '--max_iters=10', '--eval_interval=10']
+    launch(tmp_path, data_dir, 'complete', *args, '--topology=complete', nproc=2)
+    launch(tmp_path, data_dir, 'diloco', *args, '--diloco_steps=1', '--outer_optimizer=sgd',
+           '--outer_learning_rate=1', '--outer_momentum=0', nproc=2)
+    (ref, ref_evals), (ours, our_evals) = read_metrics(tmp_path / 'complete'), read_metrics(tmp_path / 'diloco')
+    assert sorted(ref) == sorted(ours) == list(range(10)) and ref[9] < ref[0] - 0.3
+    for i in range(10):
+        assert abs(ref[i] - ours[i]) <= 1e-5 * ref[i], (i, ref[i], ours[i])
+    assert abs(ref_evals[-1]['val_loss'] - our_evals[-1]['val_loss']) <= 1e-5 * ref_evals[-1]['val_loss']
+    assert our_evals[-1]['consensus_distance'] < 1e-7  # the window just ended: every replica is θ_global
+    export = flat(load(tmp_path / 'diloco' / 'ckpt.pt')['model'])
+    assert (export - flat(load(tmp_path / 'complete' / 'ckpt.pt')['model'])).abs().max() < 1e-5
+
+
+ARGS = ['--diloco_steps=3', '--dropout=0.1', '--grad_clip=0.0', '--gradient_accumulation_steps=2', '--eval_interval=4']
+
+
+@pytest.fixture(scope='module')
+def windows(tmp_path_factory, data_dir):
+    """2 ranks, windows of 3 steps (outer Nesterov steps after steps 2 and 5), 8 steps at once and in two runs
+    split at iter 4, in the middle of the second window."""
+    tmp = tmp_path_factory.mktemp('diloco')
+    launch(tmp, data_dir, 'full', *ARGS, '--max_iters=8', nproc=2)
+    launch(tmp, data_dir, 'split', *ARGS, '--max_iters=4', nproc=2)
+    shutil.copytree(tmp / 'split', tmp / 'at4')
+    launch(tmp, data_dir, 'split', *ARGS, '--max_iters=8', '--init_from=resume', nproc=2)
+    return tmp
+
+
+def test_resume_in_the_middle_of_a_window_repeats_the_uninterrupted_run_exactly(windows):
+    (full, full_evals), (split, split_evals) = read_metrics(windows / 'full'), read_metrics(windows / 'split')
+    assert sorted(split) == list(range(8)) and full[7] < full[0] - 0.1
+    assert [split[i] for i in range(8)] == [full[i] for i in range(8)]  # bit for bit
+    assert [e['val_loss'] for e in split_evals] == [e['val_loss'] for e in full_evals]
+    # at iter 4 the replicas had left θ_global (a step into the window): the resume had to restore all three
+    saved = [load(windows / 'at4' / 'decent' / 'step-00000004' / f'rank-{r}.pt') for r in range(2)]
+    outer = torch.cat([t.double() for t in saved[0]['diloco']['outer']])
+    assert all(torch.equal(o, p) for o, p in zip(saved[0]['diloco']['outer'], saved[1]['diloco']['outer']))
+    replicas = [torch.cat([p.flatten().double() for p in s['model'].values()]) for s in saved]
+    assert (replicas[0] - replicas[1]).abs().max() > 1e-5
+    assert saved[0]['diloco']['outer_optimizers'][0]['state'][0]['momentum_buffer'].abs().max() > 0
+    for r in range(2):
+        last = f'decent/step-00000008/rank-{r}.pt'
+        a, b = load(windows / 'full' / last), load(windows / 'split' / last)
+        assert torch.equal(flat(a['model']), flat(b['model']))
+        assert all(torch.equal(x, y) for x, y in zip(a['diloco']['outer'], b['diloco']['outer']))
+    assert outer.abs().max() > 0
+
+
+def test_at_another_world_size_every_replica_starts_from_the_global_model(tmp_path, data_dir, windows):
+    # the 2-rank checkpoint at iter 4 (mid-window) resumed on one rank with the inner learning rate at 0 and no
+    # window ending (step 4 is the second of 3): the replica it saves at 5 is the one it started from
+    shutil.copytree(windows / 'at4', tmp_path / 'run')
+    p = launch(tmp_path, data_dir, 'run', *ARGS, '--max_iters=5', '--eval_interval=5', '--learning_rate=0',
+               '--min_lr=0', '--init_from=resume')
+    assert 'holds the replicas of 2 ranks, not 1: every rank starts from their average' in p.stdout
+    assert 'at iter 4' in p.stdout
+    saved = [load(tmp_path / 'run' / 'decent' / 'step-00000004' / f'rank-{r}.pt') for r in range(2)]
+    template = saved[0]['model']
+    outer, sizes = torch.cat(saved[0]['diloco']['outer']), [t.numel() for t in saved[0]['diloco']['outer']]
+    start = torch.cat([p.flatten() for p in load(tmp_path / 'run' / 'decent' / 'step-00000005' / 'rank-0.pt')
+                       ['model'].values()])
+    average = (torch.cat([p.flatten() for p in saved[0]['model'].values()]) +
+               torch.cat([p.flatten() for p in saved[1]['model'].values()])) / 2
+    assert (average - start).abs().max() > 1e-5  # not the replicas' average: θ_global, bucket by bucket
+    # the buckets' order: the embeddings, tied head and final LayerNorm, then each block
+    first = [k for k in template if not k.startswith('transformer.h.') and k != 'lm_head.weight']
+    blocks = [[k for k in template if k.startswith(f'transformer.h.{i}.')] for i in range(2)]
+    model = load(tmp_path / 'run' / 'decent' / 'step-00000005' / 'rank-0.pt')['model']
+    for keys, bucket in zip([first, *blocks], outer.split(sizes)):
+        assert torch.equal(torch.cat([model[k].flatten() for k in keys]), bucket)
+
+
+def test_ckpt_pt_holds_the_global_model_for_sample_and_export(tmp_path, data_dir, windows):
+    out = windows / 'full'
+    export = load(out / 'ckpt.pt')
+    rank0 = load(out / 'decent' / 'step-00000008' / 'rank-0.pt')
+    assert export['iter_num'] == 8 and 'outer_optimizers' in export['diloco']
+    # iter 8 is in the middle of a window: the replica has moved on from θ_global, the export has not
+    model = rank0['model']
+    first = [k for k in model if not k.startswith('transformer.h.') and k != 'lm_head.weight']
+    blocks = [[k for k in model if k.startswith(f'transformer.h.{i}.')] for i in range(2)]
+    for keys, bucket in zip([first, *blocks], rank0['diloco']['outer']):
+        assert torch.equal(torch.cat([export['model'][k].flatten() for k in keys]), bucket)
+        assert not torch.equal(torch.cat([model[k].flatten() for k in keys]), bucket)
+    s = run('sample.py', f'--out_dir={out}', f'--meta_path={data_dir / "shakespeare_char" / "meta.pkl"}',
+            '--num_samples=2', '--max_new_tokens=20', '--device=cpu', cwd=tmp_path)
+    assert s.stdout.count('---------------') == 2
+    run('export_hf.py', f'--ckpt={out}', f'--out={tmp_path / "hf"}', cwd=tmp_path)
+    hf = load_file(tmp_path / 'hf' / 'model.safetensors')
+    assert torch.equal(hf['transformer.wte.weight'], export['model']['transformer.wte.weight'])
+
+
+@pytest.mark.parametrize('flag, message', [
+    ('--diloco_steps=-1', 'diloco_steps=-1: give the inner steps per outer step, or 0 to mix every step'),
+    ('--outer_optimizer=adam', "unknown outer_optimizer='adam': use nesterov or sgd"),
+    ('--outer_momentum=0', 'above 0 for nesterov (or use outer_optimizer=sgd)'),
+    ('--outer_learning_rate=0', 'outer_learning_rate=0.0 must be above 0'),
+])
+def test_bad_diloco_keys_are_one_line_errors(tmp_path, data_dir, flag, message):
+    assert message in one_line_error(launch(tmp_path, data_dir, 'bad', flag, check=False))
+    assert not (tmp_path / 'bad').exists()
