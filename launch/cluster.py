@@ -159,6 +159,11 @@ class Cluster:
             procs.append(self.popen(i, cmd, env=env, cwd=cwd, log=logs and os.path.join(logs, f'node{i}.log')))
         return procs
 
+    def pids(self):
+        """Every process that runs inside one of the nodes."""
+        return [int(pid) for kind, name in self._made if kind == 'netns'
+                for pid in sh('ip', 'netns', 'pids', name, check=False).split()]
+
     def link(self, node, up):
         """Takes the node's cable out (up=False) or puts it back."""
         sh('ip', 'link', 'set', self.host_ends[node], 'up' if up else 'down')
@@ -169,15 +174,28 @@ class Cluster:
                          '/sys/class/net/eth0/statistics/rx_bytes').split()
         return {'tx_bytes': int(words[0]), 'rx_bytes': int(words[1])}
 
-    def close(self):
-        """Ends every process started in the nodes, then removes the namespaces, links and bridge, newest first.
-        Safe to call twice."""
+    def close(self, grace=10):
+        """Ends every process in the nodes: SIGTERM to the sessions it started (torchrun passes it on to its
+        workers, which save a checkpoint and exit), then SIGKILL to whatever still runs in a node after grace
+        seconds (torchrun's workers have sessions of their own); then removes the namespaces, links and bridge,
+        newest first. Safe to call twice."""
         for p in self.procs:
             if p.poll() is None:
                 try:
-                    os.killpg(p.pid, signal.SIGKILL)  # its session: torchrun and its workers
+                    os.killpg(p.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
+        deadline = time.time() + grace
+        while self.pids() and time.time() < deadline:
+            time.sleep(0.05)
+        while self.pids():
+            for pid in self.pids():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.05)
+        for p in self.procs:
             p.wait()
         self.procs = []
         for kind, name in reversed(self._made):
