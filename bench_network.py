@@ -1,0 +1,170 @@
+"""
+Measures each parallelism mode against the link between nodes, on an emulated cluster (launch/cluster.py: network
+namespaces with tbf-capped links, a real multi-node torchrun): for every mode x link rate x number of nodes, the
+median step time, the bytes each node sends per step (from its interface's counters, between two points of the run),
+the bytes the mode's design implies, and the link use (bytes per step over the step time, as a fraction of the rate).
+Needs root. Prepare the data first (python prepare.py shakespeare_char).
+
+sudo python bench_network.py                       # every mode, 1gbit/300mbit/100mbit, 2 and 4 nodes, a ~25M model
+sudo python bench_network.py --quick=True          # ddp and DiLoCo, 2 nodes at 100mbit, the tiny test model
+sudo python bench_network.py --modes=ddp,diloco-50 --rates=100mbit --nodes=4
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from configurator import configure
+from data import read_meta
+from decent import mixing_rounds
+from model import GPT, GPTConfig
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'launch'))
+from cluster import Cluster, namespaces_work  # noqa: E402
+
+# -----------------------------------------------------------------------------
+modes = 'ddp,fsdp,zero2,zero3,complete,ring,one-peer-exp,alternating-exp-ring,diloco-10,diloco-50'
+rates = '1gbit,300mbit,100mbit'  # tc's notation; above a few Gbit/s the CPU, not the cap, limits gloo here
+nodes = '2,4'
+nproc_per_node = 1  # alternating-exp-ring needs 2 or more (it is skipped otherwise)
+warmup = 5  # steps before the measured ones (start-up, first allocations)
+steps = 50  # measured steps: a multiple of each DiLoCo H, so that the window holds whole outer steps
+n_layer = 8  # ~25M parameters: compute measurable, communication that matters on a slow link
+n_head = 8
+n_embd = 512
+block_size = 256
+batch_size = 4  # sequences per rank per step (one micro-step)
+dataset = 'data/shakespeare_char'
+out_dir = 'bench_network'
+threads = 1  # OMP threads per rank: the nodes share this machine's cores
+quick = False  # a smoke run: ddp and diloco-4, 2 nodes at 100mbit, the tiny test model, 12 steps (flags win)
+# -----------------------------------------------------------------------------
+config, given = configure(globals())
+if quick:  # its defaults, where a flag does not set the key
+    smoke = dict(modes='ddp,diloco-4', rates='100mbit', nodes='2', steps=12, warmup=3, n_layer=2, n_head=2, n_embd=32,
+                 block_size=32)
+    config.update({k: v for k, v in smoke.items() if k not in given})
+    globals().update(config)
+why = namespaces_work()
+if why:
+    sys.exit(f"error: {why}")
+if not os.path.exists(os.path.join(dataset, 'train.bin')):
+    sys.exit(f"error: no {dataset}/train.bin: run `python prepare.py shakespeare_char` or give --dataset=FOLDER")
+
+SCRIPTS = {'ddp': ('train.py', []), 'fsdp': ('fsdp_train.py', []), 'zero2': ('ds_train.py', ['--zero_stage=2']),
+           'zero3': ('ds_train.py', ['--zero_stage=3'])}
+SCRIPTS.update({t: ('decent_train.py', [f'--topology={t}', '--grad_clip=0.0'])
+                for t in ('complete', 'ring', 'one-peer-exp', 'alternating-exp-ring')})
+
+
+def script_of(mode):
+    if mode.startswith('diloco-'):
+        return 'decent_train.py', [f'--diloco_steps={int(mode[7:])}', '--grad_clip=0.0']
+    if mode not in SCRIPTS:
+        sys.exit(f"error: unknown mode {mode!r}: use {', '.join(SCRIPTS)} or diloco-H")
+    return SCRIPTS[mode]
+
+
+def design_bytes(mode, n_params, n, per_node, b=4):
+    """The bytes a node sends per step by the mode's design, in fp32 (b bytes a parameter) over a ring of the
+    world's W ranks, node by node (one hop leaves each node per ring): an all-reduce 2(W-1)/W·P·b, a reduce-scatter
+    or an all-gather half that. Gossip: each rank of the node in a group that spans nodes all-reduces P within
+    it, averaged over the cycle of rounds. Headers (Ethernet, IP, TCP: ~4.5% at a 1500-byte MTU) not counted."""
+    w = n * per_node
+    ring = (w - 1) / w * n_params * b  # a reduce-scatter, or an all-gather
+    if mode in ('ddp', 'zero2'):
+        return 2 * ring  # the gradients' all-reduce; ZeRO-2: reduce-scatter of gradients, all-gather of parameters
+    if mode in ('fsdp', 'zero3'):
+        return 3 * ring  # all-gather for the forward, again for the backward, reduce-scatter of the gradients
+    if mode.startswith('diloco-'):
+        return 2 * ring / int(mode[7:])  # one all-reduce of the pseudo-gradients per window
+    rounds = mixing_rounds(mode, w, per_node)
+    total = 0.0
+    for groups in rounds:
+        for g in groups:
+            if len({r // per_node for r in g}) > 1:  # it crosses nodes: count node 0's ranks in it
+                total += sum(r // per_node == 0 for r in g) * 2 * (len(g) - 1) / len(g) * n_params * b
+    return total / len(rounds)
+
+
+def iters_logged(path):
+    """(the last iter logged, its rows) from a run's metrics.jsonl so far."""
+    try:
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.endswith('\n')]
+    except FileNotFoundError:
+        return -1, []
+    return max((r['iter'] for r in rows if 'ms' in r), default=-1), rows
+
+
+def measure(mode, rate, n):
+    script, extra = script_of(mode)
+    # DiLoCo sends in bursts, at the end of each window: the counters are read in the middle of windows, so that
+    # a burst falls wholly inside the measured steps or wholly outside
+    h = int(mode[7:]) if mode.startswith('diloco-') else 1
+    start = warmup + (h // 2 - warmup) % h
+    out = os.path.abspath(os.path.join(run_dir, f'{mode}-{rate}-{n}n'))
+    os.makedirs(out)  # new: a run here never resumes another
+    args = [os.path.join(os.path.dirname(os.path.abspath(__file__)), script), *extra, f'--out_dir={out}',
+            f'--dataset={os.path.abspath(dataset)}', '--device=cpu', '--compile=False', '--dtype=float32',
+            f'--n_layer={n_layer}', f'--n_head={n_head}', f'--n_embd={n_embd}', f'--block_size={block_size}',
+            f'--batch_size={batch_size}', f'--gradient_accumulation_steps={n * nproc_per_node}', '--eval_iters=1',
+            f'--max_iters={start + steps + 2}', f'--eval_interval={start + steps + 2}', '--log_interval=1',
+            '--always_save_checkpoint=False', '--dropout=0.0']
+    env = {**os.environ, 'OMP_NUM_THREADS': str(threads)}
+    with Cluster(n, rate) as c:
+        procs = c.torchrun(args, nproc_per_node, env=env, logs=out, cwd=out)
+        marks = []  # (iter, node 0's tx bytes) as the run passes the start and the end of the measured steps
+        for target in (start, start + steps):
+            while iters_logged(os.path.join(out, 'metrics.jsonl'))[0] < target:
+                if any(p.poll() is not None for p in procs):
+                    raise RuntimeError(f"{mode} at {rate} on {n} nodes exited early: see {out}/node*.log")
+                time.sleep(0.02)
+            last = iters_logged(os.path.join(out, 'metrics.jsonl'))[0]
+            marks.append((last, [c.counters(i)['tx_bytes'] for i in range(n)]))
+        codes = [p.wait(timeout=3600) for p in procs]
+    if any(codes):
+        raise RuntimeError(f"{mode} at {rate} on {n} nodes failed ({codes}): see {out}/node*.log")
+    (i0, tx0), (i1, tx1) = marks
+    per_step = [(b - a) / (i1 - i0) for a, b in zip(tx0, tx1)]
+    rows = iters_logged(os.path.join(out, 'metrics.jsonl'))[1]
+    ms = statistics.median(r['ms'] for r in rows if 'ms' in r and start < r['iter'] <= start + steps)
+    vocab_size = read_meta(os.path.join(dataset, 'meta.pkl'))['vocab_size']
+    model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, vocab_size=vocab_size,
+                          bias=False, dropout=0.0))
+    n_params = sum(p.numel() for p in model.parameters())
+    design = design_bytes(mode, n_params, n, nproc_per_node)
+    link = float(rate[:-4]) * {'k': 1e3, 'm': 1e6, 'g': 1e9}[rate[-4].lower()] if rate.endswith('bit') else None
+    sent = statistics.mean(per_step)
+    return dict(mode=mode, rate=rate, nodes=n, params=n_params, ms=ms, bytes_per_step=sent, design_bytes=design,
+                sent_over_design=sent / design if design else None,
+                link_use=8 * sent / (ms / 1000) / link if link else None, steps=i1 - i0)
+
+
+if __name__ == '__main__':
+    run_dir = os.path.join(out_dir, time.strftime('%Y%m%d-%H%M%S'))  # each invocation's runs in a folder of its own
+    os.makedirs(run_dir)
+    torch.set_num_threads(1)
+    print(f"runs in {run_dir}; {os.cpu_count()} cores, torch {torch.__version__}", flush=True)
+    print("| mode | link | nodes | median ms/step | MB sent/node/step | MB by design | sent/design | link use |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    with open(os.path.join(run_dir, 'results.jsonl'), 'w') as log:
+        for n in map(int, nodes.split(',')):
+            for rate in rates.split(','):
+                for mode in modes.split(','):
+                    if mode == 'alternating-exp-ring' and nproc_per_node < 2:
+                        continue  # it alternates within and across nodes: one rank per node has no within
+                    try:
+                        r = measure(mode, rate, n)
+                    except (RuntimeError, ValueError) as e:
+                        print(f"| {mode} | {rate} | {n} | failed: {e} |", flush=True)
+                        continue
+                    log.write(json.dumps({**r, 'config': config}) + '\n')
+                    log.flush()
+                    print(f"| {mode} | {rate} | {n} | {r['ms']:.1f} | {r['bytes_per_step'] / 1e6:.3f} | "
+                          f"{r['design_bytes'] / 1e6:.3f} | {r['sent_over_design']:.2f} | {r['link_use']:.2f} |",
+                          flush=True)
