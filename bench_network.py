@@ -125,7 +125,7 @@ def measure(mode, rate, n):
                     raise RuntimeError(f"{mode} at {rate} on {n} nodes exited early: see {out}/node*.log")
                 time.sleep(0.02)
             last = iters_logged(os.path.join(out, 'metrics.jsonl'))[0]
-            marks.append((last, [c.counters(i)['tx_bytes'] for i in range(n)]))
+            marks.append((last, [node['tx_bytes'] for node in c.counters()]))
         codes = [p.wait(timeout=3600) for p in procs]
     if any(codes):
         raise RuntimeError(f"{mode} at {rate} on {n} nodes failed ({codes}): see {out}/node*.log")

@@ -14,7 +14,7 @@ From Python (the tests, bench_network.py):
     with Cluster(nodes=2, rate='1gbit') as c:
         procs = c.torchrun(['train.py', ...], nproc_per_node=1, logs=folder)
         c.link(1, up=False); ...; c.link(1, up=True)
-        c.counters(0)  # {'tx_bytes': ..., 'rx_bytes': ...} of node 0's eth0
+        c.counters(0)  # {'tx_bytes': ..., 'rx_bytes': ...} of node 0's eth0; c.counters(): every node's
 """
 
 import argparse
@@ -168,11 +168,15 @@ class Cluster:
         """Takes the node's cable out (up=False) or puts it back."""
         sh('ip', 'link', 'set', self.host_ends[node], 'up' if up else 'down')
 
-    def counters(self, node):
-        """{'tx_bytes', 'rx_bytes'} of the node's eth0, as its kernel counts them (frames' bytes, headers in)."""
-        words = self.run(node, 'cat', '/sys/class/net/eth0/statistics/tx_bytes',
-                         '/sys/class/net/eth0/statistics/rx_bytes').split()
-        return {'tx_bytes': int(words[0]), 'rx_bytes': int(words[1])}
+    def counters(self, node=None):
+        """{'tx_bytes', 'rx_bytes'} of the node's eth0, as its kernel counts them (frames' bytes, headers in); of
+        every node, read at the same moment (in parallel), where node is None."""
+        stats = ['/sys/class/net/eth0/statistics/tx_bytes', '/sys/class/net/eth0/statistics/rx_bytes']
+        names = self.names if node is None else [self.names[node]]
+        reads = [subprocess.Popen(['ip', 'netns', 'exec', name, 'cat', *stats], stdout=subprocess.PIPE, text=True)
+                 for name in names]
+        out = [dict(zip(('tx_bytes', 'rx_bytes'), map(int, p.communicate()[0].split()))) for p in reads]
+        return out if node is None else out[0]
 
     def close(self, grace=10):
         """Ends every process in the nodes: SIGTERM to the sessions it started (torchrun passes it on to its
@@ -259,13 +263,14 @@ def main():
     with Cluster(args.nodes, args.rate) as c:
         print(f"{args.nodes} nodes on {c.subnet} ({', '.join(c.addrs)}), links {args.rate or 'uncapped'}; "
               f"rendezvous at {c.addrs[0]}:{args.port}", flush=True)
-        before = [c.counters(i) for i in range(c.n)]
+        before = c.counters()
         t0 = time.time()
         procs = c.torchrun(rest, args.nproc_per_node, args.port, args.max_restarts)
         codes = [p.wait() for p in procs]
         seconds = time.time() - t0
+        after = c.counters()
         for i in range(c.n):
-            sent = c.counters(i)['tx_bytes'] - before[i]['tx_bytes']
+            sent = after[i]['tx_bytes'] - before[i]['tx_bytes']
             print(f"node {i}: exit {codes[i]}, sent {sent / 1e6:.1f} MB, {8 * sent / seconds / 1e6:.1f} Mbit/s "
                   f"over {seconds:.1f} s")
     return max(codes, key=abs)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -19,8 +20,8 @@ sys.path.insert(0, str(REPO / 'launch'))
 from cluster import Cluster, leftovers, namespaces_work  # noqa: E402
 
 WHY_NOT = namespaces_work()
-if WHY_NOT:
-    print(f"tests/test_cluster.py skipped: {WHY_NOT}")
+if WHY_NOT:  # a warning, so that the reason shows in the summary of a plain `pytest -q` too
+    warnings.warn(f"tests/test_cluster.py skipped: {WHY_NOT}")
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or '')
 
 
@@ -37,7 +38,7 @@ def test_two_nodes_train_through_a_pulled_cable_with_the_losses_of_one_process(t
             '--eval_interval=20', '--save_memory_interval=5']
     out = tmp_path / 'nodes'
     with Cluster(2, rate='100mbit') as c:
-        before = [c.counters(i) for i in range(2)]
+        before = c.counters()
         torchruns = c.torchrun([REPO / 'train.py', *args, f'--out_dir={out}'], max_restarts=2, env=env(),
                                logs=tmp_path, cwd=tmp_path)
         deadline = time.time() + 300
@@ -48,7 +49,7 @@ def test_two_nodes_train_through_a_pulled_cable_with_the_losses_of_one_process(t
         time.sleep(3)
         c.link(1, up=True)
         codes = [p.wait(timeout=300) for p in torchruns]
-        sent = [c.counters(i)['tx_bytes'] - before[i]['tx_bytes'] for i in range(2)]
+        sent = [after['tx_bytes'] - b['tx_bytes'] for after, b in zip(c.counters(), before)]
         names = c.names
     logs = [(tmp_path / f'node{i}.log').read_text() for i in range(2)]
     assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
