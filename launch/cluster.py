@@ -40,7 +40,8 @@ def sh(*args, check=True):
 
 
 def namespaces_work():
-    """None where this machine lets us make network namespaces, else why not (for a test's skip message)."""
+    """None where this machine lets us make the nodes (a network namespace, a tmpfs in it, a tbf qdisc), else why
+    not (for a test's skip message)."""
     if os.geteuid() != 0:
         return "not root: network namespaces need root"
     name = f'{TAG}-probe-{os.getpid()}'
@@ -48,7 +49,14 @@ def namespaces_work():
         sh('ip', 'netns', 'add', name)
     except (RuntimeError, FileNotFoundError) as e:
         return f"cannot make a network namespace ({e})"
-    sh('ip', 'netns', 'del', name, check=False)
+    try:
+        sh('ip', 'netns', 'exec', name, 'sh', '-c', 'mount -t tmpfs tmpfs /dev/shm')
+        sh('ip', 'netns', 'exec', name, 'tc', 'qdisc', 'add', 'dev', 'lo', 'root', 'tbf', 'rate', '1gbit', 'burst',
+           '256kb', 'latency', '100ms')
+    except (RuntimeError, FileNotFoundError) as e:
+        return f"a network namespace cannot have a node's /dev/shm or tbf link ({e})"
+    finally:
+        sh('ip', 'netns', 'del', name, check=False)
     return None
 
 
@@ -227,10 +235,16 @@ def leftovers(pid=None):
 
 
 def remove_stale():
-    """Removes what harnesses whose process is gone left behind (a SIGKILL runs no cleanup)."""
+    """Removes what harnesses whose process is gone left behind (a SIGKILL runs no cleanup): the processes still
+    running in their nodes, the namespaces, the links."""
     netns, links = leftovers()
     for name in netns:
         if not os.path.exists(f'/proc/{name.split("-")[1]}'):
+            for pid in sh('ip', 'netns', 'pids', name, check=False).split():  # what it had started there
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             sh('ip', 'netns', 'del', name, check=False)
             print(f"removed namespace {name}")
     for name in links:
