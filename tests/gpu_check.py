@@ -1,0 +1,263 @@
+"""
+Proves and measures every entrypoint on one GPU in one command, and prints one table last (issue: "On the GPU").
+
+On a GPU machine (the device tool's; DeepSpeed travels as wheels in .whl/, tiny Shakespeare as .gpu/input.txt):
+    python tests/gpu_check.py --input=.gpu/input.txt --wheels=.whl --out=$OUT
+On CPU, at tiny sizes, so that its own logic is proven before a GPU run relies on it (tests/test_gpu_check.py):
+    python tests/gpu_check.py --dry_run --input=../shared/data/tinyshakespeare/input.txt
+
+A: each entrypoint trains the baby GPT under torchrun (nccl, bf16, compiled): the loss falls, a checkpoint is
+   written, a run stopped halfway and resumed ends on the uninterrupted run's loss bit for bit (deterministic),
+   sample.py and export_hf.py read it; fsdp_train.py with CPU offload and activation checkpointing; ds_train.py at
+   ZeRO-2 and ZeRO-3 with the optimizer offloaded; train.py in float16 with its scaler; a SIGKILLed worker under
+   elastic torchrun resumes from its memory snapshot.
+B: bench.py on GPT-2 124M (T=1024) at a few micro-batches, and a profiler trace of the fastest.
+C: tok/s of fsdp_train.py, ds_train.py (ZeRO-2) and decent_train.py against train.py at the same batch, and the
+   full config/train_shakespeare_char.py's best val loss.
+Each check is a row: what, ok or FAIL, the figure. The exit status is 1 where a check failed.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENTRYPOINTS = ('train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py')
+
+p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+p.add_argument('--dry_run', action='store_true', help='CPU, gloo, fp32, no compile, a tiny model, a few steps')
+p.add_argument('--input', default=os.path.join(REPO, 'data', 'shakespeare_char', 'input.txt'),
+               help="tiny Shakespeare's input.txt")
+p.add_argument('--wheels', default='', help='a folder of wheels to install first where DeepSpeed is missing')
+p.add_argument('--out', default='', help='where logs and the table go (default: a temporary folder)')
+p.add_argument('--parts', default='ABC', help='which parts to run')
+p.add_argument('--entrypoints', default=','.join(ENTRYPOINTS), help='which entrypoints parts A and C run')
+args = p.parse_args()
+dry = args.dry_run
+chosen = args.entrypoints.split(',')
+work = tempfile.mkdtemp(prefix='gpu_check-')
+out = args.out or work
+os.makedirs(out, exist_ok=True)
+rows = []  # (part, what, ok, figure)
+env = dict(os.environ, PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1' if dry else os.environ.get('OMP_NUM_THREADS', '8'))
+env['PYTHONPATH'] = os.pathsep.join(filter(None, [REPO, env.get('PYTHONPATH')]))
+
+if args.wheels and os.path.isdir(args.wheels):
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        site = os.path.join(work, 'site')
+        subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '--no-index', '--no-deps', '--no-compile',
+                        '--target', site] + [os.path.join(args.wheels, w) for w in os.listdir(args.wheels)],
+                       check=True)
+        env['PYTHONPATH'] = os.pathsep.join([site, env['PYTHONPATH']])
+
+# the settings of every run: the baby GPT on a GPU, a tiny model on CPU
+if dry:
+    SYSTEM = ['--device=cpu', '--dtype=float32', '--compile=False']
+    MODEL = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=4', '--eval_iters=2',
+             '--dropout=0.0', '--learning_rate=3e-3', '--warmup_iters=2', '--min_lr=3e-4']
+    STEPS = 8
+else:
+    SYSTEM = ['--compile=True']  # device, dtype (bf16) and backend (nccl) are auto
+    MODEL = ['--eval_iters=20', '--dropout=0.0']  # the config's baby GPT otherwise
+    STEPS = 100
+BASE = [os.path.join(REPO, 'config', 'train_shakespeare_char.py'), '--gradient_accumulation_steps=1',
+        '--log_interval=1', f'--max_iters={STEPS}', f'--lr_decay_iters={STEPS}', '--always_save_checkpoint=True',
+        '--deterministic=True'] + SYSTEM + MODEL
+
+
+def log_name(name):
+    return os.path.join(out, name.replace('/', '_') + '.log')
+
+
+def run(name, cmd, timeout=600, check=True):
+    """Runs cmd in the work folder, its output in out/<name>.log; returns (returncode, output, seconds)."""
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
+        code, text = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        code, text = 124, f"timed out after {timeout} s\n{e.stdout or ''}{e.stderr or ''}"
+    with open(log_name(name), 'w') as f:
+        f.write(' '.join(cmd) + '\n' + text)
+    if check and code != 0:
+        print(f"{name}: exit {code}; last lines:\n" + '\n'.join(text.strip().splitlines()[-8:]), flush=True)
+    return code, text, time.time() - t0
+
+
+def torchrun(script, extra, nproc=1, elastic=False):
+    launcher = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}']
+    if elastic:
+        with socket.socket() as s:  # a free port for the rendezvous
+            s.bind(('127.0.0.1', 0))
+            port = s.getsockname()[1]
+        launcher += ['--nnodes=1:1', '--max-restarts=2', '--rdzv-backend=c10d', f'--rdzv-endpoint=127.0.0.1:{port}',
+                     '--rdzv-conf=last_call_timeout=1']
+    else:
+        launcher += ['--standalone']
+    return launcher + [os.path.join(REPO, script)] + BASE + list(extra)
+
+
+def metrics(out_dir):
+    path = os.path.join(work, out_dir, 'metrics.jsonl')
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def row(part, what, ok, figure=''):
+    rows.append((part, what, bool(ok), figure))
+    print(f"[{part}] {'ok  ' if ok else 'FAIL'} {what}: {figure}", flush=True)
+
+
+def losses(out_dir):
+    return {r['iter']: r['loss'] for r in metrics(out_dir) if 'loss' in r}
+
+
+def mean_ms(out_dir, skip=5):
+    ms = sorted(r['ms'] for r in metrics(out_dir) if 'ms' in r and r['iter'] >= skip)
+    return ms[len(ms) // 2] if ms else None
+
+
+# -----------------------------------------------------------------------------
+# data: the character-level Shakespeare in the work folder
+if not os.path.isfile(args.input):
+    sys.exit(f"error: no {args.input}: give --input=tiny Shakespeare's input.txt (carried along on a GPU machine)")
+os.makedirs(os.path.join(work, 'data', 'shakespeare_char'), exist_ok=True)
+shutil.copy(args.input, os.path.join(work, 'data', 'shakespeare_char', 'input.txt'))
+code, _, _ = run('prepare', [sys.executable, os.path.join(REPO, 'prepare.py'), 'shakespeare_char'])
+if code:
+    sys.exit("error: prepare.py shakespeare_char failed: see prepare.log")
+
+if 'A' in args.parts:
+    half = STEPS // 2
+    for script in [e for e in ENTRYPOINTS if e in chosen]:
+        name = script[:-3]
+        extra = ['--zero_stage=2'] if script == 'ds_train.py' else []
+        full, first = f'{name}-full', f'{name}-half'
+        code, text, secs = run(full, torchrun(script, extra + [f'--out_dir={full}', f'--eval_interval={half}']))
+        curve = losses(full)
+        fell = bool(curve) and curve[max(curve)] < curve[min(curve)]
+        row('A', f'{script} trains', code == 0 and fell,
+            f"loss {curve[min(curve)]:.3f} -> {curve[max(curve)]:.3f} in {secs:.0f} s" if curve else f"exit {code}")
+        saved = os.path.exists(os.path.join(work, full, 'ckpt.pt')) or os.path.isdir(os.path.join(work, full, 'dcp'))
+        row('A', f'{script} checkpoint', code == 0 and saved, full)
+        # stopped halfway (a run to max_iters=half), then resumed to the end: the same last loss, bit for bit
+        code1, _, _ = run(first, torchrun(script, extra + [f'--out_dir={first}', f'--eval_interval={half}',
+                                                             f'--max_iters={half}']))
+        code2, _, _ = run(first + '-resumed', torchrun(script, extra + [f'--out_dir={first}',
+                                                                        f'--eval_interval={half}']))
+        resumed = losses(first)
+        same = bool(curve) and resumed.get(STEPS - 1) == curve.get(STEPS - 1)
+        row('A', f'{script} exact resume', code1 == 0 and code2 == 0 and same,
+            f"last loss {resumed.get(STEPS - 1)} vs {curve.get(STEPS - 1)}")
+        code, text, _ = run(f'{name}-sample', [sys.executable, os.path.join(REPO, 'sample.py'), f'--out_dir={full}',
+                                               '--num_samples=1', '--max_new_tokens=40'] + (['--device=cpu'] if dry else []))
+        row('A', f'{script} sample.py', code == 0, text.strip().splitlines()[-1][:40] if text.strip() else '')
+        code, text, _ = run(f'{name}-export', [sys.executable, os.path.join(REPO, 'export_hf.py'), f'--ckpt={full}',
+                                               f'--out={name}-hf'])
+        row('A', f'{script} export_hf.py', code == 0 and os.path.isdir(os.path.join(work, f'{name}-hf')),
+            text.strip().splitlines()[-1][:60] if text.strip() else '')
+    variants = [('fsdp_train.py', ['--cpu_offload=True', '--activation_checkpointing=True'], 'fsdp-offload-ac'),
+                ('ds_train.py', ['--zero_stage=2', '--offload_optimizer=cpu'], 'zero2-offload'),
+                ('ds_train.py', ['--zero_stage=3', '--offload_optimizer=cpu'], 'zero3-offload')]
+    if not dry:  # float16 and its scaler are for GPUs: on CPU autocast in float16 is not what is being proven
+        variants.append(('train.py', ['--dtype=float16'], 'train-fp16'))
+    for script, extra, name in [v for v in variants if v[0] in chosen]:
+        code, _, secs = run(name, torchrun(script, extra + [f'--out_dir={name}', f'--eval_interval={STEPS}']))
+        curve = losses(name)
+        fell = bool(curve) and curve[max(curve)] < curve[min(curve)]
+        row('A', f'{script} {" ".join(extra)}', code == 0 and fell,
+            f"loss {curve[min(curve)]:.3f} -> {curve[max(curve)]:.3f} in {secs:.0f} s" if curve else f"exit {code}")
+    # a worker SIGKILLed under elastic torchrun: the restarted group resumes from its memory snapshot
+    name = 'train-kill'
+    cmd = torchrun('train.py', [f'--out_dir={name}', f'--eval_interval={STEPS}', '--save_memory_interval=2',
+                                f'--max_iters={STEPS * 50}', f'--lr_decay_iters={STEPS * 50}'], elastic=True)
+    proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    killed, text = False, []
+    for line in proc.stdout:
+        text.append(line)
+        if not killed and line.startswith('iter ') and int(line.split()[1].rstrip(':')) >= STEPS // 2:
+            worker = subprocess.run(['pgrep', '-f', '-n', f'train.py.*out_dir={name}'], capture_output=True,
+                                    text=True).stdout.split()
+            if worker:
+                os.kill(int(worker[0]), signal.SIGKILL)
+                killed = True
+    proc.wait()
+    with open(log_name(name), 'w') as f:
+        f.write(''.join(text))
+    from_memory = any('resuming from /dev/shm' in line or 'resuming from ' + tempfile.gettempdir() in line
+                      for line in text)
+    row('A', 'SIGKILL under elastic torchrun', proc.returncode == 0 and killed and from_memory,
+        'resumed from the memory snapshot' if from_memory else f'exit {proc.returncode}, killed={killed}')
+
+if 'B' in args.parts:
+    bench = [sys.executable, os.path.join(REPO, 'bench.py')]
+    if dry:
+        sizes = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=64', '--compile=False', '--device=cpu',
+                 '--iters=3', '--warmup=1']
+        batches = [2]
+    else:
+        sizes = ['--model=gpt2', '--block_size=1024', '--iters=30', '--warmup=10']
+        batches = [12, 16, 24, 32]
+    best = None
+    for b in batches:
+        code, text, _ = run(f'bench-b{b}', bench + sizes + [f'--batch_size={b}'])
+        result = json.loads(text.strip().splitlines()[-1]) if code == 0 else None
+        mfu = result and result.get('mfu')
+        row('B', f'bench.py batch {b}', code == 0, (f"{result['ms']:.2f} ms/iter, {result['tokens_per_sec']:,.0f} "
+                                                   f"tok/s" + (f", MFU {mfu * 100:.1f}%" if mfu else ''))
+            if result else f'exit {code}')
+        if result and (best is None or result['tokens_per_sec'] > best[1]):
+            best = (b, result['tokens_per_sec'])
+    if best:
+        code, text, _ = run('bench-profile', bench + sizes + [f'--batch_size={best[0]}', '--profile=True'])
+        if code == 0 and os.path.isdir(os.path.join(work, 'bench_log')) and args.out:
+            shutil.make_archive(os.path.join(out, 'bench_trace'), 'gztar', os.path.join(work, 'bench_log'))
+        row('B', f'profile at batch {best[0]}', code == 0, 'bench-profile.log')
+
+if 'C' in args.parts:
+    # the modes side by side at one batch: GPT-2 124M (T=1024) on a GPU, the tiny model on CPU
+    model = MODEL if dry else ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024',
+                               '--batch_size=12', '--eval_iters=1', '--deterministic=False']
+    steps = STEPS if dry else 40
+    base_ms = None
+    for script, extra, goal in (('train.py', [], None), ('fsdp_train.py', [], 0.9),
+                                ('ds_train.py', ['--zero_stage=2'], 0.85), ('decent_train.py', [], 0.9)):
+        if script not in chosen:
+            continue
+        name = f'speed-{script[:-3]}'
+        code, _, _ = run(name, torchrun(script, extra + model + [f'--out_dir={name}', f'--max_iters={steps}',
+                                                                  f'--eval_interval={steps * 10}',
+                                                                  '--always_save_checkpoint=False']))
+        ms = mean_ms(name)
+        base_ms = base_ms or ms
+        ratio = base_ms / ms if ms and base_ms else None
+        row('C', f'{script} speed', code == 0 and ms is not None and (dry or goal is None or ratio >= goal),
+            f"{ms:.1f} ms/iter, {ratio:.2f}x train.py" + (f" (goal {goal}x)" if goal else '') if ms else f'exit {code}')
+    if not dry:  # the baby GPT's whole recipe: nanoGPT's best val loss is 1.4697
+        code, _, secs = run('shakespeare-full', [sys.executable, os.path.join(REPO, 'train.py'),
+                                                 os.path.join(REPO, 'config', 'train_shakespeare_char.py'),
+                                                 '--out_dir=shakespeare-full'], timeout=900)
+        vals = [r['val_loss'] for r in metrics('shakespeare-full') if 'val_loss' in r]
+        row('C', 'config/train_shakespeare_char.py', code == 0 and vals and min(vals) <= 1.47,
+            f"best val loss {min(vals):.4f} in {secs:.0f} s (goal <= 1.47)" if vals else f'exit {code}')
+
+print('\n| part | check | result | figure |\n| --- | --- | --- | --- |')
+for part, what, ok, figure in rows:
+    print(f"| {part} | {what} | {'ok' if ok else 'FAIL'} | {figure} |")
+with open(os.path.join(out, 'table.json'), 'w') as f:
+    json.dump(rows, f)
+if not args.out:
+    shutil.rmtree(work, ignore_errors=True)
+sys.exit(0 if rows and all(ok for _, _, ok, _ in rows) else 1)

@@ -1,0 +1,34 @@
+"""tests/gpu_check.py, the one command that proves and measures every entrypoint on a GPU, run end to end on CPU at
+tiny sizes (--dry_run), so that its own logic is proven before a GPU run relies on it. One entrypoint here: the
+others go through the same lines of the script, and each has its own tests in this suite."""
+
+import json
+import subprocess
+import sys
+
+from conftest import REPO, SHAKESPEARE, env
+
+
+def test_gpu_check_dry_run_passes_every_part_and_prints_the_table(tmp_path):
+    p = subprocess.run([sys.executable, str(REPO / 'tests' / 'gpu_check.py'), '--dry_run', '--entrypoints=train.py',
+                        f'--input={SHAKESPEARE}', f'--out={tmp_path / "out"}'], cwd=tmp_path, env=env(),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.loads((tmp_path / 'out' / 'table.json').read_text())
+    checks = {what: (ok, figure) for part, what, ok, figure in rows}
+    assert {part for part, *_ in rows} == {'A', 'B', 'C'}
+    assert all(ok for ok, _ in checks.values()), rows
+    # the resume row compares the two runs' last losses: equal, and real numbers
+    last, uninterrupted = checks['train.py exact resume'][1].replace('last loss ', '').split(' vs ')
+    assert float(last) == float(uninterrupted) and 0 < float(last) < 10
+    assert checks['SIGKILL under elastic torchrun'][1] == 'resumed from the memory snapshot'
+    assert p.stdout.splitlines()[-len(rows) - 2:-len(rows)] == ['| part | check | result | figure |',
+                                                                '| --- | --- | --- | --- |']  # the table comes last
+
+
+def test_gpu_check_fails_where_a_check_fails(tmp_path):
+    # a missing input text: prepare.py fails, and so does the check, in one line, before any run
+    p = subprocess.run([sys.executable, str(REPO / 'tests' / 'gpu_check.py'), '--dry_run', '--entrypoints=train.py',
+                        f'--input={tmp_path / "nope.txt"}', f'--out={tmp_path / "out"}'], cwd=tmp_path, env=env(),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode != 0 and p.stderr.strip().startswith('error: no ') and len(p.stderr.strip().splitlines()) == 1
