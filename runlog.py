@@ -14,6 +14,8 @@ import os
 import sys
 import time
 
+import torch.distributed as dist
+
 from checkpoint import reason, wait_for_saves
 
 
@@ -27,22 +29,31 @@ def open_log(out_dir, run_id, settings, resumed_at=None, write=True, eval_only=F
     t_start, metrics = time.time(), []
 
     def log(iter_num, **row):
-        if not write:
-            return
         text = json.dumps({'iter': iter_num, **row, 'time': round(time.time() - t_start, 3)}) + '\n'
-        made = []  # the files that the first row's writes create, removed again should one fail
-        try:
-            if not metrics:
-                metrics.append(_start(out_dir, run_id, settings, resumed_at, eval_only, text, made))
-            elif metrics[0] is not None:
+        if metrics:
+            if write and metrics[0] is not None:
                 metrics[0].write(text)
-        except OSError as e:
-            for path in made:
-                if os.path.isfile(path):
-                    os.remove(path)
-            where = e.filename or os.path.join(out_dir, 'metrics.jsonl')
-            sys.exit(f"error: cannot write {where} ({e.strerror or reason(e)}): free space there, or give another "
-                     f"--out_dir")
+            return
+        # the first row, which every rank logs at the same point: the ranks learn together whether rank 0 could
+        # write the run's files, and all stop if it could not
+        made, error = [], None  # the files that the first row's writes create, removed again should one fail
+        if write:
+            try:
+                metrics.append(_start(out_dir, run_id, settings, resumed_at, eval_only, text, made))
+            except OSError as e:
+                for path in made:
+                    if os.path.isfile(path):
+                        os.remove(path)
+                error = (f"error: cannot write {e.filename or os.path.join(out_dir, 'metrics.jsonl')} "
+                         f"({e.strerror or reason(e)}): free space there, or give another --out_dir")
+        else:
+            metrics.append(None)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            error = error or (1 if any(errors) else None)
+        if error:
+            sys.exit(error)
     return log
 
 

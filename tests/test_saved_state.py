@@ -160,6 +160,8 @@ def test_a_start_or_resume_on_a_full_disk_is_one_line_and_leaves_nothing_half_wr
     error = one_line_error(start(tmp_path, data_dir, disk / 'new', check=False))
     assert 'No space left on device' in error and 'error: cannot write' in error
     assert not (disk / 'new').exists() or not list((disk / 'new').iterdir())  # no run_id.tmp, no empty log
+    p = start(tmp_path, data_dir, disk / 'new2', '--gradient_accumulation_steps=2', nproc=2, check=False)
+    assert 'error: cannot write' in one_line_error(p, nproc=2) and 'Traceback' not in p.stderr  # both ranks stop
     base = shared_run('train.py', *ARGS)
     disk = small_disk('2m')
     shutil.copytree(base, disk / 'run')
