@@ -239,6 +239,13 @@ def _intact(path):
     return None
 
 
+def _complete(folder):
+    try:
+        return checkpoint_iter(folder) is not None
+    except Exception:
+        return False
+
+
 def save_failed():
     """Whether a storage checkpoint of this process could not be written."""
     return bool(_failed)
@@ -254,8 +261,7 @@ def exit_after_failed_save():
     if _failed:
         path, why = _failed[0]
         folder, intact = _step_folder(path), _intact(path)
-        if folder is not None and os.path.isdir(folder) and (intact is None or
-                                                             os.path.abspath(intact) != os.path.abspath(folder)):
+        if folder is not None and os.path.isdir(folder) and not _complete(folder):
             shutil.rmtree(folder, ignore_errors=True)  # what was written of it: a folder cut short
         before = f"the newest complete one, {intact}, is intact" if intact else "no checkpoint was complete before"
         sys.exit(f"error: writing the checkpoint {path} failed ({why}), so the run stopped; {before}: free space "
@@ -471,8 +477,13 @@ def point_latest(folder, iter_of=None):
     replaces them."""
     root, name = os.path.split(folder)
     latest = os.path.join(root, 'latest')
-    with open(latest + '.tmp', 'w') as f:
-        f.write(name)
+    try:
+        with open(latest + '.tmp', 'w') as f:
+            f.write(name)
+    except BaseException:
+        if os.path.isfile(latest + '.tmp'):
+            os.remove(latest + '.tmp')  # a full disk: latest still names the folder before
+        raise
     os.replace(latest + '.tmp', latest)
     fallback = None
     for old in sorted((f for f in os.listdir(root) if f.startswith('step-') and f < name), reverse=True):
