@@ -76,7 +76,10 @@ def _start(out_dir, run_id, settings, resumed_at, eval_only, first_row, made):
                        ('metrics.jsonl', ''.join(kept) + first_row)):
         if not os.path.exists(os.path.join(out_dir, name)):
             made.append(os.path.join(out_dir, name))
-        replace_text(os.path.join(out_dir, name), text)
+        try:
+            replace_text(os.path.join(out_dir, name), text)
+        except OSError as e:  # a write's error names no file
+            raise OSError(e.errno, e.strerror, e.filename or os.path.join(out_dir, name)) from None
     return open(path, 'a', buffering=1)
 
 

@@ -6,7 +6,6 @@ half-written. One finished 10-step run per entrypoint (evals at 5 and 10) is sha
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
