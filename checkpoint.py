@@ -27,6 +27,7 @@ import threading
 import uuid
 import warnings
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -171,11 +172,24 @@ def dcp_load(state, folder, **kwargs):
 
 def atomic_save(obj, path, keep_previous=False):
     """torch.save to path.tmp, then a rename: a crash mid-write leaves the old file. keep_previous moves the old
-    one to ckpt.prev.pt first, a fallback should the new one ever turn out damaged."""
+    one to ckpt.prev.pt first, a fallback should the new one ever turn out damaged. A write that fails (a full
+    disk) removes its temporary file, which would hold the space that the next start needs, and raises."""
     with open(path + '.tmp', 'wb') as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+        errors = []
+
+        def write(data):  # torch.save reports a failed write as an "unexpected pos": the OSError says why
+            try:
+                return f.write(data)
+            except OSError as e:
+                errors.append(e)
+                raise
+        try:
+            torch.save(obj, SimpleNamespace(write=write, flush=f.flush))
+            f.flush()
+            os.fsync(f.fileno())
+        except BaseException as e:
+            os.remove(path + '.tmp')
+            raise (errors[0] if errors else e) from None
     if keep_previous and os.path.exists(path):
         os.replace(path, previous(path))
     os.replace(path + '.tmp', path)
@@ -188,6 +202,81 @@ def previous(path):
 
 _host_copies = {}  # slot -> the host copy of the state last saved in it, reused so that no save allocates
 _writers = {}  # slot -> (the thread saving it, an event set once its copy of the state is complete)
+_failed = []  # (path, reason) of each storage checkpoint of this process that could not be written
+
+
+def _note_failure(paths, e):
+    """A background write failed. A memory snapshot's is a warning: the storage checkpoints are intact, and a
+    restart resumes from them (only the snapshot's shortcut is lost). A storage checkpoint's stops the run: the
+    loop learns of it at its next agree() or at finish_saves(), and exits on every rank (exit_after_failed_save)."""
+    failures = getattr(e, 'failures', None)  # DCP's CheckpointException: what went wrong, on the first rank
+    why = reason(next(iter(failures.values()))[0] if isinstance(failures, dict) and failures else e)
+    if all(is_snapshot(p) for p in paths):
+        print(f"warning: the memory snapshot {paths[0]} could not be written ({why}); training goes on, and a "
+              f"restart would resume from the newest storage checkpoint", file=sys.stderr, flush=True)
+    else:
+        _failed.append((next(p for p in paths if not is_snapshot(p)), why))
+
+
+def _step_folder(path):
+    """The step folder (out_dir/<kind>/step-N) that path is or lies in, or None."""
+    for folder in (path, os.path.dirname(path)):
+        if re.fullmatch(r'step-\d+', os.path.basename(folder)):
+            return folder
+    return None
+
+
+def _intact(path):
+    """The newest complete checkpoint of the kind that path was to be: the file still in its place, or the
+    folder that latest names."""
+    folder = _step_folder(path)
+    if folder is None:
+        return path if os.path.isfile(path) else None
+    latest = os.path.join(os.path.dirname(folder), 'latest')
+    if os.path.isfile(latest):
+        with open(latest, errors='replace') as f:
+            return os.path.join(os.path.dirname(folder), f.read().strip())
+    return None
+
+
+def _complete(folder):
+    try:
+        return checkpoint_iter(folder) is not None
+    except Exception:
+        return False
+
+
+def save_failed():
+    """Whether a storage checkpoint of this process could not be written."""
+    return bool(_failed)
+
+
+def exit_after_failed_save():
+    """Every rank calls this once the ranks have agreed that one of them could not write a storage checkpoint: the
+    saves still in flight are finished first (the newest complete checkpoint stays as it is: a failed write leaves
+    the one before in place and removes its temporary files), then each rank whose write failed exits with the
+    one-line error, the others with a non-zero status only."""
+    wait_for_saves()
+    dist.barrier()
+    if _failed:
+        path, why = _failed[0]
+        folder, intact = _step_folder(path), _intact(path)
+        if folder is not None and os.path.isdir(folder) and not _complete(folder):
+            shutil.rmtree(folder, ignore_errors=True)  # what was written of it: a folder cut short
+        before = f"the newest complete one, {intact}, is intact" if intact else "no checkpoint was complete before"
+        sys.exit(f"error: writing the checkpoint {path} failed ({why}), so the run stopped; {before}: free space "
+                 f"(or fix the folder) and run the same command again to resume")
+    sys.exit(1)
+
+
+def finish_saves():
+    """The end of a run, on every rank (a collective): waits for the saves in flight, and stops as
+    exit_after_failed_save does where any rank's storage checkpoint could not be written."""
+    wait_for_saves()
+    failed = [None] * dist.get_world_size()
+    dist.all_gather_object(failed, save_failed())
+    if any(failed):
+        exit_after_failed_save()
 
 
 def save_in_background(state, path, keep_previous=False, slot=None, then=None):
@@ -222,19 +311,22 @@ def save_in_background(state, path, keep_previous=False, slot=None, then=None):
             for p, s in zip(paths, _host_copies[slot]):
                 atomic_save(s, p, keep_previous)
             ok = True
-        except Exception as e:  # the previous file is still in place; training goes on
-            print(f"warning: writing {slot} failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        except Exception as e:  # the previous file is still in place
+            _note_failure(paths, e)
         finally:
             if then is not None:
-                then(ok)  # always: it may be a collective that the other ranks' threads wait in
+                try:
+                    then(ok)  # always: it may be a collective that the other ranks' threads wait in
+                except Exception as e:  # pointing latest at the folder
+                    _note_failure(paths, e)
     thread = threading.Thread(target=save, name=f'save {slot}')
     thread.start()
     _writers[slot] = (thread, copied)
 
 
-def in_background(wait, slot, then):
-    """For a save that another library writes in the background (DCP's): a thread calls wait() until it is
-    written, then then(True), or then(False) if it failed. wait_for_saves(slot) waits for both."""
+def in_background(wait, slot, then, path=None):
+    """For a save that another library writes in the background (DCP's, into path): a thread calls wait() until
+    it is written, then then(True), or then(False) if it failed. wait_for_saves(slot) waits for both."""
     wait_for_saves(slot)
     copied = threading.Event()
     copied.set()
@@ -244,9 +336,12 @@ def in_background(wait, slot, then):
         try:
             wait()
             ok = True
-        except Exception as e:  # the previous checkpoint is still in place; training goes on
-            print(f"warning: writing {slot} failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
-        then(ok)
+        except BaseException as e:  # the previous checkpoint is still in place (DCP's failure is a BaseException)
+            _note_failure([path or slot], e)
+        try:
+            then(ok)
+        except Exception as e:
+            _note_failure([path or slot], e)
     thread = threading.Thread(target=finish, name=f'save {slot}')
     thread.start()
     _writers[slot] = (thread, copied)
@@ -305,6 +400,11 @@ def snapshot_dir(run_id):
     """The node-local folder of a run's memory snapshots: /dev/shm lives in RAM, so it outlives a training
     process (killed, crashed, restarted by torchrun) but not a reboot or a lost node."""
     return os.path.join('/dev/shm' if os.path.isdir('/dev/shm') else tempfile.gettempdir(), f'nanogpt-{run_id}')
+
+
+def is_snapshot(path):
+    """Whether path lies in a run's snapshot folder (node-local memory), not in out_dir."""
+    return os.path.abspath(path).startswith(snapshot_dir(''))
 
 
 def newest_loadable(paths, run_id=None, or_any=False, iter_of=None):
@@ -377,8 +477,13 @@ def point_latest(folder, iter_of=None):
     replaces them."""
     root, name = os.path.split(folder)
     latest = os.path.join(root, 'latest')
-    with open(latest + '.tmp', 'w') as f:
-        f.write(name)
+    try:
+        with open(latest + '.tmp', 'w') as f:
+            f.write(name)
+    except BaseException:
+        if os.path.isfile(latest + '.tmp'):
+            os.remove(latest + '.tmp')  # a full disk: latest still names the folder before
+        raise
     os.replace(latest + '.tmp', latest)
     fallback = None
     for old in sorted((f for f in os.listdir(root) if f.startswith('step-') and f < name), reverse=True):
@@ -396,18 +501,64 @@ def point_latest(folder, iter_of=None):
 # Where a run starts, shared by the entrypoints: this run's newest state (a memory snapshot or a checkpoint in
 # out_dir), else the weights that init_from names.
 
-def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, where, iter_of=None):
+# Each entrypoint's storage in out_dir: a folder of step folders of its own (`latest` names the newest complete
+# one; train.py has none), and beside them the whole ckpt.pt (and ckpt.prev.pt) that every entrypoint reads:
+# train.py's own checkpoint, the others' export. The config saved in a checkpoint tells its writer by a key that
+# only that entrypoint has.
+FOLDERS = {'fsdp_train.py': 'dcp', 'ds_train.py': 'ds', 'decent_train.py': 'decent'}
+OWN_KEY = {'fsdp_train.py': 'tp_size', 'ds_train.py': 'zero_stage', 'decent_train.py': 'topology'}
+
+
+def writer_of(path):
+    """The entrypoint that wrote the checkpoint file at path, from its saved config."""
+    config = torch.load(path, map_location='cpu', weights_only=True, mmap=True).get('config', {})
+    return next((script for script, key in OWN_KEY.items() if key in config), 'train.py')
+
+
+def others_newest(out_dir, script):
+    """(iter_num, folder, writer) of the newest complete state in out_dir that another entrypoint than script
+    keeps in a folder of its own (the step folder its `latest` names), or None."""
+    newest = None
+    for writer, kind in FOLDERS.items():
+        latest = os.path.join(out_dir, kind, 'latest')
+        if writer == script or not os.path.isfile(latest):
+            continue
+        with open(latest, errors='replace') as f:
+            name = f.read().strip()
+        found = re.fullmatch(r'step-(\d{1,12})', name)
+        if found and os.path.isdir(os.path.join(out_dir, kind, name)) and (newest is None or
+                                                                            int(found[1]) > newest[0]):
+            newest = (int(found[1]), os.path.join(out_dir, kind, name), writer)
+    return newest
+
+
+def misplaced(out_dir, storage):
+    """A one-line reason where something stands in out_dir where the entrypoints write a file (a ckpt.pt that is
+    a folder) or a folder of step folders (a dcp that is a file): every save there would fail, or move it."""
+    for path in [p for paths in storage for p in paths] + [os.path.join(out_dir, k) for k in FOLDERS.values()]:
+        if path.endswith('.pt') and os.path.exists(path) and not os.path.isfile(path):
+            return f"{path} is a folder, where the checkpoint file goes"
+        if not path.endswith('.pt') and os.path.exists(path) and not os.path.isdir(path):
+            return f"{path} is a file, where a folder of checkpoints goes"
+    return None
+
+
+def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, where, iter_of=None, script=None):
     """(run_id, (iter_num, path) to resume from or None), the same on every rank (a collective). out_dir/run_id
     names the run; snapshots names this rank's snapshot files in the run's node-local folder (or is a function of
     the folder that lists their paths); storage is lists of paths in out_dir, which rank 0 reads (it must be
-    storage every node shares): the first list that holds a loadable checkpoint gives the newest of them. A
+    storage every node shares): the first list that holds a loadable checkpoint gives the newest of them, unless a
+    later list holds a newer one that another entrypoint wrote (the run went on there). A
     memory snapshot counts only at an iteration that every rank holds (a replaced node holds none; a rank killed
     while writing holds the one before) and the checkpoints do not pass. Damaged ones are skipped with a warning,
     or are an error where nothing else loads; init_from=resume with nothing to resume is an error naming where
-    (what storage was looked for)."""
+    (what storage was looked for). script is the entrypoint: a start that would not continue the newest state that
+    another entrypoint keeps in out_dir is an error naming it (a new run over it would cut its log and, once it
+    resumed there, prune its folders). eval_only with init_from=scratch evaluates the run's newest state."""
     rank = dist.get_rank()
-    run_id, held, disk, damaged = None, {}, (None, None), []
-    wanted = init_from == 'resume' or (auto_resume and not eval_only)  # an eval of another model is no resume
+    run_id, held, disk, damaged, others, wrong = None, {}, (None, None), [], None, None
+    # an eval of another model is no resume; an eval of out_dir (init_from=scratch) is one of its newest state
+    wanted = init_from == 'resume' or (auto_resume and (not eval_only or init_from == 'scratch'))
     run_id_path = os.path.join(out_dir, 'run_id')
     if wanted and os.path.isfile(run_id_path):
         with open(run_id_path) as f:
@@ -418,16 +569,24 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
             damaged += bad
             if it is not None:
                 held[it] = path
-    if wanted and rank == 0:
+    if rank == 0:
+        wrong = misplaced(out_dir, storage)
+        others = others_newest(out_dir, script)
+    if wanted and rank == 0 and not wrong:
         # this run's newest, not one of a run that it was started afresh over (that only when asked to resume)
         for paths in storage:
-            *disk, bad = newest_loadable(paths, run_id=run_id, or_any=init_from == 'resume', iter_of=iter_of)
-            damaged += bad
-            if disk[0] is not None:
-                break
+            *found, bad = newest_loadable(paths, run_id=run_id, or_any=init_from == 'resume', iter_of=iter_of)
+            if found[0] is None:
+                damaged += bad
+            elif disk[0] is None:
+                disk, damaged = found, damaged + bad
+            elif found[0] > disk[0] and os.path.isfile(found[1]) and writer_of(found[1]) != script:
+                disk = found
     views = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (run_id, held, tuple(disk), damaged, uuid.uuid4().hex))
-    run_id, _, (disk_iter, disk_path), _, new_id = views[0]
+    dist.all_gather_object(views, (run_id, held, tuple(disk), damaged, uuid.uuid4().hex, others, wrong))
+    run_id, _, (disk_iter, disk_path), _, new_id, others, wrong = views[0]
+    if wrong:
+        sys.exit(f"error: {wrong}: move it out of {out_dir} (nothing was changed)")
     damaged = [d for v in views for d in v[3]]
     mem_iter = max(set.intersection(*(set(v[1]) for v in views)), default=None)
     if run_id is not None and mem_iter is not None and all(v[0] == run_id for v in views) \
@@ -437,6 +596,11 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         run_id, resume_from = run_id or new_id, (disk_iter, disk_path)
     else:
         run_id, resume_from = new_id, None  # a fresh run gets a new id
+    if others and (resume_from is None or resume_from[0] < others[0]) and (wanted or not eval_only):
+        it, folder, writer = others
+        sys.exit(f"error: {out_dir} holds a run of {writer}, whose newest state ({folder}, iter {it}) "
+                 f"{script} cannot resume: continue it with `{writer} --out_dir={out_dir}` (under torchrun as "
+                 f"before), or start a new run from its weights with --init_from={out_dir} and another --out_dir")
     if resume_from is None and damaged:
         path, why = damaged[0]
         sys.exit(f"error: checkpoint {path} is corrupt or not a training checkpoint ({why}): delete it or restore "
@@ -445,7 +609,12 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         sys.exit(f"error: no checkpoint at {where}: point --out_dir at a run's folder, or use --init_from=scratch")
     for path, why in damaged:
         print0(f"warning: skipping the damaged {path} ({why}); resuming from the newest one before it")
-    if resume_from is not None and init_from != 'resume':
+    if eval_only and resume_from is not None:
+        print0(f"eval_only: evaluating the newest state of the run in {out_dir}, {resume_from[1]} at iter "
+               f"{resume_from[0]}; nothing in {out_dir} is written but its eval rows in metrics.jsonl")
+    elif eval_only and init_from == 'scratch':
+        print0(f"eval_only: {out_dir} holds no run, so this evaluates a new, untrained model")
+    elif resume_from is not None and init_from != 'resume':
         print0(f"auto-resume: {out_dir} holds this run's state at iter {resume_from[0]}, so the run continues "
                f"(--auto_resume=False starts afresh)")
     return run_id, resume_from
@@ -456,11 +625,11 @@ def print0(*args):
         print(*args, flush=True)
 
 
-def remove_snapshots(run_id):
+def remove_snapshots(run_id, eval_only=False):
     """At the end of a run, once every rank's saves are written (out_dir holds the final state): the node's
-    snapshots go, to free the RAM they hold."""
+    snapshots go, to free the RAM they hold. Not after an eval_only run: they are the run's it evaluated."""
     dist.barrier()
-    if int(os.environ.get('LOCAL_RANK', 0)) == 0:
+    if int(os.environ.get('LOCAL_RANK', 0)) == 0 and not eval_only:
         shutil.rmtree(snapshot_dir(run_id), ignore_errors=True)
 
 

@@ -30,8 +30,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import (commit, create_model, find_resume, previous, reason, remove_snapshots, save_in_background,
-                        snapshot_dir, step_folders, upgrade_optimizer_state, wait_for_copies, wait_for_saves)
+from checkpoint import (commit, create_model, find_resume, finish_saves, previous, reason, remove_snapshots,
+                        save_in_background, snapshot_dir, step_folders, upgrade_optimizer_state, wait_for_copies,
+                        wait_for_saves)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, read_meta
 from decent import (average_moments, average_replicas, global_model, make_bucket, make_mixing_groups, make_optimizer,
@@ -204,7 +205,7 @@ snapshot_name = f'rank-{rank}-of-{world_size}.pt'  # a rank's own replica, which
 run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only,
                                   snapshots=[snapshot_name, previous(snapshot_name)],
                                   storage=[step_folders(decent_dir), [ckpt_path, previous(ckpt_path)]],
-                                  where=f"{decent_dir} or {ckpt_path}")
+                                  where=f"{decent_dir} or {ckpt_path}", script='decent_train.py')
 snapshot_path = os.path.join(snapshot_dir(run_id), snapshot_name)
 resume_path = resume_from and resume_from[1]
 
@@ -457,7 +458,7 @@ while True:
     for param_group in (g for optimizer in optimizers for g in optimizer.param_groups):
         param_group['lr'] = lr
 
-    if iter_num % eval_interval == 0 or iter_num == max_iters:
+    if iter_num % eval_interval == 0 or iter_num == max_iters or eval_only:
         losses, consensus = estimate_loss()
         print0(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, "
                f"consensus distance {consensus:.3e}")
@@ -467,7 +468,7 @@ while True:
                        'consensus_distance': consensus})
         if losses['val'] < best_val_loss or always_save_checkpoint:
             best_val_loss = min(best_val_loss, losses['val'])
-            if iter_num > 0:
+            if iter_num > 0 and not eval_only:  # an eval of a run writes no checkpoint
                 save_checkpoint()
         t0, steps_timed = time.time(), 0  # leave evals out of the step time
     elif save_storage_interval and iter_num % save_storage_interval == 0 and local_iter_num > 0:
@@ -541,7 +542,7 @@ while True:
         save_checkpoint(wait=True)
         break
 
-wait_for_saves()
-remove_snapshots(run_id)  # out_dir holds the final state: free the RAM
+finish_saves()  # a storage checkpoint that could not be written stops the run with an error
+remove_snapshots(run_id, eval_only)  # out_dir holds the final state: free the RAM
 finish_mixing()
 finish()

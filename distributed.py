@@ -4,7 +4,7 @@ dlrover-run) a process learns its place from RANK, LOCAL_RANK and WORLD_SIZE; wi
 so the entrypoints' code is the same on one process as on many.
 
     rank, local_rank, world_size = start(backend, device)   # the process group, SIGTERM noted, teardown at exit
-    nonfinite, stop = agree(nonfinite)                       # the ranks decide alike about a step and a SIGTERM
+    nonfinite, stop = agree(nonfinite)                       # the ranks decide alike: a step, SIGTERM, a failed save
     rngs = gather_rng() ... restore_rng(rngs)                # every rank's RNG, for exact resume
 """
 
@@ -20,6 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from checkpoint import exit_after_failed_save, save_failed
 
 _stop_signals = []
 
@@ -99,10 +101,14 @@ def use_deterministic_algorithms(device_type):
 
 def agree(nonfinite):
     """(nonfinite, stop) as every rank sees them: whether any rank's step was not finite (a tensor, so that the
-    check queues on the device), and whether any rank was sent SIGTERM. One small all-reduce carries both."""
-    flags = torch.stack([nonfinite.float(), torch.tensor(float(bool(_stop_signals)), device=nonfinite.device)])
+    check queues on the device), and whether any rank was sent SIGTERM. One small all-reduce carries both, and
+    whether any rank's storage checkpoint could not be written in the background: then every rank stops here."""
+    flags = torch.tensor([float(bool(_stop_signals)), float(save_failed())], device=nonfinite.device)
+    flags = torch.cat([nonfinite.float().reshape(1), flags])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    nonfinite, stop = flags.tolist()
+    nonfinite, stop, failed = flags.tolist()
+    if failed:
+        exit_after_failed_save()
     return bool(nonfinite), bool(stop)
 
 

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import (commit, create_model, find_resume, previous, reason, remove_snapshots, save_in_background,
-                        snapshot_dir, upgrade_optimizer_state, wait_for_copies, wait_for_saves)
+from checkpoint import (commit, create_model, find_resume, finish_saves, previous, reason, remove_snapshots,
+                        save_in_background, snapshot_dir, upgrade_optimizer_state, wait_for_copies, wait_for_saves)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, read_meta
 from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
@@ -196,7 +196,8 @@ foreign = []  # engine checkpoints in ds_dir of another world size or stage: (pa
 engine_iter = lambda path, run_id=None: checkpoint_iter_at(path, run_id, (world_size, zero_stage), foreign, ds_dir)
 run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only, snapshots=engine_folders,
                                   storage=[engine_folders(ds_dir) + [ckpt_path, previous(ckpt_path)]],
-                                  where=f"{os.path.join(ds_dir, 'latest')} or {ckpt_path}", iter_of=engine_iter)
+                                  where=f"{os.path.join(ds_dir, 'latest')} or {ckpt_path}", iter_of=engine_iter,
+                                  script='ds_train.py')
 resume_path = resume_from and resume_from[1]
 if foreign and resume_path in (ckpt_path, previous(ckpt_path)):
     print0(f"{foreign[0][0]} was written by {foreign[0][1]} ranks at zero_stage={foreign[0][2]}, not {world_size} at "
@@ -399,7 +400,7 @@ while True:
     for param_group in optimizer.param_groups:
         param_group['lr'] = lr
 
-    if iter_num % eval_interval == 0 or iter_num == max_iters:
+    if iter_num % eval_interval == 0 or iter_num == max_iters or eval_only:
         losses = estimate_loss()
         print0(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         log_metrics(iter_num, train_loss=losses['train'], val_loss=losses['val'])
@@ -407,7 +408,7 @@ while True:
             wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr})
         if losses['val'] < best_val_loss or always_save_checkpoint:
             best_val_loss = min(best_val_loss, losses['val'])
-            if iter_num > 0:
+            if iter_num > 0 and not eval_only:  # an eval of a run writes no checkpoint
                 save_checkpoint()
         t0, steps_timed = time.time(), 0  # leave evals out of the step time
     elif save_storage_interval and iter_num % save_storage_interval == 0 and local_iter_num > 0:
@@ -472,6 +473,6 @@ while True:
         save_checkpoint(wait=True)
         break
 
-wait_for_saves()
-remove_snapshots(run_id)  # out_dir holds the final state: free the RAM
+finish_saves()  # a storage checkpoint that could not be written stops the run with an error
+remove_snapshots(run_id, eval_only)  # out_dir holds the final state: free the RAM
 finish()

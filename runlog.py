@@ -14,42 +14,125 @@ import os
 import sys
 import time
 
-from checkpoint import wait_for_saves
+import torch.distributed as dist
+
+from checkpoint import reason, wait_for_saves
 
 
 def open_log(out_dir, run_id, settings, resumed_at=None, write=True, eval_only=False):
     """log(iter_num, **row) appends a row to out_dir/metrics.jsonl with the time since this call; the first call
-    writes run_id (not for an eval_only run, which is no run of its own) and config.json (settings), and drops the
-    rows that a resumed run (resumed_at: its iteration) logged after its checkpoint, since they are about to be
-    logged again. write=False (every rank but the first) makes log do nothing."""
+    writes run_id and config.json (settings), and drops the rows that a resumed run (resumed_at: its iteration)
+    logged after its checkpoint, since they are about to be logged again. An eval_only run writes nothing but its
+    rows, appended: it evaluates a run (or a model), and is no run of its own. write=False (every rank but the
+    first) makes log do nothing. A file that cannot be written (a full disk) is a one-line error, with nothing
+    half-written left."""
     t_start, metrics = time.time(), []
 
     def log(iter_num, **row):
-        if not write:
+        text = json.dumps({'iter': iter_num, **row, 'time': round(time.time() - t_start, 3)}) + '\n'
+        if metrics:
+            if write and metrics[0] is not None:
+                metrics[0].write(text)
             return
-        if not metrics:
-            metrics.append(_start(out_dir, run_id, settings, resumed_at, eval_only))
-        metrics[0].write(json.dumps({'iter': iter_num, **row, 'time': round(time.time() - t_start, 3)}) + '\n')
+        # the first row, which every rank logs at the same point: the ranks learn together whether rank 0 could
+        # write the run's files, and all stop if it could not
+        made, error = [], None  # the files that the first row's writes create, removed again should one fail
+        if write:
+            try:
+                metrics.append(_start(out_dir, run_id, settings, resumed_at, eval_only, text, made))
+            except OSError as e:
+                for path in made:
+                    if os.path.isfile(path):
+                        os.remove(path)
+                error = (f"error: cannot write {e.filename or os.path.join(out_dir, 'metrics.jsonl')} "
+                         f"({e.strerror or reason(e)}): free space there, or give another --out_dir")
+        else:
+            metrics.append(None)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            error = error or (1 if any(errors) else None)
+        if error:
+            sys.exit(error)
     return log
 
 
-def _start(out_dir, run_id, settings, resumed_at, eval_only):
-    os.makedirs(out_dir, exist_ok=True)
-    if not eval_only:
-        replace_text(os.path.join(out_dir, 'run_id'), run_id)
-    replace_text(os.path.join(out_dir, 'config.json'), json.dumps(settings, indent=1))
+def _start(out_dir, run_id, settings, resumed_at, eval_only, first_row, made):
+    """The log file with its first row, opened to append to, once the files of the run are written (each whole or
+    not at all; those it makes listed in made). The log is read first (a damaged one set aside, see read_log), so
+    that nothing is rewritten before it is known readable."""
     path = os.path.join(out_dir, 'metrics.jsonl')
-    if resumed_at is not None and os.path.exists(path):
-        with open(path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line).get('iter', 0) < resumed_at]
-        replace_text(path, ''.join(kept))
-    return open(path, 'a' if resumed_at is not None else 'w', buffering=1)
+    if eval_only:
+        if os.path.exists(path) and not os.path.isfile(path):
+            print(f"warning: {path} is not a file: this eval's rows are not logged", file=sys.stderr, flush=True)
+            return None
+        os.makedirs(out_dir, exist_ok=True)
+        f = open(path, 'a', buffering=1)
+        f.write(('\n' if f.tell() and _last_byte(path) != b'\n' else '') + first_row)  # a row cut short stays apart
+        return f
+    kept = read_log(path, resumed_at) if resumed_at is not None else []
+    os.makedirs(out_dir, exist_ok=True)
+    for name, text in (('run_id', run_id), ('config.json', json.dumps(settings, indent=1)),
+                       ('metrics.jsonl', ''.join(kept) + first_row)):
+        if not os.path.exists(os.path.join(out_dir, name)):
+            made.append(os.path.join(out_dir, name))
+        try:
+            replace_text(os.path.join(out_dir, name), text)
+        except OSError as e:  # a write's error names no file
+            raise OSError(e.errno, e.strerror, e.filename or os.path.join(out_dir, name)) from None
+    return open(path, 'a', buffering=1)
+
+
+def _last_byte(path):
+    with open(path, 'rb') as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1)
+
+
+def read_log(path, before):
+    """The lines of the log at path whose rows precede iteration `before`. Lines that are not a JSON object of a
+    row (cut short by a crash, not UTF-8, edited by hand), or a folder in the log's place, are set aside into
+    path.damaged-TIME, never lost, with a one-line warning: a damaged log never blocks a resume."""
+    if not os.path.lexists(path):
+        return []
+    aside = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+    if not os.path.isfile(path):
+        os.replace(path, aside)
+        print(f"warning: {path} was not a file; it was moved to {aside} and the log starts anew",
+              file=sys.stderr, flush=True)
+        return []
+    kept, bad = [], []
+    with open(path, 'rb') as f:
+        for line in f:
+            try:
+                row = json.loads(line.decode('utf-8'))
+                if not isinstance(row, dict) or not isinstance(row.get('iter', 0), int):
+                    raise ValueError('not a row')
+            except ValueError:  # UnicodeDecodeError and JSONDecodeError among them
+                if line.strip():
+                    bad.append(line if line.endswith(b'\n') else line + b'\n')
+                continue
+            if row.get('iter', 0) < before:
+                kept.append(line.decode('utf-8').rstrip('\n') + '\n')
+    if bad:
+        with open(aside + '.tmp', 'wb') as f:
+            f.write(b''.join(bad))
+        os.replace(aside + '.tmp', aside)
+        print(f"warning: {len(bad)} unreadable line(s) of {path} set aside in {aside}; the run goes on",
+              file=sys.stderr, flush=True)
+    return kept
 
 
 def replace_text(path, text):
-    """Writes a small file whole or not at all (a temporary file, then a rename)."""
-    with open(path + '.tmp', 'w') as f:
-        f.write(text)
+    """Writes a small file whole or not at all (a temporary file, then a rename); a failed write leaves no
+    temporary file."""
+    try:
+        with open(path + '.tmp', 'w') as f:
+            f.write(text)
+    except BaseException:
+        if os.path.isfile(path + '.tmp'):
+            os.remove(path + '.tmp')
+        raise
     os.replace(path + '.tmp', path)
 
 

@@ -79,7 +79,7 @@ def save_dcp(state, extra, path, resume_path):
         atomic_save(extra, os.path.join(path, 'extra.pt'))
     dist.barrier()  # nobody writes into the folder before it is clean
     saving = dcp.async_save(state, checkpoint_id=path, process_group=_checkpoint_group)
-    in_background(saving.result, 'dcp', then=lambda ok: ok and dist.get_rank() == 0 and point_latest(path))
+    in_background(saving.result, 'dcp', then=lambda ok: ok and dist.get_rank() == 0 and point_latest(path), path=path)
     print0(f"saving checkpoint to {path}")
 
 

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import (create_model, find_resume, previous, reason, remove_snapshots, save_in_background, snapshot_dir,
-                        upgrade_optimizer_state, wait_for_copies, wait_for_saves)
+from checkpoint import (create_model, find_resume, finish_saves, previous, reason, remove_snapshots, save_in_background,
+                        snapshot_dir, upgrade_optimizer_state, wait_for_copies, wait_for_saves)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, read_meta
 from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start, state_bytes,
@@ -150,7 +150,8 @@ def draw_train_offsets():
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only,
                                   snapshots=['ckpt.pt'],
-                                  storage=[[ckpt_path, previous(ckpt_path)]], where=ckpt_path)
+                                  storage=[[ckpt_path, previous(ckpt_path)]], where=ckpt_path,
+                                  script='train.py')
 snapshot_path = os.path.join(snapshot_dir(run_id), 'ckpt.pt')
 resume_path = resume_from and resume_from[1]
 
@@ -281,7 +282,7 @@ while True:
     for param_group in optimizer.param_groups:
         param_group['lr'] = lr
 
-    if iter_num % eval_interval == 0 or iter_num == max_iters:
+    if iter_num % eval_interval == 0 or iter_num == max_iters or eval_only:
         losses = estimate_loss()
         print0(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         log_metrics(iter_num, train_loss=losses['train'], val_loss=losses['val'])
@@ -289,7 +290,7 @@ while True:
             wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr})
         if losses['val'] < best_val_loss or always_save_checkpoint:
             best_val_loss = min(best_val_loss, losses['val'])
-            if iter_num > 0:
+            if iter_num > 0 and not eval_only:  # an eval of a run writes no checkpoint
                 save_checkpoint()
         t0, steps_timed = time.time(), 0  # leave evals out of the step time
     elif save_storage_interval and iter_num % save_storage_interval == 0 and local_iter_num > 0:
@@ -354,6 +355,6 @@ while True:
         save_checkpoint(wait=True)
         break
 
-wait_for_saves()
-remove_snapshots(run_id)  # out_dir holds the final state: free the RAM
+finish_saves()  # a storage checkpoint that could not be written stops the run with an error
+remove_snapshots(run_id, eval_only)  # out_dir holds the final state: free the RAM
 finish()

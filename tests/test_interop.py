@@ -27,11 +27,12 @@ def trip(tmp_path_factory, data_dir):
     tmp = tmp_path_factory.mktemp('trip')
     launch('train.py', tmp, data_dir, 'a', '--max_iters=3')
     shutil.copytree(tmp / 'a', tmp / 'b')
-    launch('fsdp_train.py', tmp, data_dir, 'b', '--init_from=resume', '--eval_only=True', '--save_consolidated=True',
+    # a resume at its last iteration evaluates and saves (an eval_only run would write nothing)
+    launch('fsdp_train.py', tmp, data_dir, 'b', '--init_from=resume', '--max_iters=3', '--save_consolidated=True',
            nproc=2)
     shutil.copytree(tmp / 'b', tmp / 'c')
     shutil.rmtree(tmp / 'c' / 'dcp')
-    launch('train.py', tmp, data_dir, 'c', '--init_from=resume', '--eval_only=True')
+    launch('train.py', tmp, data_dir, 'c', '--init_from=resume', '--max_iters=3')
     return tmp
 
 
@@ -46,9 +47,9 @@ def test_train_decent_train_round_trip_keeps_the_weights_exactly(trip, data_dir,
     # decent_train.py starts every replica from train.py's checkpoint and exports their average: of equal
     # replicas, that is the weights themselves
     shutil.copytree(trip / 'a', tmp_path / 'd')
-    launch('decent_train.py', tmp_path, data_dir, 'd', '--init_from=resume', '--eval_only=True', nproc=2)
+    launch('decent_train.py', tmp_path, data_dir, 'd', '--init_from=resume', '--max_iters=3', nproc=2)
     assert (tmp_path / 'd' / 'decent' / 'latest').exists()
-    launch('train.py', tmp_path, data_dir, 'd', '--init_from=resume', '--eval_only=True')
+    launch('train.py', tmp_path, data_dir, 'd', '--init_from=resume', '--max_iters=3')
     a, d = weights(trip / 'a' / 'ckpt.pt'), weights(tmp_path / 'd' / 'ckpt.pt')
     assert a.keys() == d.keys() and all(torch.equal(a[k], d[k]) for k in a)
 
@@ -58,7 +59,7 @@ def test_train_ds_train_round_trip_keeps_the_weights_and_adam_state_exactly(trip
     # ranks, and gathers them back into its consolidated ckpt.pt; train.py starts from that run's folder (a step at
     # learning rate 0 changes nothing)
     shutil.copytree(trip / 'a', tmp_path / 'ds')
-    launch('ds_train.py', tmp_path, data_dir, 'ds', '--init_from=resume', '--eval_only=True', '--zero_stage=3', nproc=2)
+    launch('ds_train.py', tmp_path, data_dir, 'ds', '--init_from=resume', '--max_iters=3', '--zero_stage=3', nproc=2)
     assert (tmp_path / 'ds' / 'ds' / 'latest').read_text() == 'step-00000003'
     launch('train.py', tmp_path, data_dir, 'back', f'--init_from={tmp_path / "ds"}', '--max_iters=1',
            '--learning_rate=0', '--decay_lr=False')
@@ -78,7 +79,7 @@ def test_init_from_any_checkpoint_path(trip, data_dir, tmp_path):
     for src in (trip / 'b' / 'dcp' / 'step-00000003', trip / 'b', trip / 'a' / 'ckpt.pt'):
         p = launch('train.py', tmp_path, data_dir, 'new', f'--init_from={src}', '--eval_only=True')
         assert 'initializing from the weights of' in p.stdout
-        assert read_metrics(tmp_path / 'new')[1][0]['val_loss'] == pytest.approx(val_at_3, abs=1e-6)
+        assert read_metrics(tmp_path / 'new')[1][-1]['val_loss'] == pytest.approx(val_at_3, abs=1e-6)  # appended
     p = launch('fsdp_train.py', tmp_path, data_dir, 'new2', f'--init_from={trip / "a" / "ckpt.pt"}', '--max_iters=3',
                nproc=2)
     losses, evals = read_metrics(tmp_path / 'new2')

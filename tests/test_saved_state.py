@@ -1,0 +1,183 @@
+"""A run's saved state is never lost to an ordinary mistake, in real processes: an eval_only run writes nothing
+but its eval rows; an entrypoint never starts afresh over another's run; a checkpoint that cannot be written (a
+full disk, from a small tmpfs mounted here) stops the run with a one-line error and the checkpoint before intact;
+a damaged metrics.jsonl is set aside, never lost, and the run goes on; a start on a full disk leaves nothing
+half-written. One finished 10-step run per entrypoint (evals at 5 and 10) is shared by the tests (shared_run)."""
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, TINY, env, one_line_error, read_metrics, run
+
+ARGS = ['--gradient_accumulation_steps=1', '--max_iters=10', '--eval_interval=5']
+
+
+def start(tmp_path, data_dir, out, *args, script='train.py', check=True, nproc=1):
+    return run(script, *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}', *ARGS, *args,
+               cwd=tmp_path, check=check, nproc=nproc)
+
+
+def files(folder):
+    """{path in folder: md5} of every file below folder."""
+    return {str(p.relative_to(folder)): hashlib.md5(p.read_bytes()).hexdigest()
+            for p in sorted(Path(folder).rglob('*')) if p.is_file()}
+
+
+def iter_of(path):
+    return torch.load(path, map_location='cpu', weights_only=True)['iter_num']
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """mount(size) -> a tmpfs of that size, mounted in tmp_path (the tests run as root); unmounted at the end."""
+    mounted = []
+
+    def mount(size):
+        where = tmp_path / f'disk{len(mounted)}'
+        where.mkdir()
+        subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={size}', 'tmpfs', str(where)], check=True)
+        mounted.append(where)
+        return where
+    try:
+        yield mount
+    finally:
+        for where in mounted:
+            subprocess.run(['umount', '-l', str(where)], check=False)
+
+
+def fill(disk):
+    """Fills the disk: a file takes every byte that is left."""
+    with open(disk / 'filler', 'wb', buffering=0) as f:
+        try:
+            while True:
+                f.write(b'\0' * 4096)
+        except OSError:
+            pass
+
+
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py'])
+def test_eval_only_writes_nothing_but_its_rows_and_evaluates_the_runs_newest_state(tmp_path, data_dir, shared_run,
+                                                                                    script):
+    shutil.copytree(shared_run(script, *ARGS), tmp_path / 'run')
+    before, lines = files(tmp_path / 'run'), (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()
+    last_eval = read_metrics(tmp_path / 'run')[1][-1]
+    p = start(tmp_path, data_dir, tmp_path / 'run', '--eval_only=True', script=script)  # init_from=scratch
+    assert 'eval_only: evaluating the newest state of the run' in p.stdout and 'at iter 10' in p.stdout, p.stdout
+    start(tmp_path, data_dir, tmp_path / 'run', '--eval_only=True', '--init_from=resume', script=script)
+    after = files(tmp_path / 'run')
+    assert after.keys() == before.keys()  # no checkpoint, no ckpt.prev.pt rotated, no step folder
+    assert all(after[k] == before[k] for k in before if k != 'metrics.jsonl')  # config.json, run_id, checkpoints
+    now = (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()
+    assert now[:len(lines)] == lines and len(now) == len(lines) + 2  # the log kept whole, two eval rows appended
+    for row in map(json.loads, now[-2:]):  # the trained model's val loss, not an untrained one's
+        assert row['iter'] == 10 and row['val_loss'] == pytest.approx(last_eval['val_loss'], abs=1e-6)
+
+
+def test_another_entrypoints_run_is_refused_in_one_line_and_left_as_it_was(tmp_path, data_dir, shared_run):
+    shutil.copytree(shared_run('fsdp_train.py', *ARGS), tmp_path / 'fsdp')  # dcp/ only: no ckpt.pt to resume
+    before = files(tmp_path / 'fsdp')
+    for args in (['--max_iters=3'], ['--eval_only=True'], ['--auto_resume=False']):
+        error = one_line_error(start(tmp_path, data_dir, tmp_path / 'fsdp', *args, check=False))
+        assert 'holds a run of fsdp_train.py' in error and 'dcp/step-00000010, iter 10' in error, error
+        assert f'--init_from={tmp_path / "fsdp"}' in error
+        assert files(tmp_path / 'fsdp') == before  # no new run_id, its log whole, no ckpt.pt
+    # its weights start a new run elsewhere, as the error says; a consolidated ckpt.pt as new resumes under train.py
+    start(tmp_path, data_dir, tmp_path / 'new', f'--init_from={tmp_path / "fsdp"}', '--max_iters=1')
+    start(tmp_path, data_dir, tmp_path / 'fsdp', '--init_from=resume', '--max_iters=10', '--save_consolidated=True',
+          script='fsdp_train.py')
+    p = start(tmp_path, data_dir, tmp_path / 'fsdp', '--max_iters=12')
+    assert 'at iter 10' in p.stdout and iter_of(tmp_path / 'fsdp' / 'ckpt.pt') == 12
+
+
+def test_a_damaged_log_is_set_aside_and_the_run_goes_on(tmp_path, data_dir, shared_run):
+    base = shared_run('train.py', *ARGS)
+    shutil.copytree(base, tmp_path / 'run')
+    log = tmp_path / 'run' / 'metrics.jsonl'
+    bad = b'[1, 2]\n\xff\xfe not utf-8\n{"iter": 11, "lo'  # a JSON list, other bytes, a line cut short
+    log.write_bytes(log.read_bytes() + bad)
+    p = start(tmp_path, data_dir, tmp_path / 'run', '--max_iters=12')
+    assert 'warning: 3 unreadable line(s)' in p.stderr and 'at iter 10' in p.stdout, p.stderr
+    aside = list((tmp_path / 'run').glob('metrics.jsonl.damaged-*'))
+    assert len(aside) == 1 and aside[0].read_bytes() == bad + b'\n'  # kept, not lost
+    assert sorted(read_metrics(tmp_path / 'run')[0]) == list(range(12))
+    # a folder in the log's place is moved aside whole
+    shutil.copytree(base, tmp_path / 'run2')
+    log = tmp_path / 'run2' / 'metrics.jsonl'
+    log.unlink()
+    log.mkdir()
+    (log / 'kept.txt').write_text('mine')
+    p = start(tmp_path, data_dir, tmp_path / 'run2', '--max_iters=12')
+    assert 'was not a file' in p.stderr and 'at iter 10' in p.stdout
+    aside = list((tmp_path / 'run2').glob('metrics.jsonl.damaged-*'))
+    assert len(aside) == 1 and (aside[0] / 'kept.txt').read_text() == 'mine'
+    assert sorted(read_metrics(tmp_path / 'run2')[0]) == [10, 11]
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_the_run_with_the_one_before_intact(tmp_path, data_dir,
+                                                                                      shared_run, small_disk):
+    size = (shared_run('train.py', *ARGS) / 'ckpt.pt').stat().st_size
+    disk = small_disk(int(size * 1.6) + 65536)  # room for one checkpoint, not for the next beside it
+    out = disk / 'run'
+    p = start(tmp_path, data_dir, out, '--max_iters=14', check=False)
+    error = one_line_error(p)  # the save at 10 failed in its thread; the step after it learned so and stopped
+    assert f'writing the checkpoint {out / "ckpt.pt"} failed' in error and 'No space left on device' in error
+    assert 'iter 12' not in p.stdout and iter_of(out / 'ckpt.pt') == 5
+    assert not list(out.glob('*.tmp')) and not (out / 'ckpt.prev.pt').exists()
+    subprocess.run(['mount', '-o', 'remount,size=8m', str(disk)], check=True)
+    p = start(tmp_path, data_dir, out, '--max_iters=14')  # space again: it resumes from the intact one
+    assert f'resuming from {out / "ckpt.pt"} at iter 5' in p.stdout and iter_of(out / 'ckpt.pt') == 14
+
+
+def test_a_failed_sharded_save_stops_every_rank(tmp_path, data_dir, small_disk):
+    disk = small_disk('96k')
+    p = start(tmp_path, data_dir, disk / 'run', '--gradient_accumulation_steps=2', script='fsdp_train.py', nproc=2,
+              check=False)
+    assert p.returncode != 0 and 'Traceback' not in p.stderr, p.stderr[-3000:]
+    assert f'error: writing the checkpoint {disk / "run" / "dcp" / "step-00000005"} failed' in p.stderr
+    assert 'step 10' not in p.stdout and not list((disk / 'run' / 'dcp').iterdir())  # what it wrote of it, gone
+
+
+def test_a_checkpoint_path_that_is_a_folder_is_refused_at_the_start(tmp_path, data_dir):
+    (tmp_path / 'run' / 'ckpt.pt').mkdir(parents=True)
+    (tmp_path / 'run' / 'ckpt.pt' / 'mine').write_text('kept')
+    error = one_line_error(start(tmp_path, data_dir, tmp_path / 'run', check=False))
+    assert 'ckpt.pt is a folder' in error
+    assert files(tmp_path / 'run') == {'ckpt.pt/mine': hashlib.md5(b'kept').hexdigest()}  # nothing moved or added
+
+
+def test_a_start_or_resume_on_a_full_disk_is_one_line_and_leaves_nothing_half_written(tmp_path, data_dir,
+                                                                                     shared_run, small_disk):
+    disk = small_disk('64k')
+    fill(disk)
+    error = one_line_error(start(tmp_path, data_dir, disk / 'new', check=False))
+    assert 'No space left on device' in error and 'error: cannot write' in error
+    assert not (disk / 'new').exists() or not list((disk / 'new').iterdir())  # no run_id.tmp, no empty log
+    p = start(tmp_path, data_dir, disk / 'new2', '--gradient_accumulation_steps=2', nproc=2, check=False)
+    assert 'error: cannot write' in one_line_error(p, nproc=2) and 'Traceback' not in p.stderr  # both ranks stop
+    base = shared_run('train.py', *ARGS)
+    disk = small_disk('2m')
+    shutil.copytree(base, disk / 'run')
+    fill(disk)
+    before = files(disk / 'run')
+    error = one_line_error(start(tmp_path, data_dir, disk / 'run', '--max_iters=12', check=False))
+    assert 'No space left on device' in error
+    assert files(disk / 'run') == before  # its log whole, no temporary file
+
+
+def test_a_memory_snapshot_that_cannot_be_written_is_a_warning(tmp_path, data_dir):
+    # a /dev/shm of 16 KiB in a mount namespace of the run's own: its snapshots fail, its storage checkpoint not
+    command = [sys.executable, str(REPO / 'train.py'), *TINY, f'--dataset={data_dir / "shakespeare_char"}',
+               f'--out_dir={tmp_path / "run"}', *ARGS, '--max_iters=4', '--save_memory_interval=2']
+    p = subprocess.run(['unshare', '-m', '--propagation', 'private', 'sh', '-c',
+                        'mount -t tmpfs -o size=16k tmpfs /dev/shm && exec "$@"', 'sh', *command],
+                       cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert 'warning: the memory snapshot' in p.stderr and 'training goes on' in p.stderr
+    assert iter_of(tmp_path / 'run' / 'ckpt.pt') == 4
