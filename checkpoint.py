@@ -41,7 +41,10 @@ def find_checkpoint(path):
         latest = os.path.join(path, 'dcp', 'latest')
         if os.path.exists(latest):
             with open(latest) as f:
-                return os.path.join(path, 'dcp', f.read().strip())
+                name = f.read(100).strip()
+            if not re.fullmatch(r'step-\d+', name):  # a name read from a file never leads out of its folder
+                raise ValueError(f"{latest} names {name[:40]!r}, not a step-N folder")
+            return os.path.join(path, 'dcp', name)
         return os.path.join(path, 'ckpt.pt')
     return path
 
@@ -396,9 +399,28 @@ def tensors(obj):
             yield from tensors(v)
 
 
+RUN_ID = re.compile(r'[A-Za-z0-9_-]{1,64}')
+
+
+def read_run_id(path):
+    """The run id in the file at path. It names a folder (snapshot_dir), so it is checked like any name read from a
+    file: one that could lead out of that folder (a planted `../..`) is an error, never a path."""
+    try:
+        with open(path, encoding='utf-8') as f:
+            run_id = f.read(200).strip()
+    except (OSError, UnicodeDecodeError) as e:
+        sys.exit(f"error: cannot read {path} ({reason(e)}): delete it (the run then resumes from its checkpoints)")
+    if not RUN_ID.fullmatch(run_id):
+        sys.exit(f"error: {path} holds {run_id[:40]!r}, which is no run id (letters, digits, - and _): delete it "
+                 f"(the run then resumes from its checkpoints)")
+    return run_id
+
+
 def snapshot_dir(run_id):
     """The node-local folder of a run's memory snapshots: /dev/shm lives in RAM, so it outlives a training
     process (killed, crashed, restarted by torchrun) but not a reboot or a lost node."""
+    if run_id and not RUN_ID.fullmatch(str(run_id)):  # read_run_id checked it; a new one is a uuid's hex
+        raise ValueError(f"{run_id!r} is no run id")
     return os.path.join('/dev/shm' if os.path.isdir('/dev/shm') else tempfile.gettempdir(), f'nanogpt-{run_id}')
 
 
@@ -561,8 +583,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     wanted = init_from == 'resume' or (auto_resume and (not eval_only or init_from == 'scratch'))
     run_id_path = os.path.join(out_dir, 'run_id')
     if wanted and os.path.isfile(run_id_path):
-        with open(run_id_path) as f:
-            run_id = f.read().strip()
+        run_id = read_run_id(run_id_path)
         folder = snapshot_dir(run_id)
         for path in snapshots(folder) if callable(snapshots) else [os.path.join(folder, n) for n in snapshots]:
             it, _, bad = newest_loadable([path], iter_of=iter_of)
@@ -656,7 +677,11 @@ def checkpoint_or_exit(path, fix):
     except FileNotFoundError as e:
         sys.exit(f"error: {e}: {fix}")
     except Exception as e:
-        sys.exit(f"error: checkpoint {find_checkpoint(path)} is corrupt or not a model checkpoint ({reason(e)}): "
+        try:
+            path = find_checkpoint(path)
+        except ValueError:
+            pass
+        sys.exit(f"error: checkpoint {path} is corrupt or not a model checkpoint ({reason(e)}): "
                  f"delete it or restore a good copy")
 
 

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 
 import torch
 
@@ -92,16 +93,23 @@ def main():
         files['tokenizer_config.json'] = json.dumps({
             'tokenizer_class': 'GPT2Tokenizer', 'model_max_length': cfg.block_size, 'bos_token': '<|endoftext|>',
             'eos_token': '<|endoftext|>', 'unk_token': '<|endoftext|>'}).encode()
-    tmp = out.rstrip('/') + '.tmp'
-    shutil.rmtree(tmp, ignore_errors=True)
+    # a folder of our own beside out, never one whose name a user may have taken (out.tmp): only it is removed
+    tmp = tempfile.mkdtemp(prefix=f'.{os.path.basename(os.path.abspath(out))}.', suffix='.tmp', dir=parent)
+    umask = os.umask(0o22)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would otherwise become out's
     try:
         hf_model.save_pretrained(tmp, safe_serialization=True)
         for name, data in files.items():
             with open(os.path.join(tmp, name), 'wb') as f:
                 f.write(data)
+        if os.path.exists(out):  # made while we wrote: never replaced
+            raise FileExistsError(f"{out} appeared meanwhile")
         os.replace(tmp, out)  # the folder appears only when complete
-    except OSError as e:
+    except (Exception, KeyboardInterrupt) as e:  # a full disk raises safetensors' own error, not an OSError
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, KeyboardInterrupt):
+            sys.exit(f"error: interrupted; {out} not written")
         sys.exit(f"error: cannot write {out} ({reason(e)}): give --out=PATH in a writable folder with room")
     what = 'with GPT-2 tokenizer files' if bpe else f'(a {cfg.vocab_size}-token vocabulary: no tokenizer written)'
     print(f"wrote {out}: {model.get_num_params() / 1e6:.2f}M parameters, {vocab_size} tokens, {what}")
