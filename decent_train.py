@@ -40,6 +40,7 @@ from decent import (average_moments, average_replicas, global_model, make_bucket
 from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start, state_bytes,
                          torchrun_env, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
+from runlock import hold
 from runlog import count_skipped, open_log
 
 # -----------------------------------------------------------------------------
@@ -202,6 +203,8 @@ def draw_train_offsets():
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')  # the averaged export, or train.py's
 decent_dir = os.path.join(out_dir, 'decent')  # the replicas, a folder per step and a file per rank
 snapshot_name = f'rank-{rank}-of-{world_size}.pt'  # a rank's own replica, which only this world size can take back
+if not eval_only:  # an eval writes nothing: it neither holds out_dir nor waits for whoever does
+    hold(out_dir)  # one run at a time in out_dir, for the run's lifetime
 run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only,
                                   snapshots=[snapshot_name, previous(snapshot_name)],
                                   storage=[step_folders(decent_dir), [ckpt_path, previous(ckpt_path)]],

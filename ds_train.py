@@ -35,6 +35,7 @@ from distributed import (agree, finish, gather_rng, pick_device, restore_rng, sp
                          use_deterministic_algorithms)
 from model import GPT
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
+from runlock import hold
 from runlog import count_skipped, open_log
 
 # -----------------------------------------------------------------------------
@@ -194,6 +195,8 @@ ckpt_path = os.path.join(out_dir, 'ckpt.pt')  # the consolidated export (or trai
 ds_dir = os.path.join(out_dir, 'ds')  # the engine's checkpoints, a folder per step
 foreign = []  # engine checkpoints in ds_dir of another world size or stage: (path, world size, stage)
 engine_iter = lambda path, run_id=None: checkpoint_iter_at(path, run_id, (world_size, zero_stage), foreign, ds_dir)
+if not eval_only:  # an eval writes nothing: it neither holds out_dir nor waits for whoever does
+    hold(out_dir)  # one run at a time in out_dir, for the run's lifetime
 run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only, snapshots=engine_folders,
                                   storage=[engine_folders(ds_dir) + [ckpt_path, previous(ckpt_path)]],
                                   where=f"{os.path.join(ds_dir, 'latest')} or {ckpt_path}", iter_of=engine_iter,

@@ -32,6 +32,7 @@ from data import check_token_ids, find_bins, read_meta
 from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start, state_bytes,
                          use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
+from runlock import hold
 from runlog import count_skipped, open_log
 from sharded import (check_tp_size, clip_grad_norm, load_sharded_state, local_shards, read_start, save_dcp, save_full,
                      sharded_state, total_norm)
@@ -169,6 +170,8 @@ def draw_train_offsets():
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 dcp_dir = os.path.join(out_dir, 'dcp')
 snapshot_name = f'rank-{rank}-of-{dp_size}x{tp_size}.pt'  # a rank's own shards, which only this mesh can read back
+if not eval_only:  # an eval writes nothing: it neither holds out_dir nor waits for whoever does
+    hold(out_dir)  # one run at a time in out_dir, for the run's lifetime
 run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only,
                                   snapshots=[snapshot_name, previous(snapshot_name)],
                                   storage=[step_folders(dcp_dir) + [ckpt_path, previous(ckpt_path)]],

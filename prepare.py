@@ -27,6 +27,7 @@ import tempfile
 import numpy as np
 
 from configurator import configure
+from runlock import hold, let_go
 
 # -----------------------------------------------------------------------------
 input = ''  # a local text file (for shakespeare*, instead of downloading it; for text, required)
@@ -65,6 +66,7 @@ def make_out_dir(out_dir):
             pass
     except OSError as e:
         sys.exit(f"error: cannot write in {out_dir} ({e.strerror}): choose a writable --out_root")
+    hold(out_dir, 'another prepare.py', collective=False)  # two preps of one folder would mix their files
 
 
 def write_failed(out_dir, e):
@@ -607,6 +609,7 @@ def main():
     try:
         prepare(dataset, out_dir)
     except BaseException:
+        let_go(out_dir)
         for d in created:  # a folder that now holds something (a downloaded input.txt) stays
             try:
                 os.rmdir(d)

@@ -27,6 +27,7 @@ from data import check_token_ids, find_bins, read_meta
 from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start, state_bytes,
                          use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
+from runlock import hold
 from runlog import count_skipped, open_log
 
 # -----------------------------------------------------------------------------
@@ -148,6 +149,8 @@ def draw_train_offsets():
 # -----------------------------------------------------------------------------
 # where to start: this run's newest complete state, a memory snapshot (one per node) or a checkpoint in out_dir
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+if not eval_only:  # an eval writes nothing: it neither holds out_dir nor waits for whoever does
+    hold(out_dir)  # one run at a time in out_dir, for the run's lifetime
 run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only,
                                   snapshots=['ckpt.pt'],
                                   storage=[[ckpt_path, previous(ckpt_path)]], where=ckpt_path,

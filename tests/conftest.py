@@ -34,6 +34,8 @@ SLOWEST_FIRST = ['test_fault.py',  # 170
                  'test_fineweb.py',  # 29
                  'test_decent.py',  # 25
                  'test_prepare.py',  # 21
+                 'test_runlock.py',  # 134 with other jobs on the cores (71 of it the shared data's setup)
+                 'test_names_from_files.py',  # 48 with other jobs on the cores
                  'test_saved_state.py',  # 19 (30 with the shared runs' setup, on a busy machine)
                  'test_tools_bad_input.py',  # 13
                  'test_cluster.py',  # 13

@@ -1,0 +1,134 @@
+"""
+One run at a time per folder, for every entrypoint (out_dir) and prepare.py (its dataset folder): a run holds the
+folder for its lifetime (hold()), and a second start over it is refused in one line naming the holder. It does not
+decide what a run resumes or keeps: checkpoint.py does.
+"""
+
+import atexit
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+HOLD = 'run.lock'
+HEARTBEAT_S = 10  # the holder touches its hold this often; one untouched for STALE_S is a dead host's
+STALE_S = 120
+
+
+def launch_identity():
+    """What stays the same when a launcher restarts this run's processes, and differs between runs: a SLURM job
+    keeps its id when it is requeued, torchrun its rendezvous (id and the agents' store) over elastic restarts."""
+    if os.environ.get('SLURM_JOB_ID'):  # and its step: two steps of one job at once are two runs
+        return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '')}"
+    if 'TORCHELASTIC_RUN_ID' in os.environ:
+        return f"torchrun-{os.environ['TORCHELASTIC_RUN_ID']}@{os.environ.get('MASTER_ADDR')}:" \
+               f"{os.environ.get('MASTER_PORT')}"
+    return None
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read_hold(path):
+    """The holder named in a hold file, read as data ({} where it is unreadable: a hold cut short)."""
+    try:
+        with open(path, encoding='utf-8') as f:
+            holder = json.loads(f.read(4096))
+        return holder if isinstance(holder, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _take(folder, what):
+    """Takes the hold on folder for this process, or returns the one-line error that refuses it."""
+    created = not os.path.isdir(folder)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, HOLD)
+    me = {'host': socket.gethostname(), 'pid': os.getpid(), 'since': time.strftime('%Y-%m-%d %H:%M:%S'),
+          'launch': launch_identity()}
+    mine = f'{path}.{me["host"]}.{me["pid"]}.tmp'
+    with open(mine, 'w') as f:
+        json.dump(me, f)
+    try:
+        try:
+            os.link(mine, path)  # atomic: fails where a hold exists
+        except FileExistsError:
+            holder = _read_hold(path)
+            try:
+                age = time.time() - os.stat(path).st_mtime
+            except FileNotFoundError:
+                age = 0.0
+            host, pid = holder.get('host'), holder.get('pid')
+            if (host, pid) == (me['host'], me['pid']):
+                return None  # held already, by this process
+            if holder.get('launch') and holder.get('launch') == me['launch']:
+                why = "this run's launcher restarted it"
+            elif host == me['host'] and isinstance(pid, int) and not _alive(pid):
+                why = f"its holder, pid {pid} since {holder.get('since')}, is gone"
+            elif host != me['host'] and age > STALE_S:
+                why = f"its holder on {host} has not touched it for {age:.0f} s"
+            elif not holder and age > STALE_S:
+                why = "it is unreadable and untouched"
+            else:
+                return (f"error: {folder} is in use by {what} on host {host}, pid {pid}, since {holder.get('since')} "
+                        f"({path}): wait for it to end or stop it, or give this one another folder")
+            os.replace(mine, path)
+            print(f"taking over the hold on {folder}: {why}", flush=True)
+    finally:
+        if os.path.exists(mine):
+            os.remove(mine)
+
+    def beat():
+        while True:
+            time.sleep(HEARTBEAT_S)
+            if _read_hold(path).get('pid') != me['pid'] or _read_hold(path).get('host') != me['host']:
+                return
+            try:
+                os.utime(path)
+            except OSError:
+                pass
+
+    def release():
+        holder = _read_hold(path)
+        if holder.get('pid') == me['pid'] and holder.get('host') == me['host']:
+            os.remove(path)
+        if created:
+            try:
+                os.rmdir(folder)  # a folder this run made and left empty (a start that failed)
+            except OSError:
+                pass
+    threading.Thread(target=beat, daemon=True, name='hold').start()
+    atexit.register(release)
+    _held[folder] = release
+    return None
+
+
+_held = {}  # folder -> its release
+
+
+def let_go(folder):
+    """Releases the hold on folder now, rather than at exit (prepare.py, before it removes the folders it made)."""
+    if folder in _held:
+        _held.pop(folder)()
+
+
+def hold(folder, what='another run', collective=True):
+    """Holds folder for the rest of this process (released at its exit, whichever way out): a second run over it
+    is refused in one line naming the holder. A hold whose holder died (on this host), whose heartbeat stopped (on
+    another host sharing the folder), or that this run's own launcher left (a torchrun restart, a SLURM requeue) is
+    taken over. collective: rank 0 takes it and every rank learns the verdict (a collective)."""
+    import torch.distributed as dist  # here: prepare.py holds its folder without torch
+    verdict = [_take(folder, what) if not collective or dist.get_rank() == 0 else None]
+    if collective and dist.get_world_size() > 1:
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        sys.exit(verdict[0])

@@ -1,0 +1,87 @@
+"""One run at a time per folder (runlock.py): a second start over a run's out_dir is refused in one line naming
+the holder while the first goes on untouched; a hold whose process died, whose host stopped touching it, or that
+this run's own launcher left (a SLURM requeue) is taken over; prepare.py holds its dataset folder the same way.
+(An elastic restart taking over its dead workers' hold is in test_fault.py's kill tests.)"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from conftest import REPO, SHAKESPEARE, TINY, env, one_line_error, run
+
+ARGS = ['--gradient_accumulation_steps=2', '--eval_interval=5']
+
+
+def plant(folder, **holder):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / 'run.lock').write_text(json.dumps({'host': socket.gethostname(), 'since': 'then', 'launch': None,
+                                                 **holder}))
+    return folder / 'run.lock'
+
+
+def dead_pid():
+    p = subprocess.Popen(['true'])
+    p.wait()
+    return p.pid
+
+
+def test_a_second_run_on_a_busy_out_dir_is_refused_and_the_first_goes_on(tmp_path, data_dir):
+    out = tmp_path / 'run'
+    first = subprocess.Popen([sys.executable, str(REPO / 'train.py'), *TINY, *ARGS, '--max_iters=100000',
+                              f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}'], cwd=tmp_path,
+                             env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        while not (out / 'metrics.jsonl').exists() or 'iter' not in (out / 'metrics.jsonl').read_text():
+            assert first.poll() is None, first.stdout.read()
+            time.sleep(0.2)
+        for script, nproc in (('train.py', 1), ('fsdp_train.py', 2)):
+            p = run(script, *TINY, *ARGS, '--max_iters=10', f'--dataset={data_dir / "shakespeare_char"}',
+                    f'--out_dir={out}', nproc=nproc, cwd=tmp_path, check=False)
+            error = one_line_error(p, nproc)
+            assert f'{out} is in use by another run on host {socket.gethostname()}, pid {first.pid}' in error, error
+        assert first.poll() is None  # untouched: still training
+    finally:
+        first.send_signal(signal.SIGTERM)  # a preemption: it saves and ends
+        first.wait(timeout=120)
+    rows = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines()]
+    iters = [r['iter'] for r in rows if 'loss' in r]
+    assert iters == list(range(len(iters))), iters  # one run's log, not two interleaved
+    assert not (out / 'run.lock').exists()  # released at its exit
+
+
+def test_holds_of_the_dead_of_stale_hosts_and_of_a_requeue_are_taken_over(tmp_path, data_dir, monkeypatch):
+    def start(out, check=True):
+        return run('train.py', *TINY, *ARGS, '--max_iters=2', f'--dataset={data_dir / "shakespeare_char"}',
+                   f'--out_dir={out}', cwd=tmp_path, check=check)
+    plant(tmp_path / 'dead', pid=dead_pid())
+    assert 'taking over the hold' in start(tmp_path / 'dead').stdout
+    assert not (tmp_path / 'dead' / 'run.lock').exists()
+    lock = plant(tmp_path / 'stale', host='another-host', pid=1)
+    os.utime(lock, (time.time() - 600, time.time() - 600))
+    assert 'has not touched it for' in start(tmp_path / 'stale').stdout
+    plant(tmp_path / 'fresh', host='another-host', pid=1)  # touched just now: alive over there
+    assert 'is in use by another run on host another-host' in one_line_error(start(tmp_path / 'fresh', check=False))
+    # a SLURM requeue: the same job and step, whose old process may still be in its last moments
+    plant(tmp_path / 'requeued', pid=os.getpid(), launch='slurm-77.0')
+    monkeypatch.setenv('SLURM_JOB_ID', '77')
+    monkeypatch.setenv('SLURM_STEP_ID', '0')
+    assert "this run's launcher restarted it" in start(tmp_path / 'requeued').stdout
+    monkeypatch.setenv('SLURM_JOB_ID', '78')  # another job is another run
+    plant(tmp_path / 'other-job', pid=os.getpid(), launch='slurm-77.0')
+    assert 'is in use' in one_line_error(start(tmp_path / 'other-job', check=False))
+
+
+def test_prepare_holds_its_dataset_folder(tmp_path):
+    folder = tmp_path / 'data' / 'shakespeare_char'
+    plant(folder, pid=os.getpid())  # this test process: alive, on this host
+    p = run('prepare.py', 'shakespeare_char', f'--input={SHAKESPEARE}', f'--out_root={tmp_path / "data"}',
+            cwd=tmp_path, check=False)
+    assert 'is in use by another prepare.py' in one_line_error(p)
+    assert sorted(f.name for f in folder.iterdir()) == ['run.lock']  # nothing written beside it
+    (folder / 'run.lock').unlink()
+    run('prepare.py', 'shakespeare_char', f'--input={SHAKESPEARE}', f'--out_root={tmp_path / "data"}', cwd=tmp_path)
+    assert sorted(f.name for f in folder.iterdir()) == ['meta.pkl', 'train.bin', 'val.bin']
