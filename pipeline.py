@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_map_only
 from checkpoint import print0, save_in_background
 from model import GPT
 from sharded import optim_state_dict_by_index
+from sharded import sharded_state as stage_state
 
 
 def stage_ids(pp_rank, pp_size, stages_per_rank):
@@ -122,6 +123,16 @@ class Forward(nn.Module):
         if pp > 1:
             dist.broadcast(logits, self.pp_ranks[(self.n_stages - 1) % pp], group=self.pp_group)
         return logits, loss_fn(logits, targets)
+
+
+def sharded_state(part, optimizer, raw_model):
+    """What DCP saves of a rank's stages: sharded.py's state, with each optimizer group's parameter names those of
+    the whole GPT, as under FSDP. The groups are saved once for all ranks, so each rank's own names would leave
+    the others' parameters without a group on load."""
+    state = stage_state(part, optimizer)
+    for group, names in zip(state['optim']['param_groups'], raw_model.param_groups()):
+        group['params'] = list(names)
+    return state
 
 
 def save_full(part, optimizer, raw_model, extra, path):

@@ -30,9 +30,10 @@ from data import check_token_ids, find_bins, read_meta
 from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start, state_bytes,
                          use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
-from pipeline import Forward, Part, clip, loss_fn, save_full, stage_blocks, stage_ids, tied_grads_and_norm
+from pipeline import (Forward, Part, clip, loss_fn, save_full, sharded_state, stage_blocks, stage_ids,
+                      tied_grads_and_norm)
 from runlog import count_skipped, open_log
-from sharded import load_sharded_state, local_shards, read_start, save_dcp, sharded_state
+from sharded import load_sharded_state, local_shards, read_start, save_dcp
 
 # -----------------------------------------------------------------------------
 # config: defaults train GPT-2 124M on OpenWebText; config/*.py and --key=value override them
@@ -201,8 +202,9 @@ stages = [Part(raw_model, blocks[s], s == 0, s == n_stages - 1) for s in ids]
 model = Part(raw_model, sum(blocks.values(), []), 0 in ids, n_stages - 1 in ids)
 t = raw_model.transformer
 for module in [t.h[i] for i in range(len(t.h)) if str(i) not in model.transformer.h] + [t.wpe] * (0 not in ids) + \
-        [t.ln_f, raw_model.lm_head] * (n_stages - 1 not in ids) + [t.wte] * (0 not in ids and n_stages - 1 not in ids):
+        [t.ln_f] * (n_stages - 1 not in ids) + [t.wte] * (0 not in ids and n_stages - 1 not in ids):
     module.to('meta')  # free what other ranks hold
+raw_model.lm_head.weight = t.wte.weight  # tied again (to('meta') makes new parameters): the GPT's names stay its own
 model.to(device)
 if compile:
     for block in model.transformer.h.values():
@@ -252,7 +254,7 @@ def save_checkpoint(to='storage', wait=False):
         'data_rng': data_gen.get_state(),
         'run_id': run_id,  # so that a run started afresh over this out_dir never takes it for its own
     }
-    checkpoint = sharded_state(model, optimizer)
+    checkpoint = sharded_state(model, optimizer, raw_model)
     if to == 'memory':
         os.makedirs(os.path.dirname(snapshot_path), exist_ok=True)
         # the one before is kept: a rank killed mid-write holds it still, and so do the others

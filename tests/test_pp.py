@@ -1,6 +1,7 @@
 """pp_train.py in real process groups on gloo, in fp32: parity with train.py on one process (pp 2, pp 4, pp 2 x dp 2,
 each schedule), the tied embedding, exact resume with dropout, resume at another layout and in fsdp_train.py."""
 
+import json
 import shutil
 
 import pytest
@@ -58,3 +59,34 @@ def test_pipeline_matches_single_process(tmp_path, data_dir, ref, nproc, pp, sch
     for k in sd:
         assert (sd[k] - ours[k]).abs().max().item() < 1e-5, k
     assert torch.equal(sd['lm_head.weight'], sd['transformer.wte.weight'])
+    # rank 0's memory (the first stage's parameters, gradients and AdamW state): pipeline.stage_memory's estimate
+    with open(tmp_path / 'pp' / 'metrics.jsonl') as f:
+        mem = next(row for row in map(json.loads, f) if 'param_bytes' in row)
+    config = GPTConfig(n_layer=8, n_head=2, n_embd=32, block_size=32, vocab_size=65, bias=True)
+    estimate = stage_memory(config, pp, 2 if schedule == 'interleaved-1f1b' else 1)[0][1]
+    measured = mem['param_bytes'] + mem['grad_bytes'] + mem['optim_bytes']
+    assert abs(measured - estimate) <= 0.1 * estimate, (measured, estimate)
+
+
+def test_pipeline_exact_resume_with_dropout(tmp_path, data_dir):
+    args = ['--dropout=0.1', '--pp_size=2', '--pp_schedule=interleaved-1f1b']  # every rank's RNG has to come back
+    launch('pp_train.py', tmp_path, data_dir, 'full', *args, f'--max_iters={STEPS}', nproc=2)
+    launch('pp_train.py', tmp_path, data_dir, 'split', *args, '--max_iters=4', nproc=2)
+    launch('pp_train.py', tmp_path, data_dir, 'split', *args, f'--max_iters={STEPS}', '--init_from=resume', nproc=2)
+    full, split = read_metrics(tmp_path / 'full')[0], read_metrics(tmp_path / 'split')[0]
+    assert sorted(split) == list(range(STEPS))
+    assert [split[i] for i in range(STEPS)] == [full[i] for i in range(STEPS)]  # bit for bit
+
+
+@pytest.mark.parametrize('first, second', [
+    (('pp_train.py', 4, 4), ('pp_train.py', 4, 2)),    # pp 4 -> dp 2 x pp 2
+    (('pp_train.py', 4, 4), ('fsdp_train.py', 2, 0)),  # pp 4 -> FSDP on 2 ranks
+    (('fsdp_train.py', 2, 0), ('pp_train.py', 2, 2)),  # FSDP on 2 ranks -> pp 2
+], ids=['pp4-to-dp2xpp2', 'pp4-to-fsdp', 'fsdp-to-pp2'])
+def test_resume_at_another_layout_and_in_fsdp(tmp_path, data_dir, ref, shared_run, first, second):
+    layout = lambda script, pp: [f'--pp_size={pp}', '--pp_schedule=1f1b'] if script == 'pp_train.py' else []
+    (script1, n1, pp1), (script2, n2, pp2) = first, second
+    shutil.copytree(shared_run(script1, *BASE, '--max_iters=4', *layout(script1, pp1), nproc=n1), tmp_path / 'run')
+    launch(script2, tmp_path, data_dir, 'run', f'--max_iters={STEPS}', *layout(script2, pp2), '--init_from=resume',
+           nproc=n2)
+    assert_same_curve(ref[1], read_metrics(tmp_path / 'run')[0], range(STEPS))
