@@ -86,7 +86,7 @@ save_memory_interval = 0  # steps between snapshots of the whole state into node
 save_storage_interval = 0  # steps between checkpoints to out_dir (in the background), besides the evals'; 0: none
 max_nonfinite_steps = 5  # a step whose loss or gradient is not finite is skipped; this many in a row stop the run
 # parallelism
-pp_size = 2  # pipeline stages' ranks per pipeline (consecutive ranks); the world size / pp_size pipelines are DP
+pp_size = 1  # ranks per pipeline, one stage each (consecutive ranks); the world size / pp_size pipelines are DP
 pp_schedule = '1f1b'  # 'gpipe' (all forwards, then all backwards), '1f1b' or 'interleaved-1f1b' (looped stages)
 stages_per_rank = 2  # interleaved-1f1b's stages on each rank (the others take one)
 save_consolidated = False  # with each checkpoint also write out_dir/ckpt.pt in train.py's format (gathered on rank 0)
@@ -114,6 +114,9 @@ dp_rank, dp_size, pp_rank = rank // pp_size, world_size // pp_size, rank % pp_si
 mesh = init_device_mesh(device_type, (dp_size, pp_size), mesh_dim_names=('dp', 'pp'))
 # the micro-batches of the pipeline's schedule are this rank's micro-steps: the same data as train.py's
 accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)
+if pp_schedule != 'gpipe' and accum_steps < pp_size:  # 1F1B fills the pipeline before its first backward
+    sys.exit(f"error: {pp_schedule} needs at least pp_size={pp_size} micro-batches per pipeline, not {accum_steps}: set "
+             f"gradient_accumulation_steps to {pp_size * dp_size} or more, or use --pp_schedule=gpipe")
 # Megatron's embedding group: in each pipeline the first and the last stage's ranks, which both hold the tied weight
 tie_groups = [dist.new_group([d * pp_size, d * pp_size + pp_size - 1]) for d in range(dp_size)] if pp_size > 1 else []
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size

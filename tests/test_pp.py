@@ -82,7 +82,8 @@ def test_pipeline_exact_resume_with_dropout(tmp_path, data_dir):
     (('pp_train.py', 4, 4), ('pp_train.py', 4, 2)),    # pp 4 -> dp 2 x pp 2
     (('pp_train.py', 4, 4), ('fsdp_train.py', 2, 0)),  # pp 4 -> FSDP on 2 ranks
     (('fsdp_train.py', 2, 0), ('pp_train.py', 2, 2)),  # FSDP on 2 ranks -> pp 2
-], ids=['pp4-to-dp2xpp2', 'pp4-to-fsdp', 'fsdp-to-pp2'])
+    (('train.py', 1, 0), ('pp_train.py', 2, 2)),  # train.py's ckpt.pt (as pp_train.py's consolidated one) -> pp 2
+], ids=['pp4-to-dp2xpp2', 'pp4-to-fsdp', 'fsdp-to-pp2', 'train-to-pp2'])
 def test_resume_at_another_layout_and_in_fsdp(tmp_path, data_dir, ref, shared_run, first, second):
     layout = lambda script, pp: [f'--pp_size={pp}', '--pp_schedule=1f1b'] if script == 'pp_train.py' else []
     (script1, n1, pp1), (script2, n2, pp2) = first, second
