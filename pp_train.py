@@ -115,8 +115,8 @@ mesh = init_device_mesh(device_type, (dp_size, pp_size), mesh_dim_names=('dp', '
 # the micro-batches of the pipeline's schedule are this rank's micro-steps: the same data as train.py's
 accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)
 if pp_schedule != 'gpipe' and accum_steps < pp_size:  # 1F1B fills the pipeline before its first backward
-    sys.exit(f"error: {pp_schedule} needs at least pp_size={pp_size} micro-batches per pipeline, not {accum_steps}: set "
-             f"gradient_accumulation_steps to {pp_size * dp_size} or more, or use --pp_schedule=gpipe")
+    sys.exit(f"error: {pp_schedule} needs at least pp_size={pp_size} micro-batches per pipeline, not {accum_steps}: "
+             f"set gradient_accumulation_steps to {pp_size * dp_size} or more, or use --pp_schedule=gpipe")
 # Megatron's embedding group: in each pipeline the first and the last stage's ranks, which both hold the tied weight
 tie_groups = [dist.new_group([d * pp_size, d * pp_size + pp_size - 1]) for d in range(dp_size)] if pp_size > 1 else []
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
