@@ -72,7 +72,7 @@ def tied_grads_and_norm(params, tied, counts_tied, dp_group, dp_size, tie_group,
     """After a step's backward: averages the gradients across pipelines (one all-reduce, as DDP's last bucket
     would), sums the tied embedding's gradient across the first and the last stage (Megatron's embedding group:
     both copies then take the same update and stay equal), and returns the global norm, the tied one counted once
-(by the rank for which counts_tied, the first stage's)."""
+    (by the rank for which counts_tied, the first stage's)."""
     grads = [p.grad for p in params if p.grad is not None]
     if dp_size > 1:
         flat = _flatten_dense_tensors(grads)
@@ -109,15 +109,13 @@ class Forward(nn.Module):
     def forward(self, idx, targets):
         B, T = idx.shape
         pp, x = len(self.pp_ranks), None
-        for s in range(self.n_stages):
-            here = s in self.ids
-            if here:
-                if s > 0 and (s - 1) % pp != s % pp:
-                    x = torch.empty(B, T, self.config.n_embd, device=self.device)
-                    dist.recv(x, self.pp_ranks[(s - 1) % pp], group=self.pp_group)
-                x = self.stages[self.ids.index(s)](idx if s == 0 else x)
-                if s < self.n_stages - 1 and (s + 1) % pp != s % pp:
-                    dist.send(x.float().contiguous(), self.pp_ranks[(s + 1) % pp], group=self.pp_group)
+        for s in self.ids:  # in order; stage s lives on the pipeline's rank s % pp
+            if s > 0 and pp > 1:
+                x = torch.empty(B, T, self.config.n_embd, device=self.device)
+                dist.recv(x, self.pp_ranks[(s - 1) % pp], group=self.pp_group)
+            x = self.stages[self.ids.index(s)](idx if s == 0 else x)
+            if s < self.n_stages - 1 and pp > 1:
+                dist.send(x.float().contiguous(), self.pp_ranks[(s + 1) % pp], group=self.pp_group)
         logits = x.float() if self.n_stages - 1 in self.ids else torch.empty(B, T, self.config.vocab_size,
                                                                              device=self.device)
         if pp > 1:
