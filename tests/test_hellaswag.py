@@ -292,7 +292,7 @@ def hellaswag_rows(out):
 
 @pytest.mark.parametrize('script, nproc, extra', [
     ('fsdp_train.py', 2, []), ('fsdp_train.py', 2, ['--tp_size=2']), ('ds_train.py', 2, ['--zero_stage=3']),
-    ('decent_train.py', 2, [])])
+    ('decent_train.py', 2, []), ('pp_train.py', 2, ['--pp_size=2'])])
 def test_every_entrypoint_scores_hellaswag_as_train_py_does(in_the_loop, script, nproc, extra):
     """At step 0 every entrypoint holds the same model (the same seed), sharded, replicated or split as its mode
     does: the counts over the ranks must be train.py's on one process."""

@@ -294,7 +294,7 @@ def test_each_training_job_has_its_own_out_dir_and_resumes_from_it(monkeypatch):
                     assert config['auto_resume'], (path.name, args)
                     pairs.add((doc['metadata']['name'], config['out_dir']))
     jobs, out_dirs = {job for job, _ in pairs}, {d for _, d in pairs}
-    assert len(jobs) == len(out_dirs) == len(pairs) == 8, sorted(pairs)  # one to one
+    assert len(jobs) == len(out_dirs) == len(pairs) == 9, sorted(pairs)  # one to one
     assert all(d.startswith('/mnt/gpt/out/') for d in out_dirs), out_dirs  # on the volume, not in the pod
 
 

@@ -1,0 +1,95 @@
+"""
+Measures the pipeline bubble of pp_train.py's schedules (torch.distributed.pipelining's GPipe, 1F1B and
+interleaved 1F1B) against theory: the idle fraction of a step, (p - 1) / (m + p - 1) for GPipe and 1F1B with p
+stages and m micro-batches, (p - 1) / (v m + p - 1) for interleaved 1F1B with v stages per rank.
+
+torchrun --standalone --nproc_per_node=2 bench_pipeline.py
+torchrun --standalone --nproc_per_node=4 bench_pipeline.py --microbatches=4,8,16
+
+A stage's work is a sleep (forward 1 part, backward 2, as a transformer block's costs), so that what is measured is
+the schedule's own idle time, not the cores' contention: on a CPU shared with other jobs, or with more ranks than
+cores, the figures still hold. The bubble measured: 1 - (a rank's work, timed alone) / (the step's time); what is
+left over theory is the schedule's own overhead (sends, receives, bookkeeping).
+"""
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from configurator import configure
+
+# -----------------------------------------------------------------------------
+forward_ms = 10.0  # a rank's forward of one micro-batch (split among its stages with interleaving)
+microbatches = '1,2,4,8'  # the m to measure
+stages_per_rank = 2  # v of interleaved 1F1B
+steps = 5  # timed steps per point, after one untimed
+# -----------------------------------------------------------------------------
+configure(globals())
+
+
+class Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+class Stage(nn.Module):
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds, self.scale = seconds, nn.Parameter(torch.ones(()))  # a parameter: outputs need gradients
+
+    def forward(self, x):
+        return Sleep.apply(x * self.scale, self.seconds)
+
+
+def measure(name, m, rank, p):
+    v = stages_per_rank if name == 'interleaved-1f1b' else 1
+    seconds = forward_ms / 1000 / v
+    ids = [rank + j * p for j in range(v)]
+    stages = [PipelineStage(Stage(seconds), s, p * v, torch.device('cpu')) for s in ids]
+    Schedule = {'gpipe': ScheduleGPipe, '1f1b': Schedule1F1B, 'interleaved-1f1b': ScheduleInterleaved1F1B}[name]
+    schedule = Schedule(stages if v > 1 else stages[0], m, loss_fn=lambda out, y: out.mean())
+    x, y = torch.randn(m, 4), torch.randn(m, 4)
+    times = []
+    for i in range(steps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        schedule.step(*([x] if 0 in ids else []), **(dict(target=y) if p * v - 1 in ids else {}))
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    step = sorted(times[1:])[len(times[1:]) // 2]  # the median
+    # a rank's work: its stages' forward and backward of every micro-batch, timed alone (a sleep overshoots a little)
+    t0 = time.perf_counter()
+    for _ in range(m):
+        for stage in stages:
+            stage.submod(x[:1].requires_grad_()).sum().backward()
+    work = time.perf_counter() - t0
+    return 1 - work / step, (p - 1) / (v * m + p - 1), step
+
+
+dist.init_process_group('gloo')
+rank, p = dist.get_rank(), dist.get_world_size()
+if rank == 0:
+    print(f"{p} ranks, forward {forward_ms} ms + backward {2 * forward_ms} ms per micro-batch per rank")
+    print(f"{'schedule':>17} {'m':>3} {'step ms':>8} {'bubble':>7} {'theory':>7}")
+for name in ('gpipe', '1f1b', 'interleaved-1f1b'):
+    for m in map(int, microbatches.split(',')):
+        if name != 'gpipe' and m < p:
+            continue  # 1F1B needs a micro-batch for each stage to fill the pipeline before its first backward
+        bubble, theory, step = measure(name, m, rank, p)
+        if rank == 0:
+            print(f"{name:>17} {m:>3} {step * 1000:>8.1f} {bubble:>7.3f} {theory:>7.3f}", flush=True)
+dist.barrier()
+dist.destroy_process_group()
+os._exit(0)

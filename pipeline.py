@@ -1,0 +1,175 @@
+"""
+What pp_train.py needs besides torch.distributed.pipelining itself: a GPT cut into stages by blocks (each keeping the
+model's own parameter names, so that checkpoints are the model's), which stages a rank holds, the tied embedding's
+gradient summed across the first and the last stage, gradients averaged across pipelines, their global norm, a
+plain forward through the pipeline for evals, the consolidated checkpoint, and the memory a rank's stages need.
+Not for: the schedules (torch's) or the model (model.py, which knows nothing of pipelines).
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.utils._pytree import tree_map_only
+
+from checkpoint import print0, save_in_background
+from model import GPT
+from sharded import optim_state_dict_by_index
+from sharded import sharded_state as stage_state
+
+
+def stage_ids(pp_rank, pp_size, stages_per_rank):
+    """The stages a rank holds, in the looped placement of the interleaved schedule: rank r holds r, r + pp, ..."""
+    return [pp_rank + j * pp_size for j in range(stages_per_rank)]
+
+
+def stage_blocks(stage, n_stages, n_layer):
+    """The blocks of a stage: consecutive, as even as n_layer allows (the earlier stages take one fewer)."""
+    if n_layer < n_stages:
+        sys.exit(f"error: {n_stages} pipeline stages need n_layer >= {n_stages} (one block each at least), not "
+                 f"{n_layer}: lower pp_size (or the stages per rank of interleaved-1f1b), or add layers")
+    return list(range(stage * n_layer // n_stages, (stage + 1) * n_layer // n_stages))
+
+
+class Part(nn.Module):
+    """Some of a GPT's modules, the same objects, under the GPT's own names (transformer.h.5 stays transformer.h.5):
+    the first stage holds the embeddings, the last the final layer norm and the head (and the token embedding under
+    its name too, as the head is tied to it). A stage, or all the stages of a rank (its state and optimizer)."""
+
+    def __init__(self, gpt, blocks, first, last):
+        super().__init__()
+        self.config, self.first, self.last = gpt.config, first, last
+        t = gpt.transformer
+        parts = dict(wte=t.wte, wpe=t.wpe, drop=t.drop) if first else dict(wte=t.wte) if last else {}
+        self.transformer = nn.ModuleDict(dict(**parts, h=nn.ModuleDict({str(i): t.h[i] for i in blocks}),
+                                              **(dict(ln_f=t.ln_f) if last else {})))
+        if last:
+            self.lm_head = gpt.lm_head
+
+    # the optimizer's groups as the GPT makes them, over this part's parameters
+    param_groups = GPT.param_groups
+    configure_optimizers = GPT.configure_optimizers
+
+    def forward(self, x):
+        t = self.transformer
+        if self.first:  # x: token ids
+            x = t.drop(t.wte(x) + t.wpe(torch.arange(x.size(1), device=x.device)))
+        for block in t.h.values():
+            x = block(x)
+        return self.lm_head(t.ln_f(x)) if self.last else x
+
+
+def loss_fn(logits, targets):
+    """The last stage's loss, model.py's."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+def tied_grads_and_norm(params, tied, counts_tied, dp_group, dp_size, tie_group, pp_group):
+    """After a step's backward: averages the gradients across pipelines (one all-reduce, as DDP's last bucket
+    would), sums the tied embedding's gradient across the first and the last stage (Megatron's embedding group:
+    both copies then take the same update and stay equal), and returns the global norm, the tied one counted once
+    (by the rank for which counts_tied, the first stage's)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if dp_size > 1:
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=dp_group)
+        for g, s in zip(grads, _unflatten_dense_tensors(flat / dp_size, grads)):
+            g.copy_(s)
+    if tie_group is not None and tied.grad is not None:
+        dist.all_reduce(tied.grad, group=tie_group)
+    counted = [p.grad for p in params if p.grad is not None and (p is not tied or counts_tied)]
+    sq = torch.stack([g.float().pow(2).sum() for g in counted]).sum() if counted else torch.zeros(())
+    dist.all_reduce(sq, group=pp_group)
+    return sq.sqrt()
+
+
+def clip(params, norm, max_norm):
+    """Scales the gradients by max_norm / norm where the norm (global) is larger."""
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(scale.to(p.grad.device))
+
+
+class Forward(nn.Module):
+    """model(idx, targets) -> (logits, loss) through a pipeline, for evals (estimate_loss, HellaSwag): the stages
+    run one after the other, each rank's activations sent point to point to the next stage's rank, and the last
+    stage's logits and loss broadcast to the pipeline's ranks. A plain loop, not a schedule: evals' shapes vary."""
+
+    def __init__(self, stages, ids, n_stages, pp_ranks, pp_group, device):
+        super().__init__()
+        self.stages, self.ids, self.n_stages = nn.ModuleList(stages), ids, n_stages
+        self.pp_ranks, self.pp_group, self.device = pp_ranks, pp_group, device
+        self.config = stages[0].config
+
+    def forward(self, idx, targets):
+        B, T = idx.shape
+        pp, x = len(self.pp_ranks), None
+        for s in self.ids:  # in order; stage s lives on the pipeline's rank s % pp
+            if s > 0 and pp > 1:
+                x = torch.empty(B, T, self.config.n_embd, device=self.device)
+                dist.recv(x, self.pp_ranks[(s - 1) % pp], group=self.pp_group)
+            x = self.stages[self.ids.index(s)](idx if s == 0 else x)
+            if s < self.n_stages - 1 and pp > 1:
+                dist.send(x.float().contiguous(), self.pp_ranks[(s + 1) % pp], group=self.pp_group)
+        logits = x.float() if self.n_stages - 1 in self.ids else torch.empty(B, T, self.config.vocab_size,
+                                                                             device=self.device)
+        if pp > 1:
+            dist.broadcast(logits, self.pp_ranks[(self.n_stages - 1) % pp], group=self.pp_group)
+        return logits, loss_fn(logits, targets)
+
+
+def sharded_state(part, optimizer, raw_model):
+    """What DCP saves of a rank's stages: sharded.py's state, with each optimizer group's parameter names those of
+    the whole GPT, as under FSDP. The groups are saved once for all ranks, so each rank's own names would leave
+    the others' parameters without a group on load."""
+    state = stage_state(part, optimizer)
+    for group, names in zip(state['optim']['param_groups'], raw_model.param_groups()):
+        group['params'] = list(names)
+    return state
+
+
+def save_full(part, optimizer, raw_model, extra, path):
+    """Every rank calls this: the first pipeline's ranks send their stages' state to rank 0, which writes the whole
+    state in train.py's format (ckpt.pt, for train.py, sample.py, export_hf.py and --init_from) in the background."""
+    mine = tree_map_only(torch.Tensor, lambda t: t.detach().cpu(),
+                         (get_model_state_dict(part), get_optimizer_state_dict(part, optimizer)))
+    states = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, states, dst=0)
+    if dist.get_rank() == 0:
+        model_sd, osd = {}, {'state': {}, 'param_groups': [dict(g, params=[]) for g in mine[1]['param_groups']]}
+        for m, o in states:  # rank order: the tied weight is the first stage's, its head copy the last stage's
+            for k, v in m.items():
+                model_sd.setdefault(k, v)
+            for k, v in o['state'].items():
+                osd['state'].setdefault(k, v)
+            for group, theirs in zip(osd['param_groups'], o['param_groups']):
+                group['params'] += [n for n in theirs['params'] if n not in group['params']]
+        model_sd = {k: model_sd[k] for k in raw_model.state_dict()}  # the GPT's own order
+        order = {n: i for i, n in enumerate(n for group in raw_model.param_groups() for n in group)}
+        for group in osd['param_groups']:
+            group['params'].sort(key=order.get)
+        save_in_background({'model': model_sd, 'optimizer': optim_state_dict_by_index(osd, raw_model), **extra}, path)
+        print0(f"saving consolidated checkpoint to {path}")
+
+
+def stage_memory(config, pp_size, stages_per_rank=1, bytes_per_param=4 + 4 + 8):
+    """Per pipeline rank: the parameters its stages hold, and their bytes with a gradient and AdamW's two moments
+    each (fp32: 4 + 4 + 8). The first rank holds the embeddings, the last the final layer norm and the (tied) head,
+    whose weight it keeps a copy of. Activations are left out: they depend on the schedule's micro-batches in
+    flight. A list of pp_size (params, bytes)."""
+    with torch.device('meta'):
+        gpt = GPT(config)
+    out = []
+    n_stages = pp_size * stages_per_rank
+    for r in range(pp_size):
+        ids = stage_ids(r, pp_size, stages_per_rank)
+        blocks = [b for s in ids for b in stage_blocks(s, n_stages, config.n_layer)]
+        part = Part(gpt, blocks, 0 in ids, n_stages - 1 in ids)
+        n = sum(p.numel() for p in part.parameters())
+        out.append((n, n * bytes_per_param))
+    return out

@@ -1,0 +1,395 @@
+"""
+Trains a GPT with pipeline parallelism (torch.distributed.pipelining), and data parallelism across pipelines.
+
+4 stages, 4 GPUs: torchrun --standalone --nproc_per_node=4 pp_train.py config/train_gpt2.py --pp_size=4
+PP x DP, 2 nodes: torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HEAD:29500 \
+                      pp_train.py config/train_gpt2.py --pp_size=8 --pp_schedule=interleaved-1f1b
+
+The global batch in tokens, the data stream and the logged loss do not depend on the world size, and a run
+resumed from its checkpoint repeats the uninterrupted run exactly (RNG and data position are saved with it).
+Checkpoints are DCP folders under the model's own names: they resume at another (dp, pp) layout and in
+fsdp_train.py, and fsdp_train.py's here (docs/pipeline.md).
+"""
+
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from checkpoint import (create_model, find_resume, previous, reason, remove_snapshots, save_in_background, snapshot_dir,
+                        step_folders, wait_for_copies, wait_for_saves)
+from configurator import check_config, configure
+from data import check_token_ids, find_bins, read_meta
+from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start, state_bytes,
+                         use_deterministic_algorithms)
+from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
+from pipeline import (Forward, Part, clip, loss_fn, save_full, sharded_state, stage_blocks, stage_ids,
+                      tied_grads_and_norm)
+from runlog import count_skipped, open_log
+from sharded import load_sharded_state, local_shards, read_start, save_dcp
+
+# -----------------------------------------------------------------------------
+# config: defaults train GPT-2 124M on OpenWebText; config/*.py and --key=value override them
+# I/O
+out_dir = 'out'
+eval_interval = 2000
+log_interval = 1
+eval_iters = 200
+eval_only = False  # exit right after the first eval
+hellaswag_interval = 0  # steps between HellaSwag evals (run `python prepare.py hellaswag` first); 0: none
+always_save_checkpoint = True  # save after every eval, not only on a new best val loss
+init_from = 'scratch'  # 'scratch', 'resume' (out_dir's checkpoint), 'gpt2'..'gpt2-xl', or a checkpoint's path (weights)
+# wandb logging
+wandb_log = False
+wandb_project = 'owt'
+wandb_run_name = 'gpt2'
+# data
+dataset = 'openwebtext'  # data/<dataset>/{train,val}.bin as prepare.py writes them (or a path to such a folder)
+gradient_accumulation_steps = 5 * 8  # micro-steps per optimizer step, in total over all ranks
+batch_size = 12  # sequences per micro-step per rank
+block_size = 1024
+# model
+n_layer = 12
+n_head = 12
+n_embd = 768
+dropout = 0.0  # 0 for pretraining, try 0.1+ for finetuning
+bias = False
+# AdamW
+learning_rate = 6e-4
+max_iters = 600000
+weight_decay = 1e-1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0  # clip gradients at this norm; 0 disables
+# learning rate schedule: linear warmup, then cosine decay to min_lr
+decay_lr = True
+warmup_iters = 2000
+lr_decay_iters = 600000  # ~ max_iters, per Chinchilla
+min_lr = 6e-5  # ~ learning_rate / 10, per Chinchilla
+# system
+device = 'auto'  # 'auto' (cuda:LOCAL_RANK if there is a GPU, else cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
+backend = 'auto'  # 'auto' (nccl on CUDA, gloo otherwise), 'nccl' or 'gloo'
+dtype = 'auto'  # 'auto' (bfloat16 on GPUs, float32 on CPU), 'bfloat16' or 'float32'
+compile = True  # torch.compile the model
+seed = 1337
+deterministic = False  # deterministic algorithms and dropout off, so that reruns give identical curves, on GPUs too
+# fault tolerance
+auto_resume = True  # on every start, continue from the newest complete snapshot or checkpoint of out_dir, if any
+save_memory_interval = 0  # steps between snapshots of the whole state into node-local memory (/dev/shm); 0: none
+save_storage_interval = 0  # steps between checkpoints to out_dir (in the background), besides the evals'; 0: none
+max_nonfinite_steps = 5  # a step whose loss or gradient is not finite is skipped; this many in a row stop the run
+# parallelism
+pp_size = 1  # ranks per pipeline, one stage each (consecutive ranks); the world size / pp_size pipelines are DP
+pp_schedule = '1f1b'  # 'gpipe' (all forwards, then all backwards), '1f1b' or 'interleaved-1f1b' (looped stages)
+stages_per_rank = 2  # interleaved-1f1b's stages on each rank (the others take one)
+save_consolidated = False  # with each checkpoint also write out_dir/ckpt.pt in train.py's format (gathered on rank 0)
+# -----------------------------------------------------------------------------
+config, given = configure(globals())
+check_config(config)  # every key in its range and out_dir writable, before anything is written
+
+# distributed init: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without it, a group of one
+device, device_type = pick_device(device)
+if dtype == 'auto':
+    dtype = 'bfloat16' if device_type == 'cuda' else 'float32'
+if dtype not in ('float32', 'bfloat16'):
+    sys.exit(f"error: dtype={dtype!r}: pp_train.py takes auto, float32 or bfloat16 (for float16 use train.py)")
+if pp_schedule not in ('gpipe', '1f1b', 'interleaved-1f1b'):
+    sys.exit(f"error: pp_schedule={pp_schedule!r} is not one of gpipe, 1f1b, interleaved-1f1b")
+if backend == 'auto':
+    backend = 'nccl' if device_type == 'cuda' else 'gloo'
+rank, local_rank, world_size = start(backend, device)
+master_process = rank == 0  # does all the logging and checkpoint writing
+if pp_size < 1 or world_size % pp_size != 0:
+    sys.exit(f"error: pp_size={pp_size} does not divide the world size {world_size}: use a divisor of it")
+# the mesh is (dp, pp) with pp innermost, so a pipeline is pp_size consecutive ranks (the GPUs of a node, or of
+# consecutive nodes: only activations cross a stage boundary); a pipeline's ranks read the same batches
+dp_rank, dp_size, pp_rank = rank // pp_size, world_size // pp_size, rank % pp_size
+mesh = init_device_mesh(device_type, (dp_size, pp_size), mesh_dim_names=('dp', 'pp'))
+# the micro-batches of the pipeline's schedule are this rank's micro-steps: the same data as train.py's
+accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)
+if pp_schedule != 'gpipe' and accum_steps < pp_size:  # 1F1B fills the pipeline before its first backward
+    sys.exit(f"error: {pp_schedule} needs at least pp_size={pp_size} micro-batches per pipeline, not {accum_steps}: "
+             f"set gradient_accumulation_steps to {pp_size * dp_size} or more, or use --pp_schedule=gpipe")
+# Megatron's embedding group: in each pipeline the first and the last stage's ranks, which both hold the tied weight
+tie_groups = [dist.new_group([d * pp_size, d * pp_size + pp_size - 1]) for d in range(dp_size)] if pp_size > 1 else []
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
+torch.manual_seed(seed)  # every rank builds the same initial model
+if device_type == 'cuda':
+    torch.backends.cuda.matmul.fp32_precision = 'tf32'
+    torch.backends.cudnn.conv.fp32_precision = 'tf32'
+ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
+
+
+def print0(*args, **kwargs):
+    if master_process:
+        print(*args, **kwargs, flush=True)
+
+
+if deterministic:
+    use_deterministic_algorithms(device_type)
+    if dropout != 0.0:
+        print0(f"deterministic: dropout {dropout} turned off")
+    dropout = config['dropout'] = 0.0
+print0(f"world size {world_size} (dp {dp_size} x pp {pp_size}, {pp_schedule}), {accum_steps} micro-batches per "
+       f"pipeline, {tokens_per_iter:,} tokens per iteration")
+
+# -----------------------------------------------------------------------------
+# data: nanoGPT's uint16 train.bin / val.bin
+bin_path, n_tokens = find_bins(dataset, block_size)
+
+
+def get_batch(split, offsets):
+    # a new memmap per batch: a long-lived one keeps every page it touched and grows without bound
+    data = np.memmap(bin_path[split], dtype=np.uint16, mode='r')
+    chunk = torch.from_numpy(data[offsets.numpy()[:, None] + np.arange(block_size + 1)].astype(np.int64))
+    x, y = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+    if device_type == 'cuda':
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+# The training stream is a function of the seed and the step alone: each step draws the offsets of the whole
+# global batch from one generator and each (rank, micro-step) takes its own row, so 1, 2 or 8 ranks see the same
+# data, and saving this generator's state saves the data position.
+data_gen = torch.Generator().manual_seed(seed)
+
+
+def draw_train_offsets():
+    offsets = torch.randint(n_tokens['train'] - block_size, (gradient_accumulation_steps, batch_size),
+                            generator=data_gen)
+    return offsets[dp_rank * accum_steps:(dp_rank + 1) * accum_steps]
+
+
+# -----------------------------------------------------------------------------
+# where to start: this run's newest complete state, a memory snapshot (two per rank) or a checkpoint in out_dir
+ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+dcp_dir = os.path.join(out_dir, 'dcp')
+snapshot_name = f'rank-{rank}-of-{dp_size}x{pp_size}pp.pt'  # a rank's own stages, which only this layout reads back
+run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only,
+                                  snapshots=[snapshot_name, previous(snapshot_name)],
+                                  storage=[step_folders(dcp_dir) + [ckpt_path, previous(ckpt_path)]],
+                                  where=f"{dcp_dir} or {ckpt_path}")
+snapshot_path = os.path.join(snapshot_dir(run_id), snapshot_name)
+resume_path = resume_from and resume_from[1]
+
+# -----------------------------------------------------------------------------
+# model
+meta_path = os.path.join('data', dataset, 'meta.pkl')
+meta_vocab_size = read_meta(meta_path)['vocab_size'] if os.path.exists(meta_path) else None
+model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
+                  vocab_size=meta_vocab_size or 50304, dropout=dropout)
+# a checkpoint is data, never code
+model, checkpoint = create_model(resume_path, read_start,
+                                 init_from, model_args, config, given)
+block_size = model_args['block_size']
+check_token_ids(bin_path, model.config.vocab_size)
+hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []
+iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_loss'])) if checkpoint else (0, 1e9)
+print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
+torch.manual_seed(seed + rank)  # and then draws its own dropout masks
+raw_model = model  # the whole GPT: its config, names and MFU (the other ranks' stages left on the meta device)
+# the model cut by blocks into pp_size stages (stages_per_rank each with interleaved-1f1b, placed in a loop), each
+# under the GPT's own names; model is this rank's stages together: its state, optimizer and gradients
+n_stages = pp_size * (stages_per_rank if pp_schedule == 'interleaved-1f1b' else 1)
+ids = stage_ids(pp_rank, pp_size, n_stages // pp_size)
+blocks = {s: stage_blocks(s, n_stages, raw_model.config.n_layer) for s in ids}
+stages = [Part(raw_model, blocks[s], s == 0, s == n_stages - 1) for s in ids]
+model = Part(raw_model, sum(blocks.values(), []), 0 in ids, n_stages - 1 in ids)
+t = raw_model.transformer
+for module in [t.h[i] for i in range(len(t.h)) if str(i) not in model.transformer.h] + [t.wpe] * (0 not in ids) + \
+        [t.ln_f] * (n_stages - 1 not in ids) + [t.wte] * (0 not in ids and n_stages - 1 not in ids):
+    module.to('meta')  # free what other ranks hold
+raw_model.lm_head.weight = t.wte.weight  # tied again (to('meta') makes new parameters): the GPT's names stay its own
+model.to(device)
+if compile:
+    for block in model.transformer.h.values():
+        block.compile()  # in place, so parameter names (and checkpoints) stay the same
+tied = model.transformer['wte'].weight if 'wte' in model.transformer else None  # one in effect
+tie_group = tie_groups[dp_rank] if pp_size > 1 and (0 in ids or n_stages - 1 in ids) else None
+pp_group = mesh['pp'].get_group()
+pipeline = [PipelineStage(stage, s, n_stages, device, group=pp_group) for stage, s in zip(stages, ids)]
+Schedule = {'gpipe': ScheduleGPipe, '1f1b': Schedule1F1B, 'interleaved-1f1b': ScheduleInterleaved1F1B}[pp_schedule]
+# the schedule divides the gradients by the micro-batches, as train.py divides each micro-step's loss
+schedule = Schedule(pipeline if pp_schedule == 'interleaved-1f1b' else pipeline[0], accum_steps, loss_fn=loss_fn)
+
+# -----------------------------------------------------------------------------
+# optimizer, over this rank's stages
+optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+
+# -----------------------------------------------------------------------------
+# checkpoint load: the rest of the state, so that the run continues exactly where it stopped
+if checkpoint is not None:
+    try:
+        load_sharded_state(model, optimizer, checkpoint, resume_path, raw_model)
+    except Exception as e:
+        sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): delete it or restore a "
+                 f"good copy")
+    if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
+        data_gen.set_state(checkpoint['data_rng'])
+    restore_rng(checkpoint.get('rng', []), print0)
+    print0(f"resuming from {resume_path} at iter {iter_num}")
+    checkpoint = None  # free the memory
+
+# evaluation runs the stages one after the other, through the pipeline's ranks
+eval_model = Forward(stages, ids, n_stages, mesh['pp'].mesh.tolist(), pp_group, device)
+
+
+def save_checkpoint(to='storage', wait=False):
+    """Every rank calls this (RNG states are gathered). to='storage': a checkpoint in out_dir; to='memory': a
+    snapshot in the node's folder in /dev/shm. A thread copies the state to host memory while the next step's
+    forward and backward run (the optimizer step waits for the copy), then writes it to temporary files, renamed
+    when complete: a crash mid-write leaves the previous one in place. Each rank saves its stages' state, into a DCP
+    folder out_dir/dcp/step-N or its own snapshot; with save_consolidated, rank 0 also writes train.py's ckpt.pt."""
+    extra = {
+        'model_args': model_args,
+        'iter_num': iter_num,
+        'best_val_loss': best_val_loss,
+        'config': config,
+        'rng': gather_rng(),
+        'data_rng': data_gen.get_state(),
+        'run_id': run_id,  # so that a run started afresh over this out_dir never takes it for its own
+    }
+    checkpoint = sharded_state(model, optimizer, raw_model)
+    if to == 'memory':
+        os.makedirs(os.path.dirname(snapshot_path), exist_ok=True)
+        # the one before is kept: a rank killed mid-write holds it still, and so do the others
+        save_in_background({'shards': local_shards(checkpoint), **extra}, snapshot_path, keep_previous=True)
+    else:
+        save_dcp(checkpoint, extra, os.path.join(dcp_dir, f'step-{iter_num:08d}'), resume_path)
+        if save_consolidated:  # and train.py's whole checkpoint, gathered in rank 0's CPU memory
+            save_full(model, optimizer, raw_model, extra, ckpt_path)
+    if wait:
+        wait_for_saves()
+
+
+@torch.no_grad()
+def estimate_loss():
+    """Mean loss over eval_iters batches per split, the same batches at every eval (a fixed seed), so that evals
+    compare; the batches are shared out over the ranks and the sum all-reduced."""
+    out = {}
+    eval_model.eval()
+    for i, split in enumerate(('train', 'val')):
+        gen = torch.Generator().manual_seed(seed + 1 + i)
+        offsets = torch.randint(n_tokens[split] - block_size, (eval_iters, batch_size), generator=gen)
+        total = torch.zeros((), device=device)
+        # every rank runs the same number of forwards (under FSDP, ZeRO-3 or TP each takes part in the others');
+        # the extra ones where eval_iters does not divide by dp_size count for nothing
+        for k in range(dp_rank, -(-eval_iters // dp_size) * dp_size, dp_size):
+            X, Y = get_batch(split, offsets[k % eval_iters])
+            with ctx:
+                _, loss = eval_model(X, Y)
+            total += loss.float() * (k < eval_iters)
+        dist.all_reduce(total)
+        out[split] = total.item() / eval_iters / pp_size  # a pipeline's ranks all add the same losses
+    eval_model.train()
+    return out
+
+
+def get_lr(it):
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    decay_ratio = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))  # from 1 down to 0
+    return min_lr + coeff * (learning_rate - min_lr)
+
+
+# -----------------------------------------------------------------------------
+# logging: one line per logged step for people, the same as JSON in out_dir/metrics.jsonl for programs
+log_metrics = open_log(out_dir, run_id, {**config, 'world_size': world_size}, resume_from and iter_num,
+                       write=master_process, eval_only=eval_only)
+if wandb_log and master_process:
+    import wandb
+    wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+device_name = torch.cuda.get_device_name(device) if device_type == 'cuda' else device_type
+
+# -----------------------------------------------------------------------------
+# training loop
+t0, steps_timed = time.time(), 0
+local_iter_num = 0  # steps taken by this process, whatever iter_num it started from
+loss_sum = torch.zeros((), device=device)
+nonfinite_steps = 0  # in a row
+while True:
+    lr = get_lr(iter_num) if decay_lr else learning_rate
+    for param_group in optimizer.param_groups:
+        param_group['lr'] = lr
+
+    if iter_num % eval_interval == 0 or iter_num == max_iters:
+        losses = estimate_loss()
+        print0(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        log_metrics(iter_num, train_loss=losses['train'], val_loss=losses['val'])
+        if wandb_log and master_process:
+            wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr})
+        if losses['val'] < best_val_loss or always_save_checkpoint:
+            best_val_loss = min(best_val_loss, losses['val'])
+            if iter_num > 0:
+                save_checkpoint()
+        t0, steps_timed = time.time(), 0  # leave evals out of the step time
+    elif save_storage_interval and iter_num % save_storage_interval == 0 and local_iter_num > 0:
+        save_checkpoint()
+    if hellaswag_interval and (iter_num % hellaswag_interval == 0 or iter_num == max_iters):
+        hs = evaluate(eval_model, hellaswag, device, ctx, block_size, dp_rank, dp_size)
+        print0(f"step {iter_num}: hellaswag acc {hs['acc']:.4f}, acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
+        log_metrics(iter_num, hellaswag_acc=hs['acc'], hellaswag_acc_norm=hs['acc_norm'])
+        t0, steps_timed = time.time(), 0
+    if iter_num >= max_iters or eval_only:
+        break
+    if save_memory_interval and iter_num % save_memory_interval == 0 and local_iter_num > 0:
+        save_checkpoint('memory')
+
+    # one optimizer step over the whole global batch: the schedule runs the pipeline's accum_steps micro-batches
+    offsets = draw_train_offsets()
+    X, Y = get_batch('train', offsets.flatten())  # split by the schedule into the micro-steps' batches again
+    micro_losses = []  # the last stage's, one per micro-batch
+    with ctx:
+        schedule.step(*([X] if 0 in ids else []), **(dict(target=Y, losses=micro_losses) if n_stages - 1 in ids
+                                                      else {}))
+    loss_sum += sum(loss.detach().float() for loss in micro_losses) / accum_steps  # only the last stage's ranks add
+    grad_norm = tied_grads_and_norm(list(model.parameters()), tied, 0 in ids, mesh['dp'].get_group(), dp_size,
+                                    tie_group, pp_group)
+    if grad_clip != 0.0:
+        clip(model.parameters(), grad_norm, grad_clip)
+    # A non-finite loss or gradient would spoil the weights for good, so the step is skipped; the ranks decide alike,
+    # as about SIGTERM (a non-finite loss shows on the last stage's ranks only: the agreement carries it)
+    nonfinite, stop = agree(~torch.isfinite(loss_sum + grad_norm))
+    wait_for_copies()  # a snapshot taken before this step may still be copying the weights it is about to change
+    if not nonfinite:
+        optimizer.step()
+    nonfinite_steps = count_skipped(nonfinite, nonfinite_steps, max_nonfinite_steps, iter_num, log_metrics, out_dir)
+    if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
+        mem = state_bytes(model.parameters(), [optimizer])
+        print0("per-rank memory: " + ", ".join(f"{k[:-6]} {v / 2**20:.2f} MiB" for k, v in mem.items()))
+        log_metrics(iter_num, **mem)
+    optimizer.zero_grad(set_to_none=True)
+    steps_timed += 1
+
+    if iter_num % log_interval == 0:
+        # the loss of the whole global batch: the mean over pipelines of each last stage's mean over its micro-batches
+        dist.all_reduce(loss_sum)
+        lossf = loss_sum.item() / dp_size  # .item() waits for the GPU, so the time below is real
+        dt = (time.time() - t0) / steps_timed
+        mfu = raw_model.estimate_mfu(batch_size * accum_steps / pp_size, dt, device_name)  # pp shares the work
+        print0(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f} ms, {tokens_per_iter / dt:,.0f} tok/s"
+               + (f", mfu {mfu * 100:.2f}%" if mfu is not None else ""))
+        log_metrics(iter_num, loss=lossf, lr=lr, ms=dt * 1000, tokens_per_sec=tokens_per_iter / dt, mfu=mfu)
+        t0, steps_timed = time.time(), 0
+    loss_sum.zero_()
+    iter_num += 1
+    local_iter_num += 1
+    if stop:
+        print0(f"SIGTERM: saving a checkpoint at iter {iter_num} and exiting")
+        save_checkpoint(wait=True)
+        break
+
+wait_for_saves()
+remove_snapshots(run_id)  # out_dir holds the final state: free the RAM
+finish()

@@ -1,0 +1,93 @@
+"""pp_train.py in real process groups on gloo, in fp32: parity with train.py on one process (pp 2, pp 4, pp 2 x dp 2,
+each schedule), the tied embedding, exact resume with dropout, resume at another layout and in fsdp_train.py."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import TINY, read_metrics, run
+from model import GPTConfig
+from pipeline import stage_memory
+
+# 8 blocks, so that pp 4 with two stages per rank has one block a stage; the global batch of test_fsdp.py
+BASE = ['--n_layer=8', '--gradient_accumulation_steps=4', '--eval_interval=4', '--always_save_checkpoint=True']
+STEPS = 6
+
+
+def launch(script, tmp_path, data_dir, out, *extra, nproc=1):
+    return run(script, *TINY, *BASE, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path / out}',
+               *extra, nproc=nproc, cwd=tmp_path)
+
+
+def assert_same_curve(a, b, iters, rel=1e-5):
+    assert all(i in a and i in b for i in iters), (sorted(a), sorted(b))
+    for i in iters:
+        assert abs(a[i] - b[i]) <= rel * abs(a[i]), (i, a[i], b[i])
+
+
+@pytest.fixture(scope='module')
+def ref(shared_run):
+    """train.py on one process: the curve every pipeline layout must reproduce."""
+    out = shared_run('train.py', *BASE, f'--max_iters={STEPS}')
+    losses, evals = read_metrics(out)
+    assert losses[STEPS - 1] < losses[0] - 0.2  # it learns
+    return out, losses, evals
+
+
+@pytest.mark.parametrize('nproc, pp, schedule', [
+    (2, 2, 'gpipe'), (2, 2, '1f1b'), (2, 2, 'interleaved-1f1b'),
+    (4, 4, 'gpipe'), (4, 4, '1f1b'), (4, 4, 'interleaved-1f1b'),
+    (4, 2, 'gpipe'), (4, 2, '1f1b'), (4, 2, 'interleaved-1f1b'),
+], ids=['pp2-gpipe', 'pp2-1f1b', 'pp2-interleaved', 'pp4-gpipe', 'pp4-1f1b', 'pp4-interleaved',
+        'dp2xpp2-gpipe', 'dp2xpp2-1f1b', 'dp2xpp2-interleaved'])
+def test_pipeline_matches_single_process(tmp_path, data_dir, ref, nproc, pp, schedule):
+    launch('pp_train.py', tmp_path, data_dir, 'pp', f'--max_iters={STEPS}', f'--pp_size={pp}',
+           f'--pp_schedule={schedule}', '--save_consolidated=True', nproc=nproc)
+    losses, evals = read_metrics(tmp_path / 'pp')
+    assert_same_curve(ref[1], losses, range(STEPS))
+    # the evals go through the pipeline too
+    assert [e['iter'] for e in evals] == [e['iter'] for e in ref[2]]
+    for mine, theirs in zip(evals, ref[2]):
+        assert abs(mine['val_loss'] - theirs['val_loss']) <= 1e-5 * theirs['val_loss']
+    # the consolidated checkpoint: train.py's weights; its head is the last stage's copy of the tied weight and its
+    # token embedding the first stage's, which their summed gradients keep bit-identical
+    sd = torch.load(tmp_path / 'pp' / 'ckpt.pt', map_location='cpu', weights_only=True)['model']
+    ours = torch.load(ref[0] / 'ckpt.pt', map_location='cpu', weights_only=True)['model']
+    assert sd.keys() == ours.keys()
+    for k in sd:
+        assert (sd[k] - ours[k]).abs().max().item() < 1e-5, k
+    assert torch.equal(sd['lm_head.weight'], sd['transformer.wte.weight'])
+    # rank 0's memory (the first stage's parameters, gradients and AdamW state): pipeline.stage_memory's estimate
+    with open(tmp_path / 'pp' / 'metrics.jsonl') as f:
+        mem = next(row for row in map(json.loads, f) if 'param_bytes' in row)
+    config = GPTConfig(n_layer=8, n_head=2, n_embd=32, block_size=32, vocab_size=65, bias=True)
+    estimate = stage_memory(config, pp, 2 if schedule == 'interleaved-1f1b' else 1)[0][1]
+    measured = mem['param_bytes'] + mem['grad_bytes'] + mem['optim_bytes']
+    assert abs(measured - estimate) <= 0.1 * estimate, (measured, estimate)
+
+
+def test_pipeline_exact_resume_with_dropout(tmp_path, data_dir):
+    args = ['--dropout=0.1', '--pp_size=2', '--pp_schedule=interleaved-1f1b']  # every rank's RNG has to come back
+    launch('pp_train.py', tmp_path, data_dir, 'full', *args, f'--max_iters={STEPS}', nproc=2)
+    launch('pp_train.py', tmp_path, data_dir, 'split', *args, '--max_iters=4', nproc=2)
+    launch('pp_train.py', tmp_path, data_dir, 'split', *args, f'--max_iters={STEPS}', '--init_from=resume', nproc=2)
+    full, split = read_metrics(tmp_path / 'full')[0], read_metrics(tmp_path / 'split')[0]
+    assert sorted(split) == list(range(STEPS))
+    assert [split[i] for i in range(STEPS)] == [full[i] for i in range(STEPS)]  # bit for bit
+
+
+@pytest.mark.parametrize('first, second', [
+    (('pp_train.py', 4, 4), ('pp_train.py', 4, 2)),    # pp 4 -> dp 2 x pp 2
+    (('pp_train.py', 4, 4), ('fsdp_train.py', 2, 0)),  # pp 4 -> FSDP on 2 ranks
+    (('fsdp_train.py', 2, 0), ('pp_train.py', 2, 2)),  # FSDP on 2 ranks -> pp 2
+    (('train.py', 1, 0), ('pp_train.py', 2, 2)),  # train.py's ckpt.pt (as pp_train.py's consolidated one) -> pp 2
+], ids=['pp4-to-dp2xpp2', 'pp4-to-fsdp', 'fsdp-to-pp2', 'train-to-pp2'])
+def test_resume_at_another_layout_and_in_fsdp(tmp_path, data_dir, ref, shared_run, first, second):
+    layout = lambda script, pp: [f'--pp_size={pp}', '--pp_schedule=1f1b'] if script == 'pp_train.py' else []
+    (script1, n1, pp1), (script2, n2, pp2) = first, second
+    shutil.copytree(shared_run(script1, *BASE, '--max_iters=4', *layout(script1, pp1), nproc=n1), tmp_path / 'run')
+    launch(script2, tmp_path, data_dir, 'run', f'--max_iters={STEPS}', *layout(script2, pp2), '--init_from=resume',
+           nproc=n2)
+    assert_same_curve(ref[1], read_metrics(tmp_path / 'run')[0], range(STEPS))
