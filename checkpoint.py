@@ -527,8 +527,10 @@ def point_latest(folder, iter_of=None):
 # one; train.py has none), and beside them the whole ckpt.pt (and ckpt.prev.pt) that every entrypoint reads:
 # train.py's own checkpoint, the others' export. The config saved in a checkpoint tells its writer by a key that
 # only that entrypoint has.
-FOLDERS = {'fsdp_train.py': 'dcp', 'ds_train.py': 'ds', 'decent_train.py': 'decent'}
-OWN_KEY = {'fsdp_train.py': 'tp_size', 'ds_train.py': 'zero_stage', 'decent_train.py': 'topology'}
+# pp_train.py's DCP folders are fsdp_train.py's: each resumes the other's (the model's own parameter names)
+FOLDERS = {'fsdp_train.py': 'dcp', 'pp_train.py': 'dcp', 'ds_train.py': 'ds', 'decent_train.py': 'decent'}
+OWN_KEY = {'pp_train.py': 'pp_size', 'fsdp_train.py': 'tp_size', 'ds_train.py': 'zero_stage',
+           'decent_train.py': 'topology'}
 
 
 def writer_of(path):
@@ -543,14 +545,20 @@ def others_newest(out_dir, script):
     newest = None
     for writer, kind in FOLDERS.items():
         latest = os.path.join(out_dir, kind, 'latest')
-        if writer == script or not os.path.isfile(latest):
+        if kind == FOLDERS.get(script) or not os.path.isfile(latest):
             continue
         with open(latest, errors='replace') as f:
             name = f.read().strip()
         found = re.fullmatch(r'step-(\d{1,12})', name)
         if found and os.path.isdir(os.path.join(out_dir, kind, name)) and (newest is None or
                                                                             int(found[1]) > newest[0]):
-            newest = (int(found[1]), os.path.join(out_dir, kind, name), writer)
+            folder = os.path.join(out_dir, kind, name)
+            if os.path.isfile(os.path.join(folder, 'extra.pt')):  # fsdp_train.py's or pp_train.py's
+                try:
+                    writer = writer_of(os.path.join(folder, 'extra.pt'))
+                except Exception:
+                    pass
+            newest = (int(found[1]), folder, writer)
     return newest
 
 

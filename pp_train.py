@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from checkpoint import (create_model, find_resume, previous, reason, remove_snapshots, save_in_background, snapshot_dir,
-                        step_folders, wait_for_copies, wait_for_saves)
+from checkpoint import (create_model, find_resume, finish_saves, previous, reason, remove_snapshots, save_in_background,
+                        snapshot_dir, step_folders, wait_for_copies, wait_for_saves)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, read_meta
 from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start, state_bytes,
@@ -32,6 +32,7 @@ from distributed import (agree, finish, gather_rng, pick_device, restore_rng, sp
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from pipeline import (Forward, Part, clip, loss_fn, save_full, sharded_state, stage_blocks, stage_ids,
                       tied_grads_and_norm)
+from runlock import hold
 from runlog import count_skipped, open_log
 from sharded import load_sharded_state, local_shards, read_start, save_dcp
 
@@ -173,10 +174,12 @@ def draw_train_offsets():
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 dcp_dir = os.path.join(out_dir, 'dcp')
 snapshot_name = f'rank-{rank}-of-{dp_size}x{pp_size}pp.pt'  # a rank's own stages, which only this layout reads back
+if not eval_only:  # an eval writes nothing: it neither holds out_dir nor waits for whoever does
+    hold(out_dir)  # one run at a time in out_dir, for the run's lifetime
 run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only,
                                   snapshots=[snapshot_name, previous(snapshot_name)],
                                   storage=[step_folders(dcp_dir) + [ckpt_path, previous(ckpt_path)]],
-                                  where=f"{dcp_dir} or {ckpt_path}")
+                                  where=f"{dcp_dir} or {ckpt_path}", script='pp_train.py')
 snapshot_path = os.path.join(snapshot_dir(run_id), snapshot_name)
 resume_path = resume_from and resume_from[1]
 
@@ -323,7 +326,7 @@ while True:
     for param_group in optimizer.param_groups:
         param_group['lr'] = lr
 
-    if iter_num % eval_interval == 0 or iter_num == max_iters:
+    if iter_num % eval_interval == 0 or iter_num == max_iters or eval_only:
         losses = estimate_loss()
         print0(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         log_metrics(iter_num, train_loss=losses['train'], val_loss=losses['val'])
@@ -331,7 +334,7 @@ while True:
             wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr})
         if losses['val'] < best_val_loss or always_save_checkpoint:
             best_val_loss = min(best_val_loss, losses['val'])
-            if iter_num > 0:
+            if iter_num > 0 and not eval_only:  # an eval of a run writes no checkpoint
                 save_checkpoint()
         t0, steps_timed = time.time(), 0  # leave evals out of the step time
     elif save_storage_interval and iter_num % save_storage_interval == 0 and local_iter_num > 0:
@@ -390,6 +393,6 @@ while True:
         save_checkpoint(wait=True)
         break
 
-wait_for_saves()
-remove_snapshots(run_id)  # out_dir holds the final state: free the RAM
+finish_saves()  # a storage checkpoint that could not be written stops the run with an error
+remove_snapshots(run_id, eval_only)  # out_dir holds the final state: free the RAM
 finish()

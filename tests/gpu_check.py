@@ -161,7 +161,7 @@ if 'A' in args.parts:
         row('A', f'{script} exact resume', code1 == 0 and code2 == 0 and same,
             f"last loss {resumed.get(STEPS - 1)} vs {curve.get(STEPS - 1)}")
         code, text, _ = run(f'{name}-sample', [sys.executable, os.path.join(REPO, 'sample.py'), f'--out_dir={full}',
-                                               '--num_samples=1', '--max_new_tokens=40'] + (['--device=cpu'] if dry else []))
+                                               '--num_samples=1', '--max_new_tokens=40', *SYSTEM[:1 if dry else 0]])
         row('A', f'{script} sample.py', code == 0, text.strip().splitlines()[-1][:40] if text.strip() else '')
         code, text, _ = run(f'{name}-export', [sys.executable, os.path.join(REPO, 'export_hf.py'), f'--ckpt={full}',
                                                f'--out={name}-hf'])
