@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from configurator import check_model_shape, check_optimizer, configure
-from data import read_meta
+from data import find_bins, open_tokens, read_meta
 from model import GPT2_SHAPES, GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -37,6 +37,7 @@ beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0
 real_data = False  # read batches from data/<dataset>/train.bin; otherwise random tokens
+random_data = True  # the entrypoints' random_data (data.py): one batch of its tokens, drawn once; False = real_data
 dataset = 'openwebtext'
 warmup = 10  # untimed steps first (compilation, allocator warm-up)
 iters = 50  # timed steps
@@ -46,7 +47,7 @@ compile = True
 seed = 1337
 profile = False  # write a torch.profiler trace instead of timing
 # -----------------------------------------------------------------------------
-config, _ = configure(globals(), skip_unknown_in_files=True)  # training configs set keys a benchmark lacks
+config, given = configure(globals(), skip_unknown_in_files=True)  # training configs set keys a benchmark lacks
 if model:
     if model not in GPT2_SHAPES:
         sys.exit(f"error: unknown model={model!r}: use one of {', '.join(GPT2_SHAPES)}, or set n_layer, n_head, n_embd")
@@ -84,7 +85,9 @@ if device_type == 'cuda':
     torch.backends.cudnn.conv.fp32_precision = 'tf32'
 
 vocab_size = 50304
-if real_data:
+if real_data and random_data and 'random_data' in given:
+    sys.exit("error: real_data=True and random_data=True: choose one")
+if real_data or not random_data:
     path = os.path.join('data', dataset, 'train.bin')
     if not os.path.exists(path):
         sys.exit(f"error: {path} not found: run `python prepare.py {dataset}` first, or drop --real_data")
@@ -103,8 +106,10 @@ if real_data:
         chunk = torch.from_numpy(data[offsets[:, None] + np.arange(block_size + 1)].astype(np.int64))
         return chunk[:, :-1].contiguous().to(device), chunk[:, 1:].contiguous().to(device)
 else:
-    x = torch.randint(vocab_size, (batch_size, block_size), device=device)
-    y = torch.randint(vocab_size, (batch_size, block_size), device=device)
+    # kept on the device and reused, so that the timing is the model's alone
+    chunk = torch.from_numpy(open_tokens(find_bins(dataset, block_size, random_data=True)[0]['train'])[
+        np.arange(batch_size)[:, None] * (block_size + 1) + np.arange(block_size + 1)].astype(np.int64))
+    x, y = chunk[:, :-1].contiguous().to(device), chunk[:, 1:].contiguous().to(device)
 
     def get_batch():
         return x, y

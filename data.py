@@ -2,6 +2,7 @@
 The token data every entrypoint reads, as prepare.py (and nanoGPT) write it: data/<dataset>/train.bin and val.bin
 (uint16 token ids) and, for a char-level vocabulary, meta.pkl (vocab_size, itos, stoi). Every file is read as data:
 meta.pkl through an unpickler that admits no class, so a planted one runs no code.
+With random_data, a virtual token file of hashed GPT-2 ids stands in for both, for cluster bring-up and benchmarks.
 """
 
 import os
@@ -31,9 +32,37 @@ def read_meta(path):
     return meta
 
 
-def find_bins(dataset, block_size):
+class RandomTokens:
+    """A stand-in for a token file (random_data=True): token i of a split is a hash of (split, i), a GPT-2 id. It is
+    read at the offsets that the entrypoints draw from their seeded generator, as a real file is, so the stream is a
+    function of the seed and the step alone and the same at any world size, and evals and resume work unchanged."""
+    SIZE = 1 << 40  # tokens in each split: offsets never run out or repeat in practice
+    VOCAB = 50257  # GPT-2's ids, so that a GPT-2-sized model sees every id and a smaller one is refused
+
+    def __init__(self, split):
+        self.salt = np.uint64({'train': 1, 'val': 2}[split] << 41)
+
+    def __getitem__(self, index):
+        # splitmix64 of the position: cheap, vectorized, and the same on every machine
+        z = (np.asarray(index, dtype=np.uint64) + self.salt) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return ((z ^ (z >> np.uint64(31))) % np.uint64(self.VOCAB)).astype(np.uint16)
+
+
+def open_tokens(source):
+    """A split's tokens, indexable by position: the file memory-mapped anew (a long-lived memmap keeps every page it
+    touched and grows without bound), or random_data's virtual file."""
+    return source if isinstance(source, RandomTokens) else np.memmap(source, dtype=np.uint16, mode='r')
+
+
+def find_bins(dataset, block_size, random_data=False):
     """({split: path}, {split: tokens}) of data/<dataset>/train.bin and val.bin (dataset may be a folder's path),
-    or a one-line error where one is missing, is not whole uint16 tokens, or holds no block of block_size + 1."""
+    or a one-line error where one is missing, is not whole uint16 tokens, or holds no block of block_size + 1.
+    With random_data, ({split: RandomTokens}, {split: RandomTokens.SIZE}): no dataset is read."""
+    if random_data:
+        return ({split: RandomTokens(split) for split in ('train', 'val')},
+                {split: RandomTokens.SIZE for split in ('train', 'val')})
     data_dir = os.path.join('data', dataset)
     paths, n_tokens = {}, {}
     for split in ('train', 'val'):
@@ -56,6 +85,11 @@ def check_token_ids(paths, vocab_size):
     """A one-line error where a token id is outside the model's vocabulary (which would index past its embedding
     mid-run): data prepared with another tokenizer than the model's, or another dataset's meta.pkl. The files are
     read in chunks, so a corpus of any size takes a pass at disk speed and little memory."""
+    if any(isinstance(source, RandomTokens) for source in paths.values()):
+        if vocab_size < RandomTokens.VOCAB:
+            sys.exit(f"error: random_data draws GPT-2 token ids (0 to {RandomTokens.VOCAB - 1}), past the model's "
+                     f"vocabulary of {vocab_size}: use a model with GPT-2's vocabulary, or real data")
+        return
     for path in paths.values():
         data = np.memmap(path, dtype=np.uint16, mode='r')
         largest = max((int(data[i:i + CHUNK].max()) for i in range(0, len(data), CHUNK)), default=0)

@@ -10,6 +10,9 @@ python prepare.py fineweb-edu                   # FineWeb-Edu's sample-10BT     
 python prepare.py fineweb                       # FineWeb's sample-10BT         (--data_files=a.parquet,...)
 python prepare.py text --input=FILE [--tokenizer=char|gpt2] [--name=NAME]
 python prepare.py hellaswag                     # HellaSwag's validation set, for eval_hellaswag.py  (--input=FILE)
+python data/shakespeare_char/prepare.py         # nanoGPT's layout: each data/<name>/prepare.py prepares <name>
+                                                # into its own folder, from anywhere, with these flags
+python prepare.py --src_data_path=data.txt      # DLRover's: text --input=data.txt --tokenizer=char, beside it
 
 A text file is one document, split as nanoGPT does: its first 90% of characters for train, the rest for val.
 Document datasets (json, parquet) get an end-of-text token (50256) after each document and a random 0.05% of
@@ -36,6 +39,7 @@ text_column = 'text'  # the field that holds a document's text in data_files
 tokenizer = 'gpt2'  # for text: 'char' or 'gpt2'
 name = ''  # folder under out_root to write to; defaults to the dataset's name, or the input file's stem for text
 out_root = 'data'
+out_dir = ''  # the folder to write into, instead of out_root/name
 val_fraction = -1.0  # -1: 0.1 of a text file's characters, 0.0005 of a document dataset's documents
 num_proc = max(1, (os.cpu_count() or 2) // 2)  # tokenizer workers
 chunk_chars = 1 << 20  # characters of text tokenized at a time per worker
@@ -568,12 +572,46 @@ def prepare_fineweb(dataset, out_dir):
           f"{val_docs:,} of {total:,} documents)")
 
 
-def main():
-    if len(sys.argv) < 2 or sys.argv[1] not in DATASETS:
-        given = sys.argv[1] if len(sys.argv) > 1 else 'nothing'
-        sys.exit(f"error: unknown dataset {given!r}: use one of {', '.join(DATASETS)}")
-    dataset = sys.argv[1]
-    _, set_keys = configure(globals(), sys.argv[2:])
+def prepare_here(script):
+    """What data/<name>/prepare.py runs, as nanoGPT lays data out: <name> prepared into the script's own folder,
+    whatever the working folder, with this script's flags after it."""
+    folder = os.path.dirname(os.path.abspath(script))
+    rel = os.path.relpath(folder)  # data/<name> from the repo root; the whole path from elsewhere, to be clear
+    shown = folder if rel.startswith(os.pardir) or rel == os.curdir else rel
+    main([os.path.basename(folder), f'--out_dir={shown}', *sys.argv[1:]])
+
+
+def dlrover_args(args):
+    """DLRover's `prepare.py --src_data_path FILE [--output_dir DIR]` (a char-level prep written beside FILE, or into
+    DIR) as our arguments, said in one line; None for any other command line."""
+    flags, rest, i = {}, [], 0
+    while i < len(args):
+        key, eq, value = args[i].partition('=')
+        if key in ('--src_data_path', '--output_dir'):
+            if not eq and i + 1 < len(args):
+                value, i = args[i + 1], i + 1
+            flags[key[2:]] = value
+        else:
+            rest.append(args[i])
+        i += 1
+    if 'src_data_path' not in flags:
+        return None
+    src = flags['src_data_path']
+    ours = ['text', f'--input={src}', '--tokenizer=char',
+            f"--out_dir={flags.get('output_dir') or os.path.dirname(src) or '.'}", *rest]
+    print(f"DLRover's --src_data_path: here that is `python prepare.py {' '.join(ours)}`")
+    return ours
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    argv = dlrover_args(argv) or argv
+    if not argv or argv[0] not in DATASETS:
+        given = argv[0] if argv else 'nothing'
+        sys.exit(f"error: unknown dataset {given!r}: use one of {', '.join(DATASETS)} (or DLRover's "
+                 f"--src_data_path=FILE)")
+    dataset = argv[0]
+    _, set_keys = configure(globals(), argv[1:])
     if tokenizer not in ('char', 'gpt2'):
         sys.exit(f"error: tokenizer={tokenizer!r}: use char or gpt2")
     if dataset == 'text' and not input:
@@ -596,18 +634,20 @@ def main():
                  f"train and val both need tokens")
     if name and (os.path.basename(name) != name or name in ('.', '..')):
         sys.exit(f"error: name={name!r} must be a folder name, not a path: set --out_root for where it goes")
+    if out_dir and ({'out_root', 'name'} & set_keys):
+        sys.exit("error: out_dir names the folder itself: leave out out_root and name, or out_dir")
     folder = name or (os.path.splitext(os.path.basename(input))[0] if dataset == 'text' else dataset)
-    out_dir = os.path.join(out_root, folder)
-    above = out_dir  # the folder is made only once the inputs pass, but one that cannot be fails before the loading
+    out = out_dir or os.path.join(out_root, folder)
+    above = out  # the folder is made only once the inputs pass, but one that cannot be fails before the loading
     while above and not os.path.exists(above):
         above = os.path.dirname(above)
     above = above or '.'
     if not os.path.isdir(above):
-        sys.exit(f"error: cannot write in {out_dir}: {above} is a file: choose another --out_root or --name")
+        sys.exit(f"error: cannot write in {out}: {above} is a file: choose another --out_dir, --out_root or --name")
     if not os.access(above, os.W_OK | os.X_OK):
-        sys.exit(f"error: cannot write in {out_dir}: {above} is not writable: choose another --out_root")
+        sys.exit(f"error: cannot write in {out}: {above} is not writable: choose another --out_root")
     try:
-        prepare(dataset, out_dir)
+        prepare(dataset, out)
     except BaseException:
         let_go(out_dir)
         for d in created:  # a folder that now holds something (a downloaded input.txt) stays

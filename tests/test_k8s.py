@@ -36,7 +36,8 @@ WORKDIR = '/workspace'  # k8s/Dockerfile's; the manifests name the repo's files 
 # TensorStack publishes no CRD for PyTorchTrainingJob. This schema holds the fields that its user manual's page
 # on the kind shows (spec.torchrunConfig, spec.replicaSpecs[*], spec.runPolicy, spec.scheduler, spec.elastic),
 # with the types and values the page gives, closed like the CRD schemas below so that a misspelt field is an
-# error; the pod templates are checked as Kubernetes PodTemplateSpecs.
+# error; the pod templates are checked as Kubernetes PodTemplateSpecs. spec.elastic (ElasticConfig) and
+# spec.scheduler.t9kScheduler checked again on 2026-11-24 against the manual's page and its API reference.
 COUNT = {'type': 'integer', 'minimum': 0}
 T9K_SCHEMA = {
     'type': 'object', 'required': ['apiVersion', 'kind', 'metadata', 'spec'], 'additionalProperties': False,
@@ -294,8 +295,24 @@ def test_each_training_job_has_its_own_out_dir_and_resumes_from_it(monkeypatch):
                     assert config['auto_resume'], (path.name, args)
                     pairs.add((doc['metadata']['name'], config['out_dir']))
     jobs, out_dirs = {job for job, _ in pairs}, {d for _, d in pairs}
-    assert len(jobs) == len(out_dirs) == len(pairs) == 9, sorted(pairs)  # one to one
+    assert len(jobs) == len(out_dirs) == len(pairs) == 11, sorted(pairs)  # one to one
     assert all(d.startswith('/mnt/gpt/out/') for d in out_dirs), out_dirs  # on the volume, not in the pod
+
+
+def test_t9k_has_a_random_data_job_and_an_elastic_queued_one(monkeypatch):
+    monkeypatch.chdir(REPO)
+    docs = {p.name: load(p)[1][0] for p in MANIFESTS}
+    random = first_container(docs['t9k-test-random-data.yaml'])
+    config = script_config(random['args'][0], random['args'][1:])
+    assert config['random_data'] is True and not any(a.startswith('--dataset') for a in random['args'])
+    elastic = docs['t9k-elastic.yaml']['spec']
+    assert elastic['torchrunConfig']['enabled'] is True  # T9k's elastic mode needs torchrun
+    assert elastic['elastic'] == {'enabled': True, 'minReplicas': 1, 'maxReplicas': 2, 'expectedReplicas': 2}
+    assert elastic['scheduler']['t9kScheduler']['queue'] and elastic['replicaSpecs'][0]['replicas'] == 2
+    args = first_container(docs['t9k-elastic.yaml'])['args']
+    config = script_config(args[0], args[1:])
+    # the global batch's micro-steps divide over 1 or 2 pods of 8 ranks, and a restarted group has a snapshot
+    assert config['gradient_accumulation_steps'] % 16 == 0 and config['save_memory_interval'] > 0
 
 
 def test_dockerfile_puts_the_repo_where_the_manifests_run():
@@ -359,6 +376,11 @@ BROKEN = {
     't9k misspelt pod field': ('t9k-train-rdma.yaml', "'securityContex' was unexpected",
                                lambda d: first_container(d).update(
                                    securityContex=first_container(d).pop('securityContext'))),
+    't9k misspelt elastic field': ('t9k-elastic.yaml', "'minReplica' was unexpected",
+                                   lambda d: d['spec']['elastic'].update(minReplica=d['spec']['elastic'].pop(
+                                       'minReplicas'))),
+    't9k misspelt queue field': ('t9k-elastic.yaml', "'queu' was unexpected",
+                                 lambda d: d['spec']['scheduler']['t9kScheduler'].update(queu='default')),
     'no /dev/shm in memory': ('t9k-test-openwebtext-10k.yaml', '/dev/shm is not an in-memory emptyDir',
                               lambda d: pod_templates(d)[0][1]['spec']['volumes'][1]['emptyDir'].pop('medium')),
     'unknown config key': ('pytorchjob-train.yaml', "unknown config key 'bacth_size'",

@@ -188,3 +188,64 @@ def test_document_files_as_parquet(tmp_path):
     assert tokens(tmp_path / 'data' / 'owt' / 'val.bin').tolist().count(50256) == 2
     assert tokens(tmp_path / 'data' / 'owt' / 'train.bin').tolist().count(50256) == 18
     assert sorted(p.name for p in (tmp_path / 'data' / 'owt').iterdir()) == ['train.bin', 'val.bin']
+
+
+# -----------------------------------------------------------------------------
+# nanoGPT's layout (data/<name>/prepare.py) and DLRover's command (prepare.py --src_data_path FILE)
+
+FOLDERS = ['shakespeare_char', 'shakespeare', 'openwebtext', 'openwebtext-10k', 'fineweb-edu', 'fineweb', 'hellaswag']
+
+
+def git_ignores(path):
+    return subprocess.run(['git', 'check-ignore', '-q', path], cwd=REPO).returncode == 0
+
+
+def test_each_dataset_has_its_folder_script_in_git_and_its_outputs_out_of_it():
+    for name in FOLDERS:
+        assert (REPO / 'data' / name / 'prepare.py').is_file(), name
+        assert not git_ignores(f'data/{name}/prepare.py'), name
+        for made in ('train.bin', 'val.bin', 'meta.pkl', 'input.txt', 'progress.json', 'train.bin.tmp'):
+            assert git_ignores(f'data/{name}/{made}'), (name, made)
+    assert git_ignores('data/mine/train.bin')  # prepare.py text --name=mine
+
+
+def test_a_folder_script_prepares_into_its_own_folder_from_anywhere(tmp_path):
+    # a copy of the repo's layout, so that the outputs land in tmp_path
+    repo = tmp_path / 'repo'
+    (repo / 'data' / 'shakespeare_char').mkdir(parents=True)
+    for f in ('prepare.py', 'configurator.py', 'data/shakespeare_char/prepare.py'):
+        (repo / f).write_bytes((REPO / f).read_bytes())
+    src = tmp_path / 'small.txt'
+    src.write_text(SHAKESPEARE.read_text()[:20000])
+    folder = repo / 'data' / 'shakespeare_char'
+    made = {}
+    for cwd, script in ((repo, 'data/shakespeare_char/prepare.py'), (folder, 'prepare.py'),
+                        (tmp_path, 'repo/data/shakespeare_char/prepare.py')):
+        p = subprocess.run([sys.executable, script, f'--input={src}'], cwd=cwd, env=env(), capture_output=True,
+                           text=True)
+        assert p.returncode == 0, p.stderr
+        assert sorted(os.listdir(folder)) == ['meta.pkl', 'prepare.py', 'train.bin', 'val.bin'], cwd
+        assert sorted(os.listdir(repo)) == ['configurator.py', 'data', 'prepare.py'] and os.listdir(repo / 'data') == [
+            'shakespeare_char']  # nothing written elsewhere (no data/ under the working folder)
+        made[str(cwd)] = (folder / 'train.bin').read_bytes() + (folder / 'val.bin').read_bytes()
+    assert len(set(made.values())) == 1 and len(made[str(repo)]) == 2 * 20000
+    meta = pickle.loads((folder / 'meta.pkl').read_bytes())
+    ids = np.frombuffer(made[str(repo)], dtype=np.uint16)
+    assert ''.join(meta['itos'][i] for i in ids) == src.read_text()
+
+
+@pytest.mark.parametrize('args, where', [
+    (['--src_data_path', 'corpus/data.txt'], 'corpus'),  # DLRover's argparse form: beside the text file
+    (['--src_data_path=corpus/data.txt', '--output_dir', 'elsewhere'], 'elsewhere'),
+], ids=['beside', 'output_dir'])
+def test_dlrover_src_data_path_is_a_char_prep_and_names_ours(tmp_path, args, where):
+    (tmp_path / 'corpus').mkdir()
+    text = SHAKESPEARE.read_text()[:5000]
+    (tmp_path / 'corpus' / 'data.txt').write_text(text)
+    p = run('prepare.py', *args, cwd=tmp_path)
+    assert (f"here that is `python prepare.py text --input=corpus/data.txt --tokenizer=char --out_dir={where}`"
+            in p.stdout), p.stdout
+    meta = pickle.loads((tmp_path / where / 'meta.pkl').read_bytes())
+    ids = np.concatenate([tokens(tmp_path / where / 'train.bin'), tokens(tmp_path / where / 'val.bin')])
+    assert len(tokens(tmp_path / where / 'train.bin')) == 4500  # nanoGPT's 90% split, as DLRover's prep
+    assert ''.join(meta['itos'][i] for i in ids) == text

@@ -291,3 +291,18 @@ def test_a_signalled_job_is_requeued_and_resumes_from_its_checkpoint(cluster, tm
     assert saved == resumed, node_log[-3000:]
     losses, _ = read_metrics(out)
     assert sorted(losses) == list(range(1000))  # the steps after the checkpoint were logged again, once
+
+
+@pytest.mark.parametrize('args, right', [
+    # Decent-DP's scripts take torchrun's path first; here the script starts torchrun itself
+    (['/usr/bin/torchrun', 'config/gpt2-small.toml'], 'slurm/torchrun.sbatch train.py config/gpt2-small.toml'),
+    (['/usr/bin/torchrun', 'config/decent-gpt2-small.toml', '--seed=1'],
+     'slurm/torchrun.sbatch decent_train.py config/decent-gpt2-small.toml ...'),
+    (['config/train_gpt2.py', 'fsdp_train.py'], 'slurm/torchrun.sbatch fsdp_train.py config/train_gpt2.py'),
+], ids=['torchrun-first', 'decent-toml', 'swapped'])
+def test_an_entrypoint_not_ours_is_refused_in_one_line_before_any_slurm_call(tmp_path, args, right):
+    # the check comes before anything that needs SLURM, so bash runs it here as sbatch would on a node
+    p = subprocess.run(['bash', str(SBATCH), *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and p.stderr == '' and len(p.stdout.splitlines()) == 1, (p.stdout, p.stderr)
+    assert p.stdout.startswith(f"error: {args[0]} is not a training entrypoint here") and right in p.stdout, p.stdout
+    assert list(tmp_path.iterdir()) == []  # no logs folder made

@@ -1,0 +1,12 @@
+"""
+hellaswag: HellaSwag's validation set, for eval_hellaswag.py and hellaswag_interval.
+Written into this folder, as nanoGPT lays data out: `python data/hellaswag/prepare.py` from the repo root, or
+`python prepare.py` here. The repo's prepare.py does the work and takes the same flags.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..'))  # the repo's prepare.py
+from prepare import prepare_here  # noqa: E402
+
+prepare_here(__file__)
