@@ -26,7 +26,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from checkpoint import (create_model, find_resume, finish_saves, previous, reason, remove_snapshots, save_in_background,
                         snapshot_dir, step_folders, wait_for_copies, wait_for_saves)
 from configurator import check_config, configure
-from data import check_token_ids, find_bins, read_meta
+from data import check_token_ids, find_bins, open_tokens, read_meta
 from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start, state_bytes,
                          use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
@@ -53,6 +53,7 @@ wandb_project = 'owt'
 wandb_run_name = 'gpt2'
 # data
 dataset = 'openwebtext'  # data/<dataset>/{train,val}.bin as prepare.py writes them (or a path to such a folder)
+random_data = False  # synthetic tokens instead of data/<dataset> (data.py): for cluster bring-up and benchmarks
 gradient_accumulation_steps = 5 * 8  # micro-steps per optimizer step, in total over all ranks
 batch_size = 12  # sequences per micro-step per rank
 block_size = 1024
@@ -144,12 +145,11 @@ print0(f"world size {world_size} (dp {dp_size} x pp {pp_size}, {pp_schedule}), {
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin
-bin_path, n_tokens = find_bins(dataset, block_size)
+bin_path, n_tokens = find_bins(dataset, block_size, random_data)
 
 
 def get_batch(split, offsets):
-    # a new memmap per batch: a long-lived one keeps every page it touched and grows without bound
-    data = np.memmap(bin_path[split], dtype=np.uint16, mode='r')
+    data = open_tokens(bin_path[split])
     chunk = torch.from_numpy(data[offsets.numpy()[:, None] + np.arange(block_size + 1)].astype(np.int64))
     x, y = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
     if device_type == 'cuda':
@@ -186,7 +186,7 @@ resume_path = resume_from and resume_from[1]
 # -----------------------------------------------------------------------------
 # model
 meta_path = os.path.join('data', dataset, 'meta.pkl')
-meta_vocab_size = read_meta(meta_path)['vocab_size'] if os.path.exists(meta_path) else None
+meta_vocab_size = read_meta(meta_path)['vocab_size'] if os.path.exists(meta_path) and not random_data else None
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=meta_vocab_size or 50304, dropout=dropout)
 # a checkpoint is data, never code
