@@ -1,8 +1,9 @@
 """
 Measures each parallelism mode against the link between nodes, on an emulated cluster (launch/cluster.py: network
 namespaces with tbf-capped links, a real multi-node torchrun): for every mode x link rate x number of nodes, the
-median step time, the bytes each node sends per step (from its interface's counters, between two points of the run),
-the bytes the mode's design implies, and the link use (bytes per step over the step time, as a fraction of the rate).
+median and mean step time, the bytes each node sends per step (from its interface's counters, between two points of
+the run), the bytes the mode's design implies, and the link use (bytes per step over the mean step time, as a fraction
+of the rate). --straggler=10 makes the last node's link 10x slower.
 Needs root. Prepare the data first (python prepare.py shakespeare_char).
 
 sudo python bench_network.py                       # every mode, 1gbit/300mbit/100mbit, 2 and 4 nodes, a ~25M model
@@ -41,6 +42,7 @@ batch_size = 4  # sequences per rank per step (one micro-step)
 dataset = 'data/shakespeare_char'
 out_dir = 'bench_network'
 threads = 1  # OMP threads per rank: the nodes share this machine's cores
+straggler = 1  # > 1: the last node's link is this many times slower than the others' (a straggler)
 quick = False  # a smoke run: ddp and diloco-4, 2 nodes at 100mbit, the tiny test model, 12 steps (flags win)
 # -----------------------------------------------------------------------------
 config, given = configure(globals())
@@ -107,19 +109,22 @@ def measure(mode, rate, n):
     # a burst falls wholly inside the measured steps or wholly outside
     h = int(mode[7:]) if mode.startswith('diloco-') else 1
     start = warmup + (h // 2 - warmup) % h
+    measured = -(-steps // h) * h  # whole windows: at least `steps`
     out = os.path.abspath(os.path.join(run_dir, f'{mode}-{rate}-{n}n'))
     os.makedirs(out)  # new: a run here never resumes another
     args = [os.path.join(os.path.dirname(os.path.abspath(__file__)), script), *extra, f'--out_dir={out}',
             f'--dataset={os.path.abspath(dataset)}', '--device=cpu', '--compile=False', '--dtype=float32',
             f'--n_layer={n_layer}', f'--n_head={n_head}', f'--n_embd={n_embd}', f'--block_size={block_size}',
             f'--batch_size={batch_size}', f'--gradient_accumulation_steps={n * nproc_per_node}', '--eval_iters=1',
-            f'--max_iters={start + steps + 2}', f'--eval_interval={start + steps + 2}', '--log_interval=1',
+            f'--max_iters={start + measured + 2}', f'--eval_interval={start + measured + 2}', '--log_interval=1',
             '--always_save_checkpoint=False', '--dropout=0.0']
     env = {**os.environ, 'OMP_NUM_THREADS': str(threads)}
     with Cluster(n, rate) as c:
+        if straggler > 1:  # tc takes a rate in bit/s as NUMBERbit
+            c.set_rate(n - 1, f'{int(bits_per_second(rate) / straggler)}bit')
         procs = c.torchrun(args, nproc_per_node, env=env, logs=out, cwd=out)
         marks = []  # (iter, node 0's tx bytes) as the run passes the start and the end of the measured steps
-        for target in (start, start + steps):
+        for target in (start, start + measured):
             while iters_logged(os.path.join(out, 'metrics.jsonl'))[0] < target:
                 if any(p.poll() is not None for p in procs):
                     raise RuntimeError(f"{mode} at {rate} on {n} nodes exited early: see {out}/node*.log")
@@ -132,17 +137,28 @@ def measure(mode, rate, n):
     (i0, tx0), (i1, tx1) = marks
     per_step = [(b - a) / (i1 - i0) for a, b in zip(tx0, tx1)]
     rows = iters_logged(os.path.join(out, 'metrics.jsonl'))[1]
-    ms = statistics.median(r['ms'] for r in rows if 'ms' in r and start < r['iter'] <= start + steps)
+    # the median is a step's time (for DiLoCo, one without communication); the mean counts the outer steps too
+    window = [r['ms'] for r in rows if 'ms' in r and i0 < r['iter'] <= i1]
+    ms, mean_ms = statistics.median(window), statistics.mean(window)
     vocab_size = read_meta(os.path.join(dataset, 'meta.pkl'))['vocab_size']
     model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, vocab_size=vocab_size,
                           bias=False, dropout=0.0))
     n_params = sum(p.numel() for p in model.parameters())
     design = design_bytes(mode, n_params, n, nproc_per_node)
-    link = float(rate[:-4]) * {'k': 1e3, 'm': 1e6, 'g': 1e9}[rate[-4].lower()] if rate.endswith('bit') else None
+    link = bits_per_second(rate)
     sent = statistics.mean(per_step)
-    return dict(mode=mode, rate=rate, nodes=n, params=n_params, ms=ms, bytes_per_step=sent, design_bytes=design,
-                sent_over_design=sent / design if design else None,
-                link_use=8 * sent / (ms / 1000) / link if link else None, steps=i1 - i0)
+    return dict(mode=mode, rate=rate, nodes=n, straggler=straggler, params=n_params, ms=ms, mean_ms=mean_ms,
+                bytes_per_step=sent, design_bytes=design, sent_over_design=sent / design if design else None,
+                link_use=8 * sent / (mean_ms / 1000) / link if link else None, steps=i1 - i0,
+                load=os.getloadavg()[0])
+
+
+def bits_per_second(rate):
+    """tc's rate (100mbit, 1gbit, 25000000bit) in bit/s; None for no cap."""
+    if not rate or not rate.endswith('bit'):
+        return None
+    unit = rate[-4].lower()
+    return float(rate[:-4]) * {'k': 1e3, 'm': 1e6, 'g': 1e9}[unit] if unit in 'kmg' else float(rate[:-3])
 
 
 if __name__ == '__main__':
@@ -150,8 +166,10 @@ if __name__ == '__main__':
     os.makedirs(run_dir)
     torch.set_num_threads(1)
     print(f"runs in {run_dir}; {os.cpu_count()} cores, torch {torch.__version__}", flush=True)
-    print("| mode | link | nodes | median ms/step | MB sent/node/step | MB by design | sent/design | link use |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    print(f"straggler: the last node's link {straggler}x slower" if straggler > 1 else "no straggler", flush=True)
+    print("| mode | link | nodes | median ms/step | mean ms/step | MB sent/node/step | MB by design | sent/design | "
+          "link use | load |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     with open(os.path.join(run_dir, 'results.jsonl'), 'w') as log:
         for n in map(int, nodes.split(',')):
             for rate in rates.split(','):
@@ -165,6 +183,6 @@ if __name__ == '__main__':
                         continue
                     log.write(json.dumps({**r, 'config': config}) + '\n')
                     log.flush()
-                    print(f"| {mode} | {rate} | {n} | {r['ms']:.1f} | {r['bytes_per_step'] / 1e6:.3f} | "
-                          f"{r['design_bytes'] / 1e6:.3f} | {r['sent_over_design']:.2f} | {r['link_use']:.2f} |",
-                          flush=True)
+                    print(f"| {mode} | {rate} | {n} | {r['ms']:.0f} | {r['mean_ms']:.0f} | "
+                          f"{r['bytes_per_step'] / 1e6:.3f} | {r['design_bytes'] / 1e6:.3f} | "
+                          f"{r['sent_over_design']:.2f} | {r['link_use']:.2f} | {r['load']:.1f} |", flush=True)

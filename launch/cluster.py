@@ -172,6 +172,14 @@ class Cluster:
         return [int(pid) for kind, name in self._made if kind == 'netns'
                 for pid in sh('ip', 'netns', 'pids', name, check=False).split()]
 
+    def kill(self, node):
+        """A node dies: SIGKILL to everything in it (its torchrun agent and workers), as a power cut would."""
+        for pid in sh('ip', 'netns', 'pids', self.names[node], check=False).split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def link(self, node, up):
         """Takes the node's cable out (up=False) or puts it back."""
         sh('ip', 'link', 'set', self.host_ends[node], 'up' if up else 'down')
@@ -260,6 +268,9 @@ def main():
     parser.add_argument('--nproc_per_node', type=int, default=1)
     parser.add_argument('--rate', default=None, help="each node's link, as tc writes it: 100mbit, 1gbit; none: no cap")
     parser.add_argument('--max_restarts', type=int, default=0)
+    parser.add_argument('--min_nodes', type=int, default=None, help='elastic: --nnodes=MIN:NODES (with --max_restarts)')
+    parser.add_argument('--kill', default=None, metavar='NODE@SECONDS',
+                        help='SIGKILL everything in node NODE SECONDS after the start (a fault drill)')
     parser.add_argument('--port', type=int, default=29500)
     parser.add_argument('--remove_stale', action='store_true', help='remove what a killed harness left, and exit')
     args, rest = parser.parse_known_args()
@@ -274,12 +285,22 @@ def main():
         sys.exit(f"error: {why}")
     if args.nodes < 1:
         sys.exit(f"error: --nodes={args.nodes}: give 1 or more")
+    try:
+        kill_node, kill_after = (int(args.kill.split('@')[0]), float(args.kill.split('@')[1])) if args.kill else (0, 0)
+    except (IndexError, ValueError):
+        sys.exit(f"error: --kill={args.kill}: give NODE@SECONDS, e.g. --kill=1@30")
+    if args.kill and not 0 <= kill_node < args.nodes:
+        sys.exit(f"error: --kill={args.kill}: no node {kill_node} among {args.nodes}")
     with Cluster(args.nodes, args.rate) as c:
         print(f"{args.nodes} nodes on {c.subnet} ({', '.join(c.addrs)}), links {args.rate or 'uncapped'}; "
               f"rendezvous at {c.addrs[0]}:{args.port}", flush=True)
         before = c.counters()
         t0 = time.time()
-        procs = c.torchrun(rest, args.nproc_per_node, args.port, args.max_restarts)
+        procs = c.torchrun(rest, args.nproc_per_node, args.port, args.max_restarts, args.min_nodes)
+        if args.kill:
+            time.sleep(kill_after)
+            c.kill(kill_node)
+            print(f"killed node {kill_node} (everything in it) at {time.time() - t0:.1f} s", flush=True)
         codes = [p.wait() for p in procs]
         seconds = time.time() - t0
         after = c.counters()

@@ -1,6 +1,7 @@
 """launch/cluster.py, the emulated cluster: two network namespaces on a bridge with capped links run train.py as a
 real 2-node elastic torchrun, which trains through a cable pulled mid-run for a few seconds, with the losses of one
-process; whatever way the harness ends (done, an exception, SIGTERM) it leaves no namespace or link behind.
+process; whatever way the harness ends (done, an exception, SIGTERM) it leaves no namespace or link behind;
+kill(node), the node-kill drill's power cut, ends everything in that node and nothing in the others.
 Skipped, with the reason, only where this machine allows no network namespaces."""
 
 import json
@@ -17,7 +18,7 @@ import torch
 from conftest import REPO, TINY, env, read_metrics, run
 
 sys.path.insert(0, str(REPO / 'launch'))
-from cluster import Cluster, leftovers, namespaces_work  # noqa: E402
+from cluster import Cluster, leftovers, namespaces_work, sh  # noqa: E402
 
 WHY_NOT = namespaces_work()
 if WHY_NOT:  # a warning, so that the reason shows in the summary of a plain `pytest -q` too
@@ -89,3 +90,17 @@ def test_an_exception_or_a_sigterm_leaves_no_namespace_or_link(tmp_path):
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=60) == 128 + signal.SIGTERM
     assert leftovers(p.pid) == ([], [])
+
+
+def test_kill_ends_everything_in_one_node_and_nothing_in_the_others():
+    with Cluster(2) as c:
+        procs = [c.popen(i, ['sh', '-c', 'sleep 60 & sleep 60']) for i in range(2)]  # a parent and its child each
+        while len(sh('ip', 'netns', 'pids', c.names[1]).split()) < 3:  # the command's sh and its 2 sleeps
+            time.sleep(0.05)
+        c.kill(1)  # the node's power cut: its sh and both sleeps get SIGKILL
+        assert procs[1].wait(timeout=10) == -signal.SIGKILL
+        deadline = time.time() + 10
+        while sh('ip', 'netns', 'pids', c.names[1]).split() and time.time() < deadline:
+            time.sleep(0.05)
+        assert sh('ip', 'netns', 'pids', c.names[1]).split() == []
+        assert procs[0].poll() is None and sh('ip', 'netns', 'pids', c.names[0]).split()
