@@ -649,7 +649,7 @@ def main(argv=None):
     try:
         prepare(dataset, out)
     except BaseException:
-        let_go(out_dir)
+        let_go(out)
         for d in created:  # a folder that now holds something (a downloaded input.txt) stays
             try:
                 os.rmdir(d)
