@@ -17,9 +17,11 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from configurator import check_model_shape, check_optimizer, configure
+from configurator import check_model_shape, check_optimizer, check_seed, configure, quiet_interrupt
 from data import read_meta
 from model import GPT2_SHAPES, GPT, GPTConfig
+
+quiet_interrupt()  # Ctrl-C: one line, no traceback
 
 # -----------------------------------------------------------------------------
 model = ''  # a GPT-2 shape ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') instead of n_layer / n_head / n_embd
@@ -53,6 +55,7 @@ if model:
     n_layer, n_head, n_embd = GPT2_SHAPES[model]
     config.update(n_layer=n_layer, n_head=n_head, n_embd=n_embd)  # the JSON line reports the shape timed
 check_model_shape(config)
+check_seed(config)
 check_optimizer(config)
 for key, least in (('batch_size', 1), ('gradient_accumulation_steps', 1), ('iters', 1), ('warmup', 0)):
     if config[key] < least:

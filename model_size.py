@@ -13,8 +13,10 @@ import sys
 
 import torch
 
-from configurator import check_model_shape, configure
+from configurator import check_model_shape, configure, quiet_interrupt
 from model import GPT2_SHAPES, GPT, GPTConfig
+
+quiet_interrupt()  # Ctrl-C: one line, no traceback
 
 # -----------------------------------------------------------------------------
 model = ''  # a GPT-2 shape ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') instead of n_layer / n_head / n_embd

@@ -26,7 +26,7 @@ import tempfile
 
 import numpy as np
 
-from configurator import configure
+from configurator import configure, quiet_interrupt
 
 # -----------------------------------------------------------------------------
 input = ''  # a local text file (for shakespeare*, instead of downloading it; for text, required)
@@ -567,6 +567,7 @@ def prepare_fineweb(dataset, out_dir):
 
 
 def main():
+    quiet_interrupt()  # Ctrl-C: one line, no traceback
     if len(sys.argv) < 2 or sys.argv[1] not in DATASETS:
         given = sys.argv[1] if len(sys.argv) > 1 else 'nothing'
         sys.exit(f"error: unknown dataset {given!r}: use one of {', '.join(DATASETS)}")
