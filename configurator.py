@@ -237,3 +237,11 @@ def quiet_interrupt():
             os._exit(130)
         default(kind, value, tb)
     sys.excepthook = hook
+
+
+def check_model_name(model, given):
+    """A GPT-2 name (model=gpt2...) sets the shape: a shape key given beside it would be ignored, so it is refused."""
+    both = sorted(given & {'n_layer', 'n_head', 'n_embd'}) if model else []
+    if both:
+        sys.exit(f"error: model={model} sets n_layer, n_head and n_embd, so {', '.join(both)} would be ignored: drop "
+                 f"--model to give the shape yourself, or drop {', '.join('--' + k for k in both)}")

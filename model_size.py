@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from configurator import check_model_shape, configure, quiet_interrupt
+from configurator import check_model_name, check_model_shape, configure, quiet_interrupt
 from model import GPT2_SHAPES, GPT, GPTConfig
 
 quiet_interrupt()  # Ctrl-C: one line, no traceback
@@ -32,7 +32,8 @@ batch_size = 12  # sequences per micro-step per rank, for the activation estimat
 dtype = 'bfloat16'  # the compute dtype: activations take 2 bytes an element in bfloat16, 4 in float32
 activation_checkpointing = False
 # -----------------------------------------------------------------------------
-config, _ = configure(globals())
+config, given = configure(globals())
+check_model_name(model, given)
 if model:
     if model not in GPT2_SHAPES:
         sys.exit(f"error: unknown model={model!r}: use one of {', '.join(GPT2_SHAPES)}, or set n_layer, n_head, n_embd")
