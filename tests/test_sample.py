@@ -66,7 +66,7 @@ NO_GPU = 'cuda' if not torch.cuda.is_available() else f'cuda:{torch.cuda.device_
 
 
 @pytest.mark.parametrize('flag, message', [
-    ('--temperature=-0.5', 'temperature=-0.5 is negative: give 0 (always the likeliest token) or more'),
+    ('--temperature=-0.5', 'temperature=-0.5 is not a number from 0 up: give 0 (always the likeliest token) or more'),
     ('--top_k=-1', 'top_k=-1 is negative: give how many of the likeliest tokens to sample from, or 0 for all'),
     ('--num_samples=-2', 'num_samples=-2 is negative: give 0 or more'),
     ('--max_new_tokens=-1', 'max_new_tokens=-1 is negative: give 0 or more'),
