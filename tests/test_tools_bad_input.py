@@ -30,7 +30,8 @@ def fails(tmp_path, script, *args):
     (['--tp_size=3'], 'error: world_size=2 is not a multiple of tp_size=3'),
     (['--world_size=4', '--tp_size=4'], 'error: n_head=2 is not a multiple of tp_size=4'),
     (['--dtype=float64'], "error: dtype='float64': use bfloat16, float16 or float32"),
-    (['--model=gpt2'], 'error: model=gpt2 sets n_layer, n_head and n_embd, so n_embd, n_head, n_layer would be ignored'),
+    (['--model=gpt2'], 'error: model=gpt2 sets n_layer, n_head and n_embd, so n_embd, n_head, n_layer would be '
+                       'ignored'),
     (['/nowhere'], 'error: /nowhere is neither a config file (*.py) nor a checkpoint or a run folder with a ckpt.pt'),
 ])
 def test_model_size_refuses_shapes_that_make_no_model(tmp_path, args, message):
@@ -60,8 +61,10 @@ def test_model_size_shows_the_tensor_parallel_size_asked_for(tmp_path):
     (['--beta2=1.5'], 'error: beta2=1.5 must be at least 0 and below 1'),
     (['--dtype=float64'], "error: dtype='float64': use auto, float32, bfloat16 or float16"),
     (['--device=nonsense'], "error: device='nonsense' cannot be used here (RuntimeError: "),
-    (['--model=gpt2'], 'error: model=gpt2 sets n_layer, n_head and n_embd, so n_embd, n_head, n_layer would be ignored'),
-    (['--seed=99999999999999999999'], 'error: seed=99999999999999999999 must be from 0 to 9223372036854775807'),
+    (['--model=gpt2'], 'error: model=gpt2 sets n_layer, n_head and n_embd, so n_embd, n_head, n_layer would be '
+                       'ignored'),
+    (['--seed=99999999999999999999'], 'error: seed=99999999999999999999 must be from 0 to '
+                                      '9223372036854775807'),
     (['--n_layer=1000000', '--n_embd=4096'], 'error: the model has 201,334,990,180,352 parameters'),  # 750 TiB: refused, not built
 ])
 def test_bench_refuses_bad_settings_before_building_a_model(tmp_path, args, message):
