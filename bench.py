@@ -17,9 +17,12 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from configurator import check_model_shape, check_optimizer, configure
-from data import find_bins, open_tokens, read_meta
+from configurator import check_model_name, check_model_shape, check_optimizer, check_seed, configure, quiet_interrupt
+from data import check_token_ids, find_bins, open_tokens, read_meta
+from distributed import check_fits
 from model import GPT2_SHAPES, GPT, GPTConfig
+
+quiet_interrupt()  # Ctrl-C: one line, no traceback
 
 # -----------------------------------------------------------------------------
 model = ''  # a GPT-2 shape ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') instead of n_layer / n_head / n_embd
@@ -48,12 +51,14 @@ seed = 1337
 profile = False  # write a torch.profiler trace instead of timing
 # -----------------------------------------------------------------------------
 config, given = configure(globals(), skip_unknown_in_files=True)  # training configs set keys a benchmark lacks
+check_model_name(model, given)
 if model:
     if model not in GPT2_SHAPES:
         sys.exit(f"error: unknown model={model!r}: use one of {', '.join(GPT2_SHAPES)}, or set n_layer, n_head, n_embd")
     n_layer, n_head, n_embd = GPT2_SHAPES[model]
     config.update(n_layer=n_layer, n_head=n_head, n_embd=n_embd)  # the JSON line reports the shape timed
 check_model_shape(config)
+check_seed(config)
 check_optimizer(config)
 for key, least in (('batch_size', 1), ('gradient_accumulation_steps', 1), ('iters', 1), ('warmup', 0)):
     if config[key] < least:
@@ -88,16 +93,12 @@ vocab_size = 50304
 if real_data and random_data and 'random_data' in given:
     sys.exit("error: real_data=True and random_data=True: choose one")
 if real_data or not random_data:
-    path = os.path.join('data', dataset, 'train.bin')
-    if not os.path.exists(path):
-        sys.exit(f"error: {path} not found: run `python prepare.py {dataset}` first, or drop --real_data")
-    n_tokens = os.path.getsize(path) // 2
-    if n_tokens < block_size + 1:
-        sys.exit(f"error: {path} holds {n_tokens} tokens, fewer than block_size + 1 = {block_size + 1}: "
-                 f"lower --block_size or prepare more data")
+    paths, counts = find_bins(dataset, block_size)  # whole uint16 tokens, enough of them, readable
+    path, n_tokens = paths['train'], counts['train']
     meta = os.path.join('data', dataset, 'meta.pkl')
     if os.path.exists(meta):
         vocab_size = read_meta(meta)['vocab_size']
+    check_token_ids({'train': path}, vocab_size)  # an id past the vocabulary would index past the embedding
     gen = torch.Generator().manual_seed(seed)
 
     def get_batch():
@@ -114,6 +115,8 @@ else:
     def get_batch():
         return x, y
 
+check_fits(dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, vocab_size=vocab_size,
+                bias=bias), device)  # refused before it is built
 gpt = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                     dropout=dropout, bias=bias)).to(device)
 optimizer = gpt.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)

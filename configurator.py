@@ -158,6 +158,24 @@ def check_config(config):
     for key, least in STEPS.items():
         if key in config and not config[key] >= least:  # written so that NaN fails too
             sys.exit(f"error: {key}={config[key]} must be {least} or more")
+    check_seed(config)
+    check_schedule(config)
+    if config.get('wandb_log'):
+        import importlib.util
+        if importlib.util.find_spec('wandb') is None:
+            sys.exit("error: wandb_log=True but wandb is not installed: pip install wandb, or drop --wandb_log")
+    if config.get('backend') in ('nccl', 'mpi') or config.get('device') == 'mps':
+        import torch
+        import torch.distributed as dist
+        gpu = config.get('device', 'auto').startswith('cuda') or config.get('device') == 'auto' and \
+            torch.cuda.is_available()
+        if config['backend'] == 'nccl' and not gpu:
+            sys.exit(f"error: backend=nccl needs CUDA GPUs, and device={config['device']} has none: use --backend=gloo "
+                     f"(or auto)")
+        if config['backend'] == 'mpi' and not dist.is_mpi_available():
+            sys.exit("error: backend=mpi but this torch was built without MPI: use --backend=gloo (or auto)")
+        if config.get('device') == 'mps' and not torch.backends.mps.is_available():
+            sys.exit("error: device=mps but this machine has no Apple GPU torch can use: use --device=cpu (or auto)")
     init_from = config.get('init_from', 'scratch')
     if init_from not in ('scratch', 'resume', 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') and \
             not os.path.exists(init_from):
@@ -184,3 +202,46 @@ def check_out_dir(out_dir):
     except OSError as e:
         sys.exit(f"error: cannot write in {parent} for out_dir={out_dir} ({e.strerror}): give a folder you can "
                  f"write to with --out_dir")
+
+
+def check_seed(config):
+    """torch takes a seed in [0, 2**64); the loops add a few to it (evals, ranks), so it is kept below 2**63."""
+    if 'seed' in config and not 0 <= config['seed'] < 2**63:
+        sys.exit(f"error: seed={config['seed']} must be from 0 to {2**63 - 1}")
+
+
+def check_schedule(config):
+    """Warns where the learning-rate schedule is legal but not what anyone means: it rises, or never decays."""
+    keys = ('warmup_iters', 'lr_decay_iters', 'learning_rate', 'min_lr')
+    if not config.get('decay_lr', False) or os.environ.get('RANK', '0') != '0' or not all(k in config for k in keys):
+        return
+    warmup, decay, top, least = (config[k] for k in keys)
+    if 'max_iters' in config and warmup > config['max_iters']:
+        print(f"warning: warmup_iters={warmup} > max_iters={config['max_iters']}: the run ends still warming up; "
+              f"set --warmup_iters below max_iters", file=sys.stderr)
+    if decay < warmup:
+        print(f"warning: lr_decay_iters={decay} < warmup_iters={warmup}: the rate jumps from its peak to min_lr at "
+              f"once; set --lr_decay_iters above warmup_iters (usually = max_iters)", file=sys.stderr)
+    if least > top:
+        print(f"warning: min_lr={least} > learning_rate={top}: the schedule rises instead of decaying; set --min_lr "
+              f"about learning_rate / 10", file=sys.stderr)
+
+
+def quiet_interrupt():
+    """Ctrl-C in a tool ends it with one line and exit status 130, not a traceback (finally blocks still run and
+    remove temporary files)."""
+    def hook(kind, value, tb, default=sys.excepthook):
+        if issubclass(kind, KeyboardInterrupt):
+            print("error: interrupted (Ctrl-C); nothing half-written is kept: rerun to start over", file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(130)
+        default(kind, value, tb)
+    sys.excepthook = hook
+
+
+def check_model_name(model, given):
+    """A GPT-2 name (model=gpt2...) sets the shape: a shape key given beside it would be ignored, so it is refused."""
+    both = sorted(given & {'n_layer', 'n_head', 'n_embd'}) if model else []
+    if both:
+        sys.exit(f"error: model={model} sets n_layer, n_head and n_embd, so {', '.join(both)} would be ignored: drop "
+                 f"--model to give the shape yourself, or drop {', '.join('--' + k for k in both)}")

@@ -70,6 +70,10 @@ def find_bins(dataset, block_size, random_data=False):
         if not os.path.isfile(path):
             sys.exit(f"error: {path} not found: run `python prepare.py {dataset}` "
                      f"(or `python prepare.py text --input=FILE --name={dataset}`) first")
+        try:
+            open(path, 'rb').close()
+        except OSError as e:
+            sys.exit(f"error: cannot read {path} ({e.strerror}): give this user read access to it (chmod a+r)")
         size = os.path.getsize(path)
         if size % 2:
             sys.exit(f"error: {path} holds {size} bytes, not a whole number of uint16 tokens: it was cut short or is "

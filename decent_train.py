@@ -37,8 +37,8 @@ from configurator import check_config, configure
 from data import check_token_ids, find_bins, open_tokens, read_meta
 from decent import (average_moments, average_replicas, global_model, make_bucket, make_mixing_groups, make_optimizer,
                     mixing_rounds, read_replica, restore_replica, start_outer_step, wait_for)
-from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start, state_bytes,
-                         torchrun_env, use_deterministic_algorithms)
+from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
+                         state_bytes, stop_signal, torchrun_env, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from runlock import hold
 from runlog import count_skipped, open_log
@@ -218,6 +218,7 @@ meta_path = os.path.join('data', dataset, 'meta.pkl')
 meta_vocab_size = read_meta(meta_path)['vocab_size'] if os.path.exists(meta_path) and not random_data else None
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=meta_vocab_size or 50304, dropout=dropout)
+check_fits(model_args, device)  # a shape too big for this machine is refused before it is built
 # this rank's replica from a folder of every rank's (at another world size, their average), or a whole file
 model, checkpoint = create_model(resume_path, lambda path: read_replica(path, rank, world_size, print0), init_from,
                                  model_args, config, given)
@@ -541,7 +542,7 @@ while True:
     iter_num += 1
     local_iter_num += 1
     if stop:
-        print0(f"SIGTERM: saving a checkpoint at iter {iter_num} and exiting")
+        print0(f"{stop_signal()}: saving a checkpoint at iter {iter_num} and exiting")
         save_checkpoint(wait=True)
         break
 

@@ -72,9 +72,54 @@ def start(backend, device, deepspeed=False):
     # gloo's threads can abort it ('terminate called without an active exception')
     atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     # SIGTERM is how SLURM and Kubernetes preempt a job (torchrun passes it on to the workers): the loop learns of
-    # it from agree() at the end of a step, saves a checkpoint and exits cleanly
+    # it from agree() at the end of a step, saves a checkpoint and exits cleanly. Ctrl-C (SIGINT) is a preemption by
+    # hand: the same, but the exit is non-zero (finish), since the run is not done
     signal.signal(signal.SIGTERM, lambda signum, frame: _stop_signals.append(signum))
+    signal.signal(signal.SIGINT, _interrupted)
     return rank, local_rank, world_size
+
+
+def _interrupted(signum, frame):
+    if signal.SIGINT not in _stop_signals:
+        _stop_signals.append(signum)
+        if torchrun_env()[0] == 0:
+            print("Ctrl-C: finishing this step and saving a checkpoint (Ctrl-C again to leave at once)", flush=True)
+        return
+    # a second Ctrl-C leaves now: checkpoints are written to temporary files and renamed when complete, so one
+    # being written is lost, never the one before it
+    print("error: interrupted twice: left without saving; out_dir keeps its newest complete checkpoint, rerun to "
+          "resume from it", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+def stop_signal():
+    """The name of the signal that stopped the run, for the loop's message."""
+    return 'SIGINT (Ctrl-C)' if signal.SIGINT in _stop_signals else 'SIGTERM'
+
+
+def device_memory(device):
+    """Bytes this process may allocate on device: the GPU's free memory, or the host's available RAM."""
+    if torch.device(device).type == 'cuda':
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open('/proc/meminfo') as f:
+            return int(next(line for line in f if line.startswith('MemAvailable:')).split()[1]) * 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+
+
+def check_fits(model_args, device, shards=1):
+    """Refuses, in one line, a model whose fp32 weights alone (before gradients, AdamW state and activations,
+    which triple it and more) exceed the memory of the device, before a byte of it is built: otherwise it is built
+    until the machine runs out, with no output. shards: the ways the weights are split (FSDP, ZeRO-3, TP)."""
+    from model import count_params  # model.py knows nothing of distribution; this only counts its parameters
+    n = count_params(**model_args)
+    need, have = 4 * n / shards, device_memory(device)
+    if need > have:
+        sys.exit(f"error: the model has {n:,} parameters, {need / 2**30:,.1f} GiB of fp32 weights per rank, more "
+                 f"than the {have / 2**30:,.1f} GiB free on {device}: make n_layer or n_embd smaller (size it with "
+                 f"python model_size.py)")
+    return n
 
 
 def split_accumulation(gradient_accumulation_steps, dp_size):
@@ -151,10 +196,12 @@ def finish():
     that is done and would make torchrun restart it."""
     dist.barrier()
     dist.destroy_process_group()
+    if signal.SIGINT in _stop_signals and torchrun_env()[0] == 0:  # a run stopped by hand is not done
+        print("error: stopped by Ctrl-C after saving a checkpoint: rerun the same command to resume", file=sys.stderr)
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(130 if signal.SIGINT in _stop_signals else 0)
 
 
 def incarnation_store(rank, world_size):

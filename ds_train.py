@@ -31,8 +31,8 @@ from checkpoint import (commit, create_model, find_resume, finish_saves, previou
                         save_in_background, snapshot_dir, upgrade_optimizer_state, wait_for_copies, wait_for_saves)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, open_tokens, read_meta
-from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
-                         use_deterministic_algorithms)
+from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
+                         stop_signal, use_deterministic_algorithms)
 from model import GPT
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from runlock import hold
@@ -216,6 +216,7 @@ meta_path = os.path.join('data', dataset, 'meta.pkl')
 meta_vocab_size = read_meta(meta_path)['vocab_size'] if os.path.exists(meta_path) and not random_data else None
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=meta_vocab_size or 50304, dropout=dropout)
+check_fits(model_args, device)  # a shape too big for this machine is refused before it is built
 
 
 def read_engine_state(path):
@@ -472,7 +473,7 @@ while True:
     iter_num += 1
     local_iter_num += 1
     if stop:
-        print0(f"SIGTERM: saving a checkpoint at iter {iter_num} and exiting")
+        print0(f"{stop_signal()}: saving a checkpoint at iter {iter_num} and exiting")
         save_checkpoint(wait=True)
         break
 

@@ -16,9 +16,11 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import checkpoint_or_exit, find_checkpoint, pretrained_or_exit
-from configurator import configure
+from configurator import configure, quiet_interrupt
 from distributed import finish, pick_device, torchrun_env
 from hellaswag import DEFAULT_PATH, encoding, evaluate, load_or_exit
+
+quiet_interrupt()  # Ctrl-C: one line, no traceback
 
 # -----------------------------------------------------------------------------
 ckpt = 'out'  # a run's out_dir (its newest checkpoint), a ckpt.pt, or a sharded checkpoint folder

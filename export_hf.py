@@ -16,7 +16,9 @@ import tempfile
 import torch
 
 from checkpoint import checkpoint_or_exit, reason
-from configurator import configure
+from configurator import configure, quiet_interrupt
+
+quiet_interrupt()  # Ctrl-C: one line, no traceback
 
 # -----------------------------------------------------------------------------
 ckpt = 'out'  # a run's out_dir (its newest checkpoint), a ckpt.pt, or a sharded checkpoint folder

@@ -44,6 +44,9 @@ def load_examples(path):
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not a JSON object ({e.msg} at column {e.colno}): fix the line, or fetch "
                                  f"the file again with python prepare.py hellaswag") from None
+            except RecursionError:  # a line nested deeper than the parser's stack: no example is
+                raise ValueError(f"{where}: not a HellaSwag example (nested too deep to read): fix the line, or "
+                                 f"fetch the file again with python prepare.py hellaswag") from None
             examples.append(check_example(row, where))
     if not examples:
         raise ValueError(f"{path}: no examples in the file: give HellaSwag's jsonl (python prepare.py hellaswag)")

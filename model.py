@@ -32,6 +32,14 @@ GPT2_SHAPES = {'gpt2': (12, 12, 768), 'gpt2-medium': (24, 16, 1024), 'gpt2-large
                'gpt2-xl': (48, 25, 1600)}
 
 
+def count_params(n_layer, n_head, n_embd, block_size, vocab_size, bias=True, **_):
+    """The GPT's parameters (the tied embedding once) by arithmetic, building nothing: a shape too big for the
+    machine is sized, and refused, in no time and no memory."""
+    b = int(bool(bias))
+    block = 2 * n_embd * (1 + b) + 4 * (n_embd * n_embd + b * n_embd) + 8 * n_embd * n_embd + b * 5 * n_embd
+    return vocab_size * n_embd + block_size * n_embd + n_layer * block + n_embd * (1 + b)
+
+
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):

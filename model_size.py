@@ -5,16 +5,22 @@ activations (an estimate) under DDP, ZeRO-1/2/3, FSDP, tensor parallel and 2-D, 
 
 python model_size.py --model=gpt2-xl --world_size=8
 python model_size.py --n_layer=4 --n_head=4 --n_embd=128 --block_size=64 --vocab_size=65 --world_size=2 --dtype=float32
+python model_size.py config/train_shakespeare_char_cpu.py   # a training config: its shape and batch
+python model_size.py out-shakespeare-char                   # a run folder or checkpoint: the shape it saved
 """
 
 import json
 import math
+import os
 import sys
 
 import torch
 
-from configurator import check_model_shape, configure
+from checkpoint import find_checkpoint, reason
+from configurator import check_model_name, check_model_shape, configure, quiet_interrupt
 from model import GPT2_SHAPES, GPT, GPTConfig
+
+quiet_interrupt()  # Ctrl-C: one line, no traceback
 
 # -----------------------------------------------------------------------------
 model = ''  # a GPT-2 shape ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') instead of n_layer / n_head / n_embd
@@ -30,7 +36,32 @@ batch_size = 12  # sequences per micro-step per rank, for the activation estimat
 dtype = 'bfloat16'  # the compute dtype: activations take 2 bytes an element in bfloat16, 4 in float32
 activation_checkpointing = False
 # -----------------------------------------------------------------------------
-config, _ = configure(globals())
+
+
+def saved_shape(path):
+    """The model_args a checkpoint (a ckpt.pt, a sharded folder, a run folder) was saved with, read without its
+    weights (mmap): sizing never loads or builds a model."""
+    ckpt = find_checkpoint(path)
+    ckpt = os.path.join(ckpt, 'extra.pt') if os.path.isdir(ckpt) else ckpt
+    try:
+        return torch.load(ckpt, map_location='cpu', weights_only=True, mmap=True)['model_args']
+    except FileNotFoundError:
+        sys.exit(f"error: {path} is neither a config file (*.py) nor a checkpoint or a run folder with a ckpt.pt")
+    except Exception as e:
+        sys.exit(f"error: cannot read the model's shape from {ckpt} ({reason(e)}): give --n_layer, --n_head, --n_embd")
+
+
+args = []
+for arg in sys.argv[1:]:  # a checkpoint or run folder sets the shape; flags after it may change it
+    if arg.startswith('--') or arg.endswith('.py'):
+        args.append(arg)
+        continue
+    shape = saved_shape(arg)
+    args += [f'--{k}={shape[k]}' for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size', 'bias')
+             if k in shape]
+# a training config sets keys this tool lacks (out_dir, learning_rate, ...): only the shape and batch count here
+config, given = configure(globals(), args, skip_unknown_in_files=True)
+check_model_name(model, given)
 if model:
     if model not in GPT2_SHAPES:
         sys.exit(f"error: unknown model={model!r}: use one of {', '.join(GPT2_SHAPES)}, or set n_layer, n_head, n_embd")
@@ -49,11 +80,12 @@ if tp_size:  # one asked for by name is shown, or refused with the reason: never
             sys.exit(f"error: {key}={value} is not a multiple of tp_size={tp_size}: tensor parallelism splits it "
                      f"evenly; choose a tp_size that divides world_size, n_head and 4 * n_embd")
 
-with torch.device('meta'):  # shapes only: no memory, no time, whatever the size
-    gpt = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+with torch.device('meta'):  # shapes only, of one block: the others are alike, so nothing grows with n_layer
+    gpt = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=1, n_head=n_head, n_embd=n_embd,
                         bias=bias))
-params = dict(gpt.named_parameters())  # a tied parameter once
-N = sum(p.numel() for p in params.values())
+params = {n: p.shape for n, p in gpt.named_parameters()}  # a tied parameter once
+LAYERS = lambda name: n_layer if '.h.' in name else 1  # one block's parameters stand for n_layer blocks'
+N = sum(math.prod(shape) * LAYERS(n) for n, shape in params.items())
 COLWISE = ('attn.c_q', 'attn.c_k', 'attn.c_v', 'mlp.c_fc')  # split by output rows (weights and biases)
 ROWWISE = ('attn.c_proj', 'mlp.c_proj')  # split by input columns (weights; their biases stay whole)
 
@@ -72,7 +104,7 @@ def local_numel(name, shape, tp, dp):
 
 
 def sharded(tp, dp):
-    return sum(local_numel(n, p.shape, tp, dp) for n, p in params.items())
+    return sum(local_numel(n, shape, tp, dp) * LAYERS(n) for n, shape in params.items())
 
 
 def activations(tp):
@@ -100,7 +132,7 @@ if tp2 > 1 and W % tp2 == 0 and n_head % tp2 == 0 and (4 * n_embd) % tp2 == 0:
     rows[f'FSDP {W // tp2} x TP {tp2}'] = (4 * per_rank, 4 * per_rank, 8 * per_rank)
 act = {name: activations(int(name.split('TP ')[1]) if 'TP ' in name else 1) for name in rows}
 
-print(f"{N:,} parameters ({gpt.get_num_params():,} without position embeddings), "
+print(f"{N:,} parameters ({N - block_size * n_embd:,} without position embeddings), "
       f"{n_layer} layers, {n_head} heads, {n_embd} wide, block {block_size}, vocab {vocab_size}")
 print(f"checkpoint: {4 * N / 2**20:,.1f} MiB of fp32 weights, {12 * N / 2**20:,.1f} MiB with AdamW state")
 print(f"per rank at world size {W}, {dtype}, batch {batch_size}x{block_size}"

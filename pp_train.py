@@ -27,8 +27,8 @@ from checkpoint import (create_model, find_resume, finish_saves, previous, reaso
                         snapshot_dir, step_folders, wait_for_copies, wait_for_saves)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, open_tokens, read_meta
-from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start, state_bytes,
-                         use_deterministic_algorithms)
+from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
+                         state_bytes, stop_signal, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from pipeline import (Forward, Part, clip, loss_fn, save_full, sharded_state, stage_blocks, stage_ids,
                       tied_grads_and_norm)
@@ -189,6 +189,7 @@ meta_path = os.path.join('data', dataset, 'meta.pkl')
 meta_vocab_size = read_meta(meta_path)['vocab_size'] if os.path.exists(meta_path) and not random_data else None
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=meta_vocab_size or 50304, dropout=dropout)
+check_fits(model_args, device)  # a shape too big for this machine is refused before it is built
 # a checkpoint is data, never code
 model, checkpoint = create_model(resume_path, read_start,
                                  init_from, model_args, config, given)
@@ -389,7 +390,7 @@ while True:
     iter_num += 1
     local_iter_num += 1
     if stop:
-        print0(f"SIGTERM: saving a checkpoint at iter {iter_num} and exiting")
+        print0(f"{stop_signal()}: saving a checkpoint at iter {iter_num} and exiting")
         save_checkpoint(wait=True)
         break
 

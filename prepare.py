@@ -29,7 +29,7 @@ import tempfile
 
 import numpy as np
 
-from configurator import configure
+from configurator import configure, quiet_interrupt
 from runlock import hold, let_go
 
 # -----------------------------------------------------------------------------
@@ -604,6 +604,7 @@ def dlrover_args(args):
 
 
 def main(argv=None):
+    quiet_interrupt()  # Ctrl-C: one line, no traceback
     argv = sys.argv[1:] if argv is None else argv
     argv = dlrover_args(argv) or argv
     if not argv or argv[0] not in DATASETS:

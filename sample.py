@@ -12,7 +12,7 @@ from contextlib import nullcontext
 
 import torch
 
-from configurator import configure
+from configurator import check_seed, configure, quiet_interrupt
 from checkpoint import checkpoint_or_exit, pretrained_or_exit
 from data import read_meta
 
@@ -29,15 +29,17 @@ device = 'auto'  # 'auto' (cuda if there is a GPU, else cpu), 'cpu', 'cuda', 'cu
 dtype = 'auto'  # 'auto' (bfloat16 on GPUs that have it, else float16 on CUDA, float32 on CPU), or one of those
 meta_path = ''  # a char-level vocabulary (meta.pkl); by default data/<the checkpoint's dataset>/meta.pkl
 # -----------------------------------------------------------------------------
+quiet_interrupt()  # Ctrl-C: one line, no traceback
 configure(globals())
+check_seed(globals())
 
 for name in ('num_samples', 'max_new_tokens'):
     if globals()[name] < 0:
         sys.exit(f"error: {name}={globals()[name]} is negative: give 0 or more")
 if top_k < 0:
     sys.exit(f"error: top_k={top_k} is negative: give how many of the likeliest tokens to sample from, or 0 for all")
-if temperature < 0:
-    sys.exit(f"error: temperature={temperature} is negative: give 0 (always the likeliest token) or more")
+if not 0 <= temperature < float('inf'):  # written so that nan fails too
+    sys.exit(f"error: temperature={temperature} is not a number from 0 up: give 0 (always the likeliest token) or more")
 if temperature == 0:  # greedy, the limit of sampling as the temperature falls (dividing by 0 would give nan)
     temperature, top_k = 1.0, 1
 if device == 'auto':

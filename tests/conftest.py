@@ -21,6 +21,7 @@ SHAKESPEARE = SHARED_DATA / 'tinyshakespeare' / 'input.txt'
 # number of tests, which put the slowest last and left a worker idle for up to two minutes at the end. A file not
 # listed goes after these.
 SLOWEST_FIRST = ['test_fault.py',  # 170
+                 'test_interrupt.py',  # 30
                  'test_fault_write.py',  # 144
                  'test_ds.py',  # 123
                  'test_fault_single.py',  # 117

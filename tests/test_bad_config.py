@@ -115,3 +115,39 @@ def test_a_resume_that_fails_leaves_the_run_as_it_was(tmp_path, data_dir, good_r
     msg = fails(tmp_path, f'--dataset={odd_data}', *resume)
     assert 'holds token id 70, past the model\'s vocabulary of 65' in msg
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+@pytest.mark.parametrize('config, says', [
+    ({'seed': 99999999999999999999}, 'error: seed=99999999999999999999 must be from 0 to 9223372036854775807'),
+    ({'seed': -1}, 'error: seed=-1 must be from 0 to'),
+    ({'backend': 'nccl', 'device': 'cpu'}, 'error: backend=nccl needs CUDA GPUs, and device=cpu has none'),
+    ({'backend': 'mpi', 'device': 'cpu'}, 'error: backend=mpi but this torch was built without MPI'),
+    ({'backend': 'gloo', 'device': 'mps'}, 'error: device=mps but this machine has no Apple GPU'),
+    ({'wandb_log': True}, 'error: wandb_log=True but wandb is not installed: pip install wandb'),
+])
+def test_a_setting_this_machine_cannot_run_is_one_line(config, says):
+    import importlib.util
+    import torch
+    import torch.distributed as dist
+    if ('mpi' in says and dist.is_mpi_available() or 'mps' in says and torch.backends.mps.is_available()
+            or 'wandb' in says and importlib.util.find_spec('wandb')):
+        pytest.fail(f"this machine has what the case needs missing: {says}")  # never silently passes
+    with pytest.raises(SystemExit) as e:
+        configurator.check_config({'n_embd': 64, 'n_head': 4, **config})
+    assert str(e.value.code).startswith(says)
+
+
+def test_a_schedule_that_rises_or_never_warms_up_is_warned_about(capsys):
+    keys = dict(decay_lr=True, learning_rate=6e-4, max_iters=10)
+    configurator.check_config({**keys, 'warmup_iters': 50, 'lr_decay_iters': 2, 'min_lr': 1.0})
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(':')[1].split('=')[0].strip() for line in err] == ['warmup_iters', 'lr_decay_iters', 'min_lr']
+    configurator.check_config({**keys, 'warmup_iters': 2, 'lr_decay_iters': 10, 'min_lr': 6e-5})
+    assert capsys.readouterr().err == ''
+
+
+@pytest.mark.parametrize('script', SCRIPTS[:3])
+def test_a_model_too_big_for_the_machine_is_refused_before_it_is_built(tmp_path, data_dir, script):
+    msg = fails(tmp_path, '--n_embd=1000000', '--n_head=1', f'--out_dir={tmp_path / "out"}',
+                f'--dataset={data_dir / "shakespeare_char"}', script=script)
+    assert msg.startswith('error: the model has 24,000,') and 'GiB free on cpu: make n_layer or n_embd smaller' in msg

@@ -248,6 +248,7 @@ def test_bad_input_is_a_one_line_error(setup, tmp_path):
     ('{"ctx": "a", "endings": ["a", "b", "c", "d"], "label": -1}', 'label must be 0, 1, 2 or 3'),
     ('{"ctx": "a", "endings": ["a", "b", "c", "d"]}', 'label must be 0, 1, 2 or 3'),
     ('{"ctx": "", "endings": ["a", "b", "c", "d"], "label": 1}', 'ctx must be a non-empty string'),
+    ('[' * 200000 + ']' * 200000, 'not a HellaSwag example (nested too deep to read)'),  # was a RecursionError
 ])
 def test_a_bad_line_is_named_by_file_and_line(tmp_path, line, message):
     good = [json.dumps(r) for r in made_up_examples(4)]

@@ -66,13 +66,15 @@ NO_GPU = 'cuda' if not torch.cuda.is_available() else f'cuda:{torch.cuda.device_
 
 
 @pytest.mark.parametrize('flag, message', [
-    ('--temperature=-0.5', 'temperature=-0.5 is negative: give 0 (always the likeliest token) or more'),
+    ('--temperature=-0.5', 'temperature=-0.5 is not a number from 0 up: give 0 (always the likeliest token) or more'),
     ('--top_k=-1', 'top_k=-1 is negative: give how many of the likeliest tokens to sample from, or 0 for all'),
     ('--num_samples=-2', 'num_samples=-2 is negative: give 0 or more'),
     ('--max_new_tokens=-1', 'max_new_tokens=-1 is negative: give 0 or more'),
     ('--dtype=float64', "unknown dtype='float64': use auto, float32, bfloat16, float16"),
     ('--device=gpu', "unknown device='gpu': use auto, cpu, cuda or cuda:N"),
     (f'--device={NO_GPU}', f'device={NO_GPU} but torch sees {torch.cuda.device_count()} GPUs here: use --device=cpu'),
+    ('NAN_CONFIG', 'temperature=nan is not a number from 0 up: give 0 (always the likeliest token) or more'),
+    ('--seed=99999999999999999999', 'seed=99999999999999999999 must be from 0 to 9223372036854775807'),
     ('SMALL_META', "does not hold the vocabulary of this 65-token model (10 tokens): pass the --meta_path of the data"),
 ])
 def test_sample_bad_input(char_run, tmp_path, flag, message):
@@ -81,6 +83,9 @@ def test_sample_bad_input(char_run, tmp_path, flag, message):
         meta = {'vocab_size': 10, 'itos': dict(enumerate(chars)), 'stoi': {c: i for i, c in enumerate(chars)}}
         (tmp_path / 'meta.pkl').write_bytes(pickle.dumps(meta))
         flag = f'--meta_path={tmp_path / "meta.pkl"}'
+    if flag == 'NAN_CONFIG':  # a value no flag can spell
+        (tmp_path / 'nan.py').write_text("temperature = float('nan')\n")
+        flag = str(tmp_path / 'nan.py')
     p = run('sample.py', f'--out_dir={char_run}', '--device=cpu', '--num_samples=1', '--max_new_tokens=5', flag,
             cwd=char_run, check=False)
     assert message in one_line_error(p)

@@ -30,6 +30,9 @@ def fails(tmp_path, script, *args):
     (['--tp_size=3'], 'error: world_size=2 is not a multiple of tp_size=3'),
     (['--world_size=4', '--tp_size=4'], 'error: n_head=2 is not a multiple of tp_size=4'),
     (['--dtype=float64'], "error: dtype='float64': use bfloat16, float16 or float32"),
+    (['--model=gpt2'], 'error: model=gpt2 sets n_layer, n_head and n_embd, so n_embd, n_head, n_layer would be '
+                       'ignored'),
+    (['/nowhere'], 'error: /nowhere is neither a config file (*.py) nor a checkpoint or a run folder with a ckpt.pt'),
 ])
 def test_model_size_refuses_shapes_that_make_no_model(tmp_path, args, message):
     msg = fails(tmp_path, 'model_size.py', *SMALL, '--vocab_size=65', '--world_size=2', *args)
@@ -58,6 +61,11 @@ def test_model_size_shows_the_tensor_parallel_size_asked_for(tmp_path):
     (['--beta2=1.5'], 'error: beta2=1.5 must be at least 0 and below 1'),
     (['--dtype=float64'], "error: dtype='float64': use auto, float32, bfloat16 or float16"),
     (['--device=nonsense'], "error: device='nonsense' cannot be used here (RuntimeError: "),
+    (['--model=gpt2'], 'error: model=gpt2 sets n_layer, n_head and n_embd, so n_embd, n_head, n_layer would be '
+                       'ignored'),
+    (['--seed=99999999999999999999'], 'error: seed=99999999999999999999 must be from 0 to '
+                                      '9223372036854775807'),
+    (['--n_layer=1000000', '--n_embd=4096'], 'error: the model has 201,334,990,180,352 parameters'),  # 750 TiB
 ])
 def test_bench_refuses_bad_settings_before_building_a_model(tmp_path, args, message):
     p = run('bench.py', *BENCH, *args, cwd=tmp_path, check=False)
@@ -133,3 +141,30 @@ def test_plot_writes_the_format_its_extension_names(tmp_path, metrics):
         run('plot.py', run_dir, f'--out={tmp_path / name}', cwd=tmp_path)
         assert (tmp_path / name).read_bytes()[:len(magic)] == magic
     assert sorted(p.name for p in tmp_path.iterdir()) == ['loss', 'loss.pdf', 'loss.svg', 'run']
+
+
+def test_model_size_sizes_any_depth_without_building_it(tmp_path):
+    from model import count_params
+    p = run('model_size.py', '--n_layer=1000000000000', cwd=tmp_path)  # a meta model of 10^12 blocks never ends
+    n = count_params(n_layer=10**12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, bias=False)
+    assert json.loads(p.stdout.splitlines()[-1])['params'] == n
+
+
+def test_model_size_reads_a_training_config_and_a_run_folder(tmp_path, shared_run):
+    from conftest import REPO
+    p = run('model_size.py', str(REPO / 'config' / 'train_shakespeare_char_cpu.py'), cwd=tmp_path)
+    assert ' 4 layers, 4 heads, 128 wide, block 64,' in p.stdout  # the config's shape, not the defaults
+    out = shared_run('train.py', '--max_iters=4', '--gradient_accumulation_steps=1')
+    p = run('model_size.py', str(out), '--n_layer=3', cwd=tmp_path)
+    assert ' 3 layers, 2 heads, 32 wide, block 32, vocab 65' in p.stdout  # the run's shape, a flag after it wins
+
+
+@pytest.mark.parametrize('data, message', [
+    (b'\x01\x00' * 40 + b'\x01', 'holds 81 bytes, not a whole number of uint16 tokens'),
+    (b'\xff\xff' * 40, 'holds token id 65535, past the model\'s vocabulary of 50304'),
+])
+def test_bench_refuses_real_data_it_cannot_read_as_tokens(tmp_path, data, message):
+    (tmp_path / 'data' / 'bad').mkdir(parents=True)
+    for split in ('train', 'val'):
+        (tmp_path / 'data' / 'bad' / f'{split}.bin').write_bytes(data)
+    assert message in fails(tmp_path, 'bench.py', *BENCH, '--real_data=True', '--dataset=bad')

@@ -1,0 +1,95 @@
+"""Ctrl-C is a preemption, in real processes: SIGINT in training finishes the step, saves a checkpoint of that step
+and exits non-zero with one line (the run is not done); a second Ctrl-C leaves at once, and the newest checkpoint
+still loads. In a tool, Ctrl-C is one line and a non-zero exit, not a traceback."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from conftest import REPO, TINY, env, run
+from test_fault import logged_iters
+
+ARGS = ['--gradient_accumulation_steps=2', '--max_iters=100000', '--eval_interval=4']
+
+
+def start(cmd, data_dir, out_dir, cwd):
+    # a session of its own, so that the test can send SIGINT to the whole group, as a terminal's Ctrl-C does
+    return subprocess.Popen([sys.executable, *cmd, *TINY, f'--dataset={data_dir / "shakespeare_char"}',
+                             f'--out_dir={out_dir}', *ARGS], cwd=cwd, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def interrupt_after(p, out_dir, iters):
+    while not (logged_iters(out_dir) and logged_iters(out_dir)[-1] >= iters):
+        assert p.poll() is None, p.communicate()
+        time.sleep(0.01)
+    os.killpg(p.pid, signal.SIGINT)
+
+
+def stopped_at(out):
+    return int(re.search(r'SIGINT \(Ctrl-C\): saving a checkpoint at iter (\d+) and exiting', out)[1])
+
+
+def test_ctrl_c_in_train_saves_the_step_and_exits_non_zero_with_one_line(tmp_path, data_dir):
+    out_dir = tmp_path / 'run'
+    p = start([str(REPO / 'train.py')], data_dir, out_dir, tmp_path)
+    interrupt_after(p, out_dir, 5)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-3000:]
+    assert err.strip() == "error: stopped by Ctrl-C after saving a checkpoint: rerun the same command to resume"
+    stopped = stopped_at(out)
+    assert stopped > 5
+    assert torch.load(out_dir / 'ckpt.pt', weights_only=True)['iter_num'] == stopped
+    p = run('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out_dir}',
+            '--gradient_accumulation_steps=2', f'--max_iters={stopped + 1}', cwd=tmp_path)
+    assert f'at iter {stopped}' in p.stdout
+
+
+def test_ctrl_c_on_two_ranks_saves_the_same_step_on_both_and_exits_non_zero(tmp_path, data_dir):
+    out_dir = tmp_path / 'run'
+    p = start(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(REPO / 'train.py')],
+              data_dir, out_dir, tmp_path)
+    interrupt_after(p, out_dir, 3)
+    out, err = p.communicate(timeout=180)
+    assert p.returncode != 0, out[-3000:]
+    # torchrun itself answers SIGINT with a traceback of its own (SignalException); the workers' exit is clean
+    assert 'error: stopped by Ctrl-C after saving a checkpoint' in err and 'train.py", line' not in err, err[-3000:]
+    stopped = stopped_at(out)
+    assert torch.load(out_dir / 'ckpt.pt', weights_only=True)['iter_num'] == stopped
+
+
+def test_a_second_ctrl_c_during_the_save_leaves_at_once_and_the_newest_checkpoint_loads(tmp_path, data_dir):
+    out_dir = tmp_path / 'run'
+    p = start([str(REPO / 'train.py')], data_dir, out_dir, tmp_path)
+    interrupt_after(p, out_dir, 5)  # evals at 4 saved a checkpoint already
+    for line in p.stdout:
+        if 'SIGINT (Ctrl-C): saving' in line:
+            os.killpg(p.pid, signal.SIGINT)  # while the checkpoint of the stop is being written
+            break
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130
+    assert err.strip().startswith('error: interrupted twice: left without saving'), err[-3000:]
+    newest = [torch.load(f, weights_only=True)['iter_num'] for f in (out_dir / 'ckpt.pt', out_dir / 'ckpt.prev.pt')
+              if f.exists()]
+    assert newest and max(newest) >= 4
+    p = run('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out_dir}',
+            '--gradient_accumulation_steps=2', f'--max_iters={max(newest) + 1}', cwd=tmp_path)
+    assert f'at iter {max(newest)}' in p.stdout
+
+
+def test_ctrl_c_in_a_tool_is_one_line_and_a_non_zero_exit(tmp_path, data_dir, shared_run):
+    ckpt = shared_run('train.py', '--max_iters=4', '--gradient_accumulation_steps=1')
+    p = subprocess.Popen([sys.executable, str(REPO / 'sample.py'), f'--out_dir={ckpt}', '--device=cpu',
+                          '--num_samples=1000', '--max_new_tokens=30', '--start=a',
+                          f'--meta_path={data_dir / "shakespeare_char" / "meta.pkl"}'], cwd=tmp_path, env=env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline()  # sampling has begun
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130
+    assert err.strip() == "error: interrupted (Ctrl-C); nothing half-written is kept: rerun to start over"
