@@ -35,7 +35,15 @@ from model import GPT, GPTConfig
 
 
 def find_checkpoint(path):
-    """The checkpoint a path names: a file, a sharded folder, or a run folder's newest checkpoint."""
+    """The checkpoint a path names: a file, a sharded folder, a run folder's newest checkpoint, or with RUN/best
+    the run's best by val loss (best.pt, else the sharded folder that its dcp/best names)."""
+    run, name = os.path.split(os.path.normpath(path))
+    if name == 'best' and not os.path.exists(path) and os.path.isdir(run or '.'):
+        pointer = os.path.join(run, 'dcp', 'best')
+        if os.path.exists(os.path.join(run, 'best.pt')) or not os.path.exists(pointer):
+            return os.path.join(run, 'best.pt')
+        with open(pointer) as f:
+            return os.path.join(run, 'dcp', f.read().strip())
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, 'extra.pt')):
         latest = os.path.join(path, 'dcp', 'latest')
         if os.path.exists(latest):
@@ -169,34 +177,67 @@ def dcp_load(state, folder, **kwargs):
 # Fault tolerance, shared by the entrypoints: writing in the background, node-local memory snapshots, and
 # finding the newest state that loads.
 
-def atomic_save(obj, path, keep_previous=False):
-    """torch.save to path.tmp, then a rename: a crash mid-write leaves the old file. keep_previous moves the old
-    one to ckpt.prev.pt first, a fallback should the new one ever turn out damaged."""
+def atomic_save(obj, path, keep=1, best=None):
+    """torch.save to path.tmp, then a rename: a crash mid-write leaves the old file. keep > 1 keeps that many
+    versions: the older ones move down to ckpt.prev.pt, ckpt.prev2.pt, ... (the oldest beyond keep is replaced), a
+    fallback should the new one ever turn out damaged. best, if given, names a file to hold this state too (a hard
+    link: no file here is ever changed in place, so the two names never part)."""
     with open(path + '.tmp', 'wb') as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
-    if keep_previous and os.path.exists(path):
-        os.replace(path, previous(path))
+    for n in range(keep - 1, 0, -1):
+        if os.path.exists(previous(path, n - 1)):
+            os.replace(previous(path, n - 1), previous(path, n))
     os.replace(path + '.tmp', path)
+    if best:
+        same_file(path, best)
 
 
-def previous(path):
+def same_file(path, to):
+    """Makes `to` name the file at path (a hard link, or a copy where the filesystem has none), atomically."""
+    if os.path.exists(to + '.tmp'):
+        os.remove(to + '.tmp')  # our own temporary name, left by a crash
+    try:
+        os.link(path, to + '.tmp')
+    except OSError:
+        shutil.copyfile(path, to + '.tmp')
+    os.replace(to + '.tmp', to)
+
+
+def previous(path, n=1):
+    """The n-th version before the file at path that atomic_save keeps: ckpt.prev.pt, ckpt.prev2.pt, ..."""
+    if n == 0:
+        return path
     root, ext = os.path.splitext(path)
-    return root + '.prev' + ext
+    return root + '.prev' + (str(n) if n > 1 else '') + ext
+
+
+def kept(path):
+    """The versions of the file at path that atomic_save kept, newest first (those present): where a run looks
+    for the state to resume."""
+    folder, name = os.path.split(path)
+    root, ext = os.path.splitext(name)
+    found = {0: path}
+    for f in os.listdir(folder or '.') if os.path.isdir(folder or '.') else []:
+        m = re.fullmatch(re.escape(root) + r'\.prev(\d*)' + re.escape(ext), f)
+        if m and m[1] != '1' and not m[1].startswith('0'):
+            found[int(m[1] or 1)] = os.path.join(folder, f)
+    return [found[n] for n in sorted(found)]
 
 
 _host_copies = {}  # slot -> the host copy of the state last saved in it, reused so that no save allocates
 _writers = {}  # slot -> (the thread saving it, an event set once its copy of the state is complete)
 
 
-def save_in_background(state, path, keep_previous=False, slot=None, then=None):
+def save_in_background(state, path, keep=1, slot=None, then=None, best=None):
     """Saves the state to path (atomically) from a background thread, which first copies the state's tensors into
     host memory and then writes the copy. The caller goes on at once, but must call wait_for_copies() before it
     changes the state (the optimizer step): the copy overlaps the next forward and backward, which only read it.
     A checkpoint of several files (DeepSpeed's) gives lists of paths and of their states. slot names the host copy
     to reuse and the save to wait for first (by default the path; one slot for saves whose paths change). then,
-    if given, runs in the thread once the files are written, with True, or False if one could not be."""
+    if given, runs in the thread once the files are written, with True, or False if one could not be. keep and best
+    as atomic_save takes them."""
     slot = slot or path
     wait_for_saves(slot)  # its host copy is about to be overwritten
     copied = threading.Event()
@@ -220,7 +261,7 @@ def save_in_background(state, path, keep_previous=False, slot=None, then=None):
             finally:
                 copied.set()
             for p, s in zip(paths, _host_copies[slot]):
-                atomic_save(s, p, keep_previous)
+                atomic_save(s, p, keep, best)
             ok = True
         except Exception as e:  # the previous file is still in place; training goes on
             print(f"warning: writing {slot} failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
@@ -252,15 +293,16 @@ def in_background(wait, slot, then):
     _writers[slot] = (thread, copied)
 
 
-def commit(folder, ok, group, writer, iter_of=None):
+def commit(folder, ok, group, writer, iter_of=None, keep=2, best=False):
     """Called by each rank's writer thread once its files of the checkpoint folder are written (ok) or could not
     be: the ranks agree over group (a gloo group of the writer threads' own, since two threads' collectives on one
     group would pair up wrongly), and only if every rank's files are in does the writer point latest at the folder
-    and prune the ones before (point_latest). A crash before leaves latest naming the previous folder."""
+    and prune the ones before (point_latest, with keep and best). A crash before leaves latest naming the previous
+    folder."""
     written = torch.tensor(float(ok))
     dist.all_reduce(written, op=dist.ReduceOp.MIN, group=group)
     if written.item() and writer:
-        point_latest(folder, iter_of)
+        point_latest(folder, iter_of, keep, best)
 
 
 def wait_for_copies():
@@ -369,27 +411,43 @@ def step_folders(root):
         if os.path.isdir(root) else []
 
 
-def point_latest(folder, iter_of=None):
-    """Once the checkpoint folder out_dir/<kind>/step-N is complete: rewrites the latest file beside it to name it,
-    and removes the older step folders (complete, cut short or damaged) but for the newest complete one, the
-    fallback should this one ever turn out damaged. Newer ones (a save cut short, or one passed over as damaged at
-    a resume) are left alone: another rank may be writing the next one already, and a save to the same step
-    replaces them."""
+def point_latest(folder, iter_of=None, keep=2, best=False):
+    """Once the checkpoint folder out_dir/<kind>/step-N is complete: rewrites the latest file beside it to name it
+    (and with best, the best file too), and removes the older step folders (complete, cut short or damaged) but for
+    the newest keep - 1 complete ones, the fallbacks should this one ever turn out damaged, and the one best names,
+    which is never pruned. Newer ones (a save cut short, or one passed over as damaged at a resume) are left alone:
+    another rank may be writing the next one already, and a save to the same step replaces them."""
     root, name = os.path.split(folder)
-    latest = os.path.join(root, 'latest')
-    with open(latest + '.tmp', 'w') as f:
-        f.write(name)
-    os.replace(latest + '.tmp', latest)
-    fallback = None
+    for pointer in ('latest', 'best') if best else ('latest',):
+        write_name(os.path.join(root, pointer), name)
+    spared = read_name(os.path.join(root, 'best'))
+    fallbacks = 0
     for old in sorted((f for f in os.listdir(root) if f.startswith('step-') and f < name), reverse=True):
-        if fallback is None:
+        if old == spared:
+            continue
+        if fallbacks < keep - 1:
             try:
                 if (iter_of or checkpoint_iter)(os.path.join(root, old)) is not None:
-                    fallback = old
+                    fallbacks += 1
                     continue
             except Exception:
                 pass
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+
+
+def write_name(path, name):
+    with open(path + '.tmp', 'w') as f:
+        f.write(name)
+    os.replace(path + '.tmp', path)
+
+
+def read_name(path):
+    """The folder name a latest or best file holds, or None where there is none."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 # -----------------------------------------------------------------------------
