@@ -29,6 +29,7 @@ SLOWEST_FIRST = ['test_fault.py',  # 170
                  'test_hellaswag.py',  # 64
                  'test_fault_resize.py',  # 55
                  'test_compat.py',  # 42
+                 'test_keep.py',  # 42
                  'test_fsdp.py',  # 39
                  'test_fineweb.py',  # 29
                  'test_decent.py',  # 25

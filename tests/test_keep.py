@@ -1,0 +1,100 @@
+"""Never a worse state in place of a good one, in real processes of every entrypoint: keep_checkpoints keeps the
+newest K states and prunes older ones, the best by val loss is kept besides (and survives later, worse evals);
+a diverged run (a learning rate of 1e30) saves nothing at its NaN eval, sets aside what it saved after its weights
+went bad, and its error names the last good state, from which the next run resumes. One base run per entrypoint
+(10 steps, an eval every 2, keep_checkpoints=3) is shared by the tests."""
+
+import re
+import shutil
+
+import pytest
+import torch
+
+from checkpoint import load_checkpoint
+from conftest import one_line_error, run
+from test_fault import KIND, final_weights, same_weights, tiny
+
+SCRIPTS = ['train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py']
+BASE = ['--max_iters=10', '--eval_interval=2', '--keep_checkpoints=3']
+
+
+@pytest.fixture(scope='module')
+def base(tmp_path_factory, data_dir):
+    done = {}
+
+    def made(script):
+        if script not in done:
+            out = tmp_path_factory.mktemp('keep') / 'base'
+            p = run(script, *tiny(data_dir, out, *BASE), cwd=out.parent)
+            done[script] = out, [float(v) for v in re.findall(r'val loss (\S+?),?\s', p.stdout)]
+        return done[script]
+    return made
+
+
+def iter_of(path):
+    return load_checkpoint(str(path))[1]['iter_num']
+
+
+def kept_iters(script, out):
+    """The iterations of the states kept in out_dir: train.py's ckpt.pt and its versions, the others' step
+    folders (and the versions of their consolidated ckpt.pt, where they write one)."""
+    files = sorted(out.glob('ckpt*.pt'))
+    folders = [] if script == 'train.py' else sorted(int(f.name[5:]) for f in (out / KIND[script]).glob('step-*'))
+    return sorted(iter_of(f) for f in files), folders
+
+
+@pytest.mark.parametrize('script', SCRIPTS)
+def test_keep_checkpoints_keeps_the_newest_k_and_the_best(base, script):
+    out, val = base(script)
+    files, folders = kept_iters(script, out)
+    # saves at 2, 4, 6, 8, 10; the newest 3 are kept
+    assert files == ([] if script == 'fsdp_train.py' else [6, 8, 10]), files
+    assert folders == ([] if script == 'train.py' else [6, 8, 10]), folders
+    best_iter = 2 * min(range(1, len(val)), key=lambda i: val[i])  # the eval at 0 saves nothing
+    assert iter_of(out / 'best') == best_iter  # best.pt, or for fsdp_train.py the folder dcp/best names
+
+
+def test_best_survives_worse_evals_and_every_tool_reads_it(base, tmp_path, data_dir):
+    out = tmp_path / 'worse'
+    shutil.copytree(base('train.py')[0], out)
+    best = torch.load(out / 'best.pt', weights_only=True)
+    # a learning rate that makes the loss rise, finite: evals at 12 and 14 are worse and saved, the best is not
+    run('train.py', *tiny(data_dir, out, *BASE, '--max_iters=14', '--learning_rate=0.3', '--warmup_iters=0',
+                          '--min_lr=0'), cwd=tmp_path)
+    assert [iter_of(f) for f in (out / 'ckpt.pt', out / 'ckpt.prev.pt', out / 'ckpt.prev2.pt')] == [14, 12, 10]
+    newest = torch.load(out / 'ckpt.pt', weights_only=True)
+    assert newest['val_loss'] > best['val_loss'] == newest['best_val_loss']
+    assert same_weights(torch.load(out / 'best.pt', weights_only=True)['model'], best['model'])
+    meta = data_dir / 'shakespeare_char' / 'meta.pkl'
+    p = run('sample.py', f'--out_dir={out}', '--init_from=best', '--num_samples=1', '--max_new_tokens=5',
+            '--device=cpu', f'--meta_path={meta}', cwd=tmp_path)
+    assert p.stdout.strip()
+    run('export_hf.py', f'--ckpt={out}/best', f'--out={tmp_path / "hf"}', cwd=tmp_path)
+    assert (tmp_path / 'hf' / 'model.safetensors').exists()
+    p = run('train.py', *tiny(data_dir, tmp_path / 'new', '--max_iters=1', f'--init_from={out}/best'), cwd=tmp_path)
+    assert f'initializing from the weights of {out}/best.pt' in p.stdout
+
+
+@pytest.mark.parametrize('script', SCRIPTS)
+def test_a_diverged_run_leaves_its_last_good_state_newest(base, tmp_path, data_dir, script):
+    base_dir, _ = base(script)
+    out = tmp_path / 'diverged'
+    shutil.copytree(base_dir, out)
+    # the step at 10 sends the weights to ~1e30; the state saved at 11 (storage and memory) holds them, and the
+    # steps from 11 on are NaN: 5 in a row stop the run at 15, whose eval is NaN
+    p = run(script, *tiny(data_dir, out, *BASE, '--max_iters=40', '--eval_interval=5', '--learning_rate=1e30',
+                          '--warmup_iters=0', '--save_storage_interval=1', '--save_memory_interval=1'),
+            cwd=tmp_path, check=False)
+    newest = out / KIND[script] / "step-00000010" if script == "fsdp_train.py" else out / "ckpt.pt"
+    assert one_line_error(p).startswith(f"error: 5 steps in a row up to iter 15 had a non-finite loss"), p.stderr
+    assert f"{newest} (iter 10) holds the last good state" in p.stderr
+    assert "step 15: train loss nan, val loss nan" in p.stdout
+    assert "the eval's loss is not finite: nothing saved" in p.stdout
+    files, folders = kept_iters(script, out)
+    assert max(files + folders) == 10, (files, folders)  # iter 11's set aside, nothing saved after it
+    set_aside = [f.name for f in out.rglob('diverged-*')]
+    assert set_aside and all('11' in name for name in set_aside), set_aside
+    assert same_weights(final_weights(script, out), final_weights(script, base_dir))
+    p = run(script, *tiny(data_dir, out, *BASE, '--max_iters=12'), cwd=tmp_path)
+    assert re.search(r'resuming from \S+ at iter 10\b', p.stdout), p.stdout[-2000:]
+    assert all(torch.isfinite(v).all() for v in load_checkpoint(str(out))[0].state_dict().values())
