@@ -412,19 +412,26 @@ def step_folders(root):
 
 
 def point_latest(folder, iter_of=None, keep=2, best=False):
-    """Once the checkpoint folder out_dir/<kind>/step-N is complete: rewrites the latest file beside it to name it
-    (and with best, the best file too), and removes the older step folders (complete, cut short or damaged) but for
-    the newest keep - 1 complete ones, the fallbacks should this one ever turn out damaged, and the one best names,
-    which is never pruned. Newer ones (a save cut short, or one passed over as damaged at a resume) are left alone:
-    another rank may be writing the next one already, and a save to the same step replaces them."""
+    """Once the checkpoint folder out_dir/<kind>/step-N is complete: rewrites the latest file beside it to name it,
+    and removes the older step folders (complete, cut short or damaged) but for the newest keep - 1 complete ones,
+    the fallbacks should this one ever turn out damaged. Newer ones (a save cut short, or one passed over as damaged
+    at a resume) are left alone: another rank may be writing the next one already, and a save to the same step
+    replaces them. With best, the folder is also kept as best-step-N (hard links: never pruned, nor changed by a
+    later save to step-N), which the best file names, in place of the best before."""
     root, name = os.path.split(folder)
-    for pointer in ('latest', 'best') if best else ('latest',):
-        write_name(os.path.join(root, pointer), name)
-    spared = read_name(os.path.join(root, 'best'))
+    write_name(os.path.join(root, 'latest'), name)
+    if best:
+        before = read_name(os.path.join(root, 'best'))
+        if os.path.exists(os.path.join(root, 'best.tmp')):
+            shutil.rmtree(os.path.join(root, 'best.tmp'))  # our own temporary name, left by a crash
+        shutil.copytree(folder, os.path.join(root, 'best.tmp'), copy_function=same_file)
+        shutil.rmtree(os.path.join(root, 'best-' + name), ignore_errors=True)
+        os.replace(os.path.join(root, 'best.tmp'), os.path.join(root, 'best-' + name))
+        write_name(os.path.join(root, 'best'), 'best-' + name)
+        if before and before != 'best-' + name and before.startswith('best-step-'):
+            shutil.rmtree(os.path.join(root, before), ignore_errors=True)  # a better one has taken its place
     fallbacks = 0
     for old in sorted((f for f in os.listdir(root) if f.startswith('step-') and f < name), reverse=True):
-        if old == spared:
-            continue
         if fallbacks < keep - 1:
             try:
                 if (iter_of or checkpoint_iter)(os.path.join(root, old)) is not None:

@@ -163,8 +163,8 @@ def check_config(config):
     if init_from not in ('scratch', 'resume', 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') and \
             not os.path.exists(init_from) and not os.path.exists(find_checkpoint(init_from)):  # RUN/best
         sys.exit(f"error: unknown init_from={init_from!r}: use scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl "
-                 f"or the path of a checkpoint (a ckpt.pt, a sharded checkpoint folder, a run's out_dir, or out_dir/best "
-                 f"for its best)")
+                 f"or the path of a checkpoint (a ckpt.pt, a sharded checkpoint folder, a run's out_dir, or "
+                 f"out_dir/best for its best)")
     if 'out_dir' in config:
         check_out_dir(config['out_dir'])
 

@@ -35,7 +35,7 @@ from decent import (average_moments, average_replicas, make_bucket, make_mixing_
 from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start, state_bytes,
                          torchrun_env, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
-from keep import resaves, saves_at_eval
+from keep import saves_at_eval, skips_save
 from runlog import count_skipped, open_log
 
 # -----------------------------------------------------------------------------
@@ -311,8 +311,8 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     its snapshot; storage also writes out_dir/ckpt.pt in train.py's format: the average of the replicas and of
     their Adam moments, for sample.py and train.py. keep_checkpoints of each are kept; a new best is named by
     decent/best, and best.pt holds its average."""
-    if nonfinite_steps or (to == 'storage' and resaves(resume_from, iter_num, run_id)):
-        return  # in a run of non-finite steps the weights may have gone bad; the state resumed from is there
+    if skips_save(to, nonfinite_steps, resume_from, iter_num, run_id, print0):
+        return
     finish_mixing()  # the last step's averages may still be on their way into the replica
     extra = {
         'model_args': model_args,

@@ -35,7 +35,7 @@ from distributed import (agree, finish, gather_rng, pick_device, restore_rng, sp
                          use_deterministic_algorithms)
 from model import GPT
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
-from keep import resaves, saves_at_eval
+from keep import saves_at_eval, skips_save
 from runlog import count_skipped, open_log
 
 # -----------------------------------------------------------------------------
@@ -312,8 +312,8 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     shards, and our state as its client state) for out_dir/ds/step-N/ or the node's snapshot folder; once every
     rank's are written, the first rank (of each node, for snapshots) points latest at the folder (a new best: best
     too). With save_consolidated, storage also writes train.py's ckpt.pt (a new best also as best.pt)."""
-    if nonfinite_steps or (to == 'storage' and resaves(resume_from, iter_num, run_id)):
-        return  # in a run of non-finite steps the weights may have gone bad; the state resumed from is there
+    if skips_save(to, nonfinite_steps, resume_from, iter_num, run_id, print0):
+        return
     folder = os.path.join(ds_dir if to == 'storage' else snapshot_dir(run_id), f'step-{iter_num:08d}')
     if folder == resume_path:
         return  # a resumed run's first eval: the checkpoint it started from

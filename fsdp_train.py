@@ -32,7 +32,7 @@ from data import check_token_ids, find_bins, read_meta
 from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start, state_bytes,
                          use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
-from keep import resaves, saves_at_eval
+from keep import saves_at_eval, skips_save
 from runlog import count_skipped, open_log
 from sharded import (check_tp_size, clip_grad_norm, load_sharded_state, local_shards, read_start, save_dcp, save_full,
                      sharded_state, total_norm)
@@ -244,8 +244,8 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     when complete: a crash mid-write leaves the previous one in place. Each rank saves its own shards, into a DCP
     folder out_dir/dcp/step-N or its own snapshot; with save_consolidated, rank 0 also writes train.py's ckpt.pt.
     keep_checkpoints of each are kept, and a new best is named by dcp/best (and best.pt)."""
-    if nonfinite_steps or (to == 'storage' and resaves(resume_from, iter_num, run_id)):
-        return  # in a run of non-finite steps the weights may have gone bad; the state resumed from is there
+    if skips_save(to, nonfinite_steps, resume_from, iter_num, run_id, print0):
+        return
     extra = {
         'model_args': model_args,
         'iter_num': iter_num,

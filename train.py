@@ -27,7 +27,7 @@ from data import check_token_ids, find_bins, read_meta
 from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start, state_bytes,
                          use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
-from keep import resaves, saves_at_eval
+from keep import saves_at_eval, skips_save
 from runlog import count_skipped, open_log
 
 # -----------------------------------------------------------------------------
@@ -212,7 +212,7 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     kept as ckpt.prev.pt, and so on: keep_checkpoints in all; a new best also as best.pt), the first rank of each
     node the node's snapshot. Nothing is saved in a run of non-finite steps, nor at the iteration of ckpt.pt it
     resumed from (which would push an older state out)."""
-    if nonfinite_steps or (to == 'storage' and resaves(resume_from, iter_num, run_id)):
+    if skips_save(to, nonfinite_steps, resume_from, iter_num, run_id, print0):
         return
     extra = {
         'model_args': model_args,

@@ -52,19 +52,25 @@ def test_keep_checkpoints_keeps_the_newest_k_and_the_best(base, script):
     assert folders == ([] if script == 'train.py' else [6, 8, 10]), folders
     best_iter = 2 * min(range(1, len(val)), key=lambda i: val[i])  # the eval at 0 saves nothing
     assert iter_of(out / 'best') == best_iter  # best.pt, or for fsdp_train.py the folder dcp/best names
+    if script != 'train.py':  # beside the step folders, a copy of the best one that pruning never removes
+        assert (out / KIND[script] / 'best').read_text() == f'best-step-{best_iter:08d}'
+        assert [f.name for f in (out / KIND[script]).glob('best-*')] == [f'best-step-{best_iter:08d}']
 
 
-def test_best_survives_worse_evals_and_every_tool_reads_it(base, tmp_path, data_dir):
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py'])
+def test_best_survives_worse_evals_and_pruning_and_every_tool_reads_it(base, tmp_path, data_dir, script):
     out = tmp_path / 'worse'
-    shutil.copytree(base('train.py')[0], out)
-    best = torch.load(out / 'best.pt', weights_only=True)
-    # a learning rate that makes the loss rise, finite: evals at 12 and 14 are worse and saved, the best is not
-    run('train.py', *tiny(data_dir, out, *BASE, '--max_iters=14', '--learning_rate=0.3', '--warmup_iters=0',
-                          '--min_lr=0'), cwd=tmp_path)
-    assert [iter_of(f) for f in (out / 'ckpt.pt', out / 'ckpt.prev.pt', out / 'ckpt.prev2.pt')] == [14, 12, 10]
-    newest = torch.load(out / 'ckpt.pt', weights_only=True)
-    assert newest['val_loss'] > best['val_loss'] == newest['best_val_loss']
-    assert same_weights(torch.load(out / 'best.pt', weights_only=True)['model'], best['model'])
+    shutil.copytree(base(script)[0], out)
+    best = load_checkpoint(str(out / 'best'))
+    # a learning rate that makes the loss rise, finite: evals at 12, 14 and 16 are worse and saved, the best (10)
+    # is not, and survives the pruning of what was saved at 10
+    run(script, *tiny(data_dir, out, *BASE, '--max_iters=16', '--learning_rate=0.1', '--warmup_iters=0',
+                      '--min_lr=0'), cwd=tmp_path)
+    assert kept_iters(script, out) == (([12, 14, 16], []) if script == 'train.py' else ([], [12, 14, 16]))
+    newest = load_checkpoint(str(out))[1]
+    assert newest['iter_num'] == 16 and newest['val_loss'] > best[1]['val_loss'] == newest['best_val_loss']
+    again = load_checkpoint(str(out / 'best'))
+    assert again[1]['iter_num'] == 10 and same_weights(again[0].state_dict(), best[0].state_dict())
     meta = data_dir / 'shakespeare_char' / 'meta.pkl'
     p = run('sample.py', f'--out_dir={out}', '--init_from=best', '--num_samples=1', '--max_new_tokens=5',
             '--device=cpu', f'--meta_path={meta}', cwd=tmp_path)
@@ -72,7 +78,8 @@ def test_best_survives_worse_evals_and_every_tool_reads_it(base, tmp_path, data_
     run('export_hf.py', f'--ckpt={out}/best', f'--out={tmp_path / "hf"}', cwd=tmp_path)
     assert (tmp_path / 'hf' / 'model.safetensors').exists()
     p = run('train.py', *tiny(data_dir, tmp_path / 'new', '--max_iters=1', f'--init_from={out}/best'), cwd=tmp_path)
-    assert f'initializing from the weights of {out}/best.pt' in p.stdout
+    best_file = 'best.pt' if script == 'train.py' else 'dcp/best-step-00000010'
+    assert f'initializing from the weights of {out}/{best_file}\n' in p.stdout
 
 
 @pytest.mark.parametrize('script', SCRIPTS)
