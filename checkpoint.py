@@ -180,18 +180,30 @@ def dcp_load(state, folder, **kwargs):
 def atomic_save(obj, path, keep=1, best=None):
     """torch.save to path.tmp, then a rename: a crash mid-write leaves the old file. keep > 1 keeps that many
     versions: the older ones move down to ckpt.prev.pt, ckpt.prev2.pt, ... (the oldest beyond keep is replaced), a
-    fallback should the new one ever turn out damaged. best, if given, names a file to hold this state too (a hard
+    fallback should the new one ever turn out damaged; but a save of the iteration path holds replaces it. best, if given, names a file to hold this state too (a hard
     link: no file here is ever changed in place, so the two names never part)."""
     with open(path + '.tmp', 'wb') as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
-    for n in range(keep - 1, 0, -1):
+    for n in range(keep - 1, 0, -1) if not same_step(obj, path) else []:
         if os.path.exists(previous(path, n - 1)):
             os.replace(previous(path, n - 1), previous(path, n))
     os.replace(path + '.tmp', path)
     if best:
         same_file(path, best)
+
+
+def same_step(obj, path):
+    """Whether the checkpoint at path is of the same run and iteration as obj (a resumed run's first eval saves the
+    state it resumed from again): it is replaced, not kept, so that no older state is pushed out for it."""
+    if not isinstance(obj, dict) or 'iter_num' not in obj or not os.path.isfile(path):
+        return False
+    try:
+        old = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
+        return (old['iter_num'], old.get('run_id')) == (obj['iter_num'], obj.get('run_id'))
+    except Exception:
+        return False  # damaged: kept aside like any older one
 
 
 def same_file(path, to):

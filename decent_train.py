@@ -311,7 +311,7 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     its snapshot; storage also writes out_dir/ckpt.pt in train.py's format: the average of the replicas and of
     their Adam moments, for sample.py and train.py. keep_checkpoints of each are kept; a new best is named by
     decent/best, and best.pt holds its average."""
-    if skips_save(to, nonfinite_steps, resume_from, iter_num, run_id, print0):
+    if skips_save(to, nonfinite_steps, iter_num, print0):
         return
     finish_mixing()  # the last step's averages may still be on their way into the replica
     extra = {

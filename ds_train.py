@@ -312,7 +312,7 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     shards, and our state as its client state) for out_dir/ds/step-N/ or the node's snapshot folder; once every
     rank's are written, the first rank (of each node, for snapshots) points latest at the folder (a new best: best
     too). With save_consolidated, storage also writes train.py's ckpt.pt (a new best also as best.pt)."""
-    if skips_save(to, nonfinite_steps, resume_from, iter_num, run_id, print0):
+    if skips_save(to, nonfinite_steps, iter_num, print0):
         return
     folder = os.path.join(ds_dir if to == 'storage' else snapshot_dir(run_id), f'step-{iter_num:08d}')
     if folder == resume_path:

@@ -244,7 +244,7 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     when complete: a crash mid-write leaves the previous one in place. Each rank saves its own shards, into a DCP
     folder out_dir/dcp/step-N or its own snapshot; with save_consolidated, rank 0 also writes train.py's ckpt.pt.
     keep_checkpoints of each are kept, and a new best is named by dcp/best (and best.pt)."""
-    if skips_save(to, nonfinite_steps, resume_from, iter_num, run_id, print0):
+    if skips_save(to, nonfinite_steps, iter_num, print0):
         return
     extra = {
         'model_args': model_args,

@@ -86,12 +86,9 @@ def _set_aside_in(folder, first_bad, files):
     return newest
 
 
-def skips_save(to, nonfinite_steps, resume_from, iter_num, run_id, print0):
-    """Whether the entrypoint's save_checkpoint(to) saves nothing: in a run of non-finite steps (its weights may
-    have gone bad), and where a save to out_dir would write again the state the run resumed from out_dir at (its
-    first eval), which would push an older state out of the keep_checkpoints kept, for nothing."""
+def skips_save(to, nonfinite_steps, iter_num, print0):
+    """Whether the entrypoint's save_checkpoint(to) saves nothing: in a run of non-finite steps, whose weights may
+    have gone bad."""
     if nonfinite_steps:
         print0(f"iter {iter_num}: no {to} save after {nonfinite_steps} non-finite steps: the last good state stays")
-        return True
-    return to == 'storage' and resume_from is not None and resume_from[0] == iter_num and \
-        not resume_from[1].startswith(snapshot_dir(run_id))
+    return nonfinite_steps > 0

@@ -210,9 +210,8 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     forward and backward run (the optimizer step waits for the copy), then writes it to temporary files, renamed
     when complete: a crash mid-write leaves the previous one in place. Rank 0 writes out_dir/ckpt.pt (the one before
     kept as ckpt.prev.pt, and so on: keep_checkpoints in all; a new best also as best.pt), the first rank of each
-    node the node's snapshot. Nothing is saved in a run of non-finite steps, nor at the iteration of ckpt.pt it
-    resumed from (which would push an older state out)."""
-    if skips_save(to, nonfinite_steps, resume_from, iter_num, run_id, print0):
+    node the node's snapshot. Nothing is saved in a run of non-finite steps."""
+    if skips_save(to, nonfinite_steps, iter_num, print0):
         return
     extra = {
         'model_args': model_args,
