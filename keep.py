@@ -2,8 +2,8 @@
 Which saved states a run keeps, shared by the entrypoints: never a worse one in place of a good one. An eval whose
 loss is not finite saves nothing (saves_at_eval), and no save is made in a run of non-finite steps; a run stopped
 by max_nonfinite_steps sets aside what it saved since its weights went bad (set_aside), so that its newest state is
-the newest good one. How many states are kept (keep_checkpoints) and the best by val loss (best.pt, or a best
-file beside latest) are written by checkpoint.py's atomic_save and point_latest; this module only decides.
+the newest good one. The newest keep_checkpoints states and the best by val loss (best.pt, or best-step-N beside
+the step folders) are written by checkpoint.py's atomic_save and point_latest; this module only decides.
 """
 
 import math

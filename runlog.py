@@ -69,10 +69,9 @@ def count_skipped(nonfinite, in_a_row, limit, iter_num, log, out_dir, run_id, wh
     log(iter_num, skipped=f'non-finite {what}')
     if in_a_row >= limit:
         wait_for_saves()
-        newest = [None, None]
         if dist.is_initialized():
             dist.barrier()  # every rank's snapshot is written before its node's are looked at
-        newest[:] = set_aside(out_dir, iter_num - in_a_row + 1, run_id)
+        newest = list(set_aside(out_dir, iter_num - in_a_row + 1, run_id))
         if dist.is_initialized():
             dist.broadcast_object_list(newest)  # rank 0's view of out_dir
         held = f"{newest[0]} (iter {newest[1]}) holds the last good state" if newest[0] else \
