@@ -4,10 +4,10 @@ Checkpoints, shared by every entrypoint and tool. Three parts:
 - Reading the model out of any checkpoint this repo's entrypoints (or nanoGPT) write, in one process, for
   sample.py, export_hf.py and init_from=<path>: a train.py ckpt.pt (also the consolidated exports of fsdp_train.py,
   ds_train.py and decent_train.py, and nanoGPT's own), an fsdp_train.py sharded folder (any world size or mesh
-  wrote it), or a run's out_dir, standing for its newest checkpoint.
-- Writing without stopping training: atomic files, copies to host memory and writes in background threads,
-  node-local memory snapshots, and committing a checkpoint folder (every rank's files in, then `latest`, then the
-  older folders pruned but one).
+  wrote it), or a run's out_dir, standing for its newest checkpoint (RUN/best: its best by val loss).
+- Writing without stopping training: atomic files (the newest keep_checkpoints versions, and the best), copies to
+  host memory and writes in background threads, node-local memory snapshots, and committing a checkpoint folder
+  (every rank's files in, then `latest`, then the older folders pruned but keep_checkpoints - 1).
 - Where a run starts: this run's newest complete state, found alike on every rank with damaged files skipped
   (find_resume), the model built from it or from init_from (create_model), and old optimizer layouts upgraded.
 
@@ -180,8 +180,9 @@ def dcp_load(state, folder, **kwargs):
 def atomic_save(obj, path, keep=1, best=None):
     """torch.save to path.tmp, then a rename: a crash mid-write leaves the old file. keep > 1 keeps that many
     versions: the older ones move down to ckpt.prev.pt, ckpt.prev2.pt, ... (the oldest beyond keep is replaced), a
-    fallback should the new one ever turn out damaged; but a save of the iteration path holds replaces it. best, if given, names a file to hold this state too (a hard
-    link: no file here is ever changed in place, so the two names never part)."""
+    fallback should the new one ever turn out damaged; but a save of the iteration path holds replaces it. best, if
+    given, names a file to hold this state too (a hard link: no file here is ever changed in place, so the two
+    names never part)."""
     with open(path + '.tmp', 'wb') as f:
         torch.save(obj, f)
         f.flush()
