@@ -82,7 +82,7 @@ def bench_save():
         t0 = time.perf_counter()
         if snapshot_to:
             save_in_background({'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'iter_num': 1},
-                               snapshot_to, keep_previous=snapshot_to != shm)  # as train.py
+                               snapshot_to, keep=1 + (snapshot_to != shm))  # as train.py
         t1 = time.perf_counter()
         with ctx:
             loss = model(x, x)[1]

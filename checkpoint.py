@@ -4,10 +4,10 @@ Checkpoints, shared by every entrypoint and tool. Three parts:
 - Reading the model out of any checkpoint this repo's entrypoints (or nanoGPT) write, in one process, for
   sample.py, export_hf.py and init_from=<path>: a train.py ckpt.pt (also the consolidated exports of fsdp_train.py,
   ds_train.py and decent_train.py, and nanoGPT's own), an fsdp_train.py sharded folder (any world size or mesh
-  wrote it), or a run's out_dir, standing for its newest checkpoint.
-- Writing without stopping training: atomic files, copies to host memory and writes in background threads,
-  node-local memory snapshots, and committing a checkpoint folder (every rank's files in, then `latest`, then the
-  older folders pruned but one).
+  wrote it), or a run's out_dir, standing for its newest checkpoint (RUN/best: its best by val loss).
+- Writing without stopping training: atomic files (the newest keep_checkpoints versions, and the best), copies to
+  host memory and writes in background threads, node-local memory snapshots, and committing a checkpoint folder
+  (every rank's files in, then `latest`, then the older folders pruned but keep_checkpoints - 1).
 - Where a run starts: this run's newest complete state, found alike on every rank with damaged files skipped
   (find_resume), the model built from it or from init_from (create_model), and old optimizer layouts upgraded.
 
@@ -36,7 +36,18 @@ from model import GPT, GPTConfig
 
 
 def find_checkpoint(path):
-    """The checkpoint a path names: a file, a sharded folder, or a run folder's newest checkpoint."""
+    """The checkpoint a path names: a file, a sharded folder, a run folder's newest checkpoint, or with RUN/best
+    the run's best by val loss (best.pt, else the sharded folder that its dcp/best names)."""
+    run, name = os.path.split(os.path.normpath(path))
+    if name == 'best' and not os.path.exists(path) and os.path.isdir(run or '.'):
+        pointer = os.path.join(run, 'dcp', 'best')
+        if os.path.exists(os.path.join(run, 'best.pt')) or not os.path.exists(pointer):
+            return os.path.join(run, 'best.pt')
+        with open(pointer) as f:
+            name = f.read(100).strip()
+        if not re.fullmatch(r'best-step-\d+', name):  # a name read from a file never leads out of its folder
+            raise ValueError(f"{pointer} names {name[:40]!r}, not a best-step-N folder")
+        return os.path.join(run, 'dcp', name)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, 'extra.pt')):
         latest = os.path.join(path, 'dcp', 'latest')
         if os.path.exists(latest):
@@ -173,10 +184,13 @@ def dcp_load(state, folder, **kwargs):
 # Fault tolerance, shared by the entrypoints: writing in the background, node-local memory snapshots, and
 # finding the newest state that loads.
 
-def atomic_save(obj, path, keep_previous=False):
-    """torch.save to path.tmp, then a rename: a crash mid-write leaves the old file. keep_previous moves the old
-    one to ckpt.prev.pt first, a fallback should the new one ever turn out damaged. A write that fails (a full
-    disk) removes its temporary file, which would hold the space that the next start needs, and raises."""
+def atomic_save(obj, path, keep=1, best=None):
+    """torch.save to path.tmp, then a rename: a crash mid-write leaves the old file. keep > 1 keeps that many
+    versions: the older ones move down to ckpt.prev.pt, ckpt.prev2.pt, ... (the oldest beyond keep is replaced), a
+    fallback should the new one ever turn out damaged; but a save of the iteration path holds replaces it. best, if
+    given, names a file to hold this state too (a hard link: no file here is ever changed in place, so the two
+    names never part). A write that fails (a full disk) removes its temporary file, which would hold the space that
+    the next start needs, and raises."""
     with open(path + '.tmp', 'wb') as f:
         errors = []
 
@@ -193,14 +207,56 @@ def atomic_save(obj, path, keep_previous=False):
         except BaseException as e:
             os.remove(path + '.tmp')
             raise (errors[0] if errors else e) from None
-    if keep_previous and os.path.exists(path):
-        os.replace(path, previous(path))
+    for n in range(keep - 1, 0, -1) if not same_step(obj, path) else []:
+        if os.path.exists(previous(path, n - 1)):
+            os.replace(previous(path, n - 1), previous(path, n))
     os.replace(path + '.tmp', path)
+    if best:
+        same_file(path, best)
 
 
-def previous(path):
+def same_step(obj, path):
+    """Whether the checkpoint at path is of the same run and iteration as obj (a resumed run's first eval saves the
+    state it resumed from again): it is replaced, not kept, so that no older state is pushed out for it."""
+    if not isinstance(obj, dict) or 'iter_num' not in obj or not os.path.isfile(path):
+        return False
+    try:
+        old = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
+        return (old['iter_num'], old.get('run_id')) == (obj['iter_num'], obj.get('run_id'))
+    except Exception:
+        return False  # damaged: kept aside like any older one
+
+
+def same_file(path, to):
+    """Makes `to` name the file at path (a hard link, or a copy where the filesystem has none), atomically."""
+    if os.path.exists(to + '.tmp'):
+        os.remove(to + '.tmp')  # our own temporary name, left by a crash
+    try:
+        os.link(path, to + '.tmp')
+    except OSError:
+        shutil.copyfile(path, to + '.tmp')
+    os.replace(to + '.tmp', to)
+
+
+def previous(path, n=1):
+    """The n-th version before the file at path that atomic_save keeps: ckpt.prev.pt, ckpt.prev2.pt, ..."""
+    if n == 0:
+        return path
     root, ext = os.path.splitext(path)
-    return root + '.prev' + ext
+    return root + '.prev' + (str(n) if n > 1 else '') + ext
+
+
+def kept(path):
+    """The versions of the file at path that atomic_save kept, newest first (those present): where a run looks
+    for the state to resume."""
+    folder, name = os.path.split(path)
+    root, ext = os.path.splitext(name)
+    found = {0: path}
+    for f in os.listdir(folder or '.') if os.path.isdir(folder or '.') else []:
+        m = re.fullmatch(re.escape(root) + r'\.prev(\d*)' + re.escape(ext), f)
+        if m and m[1] != '1' and not m[1].startswith('0'):
+            found[int(m[1] or 1)] = os.path.join(folder, f)
+    return [found[n] for n in sorted(found)]
 
 
 _host_copies = {}  # slot -> the host copy of the state last saved in it, reused so that no save allocates
@@ -282,13 +338,14 @@ def finish_saves():
         exit_after_failed_save()
 
 
-def save_in_background(state, path, keep_previous=False, slot=None, then=None):
+def save_in_background(state, path, keep=1, slot=None, then=None, best=None):
     """Saves the state to path (atomically) from a background thread, which first copies the state's tensors into
     host memory and then writes the copy. The caller goes on at once, but must call wait_for_copies() before it
     changes the state (the optimizer step): the copy overlaps the next forward and backward, which only read it.
     A checkpoint of several files (DeepSpeed's) gives lists of paths and of their states. slot names the host copy
     to reuse and the save to wait for first (by default the path; one slot for saves whose paths change). then,
-    if given, runs in the thread once the files are written, with True, or False if one could not be."""
+    if given, runs in the thread once the files are written, with True, or False if one could not be. keep and best
+    as atomic_save takes them."""
     slot = slot or path
     wait_for_saves(slot)  # its host copy is about to be overwritten
     copied = threading.Event()
@@ -312,7 +369,7 @@ def save_in_background(state, path, keep_previous=False, slot=None, then=None):
             finally:
                 copied.set()
             for p, s in zip(paths, _host_copies[slot]):
-                atomic_save(s, p, keep_previous)
+                atomic_save(s, p, keep, best)
             ok = True
         except Exception as e:  # the previous file is still in place
             _note_failure(paths, e)
@@ -350,15 +407,16 @@ def in_background(wait, slot, then, path=None):
     _writers[slot] = (thread, copied)
 
 
-def commit(folder, ok, group, writer, iter_of=None):
+def commit(folder, ok, group, writer, iter_of=None, keep=2, best=False):
     """Called by each rank's writer thread once its files of the checkpoint folder are written (ok) or could not
     be: the ranks agree over group (a gloo group of the writer threads' own, since two threads' collectives on one
     group would pair up wrongly), and only if every rank's files are in does the writer point latest at the folder
-    and prune the ones before (point_latest). A crash before leaves latest naming the previous folder."""
+    and prune the ones before (point_latest, with keep and best). A crash before leaves latest naming the previous
+    folder."""
     written = torch.tensor(float(ok))
     dist.all_reduce(written, op=dist.ReduceOp.MIN, group=group)
     if written.item() and writer:
-        point_latest(folder, iter_of)
+        point_latest(folder, iter_of, keep, best)
 
 
 def wait_for_copies():
@@ -491,32 +549,56 @@ def step_folders(root):
         if os.path.isdir(root) else []
 
 
-def point_latest(folder, iter_of=None):
+def point_latest(folder, iter_of=None, keep=2, best=False):
     """Once the checkpoint folder out_dir/<kind>/step-N is complete: rewrites the latest file beside it to name it,
-    and removes the older step folders (complete, cut short or damaged) but for the newest complete one, the
-    fallback should this one ever turn out damaged. Newer ones (a save cut short, or one passed over as damaged at
-    a resume) are left alone: another rank may be writing the next one already, and a save to the same step
-    replaces them."""
+    and removes the older step folders (complete, cut short or damaged) but for the newest keep - 1 complete ones,
+    the fallbacks should this one ever turn out damaged. Newer ones (a save cut short, or one passed over as damaged
+    at a resume) are left alone: another rank may be writing the next one already, and a save to the same step
+    replaces them. With best, the folder is also kept as best-step-N (hard links: never pruned, nor changed by a
+    later save to step-N), which the best file names, in place of the best before."""
     root, name = os.path.split(folder)
-    latest = os.path.join(root, 'latest')
-    try:
-        with open(latest + '.tmp', 'w') as f:
-            f.write(name)
-    except BaseException:
-        if os.path.isfile(latest + '.tmp'):
-            os.remove(latest + '.tmp')  # a full disk: latest still names the folder before
-        raise
-    os.replace(latest + '.tmp', latest)
-    fallback = None
+    write_name(os.path.join(root, 'latest'), name)
+    if best:
+        before = read_name(os.path.join(root, 'best'))
+        if os.path.exists(os.path.join(root, 'best.tmp')):
+            shutil.rmtree(os.path.join(root, 'best.tmp'))  # our own temporary name, left by a crash
+        shutil.copytree(folder, os.path.join(root, 'best.tmp'), copy_function=same_file)
+        shutil.rmtree(os.path.join(root, 'best-' + name), ignore_errors=True)
+        os.replace(os.path.join(root, 'best.tmp'), os.path.join(root, 'best-' + name))
+        write_name(os.path.join(root, 'best'), 'best-' + name)
+        if before and before != 'best-' + name and before.startswith('best-step-'):
+            shutil.rmtree(os.path.join(root, before), ignore_errors=True)  # a better one has taken its place
+    fallbacks = 0
     for old in sorted((f for f in os.listdir(root) if f.startswith('step-') and f < name), reverse=True):
-        if fallback is None:
+        if fallbacks < keep - 1:
             try:
                 if (iter_of or checkpoint_iter)(os.path.join(root, old)) is not None:
-                    fallback = old
+                    fallbacks += 1
                     continue
             except Exception:
                 pass
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+
+
+def write_name(path, name):
+    """Writes the folder name that a latest or best file holds, whole or not at all."""
+    try:
+        with open(path + '.tmp', 'w') as f:
+            f.write(name)
+    except BaseException:
+        if os.path.isfile(path + '.tmp'):
+            os.remove(path + '.tmp')  # a full disk: the file still names the folder before
+        raise
+    os.replace(path + '.tmp', path)
+
+
+def read_name(path):
+    """The folder name a latest or best file holds, or None where there is none."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 # -----------------------------------------------------------------------------

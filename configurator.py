@@ -146,7 +146,7 @@ def check_optimizer(config):
 STEPS = {  # the counts of the loop and of its saves: key -> the least it may be
     'batch_size': 1, 'gradient_accumulation_steps': 1, 'eval_interval': 1, 'eval_iters': 1, 'log_interval': 1,
     'max_iters': 0, 'warmup_iters': 0, 'lr_decay_iters': 0, 'min_lr': 0, 'save_memory_interval': 0,
-    'save_storage_interval': 0, 'max_nonfinite_steps': 1,
+    'save_storage_interval': 0, 'max_nonfinite_steps': 1, 'keep_checkpoints': 1,
 }
 
 
@@ -176,11 +176,13 @@ def check_config(config):
             sys.exit("error: backend=mpi but this torch was built without MPI: use --backend=gloo (or auto)")
         if config.get('device') == 'mps' and not torch.backends.mps.is_available():
             sys.exit("error: device=mps but this machine has no Apple GPU torch can use: use --device=cpu (or auto)")
+    from checkpoint import find_checkpoint  # here: the config convention itself needs no torch
     init_from = config.get('init_from', 'scratch')
     if init_from not in ('scratch', 'resume', 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') and \
-            not os.path.exists(init_from):
+            not os.path.exists(init_from) and not os.path.exists(find_checkpoint(init_from)):  # RUN/best
         sys.exit(f"error: unknown init_from={init_from!r}: use scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl "
-                 f"or the path of a checkpoint (a ckpt.pt, a sharded checkpoint folder or a run's out_dir)")
+                 f"or the path of a checkpoint (a ckpt.pt, a sharded checkpoint folder, a run's out_dir, or "
+                 f"out_dir/best for its best)")
     if 'out_dir' in config:
         check_out_dir(config['out_dir'])
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import (commit, create_model, find_resume, finish_saves, previous, reason, remove_snapshots,
+from checkpoint import (commit, create_model, find_resume, finish_saves, kept, previous, reason, remove_snapshots,
                         save_in_background, snapshot_dir, step_folders, upgrade_optimizer_state, wait_for_copies,
                         wait_for_saves)
 from configurator import check_config, configure
@@ -40,6 +40,7 @@ from decent import (average_moments, average_replicas, global_model, make_bucket
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
                          state_bytes, stop_signal, torchrun_env, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
+from keep import saves_at_eval, skips_save
 from runlock import hold
 from runlog import count_skipped, open_log
 
@@ -94,6 +95,7 @@ auto_resume = True  # on every start, continue from the newest complete snapshot
 save_memory_interval = 0  # steps between snapshots of the whole state into node-local memory (/dev/shm); 0: none
 save_storage_interval = 0  # steps between checkpoints to out_dir (in the background), besides the evals'; 0: none
 max_nonfinite_steps = 5  # a step whose loss is not finite is skipped; this many in a row stop the run
+keep_checkpoints = 2  # the newest states kept in out_dir (fallbacks of a damaged one); the best by val loss besides
 # decentralized
 topology = 'ring'  # 'complete', 'ring', 'one-peer-exp' (2^k ranks) or 'alternating-exp-ring' (2^k nodes)
 replica_optimizer = 'adamw'  # 'adamw', 'accumadamw' (Adam's moments take in the mean gradient of several steps), 'sgd'
@@ -201,13 +203,14 @@ def draw_train_offsets():
 # where to start: this run's newest complete state, a memory snapshot (two per rank: one may be cut short) or a
 # checkpoint in out_dir: a folder of replicas, or where there is none, a ckpt.pt that every replica starts from
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')  # the averaged export, or train.py's
+best_path = os.path.join(out_dir, 'best.pt')  # the averaged model of the best val loss so far (the seed's best_model)
 decent_dir = os.path.join(out_dir, 'decent')  # the replicas, a folder per step and a file per rank
 snapshot_name = f'rank-{rank}-of-{world_size}.pt'  # a rank's own replica, which only this world size can take back
 if not eval_only:  # an eval writes nothing: it neither holds out_dir nor waits for whoever does
     hold(out_dir)  # one run at a time in out_dir, for the run's lifetime
 run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only,
                                   snapshots=[snapshot_name, previous(snapshot_name)],
-                                  storage=[step_folders(decent_dir), [ckpt_path, previous(ckpt_path)]],
+                                  storage=[step_folders(decent_dir), kept(ckpt_path)],
                                   where=f"{decent_dir} or {ckpt_path}", script='decent_train.py')
 snapshot_path = os.path.join(snapshot_dir(run_id), snapshot_name)
 resume_path = resume_from and resume_from[1]
@@ -354,14 +357,17 @@ eval_model = model
 
 
 
-def save_checkpoint(to='storage', wait=False):
+def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     """Every rank calls this (RNG states are gathered). to='storage': a checkpoint in out_dir; to='memory': a
     snapshot in the node's folder in /dev/shm. A thread copies the state to host memory while the next step's
     forward and backward run (the optimizer step waits for the copy), then writes it to temporary files, renamed
     when complete: a crash mid-write leaves the previous one in place. Each rank saves its own replica and optimizer
     state, into out_dir/decent/step-N/rank-R.pt (once every rank's is in, rank 0 points latest at the folder) or
     its snapshot; storage also writes out_dir/ckpt.pt in train.py's format: the average of the replicas and of
-    their Adam moments, for sample.py and train.py."""
+    their Adam moments, for sample.py and train.py. keep_checkpoints of each are kept; a new best is named by
+    decent/best, and best.pt holds its average."""
+    if skips_save(to, nonfinite_steps, iter_num, print0):
+        return
     finish_mixing()  # the last step's averages may still be on their way into the replica
     extra = {
         'model_args': model_args,
@@ -371,6 +377,7 @@ def save_checkpoint(to='storage', wait=False):
         'rng': gather_rng(),
         'data_rng': data_gen.get_state(),
         'run_id': run_id,  # so that a run started afresh over this out_dir never takes it for its own
+        'val_loss': val_loss,  # the eval's it was saved at (None: a save between evals)
     }
     checkpoint = {'model': raw_model.state_dict(), 'optimizers': [o.state_dict() for o in optimizers], **extra}
     if diloco_steps:  # θ_global and its optimizer's state, in each rank's file (ckpt.pt's model is θ_global)
@@ -379,13 +386,14 @@ def save_checkpoint(to='storage', wait=False):
     if to == 'memory':
         os.makedirs(os.path.dirname(snapshot_path), exist_ok=True)
         # the one before is kept: a rank killed mid-write holds it still, and so do the others
-        save_in_background(checkpoint, snapshot_path, keep_previous=True)
+        save_in_background(checkpoint, snapshot_path, keep=2)
     else:
         folder = os.path.join(decent_dir, f'step-{iter_num:08d}')
         if folder != resume_path:  # a resumed run's first eval finds it there
             os.makedirs(folder, exist_ok=True)
             save_in_background(checkpoint, os.path.join(folder, f'rank-{rank}.pt'), slot='decent',
-                               then=lambda ok: commit(folder, ok, checkpoint_group, master_process))
+                               then=lambda ok: commit(folder, ok, checkpoint_group, master_process,
+                                                      keep=keep_checkpoints, best=best))
             print0(f"saving checkpoint to {folder}")
         # the export: train.py's optimizer over the averaged model holds the averaged moments (sgd has none)
         wait_for_copies()  # the replica is copied before it is averaged in place
@@ -395,7 +403,8 @@ def save_checkpoint(to='storage', wait=False):
         if diloco_steps:
             extra['diloco'] = {'outer_optimizers': checkpoint['diloco']['outer_optimizers']}
         if master_process:
-            save_in_background({'model': raw_model.state_dict(), 'optimizer': adamw.state_dict(), **extra}, ckpt_path)
+            save_in_background({'model': raw_model.state_dict(), 'optimizer': adamw.state_dict(), **extra}, ckpt_path,
+                               keep=keep_checkpoints, best=best and best_path)
             print0(f"saving the averaged model to {ckpt_path}")
         wait_for_copies()  # the average has to be copied before the replica comes back
         restore_replica(buckets, own)
@@ -470,10 +479,11 @@ while True:
         if wandb_log and master_process:
             wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr,
                        'consensus_distance': consensus})
-        if losses['val'] < best_val_loss or always_save_checkpoint:
+        save, best = saves_at_eval(losses, best_val_loss, always_save_checkpoint, print0)
+        if save:
             best_val_loss = min(best_val_loss, losses['val'])
             if iter_num > 0 and not eval_only:  # an eval of a run writes no checkpoint
-                save_checkpoint()
+                save_checkpoint(val_loss=losses['val'], best=best)
         t0, steps_timed = time.time(), 0  # leave evals out of the step time
     elif save_storage_interval and iter_num % save_storage_interval == 0 and local_iter_num > 0:
         save_checkpoint()
@@ -519,7 +529,7 @@ while True:
             if bucket.stepped_at != iter_num:
                 update_and_mix(bucket)
     nonfinite_steps = count_skipped(nonfinite, nonfinite_steps, max_nonfinite_steps, iter_num, log_metrics, out_dir,
-                                    what='loss')
+                                    run_id, what='loss')
     if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
         mem = state_bytes(model.parameters(), optimizers)
         print0("per-rank memory: " + ", ".join(f"{k[:-6]} {v / 2**20:.2f} MiB" for k, v in mem.items()))

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import (commit, create_model, find_resume, finish_saves, previous, reason, remove_snapshots,
+from checkpoint import (commit, create_model, find_resume, finish_saves, kept, reason, remove_snapshots,
                         save_in_background, snapshot_dir, upgrade_optimizer_state, wait_for_copies, wait_for_saves)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, open_tokens, read_meta
@@ -35,6 +35,7 @@ from distributed import (agree, check_fits, finish, gather_rng, pick_device, res
                          stop_signal, use_deterministic_algorithms)
 from model import GPT
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
+from keep import saves_at_eval, skips_save
 from runlock import hold
 from runlog import count_skipped, open_log
 
@@ -89,6 +90,7 @@ auto_resume = True  # on every start, continue from the newest complete snapshot
 save_memory_interval = 0  # steps between snapshots of the whole state into node-local memory (/dev/shm); 0: none
 save_storage_interval = 0  # steps between checkpoints to out_dir, besides the evals'; 0: none
 max_nonfinite_steps = 5  # a step whose loss or gradient is not finite is skipped; this many in a row stop the run
+keep_checkpoints = 2  # the newest states kept in out_dir (fallbacks of a damaged one); the best by val loss besides
 # DeepSpeed
 zero_stage = 2  # 0: data parallel; 1: optimizer state sharded; 2: and gradients; 3: and parameters
 offload_optimizer = 'none'  # 'none', 'cpu' (optimizer state and step in CPU memory) or an NVMe folder (stage 3)
@@ -192,17 +194,18 @@ def draw_train_offsets():
 # where to start: this run's newest complete state, an engine checkpoint in the node's memory or in out_dir (at the
 # world size and stage that wrote it, which ZeRO's shards need), else the consolidated ckpt.pt (at any)
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')  # the consolidated export (or train.py's): resumes at any layout
+best_path = os.path.join(out_dir, 'best.pt')  # the consolidated state of the best val loss so far, never pruned
 ds_dir = os.path.join(out_dir, 'ds')  # the engine's checkpoints, a folder per step
 foreign = []  # engine checkpoints in ds_dir of another world size or stage: (path, world size, stage)
 engine_iter = lambda path, run_id=None: checkpoint_iter_at(path, run_id, (world_size, zero_stage), foreign, ds_dir)
 if not eval_only:  # an eval writes nothing: it neither holds out_dir nor waits for whoever does
     hold(out_dir)  # one run at a time in out_dir, for the run's lifetime
 run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only, snapshots=engine_folders,
-                                  storage=[engine_folders(ds_dir) + [ckpt_path, previous(ckpt_path)]],
+                                  storage=[engine_folders(ds_dir) + kept(ckpt_path)],
                                   where=f"{os.path.join(ds_dir, 'latest')} or {ckpt_path}", iter_of=engine_iter,
                                   script='ds_train.py')
 resume_path = resume_from and resume_from[1]
-if foreign and resume_path in (ckpt_path, previous(ckpt_path)):
+if foreign and resume_path in kept(ckpt_path):
     print0(f"{foreign[0][0]} was written by {foreign[0][1]} ranks at zero_stage={foreign[0][2]}, not {world_size} at "
            f"{zero_stage}: continuing from the consolidated {resume_path} instead")
 elif foreign and resume_from is None:
@@ -306,14 +309,16 @@ if compile:
 eval_model = model  # at stage 3 every rank takes part in each forward, evaluation's too
 
 
-def save_checkpoint(to='storage', wait=False):
+def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     """Every rank calls this (RNG states are gathered). to='storage': a checkpoint in out_dir; to='memory': a
     snapshot in the node's folder in /dev/shm. A thread copies the state to host memory while the next step's
     forward and backward run (the optimizer step waits for the copy), then writes it to temporary files, renamed
     when complete: a crash mid-write leaves the previous one in place. The engine hands over each rank's files (its
     shards, and our state as its client state) for out_dir/ds/step-N/ or the node's snapshot folder; once every
-    rank's are written, the first rank (of each node, for snapshots) points latest at the folder. With
-    save_consolidated, storage also writes train.py's ckpt.pt."""
+    rank's are written, the first rank (of each node, for snapshots) points latest at the folder (a new best: best
+    too). With save_consolidated, storage also writes train.py's ckpt.pt (a new best also as best.pt)."""
+    if skips_save(to, nonfinite_steps, iter_num, print0):
+        return
     folder = os.path.join(ds_dir if to == 'storage' else snapshot_dir(run_id), f'step-{iter_num:08d}')
     if folder == resume_path:
         return  # a resumed run's first eval: the checkpoint it started from
@@ -326,6 +331,7 @@ def save_checkpoint(to='storage', wait=False):
         'rng': gather_rng(),
         'data_rng': data_gen.get_state(),
         'run_id': run_id,  # so that a run started afresh over this out_dir never takes it for its own
+        'val_loss': val_loss,  # the eval's it was saved at (None: a save between evals)
         'world_size': world_size,
     }
     writer = master_process if to == 'storage' else local_rank == 0  # of latest, and of the folder's cleaning
@@ -339,13 +345,15 @@ def save_checkpoint(to='storage', wait=False):
     model.save_non_zero_checkpoint = first_only
     paths, states = zip(*model.checkpoint_engine.files) if model.checkpoint_engine.files else ((), ())
     save_in_background(list(states), list(paths), slot=f'ds-{to}',
-                       then=lambda ok: commit(folder, ok, checkpoint_groups[to], writer, iter_of=engine_iter))
+                       then=lambda ok: commit(folder, ok, checkpoint_groups[to], writer, iter_of=engine_iter,
+                                              keep=keep_checkpoints if to == 'storage' else 2, best=best))
     if to == 'storage':
         print0(f"saving checkpoint to {folder}")
     if save_consolidated and to == 'storage':
         model_sd, optim_sd = gather_state(model, raw_model, optimizer, group_names, adamw_groups)
         if master_process:
-            save_in_background({'model': model_sd, 'optimizer': optim_sd, **extra}, ckpt_path, keep_previous=True)
+            save_in_background({'model': model_sd, 'optimizer': optim_sd, **extra}, ckpt_path,
+                               keep=keep_checkpoints, best=best and best_path)
             print0(f"saving consolidated checkpoint to {ckpt_path}")
     if wait:
         wait_for_saves()
@@ -410,10 +418,11 @@ while True:
         log_metrics(iter_num, train_loss=losses['train'], val_loss=losses['val'])
         if wandb_log and master_process:
             wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr})
-        if losses['val'] < best_val_loss or always_save_checkpoint:
+        save, best = saves_at_eval(losses, best_val_loss, always_save_checkpoint, print0)
+        if save:
             best_val_loss = min(best_val_loss, losses['val'])
             if iter_num > 0 and not eval_only:  # an eval of a run writes no checkpoint
-                save_checkpoint()
+                save_checkpoint(val_loss=losses['val'], best=best)
         t0, steps_timed = time.time(), 0  # leave evals out of the step time
     elif save_storage_interval and iter_num % save_storage_interval == 0 and local_iter_num > 0:
         save_checkpoint()
@@ -452,7 +461,8 @@ while True:
         sys.exit(f"error: iter {iter_num} had a non-finite loss but DeepSpeed took the step; {ds_dir} holds the last "
                  f"good state: lower learning_rate, use bfloat16 rather than float16, or check the data")
     nonfinite = nonfinite or (dtype != 'float16' and not model.was_step_applied())
-    nonfinite_steps = count_skipped(nonfinite, nonfinite_steps, max_nonfinite_steps, iter_num, log_metrics, out_dir)
+    nonfinite_steps = count_skipped(nonfinite, nonfinite_steps, max_nonfinite_steps, iter_num, log_metrics,
+                                    out_dir, run_id)
     if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
         mem = {**state_bytes(model, raw_model, optimizer), 'grad_bytes': grad_bytes}
         print0("per-rank memory: " + ", ".join(f"{k[:-6]} {v / 2**20:.2f} MiB" for k, v in mem.items()))

@@ -4,6 +4,7 @@ transformers.GPT2LMHeadModel loads, plus GPT-2's tokenizer files where the model
 text-generation pipeline runs from the folder as it is.
 
 python export_hf.py --ckpt=out --out=hf-model       # a run folder, a ckpt.pt or a sharded checkpoint folder
+python export_hf.py --ckpt=out/best --out=hf-best   # the run's best by val loss
 python -c "from transformers import pipeline; print(pipeline('text-generation', model='hf-model')('Hello')[0])"
 """
 
@@ -21,7 +22,7 @@ from configurator import configure, quiet_interrupt
 quiet_interrupt()  # Ctrl-C: one line, no traceback
 
 # -----------------------------------------------------------------------------
-ckpt = 'out'  # a run's out_dir (its newest checkpoint), a ckpt.pt, or a sharded checkpoint folder
+ckpt = 'out'  # a run's out_dir (its newest checkpoint), out_dir/best, a ckpt.pt, or a sharded checkpoint folder
 out = 'hf-model'  # the folder to write; it must not exist yet
 crop_vocab = True  # drop the padding rows a GPT-2 BPE model trained here carries (50304 -> 50257 tokens)
 # -----------------------------------------------------------------------------

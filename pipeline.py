@@ -133,7 +133,7 @@ def sharded_state(part, optimizer, raw_model):
     return state
 
 
-def save_full(part, optimizer, raw_model, extra, path):
+def save_full(part, optimizer, raw_model, extra, path, keep=1, best=None):
     """Every rank calls this: the first pipeline's ranks send their stages' state to rank 0, which writes the whole
     state in train.py's format (ckpt.pt, for train.py, sample.py, export_hf.py and --init_from) in the background."""
     mine = tree_map_only(torch.Tensor, lambda t: t.detach().cpu(),
@@ -153,7 +153,8 @@ def save_full(part, optimizer, raw_model, extra, path):
         order = {n: i for i, n in enumerate(n for group in raw_model.param_groups() for n in group)}
         for group in osd['param_groups']:
             group['params'].sort(key=order.get)
-        save_in_background({'model': model_sd, 'optimizer': optim_state_dict_by_index(osd, raw_model), **extra}, path)
+        save_in_background({'model': model_sd, 'optimizer': optim_state_dict_by_index(osd, raw_model), **extra}, path,
+                           keep=keep, best=best)
         print0(f"saving consolidated checkpoint to {path}")
 
 

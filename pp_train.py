@@ -23,13 +23,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from checkpoint import (create_model, find_resume, finish_saves, previous, reason, remove_snapshots, save_in_background,
-                        snapshot_dir, step_folders, wait_for_copies, wait_for_saves)
+from checkpoint import (create_model, find_resume, finish_saves, kept, previous, reason, remove_snapshots,
+                        save_in_background, snapshot_dir, step_folders, wait_for_copies, wait_for_saves)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, open_tokens, read_meta
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
                          state_bytes, stop_signal, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
+from keep import saves_at_eval, skips_save
 from pipeline import (Forward, Part, clip, loss_fn, save_full, sharded_state, stage_blocks, stage_ids,
                       tied_grads_and_norm)
 from runlock import hold
@@ -87,6 +88,7 @@ auto_resume = True  # on every start, continue from the newest complete snapshot
 save_memory_interval = 0  # steps between snapshots of the whole state into node-local memory (/dev/shm); 0: none
 save_storage_interval = 0  # steps between checkpoints to out_dir (in the background), besides the evals'; 0: none
 max_nonfinite_steps = 5  # a step whose loss or gradient is not finite is skipped; this many in a row stop the run
+keep_checkpoints = 2  # the newest states kept in out_dir (fallbacks of a damaged one); the best by val loss besides
 # parallelism
 pp_size = 1  # ranks per pipeline, one stage each (consecutive ranks); the world size / pp_size pipelines are DP
 pp_schedule = '1f1b'  # 'gpipe' (all forwards, then all backwards), '1f1b' or 'interleaved-1f1b' (looped stages)
@@ -174,11 +176,12 @@ def draw_train_offsets():
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 dcp_dir = os.path.join(out_dir, 'dcp')
 snapshot_name = f'rank-{rank}-of-{dp_size}x{pp_size}pp.pt'  # a rank's own stages, which only this layout reads back
+best_path = os.path.join(out_dir, 'best.pt')  # the consolidated state of the best val loss so far, never pruned
 if not eval_only:  # an eval writes nothing: it neither holds out_dir nor waits for whoever does
     hold(out_dir)  # one run at a time in out_dir, for the run's lifetime
 run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only,
                                   snapshots=[snapshot_name, previous(snapshot_name)],
-                                  storage=[step_folders(dcp_dir) + [ckpt_path, previous(ckpt_path)]],
+                                  storage=[step_folders(dcp_dir) + kept(ckpt_path)],
                                   where=f"{dcp_dir} or {ckpt_path}", script='pp_train.py')
 snapshot_path = os.path.join(snapshot_dir(run_id), snapshot_name)
 resume_path = resume_from and resume_from[1]
@@ -246,12 +249,15 @@ if checkpoint is not None:
 eval_model = Forward(stages, ids, n_stages, mesh['pp'].mesh.tolist(), pp_group, device)
 
 
-def save_checkpoint(to='storage', wait=False):
+def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     """Every rank calls this (RNG states are gathered). to='storage': a checkpoint in out_dir; to='memory': a
     snapshot in the node's folder in /dev/shm. A thread copies the state to host memory while the next step's
     forward and backward run (the optimizer step waits for the copy), then writes it to temporary files, renamed
     when complete: a crash mid-write leaves the previous one in place. Each rank saves its stages' state, into a DCP
-    folder out_dir/dcp/step-N or its own snapshot; with save_consolidated, rank 0 also writes train.py's ckpt.pt."""
+    folder out_dir/dcp/step-N or its own snapshot; with save_consolidated, rank 0 also writes train.py's ckpt.pt.
+    keep_checkpoints of each are kept, and a new best is named by dcp/best (and best.pt)."""
+    if skips_save(to, nonfinite_steps, iter_num, print0):
+        return
     extra = {
         'model_args': model_args,
         'iter_num': iter_num,
@@ -260,16 +266,17 @@ def save_checkpoint(to='storage', wait=False):
         'rng': gather_rng(),
         'data_rng': data_gen.get_state(),
         'run_id': run_id,  # so that a run started afresh over this out_dir never takes it for its own
+        'val_loss': val_loss,  # the eval's it was saved at (None: a save between evals)
     }
     checkpoint = sharded_state(model, optimizer, raw_model)
     if to == 'memory':
         os.makedirs(os.path.dirname(snapshot_path), exist_ok=True)
         # the one before is kept: a rank killed mid-write holds it still, and so do the others
-        save_in_background({'shards': local_shards(checkpoint), **extra}, snapshot_path, keep_previous=True)
+        save_in_background({'shards': local_shards(checkpoint), **extra}, snapshot_path, keep=2)
     else:
-        save_dcp(checkpoint, extra, os.path.join(dcp_dir, f'step-{iter_num:08d}'), resume_path)
+        save_dcp(checkpoint, extra, os.path.join(dcp_dir, f'step-{iter_num:08d}'), resume_path, keep_checkpoints, best)
         if save_consolidated:  # and train.py's whole checkpoint, gathered in rank 0's CPU memory
-            save_full(model, optimizer, raw_model, extra, ckpt_path)
+            save_full(model, optimizer, raw_model, extra, ckpt_path, keep_checkpoints, best and best_path)
     if wait:
         wait_for_saves()
 
@@ -333,10 +340,11 @@ while True:
         log_metrics(iter_num, train_loss=losses['train'], val_loss=losses['val'])
         if wandb_log and master_process:
             wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr})
-        if losses['val'] < best_val_loss or always_save_checkpoint:
+        save, best = saves_at_eval(losses, best_val_loss, always_save_checkpoint, print0)
+        if save:
             best_val_loss = min(best_val_loss, losses['val'])
             if iter_num > 0 and not eval_only:  # an eval of a run writes no checkpoint
-                save_checkpoint()
+                save_checkpoint(val_loss=losses['val'], best=best)
         t0, steps_timed = time.time(), 0  # leave evals out of the step time
     elif save_storage_interval and iter_num % save_storage_interval == 0 and local_iter_num > 0:
         save_checkpoint()
@@ -368,7 +376,8 @@ while True:
     wait_for_copies()  # a snapshot taken before this step may still be copying the weights it is about to change
     if not nonfinite:
         optimizer.step()
-    nonfinite_steps = count_skipped(nonfinite, nonfinite_steps, max_nonfinite_steps, iter_num, log_metrics, out_dir)
+    nonfinite_steps = count_skipped(nonfinite, nonfinite_steps, max_nonfinite_steps, iter_num, log_metrics,
+                                    out_dir, run_id)
     if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
         mem = state_bytes(model.parameters(), [optimizer])
         print0("per-rank memory: " + ", ".join(f"{k[:-6]} {v / 2**20:.2f} MiB" for k, v in mem.items()))

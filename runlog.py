@@ -17,6 +17,7 @@ import time
 import torch.distributed as dist
 
 from checkpoint import reason, wait_for_saves
+from keep import set_aside
 
 
 def open_log(out_dir, run_id, settings, resumed_at=None, write=True, eval_only=False):
@@ -136,9 +137,11 @@ def replace_text(path, text):
     os.replace(path + '.tmp', path)
 
 
-def count_skipped(nonfinite, in_a_row, limit, iter_num, log, last_good, what='loss or gradient'):
+def count_skipped(nonfinite, in_a_row, limit, iter_num, log, out_dir, run_id, what='loss or gradient'):
     """The non-finite steps in a row after this one, which the loop skipped: each is logged, and `limit` in a row
-    stop the run with an error, once the saves in flight are written: the last good state is intact."""
+    stop the run with an error (every rank calls this alike), once the saves in flight are written and what was
+    saved since the weights went bad (at the first of these steps) is set aside: out_dir's newest state is the last
+    good one, which the error names."""
     if not nonfinite:
         return 0
     in_a_row += 1
@@ -147,6 +150,13 @@ def count_skipped(nonfinite, in_a_row, limit, iter_num, log, last_good, what='lo
     log(iter_num, skipped=f'non-finite {what}')
     if in_a_row >= limit:
         wait_for_saves()
-        sys.exit(f"error: {in_a_row} steps in a row up to iter {iter_num} had a non-finite {what}; {last_good} "
-                 f"holds the last good state: lower learning_rate, use bfloat16 rather than float16, or check the data")
+        if dist.is_initialized():
+            dist.barrier()  # every rank's snapshot is written before its node's are looked at
+        newest = list(set_aside(out_dir, iter_num - in_a_row + 1, run_id))
+        if dist.is_initialized():
+            dist.broadcast_object_list(newest)  # rank 0's view of out_dir
+        held = f"{newest[0]} (iter {newest[1]}) holds the last good state" if newest[0] else \
+            f"{out_dir} holds no state saved before the weights went bad"
+        sys.exit(f"error: {in_a_row} steps in a row up to iter {iter_num} had a non-finite {what}; {held}: lower "
+                 f"learning_rate, use bfloat16 rather than float16, or check the data")
     return in_a_row

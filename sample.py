@@ -17,7 +17,8 @@ from checkpoint import checkpoint_or_exit, pretrained_or_exit
 from data import read_meta
 
 # -----------------------------------------------------------------------------
-init_from = 'resume'  # 'resume' (out_dir's newest checkpoint), 'gpt2'..'gpt2-xl', or a checkpoint's path
+init_from = 'resume'  # 'resume' (out_dir's newest checkpoint), 'best' (its best by val loss), 'gpt2'..'gpt2-xl', or
+# a checkpoint's path
 out_dir = 'out'
 start = "\n"  # the prompt; "FILE:prompt.txt" reads it from a file
 num_samples = 10
@@ -70,12 +71,12 @@ dataset = None
 if init_from in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
     model = pretrained_or_exit(init_from)
 else:
-    if init_from != 'resume' and not os.path.exists(init_from):
-        sys.exit(f"error: unknown init_from={init_from!r}: use resume (out_dir's checkpoint), gpt2, gpt2-medium, "
-                 f"gpt2-large, gpt2-xl or the path of a checkpoint")
-    # any entrypoint's checkpoint: a ckpt.pt, a sharded folder, or a run folder's newest
-    model, checkpoint = checkpoint_or_exit(out_dir if init_from == 'resume' else init_from,
-                                           "point --out_dir at a run's folder, or use --init_from=gpt2")
+    if init_from not in ('resume', 'best') and not os.path.exists(init_from):
+        sys.exit(f"error: unknown init_from={init_from!r}: use resume (out_dir's checkpoint), best, gpt2, "
+                 f"gpt2-medium, gpt2-large, gpt2-xl or the path of a checkpoint")
+    # any entrypoint's checkpoint: a ckpt.pt, a sharded folder, a run folder's newest, or RUN/best, its best
+    path = {'resume': out_dir, 'best': os.path.join(out_dir, 'best')}.get(init_from, init_from)
+    model, checkpoint = checkpoint_or_exit(path, "point --out_dir at a run's folder, or use --init_from=gpt2")
     dataset = checkpoint.get('config', {}).get('dataset')
 model.eval()
 model.to(device)

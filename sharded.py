@@ -62,11 +62,12 @@ def local_shards(state):
 _checkpoint_group = None  # DCP's background saves' own: two threads' collectives on one group would interleave
 
 
-def save_dcp(state, extra, path, resume_path):
+def save_dcp(state, extra, path, resume_path, keep=2, best=False):
     """Every rank calls this: it starts writing the sharded state into the DCP folder path (out_dir/dcp/step-N)
     and returns once DCP has copied this rank's shards to host memory; a thread of DCP's writes them, then
-    .metadata, and rank 0 then points latest at the folder (point_latest). extra, the small state, goes beside them
-    in extra.pt. One save at a time, as they share a group. A resumed run's first eval finds its folder there."""
+    .metadata, and rank 0 then points latest (with best, best too) at the folder (point_latest, keeping keep).
+    extra, the small state, goes beside them in extra.pt. One save at a time, as they share a group. A resumed
+    run's first eval finds its folder there."""
     global _checkpoint_group
     wait_for_saves('dcp')
     if path == resume_path:
@@ -79,7 +80,8 @@ def save_dcp(state, extra, path, resume_path):
         atomic_save(extra, os.path.join(path, 'extra.pt'))
     dist.barrier()  # nobody writes into the folder before it is clean
     saving = dcp.async_save(state, checkpoint_id=path, process_group=_checkpoint_group)
-    in_background(saving.result, 'dcp', then=lambda ok: ok and dist.get_rank() == 0 and point_latest(path), path=path)
+    in_background(saving.result, 'dcp', path=path,
+                  then=lambda ok: ok and dist.get_rank() == 0 and point_latest(path, keep=keep, best=best))
     print0(f"saving checkpoint to {path}")
 
 
@@ -125,14 +127,16 @@ def sharded_state(model, optimizer):
     return {'model': model_sd, 'optim': optim_sd}
 
 
-def save_full(model, optimizer, raw_model, extra, path):
+def save_full(model, optimizer, raw_model, extra, path, keep=1, best=None):
     """Every rank calls this: it gathers the whole state into rank 0's CPU memory, and rank 0 writes it to path in
-    train.py's format, in the background (a consolidated checkpoint, for train.py, sample.py and export_hf.py)."""
+    train.py's format, in the background (a consolidated checkpoint, for train.py, sample.py and export_hf.py); keep
+    and best as checkpoint.atomic_save takes them."""
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd = get_model_state_dict(model, options=full)
     osd = get_optimizer_state_dict(model, optimizer, options=full)  # keyed by name; empty but on rank 0
     if dist.get_rank() == 0:
-        save_in_background({'model': model_sd, 'optimizer': optim_state_dict_by_index(osd, raw_model), **extra}, path)
+        save_in_background({'model': model_sd, 'optimizer': optim_state_dict_by_index(osd, raw_model), **extra}, path,
+                           keep=keep, best=best)
         print0(f"saving consolidated checkpoint to {path}")
 
 

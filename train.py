@@ -20,13 +20,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import (create_model, find_resume, finish_saves, previous, reason, remove_snapshots, save_in_background,
+from checkpoint import (create_model, find_resume, finish_saves, kept, reason, remove_snapshots, save_in_background,
                         snapshot_dir, upgrade_optimizer_state, wait_for_copies, wait_for_saves)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, open_tokens, read_meta
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
                          state_bytes, stop_signal, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
+from keep import saves_at_eval, skips_save
 from runlock import hold
 from runlog import count_skipped, open_log
 
@@ -81,6 +82,7 @@ auto_resume = True  # on every start, continue from the newest complete snapshot
 save_memory_interval = 0  # steps between snapshots of the whole state into node-local memory (/dev/shm); 0: none
 save_storage_interval = 0  # steps between checkpoints to out_dir (in the background), besides the evals'; 0: none
 max_nonfinite_steps = 5  # a step whose loss or gradient is not finite is skipped; this many in a row stop the run
+keep_checkpoints = 2  # the newest states kept in out_dir (fallbacks of a damaged one); the best by val loss besides
 # -----------------------------------------------------------------------------
 config, given = configure(globals())
 check_config(config)  # every key in its range and out_dir writable, before anything is written
@@ -149,12 +151,12 @@ def draw_train_offsets():
 # -----------------------------------------------------------------------------
 # where to start: this run's newest complete state, a memory snapshot (one per node) or a checkpoint in out_dir
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+best_path = os.path.join(out_dir, 'best.pt')  # the state of the best val loss so far, never pruned
 if not eval_only:  # an eval writes nothing: it neither holds out_dir nor waits for whoever does
     hold(out_dir)  # one run at a time in out_dir, for the run's lifetime
 run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only,
                                   snapshots=['ckpt.pt'],
-                                  storage=[[ckpt_path, previous(ckpt_path)]], where=ckpt_path,
-                                  script='train.py')
+                                  storage=[kept(ckpt_path)], where=ckpt_path, script='train.py')
 snapshot_path = os.path.join(snapshot_dir(run_id), 'ckpt.pt')
 resume_path = resume_from and resume_from[1]
 
@@ -206,12 +208,15 @@ if world_size > 1:
     model = DDP(model, device_ids=[torch.device(device).index] if device_type == 'cuda' else None)
 
 
-def save_checkpoint(to='storage', wait=False):
+def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     """Every rank calls this (RNG states are gathered). to='storage': a checkpoint in out_dir; to='memory': a
     snapshot in the node's folder in /dev/shm. A thread copies the state to host memory while the next step's
     forward and backward run (the optimizer step waits for the copy), then writes it to temporary files, renamed
     when complete: a crash mid-write leaves the previous one in place. Rank 0 writes out_dir/ckpt.pt (the one before
-    kept as ckpt.prev.pt), the first rank of each node the node's snapshot."""
+    kept as ckpt.prev.pt, and so on: keep_checkpoints in all; a new best also as best.pt), the first rank of each
+    node the node's snapshot. Nothing is saved in a run of non-finite steps."""
+    if skips_save(to, nonfinite_steps, iter_num, print0):
+        return
     extra = {
         'model_args': model_args,
         'iter_num': iter_num,
@@ -220,6 +225,7 @@ def save_checkpoint(to='storage', wait=False):
         'rng': gather_rng(),
         'data_rng': data_gen.get_state(),
         'run_id': run_id,  # so that a run started afresh over this out_dir never takes it for its own
+        'val_loss': val_loss,  # the eval's it was saved at (None: a save between evals)
     }
     checkpoint = {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'scaler': scaler.state_dict(),
                   **extra}
@@ -227,7 +233,7 @@ def save_checkpoint(to='storage', wait=False):
         os.makedirs(os.path.dirname(snapshot_path), exist_ok=True)
         save_in_background(checkpoint, snapshot_path)
     elif to == 'storage' and master_process:
-        save_in_background(checkpoint, ckpt_path, keep_previous=True)
+        save_in_background(checkpoint, ckpt_path, keep=keep_checkpoints, best=best and best_path)
         print0(f"saving checkpoint to {ckpt_path}")
     if wait:
         wait_for_saves()
@@ -292,10 +298,11 @@ while True:
         log_metrics(iter_num, train_loss=losses['train'], val_loss=losses['val'])
         if wandb_log and master_process:
             wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr})
-        if losses['val'] < best_val_loss or always_save_checkpoint:
+        save, best = saves_at_eval(losses, best_val_loss, always_save_checkpoint, print0)
+        if save:
             best_val_loss = min(best_val_loss, losses['val'])
             if iter_num > 0 and not eval_only:  # an eval of a run writes no checkpoint
-                save_checkpoint()
+                save_checkpoint(val_loss=losses['val'], best=best)
         t0, steps_timed = time.time(), 0  # leave evals out of the step time
     elif save_storage_interval and iter_num % save_storage_interval == 0 and local_iter_num > 0:
         save_checkpoint()
@@ -333,7 +340,8 @@ while True:
     if not nonfinite or scaler.is_enabled():
         scaler.step(optimizer)
         scaler.update()
-    nonfinite_steps = count_skipped(nonfinite, nonfinite_steps, max_nonfinite_steps, iter_num, log_metrics, out_dir)
+    nonfinite_steps = count_skipped(nonfinite, nonfinite_steps, max_nonfinite_steps, iter_num, log_metrics,
+                                    out_dir, run_id)
     if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
         mem = state_bytes(model.parameters(), [optimizer])
         print0("per-rank memory: " + ", ".join(f"{k[:-6]} {v / 2**20:.2f} MiB" for k, v in mem.items()))

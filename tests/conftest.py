@@ -32,6 +32,7 @@ SLOWEST_FIRST = ['test_fault.py',  # 170
                  'test_fault_resize.py',  # 55
                  'test_compat.py',  # 42
                  'test_pp.py',  # 46-80 under load
+                 'test_keep.py',  # 42
                  'test_fsdp.py',  # 39
                  'test_fineweb.py',  # 29
                  'test_random_data.py',  # 117 with 6 helpers on the 2 cores; not timed idle

@@ -225,8 +225,8 @@ def test_a_folder_script_prepares_into_its_own_folder_from_anywhere(tmp_path):
                            text=True)
         assert p.returncode == 0, p.stderr
         assert sorted(os.listdir(folder)) == ['meta.pkl', 'prepare.py', 'train.bin', 'val.bin'], cwd
-        assert sorted(os.listdir(repo)) == ['configurator.py', 'data', 'prepare.py', 'runlock.py'] and os.listdir(repo / 'data') == [
-            'shakespeare_char']  # nothing written elsewhere (no data/ under the working folder)
+        assert sorted(os.listdir(repo)) == ['configurator.py', 'data', 'prepare.py', 'runlock.py'] and \
+            os.listdir(repo / 'data') == ['shakespeare_char']  # nothing written elsewhere (no data/ under the cwd)
         made[str(cwd)] = (folder / 'train.bin').read_bytes() + (folder / 'val.bin').read_bytes()
     assert len(set(made.values())) == 1 and len(made[str(repo)]) == 2 * 20000
     meta = pickle.loads((folder / 'meta.pkl').read_bytes())

@@ -1,0 +1,94 @@
+"""
+Which saved states a run keeps, shared by the entrypoints: never a worse one in place of a good one. An eval whose
+loss is not finite saves nothing (saves_at_eval), and no save is made in a run of non-finite steps; a run stopped
+by max_nonfinite_steps sets aside what it saved since its weights went bad (set_aside), so that its newest state is
+the newest good one. The newest keep_checkpoints states and the best by val loss (best.pt, or best-step-N beside
+the step folders) are written by checkpoint.py's atomic_save and point_latest; this module only decides.
+"""
+
+import math
+import os
+import re
+
+import torch
+
+from checkpoint import kept, read_name, snapshot_dir, write_name
+
+KINDS = ('dcp', 'ds', 'decent')  # the folders of step folders that fsdp_train.py, ds_train.py, decent_train.py write
+
+
+def saves_at_eval(losses, best_val_loss, always_save_checkpoint, print0):
+    """(save, best) after an eval: save a checkpoint (nanoGPT's rule: on a new best val loss, or always), and it
+    is a new best. Never where a loss is not finite: the weights have gone bad, and the last good state stays the
+    newest."""
+    if not all(math.isfinite(v) for v in losses.values()):
+        print0("the eval's loss is not finite: nothing saved, the last good state stays the newest")
+        return False, False
+    best = losses['val'] < best_val_loss
+    return best or always_save_checkpoint, best
+
+
+def set_aside(out_dir, first_bad, run_id):
+    """Called by each rank when a run stops for its non-finite steps, the first of which was at iter first_bad:
+    the states saved at first_bad or later hold the weights that gave it (skipped steps change nothing), so they
+    are renamed diverged-... (kept, not deleted, but out of every resume's and tool's sight) and the good ones
+    before take the newest names: ckpt.pt stays the newest. Rank 0 does it in out_dir, the first rank of each node
+    in its memory snapshots. Returns (path, iter) of out_dir's newest good state, or (None, None)."""
+    if int(os.environ.get('LOCAL_RANK', 0)) == 0 and os.path.isdir(snapshot_dir(run_id)):
+        _set_aside_in(snapshot_dir(run_id), first_bad, files=[f for f in os.listdir(snapshot_dir(run_id))
+                                                             if f.endswith('.pt') and not f.startswith('diverged')])
+    if int(os.environ.get('RANK', 0)) != 0:
+        return None, None
+    newest = _set_aside_in(out_dir, first_bad, files=['ckpt.pt'])
+    for kind in KINDS:
+        newest = max(newest, _set_aside_in(os.path.join(out_dir, kind), first_bad, files=[]), key=lambda n: n[1])
+    return newest if newest[0] is not None else (None, None)
+
+
+def _iter(path):
+    try:
+        return int(torch.load(path, map_location='cpu', weights_only=True, mmap=True)['iter_num'])
+    except Exception:
+        return None  # damaged: a resume passes it over anyway
+
+
+def _set_aside_in(folder, first_bad, files):
+    """set_aside in one folder: its step-N folders (latest rewritten to the newest left) and each file's versions
+    (kept(file)). Returns (path, iter) of the newest state left, or (None, -1)."""
+    newest = (None, -1)
+    if not os.path.isdir(folder):
+        return newest
+    steps = sorted(f for f in os.listdir(folder) if re.fullmatch(r'step-\d+', f))
+    for step in steps:
+        if int(step[5:]) >= first_bad:
+            os.replace(os.path.join(folder, step), os.path.join(folder, 'diverged-' + step))
+    left = [s for s in steps if int(s[5:]) < first_bad]
+    if read_name(os.path.join(folder, 'latest')) is not None and left:
+        write_name(os.path.join(folder, 'latest'), left[-1])
+        newest = (os.path.join(folder, left[-1]), int(left[-1][5:]))
+    elif read_name(os.path.join(folder, 'latest')) is not None:
+        os.remove(os.path.join(folder, 'latest'))  # it named a state set aside: there is no good one here
+    for name in set(re.sub(r'\.prev\d*\.pt$', '.pt', f) for f in files):
+        versions = kept(os.path.join(folder, name))
+        good = []
+        for path in versions:
+            it = _iter(path)
+            if it is not None and it >= first_bad:
+                root, ext = os.path.splitext(path)
+                os.replace(path, f"{os.path.join(folder, 'diverged-' + os.path.basename(root))}-{it}{ext}")
+            else:
+                good.append(path)
+        for path, name_to in zip(good, versions):  # newest first: each moves up into a name already vacated
+            if path != name_to:
+                os.replace(path, name_to)
+        if good and _iter(versions[0]) is not None and _iter(versions[0]) > newest[1]:
+            newest = (versions[0], _iter(versions[0]))
+    return newest
+
+
+def skips_save(to, nonfinite_steps, iter_num, print0):
+    """Whether the entrypoint's save_checkpoint(to) saves nothing: in a run of non-finite steps, whose weights may
+    have gone bad."""
+    if nonfinite_steps:
+        print0(f"iter {iter_num}: no {to} save after {nonfinite_steps} non-finite steps: the last good state stays")
+    return nonfinite_steps > 0

@@ -1,0 +1,109 @@
+"""Never a worse state in place of a good one, in real processes of every entrypoint: keep_checkpoints keeps the
+newest K states and prunes older ones, the best by val loss is kept besides (and survives later, worse evals);
+a diverged run (a learning rate of 1e30) saves nothing at its NaN eval, sets aside what it saved after its weights
+went bad, and its error names the last good state, from which the next run resumes. One base run per entrypoint
+(10 steps, an eval every 2, keep_checkpoints=3) is shared by the tests."""
+
+import re
+import shutil
+
+import pytest
+import torch
+
+from checkpoint import load_checkpoint
+from conftest import one_line_error, run
+from test_fault import KIND, final_weights, same_weights, tiny
+
+SCRIPTS = ['train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py']
+BASE = ['--max_iters=10', '--eval_interval=2', '--keep_checkpoints=3']
+
+
+@pytest.fixture(scope='module')
+def base(tmp_path_factory, data_dir):
+    done = {}
+
+    def made(script):
+        if script not in done:
+            out = tmp_path_factory.mktemp('keep') / 'base'
+            p = run(script, *tiny(data_dir, out, *BASE), cwd=out.parent)
+            done[script] = out, [float(v) for v in re.findall(r'val loss (\S+?),?\s', p.stdout)]
+        return done[script]
+    return made
+
+
+def iter_of(path):
+    return load_checkpoint(str(path))[1]['iter_num']
+
+
+def kept_iters(script, out):
+    """The iterations of the states kept in out_dir: train.py's ckpt.pt and its versions, the others' step
+    folders (and the versions of their consolidated ckpt.pt, where they write one)."""
+    files = sorted(out.glob('ckpt*.pt'))
+    folders = [] if script == 'train.py' else sorted(int(f.name[5:]) for f in (out / KIND[script]).glob('step-*'))
+    return sorted(iter_of(f) for f in files), folders
+
+
+@pytest.mark.parametrize('script', SCRIPTS)
+def test_keep_checkpoints_keeps_the_newest_k_and_the_best(base, script):
+    out, val = base(script)
+    files, folders = kept_iters(script, out)
+    # saves at 2, 4, 6, 8, 10; the newest 3 are kept
+    assert files == ([] if script == 'fsdp_train.py' else [6, 8, 10]), files
+    assert folders == ([] if script == 'train.py' else [6, 8, 10]), folders
+    best_iter = 2 * min(range(1, len(val)), key=lambda i: val[i])  # the eval at 0 saves nothing
+    assert iter_of(out / 'best') == best_iter  # best.pt, or for fsdp_train.py the folder dcp/best names
+    if script != 'train.py':  # beside the step folders, a copy of the best one that pruning never removes
+        assert (out / KIND[script] / 'best').read_text() == f'best-step-{best_iter:08d}'
+        assert [f.name for f in (out / KIND[script]).glob('best-*')] == [f'best-step-{best_iter:08d}']
+
+
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py'])
+def test_best_survives_worse_evals_and_pruning_and_every_tool_reads_it(base, tmp_path, data_dir, script):
+    out = tmp_path / 'worse'
+    shutil.copytree(base(script)[0], out)
+    best = load_checkpoint(str(out / 'best'))
+    # a learning rate that makes the loss rise, finite: evals at 12, 14 and 16 are worse and saved, the best (10)
+    # is not, and survives the pruning of what was saved at 10
+    run(script, *tiny(data_dir, out, *BASE, '--max_iters=16', '--learning_rate=0.1', '--warmup_iters=0',
+                      '--min_lr=0'), cwd=tmp_path)
+    assert kept_iters(script, out) == (([12, 14, 16], []) if script == 'train.py' else ([], [12, 14, 16]))
+    newest = load_checkpoint(str(out))[1]
+    assert newest['iter_num'] == 16 and newest['val_loss'] > best[1]['val_loss'] == newest['best_val_loss']
+    again = load_checkpoint(str(out / 'best'))
+    assert again[1]['iter_num'] == 10 and same_weights(again[0].state_dict(), best[0].state_dict())
+    meta = data_dir / 'shakespeare_char' / 'meta.pkl'
+    p = run('sample.py', f'--out_dir={out}', '--init_from=best', '--num_samples=1', '--max_new_tokens=5',
+            '--device=cpu', f'--meta_path={meta}', cwd=tmp_path)
+    assert p.stdout.strip()
+    run('export_hf.py', f'--ckpt={out}/best', f'--out={tmp_path / "hf"}', cwd=tmp_path)
+    assert (tmp_path / 'hf' / 'model.safetensors').exists()
+    p = run('train.py', *tiny(data_dir, tmp_path / 'new', '--max_iters=1', f'--init_from={out}/best'), cwd=tmp_path)
+    best_file = 'best.pt' if script == 'train.py' else 'dcp/best-step-00000010'
+    assert f'initializing from the weights of {out}/{best_file}\n' in p.stdout
+
+
+@pytest.mark.parametrize('script', SCRIPTS)
+def test_a_diverged_run_leaves_its_last_good_state_newest(base, tmp_path, data_dir, script):
+    base_dir, _ = base(script)
+    out = tmp_path / 'diverged'
+    shutil.copytree(base_dir, out)
+    # the step at 10 sends the weights to ~1e30; the state saved at 11 (storage and memory) holds them, and the
+    # steps from 11 on are NaN: 5 in a row stop the run at 15, whose eval is NaN
+    p = run(script, *tiny(data_dir, out, *BASE, '--max_iters=40', '--eval_interval=5', '--learning_rate=1e30',
+                          '--warmup_iters=0', '--save_storage_interval=1', '--save_memory_interval=1'),
+            cwd=tmp_path, check=False)
+    newest = out / KIND[script] / "step-00000010" if script == "fsdp_train.py" else out / "ckpt.pt"
+    assert one_line_error(p).startswith(f"error: 5 steps in a row up to iter 15 had a non-finite loss"), p.stderr
+    assert f"{newest} (iter 10) holds the last good state" in p.stderr
+    assert "step 15: train loss nan, val loss nan" in p.stdout
+    assert "the eval's loss is not finite: nothing saved" in p.stdout
+    files, folders = kept_iters(script, out)
+    # 11's set aside, nothing saved after it; 6 pruned when 11 was saved (keep 3), and 10's save again at the
+    # resume took the place of the one before rather than pushing 8 out
+    assert (files, folders) == ([] if script == 'fsdp_train.py' else [8, 10], [] if script == 'train.py' else [8, 10])
+    set_aside = [f.name for f in out.rglob('diverged-*')]
+    assert set_aside and all('11' in name for name in set_aside), set_aside
+    assert same_weights(final_weights(script, out), final_weights(script, base_dir))
+    p = run(script, *tiny(data_dir, out, *BASE, '--max_iters=12'), cwd=tmp_path)
+    assert re.search(r'resuming from \S+ at iter 10\b', p.stdout), p.stdout[-2000:]
+    assert all(torch.isfinite(v).all() for v in load_checkpoint(str(out))[0].state_dict().values())
