@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from configurator import check_model_shape, check_optimizer, configure
-from data import read_meta
+from data import data_dir, read_meta
 from model import GPT2_SHAPES, GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -85,14 +85,14 @@ if device_type == 'cuda':
 
 vocab_size = 50304
 if real_data:
-    path = os.path.join('data', dataset, 'train.bin')
+    path = os.path.join(data_dir(dataset), 'train.bin')
     if not os.path.exists(path):
         sys.exit(f"error: {path} not found: run `python prepare.py {dataset}` first, or drop --real_data")
     n_tokens = os.path.getsize(path) // 2
     if n_tokens < block_size + 1:
         sys.exit(f"error: {path} holds {n_tokens} tokens, fewer than block_size + 1 = {block_size + 1}: "
                  f"lower --block_size or prepare more data")
-    meta = os.path.join('data', dataset, 'meta.pkl')
+    meta = os.path.join(data_dir(dataset), 'meta.pkl')
     if os.path.exists(meta):
         vocab_size = read_meta(meta)['vocab_size']
     gen = torch.Generator().manual_seed(seed)

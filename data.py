@@ -31,16 +31,27 @@ def read_meta(path):
     return meta
 
 
+def data_dir(dataset):
+    """The folder of a dataset: data/<dataset> for a name, as nanoGPT lays them out; the folder itself for a path,
+    that is anything with a slash or '.' alone (./, ../x, data/openwebtext-10k, /abs/folder)."""
+    is_path = os.sep in dataset or '/' in dataset or dataset in ('.', '..') or dataset.startswith('~')
+    return os.path.expanduser(dataset) if is_path else os.path.join('data', dataset)
+
+
 def find_bins(dataset, block_size):
-    """({split: path}, {split: tokens}) of data/<dataset>/train.bin and val.bin (dataset may be a folder's path),
-    or a one-line error where one is missing, is not whole uint16 tokens, or holds no block of block_size + 1."""
-    data_dir = os.path.join('data', dataset)
+    """({split: path}, {split: tokens}) of train.bin and val.bin in data_dir(dataset), or a one-line error where
+    one is missing, is not whole uint16 tokens, or holds no block of block_size + 1."""
+    folder = data_dir(dataset)
     paths, n_tokens = {}, {}
     for split in ('train', 'val'):
-        path = paths[split] = os.path.join(data_dir, f'{split}.bin')
+        path = paths[split] = os.path.join(folder, f'{split}.bin')
         if not os.path.isfile(path):
-            sys.exit(f"error: {path} not found: run `python prepare.py {dataset}` "
-                     f"(or `python prepare.py text --input=FILE --name={dataset}`) first")
+            if folder == os.path.join('data', dataset):
+                sys.exit(f"error: {path} not found: run `python prepare.py {dataset}` "
+                         f"(or `python prepare.py text --input=FILE --name={dataset}`) first")
+            parent, name = os.path.split(os.path.normpath(os.path.abspath(folder)))
+            sys.exit(f"error: {path} not found: run `python prepare.py text --input=FILE --out_root={parent} "
+                     f"--name={name}` first, or give --dataset the folder that holds train.bin and val.bin")
         size = os.path.getsize(path)
         if size % 2:
             sys.exit(f"error: {path} holds {size} bytes, not a whole number of uint16 tokens: it was cut short or is "

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from checkpoint import (commit, create_model, find_resume, previous, reason, remove_snapshots, save_in_background,
                         snapshot_dir, step_folders, upgrade_optimizer_state, wait_for_copies, wait_for_saves)
 from configurator import check_config, configure
-from data import check_token_ids, find_bins, read_meta
+from data import check_token_ids, data_dir, find_bins, read_meta
 from decent import (average_moments, average_replicas, make_bucket, make_mixing_groups, make_optimizer, mixing_rounds,
                     read_replica, restore_replica, wait_for)
 from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start, state_bytes,
@@ -188,7 +188,7 @@ resume_path = resume_from and resume_from[1]
 
 # -----------------------------------------------------------------------------
 # model
-meta_path = os.path.join('data', dataset, 'meta.pkl')
+meta_path = os.path.join(data_dir(dataset), 'meta.pkl')
 meta_vocab_size = read_meta(meta_path)['vocab_size'] if os.path.exists(meta_path) else None
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=meta_vocab_size or 50304, dropout=dropout)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from checkpoint import (commit, create_model, find_resume, previous, reason, remove_snapshots, save_in_background,
                         snapshot_dir, upgrade_optimizer_state, wait_for_copies, wait_for_saves)
 from configurator import check_config, configure
-from data import check_token_ids, find_bins, read_meta
+from data import check_token_ids, data_dir, find_bins, read_meta
 from distributed import (agree, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
                          use_deterministic_algorithms)
 from model import GPT
@@ -208,7 +208,7 @@ elif foreign and resume_from is None:
 
 # -----------------------------------------------------------------------------
 # model
-meta_path = os.path.join('data', dataset, 'meta.pkl')
+meta_path = os.path.join(data_dir(dataset), 'meta.pkl')
 meta_vocab_size = read_meta(meta_path)['vocab_size'] if os.path.exists(meta_path) else None
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=meta_vocab_size or 50304, dropout=dropout)
