@@ -33,6 +33,7 @@ SLOWEST_FIRST = ['test_fault.py',  # 170
                  'test_fineweb.py',  # 29
                  'test_decent.py',  # 25
                  'test_prepare.py',  # 21
+                 'test_coming_from.py',  # 11
                  'test_tools_bad_input.py']  # 13; the rest under 10 each
 
 

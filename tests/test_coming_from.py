@@ -152,3 +152,14 @@ def test_decent_toml_trains_at_tiny_size(tmp_path, data_dir):
     assert 'decent.toml is in Decent-DP' in p.stdout and 'iter 2:' in p.stdout
     config = json.loads((tmp_path / 'o' / 'config.json').read_text())
     assert (config['replica_optimizer'], config['moment_accum_steps'], config['beta2']) == ('accumadamw', 8, 0.98)
+
+
+def test_toml_with_our_keys_in_tables_and_its_errors_name_the_line(tmp_path):
+    (tmp_path / 'ours.toml').write_text('[training]\nbatch_size = 4\n[model]\nn_layer = 3\nbias = true\n')
+    c = config_of('train.py', [str(tmp_path / 'ours.toml'), '--n_layer', '5'])
+    assert (c['batch_size'], c['n_layer'], c['bias']) == (4, 5, True)
+    (tmp_path / 'typo.toml').write_text('[model]\nn_layer = 3\nn_heed = 2\n')
+    assert f"{tmp_path / 'typo.toml'}:3: unknown config key 'n_heed'; did you mean n_head" in \
+        error_of('train.py', [str(tmp_path / 'typo.toml')])
+    (tmp_path / 'bad.toml').write_text('[model]\nn_layer = = 3\n')
+    assert error_of('train.py', [str(tmp_path / 'bad.toml')]).startswith(f"error: {tmp_path / 'bad.toml'}:2: TOML:")
