@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from configurator import check_model_name, check_model_shape, check_optimizer, check_seed, configure, quiet_interrupt
-from data import check_token_ids, find_bins, open_tokens, read_meta
+from data import check_token_ids, data_dir, find_bins, open_tokens, read_meta
 from distributed import check_fits
 from model import GPT2_SHAPES, GPT, GPTConfig
 
@@ -95,7 +95,7 @@ if real_data and random_data and 'random_data' in given:
 if real_data or not random_data:
     paths, counts = find_bins(dataset, block_size)  # whole uint16 tokens, enough of them, readable
     path, n_tokens = paths['train'], counts['train']
-    meta = os.path.join('data', dataset, 'meta.pkl')
+    meta = os.path.join(data_dir(dataset), 'meta.pkl')
     if os.path.exists(meta):
         vocab_size = read_meta(meta)['vocab_size']
     check_token_ids({'train': path}, vocab_size)  # an id past the vocabulary would index past the embedding

@@ -1,14 +1,16 @@
 """
 nanoGPT's configuration convention, with the errors it left out.
 
-An entrypoint's module-level globals of type int, float, bool or str are its config. Call
+An entrypoint's module-level globals of type int, float, bool or str are its config (ALL_CAPS names are
+constants, not keys). Call
 
     config, given = configure(globals())
 
-right after them: every `config/x.py` argument is run as Python and every `--key=value` argument is parsed with
-ast.literal_eval (a bare word is a string), in the order given, each checked against the default's name and type.
+right after them: every `config/x.py` argument is run as Python, every `config/x.toml` read as TOML (tables group
+keys), and every `--key=value` or `--key value` argument is parsed with ast.literal_eval (a bare word is a string;
+a bool key alone, `--eval_only`, is True), in the order given, each checked against the default's name and type.
 A config file runs like a module: it may import (modules, functions and _names are not keys) and knows its own
-path as __file__.
+path as __file__. The names other projects give our keys, and their config files, are translated by seeds.py.
 `config` is the final dict of every key; `given` the keys that a file or flag set. With skip_unknown_in_files,
 a config file may set keys the script lacks (bench.py reads training configs), but a flag may not.
 Bad input exits with a one-line error that names the fix. check_model_shape(config) and check_optimizer(config)
@@ -22,11 +24,14 @@ import sys
 import tempfile
 import types
 
+import seeds
+
 CONFIG_TYPES = (int, float, bool, str)
 
 
 def config_keys(namespace):
-    return {k: v for k, v in namespace.items() if not k.startswith('_') and type(v) in CONFIG_TYPES}
+    # ALL_CAPS names are constants by Python's convention (an imported DEFAULT_PATH), not keys
+    return {k: v for k, v in namespace.items() if not k.startswith('_') and not k.isupper() and type(v) in CONFIG_TYPES}
 
 
 def _check(key, value, defaults, where):
@@ -52,62 +57,109 @@ def _assigned_names(source):
     return names
 
 
+def _arguments(argv, defaults):
+    """argv as [(path, None, None)] for a config file and [(arg, key, text)] for a flag, as people write them:
+    --key=value, --key value, and a bool key alone (--eval_only) for True. text is None for a bool key alone."""
+    out, i = [], 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        if not arg.startswith('--'):
+            out.append((arg, None, None))
+        elif '=' in arg:
+            key, text = arg[2:].split('=', 1)
+            out.append((arg, key, text))
+        else:
+            key, after = arg[2:], argv[i] if i < len(argv) else None
+            flag = type(defaults.get(key, seeds.flag_default(key))) is bool
+            if flag and after not in ('True', 'False'):
+                out.append((arg, key, None))  # argparse's store_true
+            elif after is None or after.startswith('--'):
+                sys.exit(f"error: flag '{arg}' needs a value: write it as {arg}=VALUE or {arg} VALUE")
+            else:
+                out.append((f'{arg} {after}', key, after))
+                i += 1
+    return out
+
+
+def _parse(text, key, defaults):
+    if text is None:
+        return True  # a bool flag alone
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = text  # a bare word such as --device=cpu
+    if type(defaults.get(key, seeds.flag_default(key))) is str and type(value) is not str:
+        value = text  # a string key takes any text: --out_dir=2024 is a folder, not a number
+    return value
+
+
+def _read_py(arg, defaults):
+    """[(key, value, where)] of what the config file arg sets, run as Python."""
+    try:
+        with open(arg, 'rb') as f:
+            data = f.read()
+    except OSError as e:
+        sys.exit(f"error: cannot read config file {arg}: {e.strerror}")
+    try:
+        source = data.decode('utf-8-sig')  # as Python reads a source file; a BOM from an editor is fine
+    except UnicodeDecodeError as e:
+        line = data.count(b'\n', 0, e.start) + 1
+        sys.exit(f"error: {arg}:{line}: not UTF-8 (byte {data[e.start]:#x}): save the config file as UTF-8")
+    scope = dict(defaults, __file__=arg)
+    try:
+        exec(compile(source, arg, 'exec'), scope)
+    except (Exception, SystemExit) as e:  # SystemExit too: sys.exit(0) in a config must not end the run as done
+        # name the config file's own line, not this module's
+        line = e.lineno if isinstance(e, SyntaxError) else None
+        tb = e.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == arg:
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        if isinstance(e, SystemExit):
+            sys.exit(f"error: {arg}:{line}: the config file calls sys.exit({e.code!r}): "
+                     f"a config file only sets keys; remove the exit")
+        sys.exit(f"error: {arg}:{line}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+    assigned = _assigned_names(source)
+    settings = []
+    for key, value in scope.items():
+        if key.startswith('_') or isinstance(value, (types.ModuleType, types.FunctionType, type)):
+            continue
+        if key in defaults and value is defaults[key] and key not in assigned:
+            continue  # left as it was
+        settings.append((key, value, f"{arg}:{assigned[key]}" if key in assigned else arg))
+    return settings
+
+
 def configure(namespace, argv=None, skip_unknown_in_files=False):
     argv = sys.argv[1:] if argv is None else argv
     defaults = config_keys(namespace)
     given = set()
-    for arg in argv:
-        if not arg.startswith('--'):
-            if not arg.endswith('.py'):
-                sys.exit(f"error: argument '{arg}' is neither a config file (*.py) nor --key=value")
-            try:
-                with open(arg, 'rb') as f:
-                    data = f.read()
-            except OSError as e:
-                sys.exit(f"error: cannot read config file {arg}: {e.strerror}")
-            try:
-                source = data.decode('utf-8-sig')  # as Python reads a source file; a BOM from an editor is fine
-            except UnicodeDecodeError as e:
-                line = data.count(b'\n', 0, e.start) + 1
-                sys.exit(f"error: {arg}:{line}: not UTF-8 (byte {data[e.start]:#x}): save the config file as UTF-8")
-            scope = dict(defaults, __file__=arg)
-            try:
-                exec(compile(source, arg, 'exec'), scope)
-            except (Exception, SystemExit) as e:  # SystemExit too: sys.exit(0) in a config must not end the run as done
-                # name the config file's own line, not this module's
-                line = e.lineno if isinstance(e, SyntaxError) else None
-                tb = e.__traceback__
-                while tb is not None:
-                    if tb.tb_frame.f_code.co_filename == arg:
-                        line = tb.tb_lineno
-                    tb = tb.tb_next
-                if isinstance(e, SystemExit):
-                    sys.exit(f"error: {arg}:{line}: the config file calls sys.exit({e.code!r}): "
-                             f"a config file only sets keys; remove the exit")
-                sys.exit(f"error: {arg}:{line}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
-            assigned = _assigned_names(source)
-            for key, value in scope.items():
-                if key.startswith('_') or isinstance(value, (types.ModuleType, types.FunctionType, type)):
-                    continue
-                if key in defaults and value is defaults[key] and key not in assigned:
-                    continue  # left as it was
-                if key not in defaults and skip_unknown_in_files:
+    arguments = _arguments(argv, defaults)
+    # what the seed projects' names need to see: the entrypoint, and the other flags (nnScaler's come in pairs)
+    context = seeds.context(os.path.basename(namespace.get('__file__') or sys.argv[0]), defaults,
+                            {key: _parse(text, key, defaults) for _, key, text in arguments if key})
+    for arg, key, text in arguments:
+        if key is None:
+            if arg.endswith('.py'):
+                settings, source = _read_py(arg, defaults), 'file'
+            elif arg.endswith('.toml'):
+                settings, source = seeds.read_toml(arg, context), 'toml'
+            else:
+                seeds.check_positional(arg)  # minGPT-DDP's Hydra overrides
+                sys.exit(f"error: argument '{arg}' is neither a config file (*.py, *.toml) nor --key=value")
+        else:
+            settings, source = [(key, _parse(text, key, defaults), arg)], 'flag'
+        for key, value, where in settings:
+            for key, value in seeds.translate(key, value, where, source, context):
+                if key not in defaults and skip_unknown_in_files and source != 'flag':
                     continue  # e.g. a training config read by bench.py for its model and batch
-                where = f"{arg}:{assigned[key]}" if key in assigned else arg
                 namespace[key] = defaults[key] = _check(key, value, defaults, where)
                 given.add(key)
-        else:
-            if '=' not in arg:
-                sys.exit(f"error: flag '{arg}' needs a value: write it as {arg}=VALUE")
-            key, text = arg[2:].split('=', 1)
-            try:
-                value = ast.literal_eval(text)
-            except (ValueError, SyntaxError):
-                value = text  # a bare word such as --device=cpu
-            if key in defaults and type(defaults[key]) is str and type(value) is not str:
-                value = text  # a string key takes any text: --out_dir=2024 is a folder, not a number
-            namespace[key] = defaults[key] = _check(key, value, defaults, arg)
-            given.add(key)
+    for key, value, where in seeds.finish(context):  # --epochs, once the data and batch are known
+        namespace[key] = defaults[key] = _check(key, value, defaults, where)
+        given.add(key)
+    seeds.print_notes(context)
     return config_keys(namespace), given
 
 

@@ -32,6 +32,13 @@ def read_meta(path):
     return meta
 
 
+def data_dir(dataset):
+    """The folder of a dataset: data/<dataset> for a name, as nanoGPT lays them out; the folder itself for a path,
+    that is anything with a slash or '.' alone (./, ../x, data/openwebtext-10k, /abs/folder)."""
+    is_path = os.sep in dataset or '/' in dataset or dataset in ('.', '..') or dataset.startswith('~')
+    return os.path.expanduser(dataset) if is_path else os.path.join('data', dataset)
+
+
 class RandomTokens:
     """A stand-in for a token file (random_data=True): token i of a split is a hash of (split, i), a GPT-2 id. It is
     read at the offsets that the entrypoints draw from their seeded generator, as a real file is, so the stream is a
@@ -63,13 +70,17 @@ def find_bins(dataset, block_size, random_data=False):
     if random_data:
         return ({split: RandomTokens(split) for split in ('train', 'val')},
                 {split: RandomTokens.SIZE for split in ('train', 'val')})
-    data_dir = os.path.join('data', dataset)
+    folder = data_dir(dataset)
     paths, n_tokens = {}, {}
     for split in ('train', 'val'):
-        path = paths[split] = os.path.join(data_dir, f'{split}.bin')
+        path = paths[split] = os.path.join(folder, f'{split}.bin')
         if not os.path.isfile(path):
-            sys.exit(f"error: {path} not found: run `python prepare.py {dataset}` "
-                     f"(or `python prepare.py text --input=FILE --name={dataset}`) first")
+            if folder == os.path.join('data', dataset):
+                sys.exit(f"error: {path} not found: run `python prepare.py {dataset}` "
+                         f"(or `python prepare.py text --input=FILE --name={dataset}`) first")
+            parent, name = os.path.split(os.path.normpath(os.path.abspath(folder)))
+            sys.exit(f"error: {path} not found: run `python prepare.py text --input=FILE --out_root={parent} "
+                     f"--name={name}` first, or give --dataset the folder that holds train.bin and val.bin")
         try:
             open(path, 'rb').close()
         except OSError as e:

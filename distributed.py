@@ -125,9 +125,15 @@ def check_fits(model_args, device, shards=1):
 def split_accumulation(gradient_accumulation_steps, dp_size):
     """The micro-steps of each data-parallel rank: the config's count is the total over all of them, so that the
     global batch is the same at any world size."""
-    if gradient_accumulation_steps % dp_size:
-        sys.exit(f"error: gradient_accumulation_steps={gradient_accumulation_steps} does not divide across {dp_size} "
-                 f"data-parallel ranks: make it a multiple of {dp_size} (it is the total over all ranks)")
+    steps = gradient_accumulation_steps
+    if steps % dp_size:
+        # nnScaler and minGPT-DDP keep a rank's batch as ranks are added: say which value does that here
+        grow, near = steps * dp_size, max(dp_size, round(steps / dp_size) * dp_size)
+        keep = f", or ={near} to keep the global batch near its size" if near != grow else ""
+        sys.exit(f"error: gradient_accumulation_steps={steps} does not divide across {dp_size} data-parallel ranks: "
+                 f"it counts micro-steps over all ranks, so make it a multiple of {dp_size}: "
+                 f"--gradient_accumulation_steps={grow} keeps each rank's batch as on one process and grows the global "
+                 f"batch {dp_size}x (nnScaler's and minGPT-DDP's way){keep}")
     return gradient_accumulation_steps // dp_size
 
 

@@ -1,0 +1,304 @@
+"""
+The names that the projects this one grew from (DLRover, TensorStack t9k, nnScaler, minGPT-DDP, Decent-DP) give our
+keys and values, and TOML config files (Decent-DP's and torchtitan's format), for configurator.py: a name that means
+exactly one of ours is taken and the run says once what it is here; one that means something else is a one-line
+error naming our command. Not for our own keys and rules: those are the entrypoints' and the configurator's.
+"""
+
+import math
+import os
+import re
+import sys
+import tomllib
+
+from data import find_bins
+
+TRAINERS = ('train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py')
+DECENT_ONLY = ('topology', 'replica_optimizer', 'moment_accum_steps')  # decent_train.py's keys and no other's
+
+# a seed's name for one of our keys, with the same meaning: name -> (whose, ours)
+RENAMES = {
+    'data_dir': ("DLRover's and Decent-DP's", 'dataset'),  # the folder of train.bin and val.bin: a path works here
+    'log_dir': ("Decent-DP's", 'out_dir'),
+    'context_length': ("Decent-DP's", 'block_size'),
+    'grad_norm_clip': ("Decent-DP's", 'grad_clip'),
+    'lr': ("Decent-DP's", 'learning_rate'),
+    'warmup_steps': ("Decent-DP's", 'warmup_iters'),
+    'eta_min': ("Decent-DP's", 'min_lr'),
+    'eval_steps': ("Decent-DP's", 'eval_iters'),
+    'n_layers': ("Decent-DP's", 'n_layer'),
+    'n_heads': ("Decent-DP's", 'n_head'),
+    'accum_steps': ("Decent-DP's", 'moment_accum_steps'),  # AccumAdamW's steps a moment update
+}
+# the default of a seed's flag, whose type says how `--key VALUE` and a bare `--key` read
+FLAG_DEFAULTS = {'data_dir': '', 'log_dir': '', 'epochs': 0, 'use_nnscaler': False, 'plan_ngpus': 0,
+                 'runtime_ngpus': 0, 'in_memory': False, 'amp': False}
+
+# minGPT-DDP's Hydra overrides (key=value, no dashes) and ours
+HYDRA = {
+    'trainer_config.batch_size': '--batch_size={}', 'trainer_config.max_epochs': '--epochs={}',
+    'trainer_config.grad_norm_clip': '--grad_clip={}', 'trainer_config.snapshot_path': '--out_dir=FOLDER',
+    'trainer_config.save_every': '--save_storage_interval=STEPS (steps here, not epochs)',
+    'trainer_config.use_amp': '--dtype=auto (bfloat16 on GPUs) or --dtype=float32',
+    'trainer_config.data_loader_workers': 'nothing: batches are read from a memory-mapped train.bin, no workers',
+    'trainer_config.distributed_method': 'train.py (ddp) or fsdp_train.py (fsdp) as the script torchrun runs',
+    'trainer_config.cpu_offload': 'fsdp_train.py --cpu_offload={}',
+    'gpt_config.n_layer': '--n_layer={}', 'gpt_config.n_head': '--n_head={}', 'gpt_config.n_embd': '--n_embd={}',
+    'gpt_config.block_size': '--block_size={}', 'data_config.block_size': '--block_size={}',
+    'gpt_config.embd_pdrop': '--dropout={}', 'gpt_config.resid_pdrop': '--dropout={}',
+    'gpt_config.attn_pdrop': '--dropout={}', 'optimizer_config.learning_rate': '--learning_rate={}',
+    'optimizer_config.weight_decay': '--weight_decay={}',
+    'data_config.path': 'python prepare.py text --input={} (then --dataset=<its name>)',
+}
+
+
+def flag_default(key):
+    return FLAG_DEFAULTS.get(key)
+
+
+def context(script, keys, flags):
+    """What translate() sees: the entrypoint's file name, its keys (the live dict the configurator fills) and every
+    flag of the command line (nnScaler's come in pairs)."""
+    return dict(script=script, keys=keys, flags=flags, toml={}, notes=[], epochs=None)
+
+
+def _note(ctx, where, source, seed, ours, whose):
+    if source == 'flag':
+        ctx['notes'].append((None, f"{where} is {whose} name: here {ours}"))
+    else:  # one line for a whole file: `path:line` -> path
+        path = where.rsplit(':', 1)[0] if where.rsplit(':', 1)[-1].isdigit() else where
+        ctx['notes'].append((path, f"{seed} is {ours}" if ours.startswith('--') else f"{seed}: {ours}"))
+
+
+def print_notes(ctx):
+    """Once per run (rank 0): a line per seed's flag, a line per config file written in a seed's names."""
+    if os.environ.get('RANK', '0') != '0':
+        return
+    files = {}
+    for path, text in ctx['notes']:
+        if path is None:
+            print(text, flush=True)
+        else:
+            files.setdefault(path, []).append(text)
+    for path, texts in files.items():
+        print(f"{path} is in Decent-DP's names; here: {'; '.join(texts)}", flush=True)
+    ctx['notes'].clear()
+
+
+def _decent_command(script, where, source):
+    config = f" {where.rsplit(':', 1)[0]}" if source != 'flag' else ''
+    return f"`torchrun --nproc_per_node=N decent_train.py{config} ...`"
+
+
+def translate(key, value, where, source, ctx):
+    """[(our key, value)] for a key a flag ('flag'), .py ('file') or TOML file ('toml') sets: ours as they are, a
+    seed's name translated (saying so once), or a one-line error. A key this entrypoint lacks and no seed names comes
+    back unchanged, for the configurator's unknown-key error."""
+    keys, script = ctx['keys'], ctx['script']
+    toml = ctx['toml'] if source == 'toml' else {}
+    shown = key  # in a file's one line; a flag's line shows the flag as written
+    if key in ('plan_ngpus', 'runtime_ngpus'):
+        plan, runtime = ctx['flags'].get('plan_ngpus'), ctx['flags'].get('runtime_ngpus')
+        plan = plan if plan is not None else 'P'
+        runtime = runtime if runtime is not None else 'N'
+        if plan == 1:
+            ours = f"torchrun --nproc_per_node={runtime} train.py ... (data parallel, a whole model on each GPU)"
+        else:
+            ours = (f"torchrun --nproc_per_node={runtime} fsdp_train.py --tp_size={plan} ... (each model split over "
+                    f"{plan} GPUs by tensor parallelism, the groups data parallel)")
+        sys.exit(f"error: {where}: nnScaler's --plan_ngpus={plan} --runtime_ngpus={runtime} is `{ours}` here")
+    if key == 'use_nnscaler':
+        sys.exit(f"error: {where}: nnScaler's switch has no counterpart: every entrypoint here is plain PyTorch "
+                 f"(train.py is its use_nnscaler=False, fsdp_train.py --tp_size=N its plan_ngpus=N); leave it out")
+    if key.startswith('lora_'):
+        sys.exit(f"error: {where}: DLRover's LoRA has no counterpart here: finetune the whole model "
+                 f"(--init_from=gpt2 or a checkpoint, as config/finetune_shakespeare.py does); leave it out")
+    if key == 'epochs' and 'max_iters' in keys:
+        if type(value) not in (int, float) or not value > 0:
+            sys.exit(f"error: {where}: epochs must be a number above 0 (passes over train.bin), got {value!r}")
+        ctx['epochs'] = (value, where)
+        return []  # its max_iters needs the data and the batch, which later keys may still change: see finish()
+    if key in RENAMES:
+        whose, ours = RENAMES[key]
+        if ours in keys:
+            _note(ctx, where, source, shown, f"--{ours}={value}", whose)
+            key = ours
+        elif ours in DECENT_ONLY:
+            key = ours  # decent_train.py's key, which this entrypoint lacks: said below
+    if key == 'n_steps' and 'max_iters' in keys:
+        _note(ctx, where, source, shown, f"--max_iters={value} --lr_decay_iters={value}", "Decent-DP's")
+        return [('max_iters', value), ('lr_decay_iters', value)]
+    if key == 'global_batch_size' and 'gradient_accumulation_steps' in keys and 'batch_size' in keys:
+        if type(value) is not int or value < 1:
+            sys.exit(f"error: {where}: global_batch_size must be a whole number of sequences, 1 or more, "
+                     f"got {value!r}")
+        # Decent-DP's is the step's sequences over all workers (480 = 16 GPUs x 30); ours counts micro-steps over
+        # all ranks, so 16 of them run on 16, 8, 4, 2 or 1 ranks alike
+        accum = math.gcd(value, 16)
+        _note(ctx, where, source, shown, f"--gradient_accumulation_steps={accum} --batch_size={value // accum}",
+              "Decent-DP's")
+        return [('gradient_accumulation_steps', accum), ('batch_size', value // accum)]
+    if key == 'betas' and 'beta1' in keys:
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            sys.exit(f"error: {where}: betas must be a list of two numbers such as [0.9, 0.95], got {value!r}")
+        _note(ctx, where, source, shown, f"--beta1={value[0]} --beta2={value[1]}", "Decent-DP's")
+        return [('beta1', value[0]), ('beta2', value[1])]
+    if key == 'eps' and 'learning_rate' in keys:
+        if value != 1e-8:
+            sys.exit(f"error: {where}: eps={value!r}: Adam's eps is its default 1e-8 here, set by no key; leave it out")
+        _note(ctx, where, source, shown, "nothing to set (Adam's default)", "Decent-DP's")
+        return []
+    if key == 'in_memory' and 'dataset' in keys:
+        _note(ctx, where, source, shown, "nothing to set (train.bin is memory-mapped)", "Decent-DP's")
+        return []
+    if key == 'vocab_size' and key not in keys and 'n_layer' in keys:
+        if value != 50304:
+            sys.exit(f"error: {where}: vocab_size={value!r}: the vocabulary here is the dataset's meta.pkl, or GPT-2's "
+                     f"50304 without one; prepare the data with the tokenizer you want and leave it out")
+        _note(ctx, where, source, shown, "nothing to set (GPT-2's, where the data has no meta.pkl)", "Decent-DP's")
+        return []
+    if key == 'amp' and 'dtype' in keys:
+        if type(value) is not bool:
+            sys.exit(f"error: {where}: amp must be true or false, got {value!r}")
+        dtype = 'auto' if value else 'float32'
+        _note(ctx, where, source, shown, f"--dtype={dtype}", "Decent-DP's")
+        return [('dtype', dtype)]
+    if key in ('optim.name', 'optimizer.name') and 'learning_rate' in keys:
+        name = str(value).lower()
+        if 'replica_optimizer' in keys:
+            _note(ctx, where, source, shown, f"--replica_optimizer={name}", "Decent-DP's")
+            return [('replica_optimizer', name)]
+        if name == 'adamw':
+            _note(ctx, where, source, shown, f"nothing to set (AdamW is {script}'s)", "Decent-DP's")
+            return []
+        sys.exit(f"error: {where}: optimizer {value!r} is decent_train.py's --replica_optimizer={name}: run "
+                 f"{_decent_command(script, where, source)}; {script} trains with AdamW")
+    if key == 'lr_schedule.name' and 'decay_lr' in keys:
+        if str(value).lower() != 'cosine':
+            sys.exit(f"error: {where}: lr_schedule {value!r}: the schedule here is warmup then cosine "
+                     f"(decay_lr=True, name = 'cosine') or a constant learning_rate (--decay_lr=False)")
+        _note(ctx, where, source, shown, "--decay_lr=True", "Decent-DP's")
+        return [('decay_lr', True)]
+    if key == 'backend' and value in ('decentdp', 'pytorchddp') and script in TRAINERS:
+        if (value == 'decentdp') == (script == 'decent_train.py'):
+            _note(ctx, where, source, f"backend={value!r}", f"nothing to set ({script})", "Decent-DP's")
+            return []
+        if value == 'decentdp':
+            sys.exit(f"error: {where}: backend='decentdp' is Decent-DP's decentralized training: run "
+                     f"{_decent_command(script, where, source)}, not {script}")
+        config = f" {where.rsplit(':', 1)[0]}" if source != 'flag' else ''
+        sys.exit(f"error: {where}: backend='pytorchddp' is Decent-DP's all-reduce training: run "
+                 f"`torchrun --nproc_per_node=N train.py{config} ...`, not decent_train.py")
+    if key in DECENT_ONLY and key not in keys and script in TRAINERS:
+        unused = (key == 'topology' and toml.get('train.backend') == 'pytorchddp') or \
+            (key == 'moment_accum_steps' and str(toml.get('train.optim.name', '')).lower() == 'adamw')
+        if unused:  # as in Decent-DP, which reads them only for its decentralized backend and AccumAdamW
+            _note(ctx, where, source, shown, f"unused by {'pytorchddp' if key == 'topology' else 'AdamW'}, as there",
+                  "Decent-DP's")
+            return []
+        sys.exit(f"error: {where}: {key} is decent_train.py's: run {_decent_command(script, where, source)}, or "
+                 f"leave it out for {script}")
+    if key == 'topology' and value == 'exp' and key in keys:
+        _note(ctx, where, source, f"topology={value!r}", "--topology=one-peer-exp", "Decent-DP's")
+        return [(key, 'one-peer-exp')]
+    if key == 'replica_optimizer' and isinstance(value, str) and value != value.lower() and key in keys:
+        _note(ctx, where, source, f"{key}={value!r}", f"--{key}={value.lower()}", "Decent-DP's")
+        return [(key, value.lower())]
+    return [(key, value)]
+
+
+def finish(ctx):
+    """[(key, value, where)] that need the final config: DLRover's --epochs, passes over train.bin, bounds
+    max_iters (the smaller of the two ends the run, as there)."""
+    if ctx['epochs'] is None:
+        return []
+    epochs, where = ctx['epochs']
+    keys = ctx['keys']
+    if keys.get('random_data'):
+        sys.exit(f"error: {where}: epochs counts passes over train.bin, and random_data=True reads none: give "
+                 f"--max_iters instead")
+    per_iter = keys['gradient_accumulation_steps'] * keys['batch_size'] * keys['block_size']
+    if per_iter < 1:
+        return []  # check_config names the key that is out of range
+    _, n_tokens = find_bins(keys['dataset'], keys['block_size'])
+    iters = math.ceil(epochs * n_tokens['train'] / per_iter)
+    why = f"{epochs} passes over train.bin's {n_tokens['train']:,} tokens at {per_iter:,} tokens an iteration"
+    if iters >= keys['max_iters']:
+        ctx['notes'].append((None, f"{where} is DLRover's name: here --max_iters={iters} ({why}); max_iters="
+                                   f"{keys['max_iters']} ends the run first"))
+        return []
+    ctx['notes'].append((None, f"{where} is DLRover's name: here --max_iters={iters} ({why})"))
+    return [('max_iters', iters, where)]
+
+
+def check_positional(arg):
+    """A one-line error for minGPT-DDP's Hydra overrides (section.key=value), naming ours."""
+    m = re.fullmatch(r'\+{0,2}([A-Za-z_]\w*(?:\.\w+)+)=(.*)', arg)
+    if not m:
+        return
+    key, value = m.groups()
+    if key in HYDRA:
+        ours = HYDRA[key].format(value)
+        if key == 'trainer_config.distributed_method':
+            ours = {'ddp': 'train.py', 'fsdp': 'fsdp_train.py'}.get(value.lower(), ours) + \
+                ' as the script torchrun runs (`torchrun --nproc_per_node=N SCRIPT ...`)'
+        sys.exit(f"error: {arg} is a Hydra override (minGPT-DDP's): here {ours}")
+    sys.exit(f"error: {arg} is a Hydra override (minGPT-DDP's): here keys are flags, --key=value, and config "
+             f"files (docs/coming-from.md)")
+
+
+def _toml_lines(text):
+    """{dotted key: line} of a TOML file's keys, for errors that name the line (tomllib does not keep them)."""
+    lines, table = {}, ''
+    for n, line in enumerate(text.splitlines(), 1):
+        s = line.strip()
+        if s.startswith('[['):
+            table = None  # arrays of tables are refused below
+        elif s.startswith('['):
+            table = '.'.join(p.strip().strip('"\'') for p in s[1:s.find(']')].split('.'))
+        elif table is not None and (m := re.match(r'([\w."\' -]+?)\s*=', s)):
+            key = '.'.join(p.strip().strip('"\'') for p in m.group(1).split('.'))
+            lines.setdefault(f"{table}.{key}" if table else key, n)
+    return lines
+
+
+def read_toml(path, ctx):
+    """[(key, value, where)] of a TOML config file. Tables only group keys: [model] n_layer = 12 sets n_layer,
+    whatever the table; a key named `name` keeps its table's name (optim.name, lr_schedule.name)."""
+    try:
+        with open(path, 'rb') as f:
+            data = f.read()
+    except OSError as e:
+        sys.exit(f"error: cannot read config file {path}: {e.strerror}")
+    try:
+        text = data.decode('utf-8-sig')
+    except UnicodeDecodeError as e:
+        line = data.count(b'\n', 0, e.start) + 1
+        sys.exit(f"error: {path}:{line}: not UTF-8 (byte {data[e.start]:#x}): save the config file as UTF-8")
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        m = re.search(r'\(at line (\d+), column \d+\)', str(e))
+        where = f"{path}:{m.group(1)}" if m else path
+        sys.exit(f"error: {where}: TOML: {str(e)[:m.start()].strip() if m else str(e)}")
+    lines = _toml_lines(text)
+    flat = {}
+
+    def walk(table, prefix):
+        for key, value in table.items():
+            dotted = f"{prefix}{key}"
+            if isinstance(value, dict):
+                walk(value, dotted + '.')
+            elif isinstance(value, list) and any(isinstance(v, dict) for v in value):
+                sys.exit(f"error: {path}:{lines.get(dotted, '?')}: [[{dotted}]] is an array of tables, which sets "
+                         f"no key here: write [{dotted}] once")
+            else:
+                flat[dotted] = value
+    walk(doc, '')
+    ctx['toml'] = flat
+    settings = []
+    for dotted, value in flat.items():
+        parts = dotted.split('.')
+        key = '.'.join(parts[-2:]) if parts[-1] == 'name' else parts[-1]
+        settings.append((key, value, f"{path}:{lines[dotted]}" if dotted in lines else path))
+    return settings

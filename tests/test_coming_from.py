@@ -1,0 +1,165 @@
+"""The commands of the projects this one grew from (docs/coming-from.md), at tiny sizes: each runs as written or
+ends in one line naming our command, so the page cannot go stale."""
+
+import ast
+import json
+import shutil
+
+import pytest
+
+from configurator import configure
+from conftest import REPO, TINY, one_line_error, run
+
+SEED_DECENT_TOML = """log_dir = "./log"
+dataset = "openwebtext"
+data_dir = "./data/openwebtext"
+in_memory = true
+[log]
+wandb_log = true
+wandb_project = "gpt2-owt"
+eval_interval = 1000
+eval_steps = 200
+[train]
+backend = 'decentdp'
+topology = 'alternating-exp-ring'
+seed = 42
+global_batch_size = 480
+context_length = 1024
+n_steps = 600000
+grad_norm_clip = 1.0
+compile = true
+amp = true
+[train.optim]
+name = "AccumAdamW"
+betas = [0.9, 0.98]
+eps = 1e-08
+weight_decay = 0.1
+accum_steps = 8
+[train.lr_schedule]
+name = "cosine"
+lr = 6e-04
+warmup_steps = 2000
+eta_min = 6e-05
+[model]
+n_layers = 12
+n_heads = 12
+n_embd = 768
+dropout = 0.0
+vocab_size = 50304
+bias = false
+"""
+
+
+def script_defaults(script):
+    """An entrypoint's config globals, read from its source without running it."""
+    ns = {'__file__': script}
+    for node in ast.parse((REPO / script).read_text()).body:
+        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets):
+            try:
+                ns[node.targets[0].id] = eval(compile(ast.Expression(node.value), script, 'eval'), {})
+            except Exception:
+                pass
+    return ns
+
+
+def config_of(script, argv):
+    return configure(script_defaults(script), argv)[0]
+
+
+def error_of(script, argv):
+    with pytest.raises(SystemExit) as e:
+        configure(script_defaults(script), argv)
+    assert e.value.code not in (0, None) and '\n' not in str(e.value.code)
+    return str(e.value.code)
+
+
+def test_space_separated_values_and_bare_booleans():
+    c = config_of('train.py', ['--n_layer', '48', '--n_head', '16', '--eval_only', '--bias', '--decay_lr',
+                               '--compile', 'False', '--save_memory_interval', '50'])
+    assert (c['n_layer'], c['n_head'], c['eval_only'], c['bias'], c['decay_lr'], c['compile']) == \
+        (48, 16, True, True, True, False)
+    assert 'needs a value' in error_of('train.py', ['--n_layer'])
+    assert 'DEFAULT_PATH' not in error_of('train.py', ['--xyzzy=1'])
+
+
+def test_decent_dp_toml_as_published_takes_its_hyperparameters(tmp_path):
+    (tmp_path / 'decent.toml').write_text(SEED_DECENT_TOML)
+    c = config_of('decent_train.py', [str(tmp_path / 'decent.toml')])
+    assert c['gradient_accumulation_steps'] * c['batch_size'] == 480 and c['gradient_accumulation_steps'] == 16
+    assert (c['max_iters'], c['lr_decay_iters'], c['beta1'], c['beta2'], c['replica_optimizer'],
+            c['moment_accum_steps'], c['topology'], c['block_size'], c['learning_rate'], c['min_lr'],
+            c['warmup_iters'], c['eval_iters'], c['n_layer'], c['seed']) == \
+        (600000, 600000, 0.9, 0.98, 'accumadamw', 8, 'alternating-exp-ring', 1024, 6e-4, 6e-5, 2000, 200, 12, 42)
+    c = config_of('train.py', [str(REPO / 'config' / 'gpt2-small.toml')])
+    assert (c['beta2'], c['gradient_accumulation_steps'] * c['batch_size'], c['max_iters']) == (0.95, 480, 600000)
+    msg = error_of('train.py', [str(REPO / 'config' / 'decent-gpt2-small.toml')])
+    assert "backend='decentdp'" in msg and 'decent_train.py /' in msg and msg.endswith('not train.py')
+
+
+@pytest.mark.parametrize('script, argv, says', [
+    ('train.py', ['--plan_ngpus=2', '--runtime_ngpus=4'], 'torchrun --nproc_per_node=4 fsdp_train.py --tp_size=2'),
+    ('train.py', ['--plan_ngpus', '1', '--runtime_ngpus', '4'], 'torchrun --nproc_per_node=4 train.py'),
+    ('train.py', ['--use_nnscaler=False'], 'plain PyTorch'),
+    ('train.py', ['trainer_config.batch_size=128'], 'here --batch_size=128'),
+    ('train.py', ['trainer_config.distributed_method=fsdp'], 'fsdp_train.py'),
+    ('train.py', ['--topology=exp'], 'decent_train.py'),
+    ('train.py', ['--lora_rank', '4'], 'no counterpart'),
+])
+def test_other_meanings_name_our_command(script, argv, says):
+    assert says in error_of(script, argv)
+
+
+def test_decent_dp_names_on_the_command_line():
+    c = config_of('decent_train.py', ['--topology=exp', '--replica_optimizer=AccumAdamW', '--accum_steps', '8'])
+    assert (c['topology'], c['replica_optimizer'], c['moment_accum_steps']) == ('one-peer-exp', 'accumadamw', 8)
+
+
+@pytest.fixture(scope='module')
+def here(tmp_path_factory, data_dir):
+    """DLRover's layout: train.bin, val.bin and meta.pkl in the folder it runs in, train.bin cut to 1,000 tokens."""
+    d = tmp_path_factory.mktemp('dlrover')
+    for name in ('val.bin', 'meta.pkl'):
+        shutil.copy(data_dir / 'shakespeare_char' / name, d / name)
+    (d / 'train.bin').write_bytes((data_dir / 'shakespeare_char' / 'train.bin').read_bytes()[:2000])
+    return d
+
+
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py'])
+def test_dlrover_train_command_runs_as_written(here, script):
+    out = here / f'out-{script}'
+    p = run(script, '--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--data_dir', './', '--epochs', '1',
+            '--save_memory_interval', '50', '--save_storage_interval', '500', '--bias', '--decay_lr',
+            '--device', 'cpu', '--compile', 'False', '--block_size', '32', '--batch_size', '4',
+            '--gradient_accumulation_steps', '1', '--eval_iters', '2', '--out_dir', str(out), cwd=here)
+    assert "--data_dir ./ is DLRover's and Decent-DP's name: here --dataset=./" in p.stdout
+    assert '--max_iters=8 (1 passes' in p.stdout  # ceil(1,000 tokens / 128 a step)
+    config = json.loads((out / 'config.json').read_text())
+    assert config['max_iters'] == 8 and config['dataset'] == './' and config['bias'] is True
+    assert 'iter 7:' in p.stdout and 'iter 8:' not in p.stdout
+
+
+def test_nnscaler_two_ranks_names_the_key_that_keeps_the_rank_batch(tmp_path, data_dir):
+    msg = one_line_error(run('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=o',
+                             '--gradient_accumulation_steps=1', nproc=2, cwd=tmp_path, check=False), nproc=2)
+    assert '--gradient_accumulation_steps=2 keeps each rank' in msg and 'nnScaler' in msg
+
+
+def test_decent_toml_trains_at_tiny_size(tmp_path, data_dir):
+    (tmp_path / 'decent.toml').write_text(SEED_DECENT_TOML)
+    p = run('decent_train.py', 'decent.toml', *TINY, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=o',
+            '--wandb_log=False', '--topology=ring', '--gradient_accumulation_steps=2', '--max_iters=3',
+            '--eval_interval=3', nproc=2, cwd=tmp_path)
+    assert 'decent.toml is in Decent-DP' in p.stdout and 'iter 2:' in p.stdout
+    config = json.loads((tmp_path / 'o' / 'config.json').read_text())
+    assert (config['replica_optimizer'], config['moment_accum_steps'], config['beta2']) == ('accumadamw', 8, 0.98)
+
+
+def test_toml_with_our_keys_in_tables_and_its_errors_name_the_line(tmp_path):
+    (tmp_path / 'ours.toml').write_text('[training]\nbatch_size = 4\n[model]\nn_layer = 3\nbias = true\n')
+    c = config_of('train.py', [str(tmp_path / 'ours.toml'), '--n_layer', '5'])
+    assert (c['batch_size'], c['n_layer'], c['bias']) == (4, 5, True)
+    (tmp_path / 'typo.toml').write_text('[model]\nn_layer = 3\nn_heed = 2\n')
+    assert f"{tmp_path / 'typo.toml'}:3: unknown config key 'n_heed'; did you mean n_head" in \
+        error_of('train.py', [str(tmp_path / 'typo.toml')])
+    (tmp_path / 'bad.toml').write_text('[model]\nn_layer = = 3\n')
+    assert error_of('train.py', [str(tmp_path / 'bad.toml')]).startswith(f"error: {tmp_path / 'bad.toml'}:2: TOML:")
