@@ -1,12 +1,14 @@
 """
 Sizes a GPT before it is trained: its parameters, its checkpoint, and the memory each rank needs for
 parameters, gradients, optimizer state (AdamW, fp32 master weights, as every entrypoint here keeps them) and
-activations (an estimate) under DDP, ZeRO-1/2/3, FSDP, tensor parallel and 2-D, at a world size and dtype.
+activations (an estimate) under DDP, ZeRO-1/2/3, FSDP, tensor parallel and 2-D, at a world size and dtype; with
+pp_size, pp_train.py's pipeline stages too (the first and the last rank, which hold the embeddings and the head).
 
 python model_size.py --model=gpt2-xl --world_size=8
 python model_size.py --n_layer=4 --n_head=4 --n_embd=128 --block_size=64 --vocab_size=65 --world_size=2 --dtype=float32
 python model_size.py config/train_shakespeare_char_cpu.py   # a training config: its shape and batch
 python model_size.py out-shakespeare-char                   # a run folder or checkpoint: the shape it saved
+python model_size.py --model=gpt2 --pp_size=4                # and per stage of a 4-stage pipeline
 """
 
 import json
@@ -35,6 +37,8 @@ tp_size = 0  # the tensor-parallel group of the 2-D row; 0: none shown unless wo
 batch_size = 12  # sequences per micro-step per rank, for the activation estimate
 dtype = 'bfloat16'  # the compute dtype: activations take 2 bytes an element in bfloat16, 4 in float32
 activation_checkpointing = False
+pp_size = 0  # pipeline stages (pp_train.py, one per rank): 0 none shown
+stages_per_rank = 1  # interleaved-1f1b's stages per rank
 # -----------------------------------------------------------------------------
 
 
@@ -80,6 +84,11 @@ if tp_size:  # one asked for by name is shown, or refused with the reason: never
             sys.exit(f"error: {key}={value} is not a multiple of tp_size={tp_size}: tensor parallelism splits it "
                      f"evenly; choose a tp_size that divides world_size, n_head and 4 * n_embd")
 
+if pp_size:
+    from pipeline import stage_blocks, stage_ids  # its one-line error where the stages outnumber the layers
+    if pp_size < 1 or stages_per_rank < 1:
+        sys.exit(f"error: pp_size={pp_size} and stages_per_rank={stages_per_rank} must be 1 or more")
+    stage_blocks(0, pp_size * stages_per_rank, n_layer)
 with torch.device('meta'):  # shapes only, of one block: the others are alike, so nothing grows with n_layer
     gpt = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=1, n_head=n_head, n_embd=n_embd,
                         bias=bias))
@@ -131,6 +140,19 @@ if tp2 > 1 and W % tp2 == 0 and n_head % tp2 == 0 and (4 * n_embd) % tp2 == 0:
     per_rank = sharded(tp2, W // tp2)
     rows[f'FSDP {W // tp2} x TP {tp2}'] = (4 * per_rank, 4 * per_rank, 8 * per_rank)
 act = {name: activations(int(name.split('TP ')[1]) if 'TP ' in name else 1) for name in rows}
+for r in sorted({0, pp_size - 1}) if pp_size else []:
+    # a pipeline rank holds its stages' blocks, the first also the embeddings, the last the final layer norm and a
+    # copy of the tied head; data parallel across pipelines keeps whole replicas of each stage
+    stages = stage_ids(r, pp_size, stages_per_rank)
+    blocks = sum(len(stage_blocks(i, pp_size * stages_per_rank, n_layer)) for i in stages)
+    outside = {n: math.prod(shape) for n, shape in params.items() if '.h.' not in n}
+    n = blocks * sum(math.prod(shape) for name, shape in params.items() if '.h.' in name)
+    n += (outside['transformer.wte.weight'] + outside['transformer.wpe.weight']) * (r == 0)
+    n += sum(v for k, v in outside.items() if k.startswith('transformer.ln_f')) * (r == pp_size - 1)
+    n += outside['transformer.wte.weight'] * (r == pp_size - 1 and r != 0)  # the head's copy of the tied weight
+    name = f'PP {pp_size} rank {r}'
+    rows[name] = (4 * n, 4 * n, 8 * n)
+    act[name] = activations(1) * blocks / n_layer  # one micro-batch's; a schedule keeps up to pp_size in flight
 
 print(f"{N:,} parameters ({N - block_size * n_embd:,} without position embeddings), "
       f"{n_layer} layers, {n_head} heads, {n_embd} wide, block {block_size}, vocab {vocab_size}")

@@ -91,3 +91,15 @@ def test_resume_at_another_layout_and_in_fsdp(tmp_path, data_dir, ref, shared_ru
     launch(script2, tmp_path, data_dir, 'run', f'--max_iters={STEPS}', *layout(script2, pp2), '--init_from=resume',
            nproc=n2)
     assert_same_curve(ref[1], read_metrics(tmp_path / 'run')[0], range(STEPS))
+
+
+def test_model_size_gives_each_end_stage_the_parameters_pp_train_holds(tmp_path):
+    # model_size.py's arithmetic against pipeline.stage_memory, which counts the modules of the stages themselves
+    shape = dict(n_layer=8, n_head=2, n_embd=32, block_size=32, vocab_size=65, bias=False)
+    for pp, v in ((2, 1), (4, 1), (2, 2)):
+        p = run('model_size.py', *[f'--{k}={x}' for k, x in shape.items()], f'--pp_size={pp}',
+                f'--stages_per_rank={v}', cwd=tmp_path)
+        rows = json.loads(p.stdout.strip().splitlines()[-1])
+        counted = stage_memory(GPTConfig(**shape), pp, v)
+        for r in (0, pp - 1):
+            assert rows[f'PP {pp} rank {r}']['param_bytes'] == 4 * counted[r][0], (pp, v, r)
