@@ -272,13 +272,13 @@ def check_schedule(config):
     warmup, decay, top, least = (config[k] for k in keys)
     if 'max_iters' in config and warmup > config['max_iters']:
         print(f"warning: warmup_iters={warmup} > max_iters={config['max_iters']}: the run ends still warming up; "
-              f"set --warmup_iters below max_iters", file=sys.stderr)
+              f"set --warmup_iters below max_iters")
     if decay < warmup:
         print(f"warning: lr_decay_iters={decay} < warmup_iters={warmup}: the rate jumps from its peak to min_lr at "
-              f"once; set --lr_decay_iters above warmup_iters (usually = max_iters)", file=sys.stderr)
+              f"once; set --lr_decay_iters above warmup_iters (usually = max_iters)")
     if least > top:
         print(f"warning: min_lr={least} > learning_rate={top}: the schedule rises instead of decaying; set --min_lr "
-              f"about learning_rate / 10", file=sys.stderr)
+              f"about learning_rate / 10")
 
 
 def quiet_interrupt():

@@ -51,13 +51,20 @@ def _read_hold(path):
 def _take(folder, what):
     """Takes the hold on folder for this process, or returns the one-line error that refuses it."""
     created = not os.path.isdir(folder)
-    os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, HOLD)
     me = {'host': socket.gethostname(), 'pid': os.getpid(), 'since': time.strftime('%Y-%m-%d %H:%M:%S'),
           'launch': launch_identity()}
     mine = f'{path}.{me["host"]}.{me["pid"]}.tmp'
-    with open(mine, 'w') as f:
-        json.dump(me, f)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(mine, 'w') as f:
+            json.dump(me, f)
+    except OSError as e:  # a full disk: nothing of ours is left behind
+        if os.path.exists(mine):
+            os.remove(mine)
+        if created and os.path.isdir(folder) and not os.listdir(folder):
+            os.rmdir(folder)
+        return f"error: cannot write in {folder} ({e.strerror}): free some space there, or give another folder"
     try:
         try:
             os.link(mine, path)  # atomic: fails where a hold exists

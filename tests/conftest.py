@@ -35,7 +35,7 @@ SLOWEST_FIRST = ['test_fault.py',  # 170
                  'test_keep.py',  # 42
                  'test_fsdp.py',  # 39
                  'test_fineweb.py',  # 29
-                 'test_random_data.py',  # 117 with 6 helpers on the 2 cores; not timed idle
+                 'test_random_data.py',  # 117 with other jobs on the 2 cores; not timed idle
                  'test_decent.py',  # 25
                  'test_prepare.py',  # 21
                  'test_runlock.py',  # 134 with other jobs on the cores (71 of it the shared data's setup)

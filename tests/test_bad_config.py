@@ -140,10 +140,10 @@ def test_a_setting_this_machine_cannot_run_is_one_line(config, says):
 def test_a_schedule_that_rises_or_never_warms_up_is_warned_about(capsys):
     keys = dict(decay_lr=True, learning_rate=6e-4, max_iters=10)
     configurator.check_config({**keys, 'warmup_iters': 50, 'lr_decay_iters': 2, 'min_lr': 1.0})
-    err = capsys.readouterr().err.splitlines()
-    assert [line.split(':')[1].split('=')[0].strip() for line in err] == ['warmup_iters', 'lr_decay_iters', 'min_lr']
+    out = capsys.readouterr().out.splitlines()  # on stdout, as every warning of a run: stderr is for its error
+    assert [line.split(':')[1].split('=')[0].strip() for line in out] == ['warmup_iters', 'lr_decay_iters', 'min_lr']
     configurator.check_config({**keys, 'warmup_iters': 2, 'lr_decay_iters': 10, 'min_lr': 6e-5})
-    assert capsys.readouterr().err == ''
+    assert capsys.readouterr().out == ''
 
 
 @pytest.mark.parametrize('script', SCRIPTS[:3])

@@ -290,8 +290,8 @@ def fails(tmp_path, data_dir, *args, nproc=1):
 
 
 def test_bad_topologies_world_sizes_and_keys_are_one_line_errors(tmp_path, data_dir, two_nodes):
-    assert "unknown topology='exp': use complete, ring, one-peer-exp or alternating-exp-ring" in \
-        fails(tmp_path, data_dir, '--topology=exp')
+    assert "unknown topology='star': use complete, ring, one-peer-exp or alternating-exp-ring" in \
+        fails(tmp_path, data_dir, '--topology=star')  # (exp is Decent-DP's name for one-peer-exp: taken)
     assert 'alternating-exp-ring needs 2, 4, 8, ... nodes of at least 2 ranks each, not world size 1' in \
         fails(tmp_path, data_dir, '--topology=alternating-exp-ring')
     assert 'one-peer-exp needs a power-of-2 world size, not 3' in \

@@ -140,7 +140,7 @@ def test_bad_input(tmp_path, data_dir, fsdp2):
         return one_line_error(p, nproc)
     assert 'tp_size=2 does not divide the world size 1' in fails('--tp_size=2')
     assert 'tp_size=2 does not divide n_head=1' in fails('--tp_size=2', '--n_head=1', nproc=2)
-    assert 'runs on cuda or cpu, not mps' in fails('--device=mps', '--cpu_offload=True')
+    assert 'device=mps but this machine has no Apple GPU' in fails('--device=mps', '--cpu_offload=True')
     assert not (tmp_path / 'bad').exists()
     # a checkpoint of another shape
     msg = fails(f'--out_dir={fsdp2[0]}', '--init_from=resume', '--n_embd=64')

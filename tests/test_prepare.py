@@ -213,7 +213,7 @@ def test_a_folder_script_prepares_into_its_own_folder_from_anywhere(tmp_path):
     # a copy of the repo's layout, so that the outputs land in tmp_path
     repo = tmp_path / 'repo'
     (repo / 'data' / 'shakespeare_char').mkdir(parents=True)
-    for f in ('prepare.py', 'configurator.py', 'runlock.py', 'data/shakespeare_char/prepare.py'):
+    for f in ('prepare.py', 'configurator.py', 'seeds.py', 'data.py', 'runlock.py', 'data/shakespeare_char/prepare.py'):
         (repo / f).write_bytes((REPO / f).read_bytes())
     src = tmp_path / 'small.txt'
     src.write_text(SHAKESPEARE.read_text()[:20000])
@@ -225,7 +225,8 @@ def test_a_folder_script_prepares_into_its_own_folder_from_anywhere(tmp_path):
                            text=True)
         assert p.returncode == 0, p.stderr
         assert sorted(os.listdir(folder)) == ['meta.pkl', 'prepare.py', 'train.bin', 'val.bin'], cwd
-        assert sorted(os.listdir(repo)) == ['configurator.py', 'data', 'prepare.py', 'runlock.py'] and \
+        assert sorted(os.listdir(repo)) == ['configurator.py', 'data', 'data.py', 'prepare.py', 'runlock.py',
+                                            'seeds.py'] and \
             os.listdir(repo / 'data') == ['shakespeare_char']  # nothing written elsewhere (no data/ under the cwd)
         made[str(cwd)] = (folder / 'train.bin').read_bytes() + (folder / 'val.bin').read_bytes()
     assert len(set(made.values())) == 1 and len(made[str(repo)]) == 2 * 20000
