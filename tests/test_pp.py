@@ -58,6 +58,11 @@ def test_pipeline_matches_single_process(tmp_path, data_dir, ref, nproc, pp, sch
     assert sd.keys() == ours.keys()
     for k in sd:
         assert (sd[k] - ours[k]).abs().max().item() < 1e-5, k
+    if (nproc, pp, schedule) == (2, 2, 'gpipe'):  # the tools read a pipeline run as any other
+        run('sample.py', f'--out_dir={tmp_path / "pp"}', '--device=cpu', '--num_samples=1', '--max_new_tokens=5',
+            f'--meta_path={data_dir / "shakespeare_char" / "meta.pkl"}', cwd=tmp_path)
+        run('export_hf.py', f'--ckpt={tmp_path / "pp" / "ckpt.pt"}', f'--out={tmp_path / "hf"}', cwd=tmp_path)
+        assert (tmp_path / 'hf' / 'model.safetensors').exists()
     assert torch.equal(sd['lm_head.weight'], sd['transformer.wte.weight'])
     # rank 0's memory (the first stage's parameters, gradients and AdamW state): pipeline.stage_memory's estimate
     with open(tmp_path / 'pp' / 'metrics.jsonl') as f:
