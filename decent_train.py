@@ -99,11 +99,11 @@ keep_checkpoints = 2  # the newest states kept in out_dir (fallbacks of a damage
 # decentralized
 topology = 'ring'  # 'complete', 'ring', 'one-peer-exp' (2^k ranks) or 'alternating-exp-ring' (2^k nodes)
 replica_optimizer = 'adamw'  # 'adamw', 'accumadamw' (Adam's moments take in the mean gradient of several steps), 'sgd'
-# accumadamw: steps whose mean gradient makes one update of the moments (the method's accum_iter); grow it with the
-# ranks. Not gradient_accumulation_steps, which splits each step's batch into micro-steps as in every entrypoint
+# accumadamw: steps whose mean gradient makes one update of the moments (the method's accum_iter; grow it with the
+# ranks), not gradient_accumulation_steps, which splits each step's batch into micro-steps as in every entrypoint
 moment_accum_steps = 4
-# DiLoCo (Douillard et al., 2023): every replica takes diloco_steps steps of its replica_optimizer alone (a window),
-# then the replicas average their pseudo-gradients θ_global - θ_local and an outer optimizer moves θ_global
+# DiLoCo (Douillard et al., 2023): replicas step alone for a window, then an outer step moves θ_global by their
+# mean θ_global - θ_local
 diloco_steps = 0  # H, the window; 0: off, the topology mixes the replicas every step
 outer_optimizer = 'nesterov'  # 'nesterov' (the paper's) or 'sgd' (heavy-ball momentum; none at outer_momentum=0)
 outer_learning_rate = 0.7
@@ -122,15 +122,13 @@ if dtype not in ('float32', 'bfloat16'):
 if replica_optimizer not in ('adamw', 'accumadamw', 'sgd'):
     sys.exit(f"error: unknown replica_optimizer={replica_optimizer!r}: use adamw, accumadamw or sgd")
 if moment_accum_steps < 1:
-    sys.exit(f"error: moment_accum_steps={moment_accum_steps}: AccumAdamW needs at least 1 step per update of its "
-             f"moments")
+    sys.exit(f"error: moment_accum_steps={moment_accum_steps}: AccumAdamW needs 1 step or more per moment update")
 if diloco_steps < 0:
     sys.exit(f"error: diloco_steps={diloco_steps}: give the inner steps per outer step, or 0 to mix every step")
 if outer_optimizer not in ('nesterov', 'sgd'):
     sys.exit(f"error: unknown outer_optimizer={outer_optimizer!r}: use nesterov or sgd")
 if not 0 <= outer_momentum < 1 or (outer_optimizer == 'nesterov' and outer_momentum == 0):
-    sys.exit(f"error: outer_momentum={outer_momentum} with outer_optimizer={outer_optimizer}: give a momentum in "
-             f"[0, 1), above 0 for nesterov (or use outer_optimizer=sgd)")
+    sys.exit(f"error: outer_momentum={outer_momentum}: in [0, 1), above 0 for nesterov (or use outer_optimizer=sgd)")
 if not outer_learning_rate > 0:
     sys.exit(f"error: outer_learning_rate={outer_learning_rate} must be above 0 (the paper's is 0.7)")
 if backend == 'auto':
