@@ -73,6 +73,13 @@ def _start(out_dir, run_id, settings, resumed_at, eval_only, first_row, made):
         return f
     kept = read_log(path, resumed_at) if resumed_at is not None else []
     os.makedirs(out_dir, exist_ok=True)
+    if resumed_at is None and os.path.isfile(path) and os.path.getsize(path):
+        # a run started afresh over an older run's log (--auto_resume=False): that log is kept beside, not cut
+        stamp, n = time.strftime('%Y%m%d-%H%M%S'), 1
+        while os.path.exists(aside := os.path.join(out_dir, f'metrics.before-{stamp}{f"-{n}" if n > 1 else ""}.jsonl')):
+            n += 1  # never over another one kept so
+        os.replace(path, aside)
+        print(f"{path} holds an earlier run's log: kept as {aside}", flush=True)
     for name, text in (('run_id', run_id), ('config.json', json.dumps(settings, indent=1)),
                        ('metrics.jsonl', ''.join(kept) + first_row)):
         if not os.path.exists(os.path.join(out_dir, name)):

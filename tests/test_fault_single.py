@@ -103,6 +103,8 @@ def test_a_run_started_afresh_over_an_old_run_and_killed_before_its_first_save_n
     p = run(script, *tiny(data_dir, tmp_path / 'run', *args, '--max_iters=2'), cwd=tmp_path)
     assert 'auto-resume' not in p.stdout and 'resuming from' not in p.stdout, p.stdout[-3000:]
     assert logged_iters(tmp_path / 'run') == [0, 1]
+    kept = list((tmp_path / 'run').glob('metrics.before-*.jsonl'))  # the killed run's log, kept beside, not cut
+    assert len(kept) == 1 and '"iter": 1,' in kept[0].read_text()
     p = run(script, *tiny(data_dir, tmp_path / 'run', *args, '--max_iters=2', '--init_from=resume'), cwd=tmp_path)
     assert re.search(r'at iter 2\b', p.stdout)  # its own checkpoint now, which it resumes (and is done)
 
