@@ -1,6 +1,6 @@
 """
 What ds_train.py needs of DeepSpeed 0.19.8 besides its engine: the offload settings and a user's config file
-merged into the generated config, the engine's checkpoint I/O taken over (background writes, weights_only loads)
+merged into the generated config (its keys and types checked), the engine's checkpoint I/O taken over (background writes, weights_only loads)
 and its checkpoint folders read (which iteration, which layout), a guard for the one step it leaves unchecked,
 its state as train.py's whole model and AdamW state and back (for the consolidated ckpt.pt, which resumes at any
 world size and stage), and what each rank holds in memory.
@@ -12,7 +12,10 @@ import sys
 
 import torch
 import torch.distributed as dist
+import deepspeed
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime import constants
+from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -60,6 +63,59 @@ def add_config_file(ds_cfg, path):
     if not isinstance(extra, dict):
         sys.exit(f"error: ds_config {path} holds a JSON {type(extra).__name__}, not an object of DeepSpeed settings")
     merge_config(ds_cfg, extra, '', path)
+    check_settings(ds_cfg, extra, path)
+
+
+# The type each top-level setting takes, from its default in DeepSpeed's constants; those whose default (None) tells
+# none are counts.
+DEFAULTS = {getattr(constants, n): getattr(constants, n + '_DEFAULT') for n in dir(constants)
+            if n.isupper() and isinstance(getattr(constants, n), str) and hasattr(constants, n + '_DEFAULT')}
+DEFAULTS.update(dict.fromkeys([constants.TRAIN_BATCH_SIZE, constants.TRAIN_MICRO_BATCH_SIZE_PER_GPU,
+                                constants.GRADIENT_ACCUMULATION_STEPS, constants.STEPS_PER_PRINT,
+                                constants.VOCABULARY_SIZE], 1))
+TYPES = {bool: ((bool,), 'true or false'), int: ((int,), 'a whole number'), float: ((int, float), 'a number'),
+         str: ((str,), 'a string')}
+
+
+class Reads(dict):
+    """A config dict that notes which top-level keys are looked up."""
+    def __init__(self, d, seen):
+        super().__init__(d)
+        self.seen = seen  # copy.copy (which DeepSpeedConfig makes) shares it
+
+    def __getitem__(self, k):
+        self.seen.add(k)
+        return super().__getitem__(k)
+
+    def get(self, k, default=None):
+        self.seen.add(k)
+        return super().get(k, default)
+
+    def __contains__(self, k):
+        self.seen.add(k)
+        return super().__contains__(k)
+
+    def keys(self):  # `key in config.keys()` is how some settings are looked up
+        return Reads(dict.fromkeys(super().keys()), self.seen)
+
+
+def check_settings(ds_cfg, extra, path):
+    """DeepSpeed ignores a top-level key it does not know (a misspelt setting goes unnoticed) and takes a value of
+    the wrong type until the step that uses it, after the first eval: both are refused here, before anything is
+    written. The keys it knows are those its config reader looks up; nested sections are pydantic models, which
+    refuse unknown fields and wrong types themselves."""
+    seen = set()
+    try:
+        DeepSpeedConfig(Reads(ds_cfg, seen))
+    except (ValueError, AssertionError):
+        return  # deepspeed.initialize raises it again, and ds_train.py says why in one line
+    for k, v in extra.items():
+        if k not in seen:
+            sys.exit(f"error: {path} sets {k!r}, which DeepSpeed {deepspeed.__version__} does not read: check its "
+                     f"spelling, or drop it")
+        want, words = TYPES.get(type(DEFAULTS.get(k)), ((object,), ''))
+        if not isinstance(v, want) or isinstance(v, bool) and bool not in want:
+            sys.exit(f"error: {path} sets {k}={json.dumps(v)}, but DeepSpeed takes {words} there")
 
 
 def merge_config(ours, theirs, where, path):

@@ -92,8 +92,12 @@ def stages(tmp_path_factory, data_dir, ref):
     """ds_train.py on 2 ranks at each ZeRO stage, 10 steps; stage 1 under the deepspeed launcher, stage 2 in
     deterministic mode (which turns dropout off: the curve stays train.py's)."""
     tmp = tmp_path_factory.mktemp('stages')
+    # stage 3 adds a user's DeepSpeed settings (read, of the right types, and none contradicting ours) from a file
+    (tmp / 'ds.json').write_text(json.dumps({'steps_per_print': 1000, 'wall_clock_breakdown': False,
+                                             'gradient_predivide_factor': 1,
+                                             'zero_optimization': {'overlap_comm': False}}))
     for stage in (0, 1, 2, 3):
-        args = (f'--zero_stage={stage}', '--max_iters=10')
+        args = (f'--zero_stage={stage}', '--max_iters=10', *([f'--ds_config={tmp / "ds.json"}'] if stage == 3 else []))
         if stage == 1:
             p = deepspeed_launch(tmp, data_dir, f'zero{stage}', *args)
         else:
@@ -145,6 +149,13 @@ def test_bad_input(tmp_path, data_dir, stages):
     assert 'sets train_batch_size=32, which contradicts 16 from the config' in msg
     (tmp_path / 'ds.json').write_text(json.dumps({'zero_optimization': {'stage': 3}}))
     assert 'sets zero_optimization.stage=3, which contradicts 2' in fails(f'--ds_config={tmp_path / "ds.json"}')
+    # DeepSpeed itself would ignore the misspelt key, and fail on the string only at the first step, after an eval
+    (tmp_path / 'ds.json').write_text(json.dumps({'steps_per_print': 100, 'gradient_clippin': 0.5}))
+    msg = fails(f'--ds_config={tmp_path / "ds.json"}')
+    assert "sets 'gradient_clippin', which DeepSpeed 0.19.8 does not read: check its spelling" in msg
+    (tmp_path / 'ds.json').write_text(json.dumps({'steps_per_print': 'x'}))
+    msg = fails(f'--ds_config={tmp_path / "ds.json"}')
+    assert 'sets steps_per_print="x", but DeepSpeed takes a whole number there' in msg
     assert not (tmp_path / 'bad').exists()
     # ZeRO's shards resume at the world size and stage that wrote them; elsewhere only a consolidated ckpt.pt does
     shutil.copytree(stages[3], tmp_path / 'shards')
