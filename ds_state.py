@@ -1,9 +1,9 @@
 """
-What ds_train.py needs of DeepSpeed 0.19.8 besides its engine: the offload settings and a user's config file
-merged into the generated config (its keys and types checked), the engine's checkpoint I/O taken over (background writes, weights_only loads)
-and its checkpoint folders read (which iteration, which layout), a guard for the one step it leaves unchecked,
-its state as train.py's whole model and AdamW state and back (for the consolidated ckpt.pt, which resumes at any
-world size and stage), and what each rank holds in memory.
+What ds_train.py needs of DeepSpeed 0.19.8 besides its engine: the offload settings and a user's config file merged
+into the generated config (its keys and types checked), the engine's checkpoint I/O taken over (background writes,
+weights_only loads) and its checkpoint folders read (which iteration, which layout), a guard for the one step it
+leaves unchecked, its state as train.py's whole model and AdamW state and back (for the consolidated ckpt.pt, which
+resumes at any world size and stage), and what each rank holds in memory.
 """
 
 import json
