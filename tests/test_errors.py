@@ -1,12 +1,16 @@
 """Each bad input: a one-line error that names the fix, a non-zero exit, and nothing written."""
 
 import argparse
+import ctypes
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import TINY, one_line_error, run
+from conftest import REPO, TINY, env, one_line_error, run
 
 
 def fails(tmp_path, *args, nproc=1, script='train.py'):
@@ -41,6 +45,26 @@ def test_bin_shorter_than_a_block(tmp_path, data_dir):
     (short / 'val.bin').write_bytes(b'\x01\x00' * 20)
     msg = fails(tmp_path, f'--dataset={short}', '--out_dir=out')
     assert 'val.bin holds 20 tokens, fewer than block_size + 1 = 33' in msg and 'lower --block_size' in msg
+    assert not (tmp_path / 'out').exists()
+
+
+def without_root_s_read_override():
+    """Root reads any file; a run started here does not, as a plain user would not: CAP_DAC_OVERRIDE and
+    CAP_DAC_READ_SEARCH leave the capability bounding set (prctl PR_CAPBSET_DROP), so the exec gets neither."""
+    if os.geteuid() == 0:
+        for cap in (1, 2):
+            if ctypes.CDLL(None, use_errno=True).prctl(24, cap, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), 'prctl(PR_CAPBSET_DROP)')
+
+
+def test_a_split_this_user_cannot_read(tmp_path, data_dir):
+    unreadable = tmp_path / 'unreadable'
+    shutil.copytree(data_dir / 'shakespeare_char', unreadable)
+    (unreadable / 'val.bin').chmod(0)
+    p = subprocess.run([sys.executable, str(REPO / 'train.py'), *TINY, f'--dataset={unreadable}', '--out_dir=out'],
+                       cwd=tmp_path, env=env(), capture_output=True, text=True, preexec_fn=without_root_s_read_override)
+    msg = one_line_error(p)
+    assert 'cannot read' in msg and 'val.bin (Permission denied): give this user read access to it (chmod a+r)' in msg
     assert not (tmp_path / 'out').exists()
 
 

@@ -9,9 +9,10 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
-from conftest import REPO, TINY, env, run
+from conftest import REPO, SHAKESPEARE, TINY, env, run
 from test_fault import logged_iters
 
 ARGS = ['--gradient_accumulation_steps=2', '--max_iters=100000', '--eval_interval=4']
@@ -63,6 +64,23 @@ def test_ctrl_c_on_two_ranks_saves_the_same_step_on_both_and_exits_non_zero(tmp_
     assert torch.load(out_dir / 'ckpt.pt', weights_only=True)['iter_num'] == stopped
 
 
+@pytest.mark.parametrize('script', ['fsdp_train.py', 'ds_train.py', 'decent_train.py'])
+def test_ctrl_c_in_every_entrypoint_saves_the_step_it_stops_at_and_the_rerun_resumes_there(tmp_path, data_dir, script):
+    out_dir = tmp_path / 'run'
+    p = start([str(REPO / script)], data_dir, out_dir, tmp_path)
+    interrupt_after(p, out_dir, 5)
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == \
+        "error: stopped by Ctrl-C after saving a checkpoint: rerun the same command to resume", err[-3000:]
+    assert 'Traceback' not in err
+    stopped = stopped_at(out)
+    assert stopped > 5
+    p = run(script, *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out_dir}',
+            '--gradient_accumulation_steps=2', f'--max_iters={stopped + 1}', cwd=tmp_path)
+    assert f'holds this run\'s state at iter {stopped},' in p.stdout, p.stdout[-3000:]
+
+
 def test_a_second_ctrl_c_during_the_save_leaves_at_once_and_the_newest_checkpoint_loads(tmp_path, data_dir):
     out_dir = tmp_path / 'run'
     p = start([str(REPO / 'train.py')], data_dir, out_dir, tmp_path)
@@ -82,14 +100,44 @@ def test_a_second_ctrl_c_during_the_save_leaves_at_once_and_the_newest_checkpoin
     assert f'at iter {max(newest)}' in p.stdout
 
 
-def test_ctrl_c_in_a_tool_is_one_line_and_a_non_zero_exit(tmp_path, data_dir, shared_run):
-    ckpt = shared_run('train.py', '--max_iters=4', '--gradient_accumulation_steps=1')
-    p = subprocess.Popen([sys.executable, str(REPO / 'sample.py'), f'--out_dir={ckpt}', '--device=cpu',
-                          '--num_samples=1000', '--max_new_tokens=30', '--start=a',
-                          f'--meta_path={data_dir / "shakespeare_char" / "meta.pkl"}'], cwd=tmp_path, env=env(),
+@pytest.mark.parametrize('tool', ['sample.py', 'bench.py'])
+def test_ctrl_c_in_a_tool_is_one_line_and_a_non_zero_exit(tmp_path, data_dir, shared_run, tool):
+    if tool == 'sample.py':
+        ckpt = shared_run('train.py', '--max_iters=4', '--gradient_accumulation_steps=1')
+        args = [f'--out_dir={ckpt}', '--device=cpu', '--num_samples=1000', '--max_new_tokens=30', '--start=a',
+                f'--meta_path={data_dir / "shakespeare_char" / "meta.pkl"}']
+    else:
+        args = ['--device=cpu', '--dtype=float32', '--compile=False', '--n_layer=2', '--n_head=2', '--n_embd=32',
+                '--block_size=32', '--batch_size=4', '--iters=1000000', '--warmup=0']
+    p = subprocess.Popen([sys.executable, str(REPO / tool), *args], cwd=tmp_path, env=env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert p.stdout.readline()  # sampling has begun
+    assert p.stdout.readline()  # sampling / timing has begun
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
-    assert p.returncode == 130
+    assert p.returncode == 130, err[-3000:]
     assert err.strip() == "error: interrupted (Ctrl-C); nothing half-written is kept: rerun to start over"
+
+def test_ctrl_c_in_prepare_keeps_the_folder_as_it_was(tmp_path):
+    """A GPT-2 prep over an earlier char-level one, interrupted while it writes: the earlier files stay whole, and
+    the partial ones are gone."""
+    small = tmp_path / 'small.txt'
+    small.write_text(SHAKESPEARE.read_text()[:20000])
+    out_dir = tmp_path / 'data'
+    subprocess.run([sys.executable, str(REPO / 'prepare.py'), 'text', f'--input={small}', f'--out_dir={out_dir}'],
+                   cwd=tmp_path, env=env(), check=True, capture_output=True)
+    before = {f.name: f.read_bytes() for f in out_dir.iterdir()}
+    big = tmp_path / 'big.txt'
+    big.write_text(SHAKESPEARE.read_text() * 40)  # 44 MB: tens of seconds of BPE on one core
+    p = subprocess.Popen([sys.executable, str(REPO / 'prepare.py'), 'text', f'--input={big}', '--tokenizer=gpt2',
+                          '--num_proc=1', f'--out_dir={out_dir}'], cwd=tmp_path, env=env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    partial = out_dir / 'train.bin.tmp'
+    while not (partial.exists() and partial.stat().st_size > 0):
+        assert p.poll() is None, p.communicate()
+        time.sleep(0.01)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == \
+        "error: interrupted (Ctrl-C); nothing half-written is kept: rerun to start over" and 'Traceback' not in err
+    assert {f.name: f.read_bytes() for f in out_dir.iterdir()} == before
