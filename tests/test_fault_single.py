@@ -28,7 +28,7 @@ ONE = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=24', '--
 
 def newest_snapshot(script, folder):
     """(the path that a resume names as damaged, the file in it to cut short, its iteration) for the newest complete
-    memory snapshot in folder: a file of train.py's, fsdp_train.py's or decent_train.py's (each of these but
+    memory snapshot in folder: a file of train.py's, fsdp_train.py's, pp_train.py's or decent_train.py's (each but
     train.py's keeps the one before as .prev.pt), the step folder that ds_train.py's latest names there."""
     def iter_of(file):
         return torch.load(file, map_location='cpu', weights_only=True, mmap=True)['iter_num']
@@ -40,7 +40,7 @@ def newest_snapshot(script, folder):
     return held[it], held[it], it
 
 
-@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py'])
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'pp_train.py', 'ds_train.py', 'decent_train.py'])
 def test_a_truncated_newest_memory_snapshot_falls_back_to_the_one_before(tmp_path, data_dir, shared_run, script):
     ref_dir = shared_run(script, *ONE)
     out_dir = tmp_path / 'ft'
@@ -68,7 +68,7 @@ def test_a_truncated_newest_memory_snapshot_falls_back_to_the_one_before(tmp_pat
 
 @pytest.mark.parametrize('script', ['fsdp_train.py', 'decent_train.py', 'ds_train.py'])
 def test_sigterm_saves_and_exits_cleanly_then_resumes_on_the_same_curve(tmp_path, data_dir, shared_run, script):
-    # one process, which the signal reaches straight (train.py's test has torchrun pass it on)
+    # one process, which the signal reaches straight (train.py's and pp_train.py's tests have torchrun pass it on)
     ref_dir = shared_run(script, *ONE)
     out_dir = tmp_path / 'ft'
     p = subprocess.Popen([sys.executable, str(REPO / script), *tiny(data_dir, out_dir, *ONE)], cwd=tmp_path,
@@ -87,7 +87,7 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes_on_the_same_curve(tmp_path
     assert_same_run(ref_dir, out_dir, exact=script != 'ds_train.py')  # DeepSpeed's resume: within 1e-5
 
 
-@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py'])
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'pp_train.py', 'ds_train.py', 'decent_train.py'])
 def test_a_run_started_afresh_over_an_old_run_and_killed_before_its_first_save_never_resumes_the_old_one(
         tmp_path, data_dir, shared_run, script):
     args = ['--gradient_accumulation_steps=1', '--eval_interval=4']
