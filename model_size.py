@@ -2,13 +2,13 @@
 Sizes a GPT before it is trained: its parameters, its checkpoint, and the memory each rank needs for
 parameters, gradients, optimizer state (AdamW, fp32 master weights, as every entrypoint here keeps them) and
 activations (an estimate) under DDP, ZeRO-1/2/3, FSDP, tensor parallel and 2-D, at a world size and dtype; with
-pp_size, pp_train.py's pipeline stages too (the first and the last rank, which hold the embeddings and the head).
+pp_size, each rank of pp_train.py's pipeline too (the first and the last hold the embeddings and the head).
 
 python model_size.py --model=gpt2-xl --world_size=8
 python model_size.py --n_layer=4 --n_head=4 --n_embd=128 --block_size=64 --vocab_size=65 --world_size=2 --dtype=float32
 python model_size.py config/train_shakespeare_char_cpu.py   # a training config: its shape and batch
 python model_size.py out-shakespeare-char                   # a run folder or checkpoint: the shape it saved
-python model_size.py --model=gpt2 --pp_size=4                # and per stage of a 4-stage pipeline
+python model_size.py --model=gpt2 --pp_size=4                # and per rank of a 4-stage pipeline
 """
 
 import json
@@ -140,7 +140,7 @@ if tp2 > 1 and W % tp2 == 0 and n_head % tp2 == 0 and (4 * n_embd) % tp2 == 0:
     per_rank = sharded(tp2, W // tp2)
     rows[f'FSDP {W // tp2} x TP {tp2}'] = (4 * per_rank, 4 * per_rank, 8 * per_rank)
 act = {name: activations(int(name.split('TP ')[1]) if 'TP ' in name else 1) for name in rows}
-for r in sorted({0, pp_size - 1}) if pp_size else []:
+for r in range(pp_size):
     # a pipeline rank holds its stages' blocks, the first also the embeddings, the last the final layer norm and a
     # copy of the tied head; data parallel across pipelines keeps whole replicas of each stage
     stages = stage_ids(r, pp_size, stages_per_rank)

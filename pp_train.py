@@ -381,7 +381,10 @@ while True:
     if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
         mem = state_bytes(model.parameters(), [optimizer])
         print0("per-rank memory: " + ", ".join(f"{k[:-6]} {v / 2**20:.2f} MiB" for k, v in mem.items()))
-        log_metrics(iter_num, **mem)
+        ranks = [None] * world_size  # the stages differ (the end ones hold the embeddings and the head): all ranks'
+        dist.all_gather_object(ranks, sum(mem.values()))
+        print0("state by rank (params, grads, optim): " + ", ".join(f"{v / 2**20:.2f}" for v in ranks), "MiB")
+        log_metrics(iter_num, **mem, rank_state_bytes=ranks)
     optimizer.zero_grad(set_to_none=True)
     steps_timed += 1
 

@@ -94,13 +94,15 @@ def read_start(path):
 
 @torch.no_grad()
 def load_local_shards(state, saved):
-    """Copies a memory snapshot's pieces (local_shards of the same mesh) into the state's shards."""
-    ours, theirs = tree_flatten_with_path(local_shards(state))[0], tree_flatten_with_path(saved)[0]
+    """Copies a memory snapshot's pieces (local_shards of the same mesh) into the state's shards. Tensors only, by
+    their place in the state: pp_train.py's optimizer groups name the whole GPT's parameters in what it saves (as
+    its DCP folders must) and only its stages' in a rank's own state, and the groups' settings come from the config."""
+    tensors = lambda tree: [(path, t) for path, t in tree_flatten_with_path(tree)[0] if torch.is_tensor(t)]
+    ours, theirs = tensors(local_shards(state)), tensors(saved)
     if [path for path, _ in ours] != [path for path, _ in theirs]:
         raise ValueError("its shards are not laid out as this model's and optimizer's")
     for (_, t), (_, s) in zip(ours, theirs):
-        if torch.is_tensor(t):
-            t.copy_(s)
+        t.copy_(s)
 
 
 def load_sharded_state(model, optimizer, checkpoint, path, raw_model):

@@ -1,4 +1,4 @@
-"""Numbers, folders and data that cannot train: one validation step, shared by the four entrypoints, gives a
+"""Numbers, folders and data that cannot train: one validation step, shared by the five entrypoints, gives a
 one-line error that names the fix before anything is written; a resume that fails leaves the run it would have
 resumed as it was."""
 
@@ -10,7 +10,7 @@ import pytest
 import configurator
 from conftest import TINY, one_line_error, run
 
-SCRIPTS = ['train.py', 'fsdp_train.py', 'decent_train.py', 'ds_train.py']
+SCRIPTS = ['train.py', 'fsdp_train.py', 'pp_train.py', 'decent_train.py', 'ds_train.py']
 
 
 def fails(tmp_path, *args, script='train.py'):
@@ -84,7 +84,7 @@ def test_damaged_data(tmp_path, odd_data):
     assert not (tmp_path / 'out').exists()
 
 
-@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py'])
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'pp_train.py'])
 def test_token_ids_past_the_vocabulary(tmp_path, odd_data, script):
     meta = pickle.loads((odd_data / 'meta.pkl').read_bytes())
     (odd_data / 'meta.pkl').write_bytes(pickle.dumps({**meta, 'vocab_size': 40}))  # tiny Shakespeare has 65 chars
@@ -146,7 +146,7 @@ def test_a_schedule_that_rises_or_never_warms_up_is_warned_about(capsys):
     assert capsys.readouterr().out == ''
 
 
-@pytest.mark.parametrize('script', SCRIPTS[:3])
+@pytest.mark.parametrize('script', SCRIPTS[:4])
 def test_a_model_too_big_for_the_machine_is_refused_before_it_is_built(tmp_path, data_dir, script):
     msg = fails(tmp_path, '--n_embd=1000000', '--n_head=1', f'--out_dir={tmp_path / "out"}',
                 f'--dataset={data_dir / "shakespeare_char"}', script=script)

@@ -130,7 +130,7 @@ def test_unknown_init_from(tmp_path, data_dir):
     assert not (tmp_path / 'out').exists()
 
 
-@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'decent_train.py', 'ds_train.py'])
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'pp_train.py', 'decent_train.py', 'ds_train.py'])
 def test_negative_save_intervals_and_no_nonfinite_steps_allowed(tmp_path, data_dir, script):
     data = f'--dataset={data_dir / "shakespeare_char"}'
     msg = fails(tmp_path, data, '--out_dir=out', '--save_memory_interval=-1', script=script)

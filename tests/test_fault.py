@@ -116,16 +116,17 @@ def cut_short(path):
 # -----------------------------------------------------------------------------
 # fsdp_train.py and decent_train.py: a memory snapshot and a storage checkpoint per rank (DCP shards, replicas)
 
-KIND = {'fsdp_train.py': 'dcp', 'decent_train.py': 'decent', 'ds_train.py': 'ds'}  # out_dir's folder of step folders
+# out_dir's folder of step folders
+KIND = {'fsdp_train.py': 'dcp', 'pp_train.py': 'dcp', 'decent_train.py': 'decent', 'ds_train.py': 'ds'}
 
 
 def final_weights(script, out_dir):
-    """The weights of a run's newest storage checkpoint: train.py's, fsdp_train.py's model, every replica of
-    decent_train.py's, ds_train.py's consolidated export."""
+    """The weights of a run's newest storage checkpoint: train.py's, fsdp_train.py's or pp_train.py's model, every
+    replica of decent_train.py's, ds_train.py's consolidated export."""
     if script in ('train.py', 'ds_train.py'):
         return weights(Path(out_dir) / 'ckpt.pt')
     folder = Path(out_dir) / KIND[script] / (Path(out_dir) / KIND[script] / 'latest').read_text()
-    if script == 'fsdp_train.py':
+    if KIND[script] == 'dcp':
         from checkpoint import load_checkpoint
         return load_checkpoint(str(folder))[0].state_dict()
     return {f'{f.stem} {k}': v for f in sorted(folder.glob('rank-*.pt')) for k, v in weights(f).items()}
@@ -148,16 +149,17 @@ def assert_same_run(ref_dir, ft_dir, script=None, exact=False):
 
 
 # 2 ranks with dropout (the RNG of every rank comes back from the snapshot too), a memory snapshot every 4 steps.
-# decent_train.py with the updates in the backward's hooks (no clipping) and AccumAdamW's window across the kills;
-# two kills (one of each rank, the second in the restarted group). The uninterrupted run of each entrypoint,
-# shared_run(script, *KILLED, *KILL_ARGS[script], nproc=2), is the reference of every test below that runs it.
+# decent_train.py with the updates in the backward's hooks (no clipping) and AccumAdamW's window across the kills,
+# pp_train.py as a pipeline of two stages; two kills (one of each rank, the second in the restarted group). The
+# uninterrupted run of each entrypoint, shared_run(script, *KILLED, *KILL_ARGS[script], nproc=2), is the reference
+# of every test below that runs it.
 KILLED = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=60', '--eval_interval=30',
           '--save_memory_interval=4']
-KILL_ARGS = {'train.py': [], 'fsdp_train.py': [], 'ds_train.py': ['--zero_stage=2'],
+KILL_ARGS = {'train.py': [], 'fsdp_train.py': [], 'pp_train.py': ['--pp_size=2'], 'ds_train.py': ['--zero_stage=2'],
              'decent_train.py': ['--grad_clip=0.0', '--replica_optimizer=accumadamw', '--moment_accum_steps=3']}
 
 
-@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'decent_train.py', 'ds_train.py'])
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'pp_train.py', 'decent_train.py', 'ds_train.py'])
 def test_sigkilled_workers_resume_from_their_memory_snapshots_and_finish_the_same(tmp_path, data_dir, shared_run,
                                                                                    script):
     args = [*KILLED, *KILL_ARGS[script]]
@@ -165,7 +167,7 @@ def test_sigkilled_workers_resume_from_their_memory_snapshots_and_finish_the_sam
     # rank 0 past iter 7 (between snapshots), then rank 1 of the restarted group past iter 13
     out, killed_at = run_with_kills(elastic(script, *tiny(data_dir, tmp_path / 'ft', *args)), tmp_path / 'ft',
                                     [7, 13], cwd=tmp_path)
-    # the node's snapshot (train.py, ds_train.py) or each rank's of its own shards or replica (fsdp, decent)
+    # the node's snapshot (train.py, ds_train.py) or each rank's of its own shards, stage or replica (fsdp, pp, decent)
     resumed = [int(m) for m in re.findall(r'resuming from \S+/nanogpt-\w+/\S+ at iter (\d+)', out)]
     assert len(resumed) == len(killed_at), out[-5000:]
     assert_resumed_near(killed_at, resumed)
@@ -175,11 +177,14 @@ def test_sigkilled_workers_resume_from_their_memory_snapshots_and_finish_the_sam
     assert not os.path.exists(f'/dev/shm/nanogpt-{run_id}')  # a finished run frees its snapshots
 
 
-def test_train_sigterm_saves_and_exits_cleanly_then_resumes_exactly(tmp_path, data_dir, shared_run):
-    ref = shared_run('train.py', *KILLED, nproc=2)
+@pytest.mark.parametrize('script', ['train.py', 'pp_train.py'])
+def test_sigterm_saves_and_exits_cleanly_then_resumes_exactly(tmp_path, data_dir, shared_run, script):
+    # pp_train.py as a pipeline of 2 ranks: the stop is agreed across its stages, each stage's state and RNG come back
+    args = [*KILLED, *KILL_ARGS[script]]
+    ref = shared_run(script, *args, nproc=2)
     out_dir = tmp_path / 'ft'
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-           str(REPO / 'train.py'), *tiny(data_dir, out_dir, *KILLED)]
+           str(REPO / script), *tiny(data_dir, out_dir, *args)]
     p = subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     while not (logged_iters(out_dir) and logged_iters(out_dir)[-1] >= 10):
         assert p.poll() is None
@@ -188,11 +193,15 @@ def test_train_sigterm_saves_and_exits_cleanly_then_resumes_exactly(tmp_path, da
     out = p.communicate(timeout=120)[0]
     stopped = int(re.search(r'SIGTERM: saving a checkpoint at iter (\d+) and exiting', out)[1])
     assert 10 < stopped < 60, out[-3000:]
-    assert torch.load(out_dir / 'ckpt.pt', weights_only=True)['iter_num'] == stopped
-    assert 'train.py", line' not in out, out[-3000:]  # no worker failed (torchrun reports its own signal)
-    run('train.py', *tiny(data_dir, out_dir, *KILLED), nproc=2, cwd=tmp_path)
-    assert read_metrics(out_dir)[0] == read_metrics(ref)[0]
-    assert same_weights(weights(out_dir / 'ckpt.pt'), weights(ref / 'ckpt.pt'))
+    if script == 'train.py':
+        assert torch.load(out_dir / 'ckpt.pt', weights_only=True)['iter_num'] == stopped
+    else:
+        assert (out_dir / 'dcp' / 'latest').read_text() == f'step-{stopped:08d}'
+    assert f'{script}", line' not in out, out[-3000:]  # no worker failed (torchrun reports its own signal)
+    p = run(script, *tiny(data_dir, out_dir, *args), nproc=2, cwd=tmp_path)
+    assert f'at iter {stopped}' in p.stdout
+    assert read_metrics(out_dir)[0] == read_metrics(ref)[0]  # bit for bit
+    assert same_weights(final_weights(script, out_dir), final_weights(script, ref))
 
 
 def two_nodes_with_a_dev_shm_each(script, args, out_dir, kill_after=None):

@@ -19,6 +19,7 @@ import torch
 
 from checkpoint import snapshot_dir
 from conftest import REPO, env, read_metrics, run
+from launcher import launch
 from test_fault import KIND, assert_same_run, cut_short, final_weights, logged_iters, tiny, weights
 
 ONE = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=24', '--eval_interval=12',
@@ -27,7 +28,7 @@ ONE = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=24', '--
 
 def newest_snapshot(script, folder):
     """(the path that a resume names as damaged, the file in it to cut short, its iteration) for the newest complete
-    memory snapshot in folder: a file of train.py's, fsdp_train.py's or decent_train.py's (each of these but
+    memory snapshot in folder: a file of train.py's, fsdp_train.py's, pp_train.py's or decent_train.py's (each but
     train.py's keeps the one before as .prev.pt), the step folder that ds_train.py's latest names there."""
     def iter_of(file):
         return torch.load(file, map_location='cpu', weights_only=True, mmap=True)['iter_num']
@@ -39,7 +40,7 @@ def newest_snapshot(script, folder):
     return held[it], held[it], it
 
 
-@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py'])
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'pp_train.py', 'ds_train.py', 'decent_train.py'])
 def test_a_truncated_newest_memory_snapshot_falls_back_to_the_one_before(tmp_path, data_dir, shared_run, script):
     ref_dir = shared_run(script, *ONE)
     out_dir = tmp_path / 'ft'
@@ -67,7 +68,7 @@ def test_a_truncated_newest_memory_snapshot_falls_back_to_the_one_before(tmp_pat
 
 @pytest.mark.parametrize('script', ['fsdp_train.py', 'decent_train.py', 'ds_train.py'])
 def test_sigterm_saves_and_exits_cleanly_then_resumes_on_the_same_curve(tmp_path, data_dir, shared_run, script):
-    # one process, which the signal reaches straight (train.py's test has torchrun pass it on)
+    # one process, which the signal reaches straight (train.py's and pp_train.py's tests have torchrun pass it on)
     ref_dir = shared_run(script, *ONE)
     out_dir = tmp_path / 'ft'
     p = subprocess.Popen([sys.executable, str(REPO / script), *tiny(data_dir, out_dir, *ONE)], cwd=tmp_path,
@@ -86,7 +87,7 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes_on_the_same_curve(tmp_path
     assert_same_run(ref_dir, out_dir, exact=script != 'ds_train.py')  # DeepSpeed's resume: within 1e-5
 
 
-@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py'])
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'pp_train.py', 'ds_train.py', 'decent_train.py'])
 def test_a_run_started_afresh_over_an_old_run_and_killed_before_its_first_save_never_resumes_the_old_one(
         tmp_path, data_dir, shared_run, script):
     args = ['--gradient_accumulation_steps=1', '--eval_interval=4']
@@ -110,31 +111,39 @@ def test_a_run_started_afresh_over_an_old_run_and_killed_before_its_first_save_n
 
 
 # Runs train.py with GPT.forward returning a NaN loss on the training steps in NAN_STEPS (counted in micro-steps
-# of this process): the wrapper stands in for a real blow-up, which no small config brings about on cue.
+# of this process): the wrapper stands in for a real blow-up, which no small config brings about on cue. In
+# pp_train.py the last stage's loss_fn as its schedule computes it, once per micro-batch (not as the schedule's first
+# step infers the shapes of gradients with it, nor in an eval).
 NAN_WRAPPER = '''
 import os, runpy, sys
 sys.path.insert(0, os.environ['REPO'])
-import model
-forward, calls, bad = model.GPT.forward, [0], {int(s) for s in os.environ['NAN_STEPS'].split(',')}
+import model, pipeline
+forward, loss_fn, calls = model.GPT.forward, pipeline.loss_fn, [0]
+bad = {int(s) for s in os.environ['NAN_STEPS'].split(',')}
+def nan(loss):
+    calls[0] += 1
+    return loss * float('nan') if calls[0] in bad else loss
 def nan_forward(self, idx, targets=None):
     logits, loss = forward(self, idx, targets)
-    if self.training and targets is not None:
-        calls[0] += 1
-        if calls[0] in bad:
-            loss = loss * float('nan')
-    return logits, loss
+    return logits, nan(loss) if self.training and targets is not None else loss
 model.GPT.forward = nan_forward
+def nan_loss_fn(logits, targets):
+    loss = loss_fn(logits, targets)
+    return nan(loss) if sys._getframe(1).f_code.co_name == '_compute_loss' else loss
+pipeline.loss_fn = nan_loss_fn
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name='__main__')
 '''
 
 
-def run_with_nans(tmp_path, nan_steps, *args, script='train.py', launcher=()):
+def run_with_nans(tmp_path, nan_steps, *args, script='train.py', nproc=1, launcher=()):
     wrapper = tmp_path / 'nan_wrapper.py'
     wrapper.write_text(NAN_WRAPPER)
-    return subprocess.run([sys.executable, *launcher, str(wrapper), str(REPO / script), *args], cwd=tmp_path, text=True,
-                          env={**env(), 'REPO': str(REPO), 'NAN_STEPS': nan_steps, 'OMP_NUM_THREADS': '1'},
-                          capture_output=True, timeout=300)
+    environ = {**env(), 'REPO': str(REPO), 'NAN_STEPS': nan_steps, 'OMP_NUM_THREADS': '1'}
+    if nproc > 1:  # the ranks as tests/launcher.py starts them, each with the wrapper
+        return launch(str(wrapper), [str(REPO / script), *map(str, args)], environ, tmp_path, nproc=nproc)
+    return subprocess.run([sys.executable, *launcher, str(wrapper), str(REPO / script), *args], cwd=tmp_path,
+                          text=True, env=environ, capture_output=True, timeout=300)
 
 
 def test_train_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(tmp_path, data_dir):
@@ -169,13 +178,15 @@ def test_a_two_rank_run_stopped_by_nonfinite_steps_exits_1_on_both_ranks_under_t
 
 
 @pytest.mark.parametrize('script,extra', [('fsdp_train.py', []), ('decent_train.py', []),
-                                          ('ds_train.py', ['--zero_stage=2']), ('ds_train.py', ['--zero_stage=0'])])
+                                          ('ds_train.py', ['--zero_stage=2']), ('ds_train.py', ['--zero_stage=0']),
+                                          ('pp_train.py', ['--pp_size=2', '--pp_schedule=gpipe'])])
 def test_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(tmp_path, data_dir, script, extra):
     # the 4th step goes bad, then every one from the 8th: after max_nonfinite_steps=3 the run stops, the checkpoint
-    # of iter 6 intact. DeepSpeed skips the step itself under ZeRO; at stage 0 ds_train.py guards our AdamW.
+    # of iter 6 intact. DeepSpeed skips the step itself under ZeRO; at stage 0 ds_train.py guards our AdamW. A
+    # pipeline of 2 ranks (one micro-batch a step): only its last stage sees the loss, and both skip the step.
     args = ['--gradient_accumulation_steps=1', '--max_iters=12', '--eval_interval=6', '--max_nonfinite_steps=3', *extra]
     p = run_with_nans(tmp_path, ','.join(map(str, [4, *range(8, 40)])), *tiny(data_dir, tmp_path / 'run', *args),
-                      script=script)
+                      script=script, nproc=2 if '--pp_size=2' in extra else 1)
     assert p.returncode != 0
     assert re.search(r'iter 3: non-finite loss[a-z ]*, step skipped \(1 in a row\)', p.stdout), p.stdout[-3000:]
     assert 'iter 5: non-finite' not in p.stdout and 'iter 6: non-finite' not in p.stdout

@@ -14,7 +14,7 @@ from checkpoint import load_checkpoint
 from conftest import one_line_error, run
 from test_fault import KIND, final_weights, same_weights, tiny
 
-SCRIPTS = ['train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py']
+SCRIPTS = ['train.py', 'fsdp_train.py', 'pp_train.py', 'ds_train.py', 'decent_train.py']
 BASE = ['--max_iters=10', '--eval_interval=2', '--keep_checkpoints=3']
 
 
@@ -48,10 +48,10 @@ def test_keep_checkpoints_keeps_the_newest_k_and_the_best(base, script):
     out, val = base(script)
     files, folders = kept_iters(script, out)
     # saves at 2, 4, 6, 8, 10; the newest 3 are kept
-    assert files == ([] if script == 'fsdp_train.py' else [6, 8, 10]), files
+    assert files == ([] if KIND.get(script) == 'dcp' else [6, 8, 10]), files
     assert folders == ([] if script == 'train.py' else [6, 8, 10]), folders
     best_iter = 2 * min(range(1, len(val)), key=lambda i: val[i])  # the eval at 0 saves nothing
-    assert iter_of(out / 'best') == best_iter  # best.pt, or for fsdp_train.py the folder dcp/best names
+    assert iter_of(out / 'best') == best_iter  # best.pt, or for fsdp_train.py and pp_train.py the folder dcp/best names
     if script != 'train.py':  # beside the step folders, a copy of the best one that pruning never removes
         assert (out / KIND[script] / 'best').read_text() == f'best-step-{best_iter:08d}'
         assert [f.name for f in (out / KIND[script]).glob('best-*')] == [f'best-step-{best_iter:08d}']
@@ -92,7 +92,7 @@ def test_a_diverged_run_leaves_its_last_good_state_newest(base, tmp_path, data_d
     p = run(script, *tiny(data_dir, out, *BASE, '--max_iters=40', '--eval_interval=5', '--learning_rate=1e30',
                           '--warmup_iters=0', '--save_storage_interval=1', '--save_memory_interval=1'),
             cwd=tmp_path, check=False)
-    newest = out / KIND[script] / "step-00000010" if script == "fsdp_train.py" else out / "ckpt.pt"
+    newest = out / KIND[script] / "step-00000010" if KIND.get(script) == 'dcp' else out / "ckpt.pt"
     assert one_line_error(p).startswith(f"error: 5 steps in a row up to iter 15 had a non-finite loss"), p.stderr
     assert f"{newest} (iter 10) holds the last good state" in p.stderr
     assert "step 15: train loss nan, val loss nan" in p.stdout
@@ -100,7 +100,7 @@ def test_a_diverged_run_leaves_its_last_good_state_newest(base, tmp_path, data_d
     files, folders = kept_iters(script, out)
     # 11's set aside, nothing saved after it; 6 pruned when 11 was saved (keep 3), and 10's save again at the
     # resume took the place of the one before rather than pushing 8 out
-    assert (files, folders) == ([] if script == 'fsdp_train.py' else [8, 10], [] if script == 'train.py' else [8, 10])
+    assert (files, folders) == ([] if KIND.get(script) == 'dcp' else [8, 10], [] if script == 'train.py' else [8, 10])
     set_aside = [f.name for f in out.rglob('diverged-*')]
     assert set_aside and all('11' in name for name in set_aside), set_aside
     assert same_weights(final_weights(script, out), final_weights(script, base_dir))

@@ -62,7 +62,7 @@ def fill(disk):
             pass
 
 
-@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py'])
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'pp_train.py'])
 def test_eval_only_writes_nothing_but_its_rows_and_evaluates_the_runs_newest_state(tmp_path, data_dir, shared_run,
                                                                                     script):
     shutil.copytree(shared_run(script, *ARGS), tmp_path / 'run')

@@ -12,7 +12,7 @@ import torch
 
 from conftest import TINY, one_line_error, run
 
-SCRIPTS = ['train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py']
+SCRIPTS = ['train.py', 'fsdp_train.py', 'pp_train.py', 'ds_train.py', 'decent_train.py']
 
 
 class Payload:
