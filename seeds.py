@@ -262,19 +262,9 @@ def _toml_lines(text):
     return lines
 
 
-def read_toml(path, ctx):
-    """[(key, value, where)] of a TOML config file. Tables only group keys: [model] n_layer = 12 sets n_layer,
+def read_toml(path, text, ctx):
+    """[(key, value, where)] of a TOML config file's text. Tables only group keys: [model] n_layer = 12 sets n_layer,
     whatever the table; a key named `name` keeps its table's name (optim.name, lr_schedule.name)."""
-    try:
-        with open(path, 'rb') as f:
-            data = f.read()
-    except OSError as e:
-        sys.exit(f"error: cannot read config file {path}: {e.strerror}")
-    try:
-        text = data.decode('utf-8-sig')
-    except UnicodeDecodeError as e:
-        line = data.count(b'\n', 0, e.start) + 1
-        sys.exit(f"error: {path}:{line}: not UTF-8 (byte {data[e.start]:#x}): save the config file as UTF-8")
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:

@@ -163,3 +163,6 @@ def test_toml_with_our_keys_in_tables_and_its_errors_name_the_line(tmp_path):
         error_of('train.py', [str(tmp_path / 'typo.toml')])
     (tmp_path / 'bad.toml').write_text('[model]\nn_layer = = 3\n')
     assert error_of('train.py', [str(tmp_path / 'bad.toml')]).startswith(f"error: {tmp_path / 'bad.toml'}:2: TOML:")
+    (tmp_path / 'latin.toml').write_bytes(b'[model]\nn_layer = 3\n# caf\xe9\n')  # read as the .py files are
+    assert error_of('train.py', [str(tmp_path / 'latin.toml')]) == \
+        f"error: {tmp_path / 'latin.toml'}:3: not UTF-8 (byte 0xe9): save the config file as UTF-8"
