@@ -1,8 +1,9 @@
 """
 The names that the projects this one grew from (DLRover, TensorStack t9k, nnScaler, minGPT-DDP, Decent-DP) give our
-keys and values, and TOML config files (Decent-DP's and torchtitan's format), for configurator.py: a name that means
-exactly one of ours is taken and the run says once what it is here; one that means something else is a one-line
-error naming our command. Not for our own keys and rules: those are the entrypoints' and the configurator's.
+keys and values, and TOML config files (Decent-DP's and torchtitan's format), for configurator.py, and DLRover's prep
+flags for prepare.py: a name that means exactly one of ours is taken and the run says once what it is here; one that
+means something else is a one-line error naming our command. Not for our own keys and rules: those are the
+entrypoints' and the configurator's.
 """
 
 import math
@@ -229,6 +230,28 @@ def finish(ctx):
         return []
     ctx['notes'].append((None, f"{where} is DLRover's name: here --max_iters={iters} ({why})"))
     return [('max_iters', iters, where)]
+
+
+def prepare_args(args):
+    """DLRover's `prepare.py --src_data_path FILE [--output_dir DIR]` (a char-level prep written beside FILE, or into
+    DIR) as our arguments, said in one line; None for any other command line."""
+    flags, rest, i = {}, [], 0
+    while i < len(args):
+        key, eq, value = args[i].partition('=')
+        if key in ('--src_data_path', '--output_dir'):
+            if not eq and i + 1 < len(args):
+                value, i = args[i + 1], i + 1
+            flags[key[2:]] = value
+        else:
+            rest.append(args[i])
+        i += 1
+    if 'src_data_path' not in flags:
+        return None
+    src = flags['src_data_path']
+    ours = ['text', f'--input={src}', '--tokenizer=char',
+            f"--out_dir={flags.get('output_dir') or os.path.dirname(src) or '.'}", *rest]
+    print(f"DLRover's --src_data_path: here that is `python prepare.py {' '.join(ours)}`")
+    return ours
 
 
 def check_positional(arg):
