@@ -104,9 +104,14 @@ def translate(key, value, where, source, ctx):
         runtime = runtime if runtime is not None else 'N'
         if plan == 1:
             ours = f"torchrun --nproc_per_node={runtime} train.py ... (data parallel, a whole model on each GPU)"
+        elif plan == runtime:
+            ours = (f"torchrun --nproc_per_node={runtime} fsdp_train.py --tp_size={plan} ... (one model split over "
+                    f"{plan} GPUs by tensor parallelism, no data parallel)")
         else:
+            whole = type(plan) is type(runtime) is int and plan > 0 and runtime % plan == 0
+            groups = f"the {runtime // plan} groups" if whole else "the groups"
             ours = (f"torchrun --nproc_per_node={runtime} fsdp_train.py --tp_size={plan} ... (each model split over "
-                    f"{plan} GPUs by tensor parallelism, the groups data parallel)")
+                    f"{plan} GPUs by tensor parallelism, {groups} data parallel with FSDP)")
         sys.exit(f"error: {where}: nnScaler's --plan_ngpus={plan} --runtime_ngpus={runtime} is `{ours}` here")
     if key == 'use_nnscaler':
         sys.exit(f"error: {where}: nnScaler's switch has no counterpart: every entrypoint here is plain PyTorch "

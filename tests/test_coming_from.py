@@ -97,7 +97,12 @@ def test_decent_dp_toml_as_published_takes_its_hyperparameters(tmp_path):
 
 
 @pytest.mark.parametrize('script, argv, says', [
-    ('train.py', ['--plan_ngpus=2', '--runtime_ngpus=4'], 'torchrun --nproc_per_node=4 fsdp_train.py --tp_size=2'),
+    ('train.py', ['--plan_ngpus=2', '--runtime_ngpus=4'],
+     'torchrun --nproc_per_node=4 fsdp_train.py --tp_size=2 ... (each model split over 2 GPUs by tensor parallelism, '
+     'the 2 groups data parallel'),
+    ('fsdp_train.py', ['--plan_ngpus=4', '--runtime_ngpus=4'],
+     '`torchrun --nproc_per_node=4 fsdp_train.py --tp_size=4 ... (one model split over 4 GPUs by tensor parallelism, '
+     'no data parallel)` here'),
     ('train.py', ['--plan_ngpus', '1', '--runtime_ngpus', '4'], 'torchrun --nproc_per_node=4 train.py'),
     ('train.py', ['--use_nnscaler=False'], 'plain PyTorch'),
     ('train.py', ['trainer_config.batch_size=128'], 'here --batch_size=128'),
