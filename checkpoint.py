@@ -21,6 +21,7 @@ import pathlib
 import pickle
 import re
 import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -728,7 +729,30 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     elif resume_from is not None and init_from != 'resume':
         print0(f"auto-resume: {out_dir} holds this run's state at iter {resume_from[0]}, so the run continues "
                f"(--auto_resume=False starts afresh)")
+    if not wanted and not eval_only and os.path.isfile(run_id_path):
+        keep_earlier_snapshots(out_dir, read_run_id(run_id_path))
     return run_id, resume_from
+
+
+def keep_earlier_snapshots(out_dir, run_id):
+    """A run started afresh over out_dir (auto_resume=False) takes it over, so the earlier run's memory snapshots
+    on this node could never be resumed again, and would hold its RAM until a reboot: they move into out_dir
+    (snapshots.before-RUN_ID-HOST/), where nothing of them is lost. Where they do not fit, they stay, with a
+    warning."""
+    folder = snapshot_dir(run_id)
+    if int(os.environ.get('LOCAL_RANK', 0)) != 0 or not os.path.isdir(folder):
+        return
+    kept_as = os.path.join(out_dir, f"snapshots.before-{run_id}-{socket.gethostname()}")
+    try:
+        shutil.copytree(folder, kept_as + '.tmp')
+        os.replace(kept_as + '.tmp', kept_as)
+    except OSError as e:
+        shutil.rmtree(kept_as + '.tmp', ignore_errors=True)
+        print(f"warning: the earlier run's memory snapshots stay in {folder}, holding RAM: they could not be kept in "
+              f"{out_dir} ({reason(e)}); delete the folder once they are not wanted", flush=True)
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    print(f"the earlier run's memory snapshots moved from {folder} (RAM) to {kept_as}", flush=True)
 
 
 def print0(*args):

@@ -64,7 +64,7 @@ def test_ctrl_c_on_two_ranks_saves_the_same_step_on_both_and_exits_non_zero(tmp_
     assert torch.load(out_dir / 'ckpt.pt', weights_only=True)['iter_num'] == stopped
 
 
-@pytest.mark.parametrize('script', ['fsdp_train.py', 'ds_train.py', 'decent_train.py'])
+@pytest.mark.parametrize('script', ['fsdp_train.py', 'ds_train.py', 'decent_train.py', 'pp_train.py'])
 def test_ctrl_c_in_every_entrypoint_saves_the_step_it_stops_at_and_the_rerun_resumes_there(tmp_path, data_dir, script):
     out_dir = tmp_path / 'run'
     p = start([str(REPO / script)], data_dir, out_dir, tmp_path)

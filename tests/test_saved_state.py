@@ -6,9 +6,12 @@ half-written. One finished 10-step run per entrypoint (evals at 5 and 10) is sha
 
 import hashlib
 import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -181,3 +184,28 @@ def test_a_memory_snapshot_that_cannot_be_written_is_a_warning(tmp_path, data_di
     assert p.returncode == 0, p.stderr[-3000:]
     assert 'warning: the memory snapshot' in p.stderr and 'training goes on' in p.stderr
     assert iter_of(tmp_path / 'run' / 'ckpt.pt') == 4
+
+
+def test_a_run_started_afresh_keeps_the_killed_earlier_runs_snapshots_in_out_dir_and_frees_the_ram(tmp_path,
+                                                                                                   data_dir):
+    out = tmp_path / 'run'
+    earlier = subprocess.Popen([sys.executable, str(REPO / 'train.py'), *TINY,
+                                f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}',
+                                '--gradient_accumulation_steps=1', '--max_iters=100000',
+                                '--eval_interval=100000', '--save_memory_interval=1'], cwd=tmp_path, env=env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_id = None
+    while run_id is None or not list(Path(f'/dev/shm/nanogpt-{run_id}').glob('*.pt')):
+        assert earlier.poll() is None
+        run_id = (out / 'run_id').read_text().strip() if (out / 'run_id').exists() else None
+        time.sleep(0.01)
+    earlier.kill()
+    earlier.wait()
+    snapshots = Path(f'/dev/shm/nanogpt-{run_id}')
+    before = files(snapshots)
+    p = start(tmp_path, data_dir, out, '--max_iters=2', '--auto_resume=False')
+    kept_as = out / f'snapshots.before-{run_id}-{socket.gethostname()}'
+    assert f"the earlier run's memory snapshots moved from {snapshots} (RAM) to {kept_as}" in p.stdout
+    assert not snapshots.exists() and files(kept_as) == before and before
+    assert (out / 'run_id').read_text().strip() != run_id
+    assert not os.path.exists(f"/dev/shm/nanogpt-{(out / 'run_id').read_text().strip()}")  # its own, freed at the end
