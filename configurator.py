@@ -93,18 +93,23 @@ def _parse(text, key, defaults):
     return value
 
 
-def _read_py(arg, defaults):
-    """[(key, value, where)] of what the config file arg sets, run as Python."""
+def _read_text(path):
+    """A config file's text (.py or .toml), or a one-line error naming the file, and the line of a bad byte."""
     try:
-        with open(arg, 'rb') as f:
+        with open(path, 'rb') as f:
             data = f.read()
     except OSError as e:
-        sys.exit(f"error: cannot read config file {arg}: {e.strerror}")
+        sys.exit(f"error: cannot read config file {path}: {e.strerror}")
     try:
-        source = data.decode('utf-8-sig')  # as Python reads a source file; a BOM from an editor is fine
+        return data.decode('utf-8-sig')  # as Python reads a source file; a BOM from an editor is fine
     except UnicodeDecodeError as e:
         line = data.count(b'\n', 0, e.start) + 1
-        sys.exit(f"error: {arg}:{line}: not UTF-8 (byte {data[e.start]:#x}): save the config file as UTF-8")
+        sys.exit(f"error: {path}:{line}: not UTF-8 (byte {data[e.start]:#x}): save the config file as UTF-8")
+
+
+def _read_py(arg, defaults):
+    """[(key, value, where)] of what the config file arg sets, run as Python."""
+    source = _read_text(arg)
     scope = dict(defaults, __file__=arg)
     try:
         exec(compile(source, arg, 'exec'), scope)
@@ -144,7 +149,7 @@ def configure(namespace, argv=None, skip_unknown_in_files=False):
             if arg.endswith('.py'):
                 settings, source = _read_py(arg, defaults), 'file'
             elif arg.endswith('.toml'):
-                settings, source = seeds.read_toml(arg, context), 'toml'
+                settings, source = seeds.read_toml(arg, _read_text(arg), context), 'toml'
             else:
                 seeds.check_positional(arg)  # minGPT-DDP's Hydra overrides
                 sys.exit(f"error: argument '{arg}' is neither a config file (*.py, *.toml) nor --key=value")

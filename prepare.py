@@ -29,6 +29,7 @@ import tempfile
 
 import numpy as np
 
+import seeds
 from configurator import configure, quiet_interrupt
 from runlock import hold, let_go
 
@@ -581,32 +582,10 @@ def prepare_here(script):
     main([os.path.basename(folder), f'--out_dir={shown}', *sys.argv[1:]])
 
 
-def dlrover_args(args):
-    """DLRover's `prepare.py --src_data_path FILE [--output_dir DIR]` (a char-level prep written beside FILE, or into
-    DIR) as our arguments, said in one line; None for any other command line."""
-    flags, rest, i = {}, [], 0
-    while i < len(args):
-        key, eq, value = args[i].partition('=')
-        if key in ('--src_data_path', '--output_dir'):
-            if not eq and i + 1 < len(args):
-                value, i = args[i + 1], i + 1
-            flags[key[2:]] = value
-        else:
-            rest.append(args[i])
-        i += 1
-    if 'src_data_path' not in flags:
-        return None
-    src = flags['src_data_path']
-    ours = ['text', f'--input={src}', '--tokenizer=char',
-            f"--out_dir={flags.get('output_dir') or os.path.dirname(src) or '.'}", *rest]
-    print(f"DLRover's --src_data_path: here that is `python prepare.py {' '.join(ours)}`")
-    return ours
-
-
 def main(argv=None):
     quiet_interrupt()  # Ctrl-C: one line, no traceback
     argv = sys.argv[1:] if argv is None else argv
-    argv = dlrover_args(argv) or argv
+    argv = seeds.prepare_args(argv) or argv  # DLRover's --src_data_path FILE, as ours
     if not argv or argv[0] not in DATASETS:
         given = argv[0] if argv else 'nothing'
         sys.exit(f"error: unknown dataset {given!r}: use one of {', '.join(DATASETS)} (or DLRover's "

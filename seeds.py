@@ -1,8 +1,9 @@
 """
 The names that the projects this one grew from (DLRover, TensorStack t9k, nnScaler, minGPT-DDP, Decent-DP) give our
-keys and values, and TOML config files (Decent-DP's and torchtitan's format), for configurator.py: a name that means
-exactly one of ours is taken and the run says once what it is here; one that means something else is a one-line
-error naming our command. Not for our own keys and rules: those are the entrypoints' and the configurator's.
+keys and values, and TOML config files (Decent-DP's and torchtitan's format), for configurator.py, and DLRover's prep
+flags for prepare.py: a name that means exactly one of ours is taken and the run says once what it is here; one that
+means something else is a one-line error naming our command. Not for our own keys and rules: those are the
+entrypoints' and the configurator's.
 """
 
 import math
@@ -103,9 +104,14 @@ def translate(key, value, where, source, ctx):
         runtime = runtime if runtime is not None else 'N'
         if plan == 1:
             ours = f"torchrun --nproc_per_node={runtime} train.py ... (data parallel, a whole model on each GPU)"
+        elif plan == runtime:
+            ours = (f"torchrun --nproc_per_node={runtime} fsdp_train.py --tp_size={plan} ... (one model split over "
+                    f"{plan} GPUs by tensor parallelism, no data parallel)")
         else:
+            whole = type(plan) is type(runtime) is int and plan > 0 and runtime % plan == 0
+            groups = f"the {runtime // plan} groups" if whole else "the groups"
             ours = (f"torchrun --nproc_per_node={runtime} fsdp_train.py --tp_size={plan} ... (each model split over "
-                    f"{plan} GPUs by tensor parallelism, the groups data parallel)")
+                    f"{plan} GPUs by tensor parallelism, {groups} data parallel with FSDP)")
         sys.exit(f"error: {where}: nnScaler's --plan_ngpus={plan} --runtime_ngpus={runtime} is `{ours}` here")
     if key == 'use_nnscaler':
         sys.exit(f"error: {where}: nnScaler's switch has no counterpart: every entrypoint here is plain PyTorch "
@@ -231,6 +237,28 @@ def finish(ctx):
     return [('max_iters', iters, where)]
 
 
+def prepare_args(args):
+    """DLRover's `prepare.py --src_data_path FILE [--output_dir DIR]` (a char-level prep written beside FILE, or into
+    DIR) as our arguments, said in one line; None for any other command line."""
+    flags, rest, i = {}, [], 0
+    while i < len(args):
+        key, eq, value = args[i].partition('=')
+        if key in ('--src_data_path', '--output_dir'):
+            if not eq and i + 1 < len(args):
+                value, i = args[i + 1], i + 1
+            flags[key[2:]] = value
+        else:
+            rest.append(args[i])
+        i += 1
+    if 'src_data_path' not in flags:
+        return None
+    src = flags['src_data_path']
+    ours = ['text', f'--input={src}', '--tokenizer=char',
+            f"--out_dir={flags.get('output_dir') or os.path.dirname(src) or '.'}", *rest]
+    print(f"DLRover's --src_data_path: here that is `python prepare.py {' '.join(ours)}`")
+    return ours
+
+
 def check_positional(arg):
     """A one-line error for minGPT-DDP's Hydra overrides (section.key=value), naming ours."""
     m = re.fullmatch(r'\+{0,2}([A-Za-z_]\w*(?:\.\w+)+)=(.*)', arg)
@@ -262,19 +290,9 @@ def _toml_lines(text):
     return lines
 
 
-def read_toml(path, ctx):
-    """[(key, value, where)] of a TOML config file. Tables only group keys: [model] n_layer = 12 sets n_layer,
+def read_toml(path, text, ctx):
+    """[(key, value, where)] of a TOML config file's text. Tables only group keys: [model] n_layer = 12 sets n_layer,
     whatever the table; a key named `name` keeps its table's name (optim.name, lr_schedule.name)."""
-    try:
-        with open(path, 'rb') as f:
-            data = f.read()
-    except OSError as e:
-        sys.exit(f"error: cannot read config file {path}: {e.strerror}")
-    try:
-        text = data.decode('utf-8-sig')
-    except UnicodeDecodeError as e:
-        line = data.count(b'\n', 0, e.start) + 1
-        sys.exit(f"error: {path}:{line}: not UTF-8 (byte {data[e.start]:#x}): save the config file as UTF-8")
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:

@@ -41,7 +41,7 @@ SLOWEST_FIRST = ['test_fault.py',  # 170
                  'test_runlock.py',  # 134 with other jobs on the cores (71 of it the shared data's setup)
                  'test_names_from_files.py',  # 48 with other jobs on the cores
                  'test_saved_state.py',  # 19 (30 with the shared runs' setup, on a busy machine)
-                 'test_coming_from.py',  # 11
+                 'test_coming_from.py',  # 14
                  'test_tools_bad_input.py',  # 13
                  'test_cluster.py',  # 13
                  'test_diloco.py']  # 12; the rest under 10 each

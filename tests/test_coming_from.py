@@ -3,12 +3,15 @@ ends in one line naming our command, so the page cannot go stale."""
 
 import ast
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
 from configurator import configure
-from conftest import REPO, TINY, one_line_error, run
+from conftest import REPO, TINY, env, one_line_error, run
 
 SEED_DECENT_TOML = """log_dir = "./log"
 dataset = "openwebtext"
@@ -97,7 +100,12 @@ def test_decent_dp_toml_as_published_takes_its_hyperparameters(tmp_path):
 
 
 @pytest.mark.parametrize('script, argv, says', [
-    ('train.py', ['--plan_ngpus=2', '--runtime_ngpus=4'], 'torchrun --nproc_per_node=4 fsdp_train.py --tp_size=2'),
+    ('train.py', ['--plan_ngpus=2', '--runtime_ngpus=4'],
+     'torchrun --nproc_per_node=4 fsdp_train.py --tp_size=2 ... (each model split over 2 GPUs by tensor parallelism, '
+     'the 2 groups data parallel'),
+    ('fsdp_train.py', ['--plan_ngpus=4', '--runtime_ngpus=4'],
+     '`torchrun --nproc_per_node=4 fsdp_train.py --tp_size=4 ... (one model split over 4 GPUs by tensor parallelism, '
+     'no data parallel)` here'),
     ('train.py', ['--plan_ngpus', '1', '--runtime_ngpus', '4'], 'torchrun --nproc_per_node=4 train.py'),
     ('train.py', ['--use_nnscaler=False'], 'plain PyTorch'),
     ('train.py', ['trainer_config.batch_size=128'], 'here --batch_size=128'),
@@ -138,10 +146,27 @@ def test_dlrover_train_command_runs_as_written(here, script):
     assert 'iter 7:' in p.stdout and 'iter 8:' not in p.stdout
 
 
-def test_nnscaler_two_ranks_names_the_key_that_keeps_the_rank_batch(tmp_path, data_dir):
-    msg = one_line_error(run('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=o',
-                             '--gradient_accumulation_steps=1', nproc=2, cwd=tmp_path, check=False), nproc=2)
-    assert '--gradient_accumulation_steps=2 keeps each rank' in msg and 'nnScaler' in msg
+def test_torchrun_auto_on_cpu_names_the_accumulation_of_a_rank_a_core_which_trains(tmp_path, data_dir):
+    # minGPT-DDP's `python launch.py` (a process per device) is torchrun's --nproc_per_node=auto, which without a GPU
+    # starts a rank per core it may use: 2, pinned so here. The baby GPT's CPU recipe accumulates 1 micro-step,
+    # which 2 ranks cannot share; one line names the value that keeps each rank's batch (nnScaler's way too)
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    args = [REPO / 'config' / 'train_shakespeare_char.py', f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=o',
+            '--n_layer=1', '--max_iters=2', '--eval_iters=2']
+    p = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=auto',
+                        REPO / 'train.py', *args], cwd=tmp_path, env=env(), capture_output=True, text=True,
+                       timeout=300, preexec_fn=lambda: os.sched_setaffinity(0, cores))
+    if len(cores) == 1:  # a machine of one core: one rank, which takes the recipe as it is
+        assert p.returncode == 0 and 'iter 1:' in p.stdout, p.stderr[-3000:]
+        return
+    msg = one_line_error(p, nproc=2)
+    assert 'gradient_accumulation_steps=1 does not divide across 2' in msg and 'nnScaler' in msg and \
+        msg.split(': ')[-1].startswith('--gradient_accumulation_steps=2 keeps each rank') and 'minGPT-DDP' in msg
+    # the value it names, on the 2 ranks (started as torchrun starts them)
+    p = run('train.py', *args, '--gradient_accumulation_steps=2', nproc=2, cwd=tmp_path)
+    assert 'takes the CPU recipe' in p.stdout and 'world size 2, 1 micro-steps per rank' in p.stdout
+    config = json.loads((tmp_path / 'o' / 'config.json').read_text())
+    assert (config['world_size'], config['n_embd'], config['device']) == (2, 128, 'cpu') and 'iter 1:' in p.stdout
 
 
 def test_decent_toml_trains_at_tiny_size(tmp_path, data_dir):
@@ -163,3 +188,6 @@ def test_toml_with_our_keys_in_tables_and_its_errors_name_the_line(tmp_path):
         error_of('train.py', [str(tmp_path / 'typo.toml')])
     (tmp_path / 'bad.toml').write_text('[model]\nn_layer = = 3\n')
     assert error_of('train.py', [str(tmp_path / 'bad.toml')]).startswith(f"error: {tmp_path / 'bad.toml'}:2: TOML:")
+    (tmp_path / 'latin.toml').write_bytes(b'[model]\nn_layer = 3\n# caf\xe9\n')  # read as the .py files are
+    assert error_of('train.py', [str(tmp_path / 'latin.toml')]) == \
+        f"error: {tmp_path / 'latin.toml'}:3: not UTF-8 (byte 0xe9): save the config file as UTF-8"

@@ -27,9 +27,24 @@ def deepspeed_launch(tmp_path, data_dir, out, *extra, nproc=2):
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, '-m', 'deepspeed.launcher.runner', f'--num_gpus={nproc}', f'--master_port={port}',
-           str(REPO / 'ds_train.py'), *TINY, *BASE, f'--dataset={data_dir / "shakespeare_char"}',
-           f'--out_dir={tmp_path / out}', *extra]
+    return launched([sys.executable, '-m', 'deepspeed.launcher.runner', f'--num_gpus={nproc}', f'--master_port={port}',
+                     str(REPO / 'ds_train.py'), *TINY, *BASE, f'--dataset={data_dir / "shakespeare_char"}',
+                     f'--out_dir={tmp_path / out}', *extra], tmp_path)
+
+
+def dlrover_launch(tmp_path, data_dir, out, *extra):
+    """ds_train.py as DLRover's nanoGPT example runs its DeepSpeed script, launcher and flags as written there
+    (argparse's space-separated values, --data_dir, --epochs), through launch/dlrover_run.py for dlrover-run."""
+    shape = ('--n_layer', '--n_head', '--n_embd')  # given here as DLRover writes them
+    return launched([sys.executable, str(REPO / 'launch' / 'dlrover_run.py'), '--nnodes=1', '--max_restarts=2',
+                     '--nproc_per_node=2', str(REPO / 'ds_train.py'), '--n_layer', '2', '--n_head', '2', '--n_embd',
+                     '32', '--data_dir', str(data_dir / 'shakespeare_char'), '--epochs', '1',
+                     '--save_memory_interval', '3', '--save_storage_interval', '4',
+                     *[a for a in TINY if a.split('=')[0] not in shape], *BASE, f'--out_dir={tmp_path / out}', *extra],
+                    tmp_path)
+
+
+def launched(cmd, tmp_path):
     p = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     return p
@@ -89,8 +104,9 @@ def ref(shared_run, cpu_adam_build):  # the build starts before the first run
 
 @pytest.fixture(scope='module')
 def stages(tmp_path_factory, data_dir, ref):
-    """ds_train.py on 2 ranks at each ZeRO stage, 10 steps; stage 1 under the deepspeed launcher, stage 2 in
-    deterministic mode (which turns dropout off: the curve stays train.py's)."""
+    """ds_train.py on 2 ranks at each ZeRO stage, 10 steps; stage 0 with DLRover's command under dlrover-run, stage 1
+    under the deepspeed launcher, stage 2 in deterministic mode (which turns dropout off: the curve stays
+    train.py's)."""
     tmp = tmp_path_factory.mktemp('stages')
     # stage 3 adds a user's DeepSpeed settings (read, of the right types, and none contradicting ours) from a file
     (tmp / 'ds.json').write_text(json.dumps({'steps_per_print': 1000, 'wall_clock_breakdown': False,
@@ -98,7 +114,13 @@ def stages(tmp_path_factory, data_dir, ref):
                                              'zero_optimization': {'overlap_comm': False}}))
     for stage in (0, 1, 2, 3):
         args = (f'--zero_stage={stage}', '--max_iters=10', *([f'--ds_config={tmp / "ds.json"}'] if stage == 3 else []))
-        if stage == 1:
+        if stage == 0:
+            p = dlrover_launch(tmp, data_dir, f'zero{stage}', *args)
+            # one pass over train.bin's 1,003,854 tokens at 512 an iteration; max_iters=10 ends the run first
+            assert "--epochs 1 is DLRover's name: here --max_iters=1961" in p.stdout and 'max_iters=10 ends' in p.stdout
+            assert 'running as dlrover-run --standalone' in p.stdout
+            assert 'saving checkpoint to ' + str(tmp / 'zero0' / 'ds' / 'step-00000004') in p.stdout
+        elif stage == 1:
             p = deepspeed_launch(tmp, data_dir, f'zero{stage}', *args)
         else:
             p = launch('ds_train.py', tmp, data_dir, f'zero{stage}', *args,

@@ -251,9 +251,19 @@ def test_dlrover_run_restarts_sigkilled_workers_and_train_py_finishes_bit_exact(
     # dlrover-run in place of torchrun, standalone (its job master on this node): it gives the workers no agent
     # store, and a new MASTER_PORT at each restart
     ref_dir = shared_run('train.py', *KILLED, nproc=2)
+    # the workers' flags as DLRover's nanoGPT example writes them: argparse's space-separated values, the data's
+    # folder as --data_dir, and --epochs (one pass over train.bin is 3,922 steps here: max_iters=60 ends the run)
+    dlrover = ['--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--data_dir', str(data_dir / 'shakespeare_char'),
+               '--epochs', '1', '--save_memory_interval', '4', '--save_storage_interval', '50']
+    ours = [a for a in [*TINY, *KILLED] if a.split('=')[0] not in ('--n_layer', '--n_head', '--n_embd',
+                                                                     '--save_memory_interval')]
     cmd = [sys.executable, str(REPO / 'launch' / 'dlrover_run.py'), '--standalone', '--nproc_per_node=2',
-           '--max_restarts=3', str(REPO / 'train.py'), *tiny(data_dir, tmp_path / 'ft', *KILLED)]
+           '--max_restarts=3', str(REPO / 'train.py'), *dlrover, *ours, f'--out_dir={tmp_path / "ft"}']
     out, killed_at = run_with_kills(cmd, tmp_path / 'ft', [6, 18], cwd=tmp_path)
+    assert "--epochs 1 is DLRover's name: here --max_iters=3922" in out and 'max_iters=60 ends the run first' in out
+    # the storage checkpoint at 50, between evals: saved before that step
+    steps = [line for line in out.splitlines() if line.startswith(('iter ', 'saving checkpoint to '))]
+    assert steps[steps.index(next(x for x in steps if x.startswith('iter 50:'))) - 1].startswith('saving checkpoint')
     resumed = [int(m) for m in re.findall(r'resuming from \S+/nanogpt-\w+/ckpt\.pt at iter (\d+)', out)]
     assert len(resumed) == len(killed_at), out[-5000:]
     assert_resumed_near(killed_at, resumed)
