@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from checkpoint import exit_after_failed_save, save_failed
 
 _stop_signals = []
+_queued = []  # the verdicts agree() left on the device for the host to read at the next step
 
 
 def torchrun_env():
@@ -153,17 +154,54 @@ def use_deterministic_algorithms(device_type):
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-def agree(nonfinite):
+def agree(nonfinite, iter_num=None):
     """(nonfinite, stop) as every rank sees them: whether any rank's step was not finite (a tensor, so that the
     check queues on the device), and whether any rank was sent SIGTERM. One small all-reduce carries both, and
-    whether any rank's storage checkpoint could not be written in the background: then every rank stops here."""
-    flags = torch.tensor([float(bool(_stop_signals)), float(save_failed())], device=nonfinite.device)
-    flags = torch.cat([nonfinite.float().reshape(1), flags])
+    whether any rank's storage checkpoint could not be written in the background: then every rank stops here.
+    Given the step's iter_num, the host does not wait for the verdict: it returns at once the device's flag of a
+    non-finite step, by which the fused AdamW skips its update there (found_inf), and verdicts() reads the rest
+    at the next step, once the host has queued this step's update (a read now would stall the CPU that should run
+    ahead of the GPU)."""
+    flags = torch.empty(3, device=nonfinite.device)
+    flags[0] = nonfinite  # on the device; the host's flags are filled in, not copied, so nothing waits here either
+    flags[1] = float(bool(_stop_signals))
+    flags[2] = float(save_failed())
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if iter_num is None:
+        return read_verdict(flags)
+    if flags.is_cuda:  # copied to the host in the stream's order, with an event to wait for that copy alone
+        host, done = flags.to('cpu', non_blocking=True), torch.cuda.Event()
+        done.record()
+        _queued.append((iter_num, host, done))
+    else:
+        _queued.append((iter_num, flags, None))
+    return flags[0]
+
+
+def skip_on_device(optimizer, nonfinite):
+    """The optimizer's next step leaves the weights, its moments and its step count as they are where nonfinite (a
+    device tensor) is 1, decided on the device: the fused AdamW kernel reads it as found_inf, as it reads
+    GradScaler's. A loaded state may have turned fusing off (nanoGPT's checkpoints from a CPU): it is on again."""
+    for group in optimizer.param_groups:
+        group.update(fused=True, foreach=None)
+    optimizer.found_inf = nonfinite
+
+
+def read_verdict(flags):
     nonfinite, stop, failed = flags.tolist()
     if failed:
         exit_after_failed_save()
     return bool(nonfinite), bool(stop)
+
+
+def verdicts():
+    """The verdicts agree() queued (a step's, read at the next: the device has long reached them), as
+    (iter_num, nonfinite, stop)."""
+    while _queued:
+        iter_num, flags, done = _queued.pop(0)
+        if done is not None:
+            done.synchronize()
+        yield iter_num, *read_verdict(flags)
 
 
 def gather_rng():

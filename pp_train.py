@@ -28,13 +28,13 @@ from checkpoint import (create_model, find_resume, finish_saves, kept, previous,
 from configurator import check_config, configure
 from data import check_token_ids, data_dir, find_bins, open_tokens, read_meta
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
-                         state_bytes, stop_signal, use_deterministic_algorithms)
+                         skip_on_device, state_bytes, stop_signal, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import saves_at_eval, skips_save
 from pipeline import (Forward, Part, clip, loss_fn, save_full, sharded_state, stage_blocks, stage_ids,
                       tied_grads_and_norm)
 from runlock import hold
-from runlog import count_skipped, open_log
+from runlog import heed, open_log
 from sharded import load_sharded_state, local_shards, read_start, save_dcp
 
 # -----------------------------------------------------------------------------
@@ -330,6 +330,12 @@ local_iter_num = 0  # steps taken by this process, whatever iter_num it started 
 loss_sum = torch.zeros((), device=device)
 nonfinite_steps = 0  # in a row
 while True:
+    # the step before's verdict (agree), read only now: a non-finite step is counted, a SIGTERM or Ctrl-C stops here
+    nonfinite_steps, stop = heed(nonfinite_steps, max_nonfinite_steps, log_metrics, out_dir, run_id)
+    if stop:
+        print0(f"{stop_signal()}: saving a checkpoint at iter {iter_num} and exiting")
+        save_checkpoint(wait=True)
+        break
     lr = get_lr(iter_num) if decay_lr else learning_rate
     for param_group in optimizer.param_groups:
         param_group['lr'] = lr
@@ -371,13 +377,11 @@ while True:
     if grad_clip != 0.0:
         clip(model.parameters(), grad_norm, grad_clip)
     # A non-finite loss or gradient would spoil the weights for good, so the step is skipped; the ranks decide alike,
-    # as about SIGTERM (a non-finite loss shows on the last stage's ranks only: the agreement carries it)
-    nonfinite, stop = agree(~torch.isfinite(loss_sum + grad_norm))
+    # as about SIGTERM, on the device, where the fused AdamW skips by the verdict (found_inf) with no wait for it (a
+    # non-finite loss shows on the last stage's ranks only: the agreement carries it)
+    skip_on_device(optimizer, agree(~torch.isfinite(loss_sum + grad_norm), iter_num))
     wait_for_copies()  # a snapshot taken before this step may still be copying the weights it is about to change
-    if not nonfinite:
-        optimizer.step()
-    nonfinite_steps = count_skipped(nonfinite, nonfinite_steps, max_nonfinite_steps, iter_num, log_metrics,
-                                    out_dir, run_id)
+    optimizer.step()
     if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
         mem = state_bytes(model.parameters(), [optimizer])
         print0("per-rank memory: " + ", ".join(f"{k[:-6]} {v / 2**20:.2f} MiB" for k, v in mem.items()))
@@ -401,10 +405,6 @@ while True:
     loss_sum.zero_()
     iter_num += 1
     local_iter_num += 1
-    if stop:
-        print0(f"{stop_signal()}: saving a checkpoint at iter {iter_num} and exiting")
-        save_checkpoint(wait=True)
-        break
 
 finish_saves()  # a storage checkpoint that could not be written stops the run with an error
 remove_snapshots(run_id, eval_only)  # out_dir holds the final state: free the RAM

@@ -17,6 +17,7 @@ import time
 import torch.distributed as dist
 
 from checkpoint import reason, wait_for_saves
+from distributed import verdicts
 from keep import set_aside
 
 
@@ -167,3 +168,13 @@ def count_skipped(nonfinite, in_a_row, limit, iter_num, log, out_dir, run_id, wh
         sys.exit(f"error: {in_a_row} steps in a row up to iter {iter_num} had a non-finite {what}; {held}: lower "
                  f"learning_rate, use bfloat16 rather than float16, or check the data")
     return in_a_row
+
+
+def heed(in_a_row, limit, log, out_dir, run_id):
+    """The verdict on the step before, which agree() left on the device: a non-finite step counted (count_skipped)
+    and whether the ranks were asked to stop. Returns (in_a_row, stop)."""
+    stop = False
+    for iter_num, nonfinite, stopped in verdicts():
+        in_a_row = count_skipped(nonfinite, in_a_row, limit, iter_num, log, out_dir, run_id)
+        stop = stop or stopped
+    return in_a_row, stop

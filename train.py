@@ -25,11 +25,11 @@ from checkpoint import (create_model, find_resume, finish_saves, kept, reason, r
 from configurator import check_config, configure
 from data import check_token_ids, data_dir, find_bins, open_tokens, read_meta
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
-                         state_bytes, stop_signal, use_deterministic_algorithms)
+                         skip_on_device, state_bytes, stop_signal, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import saves_at_eval, skips_save
 from runlock import hold
-from runlog import count_skipped, open_log
+from runlog import heed, open_log
 
 # -----------------------------------------------------------------------------
 # config: defaults train GPT-2 124M on OpenWebText; config/*.py and --key=value override them
@@ -288,6 +288,12 @@ local_iter_num = 0  # steps taken by this process, whatever iter_num it started 
 loss_sum = torch.zeros((), device=device)
 nonfinite_steps = 0  # in a row
 while True:
+    # the step before's verdict (agree), read only now: a non-finite step is counted, a SIGTERM or Ctrl-C stops here
+    nonfinite_steps, stop = heed(nonfinite_steps, max_nonfinite_steps, log_metrics, out_dir, run_id)
+    if stop:
+        print0(f"{stop_signal()}: saving a checkpoint at iter {iter_num} and exiting")
+        save_checkpoint(wait=True)
+        break
     lr = get_lr(iter_num) if decay_lr else learning_rate
     for param_group in optimizer.param_groups:
         param_group['lr'] = lr
@@ -334,14 +340,13 @@ while True:
     else:
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     # A non-finite loss or gradient would spoil the weights for good, so the step is skipped; the ranks decide alike,
-    # as about SIGTERM (float16's scaler skips overflowing gradients by itself: there only the loss counts)
-    nonfinite, stop = agree(~torch.isfinite(loss_sum if dtype == 'float16' else loss_sum + grad_norm))
+    # as about SIGTERM, on the device, where the fused AdamW skips by the verdict (found_inf) with no wait for it
+    # (float16's scaler skips overflowing gradients by itself, and sets found_inf so: there only the loss counts)
+    nonfinite = agree(~torch.isfinite(loss_sum if dtype == 'float16' else loss_sum + grad_norm), iter_num)
+    skip_on_device(optimizer, nonfinite)
     wait_for_copies()  # a snapshot taken before this step may still be copying the weights it is about to change
-    if not nonfinite or scaler.is_enabled():
-        scaler.step(optimizer)
-        scaler.update()
-    nonfinite_steps = count_skipped(nonfinite, nonfinite_steps, max_nonfinite_steps, iter_num, log_metrics,
-                                    out_dir, run_id)
+    scaler.step(optimizer)
+    scaler.update()
     if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
         mem = state_bytes(model.parameters(), [optimizer])
         print0("per-rank memory: " + ", ".join(f"{k[:-6]} {v / 2**20:.2f} MiB" for k, v in mem.items()))
@@ -362,10 +367,6 @@ while True:
     loss_sum.zero_()
     iter_num += 1
     local_iter_num += 1
-    if stop:
-        print0(f"{stop_signal()}: saving a checkpoint at iter {iter_num} and exiting")
-        save_checkpoint(wait=True)
-        break
 
 finish_saves()  # a storage checkpoint that could not be written stops the run with an error
 remove_snapshots(run_id, eval_only)  # out_dir holds the final state: free the RAM
