@@ -9,6 +9,7 @@ Needs root. Prepare the data first (python prepare.py shakespeare_char).
 sudo python bench_network.py                       # every mode, 1gbit/300mbit/100mbit, 2 and 4 nodes, a ~25M model
 sudo python bench_network.py --quick=True          # ddp and DiLoCo, 2 nodes at 100mbit, the tiny test model
 sudo python bench_network.py --modes=ddp,diloco-50 --rates=100mbit --nodes=4
+sudo python bench_network.py --target_loss=2.3 --modes=ddp,diloco-50 --rates=100mbit --nodes=2   # time to a loss
 """
 
 import json
@@ -44,6 +45,11 @@ out_dir = 'bench_network'
 threads = 1  # OMP threads per rank: the nodes share this machine's cores
 straggler = 1  # > 1: the last node's link is this many times slower than the others' (a straggler)
 quick = False  # a smoke run: ddp and diloco-4, 2 nodes at 100mbit, the tiny test model, 12 steps (flags win)
+target_loss = 0.0  # > 0: each mode trains instead until an eval's val loss is this or less; reports the steps and
+# the training time that took (the logged steps' times summed: the evals left out)
+eval_every = 50  # with target_loss: steps between evals (a multiple of each DiLoCo H, so evals see θ_global)
+max_steps = 5000  # with target_loss: a mode that has not reached it by then stops there
+train_args = ''  # more flags for the entrypoints, e.g. the learning-rate schedule: '--learning_rate=1e-3 --min_lr=1e-4'
 # -----------------------------------------------------------------------------
 config, given = configure(globals())
 if quick:  # its defaults, where a flag does not set the key
@@ -103,8 +109,41 @@ def iters_logged(path):
     return max((r['iter'] for r in rows if 'ms' in r), default=-1), rows
 
 
-def measure(mode, rate, n):
+def entrypoint_args(mode, out, n, iters, evals):
     script, extra = script_of(mode)
+    return [os.path.join(os.path.dirname(os.path.abspath(__file__)), script), *extra, f'--out_dir={out}',
+            f'--dataset={os.path.abspath(dataset)}', '--device=cpu', '--compile=False', '--dtype=float32',
+            f'--n_layer={n_layer}', f'--n_head={n_head}', f'--n_embd={n_embd}', f'--block_size={block_size}',
+            f'--batch_size={batch_size}', f'--gradient_accumulation_steps={n * nproc_per_node}',
+            f'--max_iters={iters}', f'--eval_interval={evals}', '--log_interval=1', '--always_save_checkpoint=False',
+            '--dropout=0.0', *train_args.split()]
+
+
+def time_to_loss(mode, rate, n):
+    """Trains the mode on the cluster until an eval reaches target_loss (or max_steps): the steps it took, and
+    the training time (the sum of the logged steps' times up to that eval, the evals left out)."""
+    out = os.path.abspath(os.path.join(run_dir, f'{mode}-{rate}-{n}n'))
+    os.makedirs(out)
+    args = entrypoint_args(mode, out, n, max_steps, eval_every)
+    reached = None
+    with Cluster(n, rate) as c:
+        procs = c.torchrun(args, nproc_per_node, env={**os.environ, 'OMP_NUM_THREADS': str(threads)}, logs=out,
+                           cwd=out)
+        while reached is None and all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+            rows = iters_logged(os.path.join(out, 'metrics.jsonl'))[1]
+            reached = next((r['iter'] for r in rows if r.get('val_loss', 1e9) <= target_loss), None)
+        rows = iters_logged(os.path.join(out, 'metrics.jsonl'))[1]  # the cluster's end stops the run, if not done
+    steps_ms = [r['ms'] for r in rows if 'ms' in r and (reached is None or r['iter'] < reached)]
+    vals = [(r['iter'], r['val_loss']) for r in rows if 'val_loss' in r]
+    if not steps_ms or not vals:
+        raise RuntimeError(f"{mode} at {rate} on {n} nodes logged no steps or evals: see {out}/node*.log")
+    return dict(mode=mode, rate=rate, nodes=n, target_loss=target_loss, reached_at=reached,
+                train_seconds=sum(steps_ms) / 1000, ms=statistics.median(steps_ms), last_eval=vals[-1],
+                load=os.getloadavg()[0])
+
+
+def measure(mode, rate, n):
     # DiLoCo sends in bursts, at the end of each window: the counters are read in the middle of windows, so that
     # a burst falls wholly inside the measured steps or wholly outside
     h = int(mode[7:]) if mode.startswith('diloco-') else 1
@@ -112,12 +151,7 @@ def measure(mode, rate, n):
     measured = -(-steps // h) * h  # whole windows: at least `steps`
     out = os.path.abspath(os.path.join(run_dir, f'{mode}-{rate}-{n}n'))
     os.makedirs(out)  # new: a run here never resumes another
-    args = [os.path.join(os.path.dirname(os.path.abspath(__file__)), script), *extra, f'--out_dir={out}',
-            f'--dataset={os.path.abspath(dataset)}', '--device=cpu', '--compile=False', '--dtype=float32',
-            f'--n_layer={n_layer}', f'--n_head={n_head}', f'--n_embd={n_embd}', f'--block_size={block_size}',
-            f'--batch_size={batch_size}', f'--gradient_accumulation_steps={n * nproc_per_node}', '--eval_iters=1',
-            f'--max_iters={start + measured + 2}', f'--eval_interval={start + measured + 2}', '--log_interval=1',
-            '--always_save_checkpoint=False', '--dropout=0.0']
+    args = [*entrypoint_args(mode, out, n, start + measured + 2, start + measured + 2), '--eval_iters=1']
     env = {**os.environ, 'OMP_NUM_THREADS': str(threads)}
     with Cluster(n, rate) as c:
         if straggler > 1:  # tc takes a rate in bit/s as NUMBERbit
@@ -167,9 +201,13 @@ if __name__ == '__main__':
     torch.set_num_threads(1)
     print(f"runs in {run_dir}; {os.cpu_count()} cores, torch {torch.__version__}", flush=True)
     print(f"straggler: the last node's link {straggler}x slower" if straggler > 1 else "no straggler", flush=True)
-    print("| mode | link | nodes | median ms/step | mean ms/step | MB sent/node/step | MB by design | sent/design | "
-          "link use | load |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    if target_loss:
+        print(f"| mode | link | nodes | steps to val loss {target_loss} | training s to it | median ms/step | "
+              f"last eval (iter, val loss) | load |\n| --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    else:
+        print("| mode | link | nodes | median ms/step | mean ms/step | MB sent/node/step | MB by design | "
+              "sent/design | link use | load |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+              flush=True)
     with open(os.path.join(run_dir, 'results.jsonl'), 'w') as log:
         for n in map(int, nodes.split(',')):
             for rate in rates.split(','):
@@ -177,12 +215,17 @@ if __name__ == '__main__':
                     if mode == 'alternating-exp-ring' and nproc_per_node < 2:
                         continue  # it alternates within and across nodes: one rank per node has no within
                     try:
-                        r = measure(mode, rate, n)
+                        r = (time_to_loss if target_loss else measure)(mode, rate, n)
                     except (RuntimeError, ValueError) as e:
                         print(f"| {mode} | {rate} | {n} | failed: {e} |", flush=True)
                         continue
                     log.write(json.dumps({**r, 'config': config}) + '\n')
                     log.flush()
+                    if target_loss:
+                        print(f"| {mode} | {rate} | {n} | {r['reached_at'] or f'not by {max_steps}'} | "
+                              f"{r['train_seconds']:.0f} | {r['ms']:.0f} | {r['last_eval'][0]}, "
+                              f"{r['last_eval'][1]:.4f} | {r['load']:.1f} |", flush=True)
+                        continue
                     print(f"| {mode} | {rate} | {n} | {r['ms']:.0f} | {r['mean_ms']:.0f} | "
                           f"{r['bytes_per_step'] / 1e6:.3f} | {r['design_bytes'] / 1e6:.3f} | "
                           f"{r['sent_over_design']:.2f} | {r['link_use']:.2f} | {r['load']:.1f} |", flush=True)
