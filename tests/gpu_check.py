@@ -11,7 +11,8 @@ A: each entrypoint trains the baby GPT under torchrun (nccl, bf16, compiled): th
    sample.py and export_hf.py read it; fsdp_train.py with CPU offload and activation checkpointing; ds_train.py at
    ZeRO-2 and ZeRO-3 with the optimizer offloaded; train.py in float16 with its scaler; a SIGKILLed worker under
    elastic torchrun resumes from its memory snapshot.
-B: bench.py on GPT-2 124M (T=1024) at a few micro-batches, and a profiler trace of the fastest.
+B: bench.py on GPT-2 124M (T=1024) at a few micro-batches, and a profiler trace of the fastest; train.py's step
+   with its verdict left on the device against a step that waits for it (the host sync it saves).
 C: tok/s of fsdp_train.py, ds_train.py (ZeRO-2) and decent_train.py against train.py at the same batch, and the
    full config/train_shakespeare_char.py's best val loss.
 Each check is a row: what, ok or FAIL, the figure. The exit status is 1 where a check failed.
@@ -29,7 +30,7 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENTRYPOINTS = ('train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py')
+ENTRYPOINTS = ('train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py', 'pp_train.py')  # pp: 1 stage
 
 p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
 p.add_argument('--dry_run', action='store_true', help='CPU, gloo, fp32, no compile, a tiny model, a few steps')
@@ -72,6 +73,20 @@ else:
 BASE = [os.path.join(REPO, 'config', 'train_shakespeare_char.py'), '--gradient_accumulation_steps=1',
         '--log_interval=1', f'--max_iters={STEPS}', f'--lr_decay_iters={STEPS}', '--always_save_checkpoint=True',
         '--deterministic=True'] + SYSTEM + MODEL
+
+
+# train.py with the host made to wait for each step's verdict (distributed.agree), as a read at once would make it
+SYNC_WRAPPER = '''import runpy, sys
+import distributed
+agree = distributed.agree
+def agree_and_wait(nonfinite, iter_num=None):
+    flag = agree(nonfinite, iter_num)
+    flag.item()
+    return flag
+distributed.agree = agree_and_wait
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name='__main__')
+'''
 
 
 def log_name(name):
@@ -225,6 +240,23 @@ if 'B' in args.parts:
         if code == 0 and os.path.isdir(os.path.join(work, 'bench_log')) and args.out:
             shutil.make_archive(os.path.join(out, 'bench_trace'), 'gztar', os.path.join(work, 'bench_log'))
         row('B', f'profile at batch {best[0]}', code == 0, 'bench-profile.log')
+    # the lever of the non-finite check: train.py as it is (the verdict read a step late), and with the host made to
+    # wait for each step's verdict, as a read at once would; logged every 10 steps, since a logged step waits too
+    with open(os.path.join(work, 'sync_wrapper.py'), 'w') as f:
+        f.write(SYNC_WRAPPER)
+    size = MODEL + ['--max_iters=4', '--log_interval=2'] if dry else \
+        ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024', '--batch_size=12', '--max_iters=60',
+         '--log_interval=10', '--eval_iters=2']
+    ms = {}
+    for name, wrap in (('sync-late', []), ('sync-every-step', [os.path.join(work, 'sync_wrapper.py')])):
+        cmd = torchrun('train.py', size + ['--random_data=True', f'--out_dir={name}', '--eval_interval=1000',
+                                           '--always_save_checkpoint=False', '--deterministic=False'])
+        script = cmd.index(os.path.join(REPO, 'train.py'))
+        code, _, _ = run(name, cmd[:script] + wrap + cmd[script:])
+        ms[name] = mean_ms(name, skip=2 if dry else 20) if code == 0 else None
+    late, every = ms['sync-late'], ms['sync-every-step']
+    row('B', 'verdict a step late vs every step', late and every,
+        f"{late:.2f} vs {every:.2f} ms/iter ({every / late:.3f}x)" if late and every else 'see sync-*.log')
 
 if 'C' in args.parts:
     # the modes side by side at one batch: GPT-2 124M (T=1024) on a GPU, the tiny model on CPU
