@@ -147,13 +147,16 @@ def start_outer_step(bucket, now, overlap):
 
 def fragment_of(sizes, fragments):
     """Streaming DiLoCo's fragments: for each bucket (of so many parameters, in the model's order), the one of
-    `fragments` contiguous runs of buckets it belongs to, each as near an equal share of the parameters as whole
-    buckets allow (a bucket goes where its middle falls), none empty while there are buckets enough."""
-    total, seen, out = sum(sizes), 0, []
+    `fragments` contiguous runs of buckets it belongs to. Each run takes the next buckets while its middle stays
+    within an equal share of what the runs before it left (a bucket too big for one share fills a run alone), and
+    none is empty while there are buckets enough."""
+    out, f, rest, filled = [], 0, sum(sizes), 0
     for i, size in enumerate(sizes):
-        share = int(fragments * (seen + size / 2) / total)
-        out.append(min(out[-1] + 1 if out else 0, max(share, fragments - len(sizes) + i)))
-        seen += size
+        if filled and f < fragments - 1 and (filled + size / 2 > rest / (fragments - f)
+                                             or len(sizes) - i <= fragments - 1 - f):
+            f, rest, filled = f + 1, rest - filled, 0
+        out.append(f)
+        filled += size
     return out
 
 

@@ -169,8 +169,8 @@ if deterministic:
     dropout = config['dropout'] = 0.0
 print0(f"world size {world_size}, {accum_steps} micro-steps per rank, {tokens_per_iter:,} tokens per iteration")
 if diloco_steps:
-    print0(f"DiLoCo: an outer {outer_optimizer} step every {diloco_steps} steps on each of {diloco_fragments} fragments, "
-           f"landing {diloco_overlap} steps later; inner optimizer {replica_optimizer}")
+    print0(f"DiLoCo: an outer {outer_optimizer} step every {diloco_steps} steps on each of {diloco_fragments} "
+           f"fragments, landing {diloco_overlap} steps later; inner optimizer {replica_optimizer}")
 else:
     print0(f"topology {topology}, a cycle of {len(rounds)} mixing rounds; optimizer {replica_optimizer}")
 
