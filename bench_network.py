@@ -10,6 +10,8 @@ sudo python bench_network.py                       # every mode, 1gbit/300mbit/1
 sudo python bench_network.py --quick=True          # ddp and DiLoCo, 2 nodes at 100mbit, the tiny test model
 sudo python bench_network.py --modes=ddp,diloco-50 --rates=100mbit --nodes=4
 sudo python bench_network.py --target_loss=2.3 --modes=ddp,diloco-50 --rates=100mbit --nodes=2   # time to a loss
+sudo python bench_network.py --modes=diloco-40,diloco-40-4,diloco-40-4-2 --rates=100mbit  # Streaming DiLoCo: 4
+                                                     # fragments (then with 2 steps of overlap): a quarter of the peak
 """
 
 import json
@@ -22,7 +24,7 @@ import torch
 
 from configurator import configure
 from data import read_meta
-from decent import mixing_rounds
+from decent import fragment_of, mixing_rounds
 from model import GPT, GPTConfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'launch'))
@@ -69,34 +71,48 @@ SCRIPTS.update({t: ('decent_train.py', [f'--topology={t}', '--grad_clip=0.0'])
                 for t in ('complete', 'ring', 'one-peer-exp', 'alternating-exp-ring')})
 
 
+def diloco_of(mode):
+    """(H, F, τ) of diloco-H, diloco-H-F (Streaming DiLoCo's F fragments) or diloco-H-F-τ (τ steps of overlap)."""
+    n = [int(x) for x in mode.split('-')[1:]]
+    return n[0], n[1] if len(n) > 1 else 1, n[2] if len(n) > 2 else 0
+
+
 def script_of(mode):
     if mode.startswith('diloco-'):
-        return 'decent_train.py', [f'--diloco_steps={int(mode[7:])}', '--grad_clip=0.0']
+        h, f, t = diloco_of(mode)
+        return 'decent_train.py', [f'--diloco_steps={h}', f'--diloco_fragments={f}', f'--diloco_overlap={t}',
+                                   f'--diloco_alpha={0.5 if t else 0}', '--grad_clip=0.0']  # the paper's α
     if mode not in SCRIPTS:
-        sys.exit(f"error: unknown mode {mode!r}: use {', '.join(SCRIPTS)} or diloco-H")
+        sys.exit(f"error: unknown mode {mode!r}: use {', '.join(SCRIPTS)}, diloco-H, diloco-H-F or diloco-H-F-τ")
     return SCRIPTS[mode]
 
 
-def design_bytes(mode, n_params, n, per_node, b=4):
+def design_bytes(mode, sizes, n, per_node, b=4):
     """The bytes a node sends per step by the mode's design, in fp32 (b bytes a parameter) over a ring of the
     world's W ranks, node by node (one hop leaves each node per ring): an all-reduce 2(W-1)/W·P·b, a reduce-scatter
-    or an all-gather half that. Gossip: each rank of the node in a group that spans nodes all-reduces P within
-    it, averaged over the cycle of rounds. Headers (Ethernet, IP, TCP: ~4.5% at a 1500-byte MTU) not counted."""
-    w = n * per_node
+    or an all-gather half that; sizes are decent_train.py's buckets (the embeddings, then each block; P in all).
+    Gossip: each rank of the node in a group that spans nodes all-reduces P within it, averaged over the cycle of
+    rounds. Headers (Ethernet, IP, TCP: ~4.5% at a 1500-byte MTU) not counted. Returns the mean over steps and the
+    most in one step: DiLoCo sends a window's bytes in one step, Streaming DiLoCo a fragment's at a time."""
+    w, n_params = n * per_node, sum(sizes)
     ring = (w - 1) / w * n_params * b  # a reduce-scatter, or an all-gather
     if mode in ('ddp', 'zero2'):
-        return 2 * ring  # the gradients' all-reduce; ZeRO-2: reduce-scatter of gradients, all-gather of parameters
+        return 2 * ring, 2 * ring  # the gradients' all-reduce; ZeRO-2: reduce-scatter of them, all-gather of params
     if mode in ('fsdp', 'zero3'):
-        return 3 * ring  # all-gather for the forward, again for the backward, reduce-scatter of the gradients
+        return 3 * ring, 3 * ring  # all-gather for the forward, again for the backward, reduce-scatter of gradients
     if mode.startswith('diloco-'):
-        return 2 * ring / int(mode[7:])  # one all-reduce of the pseudo-gradients per window
-    rounds = mixing_rounds(mode, w, per_node)
-    total = 0.0
-    for groups in rounds:
+        h, f, _ = diloco_of(mode)
+        at = {}  # the parameters whose pseudo-gradients go out after a step, by its place in the window
+        for size, k in zip(sizes, fragment_of(sizes, f)):
+            at[k * h // f] = at.get(k * h // f, 0) + size
+        return 2 * ring / h, 2 * ring * max(at.values()) / n_params  # one all-reduce of each fragment per window
+    rounds = []
+    for groups in mixing_rounds(mode, w, per_node):
+        rounds.append(0.0)
         for g in groups:
             if len({r // per_node for r in g}) > 1:  # it crosses nodes: count node 0's ranks in it
-                total += sum(r // per_node == 0 for r in g) * 2 * (len(g) - 1) / len(g) * n_params * b
-    return total / len(rounds)
+                rounds[-1] += sum(r // per_node == 0 for r in g) * 2 * (len(g) - 1) / len(g) * n_params * b
+    return sum(rounds) / len(rounds), max(rounds)
 
 
 def iters_logged(path):
@@ -144,10 +160,11 @@ def time_to_loss(mode, rate, n):
 
 
 def measure(mode, rate, n):
-    # DiLoCo sends in bursts, at the end of each window: the counters are read in the middle of windows, so that
-    # a burst falls wholly inside the measured steps or wholly outside
-    h = int(mode[7:]) if mode.startswith('diloco-') else 1
-    start = warmup + (h // 2 - warmup) % h
+    # DiLoCo sends in bursts, at the end of each window (Streaming DiLoCo: of each fragment's, F a window, each
+    # on the wire for τ more steps): the counters are read half-way between two bursts, so that a burst falls
+    # wholly inside the measured steps or wholly outside
+    h, f, t = diloco_of(mode) if mode.startswith('diloco-') else (1, 1, 0)
+    start = warmup + ((h // f + t - 2) // 2 - warmup) % h
     measured = -(-steps // h) * h  # whole windows: at least `steps`
     out = os.path.abspath(os.path.join(run_dir, f'{mode}-{rate}-{n}n'))
     os.makedirs(out)  # new: a run here never resumes another
@@ -158,13 +175,17 @@ def measure(mode, rate, n):
             c.set_rate(n - 1, f'{int(bits_per_second(rate) / straggler)}bit')
         procs = c.torchrun(args, nproc_per_node, env=env, logs=out, cwd=out)
         marks = []  # (iter, node 0's tx bytes) as the run passes the start and the end of the measured steps
+        steps_seen = []  # (iter, node 0's tx bytes) at each step logged in between: the most a step sends
         for target in (start, start + measured):
-            while iters_logged(os.path.join(out, 'metrics.jsonl'))[0] < target:
+            while (last := iters_logged(os.path.join(out, 'metrics.jsonl'))[0]) < target:
                 if any(p.poll() is not None for p in procs):
                     raise RuntimeError(f"{mode} at {rate} on {n} nodes exited early: see {out}/node*.log")
+                if marks and last > steps_seen[-1][0]:
+                    steps_seen.append((last, c.counters(0)['tx_bytes']))
                 time.sleep(0.02)
-            last = iters_logged(os.path.join(out, 'metrics.jsonl'))[0]
             marks.append((last, [node['tx_bytes'] for node in c.counters()]))
+            if not steps_seen or last > steps_seen[-1][0]:
+                steps_seen.append((last, marks[-1][1][0]))
         codes = [p.wait(timeout=3600) for p in procs]
     if any(codes):
         raise RuntimeError(f"{mode} at {rate} on {n} nodes failed ({codes}): see {out}/node*.log")
@@ -177,12 +198,17 @@ def measure(mode, rate, n):
     vocab_size = read_meta(os.path.join(dataset, 'meta.pkl'))['vocab_size']
     model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, vocab_size=vocab_size,
                           bias=False, dropout=0.0))
+    blocks = [sum(p.numel() for p in block.parameters()) for block in model.transformer.h]
     n_params = sum(p.numel() for p in model.parameters())
-    design = design_bytes(mode, n_params, n, nproc_per_node)
+    design, design_peak = design_bytes(mode, [n_params - sum(blocks), *blocks], n, nproc_per_node)
     link = bits_per_second(rate)
     sent = statistics.mean(per_step)
+    # per step logged (a poll that saw several counts their mean): steps much longer than a poll (~20 ms) make it
+    # a step's bytes; with shorter ones it mixes neighbours
+    peak = max((b - a) / (j - i) for (i, a), (j, b) in zip(steps_seen, steps_seen[1:]))
     return dict(mode=mode, rate=rate, nodes=n, straggler=straggler, params=n_params, ms=ms, mean_ms=mean_ms,
                 bytes_per_step=sent, design_bytes=design, sent_over_design=sent / design if design else None,
+                peak_bytes=peak, design_peak_bytes=design_peak,
                 link_use=8 * sent / (mean_ms / 1000) / link if link else None, steps=i1 - i0,
                 load=os.getloadavg()[0])
 
@@ -206,8 +232,8 @@ if __name__ == '__main__':
               f"last eval (iter, val loss) | load |\n| --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     else:
         print("| mode | link | nodes | median ms/step | mean ms/step | MB sent/node/step | MB by design | "
-              "sent/design | link use | load |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-              flush=True)
+              "sent/design | link use | load | peak MB sent in a step | peak MB by design |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     with open(os.path.join(run_dir, 'results.jsonl'), 'w') as log:
         for n in map(int, nodes.split(',')):
             for rate in rates.split(','):
@@ -228,4 +254,5 @@ if __name__ == '__main__':
                         continue
                     print(f"| {mode} | {rate} | {n} | {r['ms']:.0f} | {r['mean_ms']:.0f} | "
                           f"{r['bytes_per_step'] / 1e6:.3f} | {r['design_bytes'] / 1e6:.3f} | "
-                          f"{r['sent_over_design']:.2f} | {r['link_use']:.2f} | {r['load']:.1f} |", flush=True)
+                          f"{r['sent_over_design']:.2f} | {r['link_use']:.2f} | {r['load']:.1f} | "
+                          f"{r['peak_bytes'] / 1e6:.3f} | {r['design_peak_bytes'] / 1e6:.3f} |", flush=True)

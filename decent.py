@@ -1,7 +1,7 @@
 """
 What decent_train.py needs besides its loop: the topologies as cycles of mixing rounds, the flat buckets that a
-replica updates and mixes in, DiLoCo's outer step on a bucket, AccumAdamW, and the average of a checkpoint's
-replicas (to resume at another world size).
+replica updates and mixes in, DiLoCo's outer step on a bucket (and Streaming DiLoCo's fragments of buckets, each on
+a schedule of its own), AccumAdamW, and the average of a checkpoint's replicas (to resume at another world size).
 """
 
 import math
@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from checkpoint import wait_for_copies
 
 
 def mixing_rounds(topology, world_size, local_world_size):
@@ -52,6 +54,29 @@ def mixing_rounds(topology, world_size, local_world_size):
 
 
 
+def check_diloco(steps, optimizer, lr, momentum, fragments, overlap, alpha, n_layer):
+    """What is wrong with the DiLoCo keys, in a sentence, or None."""
+    if steps < 0:
+        return f"diloco_steps={steps}: give the inner steps per outer step, or 0 to mix every step"
+    if optimizer not in ('nesterov', 'sgd'):
+        return f"unknown outer_optimizer={optimizer!r}: use nesterov or sgd"
+    if not 0 <= momentum < 1 or (optimizer == 'nesterov' and momentum == 0):
+        return f"outer_momentum={momentum}: in [0, 1), above 0 for nesterov (or use outer_optimizer=sgd)"
+    if not lr > 0:
+        return f"outer_learning_rate={lr} must be above 0 (the paper's is 0.7)"
+    if not 1 <= fragments <= n_layer + 1:
+        return (f"diloco_fragments={fragments}: from 1 to the {n_layer + 1} buckets of the model (the embeddings, "
+                f"then each of its {n_layer} blocks)")
+    if (fragments > 1 or overlap) and not steps:
+        return "diloco_fragments and diloco_overlap take effect with diloco_steps > 0 only: give diloco_steps"
+    if not 0 <= overlap < max(steps, 1):
+        return (f"diloco_overlap={overlap}: from 0 to diloco_steps - 1 ({steps - 1}), so that a fragment's outer "
+                f"step lands before its next one starts")
+    if not 0 <= alpha < 1:
+        return f"diloco_alpha={alpha}: in [0, 1), the replica's own weight in the merge (1 would never take θ_global)"
+    return None
+
+
 def make_mixing_groups(rounds, rank):
     """Each round's process group for this rank, and its size (None where the round leaves the rank alone): every
     rank creates every group, in the same order, as torch.distributed requires."""
@@ -78,6 +103,10 @@ class Bucket:
     work: dist.Work = None  # its mixing all-reduce (or DiLoCo's of the pseudo-gradient), while in flight
     outer: torch.Tensor = None  # DiLoCo: the bucket of θ_global, as the last outer step left it
     outer_optimizer: torch.optim.Optimizer = None  # DiLoCo: moves outer by the replicas' mean pseudo-gradient
+    phase: int = 0  # DiLoCo: its fragment's outer steps start after the steps t where (t + 1) % H == phase
+    alpha: float = 0.0  # DiLoCo: the replica's own weight when an outer step lands (0: it restarts from θ_global)
+    sent_at: int = -1  # DiLoCo: the step after which its last outer step started
+    lands_at: int = 0  # DiLoCo: that outer step lands before the forward of this iteration (or at a save from it on)
 
 
 def make_bucket(params):
@@ -90,23 +119,92 @@ def make_bucket(params):
 
 
 
-def wait_for(bucket):
+def wait_for(bucket, now, finish=False):
     """Until the bucket's mixing all-reduce, if one is in flight, is done. Under DiLoCo that all-reduce is the
-    pseudo-gradient's, and the outer step follows: θ_global moves, and the replica starts again from it."""
-    if bucket.work is not None:
+    pseudo-gradient's, and the outer step follows once due (at iteration lands_at): θ_global moves, and the
+    replica's bucket merges with it. Until then a forward lets the all-reduce fly on (Streaming DiLoCo's overlap);
+    finish=True (a checkpoint, an eval, the end) completes it all the same, and the mean pseudo-gradient waits in
+    outer.grad for its iteration, part of the state that a checkpoint saves."""
+    due = now >= bucket.lands_at
+    if bucket.work is not None and (due or finish):
         bucket.work.wait()
         bucket.work = None
-        if bucket.outer is not None:
-            bucket.outer_optimizer.step()
-            bucket.outer.grad = None
+    if due and bucket.outer is not None and bucket.outer.grad is not None:
+        wait_for_copies()  # a checkpoint taken since the outer step started may still be copying θ_global
+        bucket.outer_optimizer.step()
+        bucket.outer.grad = None
+        bucket.flat.lerp_(bucket.outer, 1 - bucket.alpha)  # at alpha 0 exactly θ_global, as in DiLoCo
+
+
+def start_outer_step(bucket, now, overlap):
+    """DiLoCo, at the end of the bucket's window (after step now): the sum over ranks of (θ_global - θ_local) /
+    world size, the mean pseudo-gradient, in the background, as the gradient of θ_global; wait_for(bucket) takes
+    the outer step before the forward of iteration now + 1 + overlap, so that `overlap` inner steps hide it."""
+    bucket.outer.grad = (bucket.outer - bucket.flat).div_(dist.get_world_size())
+    bucket.work = dist.all_reduce(bucket.outer.grad, async_op=True)
+    bucket.sent_at, bucket.lands_at = now, now + 1 + overlap
+
+
+def fragment_of(sizes, fragments):
+    """Streaming DiLoCo's fragments: for each bucket (of so many parameters, in the model's order), the one of
+    `fragments` contiguous runs of buckets it belongs to. Each run takes the next buckets while its middle stays
+    within an equal share of what the runs before it left (a bucket too big for one share fills a run alone), and
+    none is empty while there are buckets enough."""
+    out, f, rest, filled = [], 0, sum(sizes), 0
+    for i, size in enumerate(sizes):
+        if filled and f < fragments - 1 and (filled + size / 2 > rest / (fragments - f)
+                                             or len(sizes) - i <= fragments - 1 - f):
+            f, rest, filled = f + 1, rest - filled, 0
+        out.append(f)
+        filled += size
+    return out
+
+
+def make_outer(buckets, window, fragments, optimizer, lr, momentum, alpha):
+    """DiLoCo's θ_global: a bucket of its own beside each bucket of the replica, with its outer optimizer (SGD,
+    Nesterov's or heavy-ball momentum), and its fragment's place in the window: fragment f's outer steps start
+    after the steps t where (t + 1) % window == f * window // fragments, so that the fragments take turns. Returns
+    each bucket's fragment."""
+    of = fragment_of([bucket.flat.numel() for bucket in buckets], fragments)
+    for bucket, f in zip(buckets, of):
+        bucket.outer = bucket.flat.clone()
+        bucket.outer_optimizer = torch.optim.SGD([bucket.outer], lr=lr, momentum=momentum,
+                                                 nesterov=optimizer == 'nesterov')
+        bucket.phase, bucket.alpha = f * window // fragments, alpha
+    return of
+
+
+def outer_state(buckets):
+    """DiLoCo's state beside the replica: θ_global, its optimizer's momentum, and the mean pseudo-gradients whose
+    outer steps have not landed yet (None where none) with the iteration they land at."""
+    return {'outer': [b.outer for b in buckets], 'outer_optimizers': [b.outer_optimizer.state_dict() for b in buckets],
+            'pending': [b.outer.grad for b in buckets], 'lands_at': [b.lands_at for b in buckets]}
+
+
+@torch.no_grad()
+def restore_outer(buckets, saved, own, optimizer, lr, momentum):
+    """DiLoCo's state from a checkpoint: `saved`, its 'diloco' (rank 0's: every rank's are the same; ckpt.pt's
+    has no θ_global beside the model, which is θ_global), or None where it has none (a gossip or train.py
+    checkpoint): θ_global is then the average of the replicas loaded. The outer optimizer takes the config's
+    settings. Mid-window replicas only continue on the ranks that made them (own): the rest start from θ_global.
+    The position in each window is iter_num's."""
+    if saved is None:
+        average_replicas(buckets)
+    for i, bucket in enumerate(buckets):
+        bucket.outer.copy_(saved['outer'][i] if saved is not None and 'outer' in saved else bucket.flat)
+        if saved is not None:
+            bucket.outer_optimizer.load_state_dict(saved['outer_optimizers'][i])
+            bucket.outer_optimizer.param_groups[0].update(lr=lr, momentum=momentum, nesterov=optimizer == 'nesterov')
+            if saved.get('pending', [None] * len(buckets))[i] is not None:  # an outer step still to land
+                bucket.outer.grad, bucket.lands_at = saved['pending'][i].to(bucket.outer), saved['lands_at'][i]
+        if not own:
             bucket.flat.copy_(bucket.outer)
 
 
-def start_outer_step(bucket):
-    """DiLoCo, at the end of a window: the sum over ranks of (θ_global - θ_local) / world size, the mean
-    pseudo-gradient, in the background, as the gradient of θ_global; wait_for(bucket) then takes the outer step."""
-    bucket.outer.grad = (bucket.outer - bucket.flat).div_(dist.get_world_size())
-    bucket.work = dist.all_reduce(bucket.outer.grad, async_op=True)
+def outer_bytes(buckets, now):
+    """The bytes of pseudo-gradient this rank put into all-reduces after step now (their payload: a ring
+    all-reduce sends about twice that)."""
+    return sum(b.outer.numel() * b.outer.element_size() for b in buckets if b.sent_at == now)
 
 
 @torch.no_grad()

@@ -17,7 +17,9 @@ a train.py checkpoint starts every replica here, and so does their average where
 
 DiLoCo (--diloco_steps=H): no mixing between outer steps; each replica takes H steps of its own optimizer, then the
 replicas average their pseudo-gradients (one all-reduce, bucket by bucket) and an outer Nesterov step moves the
-global model, which every replica starts the next window from; evals and ckpt.pt see the global model.
+global model, which every replica starts the next window from; evals and ckpt.pt see the global model. Streaming
+DiLoCo (--diloco_fragments=F --diloco_overlap=τ): runs of blocks take their outer steps in turn, H/F steps apart,
+each landing τ inner steps after its all-reduce started and merged into the replica (--diloco_alpha).
 """
 
 import math
@@ -35,8 +37,9 @@ from checkpoint import (commit, create_model, find_resume, finish_saves, kept, p
                         wait_for_saves)
 from configurator import check_config, configure
 from data import check_token_ids, data_dir, find_bins, open_tokens, read_meta
-from decent import (average_moments, average_replicas, global_model, make_bucket, make_mixing_groups, make_optimizer,
-                    mixing_rounds, read_replica, restore_replica, start_outer_step, wait_for)
+from decent import (average_moments, average_replicas, check_diloco, global_model, make_bucket, make_mixing_groups,
+                    make_optimizer, make_outer, mixing_rounds, outer_bytes, outer_state, read_replica, restore_outer,
+                    restore_replica, start_outer_step, wait_for)
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
                          state_bytes, stop_signal, torchrun_env, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
@@ -108,6 +111,10 @@ diloco_steps = 0  # H, the window; 0: off, the topology mixes the replicas every
 outer_optimizer = 'nesterov'  # 'nesterov' (the paper's) or 'sgd' (heavy-ball momentum; none at outer_momentum=0)
 outer_learning_rate = 0.7
 outer_momentum = 0.9
+# Streaming DiLoCo (Douillard et al., 2025): fragments of the model take their outer steps in turn, each overlapped
+diloco_fragments = 1  # F: contiguous runs of blocks (the embeddings with the first), one outer step each per window
+diloco_overlap = 0  # τ: inner steps that run while a fragment's all-reduce is on the wire, before its outer step lands
+diloco_alpha = 0.0  # the replica's own weight when a fragment's outer step lands (the paper's 0.5 with overlap)
 # -----------------------------------------------------------------------------
 config, given = configure(globals())
 check_config(config)  # every key in its range and out_dir writable, before anything is written
@@ -123,14 +130,9 @@ if replica_optimizer not in ('adamw', 'accumadamw', 'sgd'):
     sys.exit(f"error: unknown replica_optimizer={replica_optimizer!r}: use adamw, accumadamw or sgd")
 if moment_accum_steps < 1:
     sys.exit(f"error: moment_accum_steps={moment_accum_steps}: AccumAdamW needs 1 step or more per moment update")
-if diloco_steps < 0:
-    sys.exit(f"error: diloco_steps={diloco_steps}: give the inner steps per outer step, or 0 to mix every step")
-if outer_optimizer not in ('nesterov', 'sgd'):
-    sys.exit(f"error: unknown outer_optimizer={outer_optimizer!r}: use nesterov or sgd")
-if not 0 <= outer_momentum < 1 or (outer_optimizer == 'nesterov' and outer_momentum == 0):
-    sys.exit(f"error: outer_momentum={outer_momentum}: in [0, 1), above 0 for nesterov (or use outer_optimizer=sgd)")
-if not outer_learning_rate > 0:
-    sys.exit(f"error: outer_learning_rate={outer_learning_rate} must be above 0 (the paper's is 0.7)")
+if message := check_diloco(diloco_steps, outer_optimizer, outer_learning_rate, outer_momentum, diloco_fragments,
+                            diloco_overlap, diloco_alpha, n_layer):
+    sys.exit(f"error: {message}")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
 rank, local_rank, world_size = start(backend, device)
@@ -167,7 +169,8 @@ if deterministic:
     dropout = config['dropout'] = 0.0
 print0(f"world size {world_size}, {accum_steps} micro-steps per rank, {tokens_per_iter:,} tokens per iteration")
 if diloco_steps:
-    print0(f"DiLoCo: an outer {outer_optimizer} step every {diloco_steps} steps; inner optimizer {replica_optimizer}")
+    print0(f"DiLoCo: an outer {outer_optimizer} step every {diloco_steps} steps on each of {diloco_fragments} "
+           f"fragments, landing {diloco_overlap} steps later; inner optimizer {replica_optimizer}")
 else:
     print0(f"topology {topology}, a cycle of {len(rounds)} mixing rounds; optimizer {replica_optimizer}")
 
@@ -246,8 +249,8 @@ def update_and_mix(bucket):
     bucket.optimizer.step()
     bucket.stepped_at = iter_num
     if diloco_steps:
-        if (iter_num + 1) % diloco_steps == 0:  # the window's last step: the outer step follows
-            start_outer_step(bucket)
+        if (iter_num + 1) % diloco_steps == bucket.phase:  # its fragment's window ends: its outer step follows
+            start_outer_step(bucket, iter_num, diloco_overlap)
         return
     group = mixing_groups[iter_num % len(mixing_groups)]
     if group is not None:
@@ -270,16 +273,16 @@ def on_gradient(param):
 
 def finish_mixing():
     for bucket in buckets:
-        wait_for(bucket)
+        wait_for(bucket, iter_num, finish=True)
 
 
 for p in bucket_of:
     p.register_post_accumulate_grad_hook(on_gradient)
 # the next forward waits for each bucket's mixing just before the module that reads it, so the later buckets
 # still travel while the earlier layers compute
-model.register_forward_pre_hook(lambda module, args: wait_for(buckets[0]))
+model.register_forward_pre_hook(lambda module, args: wait_for(buckets[0], iter_num))
 for block, bucket in zip(model.transformer.h, buckets[1:]):
-    block.register_forward_pre_hook(lambda module, args, bucket=bucket: wait_for(bucket))
+    block.register_forward_pre_hook(lambda module, args, bucket=bucket: wait_for(bucket, iter_num))
 
 # -----------------------------------------------------------------------------
 # optimizer: one per bucket, each with train.py's two groups (weight decay on matrices and embeddings only)
@@ -290,11 +293,10 @@ for bucket in buckets:
     bucket.optimizer = make_optimizer(replica_optimizer, groups, learning_rate, (beta1, beta2), weight_decay,
                                       moment_accum_steps, device_type)
 optimizers = [bucket.optimizer for bucket in buckets]
-if diloco_steps:
-    for bucket in buckets:  # θ_global, as a bucket of its own beside each bucket of the replica, with its optimizer
-        bucket.outer = bucket.flat.clone()
-        bucket.outer_optimizer = torch.optim.SGD([bucket.outer], lr=outer_learning_rate, momentum=outer_momentum,
-                                                 nesterov=outer_optimizer == 'nesterov')
+if diloco_steps:  # θ_global beside the replica, bucket by bucket; each bucket's fragment sets its outer steps' phase
+    fragments = make_outer(buckets, diloco_steps, diloco_fragments, outer_optimizer, outer_learning_rate,
+                           outer_momentum, diloco_alpha)
+    print0(f"DiLoCo: fragments of the buckets (the embeddings, then each block) {fragments}")
 
 # -----------------------------------------------------------------------------
 # checkpoint load: the rest of the state, so that the run continues exactly where it stopped
@@ -321,25 +323,9 @@ if checkpoint is not None:
     except Exception as e:
         sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): delete it or restore a "
                  f"good copy")
-    if diloco_steps:
-        # θ_global and its optimizer's momentum, from a DiLoCo checkpoint: rank 0's (every rank's are the same), and in
-        # ckpt.pt the model itself; from any other, the average of the replicas loaded. The position in the window is
-        # iter_num's: windows end where iter_num + 1 divides by diloco_steps
-        saved = checkpoint.get('diloco')
-        if saved is None:
-            average_replicas(buckets)
-        own = len(checkpoint.get('rng', [])) == world_size and 'optimizers' in checkpoint  # not an average, not ckpt.pt
-        for i, bucket in enumerate(buckets):
-            if saved is not None and 'outer' in saved:
-                bucket.outer.copy_(saved['outer'][i])
-            else:
-                bucket.outer.copy_(bucket.flat)
-            if saved is not None:
-                bucket.outer_optimizer.load_state_dict(saved['outer_optimizers'][i])
-                bucket.outer_optimizer.param_groups[0].update(lr=outer_learning_rate, momentum=outer_momentum,
-                                                              nesterov=outer_optimizer == 'nesterov')  # the config's
-            if not own:  # mid-window replicas only continue on the ranks that made them: the rest start from θ_global
-                bucket.flat.copy_(bucket.outer)
+    if diloco_steps:  # θ_global, its momentum and the outer steps in flight; own: not an average, not ckpt.pt
+        own = len(checkpoint.get('rng', [])) == world_size and 'optimizers' in checkpoint
+        restore_outer(buckets, checkpoint.get('diloco'), own, outer_optimizer, outer_learning_rate, outer_momentum)
     if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
         data_gen.set_state(checkpoint['data_rng'])
     restore_rng(checkpoint.get('rng', []), print0)
@@ -379,8 +365,7 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     }
     checkpoint = {'model': raw_model.state_dict(), 'optimizers': [o.state_dict() for o in optimizers], **extra}
     if diloco_steps:  # θ_global and its optimizer's state, in each rank's file (ckpt.pt's model is θ_global)
-        checkpoint['diloco'] = {'outer': [b.outer for b in buckets],
-                                'outer_optimizers': [b.outer_optimizer.state_dict() for b in buckets]}
+        checkpoint['diloco'] = outer_state(buckets)
     if to == 'memory':
         os.makedirs(os.path.dirname(snapshot_path), exist_ok=True)
         # the one before is kept: a rank killed mid-write holds it still, and so do the others
@@ -399,7 +384,7 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         adamw = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
         average_moments(bucket_of, adamw)
         if diloco_steps:
-            extra['diloco'] = {'outer_optimizers': checkpoint['diloco']['outer_optimizers']}
+            extra['diloco'] = {k: v for k, v in checkpoint['diloco'].items() if k != 'outer'}
         if master_process:
             save_in_background({'model': raw_model.state_dict(), 'optimizer': adamw.state_dict(), **extra}, ckpt_path,
                                keep=keep_checkpoints, best=best and best_path)
@@ -544,7 +529,8 @@ while True:
         mfu = raw_model.estimate_mfu(batch_size * accum_steps, dt, device_name)
         print0(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f} ms, {tokens_per_iter / dt:,.0f} tok/s"
                + (f", mfu {mfu * 100:.2f}%" if mfu is not None else ""))
-        log_metrics(iter_num, loss=lossf, lr=lr, ms=dt * 1000, tokens_per_sec=tokens_per_iter / dt, mfu=mfu)
+        log_metrics(iter_num, loss=lossf, lr=lr, ms=dt * 1000, tokens_per_sec=tokens_per_iter / dt, mfu=mfu,
+                    **({'outer_bytes': outer_bytes(buckets, iter_num)} if diloco_steps else {}))
         t0, steps_timed = time.time(), 0
     loss_sum.zero_()
     iter_num += 1

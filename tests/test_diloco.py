@@ -1,8 +1,11 @@
 """DiLoCo in decent_train.py (--diloco_steps=H), in real process groups on gloo, in fp32: at H=1 with an outer SGD
-step of learning rate 1 and no momentum it is the complete topology; a resume in the middle of a window repeats the
-uninterrupted run bit for bit; at another world size every replica starts from θ_global; ckpt.pt holds θ_global and
-goes through sample.py and export_hf.py; bad DiLoCo keys are one-line errors."""
+step of learning rate 1 and no momentum it is the complete topology, in one fragment or several; a resume in the
+middle of a window repeats the uninterrupted run bit for bit, with Streaming DiLoCo's outer step in flight too; at
+another world size every replica starts from θ_global; Streaming DiLoCo's fragments take turns (the bytes of each
+step) and an outer step in flight lands τ steps late, merged by α; ckpt.pt holds θ_global and goes through sample.py
+and export_hf.py; bad DiLoCo keys are one-line errors."""
 
+import json
 import shutil
 
 import pytest
@@ -10,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import TINY, one_line_error, read_metrics, run
+from decent import fragment_of
 
 
 def launch(tmp_path, data_dir, out, *extra, nproc=1, check=True):
@@ -26,21 +30,32 @@ def load(path):
     return torch.load(path, map_location='cpu', weights_only=True)
 
 
+def sent(out_dir):
+    """{iter: the bytes of pseudo-gradient that rank 0 put into all-reduces after that step} from metrics.jsonl."""
+    rows = [json.loads(line) for line in open(out_dir / 'metrics.jsonl')]
+    return {r['iter']: r['outer_bytes'] for r in rows if 'outer_bytes' in r}
+
+
 def test_one_step_windows_with_outer_sgd_at_lr_1_are_the_complete_topology(tmp_path, data_dir):
     # θ_global - mean(θ_global - θ_i) = mean(θ_i): the outer step lands on the replicas' average, which is what
-    # complete mixing gives after every step; the inner AdamW and its moments are each rank's own either way
+    # complete mixing gives after every step; the inner AdamW and its moments are each rank's own either way. With
+    # one-step windows every fragment of Streaming DiLoCo takes its outer step after every step as well
     args = ['--gradient_accumulation_steps=4', '--max_iters=10', '--eval_interval=10']
     launch(tmp_path, data_dir, 'complete', *args, '--topology=complete', nproc=2)
-    launch(tmp_path, data_dir, 'diloco', *args, '--diloco_steps=1', '--outer_optimizer=sgd',
-           '--outer_learning_rate=1', '--outer_momentum=0', nproc=2)
-    (ref, ref_evals), (ours, our_evals) = read_metrics(tmp_path / 'complete'), read_metrics(tmp_path / 'diloco')
-    assert sorted(ref) == sorted(ours) == list(range(10)) and ref[9] < ref[0] - 0.3
-    for i in range(10):
-        assert abs(ref[i] - ours[i]) <= 1e-5 * ref[i], (i, ref[i], ours[i])
-    assert abs(ref_evals[-1]['val_loss'] - our_evals[-1]['val_loss']) <= 1e-5 * ref_evals[-1]['val_loss']
-    assert our_evals[-1]['consensus_distance'] < 1e-7  # the window just ended: every replica is θ_global
-    export = flat(load(tmp_path / 'diloco' / 'ckpt.pt')['model'])
-    assert (export - flat(load(tmp_path / 'complete' / 'ckpt.pt')['model'])).abs().max() < 1e-5
+    outer = ['--diloco_steps=1', '--outer_optimizer=sgd', '--outer_learning_rate=1', '--outer_momentum=0']
+    launch(tmp_path, data_dir, 'diloco', *args, *outer, nproc=2)
+    launch(tmp_path, data_dir, 'streaming', *args, *outer, '--diloco_fragments=3', nproc=2)
+    ref, ref_evals = read_metrics(tmp_path / 'complete')
+    assert sorted(ref) == list(range(10)) and ref[9] < ref[0] - 0.3
+    for run_ in ('diloco', 'streaming'):
+        ours, our_evals = read_metrics(tmp_path / run_)
+        assert sorted(ours) == list(range(10))
+        for i in range(10):
+            assert abs(ref[i] - ours[i]) <= 1e-5 * ref[i], (run_, i, ref[i], ours[i])
+        assert abs(ref_evals[-1]['val_loss'] - our_evals[-1]['val_loss']) <= 1e-5 * ref_evals[-1]['val_loss']
+        assert our_evals[-1]['consensus_distance'] < 1e-7  # the window just ended: every replica is θ_global
+        export = flat(load(tmp_path / run_ / 'ckpt.pt')['model'])
+        assert (export - flat(load(tmp_path / 'complete' / 'ckpt.pt')['model'])).abs().max() < 1e-5
 
 
 ARGS = ['--diloco_steps=3', '--dropout=0.1', '--grad_clip=0.0', '--gradient_accumulation_steps=2', '--eval_interval=4']
@@ -122,12 +137,103 @@ def test_ckpt_pt_holds_the_global_model_for_sample_and_export(tmp_path, data_dir
     assert torch.equal(hf['transformer.wte.weight'], export['model']['transformer.wte.weight'])
 
 
-@pytest.mark.parametrize('flag, message', [
+@pytest.mark.parametrize('flags, message', [
     ('--diloco_steps=-1', 'diloco_steps=-1: give the inner steps per outer step, or 0 to mix every step'),
     ('--outer_optimizer=adam', "unknown outer_optimizer='adam': use nesterov or sgd"),
     ('--outer_momentum=0', 'above 0 for nesterov (or use outer_optimizer=sgd)'),
     ('--outer_learning_rate=0', 'outer_learning_rate=0.0 must be above 0'),
+    ('--diloco_steps=4 --diloco_fragments=4', 'diloco_fragments=4: from 1 to the 3 buckets of the model'),
+    ('--diloco_fragments=2', 'diloco_fragments and diloco_overlap take effect with diloco_steps > 0 only'),
+    ('--diloco_steps=4 --diloco_overlap=4', 'diloco_overlap=4: from 0 to diloco_steps - 1 (3)'),
+    ('--diloco_steps=4 --diloco_alpha=1.0', 'diloco_alpha=1.0: in [0, 1)'),
 ])
-def test_bad_diloco_keys_are_one_line_errors(tmp_path, data_dir, flag, message):
-    assert message in one_line_error(launch(tmp_path, data_dir, 'bad', flag, check=False))
+def test_bad_diloco_keys_are_one_line_errors(tmp_path, data_dir, flags, message):
+    assert message in one_line_error(launch(tmp_path, data_dir, 'bad', *flags.split(), check=False))
     assert not (tmp_path / 'bad').exists()
+
+
+def test_fragments_are_contiguous_runs_of_buckets_of_near_equal_size():
+    # GPT-2 124M: the embeddings (the tied head, wpe, ln_f) weigh 5.6 blocks; F=2 cuts after the third block, into
+    # 60.7M and 63.7M parameters
+    gpt2 = [50304 * 768 + 1024 * 768 + 768] + [12 * 768 * 768 + 2 * 768] * 12
+    assert fragment_of(gpt2, 1) == [0] * 13
+    assert fragment_of(gpt2, 2) == [0] * 4 + [1] * 9
+    # the embeddings alone (39.4M, more than a quarter), then the blocks four by four (28.3M each)
+    assert fragment_of(gpt2, 4) == [0] + [1] * 4 + [2] * 4 + [3] * 4
+    assert fragment_of(gpt2, 13) == list(range(13))  # as many fragments as buckets: one each
+    for f in range(1, 14):
+        of = fragment_of(gpt2, f)
+        assert of[0] == 0 and of[-1] == f - 1 and all(b - a in (0, 1) for a, b in zip(of, of[1:])), (f, of)
+    assert fragment_of([3168, 12704, 12704], 2) == [0, 0, 1]  # the tiny test model's
+
+
+# Streaming DiLoCo: 2 fragments of a 4-step window (the first after steps 3 and 7, the second after 1 and 5), each
+# landing one step late (at 5 and 9, at 3 and 7) and merged half and half with the replica
+STREAMING = ['--diloco_steps=4', '--diloco_fragments=2', '--diloco_overlap=1', '--diloco_alpha=0.5', '--dropout=0.1',
+             '--grad_clip=0.0', '--gradient_accumulation_steps=2', '--eval_interval=4']
+
+
+@pytest.fixture(scope='module')
+def streaming(tmp_path_factory, data_dir):
+    """2 ranks, 8 steps at once and in two runs split at iter 4, where the first fragment's outer step is in flight
+    (its all-reduce started after step 3, it lands before step 5)."""
+    tmp = tmp_path_factory.mktemp('streaming')
+    launch(tmp, data_dir, 'full', *STREAMING, '--max_iters=8', nproc=2)
+    launch(tmp, data_dir, 'split', *STREAMING, '--max_iters=4', nproc=2)
+    shutil.copytree(tmp / 'split', tmp / 'at4')
+    launch(tmp, data_dir, 'split', *STREAMING, '--max_iters=8', '--init_from=resume', nproc=2)
+    return tmp
+
+
+def test_streaming_resume_with_an_outer_step_in_flight_repeats_the_uninterrupted_run_exactly(streaming):
+    (full, full_evals), (split, split_evals) = read_metrics(streaming / 'full'), read_metrics(streaming / 'split')
+    assert sorted(split) == list(range(8)) and full[7] < full[0] - 0.1
+    assert [split[i] for i in range(8)] == [full[i] for i in range(8)]  # bit for bit
+    assert [e['val_loss'] for e in split_evals] == [e['val_loss'] for e in full_evals]
+    at4 = load(streaming / 'at4' / 'decent' / 'step-00000004' / 'rank-0.pt')['diloco']
+    assert [p is not None for p in at4['pending']] == [True, True, False]  # the first fragment's, still to land
+    assert at4['lands_at'][:2] == [5, 5] and at4['pending'][0].abs().max() > 0
+    for r in range(2):
+        last = f'decent/step-00000008/rank-{r}.pt'
+        a, b = load(streaming / 'full' / last), load(streaming / 'split' / last)
+        assert torch.equal(flat(a['model']), flat(b['model']))
+        assert all(torch.equal(x, y) for x, y in zip(a['diloco']['outer'], b['diloco']['outer']))
+
+
+def test_streaming_fragments_take_turns_with_the_same_bytes_per_window(streaming, windows):
+    # fp32 buckets: the embeddings and the first block make the first fragment, the second block the second
+    saved = load(streaming / 'full' / 'decent' / 'step-00000008' / 'rank-0.pt')['diloco']
+    sizes = [t.numel() * 4 for t in saved['outer']]
+    first, second, model = sizes[0] + sizes[1], sizes[2], sum(sizes)
+    streamed = sent(streaming / 'full')
+    assert streamed == {0: 0, 1: second, 2: 0, 3: first, 4: 0, 5: second, 6: 0, 7: first}
+    # plain DiLoCo (windows of 3) sends the whole model at each window's end: the same bytes per window, all at once
+    assert sent(windows / 'full') == {0: 0, 1: 0, 2: model, 3: 0, 4: 0, 5: model, 6: 0, 7: 0}
+    assert max(streamed.values()) < 0.6 * model and sum(streamed.values()) == 2 * model
+
+
+def test_an_outer_step_in_flight_lands_late_merged_with_the_replica(tmp_path, data_dir, streaming):
+    # the 2-rank checkpoint at iter 4 resumed on one rank with the inner learning rate at 0: the replica starts from
+    # θ_global and stays there, the first fragment's outer step (Nesterov, on the saved mean pseudo-gradient) lands
+    # at iter 5, and the replica's fragment becomes the mean of its own and the new θ_global (alpha 0.5)
+    shutil.copytree(streaming / 'at4', tmp_path / 'run')
+    p = launch(tmp_path, data_dir, 'run', *STREAMING, '--max_iters=5', '--eval_interval=5', '--learning_rate=0',
+               '--min_lr=0', '--init_from=resume')
+    assert 'holds the replicas of 2 ranks, not 1' in p.stdout
+    before = load(tmp_path / 'run' / 'decent' / 'step-00000004' / 'rank-0.pt')['diloco']
+    after = load(tmp_path / 'run' / 'decent' / 'step-00000005' / 'rank-0.pt')
+    sizes, model = [t.numel() for t in before['outer']], after['model']
+    first = [k for k in model if not k.startswith('transformer.h.') and k != 'lm_head.weight']
+    blocks = [[k for k in model if k.startswith(f'transformer.h.{i}.')] for i in range(2)]
+    for i, keys in enumerate([first, *blocks]):
+        old, new, mine = before['outer'][i], after['diloco']['outer'][i], torch.cat([model[k].flatten() for k in keys])
+        assert mine.numel() == sizes[i]
+        if i == 2:  # the second fragment: nothing in flight, θ_global unmoved and the replica on it
+            assert torch.equal(new, old) and torch.equal(mine, old) and after['diloco']['pending'][i] is None
+            continue
+        g = before['pending'][i]
+        buf = before['outer_optimizers'][i]['state'].get(0, {}).get('momentum_buffer')
+        buf = g if buf is None else 0.9 * buf + g  # SGD's first step takes the gradient as the momentum
+        expected = old - 0.7 * (g + 0.9 * buf)  # Nesterov
+        assert (new - expected).abs().max() < 1e-6 and (new - old).abs().max() > 1e-4
+        assert (mine - (old + new) / 2).abs().max() < 1e-6 and after['diloco']['pending'][i] is None
