@@ -10,6 +10,7 @@ sudo python bench_network.py                       # every mode, 1gbit/300mbit/1
 sudo python bench_network.py --quick=True          # ddp and DiLoCo, 2 nodes at 100mbit, the tiny test model
 sudo python bench_network.py --modes=ddp,diloco-50 --rates=100mbit --nodes=4
 sudo python bench_network.py --target_loss=2.3 --modes=ddp,diloco-50 --rates=100mbit --nodes=2   # time to a loss
+sudo python bench_network.py --modes=allreduce,ddp --rates=1gbit,100mbit --nodes=2,4   # the ring alone, and in DDP
 sudo python bench_network.py --modes=diloco-40,diloco-40-4,diloco-40-4-2 --rates=100mbit  # Streaming DiLoCo: 4
                                                      # fragments (then with 2 steps of overlap): a quarter of the peak
 """
@@ -83,7 +84,8 @@ def script_of(mode):
         return 'decent_train.py', [f'--diloco_steps={h}', f'--diloco_fragments={f}', f'--diloco_overlap={t}',
                                    f'--diloco_alpha={0.5 if t else 0}', '--grad_clip=0.0']  # the paper's α
     if mode not in SCRIPTS:
-        sys.exit(f"error: unknown mode {mode!r}: use {', '.join(SCRIPTS)}, diloco-H, diloco-H-F or diloco-H-F-τ")
+        sys.exit(f"error: unknown mode {mode!r}: use {', '.join(SCRIPTS)}, diloco-H, diloco-H-F, diloco-H-F-τ or "
+                 f"allreduce")
     return SCRIPTS[mode]
 
 
@@ -159,6 +161,41 @@ def time_to_loss(mode, rate, n):
                 load=os.getloadavg()[0])
 
 
+def bucket_sizes():
+    """The model's parameters as decent_train.py buckets them: the embeddings (and final norm), then each block."""
+    vocab_size = read_meta(os.path.join(dataset, 'meta.pkl'))['vocab_size']
+    model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, vocab_size=vocab_size,
+                          bias=False, dropout=0.0))
+    blocks = [sum(p.numel() for p in block.parameters()) for block in model.transformer.h]
+    return [sum(p.numel() for p in model.parameters()) - sum(blocks), *blocks]
+
+
+def allreduce_alone(rate, n):
+    """gloo's all-reduce of the model's parameters with no training around it (launch/allreduce.py), `steps`
+    times: how near the ring comes to the link's rate. A row like a mode's, its steps the all-reduces."""
+    out = os.path.abspath(os.path.join(run_dir, f'allreduce-{rate}-{n}n'))
+    os.makedirs(out)
+    n_params, warm = sum(bucket_sizes()), 2
+    probe = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'launch', 'allreduce.py')
+    with Cluster(n, rate) as c:
+        before = c.counters(0)['tx_bytes']
+        procs = c.torchrun([probe, f'--numel={n_params}', f'--iters={steps}', f'--warmup={warm}'], nproc_per_node,
+                           env={**os.environ, 'OMP_NUM_THREADS': str(threads)}, logs=out, cwd=out)
+        codes = [p.wait(timeout=3600) for p in procs]
+        sent = (c.counters(0)['tx_bytes'] - before) / (steps + warm)  # the rendezvous and barriers in: ~KB
+    if any(codes):
+        raise RuntimeError(f"the all-reduce at {rate} on {n} nodes failed ({codes}): see {out}/node*.log")
+    with open(os.path.join(out, 'node0.log')) as f:
+        seconds = json.loads([line for line in f if line.startswith('{')][-1])['seconds']
+    ms, mean_ms = statistics.median(seconds) * 1000, statistics.mean(seconds) * 1000
+    design = design_bytes('ddp', [n_params], n, nproc_per_node)[0]
+    link = bits_per_second(rate)
+    return dict(mode='allreduce', rate=rate, nodes=n, straggler=straggler, params=n_params, ms=ms, mean_ms=mean_ms,
+                bytes_per_step=sent, design_bytes=design, sent_over_design=sent / design, peak_bytes=sent,
+                design_peak_bytes=design, link_use=8 * sent / (ms / 1000) / link if link else None, steps=steps,
+                load=os.getloadavg()[0])
+
+
 def measure(mode, rate, n):
     # DiLoCo sends in bursts, at the end of each window (Streaming DiLoCo: of each fragment's, F a window, each
     # on the wire for τ more steps): the counters are read half-way between two bursts, so that a burst falls
@@ -195,12 +232,9 @@ def measure(mode, rate, n):
     # the median is a step's time (for DiLoCo, one without communication); the mean counts the outer steps too
     window = [r['ms'] for r in rows if 'ms' in r and i0 < r['iter'] <= i1]
     ms, mean_ms = statistics.median(window), statistics.mean(window)
-    vocab_size = read_meta(os.path.join(dataset, 'meta.pkl'))['vocab_size']
-    model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, vocab_size=vocab_size,
-                          bias=False, dropout=0.0))
-    blocks = [sum(p.numel() for p in block.parameters()) for block in model.transformer.h]
-    n_params = sum(p.numel() for p in model.parameters())
-    design, design_peak = design_bytes(mode, [n_params - sum(blocks), *blocks], n, nproc_per_node)
+    sizes = bucket_sizes()
+    n_params = sum(sizes)
+    design, design_peak = design_bytes(mode, sizes, n, nproc_per_node)
     link = bits_per_second(rate)
     sent = statistics.mean(per_step)
     # per step logged (a poll that saw several counts their mean): steps much longer than a poll (~20 ms) make it
@@ -241,7 +275,8 @@ if __name__ == '__main__':
                     if mode == 'alternating-exp-ring' and nproc_per_node < 2:
                         continue  # it alternates within and across nodes: one rank per node has no within
                     try:
-                        r = (time_to_loss if target_loss else measure)(mode, rate, n)
+                        r = allreduce_alone(rate, n) if mode == 'allreduce' else \
+                            (time_to_loss if target_loss else measure)(mode, rate, n)
                     except (RuntimeError, ValueError) as e:
                         print(f"| {mode} | {rate} | {n} | failed: {e} |", flush=True)
                         continue
