@@ -21,7 +21,7 @@ SHAKESPEARE = SHARED_DATA / 'tinyshakespeare' / 'input.txt'
 # number of tests, which put the slowest last and left a worker idle for up to two minutes at the end. A file not
 # listed goes after these.
 SLOWEST_FIRST = ['test_fault.py',  # 170
-                 'test_interrupt.py',  # 30
+                 'test_interrupt.py',  # 55 with Ctrl-C in every entrypoint, prepare.py and bench.py
                  'test_fault_write.py',  # 144
                  'test_ds.py',  # 123
                  'test_fault_single.py',  # 117
@@ -34,6 +34,7 @@ SLOWEST_FIRST = ['test_fault.py',  # 170
                  'test_pp.py',  # 46-80 under load
                  'test_keep.py',  # 42
                  'test_fsdp.py',  # 39
+                 'test_cluster.py',  # 38 with bench_network.py's smoke runs
                  'test_fineweb.py',  # 29
                  'test_random_data.py',  # 117 with other jobs on the 2 cores; not timed idle
                  'test_decent.py',  # 25
@@ -43,7 +44,6 @@ SLOWEST_FIRST = ['test_fault.py',  # 170
                  'test_saved_state.py',  # 19 (30 with the shared runs' setup, on a busy machine)
                  'test_coming_from.py',  # 14
                  'test_tools_bad_input.py',  # 13
-                 'test_cluster.py',  # 13
                  'test_diloco.py']  # 12 (10.5 idle with Streaming DiLoCo's, 7 before); the rest under 10 each
 
 

@@ -65,19 +65,27 @@ ARGS = ['--diloco_steps=3', '--dropout=0.1', '--grad_clip=0.0', '--gradient_accu
 def windows(tmp_path_factory, data_dir):
     """2 ranks, windows of 3 steps (outer Nesterov steps after steps 2 and 5), 8 steps at once and in two runs
     split at iter 4, in the middle of the second window."""
-    tmp = tmp_path_factory.mktemp('diloco')
-    launch(tmp, data_dir, 'full', *ARGS, '--max_iters=8', nproc=2)
-    launch(tmp, data_dir, 'split', *ARGS, '--max_iters=4', nproc=2)
+    return full_and_split(tmp_path_factory.mktemp('diloco'), data_dir, ARGS)
+
+
+def assert_split_is_full(tmp):
+    (full, full_evals), (split, split_evals) = read_metrics(tmp / 'full'), read_metrics(tmp / 'split')
+    assert sorted(split) == list(range(8)) and full[7] < full[0] - 0.1
+    assert [split[i] for i in range(8)] == [full[i] for i in range(8)]  # bit for bit
+    assert [e['val_loss'] for e in split_evals] == [e['val_loss'] for e in full_evals]
+
+
+def full_and_split(tmp, data_dir, args):
+    """8 steps on 2 ranks at once ('full'), and in two runs split at iter 4 ('split'; 'at4' keeps the first)."""
+    launch(tmp, data_dir, 'full', *args, '--max_iters=8', nproc=2)
+    launch(tmp, data_dir, 'split', *args, '--max_iters=4', nproc=2)
     shutil.copytree(tmp / 'split', tmp / 'at4')
-    launch(tmp, data_dir, 'split', *ARGS, '--max_iters=8', '--init_from=resume', nproc=2)
+    launch(tmp, data_dir, 'split', *args, '--max_iters=8', '--init_from=resume', nproc=2)
     return tmp
 
 
 def test_resume_in_the_middle_of_a_window_repeats_the_uninterrupted_run_exactly(windows):
-    (full, full_evals), (split, split_evals) = read_metrics(windows / 'full'), read_metrics(windows / 'split')
-    assert sorted(split) == list(range(8)) and full[7] < full[0] - 0.1
-    assert [split[i] for i in range(8)] == [full[i] for i in range(8)]  # bit for bit
-    assert [e['val_loss'] for e in split_evals] == [e['val_loss'] for e in full_evals]
+    assert_split_is_full(windows)
     # at iter 4 the replicas had left θ_global (a step into the window): the resume had to restore all three
     saved = [load(windows / 'at4' / 'decent' / 'step-00000004' / f'rank-{r}.pt') for r in range(2)]
     outer = torch.cat([t.double() for t in saved[0]['diloco']['outer']])
@@ -177,19 +185,11 @@ STREAMING = ['--diloco_steps=4', '--diloco_fragments=2', '--diloco_overlap=1', '
 def streaming(tmp_path_factory, data_dir):
     """2 ranks, 8 steps at once and in two runs split at iter 4, where the first fragment's outer step is in flight
     (its all-reduce started after step 3, it lands before step 5)."""
-    tmp = tmp_path_factory.mktemp('streaming')
-    launch(tmp, data_dir, 'full', *STREAMING, '--max_iters=8', nproc=2)
-    launch(tmp, data_dir, 'split', *STREAMING, '--max_iters=4', nproc=2)
-    shutil.copytree(tmp / 'split', tmp / 'at4')
-    launch(tmp, data_dir, 'split', *STREAMING, '--max_iters=8', '--init_from=resume', nproc=2)
-    return tmp
+    return full_and_split(tmp_path_factory.mktemp('streaming'), data_dir, STREAMING)
 
 
 def test_streaming_resume_with_an_outer_step_in_flight_repeats_the_uninterrupted_run_exactly(streaming):
-    (full, full_evals), (split, split_evals) = read_metrics(streaming / 'full'), read_metrics(streaming / 'split')
-    assert sorted(split) == list(range(8)) and full[7] < full[0] - 0.1
-    assert [split[i] for i in range(8)] == [full[i] for i in range(8)]  # bit for bit
-    assert [e['val_loss'] for e in split_evals] == [e['val_loss'] for e in full_evals]
+    assert_split_is_full(streaming)
     at4 = load(streaming / 'at4' / 'decent' / 'step-00000004' / 'rank-0.pt')['diloco']
     assert [p is not None for p in at4['pending']] == [True, True, False]  # the first fragment's, still to land
     assert at4['lands_at'][:2] == [5, 5] and at4['pending'][0].abs().max() > 0
