@@ -744,10 +744,15 @@ def keep_earlier_snapshots(out_dir, run_id):
         return
     kept_as = os.path.join(out_dir, f"snapshots.before-{run_id}-{socket.gethostname()}")
     try:
-        shutil.copytree(folder, kept_as + '.tmp')
-        os.replace(kept_as + '.tmp', kept_as)
+        if os.path.lexists(kept_as) or os.path.lexists(kept_as + '.tmp'):  # not ours to replace or remove
+            raise FileExistsError(f"{kept_as} or its .tmp is there already")
+        try:
+            shutil.copytree(folder, kept_as + '.tmp')
+            os.rename(kept_as + '.tmp', kept_as)
+        except OSError:
+            shutil.rmtree(kept_as + '.tmp', ignore_errors=True)  # the part copied: made here, just now
+            raise
     except OSError as e:
-        shutil.rmtree(kept_as + '.tmp', ignore_errors=True)
         print(f"warning: the earlier run's memory snapshots stay in {folder}, holding RAM: they could not be kept in "
               f"{out_dir} ({reason(e)}); delete the folder once they are not wanted", flush=True)
         return

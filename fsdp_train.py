@@ -374,7 +374,8 @@ while True:
         grad_norm = total_norm([p.grad for p in model.parameters() if p.grad is not None])
     # A non-finite loss or gradient would spoil the weights for good, so the step is skipped; the ranks decide alike,
     # as about SIGTERM, on the device, where the fused AdamW skips by the verdict (found_inf) with no wait for it
-    skip_on_device(optimizer, agree(~torch.isfinite(loss_sum + grad_norm.to(device)), iter_num))
+    nonfinite = agree(~torch.isfinite(loss_sum + grad_norm.to(device)), iter_num)
+    skip_on_device(optimizer, nonfinite)
     wait_for_copies()  # a snapshot taken before this step may still be copying the weights it is about to change
     optimizer.step()
     if local_iter_num == 0:  # gradients and optimizer state exist from the first step on

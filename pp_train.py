@@ -379,7 +379,8 @@ while True:
     # A non-finite loss or gradient would spoil the weights for good, so the step is skipped; the ranks decide alike,
     # as about SIGTERM, on the device, where the fused AdamW skips by the verdict (found_inf) with no wait for it (a
     # non-finite loss shows on the last stage's ranks only: the agreement carries it)
-    skip_on_device(optimizer, agree(~torch.isfinite(loss_sum + grad_norm), iter_num))
+    nonfinite = agree(~torch.isfinite(loss_sum + grad_norm), iter_num)
+    skip_on_device(optimizer, nonfinite)
     wait_for_copies()  # a snapshot taken before this step may still be copying the weights it is about to change
     optimizer.step()
     if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
