@@ -121,8 +121,9 @@ def test_bench_network_measures_bytes_as_designed_and_the_time_to_a_loss(tmp_pat
     for r in rows:
         assert 0.9 < r['sent_over_design'] < 1.1, r
     # the ring alone (launch/allreduce.py): 0.96 of the link on a quiet machine; never above it (the cap holds and
-    # the units are right), and with the suite's other runs on the two cores, still a fair part of it
-    assert 0.05 < rows[2]['link_use'] <= 1.05, rows[2]
+    # the units are right) but for tbf's bucket (Cluster's burst, 256 KB), which an all-reduce after the idle barrier
+    # sends at once: 16% of these 1.6 MB; with the suite's other runs on the two cores, still a fair part of it
+    assert 0.05 < rows[2]['link_use'] <= 1.02 + 256 * 1024 / rows[2]['bytes_per_step'], rows[2]
     # 4 steps of DDP's design bytes against DiLoCo's one all-reduce in 4 steps
     assert abs(rows[0]['bytes_per_step'] / rows[1]['bytes_per_step'] - 4) < 0.4, rows
     p = subprocess.run([*cmd, '--modes=ddp', '--target_loss=4.0', '--eval_every=4', '--max_steps=60',
