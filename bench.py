@@ -5,6 +5,7 @@ python bench.py                                     # GPT-2 124M, block 1024, sy
 python bench.py --model=gpt2-medium --batch_size=8
 python bench.py config/train_shakespeare_char_cpu.py --real_data=True --compile=False   # a config's model and batch
 python bench.py --profile=True                      # a torch.profiler trace in bench_log/ instead
+python bench.py --sdpa=cudnn --fused_qkv=True --loss_rows=4096   # levers (docs/speed.md), one at a time
 """
 
 import json
@@ -47,6 +48,10 @@ iters = 50  # timed steps
 device = 'auto'
 dtype = 'auto'
 compile = True
+compile_mode = 'default'  # torch.compile's mode: 'default', 'reduce-overhead', 'max-autotune-no-cudagraphs', ...
+sdpa = 'auto'  # attention's kernel: 'auto' (PyTorch's choice), or only 'cudnn', 'flash', 'efficient' or 'math'
+fused_qkv = False  # the levers of model.GPTConfig, which training leaves off until they are measured here
+loss_rows = 0
 seed = 1337
 profile = False  # write a torch.profiler trace instead of timing
 # -----------------------------------------------------------------------------
@@ -63,6 +68,12 @@ check_optimizer(config)
 for key, least in (('batch_size', 1), ('gradient_accumulation_steps', 1), ('iters', 1), ('warmup', 0)):
     if config[key] < least:
         sys.exit(f"error: {key}={config[key]} must be {least} or more")
+SDPA = {'cudnn': 'enable_cudnn_sdp', 'flash': 'enable_flash_sdp', 'efficient': 'enable_mem_efficient_sdp',
+        'math': 'enable_math_sdp'}
+if sdpa != 'auto' and sdpa not in SDPA:
+    sys.exit(f"error: sdpa={sdpa!r}: use auto, {', '.join(SDPA)}")
+if loss_rows < 0:
+    sys.exit(f"error: loss_rows={loss_rows} must be 0 (the loss at once) or more")
 if dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
     sys.exit(f"error: dtype={dtype!r}: use auto, float32, bfloat16 or float16")
 if device == 'auto':
@@ -88,6 +99,9 @@ torch.manual_seed(seed)
 if device_type == 'cuda':
     torch.backends.cuda.matmul.fp32_precision = 'tf32'
     torch.backends.cudnn.conv.fp32_precision = 'tf32'
+for name, switch in SDPA.items():  # before compiling: the compiled graph keeps the kernel chosen when it is traced
+    if sdpa != 'auto':
+        getattr(torch.backends.cuda, switch)(name == sdpa)
 
 vocab_size = 50304
 if real_data and random_data and 'random_data' in given:
@@ -118,10 +132,13 @@ else:
 check_fits(dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, vocab_size=vocab_size,
                 bias=bias), device)  # refused before it is built
 gpt = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                    dropout=dropout, bias=bias)).to(device)
+                    dropout=dropout, bias=bias, fused_qkv=fused_qkv, loss_rows=loss_rows)).to(device)
 optimizer = gpt.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
-net = torch.compile(gpt) if compile else gpt
+try:
+    net = torch.compile(gpt, mode=compile_mode) if compile else gpt
+except RuntimeError as e:  # a mode it does not know
+    sys.exit(f"error: compile_mode={compile_mode!r}: {e}")
 device_name = torch.cuda.get_device_name(device) if device_type == 'cuda' else device_type
 
 
@@ -174,5 +191,7 @@ tokens = batch_size * gradient_accumulation_steps * block_size
 mfu = gpt.estimate_mfu(batch_size * gradient_accumulation_steps, dt, device_name)
 print(f"median {dt * 1000:.2f} ms/iter (min {min(times) * 1000:.2f}, max {max(times) * 1000:.2f}) over {iters} steps, "
       f"{tokens / dt:,.0f} tok/s" + (f", mfu {mfu * 100:.2f}%" if mfu is not None else ", mfu unknown for this device"))
+peak = torch.cuda.max_memory_allocated(device) if device_type == 'cuda' else None
 print(json.dumps({**config, 'device': device_name, 'dtype': dtype, 'params': gpt.get_num_params(), 'ms': dt * 1000,
-                  'tokens_per_sec': tokens / dt, 'mfu': mfu}))
+                  'tokens_per_sec': tokens / dt, 'mfu': mfu, 'loss': loss.item() * gradient_accumulation_steps,
+                  'peak_memory_bytes': peak}))

@@ -25,6 +25,11 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # bias in Linears and LayerNorms, as GPT-2; False is a little faster and as good
+    # how the step computes, not what: the same parameters and checkpoints either way. Off until a GPU run shows
+    # that they pay (docs/speed.md); bench.py alone sets them, where no sharding or tensor parallelism splits a
+    # weight that they read whole
+    fused_qkv: bool = False  # q, k and v from one matmul of their three weights stacked, not three matmuls
+    loss_rows: int = 0  # the training loss over this many rows of logits at a time (LinearCrossEntropy); 0: at once
 
 
 # (n_layer, n_head, n_embd) of OpenAI's GPT-2 sizes: 124M, 350M, 774M and 1558M parameters
@@ -52,16 +57,60 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.head_dim = config.n_embd // config.n_head
         self.dropout = config.dropout
+        self.fused_qkv = config.fused_qkv
 
     def forward(self, x):
         B, T, _ = x.size()
-        # -1 heads rather than n_head: under tensor parallelism each rank holds only its own heads
-        q = self.c_q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.c_k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        v = self.c_v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        if self.fused_qkv:
+            # one matmul three times as wide fills more of a GPU; the stacking is a copy that a compiled step folds
+            # into the cast to bf16 it does anyway
+            w = torch.cat((self.c_q.weight, self.c_k.weight, self.c_v.weight))
+            b = None if self.c_q.bias is None else torch.cat((self.c_q.bias, self.c_k.bias, self.c_v.bias))
+            q, k, v = F.linear(x, w, b).view(B, T, 3, -1, self.head_dim).transpose(1, 3).unbind(2)  # (B, nh, T, hs)
+        else:
+            # -1 heads rather than n_head: under tensor parallelism each rank holds only its own heads
+            q = self.c_q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+            k = self.c_k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+            v = self.c_v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """F.cross_entropy(x @ weight.T, targets, ignore_index=-1) over `rows` rows of x at a time, each chunk's
+    gradients computed on the way forward and its logits freed at once. The whole batch's logits are B·T·V floats:
+    for GPT-2 at batch 12, 1.2 GB in bf16 and 2.5 GB more in float32 for the softmax, written and read back in
+    the backward pass. Here one chunk's exist at a time; the matmuls are the same three."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, rows):
+        count = (targets != -1).sum()
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        for i in range(0, x.size(0), rows):
+            xi, ti = x[i:i + rows], targets[i:i + rows]
+            logits = xi @ weight.t()  # bf16 under autocast, as lm_head's would be
+            logp = logits.float().log_softmax(-1)
+            keep = (ti != -1).unsqueeze(1)
+            target = ti.clamp(min=0).unsqueeze(1)  # an ignored row's target is any index: it is masked out
+            loss -= (logp.gather(1, target) * keep).sum()
+            # d loss / d logits = (softmax - one_hot(target)) / count, on the rows that count
+            g = logp.exp_().scatter_add_(1, target, -keep.float()).mul_(keep / count).to(logits.dtype)
+            del logits, logp
+            if grad_x is not None:
+                grad_x[i:i + rows] = g @ weight
+            if grad_w is not None:
+                grad_w += g.t() @ xi
+        ctx.save_for_backward(grad_x, grad_w)
+        return loss / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w = ctx.saved_tensors
+        return (None if grad_x is None else grad_x * grad_loss, None if grad_w is None else grad_w * grad_loss,
+                None, None)
 
 
 class MLP(nn.Module):
@@ -137,7 +186,11 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
-        if targets is not None:
+        if targets is not None and self.config.loss_rows and torch.is_grad_enabled():
+            logits = None  # never made whole: that is the point
+            loss = LinearCrossEntropy.apply(x.view(b * t, -1), self.lm_head.weight, targets.view(-1),
+                                            self.config.loss_rows)
+        elif targets is not None:
             logits = self.lm_head(x)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         else:

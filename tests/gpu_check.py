@@ -1,8 +1,10 @@
 """
-Proves and measures every entrypoint on one GPU in one command, and prints one table last (issue: "On the GPU").
+Proves and measures every entrypoint on one GPU, a part per command, each printing one table last (issue: "On the
+GPU"). A lent GPU machine runs one command for at most 10 minutes, so each part fits in one, by its --deadline.
 
-On a GPU machine (the device tool's; DeepSpeed travels as wheels in .whl/, tiny Shakespeare as .gpu/input.txt):
-    python tests/gpu_check.py --input=.gpu/input.txt --wheels=.whl --out=$OUT
+On a GPU machine (the device tool's; DeepSpeed travels as wheels in .whl/, tiny Shakespeare as .gpu/input.txt, both
+made by tests/gpu_carry.sh; docs/speed.md has the calls):
+    python tests/gpu_check.py --parts=A --deadline=540 --input=.gpu/input.txt --wheels=.whl --out=$OUT
 On CPU, at tiny sizes, so that its own logic is proven before a GPU run relies on it (tests/test_gpu_check.py):
     python tests/gpu_check.py --dry_run --input=../shared/data/tinyshakespeare/input.txt
 
@@ -10,12 +12,15 @@ A: each entrypoint trains the baby GPT under torchrun (nccl, bf16, compiled): th
    written, a run stopped halfway and resumed ends on the uninterrupted run's loss bit for bit (deterministic),
    sample.py and export_hf.py read it; fsdp_train.py with CPU offload and activation checkpointing; ds_train.py at
    ZeRO-2 and ZeRO-3 with the optimizer offloaded; train.py in float16 with its scaler; a SIGKILLed worker under
-   elastic torchrun resumes from its memory snapshot.
+   elastic torchrun resumes from its memory snapshot. The runs share the GPU, --jobs at a time.
 B: bench.py on GPT-2 124M (T=1024) at a few micro-batches, and a profiler trace of the fastest; train.py's step
    with its verdict left on the device against a step that waits for it (the host sync it saves).
+L: the levers, one at a time against the plain step at one batch, side by side: SDPA's cuDNN and flash kernels,
+   one fused QKV matmul, the loss a chunk of logits at a time, those that paid together, and a compile mode; the
+   plain step timed again last, for the spread. Each must also train to the plain step's loss.
 C: tok/s of fsdp_train.py, ds_train.py (ZeRO-2) and decent_train.py against train.py at the same batch, and the
    full config/train_shakespeare_char.py's best val loss.
-Each check is a row: what, ok or FAIL, the figure. The exit status is 1 where a check failed.
+Each check is a row: what, ok or FAIL, the figure. The exit status is 1 where a check failed or was not reached.
 """
 
 import argparse
@@ -27,8 +32,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+BEGAN = time.time()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRYPOINTS = ('train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py', 'pp_train.py')  # pp: 1 stage
 
@@ -38,8 +46,12 @@ p.add_argument('--input', default=os.path.join(REPO, 'data', 'shakespeare_char',
                help="tiny Shakespeare's input.txt")
 p.add_argument('--wheels', default='', help='a folder of wheels to install first where DeepSpeed is missing')
 p.add_argument('--out', default='', help='where logs and the table go (default: a temporary folder)')
-p.add_argument('--parts', default='ABC', help='which parts to run')
+p.add_argument('--parts', default='ABLC', help='which parts to run, in this order')
 p.add_argument('--entrypoints', default=','.join(ENTRYPOINTS), help='which entrypoints parts A and C run')
+p.add_argument('--deadline', type=float, default=0, help='seconds from the start after which no run begins, and '
+               'by which every run is stopped; its checks are rows "not reached". 0: none')
+p.add_argument('--jobs', type=int, default=0, help="part A's runs at a time (0: 6 on a GPU, 2 dry)")
+p.add_argument('--batch', type=int, default=0, help="part L's micro-batch (0: part B's fastest, else 16)")
 args = p.parse_args()
 dry = args.dry_run
 chosen = args.entrypoints.split(',')
@@ -47,6 +59,7 @@ work = tempfile.mkdtemp(prefix='gpu_check-')
 out = args.out or work
 os.makedirs(out, exist_ok=True)
 rows = []  # (part, what, ok, figure)
+lock = threading.Lock()  # part A's runs report from threads
 env = dict(os.environ, PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1' if dry else os.environ.get('OMP_NUM_THREADS', '8'))
 env['PYTHONPATH'] = os.pathsep.join(filter(None, [REPO, env.get('PYTHONPATH')]))
 
@@ -89,18 +102,31 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 '''
 
 
+def left():
+    return args.deadline - (time.time() - BEGAN) if args.deadline else float('inf')
+
+
 def log_name(name):
     return os.path.join(out, name.replace('/', '_') + '.log')
 
 
-def run(name, cmd, timeout=600, check=True):
-    """Runs cmd in the work folder, its output in out/<name>.log; returns (returncode, output, seconds)."""
+def run(name, cmd, timeout=600, check=True, by_deadline=True):
+    """Runs cmd in the work folder, its output in out/<name>.log; returns (returncode, output, seconds). A run
+    is stopped at the deadline (exit 124), and one that would start within 20 s of it is not started (None)."""
+    if by_deadline:
+        if left() < 20:
+            return None, 'not reached: the deadline came first', 0
+        timeout = min(timeout, left())
     t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        p = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
-        code, text = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
-        code, text = 124, f"timed out after {timeout} s\n{e.stdout or ''}{e.stderr or ''}"
+        stdout, stderr = proc.communicate(timeout=timeout)
+        code, text = proc.returncode, stdout + stderr
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers too, which would hold the GPU
+        stdout, stderr = proc.communicate()
+        code, text = 124, f"timed out after {time.time() - t0:.0f} s\n{stdout}{stderr}"
     with open(log_name(name), 'w') as f:
         f.write(' '.join(cmd) + '\n' + text)
     if check and code != 0:
@@ -130,8 +156,11 @@ def metrics(out_dir):
 
 
 def row(part, what, ok, figure=''):
-    rows.append((part, what, bool(ok), figure))
-    print(f"[{part}] {'ok  ' if ok else 'FAIL'} {what}: {figure}", flush=True)
+    with lock:
+        rows.append((part, what, bool(ok), figure))
+        print(f"[{part}] {'ok  ' if ok else 'FAIL'} {what}: {figure}", flush=True)
+        with open(os.path.join(out, 'table.json'), 'w') as f:  # as it grows: a call cut short keeps its rows
+            json.dump(rows, f)
 
 
 def losses(out_dir):
@@ -143,62 +172,75 @@ def mean_ms(out_dir, skip=5):
     return ms[len(ms) // 2] if ms else None
 
 
+def exited(code, secs=None):
+    """A run's figure where it has no other: why it ended."""
+    return 'not reached: the deadline came first' if code is None else \
+        f"exit {code}" + (f" after {secs:.0f} s" if secs is not None else '')
+
+
 # -----------------------------------------------------------------------------
 # data: the character-level Shakespeare in the work folder
 if not os.path.isfile(args.input):
     sys.exit(f"error: no {args.input}: give --input=tiny Shakespeare's input.txt (carried along on a GPU machine)")
 os.makedirs(os.path.join(work, 'data', 'shakespeare_char'), exist_ok=True)
 shutil.copy(args.input, os.path.join(work, 'data', 'shakespeare_char', 'input.txt'))
-code, _, _ = run('prepare', [sys.executable, os.path.join(REPO, 'prepare.py'), 'shakespeare_char'])
+code, _, _ = run('prepare', [sys.executable, os.path.join(REPO, 'prepare.py'), 'shakespeare_char'],
+                 by_deadline=False)  # every part needs it
 if code:
     sys.exit("error: prepare.py shakespeare_char failed: see prepare.log")
 
-if 'A' in args.parts:
-    half = STEPS // 2
-    for script in [e for e in ENTRYPOINTS if e in chosen]:
-        name = script[:-3]
-        extra = ['--zero_stage=2'] if script == 'ds_train.py' else []
-        full, first = f'{name}-full', f'{name}-half'
-        code, text, secs = run(full, torchrun(script, extra + [f'--out_dir={full}', f'--eval_interval={half}']))
-        curve = losses(full)
-        fell = bool(curve) and curve[max(curve)] < curve[min(curve)]
-        row('A', f'{script} trains', code == 0 and fell,
-            f"loss {curve[min(curve)]:.3f} -> {curve[max(curve)]:.3f} in {secs:.0f} s" if curve else f"exit {code}")
-        saved = os.path.exists(os.path.join(work, full, 'ckpt.pt')) or os.path.isdir(os.path.join(work, full, 'dcp'))
-        row('A', f'{script} checkpoint', code == 0 and saved, full)
-        # stopped halfway (a run to max_iters=half), then resumed to the end: the same last loss, bit for bit
-        code1, _, _ = run(first, torchrun(script, extra + [f'--out_dir={first}', f'--eval_interval={half}',
-                                                             f'--max_iters={half}']))
-        code2, _, _ = run(first + '-resumed', torchrun(script, extra + [f'--out_dir={first}',
-                                                                        f'--eval_interval={half}']))
-        resumed = losses(first)
-        same = bool(curve) and resumed.get(STEPS - 1) == curve.get(STEPS - 1)
-        row('A', f'{script} exact resume', code1 == 0 and code2 == 0 and same,
-            f"last loss {resumed.get(STEPS - 1)} vs {curve.get(STEPS - 1)}")
-        code, text, _ = run(f'{name}-sample', [sys.executable, os.path.join(REPO, 'sample.py'), f'--out_dir={full}',
-                                               '--num_samples=1', '--max_new_tokens=40', *SYSTEM[:1 if dry else 0]])
-        row('A', f'{script} sample.py', code == 0, text.strip().splitlines()[-1][:40] if text.strip() else '')
-        code, text, _ = run(f'{name}-export', [sys.executable, os.path.join(REPO, 'export_hf.py'), f'--ckpt={full}',
-                                               f'--out={name}-hf'])
-        row('A', f'{script} export_hf.py', code == 0 and os.path.isdir(os.path.join(work, f'{name}-hf')),
-            text.strip().splitlines()[-1][:60] if text.strip() else '')
-    variants = [('fsdp_train.py', ['--cpu_offload=True', '--activation_checkpointing=True'], 'fsdp-offload-ac'),
-                ('ds_train.py', ['--zero_stage=2', '--offload_optimizer=cpu'], 'zero2-offload'),
-                ('ds_train.py', ['--zero_stage=3', '--offload_optimizer=cpu'], 'zero3-offload')]
-    if not dry:  # float16 and its scaler are for GPUs: on CPU autocast in float16 is not what is being proven
-        variants.append(('train.py', ['--dtype=float16'], 'train-fp16'))
-    for script, extra, name in [v for v in variants if v[0] in chosen]:
-        code, _, secs = run(name, torchrun(script, extra + [f'--out_dir={name}', f'--eval_interval={STEPS}']))
-        curve = losses(name)
-        fell = bool(curve) and curve[max(curve)] < curve[min(curve)]
-        row('A', f'{script} {" ".join(extra)}', code == 0 and fell,
-            f"loss {curve[min(curve)]:.3f} -> {curve[max(curve)]:.3f} in {secs:.0f} s" if curve else f"exit {code}")
-    # a worker SIGKILLed under elastic torchrun: the restarted group resumes from its memory snapshot
+
+def trains(part, what, code, secs, name):
+    curve = losses(name)
+    fell = bool(curve) and curve[max(curve)] < curve[min(curve)]
+    row(part, what, code == 0 and fell,
+        f"loss {curve[min(curve)]:.3f} -> {curve[max(curve)]:.3f} in {secs:.0f} s" if curve else exited(code, secs))
+    return curve
+
+
+def entrypoint(script):
+    """An entrypoint's runs in order: trains and saves, stops halfway and resumes exactly, is sampled and exported."""
+    name, half = script[:-3], STEPS // 2
+    extra = ['--zero_stage=2'] if script == 'ds_train.py' else []
+    full, first = f'{name}-full', f'{name}-half'
+    code, _, secs = run(full, torchrun(script, extra + [f'--out_dir={full}', f'--eval_interval={half}']))
+    curve = trains('A', f'{script} trains', code, secs, full)
+    saved = os.path.exists(os.path.join(work, full, 'ckpt.pt')) or os.path.isdir(os.path.join(work, full, 'dcp'))
+    row('A', f'{script} checkpoint', code == 0 and saved, full if code is not None else exited(code))
+    # stopped halfway (a run to max_iters=half), then resumed to the end: the same last loss, bit for bit
+    code1, _, _ = run(first, torchrun(script, extra + [f'--out_dir={first}', f'--eval_interval={half}',
+                                                         f'--max_iters={half}']))
+    code2, _, _ = run(first + '-resumed', torchrun(script, extra + [f'--out_dir={first}', f'--eval_interval={half}']))
+    resumed = losses(first)
+    same = bool(curve) and resumed.get(STEPS - 1) == curve.get(STEPS - 1)
+    row('A', f'{script} exact resume', code1 == 0 and code2 == 0 and same,
+        f"last loss {resumed.get(STEPS - 1)} vs {curve.get(STEPS - 1)}" if code2 is not None else exited(code2))
+    code, text, _ = run(f'{name}-sample', [sys.executable, os.path.join(REPO, 'sample.py'), f'--out_dir={full}',
+                                           '--num_samples=1', '--max_new_tokens=40', *SYSTEM[:1 if dry else 0]])
+    row('A', f'{script} sample.py', code == 0, text.strip().splitlines()[-1][:40] if text.strip() else '')
+    code, text, _ = run(f'{name}-export', [sys.executable, os.path.join(REPO, 'export_hf.py'), f'--ckpt={full}',
+                                           f'--out={name}-hf'])
+    said = [line for line in text.strip().splitlines() if '%|' not in line]  # not its progress bars
+    row('A', f'{script} export_hf.py', code == 0 and os.path.isdir(os.path.join(work, f'{name}-hf')),
+        said[-1][:60] if said else '')
+
+
+def variant(script, extra, name):
+    code, _, secs = run(name, torchrun(script, extra + [f'--out_dir={name}', f'--eval_interval={STEPS}']))
+    trains('A', f'{script} {" ".join(extra)}', code, secs, name)
+
+
+def sigkill():
+    """A worker SIGKILLed under elastic torchrun: the restarted group resumes from its memory snapshot."""
     name = 'train-kill'
+    if left() < 60:
+        return row('A', 'SIGKILL under elastic torchrun', False, exited(None))
     cmd = torchrun('train.py', [f'--out_dir={name}', f'--eval_interval={STEPS}', '--save_memory_interval=2',
                                 f'--max_iters={STEPS * 50}', f'--lr_decay_iters={STEPS * 50}'], elastic=True)
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+    timer = threading.Timer(left(), os.killpg, (proc.pid, signal.SIGKILL))  # the deadline stops it too
+    timer.start()
     killed, text = False, []
     for line in proc.stdout:
         text.append(line)
@@ -209,6 +251,7 @@ if 'A' in args.parts:
                 os.kill(int(worker[0]), signal.SIGKILL)
                 killed = True
     proc.wait()
+    timer.cancel()
     with open(log_name(name), 'w') as f:
         f.write(''.join(text))
     from_memory = any('resuming from /dev/shm' in line or 'resuming from ' + tempfile.gettempdir() in line
@@ -216,27 +259,52 @@ if 'A' in args.parts:
     row('A', 'SIGKILL under elastic torchrun', proc.returncode == 0 and killed and from_memory,
         'resumed from the memory snapshot' if from_memory else f'exit {proc.returncode}, killed={killed}')
 
-if 'B' in args.parts:
-    bench = [sys.executable, os.path.join(REPO, 'bench.py')]
-    if dry:
-        sizes = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=64', '--compile=False', '--device=cpu',
-                 '--iters=3', '--warmup=1']
-        batches = [2]
-    else:
-        sizes = ['--model=gpt2', '--block_size=1024', '--iters=30', '--warmup=10']
-        batches = [12, 16, 24, 32]
+
+def bench(name, extra):
+    """bench.py's JSON line (None where it failed) and the row's figure."""
+    sizes = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=64', '--compile=False', '--device=cpu',
+             '--iters=3', '--warmup=1'] if dry else ['--model=gpt2', '--block_size=1024', '--iters=30', '--warmup=10']
+    code, text, secs = run(name, [sys.executable, os.path.join(REPO, 'bench.py')] + sizes + list(extra))
+    if code != 0:
+        return None, exited(code, secs)
+    r = json.loads(text.strip().splitlines()[-1])
+    figure = f"{r['ms']:.2f} ms/iter, {r['tokens_per_sec']:,.0f} tok/s"
+    figure += f", MFU {r['mfu'] * 100:.1f}%" if r['mfu'] else ''
+    figure += f", peak {r['peak_memory_bytes'] / 2**30:.1f} GiB" if r['peak_memory_bytes'] else ''
+    return r, figure
+
+
+parts = {}
+
+
+def part_a():
+    jobs = args.jobs or (2 if dry else 6)
+    work_list = [(entrypoint, (script,)) for script in ENTRYPOINTS if script in chosen]
+    variants = [('fsdp_train.py', ['--cpu_offload=True', '--activation_checkpointing=True'], 'fsdp-offload-ac'),
+                ('ds_train.py', ['--zero_stage=2', '--offload_optimizer=cpu'], 'zero2-offload'),
+                ('ds_train.py', ['--zero_stage=3', '--offload_optimizer=cpu'], 'zero3-offload')]
+    if not dry:  # float16 and its scaler are for GPUs: on CPU autocast in float16 is not what is being proven
+        variants.append(('train.py', ['--dtype=float16'], 'train-fp16'))
+    work_list += [(variant, v) for v in variants if v[0] in chosen] + [(sigkill, ())]
+    with ThreadPoolExecutor(jobs) as pool:
+        for future in [pool.submit(f, *a) for f, a in work_list]:
+            future.result()  # a check's own exception stops the script, as it would run alone
+
+
+def part_b():
     best = None
-    for b in batches:
-        code, text, _ = run(f'bench-b{b}', bench + sizes + [f'--batch_size={b}'])
-        result = json.loads(text.strip().splitlines()[-1]) if code == 0 else None
-        mfu = result and result.get('mfu')
-        row('B', f'bench.py batch {b}', code == 0, (f"{result['ms']:.2f} ms/iter, {result['tokens_per_sec']:,.0f} "
-                                                   f"tok/s" + (f", MFU {mfu * 100:.1f}%" if mfu else ''))
-            if result else f'exit {code}')
-        if result and (best is None or result['tokens_per_sec'] > best[1]):
-            best = (b, result['tokens_per_sec'])
+    for b in [2] if dry else [12, 16, 24, 32]:
+        r, figure = bench(f'bench-b{b}', [f'--batch_size={b}'])
+        row('B', f'bench.py batch {b}', r, figure)
+        if r and (best is None or r['tokens_per_sec'] > best[1]):
+            best = (b, r['tokens_per_sec'])
     if best:
-        code, text, _ = run('bench-profile', bench + sizes + [f'--batch_size={best[0]}', '--profile=True'])
+        parts['batch'] = best[0]
+        code, _, _ = run('bench-profile', [sys.executable, os.path.join(REPO, 'bench.py'), f'--batch_size={best[0]}',
+                                           '--profile=True'] + (['--n_layer=2', '--n_head=2', '--n_embd=32',
+                                                                 '--block_size=64', '--compile=False', '--device=cpu',
+                                                                 '--iters=3', '--warmup=1'] if dry else
+                                                                ['--model=gpt2', '--iters=10', '--warmup=10']))
         if code == 0 and os.path.isdir(os.path.join(work, 'bench_log')) and args.out:
             shutil.make_archive(os.path.join(out, 'bench_trace'), 'gztar', os.path.join(work, 'bench_log'))
         row('B', f'profile at batch {best[0]}', code == 0, 'bench-profile.log')
@@ -247,18 +315,60 @@ if 'B' in args.parts:
     size = MODEL + ['--max_iters=4', '--log_interval=2'] if dry else \
         ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024', '--batch_size=12', '--max_iters=60',
          '--log_interval=10', '--eval_iters=2']
-    ms = {}
+    ms, mfu, failed = {}, None, ''
     for name, wrap in (('sync-late', []), ('sync-every-step', [os.path.join(work, 'sync_wrapper.py')])):
         cmd = torchrun('train.py', size + ['--random_data=True', f'--out_dir={name}', '--eval_interval=1000',
                                            '--always_save_checkpoint=False', '--deterministic=False'])
         script = cmd.index(os.path.join(REPO, 'train.py'))
-        code, _, _ = run(name, cmd[:script] + wrap + cmd[script:])
+        code, _, secs = run(name, cmd[:script] + wrap + cmd[script:])
         ms[name] = mean_ms(name, skip=2 if dry else 20) if code == 0 else None
+        failed = failed or (code != 0 and exited(code, secs))
+        mfu = mfu or next((r['mfu'] for r in reversed(metrics(name)) if r.get('mfu')), None)
     late, every = ms['sync-late'], ms['sync-every-step']
     row('B', 'verdict a step late vs every step', late and every,
-        f"{late:.2f} vs {every:.2f} ms/iter ({every / late:.3f}x)" if late and every else 'see sync-*.log')
+        f"{late:.2f} vs {every:.2f} ms/iter ({every / late:.3f}x)" + (f"; train.py's MFU {mfu * 100:.1f}%"
+                                                                      if mfu else '')
+        if late and every else failed or 'no times logged: see sync-*.log')
 
-if 'C' in args.parts:
+
+def part_l():
+    """Each lever against the plain step, in one call; a lever pays where it is faster than the spread of the plain
+    step's two timings, and it must train to the plain step's loss (the same batch, seed and steps)."""
+    batch = args.batch or parts.get('batch') or (2 if dry else 16)
+    on_gpu = [] if dry else [('sdpa=cudnn', ['--sdpa=cudnn']), ('sdpa=flash', ['--sdpa=flash'])]
+    levers = on_gpu + [('fused_qkv', ['--fused_qkv=True']), ('loss_rows', [f'--loss_rows={50 if dry else 4096}'])]
+    base, figure = bench('lever-plain', [f'--batch_size={batch}'])
+    row('L', f'plain step, batch {batch}', base, figure)
+    if not base:
+        return
+    paid = []
+
+    def measure(what, extra, name):
+        r, figure = bench(name, [f'--batch_size={batch}'] + extra)
+        if r:
+            same = abs(r['loss'] - base['loss']) <= 0.05 * abs(base['loss'])
+            figure += f", {base['ms'] / r['ms']:.3f}x; loss {r['loss']:.4f} vs {base['loss']:.4f}"
+            row('L', what, same, figure)
+        else:
+            row('L', what, False, figure)
+        return r
+    for what, extra in levers:
+        r = measure(what, extra, f"lever-{what.replace('=', '-')}")
+        if r and base['ms'] / r['ms'] > 1.01:
+            paid.append((what, extra))
+    if len(paid) > 1:  # the two sdpa kernels exclude each other: the faster one only
+        kernels = [p for p in paid if p[0].startswith('sdpa')]
+        paid = [p for p in paid if p not in kernels[1:]]
+        measure(' + '.join(w for w, _ in paid), [a for _, e in paid for a in e], 'lever-together')
+    again, figure = bench('lever-plain-again', [f'--batch_size={batch}'])
+    row('L', 'plain step again (the spread)', again,
+        figure + (f", {base['ms'] / again['ms']:.3f}x the first" if again else ''))
+    if not dry:  # last: its autotuning takes minutes
+        measure('compile_mode=max-autotune-no-cudagraphs', ['--compile_mode=max-autotune-no-cudagraphs'],
+                'lever-max-autotune')
+
+
+def part_c():
     # the modes side by side at one batch: GPT-2 124M (T=1024) on a GPU, the tiny model on CPU
     model = MODEL if dry else ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024',
                                '--batch_size=12', '--eval_iters=1', '--deterministic=False']
@@ -269,27 +379,31 @@ if 'C' in args.parts:
         if script not in chosen:
             continue
         name = f'speed-{script[:-3]}'
-        code, _, _ = run(name, torchrun(script, extra + model + [f'--out_dir={name}', f'--max_iters={steps}',
-                                                                  f'--eval_interval={steps * 10}',
-                                                                  '--always_save_checkpoint=False']))
+        code, _, secs = run(name, torchrun(script, extra + model + [f'--out_dir={name}', f'--max_iters={steps}',
+                                                                     f'--eval_interval={steps * 10}',
+                                                                     '--always_save_checkpoint=False']))
         ms = mean_ms(name)
         base_ms = base_ms or ms
         ratio = base_ms / ms if ms and base_ms else None
         row('C', f'{script} speed', code == 0 and ms is not None and (dry or goal is None or ratio >= goal),
-            f"{ms:.1f} ms/iter, {ratio:.2f}x train.py" + (f" (goal {goal}x)" if goal else '') if ms else f'exit {code}')
+            f"{ms:.1f} ms/iter, {ratio:.2f}x train.py" + (f" (goal {goal}x)" if goal else '') if ms else
+            exited(code, secs))
     if not dry:  # the baby GPT's whole recipe: nanoGPT's best val loss is 1.4697
         code, _, secs = run('shakespeare-full', [sys.executable, os.path.join(REPO, 'train.py'),
                                                  os.path.join(REPO, 'config', 'train_shakespeare_char.py'),
                                                  '--out_dir=shakespeare-full'], timeout=900)
         vals = [r['val_loss'] for r in metrics('shakespeare-full') if 'val_loss' in r]
         row('C', 'config/train_shakespeare_char.py', code == 0 and vals and min(vals) <= 1.47,
-            f"best val loss {min(vals):.4f} in {secs:.0f} s (goal <= 1.47)" if vals else f'exit {code}')
+            f"best val loss {min(vals):.4f} in {secs:.0f} s (goal <= 1.47)" if vals else exited(code, secs))
 
-print('\n| part | check | result | figure |\n| --- | --- | --- | --- |')
-for part, what, ok, figure in rows:
+
+for part in args.parts:
+    {'A': part_a, 'B': part_b, 'L': part_l, 'C': part_c}[part]()
+
+print(f'\n{time.time() - BEGAN:.0f} s in all\n| part | check | result | figure |\n| --- | --- | --- | --- |')
+order = {part: i for i, part in enumerate('ABLC')}
+for part, what, ok, figure in sorted(rows, key=lambda r: order[r[0]]):
     print(f"| {part} | {what} | {'ok' if ok else 'FAIL'} | {figure} |")
-with open(os.path.join(out, 'table.json'), 'w') as f:
-    json.dump(rows, f)
 if not args.out:
     shutil.rmtree(work, ignore_errors=True)
 sys.exit(0 if rows and all(ok for _, _, ok, _ in rows) else 1)

@@ -16,8 +16,12 @@ def test_gpu_check_dry_run_passes_every_part_and_prints_the_table(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = json.loads((tmp_path / 'out' / 'table.json').read_text())
     checks = {what: (ok, figure) for part, what, ok, figure in rows}
-    assert {part for part, *_ in rows} == {'A', 'B', 'C'}
+    assert {part for part, *_ in rows} == {'A', 'B', 'L', 'C'}
     assert all(ok for ok, _ in checks.values()), rows
+    # part L's levers ran against the plain step and trained to its loss (fp32 on CPU: to rounding)
+    for lever in ('fused_qkv', 'loss_rows'):
+        loss, plain = (float(x) for x in checks[lever][1].split('loss ')[1].split(' vs '))
+        assert abs(loss - plain) <= 1e-4 * plain, checks[lever]
     # the resume row compares the two runs' last losses: equal, and real numbers
     last, uninterrupted = checks['train.py exact resume'][1].replace('last loss ', '').split(' vs ')
     assert float(last) == float(uninterrupted) and 0 < float(last) < 10
@@ -32,3 +36,16 @@ def test_gpu_check_fails_where_a_check_fails(tmp_path):
                         f'--input={tmp_path / "nope.txt"}', f'--out={tmp_path / "out"}'], cwd=tmp_path, env=env(),
                        capture_output=True, text=True, timeout=600)
     assert p.returncode != 0 and p.stderr.strip().startswith('error: no ') and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_gpu_check_keeps_its_deadline_and_still_prints_the_table(tmp_path):
+    # a GPU machine runs one command for at most 10 minutes: a part cut short by --deadline says which checks it
+    # did not reach, in the table, and fails
+    p = subprocess.run([sys.executable, str(REPO / 'tests' / 'gpu_check.py'), '--dry_run', '--entrypoints=train.py',
+                        '--parts=AL', '--deadline=1', f'--input={SHAKESPEARE}', f'--out={tmp_path / "out"}'],
+                       cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    rows = json.loads((tmp_path / 'out' / 'table.json').read_text())
+    assert {part for part, *_ in rows} == {'A', 'L'} and len(rows) == 7
+    assert all(not ok and figure == 'not reached: the deadline came first' for _, _, ok, figure in rows), rows
+    assert p.stdout.splitlines()[-1].startswith('| L | plain step')

@@ -166,3 +166,41 @@ def test_nanogpt_optimizer_state_converts_to_ours():
             assert torch.equal(upgraded['state'][i][k], s[k]), (i, k)
     # a state that is already ours passes through
     assert upgrade_optimizer_state(model, ours) is ours
+
+
+def relative_error(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize('levers', [dict(fused_qkv=True), dict(loss_rows=7), dict(fused_qkv=True, loss_rows=64)])
+def test_speed_levers_compute_the_plain_models_loss_and_gradients(levers):
+    """GPTConfig's fused_qkv and loss_rows change how the step computes, not what: the same loss and gradients in
+    float32 (to rounding), near them under bf16 autocast, the same eval loss, and a loss scaled before backward (as
+    gradient accumulation scales it) scales the gradients. 7 rows do not divide the 30 of the batch, and ignored
+    targets (-1) count for nothing."""
+    plain, fast = tiny(), tiny(**levers)
+    assert fast.state_dict().keys() == plain.state_dict().keys()  # the same parameters: checkpoints are alike
+    idx, targets = torch.randint(50, (3, 10)), torch.randint(50, (3, 10))
+    targets[0, :4] = -1
+    for dtype, scale, tolerance in ((torch.float32, 1.0, 1e-6), (torch.float32, 0.25, 1e-6),
+                                    (torch.bfloat16, 1.0, 2e-2)):
+        grads = []
+        for model in (plain, fast):
+            model.zero_grad(set_to_none=True)
+            with torch.autocast('cpu', dtype=dtype, enabled=dtype != torch.float32):
+                _, loss = model(idx, targets)
+            (loss * scale).backward()
+            grads.append((loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+        (loss0, grad0), (loss1, grad1) = grads
+        assert abs(loss1.item() - loss0.item()) <= tolerance * loss0.item()
+        assert relative_error(grad1, grad0) <= tolerance * (10 if dtype == torch.float32 else 1), (dtype, scale)
+        assert torch.isfinite(grad1).all()
+    with torch.no_grad():  # eval: the plain path, logits and all
+        (logits0, loss0), (logits1, loss1) = plain(idx, targets), fast(idx, targets)
+    assert logits1.shape == logits0.shape and torch.allclose(loss1, loss0, rtol=1e-6)
+    # an ignored row's gradient is nothing: the loss does not depend on what it would have predicted
+    fast.zero_grad(set_to_none=True)
+    x = torch.randn(30, 16, requires_grad=True)
+    from model import LinearCrossEntropy
+    LinearCrossEntropy.apply(x, fast.lm_head.weight, targets.view(-1), levers.get('loss_rows', 4)).backward()
+    assert (x.grad[:4] == 0).all() and (x.grad[4:] != 0).any()

@@ -66,6 +66,9 @@ def test_model_size_shows_the_tensor_parallel_size_asked_for(tmp_path):
     (['--seed=99999999999999999999'], 'error: seed=99999999999999999999 must be from 0 to '
                                       '9223372036854775807'),
     (['--n_layer=1000000', '--n_embd=4096'], 'error: the model has 201,334,990,180,352 parameters'),  # 750 TiB
+    (['--sdpa=fast'], "error: sdpa='fast': use auto, cudnn, flash, efficient, math"),
+    (['--loss_rows=-1'], 'error: loss_rows=-1 must be 0 (the loss at once) or more'),
+    (['--compile=True', '--compile_mode=fast'], "error: compile_mode='fast': Unrecognized mode=fast, should be one of"),
 ])
 def test_bench_refuses_bad_settings_before_building_a_model(tmp_path, args, message):
     p = run('bench.py', *BENCH, *args, cwd=tmp_path, check=False)
