@@ -12,14 +12,15 @@ A: each entrypoint trains the baby GPT under torchrun (nccl, bf16, compiled): th
    written, a run stopped halfway and resumed ends on the uninterrupted run's loss bit for bit (deterministic),
    sample.py and export_hf.py read it; fsdp_train.py with CPU offload and activation checkpointing; ds_train.py at
    ZeRO-2 and ZeRO-3 with the optimizer offloaded; train.py in float16 with its scaler; a SIGKILLed worker under
-   elastic torchrun resumes from its memory snapshot. The runs share the GPU, --jobs at a time.
+   elastic torchrun resumes from its memory snapshot; config/train_shakespeare_char.py reaches nanoGPT's best val
+   loss. The runs share the GPU, --jobs at a time: these are proofs, not timings.
 B: bench.py on GPT-2 124M (T=1024) at a few micro-batches, and a profiler trace of the fastest; train.py's step
    with its verdict left on the device against a step that waits for it (the host sync it saves).
 L: the levers, one at a time against the plain step at one batch, side by side: SDPA's cuDNN and flash kernels,
    one fused QKV matmul, the loss a chunk of logits at a time, those that paid together, and a compile mode; the
    plain step timed again last, for the spread. Each must also train to the plain step's loss.
-C: tok/s of fsdp_train.py, ds_train.py (ZeRO-2) and decent_train.py against train.py at the same batch, and the
-   full config/train_shakespeare_char.py's best val loss.
+C: tok/s of fsdp_train.py, ds_train.py (ZeRO-2) and decent_train.py against train.py at the same batch, and each
+   one's peak GPU memory.
 Each check is a row: what, ok or FAIL, the figure. The exit status is 1 where a check failed or was not reached.
 """
 
@@ -57,7 +58,9 @@ dry = args.dry_run
 chosen = args.entrypoints.split(',')
 work = tempfile.mkdtemp(prefix='gpu_check-')
 out = args.out or work
+logs = os.path.join(work, 'logs')  # one archive of them in out at the end: a device call brings back 8 files
 os.makedirs(out, exist_ok=True)
+os.makedirs(logs)
 rows = []  # (part, what, ok, figure)
 lock = threading.Lock()  # part A's runs report from threads
 env = dict(os.environ, PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1' if dry else os.environ.get('OMP_NUM_THREADS', '8'))
@@ -88,18 +91,34 @@ BASE = [os.path.join(REPO, 'config', 'train_shakespeare_char.py'), '--gradient_a
         '--deterministic=True'] + SYSTEM + MODEL
 
 
-# train.py with the host made to wait for each step's verdict (distributed.agree), as a read at once would make it
-SYNC_WRAPPER = '''import runpy, sys
-import distributed
+# runs an entrypoint (its path and arguments follow) with one thing changed or added, as a file of the work folder
+WRAPPERS = {
+    # the host made to wait for each step's verdict (distributed.agree), as a read at once would make it
+    'sync': """import distributed
 agree = distributed.agree
 def agree_and_wait(nonfinite, iter_num=None):
     flag = agree(nonfinite, iter_num)
     flag.item()
     return flag
 distributed.agree = agree_and_wait
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name='__main__')
-'''
+""",
+    # the memory the run took at its peak, printed at its end (finish() runs the atexit functions): the GPU's, or on
+    # CPU (a dry run) the process's resident set, interpreter and all
+    'peak': """import atexit, resource, torch
+atexit.register(lambda: print('peak memory:', torch.cuda.max_memory_allocated() if torch.cuda.is_initialized()
+                              else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, flush=True))
+""",
+}
+
+
+def wrapped(how, cmd, script):
+    """cmd, a torchrun command of script, with the worker started through the wrapper `how`."""
+    path = os.path.join(work, f'{how}_wrapper.py')
+    with open(path, 'w') as f:
+        f.write('import runpy, sys\n' + WRAPPERS[how] + "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], "
+                "run_name='__main__')\n")
+    at = cmd.index(os.path.join(REPO, script))
+    return cmd[:at] + [path] + cmd[at:]
 
 
 def left():
@@ -107,7 +126,7 @@ def left():
 
 
 def log_name(name):
-    return os.path.join(out, name.replace('/', '_') + '.log')
+    return os.path.join(logs, name.replace('/', '_') + '.log')
 
 
 def run(name, cmd, timeout=600, check=True, by_deadline=True):
@@ -187,7 +206,7 @@ shutil.copy(args.input, os.path.join(work, 'data', 'shakespeare_char', 'input.tx
 code, _, _ = run('prepare', [sys.executable, os.path.join(REPO, 'prepare.py'), 'shakespeare_char'],
                  by_deadline=False)  # every part needs it
 if code:
-    sys.exit("error: prepare.py shakespeare_char failed: see prepare.log")
+    sys.exit(f"error: prepare.py shakespeare_char failed: see {log_name('prepare')}")
 
 
 def trains(part, what, code, secs, name):
@@ -223,6 +242,16 @@ def entrypoint(script):
     said = [line for line in text.strip().splitlines() if '%|' not in line]  # not its progress bars
     row('A', f'{script} export_hf.py', code == 0 and os.path.isdir(os.path.join(work, f'{name}-hf')),
         said[-1][:60] if said else '')
+
+
+def recipe():
+    """The baby GPT's whole recipe, config/train_shakespeare_char.py: nanoGPT's best val loss is 1.4697."""
+    code, _, secs = run('shakespeare-full', [sys.executable, os.path.join(REPO, 'train.py'),
+                                             os.path.join(REPO, 'config', 'train_shakespeare_char.py'),
+                                             '--out_dir=shakespeare-full'])
+    vals = [r['val_loss'] for r in metrics('shakespeare-full') if 'val_loss' in r]
+    row('A', 'config/train_shakespeare_char.py', code == 0 and vals and min(vals) <= 1.47,
+        f"best val loss {min(vals):.4f} in {secs:.0f} s (goal <= 1.47)" if vals else exited(code, secs))
 
 
 def variant(script, extra, name):
@@ -278,8 +307,9 @@ parts = {}
 
 
 def part_a():
-    jobs = args.jobs or (2 if dry else 6)
-    work_list = [(entrypoint, (script,)) for script in ENTRYPOINTS if script in chosen]
+    jobs = args.jobs or (2 if dry else 8)
+    work_list = [] if dry else [(recipe, ())]  # the longest first; at tiny sizes it could not reach its loss
+    work_list += [(entrypoint, (script,)) for script in ENTRYPOINTS if script in chosen]
     variants = [('fsdp_train.py', ['--cpu_offload=True', '--activation_checkpointing=True'], 'fsdp-offload-ac'),
                 ('ds_train.py', ['--zero_stage=2', '--offload_optimizer=cpu'], 'zero2-offload'),
                 ('ds_train.py', ['--zero_stage=3', '--offload_optimizer=cpu'], 'zero3-offload')]
@@ -304,23 +334,20 @@ def part_b():
                                            '--profile=True'] + (['--n_layer=2', '--n_head=2', '--n_embd=32',
                                                                  '--block_size=64', '--compile=False', '--device=cpu',
                                                                  '--iters=3', '--warmup=1'] if dry else
-                                                                ['--model=gpt2', '--iters=10', '--warmup=10']))
+                                                                ['--model=gpt2', '--iters=5', '--warmup=10']))
         if code == 0 and os.path.isdir(os.path.join(work, 'bench_log')) and args.out:
             shutil.make_archive(os.path.join(out, 'bench_trace'), 'gztar', os.path.join(work, 'bench_log'))
         row('B', f'profile at batch {best[0]}', code == 0, 'bench-profile.log')
     # the lever of the non-finite check: train.py as it is (the verdict read a step late), and with the host made to
     # wait for each step's verdict, as a read at once would; logged every 10 steps, since a logged step waits too
-    with open(os.path.join(work, 'sync_wrapper.py'), 'w') as f:
-        f.write(SYNC_WRAPPER)
     size = MODEL + ['--max_iters=4', '--log_interval=2'] if dry else \
         ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024', '--batch_size=12', '--max_iters=60',
          '--log_interval=10', '--eval_iters=2']
     ms, mfu, failed = {}, None, ''
-    for name, wrap in (('sync-late', []), ('sync-every-step', [os.path.join(work, 'sync_wrapper.py')])):
+    for name, wait in (('sync-late', False), ('sync-every-step', True)):
         cmd = torchrun('train.py', size + ['--random_data=True', f'--out_dir={name}', '--eval_interval=1000',
                                            '--always_save_checkpoint=False', '--deterministic=False'])
-        script = cmd.index(os.path.join(REPO, 'train.py'))
-        code, _, secs = run(name, cmd[:script] + wrap + cmd[script:])
+        code, _, secs = run(name, wrapped('sync', cmd, 'train.py') if wait else cmd)
         ms[name] = mean_ms(name, skip=2 if dry else 20) if code == 0 else None
         failed = failed or (code != 0 and exited(code, secs))
         mfu = mfu or next((r['mfu'] for r in reversed(metrics(name)) if r.get('mfu')), None)
@@ -374,27 +401,30 @@ def part_c():
                                '--batch_size=12', '--eval_iters=1', '--deterministic=False']
     steps = STEPS if dry else 40
     base_ms = None
-    for script, extra, goal in (('train.py', [], None), ('fsdp_train.py', [], 0.9),
-                                ('ds_train.py', ['--zero_stage=2'], 0.85), ('decent_train.py', [], 0.9)):
+    # model_size.py's estimate of each mode's memory on one rank: parameters, gradients, optimizer, activations
+    size = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=4', '--dtype=float32'] if dry \
+        else ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024', '--batch_size=12']
+    code, text, _ = run('model_size', [sys.executable, os.path.join(REPO, 'model_size.py'), '--world_size=1',
+                                       '--vocab_size=65'] + size)
+    estimate = json.loads(text.strip().splitlines()[-1]) if code == 0 else {}
+    for script, extra, goal, mode in (('train.py', [], None, 'DDP'), ('fsdp_train.py', [], 0.9, 'ZeRO-3 / FSDP'),
+                                      ('ds_train.py', ['--zero_stage=2'], 0.85, 'ZeRO-2'),
+                                      ('decent_train.py', [], 0.9, 'DDP')):
         if script not in chosen:
             continue
         name = f'speed-{script[:-3]}'
-        code, _, secs = run(name, torchrun(script, extra + model + [f'--out_dir={name}', f'--max_iters={steps}',
-                                                                     f'--eval_interval={steps * 10}',
-                                                                     '--always_save_checkpoint=False']))
+        code, text, secs = run(name, wrapped('peak', torchrun(script, extra + model + [
+            f'--out_dir={name}', f'--max_iters={steps}', f'--eval_interval={steps * 10}',
+            '--always_save_checkpoint=False']), script))
         ms = mean_ms(name)
         base_ms = base_ms or ms
         ratio = base_ms / ms if ms and base_ms else None
+        peak = [int(line.split()[-1]) for line in text.splitlines() if line.startswith('peak memory: ')]
+        memory = (f"; peak {peak[0] / 2**20:,.1f} MiB" if peak else '') + \
+            (f" (model_size.py: {sum(estimate[mode].values()) / 2**20:,.1f} MiB)" if mode in estimate else '')
         row('C', f'{script} speed', code == 0 and ms is not None and (dry or goal is None or ratio >= goal),
-            f"{ms:.1f} ms/iter, {ratio:.2f}x train.py" + (f" (goal {goal}x)" if goal else '') if ms else
+            f"{ms:.1f} ms/iter, {ratio:.2f}x train.py" + (f" (goal {goal}x)" if goal else '') + memory if ms else
             exited(code, secs))
-    if not dry:  # the baby GPT's whole recipe: nanoGPT's best val loss is 1.4697
-        code, _, secs = run('shakespeare-full', [sys.executable, os.path.join(REPO, 'train.py'),
-                                                 os.path.join(REPO, 'config', 'train_shakespeare_char.py'),
-                                                 '--out_dir=shakespeare-full'], timeout=900)
-        vals = [r['val_loss'] for r in metrics('shakespeare-full') if 'val_loss' in r]
-        row('C', 'config/train_shakespeare_char.py', code == 0 and vals and min(vals) <= 1.47,
-            f"best val loss {min(vals):.4f} in {secs:.0f} s (goal <= 1.47)" if vals else exited(code, secs))
 
 
 for part in args.parts:
@@ -404,6 +434,8 @@ print(f'\n{time.time() - BEGAN:.0f} s in all\n| part | check | result | figure |
 order = {part: i for i, part in enumerate('ABLC')}
 for part, what, ok, figure in sorted(rows, key=lambda r: order[r[0]]):
     print(f"| {part} | {what} | {'ok' if ok else 'FAIL'} | {figure} |")
-if not args.out:
+if args.out:
+    shutil.make_archive(os.path.join(out, f'logs-{args.parts}'), 'gztar', logs)
+else:
     shutil.rmtree(work, ignore_errors=True)
 sys.exit(0 if rows and all(ok for _, _, ok, _ in rows) else 1)

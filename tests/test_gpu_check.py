@@ -18,6 +18,8 @@ def test_gpu_check_dry_run_passes_every_part_and_prints_the_table(tmp_path):
     checks = {what: (ok, figure) for part, what, ok, figure in rows}
     assert {part for part, *_ in rows} == {'A', 'B', 'L', 'C'}
     assert all(ok for ok, _ in checks.values()), rows
+    # part C's memory: the run's peak (on CPU the process's) beside model_size.py's estimate for the mode
+    assert 'MiB (model_size.py: ' in checks['train.py speed'][1] and '; peak ' in checks['train.py speed'][1]
     # part L's levers ran against the plain step and trained to its loss (fp32 on CPU: to rounding)
     for lever in ('fused_qkv', 'loss_rows'):
         loss, plain = (float(x) for x in checks[lever][1].split('loss ')[1].split(' vs '))
@@ -28,6 +30,9 @@ def test_gpu_check_dry_run_passes_every_part_and_prints_the_table(tmp_path):
     assert checks['SIGKILL under elastic torchrun'][1] == 'resumed from the memory snapshot'
     assert p.stdout.splitlines()[-len(rows) - 2:-len(rows)] == ['| part | check | result | figure |',
                                                                 '| --- | --- | --- | --- |']  # the table comes last
+    # a device call brings back at most 8 files from its output folder: the table, the logs in one archive, a trace
+    assert sorted(f.name for f in (tmp_path / 'out').iterdir()) == ['bench_trace.tar.gz', 'logs-ABLC.tar.gz',
+                                                                   'table.json']
 
 
 def test_gpu_check_fails_where_a_check_fails(tmp_path):
