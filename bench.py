@@ -159,6 +159,19 @@ def step():
     return loss
 
 
+# what the device's time goes to, by words in the names of its kernels (compiled ones are named for the ops they
+# fuse) or, on a CPU, its ops; the first kind whose word a name holds wins, so the specific kinds come first
+PROFILE_KINDS = [
+    ('attention', ('flash', 'fmha', 'attention', 'sdpa', 'cudnn')),
+    ('loss', ('cross_entropy', 'log_softmax', 'nll_loss', 'softmax')),
+    ('layer norm', ('layer_norm',)),
+    ('gelu', ('gelu', 'tanh')),
+    ('optimizer', ('adam', 'multi_tensor', 'foreach')),
+    ('matmul', ('gemm', 'xmma', 'nvjet', 'cutlass', 'aten::mm', 'aten::addmm', 'aten::bmm', 'matmul', 'sm90_')),
+    ('communication', ('nccl', 'all_reduce', 'allreduce')),
+]
+
+
 def sync():
     if device_type == 'cuda':
         torch.cuda.synchronize()
@@ -178,6 +191,18 @@ if profile:
         sync()
     sort = 'cuda_time_total' if device_type == 'cuda' else 'cpu_time_total'
     print(prof.key_averages().table(sort_by=sort, row_limit=20))
+    # the device's time by what it was spent on, read off kernel (or on CPU, op) names: the first kind that matches
+    kinds = {}
+    for e in prof.key_averages():
+        us = e.self_device_time_total if device_type == 'cuda' else e.self_cpu_time_total
+        name = e.key.lower()
+        kind = next((k for k, words in PROFILE_KINDS if any(w in name for w in words)), 'other')
+        kinds[kind] = kinds.get(kind, 0) + us
+    busy = sum(kinds.values())
+    shares = {k: us / busy for k, us in sorted(kinds.items(), key=lambda kv: -kv[1]) if busy}
+    print(f"busy {busy / 1000 / iters:.2f} ms a step: " + ", ".join(f"{k} {v * 100:.0f}%" for k, v in shares.items()))
+    print(json.dumps({**config, 'device': device_name, 'dtype': dtype, 'busy_ms': busy / 1000 / iters,
+                      'shares': shares}))
     sys.exit(0)
 
 times = []

@@ -18,11 +18,17 @@ from test_fault import logged_iters
 ARGS = ['--gradient_accumulation_steps=2', '--max_iters=100000', '--eval_interval=4']
 
 
+def as_at_a_terminal():
+    """A process started in the background of a shell (`cmd &`, as a suite may be) has SIGINT ignored, and Python
+    keeps it so: Ctrl-C at a terminal reaches a process that has its default handling, as here."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(cmd, data_dir, out_dir, cwd):
     # a session of its own, so that the test can send SIGINT to the whole group, as a terminal's Ctrl-C does
     return subprocess.Popen([sys.executable, *cmd, *TINY, f'--dataset={data_dir / "shakespeare_char"}',
                              f'--out_dir={out_dir}', *ARGS], cwd=cwd, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=as_at_a_terminal)
 
 
 def interrupt_after(p, out_dir, iters):
@@ -110,7 +116,7 @@ def test_ctrl_c_in_a_tool_is_one_line_and_a_non_zero_exit(tmp_path, data_dir, sh
         args = ['--device=cpu', '--dtype=float32', '--compile=False', '--n_layer=2', '--n_head=2', '--n_embd=32',
                 '--block_size=32', '--batch_size=4', '--iters=1000000', '--warmup=0']
     p = subprocess.Popen([sys.executable, str(REPO / tool), *args], cwd=tmp_path, env=env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=as_at_a_terminal)
     assert p.stdout.readline()  # sampling / timing has begun
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
@@ -130,7 +136,7 @@ def test_ctrl_c_in_prepare_keeps_the_folder_as_it_was(tmp_path):
     big.write_text(SHAKESPEARE.read_text() * 40)  # 44 MB: tens of seconds of BPE on one core
     p = subprocess.Popen([sys.executable, str(REPO / 'prepare.py'), 'text', f'--input={big}', '--tokenizer=gpt2',
                           '--num_proc=1', f'--out_dir={out_dir}'], cwd=tmp_path, env=env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=as_at_a_terminal)
     partial = out_dir / 'train.bin.tmp'
     while not (partial.exists() and partial.stat().st_size > 0):
         assert p.poll() is None, p.communicate()
