@@ -61,7 +61,7 @@ def _set_aside_in(folder, first_bad, files):
     steps = sorted(f for f in os.listdir(folder) if re.fullmatch(r'step-\d+', f))
     for step in steps:
         if int(step[5:]) >= first_bad:
-            os.replace(os.path.join(folder, step), os.path.join(folder, 'diverged-' + step))
+            os.replace(os.path.join(folder, step), unused(os.path.join(folder, 'diverged-' + step)))
     left = [s for s in steps if int(s[5:]) < first_bad]
     if read_name(os.path.join(folder, 'latest')) is not None and left:
         write_name(os.path.join(folder, 'latest'), left[-1])
@@ -75,7 +75,7 @@ def _set_aside_in(folder, first_bad, files):
             it = _iter(path)
             if it is not None and it >= first_bad:
                 root, ext = os.path.splitext(path)
-                os.replace(path, f"{os.path.join(folder, 'diverged-' + os.path.basename(root))}-{it}{ext}")
+                os.replace(path, unused(f"{os.path.join(folder, 'diverged-' + os.path.basename(root))}-{it}{ext}"))
             else:
                 good.append(path)
         for path, name_to in zip(good, versions):  # newest first: each moves up into a name already vacated
@@ -84,6 +84,17 @@ def _set_aside_in(folder, first_bad, files):
         if good and _iter(versions[0]) is not None and _iter(versions[0]) > newest[1]:
             newest = (versions[0], _iter(versions[0]))
     return newest
+
+
+def unused(path):
+    """path, or where it is taken (a rerun that diverged at the same step again), path with .2, .3, ... before its
+    extension: a state set aside earlier is kept too."""
+    root, ext = os.path.splitext(path) if os.path.splitext(path)[1] == '.pt' else (path, '')
+    n = 1
+    while os.path.lexists(path):
+        n += 1
+        path = f'{root}.{n}{ext}'
+    return path
 
 
 def skips_save(to, nonfinite_steps, iter_num, print0):

@@ -104,6 +104,16 @@ def test_a_diverged_run_leaves_its_last_good_state_newest(base, tmp_path, data_d
     set_aside = [f.name for f in out.rglob('diverged-*')]
     assert set_aside and all('11' in name for name in set_aside), set_aside
     assert same_weights(final_weights(script, out), final_weights(script, base_dir))
+    if script in ('train.py', 'fsdp_train.py'):  # a file and a folder of a step: the code that sets both aside
+        # the same command again, as a requeued job would: it diverges at 11 again, and that second state is set
+        # aside beside the first, not over it, nor left as the newest
+        p = run(script, *tiny(data_dir, out, *BASE, '--max_iters=40', '--eval_interval=5', '--learning_rate=1e30',
+                              '--warmup_iters=0', '--save_storage_interval=1', '--save_memory_interval=1'),
+                cwd=tmp_path, check=False)
+        assert f"{newest} (iter 10) holds the last good state" in one_line_error(p), p.stderr[-3000:]
+        again = [f.name for f in out.rglob('diverged-*')]
+        assert len(again) == 2 * len(set_aside) and set(set_aside) < set(again), again
+        assert same_weights(final_weights(script, out), final_weights(script, base_dir))
     p = run(script, *tiny(data_dir, out, *BASE, '--max_iters=12'), cwd=tmp_path)
     assert re.search(r'resuming from \S+ at iter 10\b', p.stdout), p.stdout[-2000:]
     assert all(torch.isfinite(v).all() for v in load_checkpoint(str(out))[0].state_dict().values())
