@@ -16,6 +16,7 @@ What goes into a checkpoint, and loading the optimizer, RNG and data position, s
 
 import functools
 import io
+import json
 import os
 import pathlib
 import pickle
@@ -25,6 +26,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 import uuid
 import warnings
 from contextlib import nullcontext
@@ -41,14 +43,20 @@ def find_checkpoint(path):
     the run's best by val loss (best.pt, else the sharded folder that its dcp/best names)."""
     run, name = os.path.split(os.path.normpath(path))
     if name == 'best' and not os.path.exists(path) and os.path.isdir(run or '.'):
-        pointer = os.path.join(run, 'dcp', 'best')
-        if os.path.exists(os.path.join(run, 'best.pt')) or not os.path.exists(pointer):
-            return os.path.join(run, 'best.pt')
+        pointer, best_pt = os.path.join(run, 'dcp', 'best'), os.path.join(run, 'best.pt')
+        if not os.path.exists(pointer):
+            return best_pt
         with open(pointer) as f:
             name = f.read(100).strip()
         if not re.fullmatch(r'best-step-\d+', name):  # a name read from a file never leads out of its folder
             raise ValueError(f"{pointer} names {name[:40]!r}, not a best-step-N folder")
-        return os.path.join(run, 'dcp', name)
+        # both, where one entrypoint continued another's run: the newer is the better (a best replaces one only
+        # for a lower val loss, and a resumed run carries that loss on)
+        try:
+            pt_iter = torch.load(best_pt, map_location='cpu', weights_only=True, mmap=True)['iter_num']
+        except Exception:
+            pt_iter = None  # none, or damaged: the folder
+        return best_pt if pt_iter is not None and pt_iter >= int(name[10:]) else os.path.join(run, 'dcp', name)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, 'extra.pt')):
         latest = os.path.join(path, 'dcp', 'latest')
         if os.path.exists(latest):
@@ -210,7 +218,9 @@ def atomic_save(obj, path, keep=1, best=None):
             raise (errors[0] if errors else e) from None
     for n in range(keep - 1, 0, -1) if not same_step(obj, path) else []:
         if os.path.exists(previous(path, n - 1)):
-            os.replace(previous(path, n - 1), previous(path, n))
+            # the newest becomes ckpt.prev.pt as a second name (a link), so that path names a whole checkpoint at
+            # every moment, which a crash here leaves to the tools that read it
+            (same_file if n == 1 else os.replace)(previous(path, n - 1), previous(path, n))
     os.replace(path + '.tmp', path)
     if best:
         same_file(path, best)
@@ -647,12 +657,26 @@ def others_newest(out_dir, script):
 
 def misplaced(out_dir, storage):
     """A one-line reason where something stands in out_dir where the entrypoints write a file (a ckpt.pt that is
-    a folder) or a folder of step folders (a dcp that is a file): every save there would fail, or move it."""
+    a folder) or a folder of step folders (a dcp that is a file): every save there would fail, or move it. And a
+    config.json that no run wrote (a Hugging Face export's): the run would write its own over it."""
     for path in [p for paths in storage for p in paths] + [os.path.join(out_dir, k) for k in FOLDERS.values()]:
         if path.endswith('.pt') and os.path.exists(path) and not os.path.isfile(path):
             return f"{path} is a folder, where the checkpoint file goes"
         if not path.endswith('.pt') and os.path.exists(path) and not os.path.isdir(path):
             return f"{path} is a file, where a folder of checkpoints goes"
+    for name in ('run_id', 'config.json'):  # (a metrics.jsonl that is not a file is set aside: runlog.read_log)
+        path = os.path.join(out_dir, name)
+        if os.path.exists(path) and not os.path.isfile(path):
+            return f"{path} is a folder, where the run's {name} goes"
+    path = os.path.join(out_dir, 'config.json')
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding='utf-8') as f:
+                ours = 'out_dir' in json.loads(f.read(1 << 20))  # every run's config.json holds its settings
+        except (OSError, ValueError, TypeError):
+            ours = False
+        if not ours:
+            return f"{path} is not a run's config.json (a Hugging Face export's?), and a run would write over it"
     return None
 
 
@@ -673,6 +697,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     # an eval of another model is no resume; an eval of out_dir (init_from=scratch) is one of its newest state
     wanted = init_from == 'resume' or (auto_resume and (not eval_only or init_from == 'scratch'))
     run_id_path = os.path.join(out_dir, 'run_id')
+    earlier = read_run_id(run_id_path) if os.path.isfile(run_id_path) else None  # read before rank 0 moves it
     if wanted and os.path.isfile(run_id_path):
         run_id = read_run_id(run_id_path)
         folder = snapshot_dir(run_id)
@@ -729,9 +754,43 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     elif resume_from is not None and init_from != 'resume':
         print0(f"auto-resume: {out_dir} holds this run's state at iter {resume_from[0]}, so the run continues "
                f"(--auto_resume=False starts afresh)")
-    if not wanted and not eval_only and os.path.isfile(run_id_path):
-        keep_earlier_snapshots(out_dir, read_run_id(run_id_path))
+    if resume_from is None and not eval_only:  # a new run: what earlier runs saved here is kept, out of its way
+        if not wanted and earlier:
+            keep_earlier_snapshots(out_dir, earlier)
+        if rank == 0:
+            keep_earlier_run(out_dir, earlier)
+        dist.barrier()  # moved before any rank writes there
     return run_id, resume_from
+
+
+# the names in out_dir of a run's saved state and its records, which a new run there would rotate, prune or replace
+RUN_NAMES = re.compile(r'(ckpt|best)(\.prev\d*)?\.pt|diverged-.+|dcp|ds|decent|run_id|config\.json|metrics\.jsonl'
+                       r'(\.damaged-.+)?')
+
+
+def keep_earlier_run(out_dir, earlier):
+    """A run started afresh in an out_dir that holds another run's saved states (--auto_resume=False, or a run
+    whose own state was never saved) would rotate and prune them, replace its best by a worse one and its
+    config.json by its own. They move, as they are, into out_dir/before-RUN_ID/ (renames, nothing copied or lost);
+    `earlier` is the id in out_dir/run_id, if any. A log with no saved state is kept by runlog.open_log."""
+    names = sorted(n for n in os.listdir(out_dir) if RUN_NAMES.fullmatch(n)) if os.path.isdir(out_dir) else []
+    if not any(n not in ('run_id', 'config.json', 'metrics.jsonl') for n in names):
+        return
+    kept_as = unused(os.path.join(out_dir, f"before-{earlier or time.strftime('%Y%m%d-%H%M%S')}"))
+    os.mkdir(kept_as)
+    for name in names:
+        os.rename(os.path.join(out_dir, name), os.path.join(kept_as, name))
+    print(f"{out_dir} holds an earlier run's saved states: kept, as they were, in {kept_as}", flush=True)
+
+
+def unused(path):
+    """path, or where that is taken, path with .2, .3, ... before a .pt: whatever was kept under it stays."""
+    root, ext = os.path.splitext(path) if path.endswith('.pt') else (path, '')
+    n = 1
+    while os.path.lexists(path):
+        n += 1
+        path = f'{root}.{n}{ext}'
+    return path
 
 
 def keep_earlier_snapshots(out_dir, run_id):

@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from checkpoint import kept, read_name, snapshot_dir, write_name
+from checkpoint import kept, read_name, snapshot_dir, unused, write_name
 
 KINDS = ('dcp', 'ds', 'decent')  # the folders of step folders that fsdp_train.py, ds_train.py, decent_train.py write
 
@@ -84,17 +84,6 @@ def _set_aside_in(folder, first_bad, files):
         if good and _iter(versions[0]) is not None and _iter(versions[0]) > newest[1]:
             newest = (versions[0], _iter(versions[0]))
     return newest
-
-
-def unused(path):
-    """path, or where it is taken (a rerun that diverged at the same step again), path with .2, .3, ... before its
-    extension: a state set aside earlier is kept too."""
-    root, ext = os.path.splitext(path) if os.path.splitext(path)[1] == '.pt' else (path, '')
-    n = 1
-    while os.path.lexists(path):
-        n += 1
-        path = f'{root}.{n}{ext}'
-    return path
 
 
 def skips_save(to, nonfinite_steps, iter_num, print0):

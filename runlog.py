@@ -133,16 +133,16 @@ def read_log(path, before):
 
 
 def replace_text(path, text):
-    """Writes a small file whole or not at all (a temporary file, then a rename); a failed write leaves no
-    temporary file."""
+    """Writes a small file whole or not at all (a temporary file, then a rename); a failed write or rename leaves
+    no temporary file."""
     try:
         with open(path + '.tmp', 'w') as f:
             f.write(text)
+        os.replace(path + '.tmp', path)
     except BaseException:
         if os.path.isfile(path + '.tmp'):
             os.remove(path + '.tmp')
         raise
-    os.replace(path + '.tmp', path)
 
 
 def count_skipped(nonfinite, in_a_row, limit, iter_num, log, out_dir, run_id, what='loss or gradient'):

@@ -211,3 +211,73 @@ def test_a_run_started_afresh_keeps_the_killed_earlier_runs_snapshots_in_out_dir
     assert not snapshots.exists() and files(kept_as) == before and before
     assert (out / 'run_id').read_text().strip() != run_id
     assert not os.path.exists(f"/dev/shm/nanogpt-{(out / 'run_id').read_text().strip()}")  # its own, freed at the end
+
+
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py'])
+def test_a_run_started_afresh_over_another_keeps_that_runs_states_whole_beside_it(tmp_path, data_dir, shared_run,
+                                                                                     script):
+    """--auto_resume=False over a finished run: its checkpoints, best, step folders, config.json and log move, byte
+    for byte, into before-RUN_ID/, where no rotation, pruning or worse best of the new run reaches them."""
+    shutil.copytree(shared_run(script, *ARGS), tmp_path / 'run')
+    out = tmp_path / 'run'
+    earlier, before = (out / 'run_id').read_text().strip(), files(out)
+    p = start(tmp_path, data_dir, out, '--max_iters=6', '--auto_resume=False', script=script)
+    kept_as = out / f'before-{earlier}'
+    assert f"{out} holds an earlier run's saved states: kept, as they were, in {kept_as}" in p.stdout
+    assert files(kept_as) == before  # all of it, unchanged
+    assert (out / 'run_id').read_text().strip() != earlier and 'at iter' not in p.stdout
+    newest = out / 'ckpt.pt' if script == 'train.py' else out / 'dcp' / 'step-00000006'
+    assert newest.exists() and not (out / 'dcp' / 'step-00000010').exists()
+    # a second fresh start keeps the first one's states beside, under a name of their own
+    second = (out / 'run_id').read_text().strip()
+    start(tmp_path, data_dir, out, '--max_iters=2', '--auto_resume=False', script=script)
+    assert files(kept_as) == before and (out / f'before-{second}').is_dir()
+
+
+def test_an_export_folder_or_a_run_file_that_is_a_folder_is_refused_at_the_start(tmp_path, data_dir):
+    """A folder holding a Hugging Face export: its config.json is no run's, and a run would write over it. A run_id
+    that is a folder: the first save of the run's records would fail after a model was built and evaluated."""
+    hf = tmp_path / 'hf'
+    hf.mkdir()
+    (hf / 'config.json').write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    (hf / 'model.safetensors').write_bytes(b'weights')
+    before = files(hf)
+    error = one_line_error(start(tmp_path, data_dir, hf, check=False))
+    assert error == f"error: {hf / 'config.json'} is not a run's config.json (a Hugging Face export's?), and a run " \
+                    f"would write over it: move it out of {hf} (nothing was changed)", error
+    assert files(hf) == before and sorted(os.listdir(hf)) == ['config.json', 'model.safetensors']
+    (tmp_path / 'run' / 'run_id').mkdir(parents=True)
+    error = one_line_error(start(tmp_path, data_dir, tmp_path / 'run', check=False))
+    assert error.startswith(f"error: {tmp_path / 'run' / 'run_id'} is a folder, where the run's run_id goes"), error
+    assert sorted(os.listdir(tmp_path / 'run')) == ['run_id']
+
+
+CRASH_AT_RENAME = '''import os, sys, torch
+from checkpoint import atomic_save
+real = os.replace
+def replace(src, dst):  # dies as a SIGKILL would, just before the new checkpoint takes the newest name
+    if src.endswith('ckpt.pt.tmp'):
+        os._exit(9)
+    real(src, dst)
+os.replace = replace
+atomic_save({'iter_num': 2}, sys.argv[1], keep=3)
+'''
+
+
+def test_a_crash_as_a_checkpoint_is_renamed_leaves_the_newest_name_whole(tmp_path):
+    path = tmp_path / 'ckpt.pt'
+    from checkpoint import atomic_save
+    atomic_save({'iter_num': 0}, str(path), keep=3)
+    atomic_save({'iter_num': 1}, str(path), keep=3)
+    p = subprocess.run([sys.executable, '-c', CRASH_AT_RENAME, str(path)], env=env(), cwd=REPO)
+    assert p.returncode == 9
+    # ckpt.pt still names the newest whole state, which every tool reads; its versions moved down beside it
+    assert [iter_of(tmp_path / f) for f in ('ckpt.pt', 'ckpt.prev.pt', 'ckpt.prev2.pt')] == [1, 1, 0]
+
+
+def test_run_best_names_the_newer_best_where_another_entrypoint_continued_the_run(tmp_path, data_dir, shared_run):
+    from checkpoint import find_checkpoint
+    shutil.copytree(shared_run('train.py', *ARGS), tmp_path / 'run')  # best.pt at 10
+    start(tmp_path, data_dir, tmp_path / 'run', '--max_iters=20', script='fsdp_train.py')  # a better one at 15 or 20
+    best = find_checkpoint(str(tmp_path / 'run' / 'best'))
+    assert best.startswith(str(tmp_path / 'run' / 'dcp' / 'best-step-000000')) and int(best[-8:]) > 10, best
