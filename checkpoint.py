@@ -72,10 +72,30 @@ def find_checkpoint(path):
 def load_checkpoint(path, dropout=None):
     """Returns (model, checkpoint) for the checkpoint at path: the GPT with its weights (on the CPU; dropout as
     given, else as saved), and the checkpoint's small state (model_args, config, iter_num, ...). Raises
-    FileNotFoundError where there is none, and other exceptions (never a BaseException) where it is damaged."""
-    path = find_checkpoint(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no checkpoint at {path}")
+    FileNotFoundError where there is none, and other exceptions (never a BaseException) where it is damaged. A
+    run folder stands for its newest ckpt.pt that loads: a damaged one is passed over for the version before it
+    (ckpt.prev.pt, ...), with a warning, as a resume does."""
+    found = find_checkpoint(path)
+    versions = [v for v in kept(found) if os.path.exists(v)] if os.path.isdir(path) and \
+        os.path.basename(found) == 'ckpt.pt' else [found] if os.path.exists(found) else []
+    if not versions:
+        raise FileNotFoundError(f"no checkpoint at {found}")
+    for version in versions:
+        try:
+            model, checkpoint = _load(version, dropout)
+        except Exception as e:
+            if version == versions[-1]:
+                raise
+            print(f"warning: {version} is damaged ({reason(e)}): passed over for the version before it",
+                  file=sys.stderr, flush=True)
+            continue
+        if version != found:
+            print(f"warning: reading {version} (iter {checkpoint.get('iter_num')}), since the run's newest ckpt.pt "
+                  f"is missing or damaged", file=sys.stderr, flush=True)
+        return model, checkpoint
+
+
+def _load(path, dropout):
     overrides = {} if dropout is None else {'dropout': dropout}
     if os.path.isdir(path):
         # a torch.distributed.checkpoint folder: its shards are read into a whole model, whatever wrote them

@@ -281,3 +281,22 @@ def test_run_best_names_the_newer_best_where_another_entrypoint_continued_the_ru
     start(tmp_path, data_dir, tmp_path / 'run', '--max_iters=20', script='fsdp_train.py')  # a better one at 15 or 20
     best = find_checkpoint(str(tmp_path / 'run' / 'best'))
     assert best.startswith(str(tmp_path / 'run' / 'dcp' / 'best-step-000000')) and int(best[-8:]) > 10, best
+
+
+def test_a_tool_reads_the_version_before_a_damaged_or_missing_ckpt_pt(tmp_path, data_dir, shared_run):
+    """sample.py and export_hf.py given a run folder take its newest ckpt.pt that loads, as a resume does, with a
+    warning; where none loads, the one-line error."""
+    shutil.copytree(shared_run('train.py', *ARGS), tmp_path / 'run')  # ckpt.pt at 10, ckpt.prev.pt at 5
+    ckpt = tmp_path / 'run' / 'ckpt.pt'
+    ckpt.write_bytes(ckpt.read_bytes()[:100000])  # truncated
+    meta = f'--meta_path={data_dir / "shakespeare_char" / "meta.pkl"}'
+    p = run('sample.py', f'--out_dir={tmp_path / "run"}', '--device=cpu', '--num_samples=1', '--max_new_tokens=5',
+            meta, cwd=tmp_path)
+    assert f"warning: {ckpt} is damaged" in p.stderr and f"reading {ckpt.parent / 'ckpt.prev.pt'} (iter 5)" in p.stderr
+    ckpt.unlink()
+    p = run('export_hf.py', f'--ckpt={tmp_path / "run"}', f'--out={tmp_path / "hf"}', cwd=tmp_path)
+    assert f"reading {ckpt.parent / 'ckpt.prev.pt'} (iter 5)" in p.stderr and (tmp_path / 'hf' / 'config.json').exists()
+    (tmp_path / 'run' / 'ckpt.prev.pt').write_bytes(b'damaged')  # none left that loads: the one line
+    error = one_line_error(run('sample.py', f'--out_dir={tmp_path / "run"}', '--device=cpu', meta, cwd=tmp_path,
+                               check=False))
+    assert error.startswith(f'error: checkpoint {ckpt} ') or error.startswith('error: no checkpoint'), error
