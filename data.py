@@ -3,8 +3,10 @@ The token data every entrypoint reads, as prepare.py (and nanoGPT) write it: dat
 (uint16 token ids) and, for a char-level vocabulary, meta.pkl (vocab_size, itos, stoi). Every file is read as data:
 meta.pkl through an unpickler that admits no class, so a planted one runs no code.
 With random_data, a virtual token file of hashed GPT-2 ids stands in for both, for cluster bring-up and benchmarks.
+A folder whose prep.json (prepare.py's record) is not marked complete is refused: its prep stopped half put in place.
 """
 
+import json
 import os
 import pickle
 import sys
@@ -18,8 +20,36 @@ class _PlainUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names {module}.{name}, and a vocabulary holds only dicts, strings and ints")
 
 
+RECORD = 'prep.json'  # what prepare.py prepared in a folder: {'settings': ..., 'complete': bool}
+
+
+def read_record(folder):
+    """prepare.py's record of the prep in folder, read as data: None where there is none (a folder prepared by an
+    older prepare.py, or by nanoGPT's), {} where it is unreadable."""
+    path = os.path.join(folder, RECORD)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding='utf-8') as f:
+            record = json.load(f)
+        return record if isinstance(record, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def check_whole(folder):
+    """A one-line error (and exit) where prepare.py stopped while it put a prep's files in place (prepare.commit):
+    the folder may pair a new vocabulary with old tokens, or a new split with an old one."""
+    record = read_record(folder)
+    if record is not None and record.get('complete') is not True:
+        sys.exit(f"error: {folder} holds a prep that stopped while its files were put in place ({RECORD} is not "
+                 f"marked complete), so its files may come from two preps: run that prep again with prepare.py")
+
+
 def read_meta(path):
-    """meta.pkl's dict, or a one-line error (and exit) where it is damaged, planted or lacks vocab_size."""
+    """meta.pkl's dict, or a one-line error (and exit) where it is damaged, planted or lacks vocab_size, or its
+    folder's prep is not whole."""
+    check_whole(os.path.dirname(path) or '.')
     try:
         with open(path, 'rb') as f:
             meta = _PlainUnpickler(f).load()
@@ -32,11 +62,15 @@ def read_meta(path):
     return meta
 
 
+def is_path(dataset):
+    """Whether --dataset names a folder by its path: anything with a slash or '.' alone (./, ../x,
+    data/openwebtext-10k, /abs/folder, ~/x); otherwise it is a folder's name under data/."""
+    return os.sep in dataset or '/' in dataset or dataset in ('.', '..') or dataset.startswith('~')
+
+
 def data_dir(dataset):
-    """The folder of a dataset: data/<dataset> for a name, as nanoGPT lays them out; the folder itself for a path,
-    that is anything with a slash or '.' alone (./, ../x, data/openwebtext-10k, /abs/folder)."""
-    is_path = os.sep in dataset or '/' in dataset or dataset in ('.', '..') or dataset.startswith('~')
-    return os.path.expanduser(dataset) if is_path else os.path.join('data', dataset)
+    """The folder of a dataset: data/<dataset> for a name, as nanoGPT lays them out; the folder itself for a path."""
+    return os.path.expanduser(dataset) if is_path(dataset) else os.path.join('data', dataset)
 
 
 class RandomTokens:
@@ -71,16 +105,21 @@ def find_bins(dataset, block_size, random_data=False):
         return ({split: RandomTokens(split) for split in ('train', 'val')},
                 {split: RandomTokens.SIZE for split in ('train', 'val')})
     folder = data_dir(dataset)
+    check_whole(folder)
     paths, n_tokens = {}, {}
     for split in ('train', 'val'):
         path = paths[split] = os.path.join(folder, f'{split}.bin')
         if not os.path.isfile(path):
-            if folder == os.path.join('data', dataset):
-                sys.exit(f"error: {path} not found: run `python prepare.py {dataset}` "
-                         f"(or `python prepare.py text --input=FILE --name={dataset}`) first")
-            parent, name = os.path.split(os.path.normpath(os.path.abspath(folder)))
-            sys.exit(f"error: {path} not found: run `python prepare.py text --input=FILE --out_root={parent} "
-                     f"--name={name}` first, or give --dataset the folder that holds train.bin and val.bin")
+            from prepare import DATASETS  # here: only this error needs them
+            name = os.path.basename(os.path.normpath(folder))
+            known = name in DATASETS and name not in ('text', 'hellaswag')  # those that prepare.py NAME makes
+            if not is_path(dataset):
+                sys.exit(f"error: {path} not found: run `python prepare.py "
+                         f"{dataset if known else f'text --input=FILE --name={dataset}'}` first")
+            # a path: prepare.py's --out_dir is the folder itself, absolute or relative, whatever data/ holds
+            sys.exit(f"error: {path} not found: run `python prepare.py "
+                     f"{name if known else 'text --input=FILE'} --out_dir={folder}` first, or give --dataset the "
+                     f"folder that holds train.bin and val.bin")
         try:
             open(path, 'rb').close()
         except OSError as e:

@@ -18,9 +18,12 @@ A text file is one document, split as nanoGPT does: its first 90% of characters 
 Document datasets (json, parquet) get an end-of-text token (50256) after each document and a random 0.05% of
 documents for val. Token ids stream to disk: the corpus is never held in memory.
 FineWeb's samples (~10B tokens) stream from their parquet files instead, with a fixed val split: the first val_docs
-documents (files in sorted order). An interrupted prep of them resumes where it stopped; a finished one is kept.
+documents (files in sorted order). An interrupted prep of them resumes where it stopped.
+A folder's prep.json records its prep's input and settings: the same prep again is not redone, and a finished prep
+of other input or settings is kept and the new one refused, unless --force=True.
 """
 
+import hashlib
 import json
 import os
 import pickle
@@ -31,6 +34,7 @@ import numpy as np
 
 import seeds
 from configurator import configure, quiet_interrupt
+from data import RECORD, read_record
 from runlock import hold, let_go
 
 # -----------------------------------------------------------------------------
@@ -46,7 +50,7 @@ num_proc = max(1, (os.cpu_count() or 2) // 2)  # tokenizer workers
 chunk_chars = 1 << 20  # characters of text tokenized at a time per worker
 val_docs = 100_000  # fineweb*: the first N documents are val: ~100M tokens if they average ~1,000 tokens
 chunk_docs = 1024  # fineweb*: documents read, tokenized, written and recorded as done at a time
-force = False  # fineweb*: prepare again a folder that holds a finished prep, or start an interrupted one over
+force = False  # prepare again a folder that holds a finished prep (of any input), or start an interrupted one over
 # -----------------------------------------------------------------------------
 
 SHAKESPEARE_URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt'
@@ -133,7 +137,7 @@ def gpt2_encoding():
 
 
 class Output:
-    """A .bin written in appended pieces under a temporary name, renamed into place only when complete. With keep,
+    """A .bin written in appended pieces under a temporary name, renamed into place by commit(). With keep,
     an interrupted prep's temporary file is cut back to the keep bytes that it recorded, and appended to."""
 
     def __init__(self, path, keep=0):
@@ -151,19 +155,72 @@ class Output:
         self.f.flush()
         os.fsync(self.f.fileno())
 
-    def commit(self):
-        self.f.close()
-        os.replace(self.path + '.tmp', self.path)
-
     def discard(self):
         self.f.close()
         if os.path.exists(self.path + '.tmp'):
             os.remove(self.path + '.tmp')
 
 
+def already_prepared(out_dir, settings):
+    """True (and a line that says so) where out_dir holds a finished prep of these settings, so there is nothing to
+    do. A finished prep of other settings, or one that records none (an older prepare.py's, or nanoGPT's), may be
+    what a trained model needs (its meta.pkl): a one-line error, unless --force. False where there is none to keep:
+    no train.bin and val.bin, or a prep stopped while its files were put in place (redone without --force)."""
+    if force or not all(os.path.exists(os.path.join(out_dir, f'{split}.bin')) for split in ('train', 'val')):
+        return False
+    record = read_record(out_dir)
+    if record is not None and record.get('complete') is not True:
+        return False
+    if record and record.get('settings') == settings:
+        print(f"{out_dir} is already prepared from this input with these settings: pass --force=True to prepare it "
+              f"again")
+        return True
+    old = record.get('settings') if record else None
+    if isinstance(old, dict):
+        changed = ', '.join(f"{k}={v!r:.40}" for k, v in old.items() if settings.get(k) != v)  # a sha256 cut short
+        what = f"of other input or settings ({changed[:300] or 'other keys'})"
+    else:
+        what = "that records no settings (an older prepare.py's, or nanoGPT's)"
+    sys.exit(f"error: {out_dir} holds a finished prep {what}, which a model trained on it may need: pass --force=True "
+             f"to replace it, or prepare into another folder (--name, --out_root or --out_dir)")
+
+
+def commit(out_dir, settings, bins, meta=None, drop=()):
+    """Puts a prep's files in place: each of bins from its .tmp, meta.pkl written for a char vocabulary or else
+    removed (an earlier char prep's would set the vocabulary), then the record of settings. A kill may stop this
+    between any two steps, so the record goes first, marked incomplete: until it is rewritten complete at the end,
+    data.py's readers refuse the folder (it may pair a new meta.pkl with old tokens, or a new split with an old one)
+    and a rerun prepares it again without --force. Before that first rename the old prep is whole, after the last
+    the new one. drop: files of the prep in progress (FineWeb's progress.json), removed inside that window."""
+    meta_path = os.path.join(out_dir, 'meta.pkl')
+    if meta is not None:
+        with open(meta_path + '.tmp', 'wb') as f:
+            pickle.dump(meta, f)
+    write_json(os.path.join(out_dir, RECORD), {'settings': settings, 'complete': False})
+    for path in drop:
+        os.remove(path)
+    for path in bins:
+        os.replace(path + '.tmp', path)
+    if meta is not None:
+        os.replace(meta_path + '.tmp', meta_path)
+    elif os.path.exists(meta_path):
+        os.remove(meta_path)
+    write_json(os.path.join(out_dir, RECORD), {'settings': settings, 'complete': True})
+
+
+def file_sha256(path):
+    with open(path, 'rb') as f:
+        return hashlib.file_digest(f, 'sha256').hexdigest()
+
+
 def prepare_text(src, out_dir, kind):
     """A text file, as characters or GPT-2 BPE, split train/val by character position."""
     from tqdm import tqdm
+    frac = 0.1 if val_fraction < 0 else val_fraction
+    # the text by its content, not its path: the same text from another copy is the same prep
+    settings = {'input_sha256': file_sha256(src), 'tokenizer': kind, 'val_fraction': frac}
+    if already_prepared(out_dir, settings):
+        return
     n_chars, chars = 0, set()
     try:
         for block in text_blocks(src, 0, float('inf')):
@@ -174,7 +231,6 @@ def prepare_text(src, out_dir, kind):
         sys.exit(f"error: {src} is not UTF-8 text ({e.reason} at byte {e.start}): convert it, e.g. with iconv")
     if n_chars == 0:
         sys.exit(f"error: {src} is empty: give a text file with some text in it")
-    frac = 0.1 if val_fraction < 0 else val_fraction
     n_train = int(n_chars * (1 - frac))
     if n_train in (0, n_chars):
         sys.exit(f"error: {src}'s {n_chars} characters split at val_fraction={frac} leave none for "
@@ -215,20 +271,19 @@ def prepare_text(src, out_dir, kind):
         for split in ('train', 'val'):
             if outputs[split].n == 0:
                 sys.exit(f"error: {src} is too short to give any {split} tokens: use a longer text")
-        if kind != 'char' and os.path.exists(os.path.join(out_dir, 'meta.pkl')):
-            os.remove(os.path.join(out_dir, 'meta.pkl'))  # an earlier char-level prep's: it would set the vocabulary
+        for out in outputs.values():
+            out.f.close()
+        meta = None
         if kind == 'char':
             meta = {'vocab_size': len(itos), 'itos': dict(enumerate(itos)), 'stoi': {c: i for i, c in enumerate(itos)}}
-            with open(os.path.join(out_dir, 'meta.pkl.tmp'), 'wb') as f:
-                pickle.dump(meta, f)
-            os.replace(os.path.join(out_dir, 'meta.pkl.tmp'), os.path.join(out_dir, 'meta.pkl'))
-        for out in outputs.values():
-            out.commit()
+        commit(out_dir, settings, [out.path for out in outputs.values()], meta)
     except OSError as e:
         write_failed(out_dir, e)
     finally:
         for out in outputs.values():
             out.discard()
+        if os.path.exists(os.path.join(out_dir, 'meta.pkl.tmp')):
+            os.remove(os.path.join(out_dir, 'meta.pkl.tmp'))
     vocab = f"{len(itos)} characters" if kind == 'char' else "GPT-2 BPE"
     print(f"{out_dir}: {outputs['train'].n:,} train and {outputs['val'].n:,} val tokens ({vocab})")
 
@@ -291,6 +346,12 @@ def prepare_documents(dataset, out_dir):
                          f"give files of one type")
             if os.path.getsize(f) == 0:
                 sys.exit(f"error: --data_files names {f}, which is empty: give files that hold documents")
+    frac = 0.0005 if val_fraction < 0 else val_fraction
+    source = sorted(os.path.abspath(f) for f in data_files.split(',')) if data_files else HUB[dataset]
+    settings = {'documents': source, 'text_column': text_column, 'val_fraction': frac}
+    if already_prepared(out_dir, settings):
+        return
+    if data_files:
         ds = load_local(files, builder)
     else:
         try:
@@ -317,7 +378,6 @@ def prepare_documents(dataset, out_dir):
                  f"files to UTF-8, e.g. with iconv")
     if len(ds) < 2:
         sys.exit(f"error: {len(ds)} document(s): train and val need at least 2")
-    frac = 0.0005 if val_fraction < 0 else val_fraction
     n_val = min(max(1, round(len(ds) * frac)), len(ds) - 1)  # at least one document each
     split = ds.train_test_split(test_size=n_val, seed=2357, shuffle=True)
     enc = gpt2_encoding()
@@ -345,8 +405,8 @@ def prepare_documents(dataset, out_dir):
                 idx += len(ids)
             arr.flush()
             del arr
-        for name_, path in paths.items():  # both splits in place only once both are complete
-            os.replace(path + '.tmp', path)
+        commit(out_dir, settings, paths.values())
+        for name_, path in paths.items():
             print(f"{path}: {totals[name_]:,} tokens")
     except OSError as e:
         write_failed(out_dir, e)
@@ -354,8 +414,6 @@ def prepare_documents(dataset, out_dir):
         for path in paths.values():
             if os.path.exists(path + '.tmp'):
                 os.remove(path + '.tmp')
-    if os.path.exists(os.path.join(out_dir, 'meta.pkl')):
-        os.remove(os.path.join(out_dir, 'meta.pkl'))  # an earlier char-level prep's: it would set the vocabulary
 
 
 def prepare_hellaswag(out_dir):
@@ -391,9 +449,10 @@ def write_json(path, obj):
     os.replace(path + '.tmp', path)  # whole or not at all, whenever the prep is killed
 
 
-def fineweb_files(dataset, progress_path):
+def fineweb_files(dataset, progress_path, out_dir):
     """The parquet files of a FineWeb sample, sorted so that val is the same however they are listed, and the fix
-    to name if one of them cannot be read."""
+    to name if one of them cannot be read. From the hub: those that an interrupted or finished prep in out_dir
+    read, if any (the hub's files at the revision it started on), with no call to the hub."""
     if data_files:
         files = sorted(os.path.abspath(f) for f in data_files.split(','))
         for f in files:
@@ -411,6 +470,13 @@ def fineweb_files(dataset, progress_path):
             if files[0].startswith('hf://'):
                 return files, fix
         except (ValueError, KeyError, TypeError, IndexError):
+            pass
+    elif not force:
+        try:  # a finished prep from the hub is the same prep again, offline too, whatever the repo holds now
+            settings = read_record(out_dir)['settings']
+            if settings['dataset'] == dataset and settings['files'][0].startswith('hf://'):
+                return settings['files'], fix
+        except (KeyError, TypeError, IndexError):
             pass
     import datasets
     try:
@@ -502,11 +568,10 @@ def prepare_fineweb(dataset, out_dir):
     from tqdm import tqdm
     paths = {split: os.path.join(out_dir, f'{split}.bin') for split in ('val', 'train')}
     progress_path = os.path.join(out_dir, 'progress.json')
-    if all(os.path.exists(p) for p in paths.values()) and not os.path.exists(progress_path) and not force:
-        print(f"{out_dir} is already prepared (train.bin and val.bin): pass --force=True to prepare it again")
-        return
-    files, fix = fineweb_files(dataset, progress_path)
+    files, fix = fineweb_files(dataset, progress_path, out_dir)
     settings = {'dataset': dataset, 'files': files, 'text_column': text_column, 'val_docs': val_docs}
+    if not os.path.exists(progress_path) and already_prepared(out_dir, settings):
+        return
     progress = None if force else load_progress(progress_path, settings, paths)
     total = count_documents(files, fix)
     if val_docs >= total:
@@ -558,17 +623,16 @@ def prepare_fineweb(dataset, out_dir):
                 bar.total = round(tokens / done * total)  # estimated from the documents so far, for the ETA
                 bar.set_postfix_str(f'{done:,}/{total:,} documents', refresh=False)
                 bar.update(tokens - bar.n)
-        # the record goes first: a crash before both renames leaves a prep that starts over, not one taken as done
-        os.remove(progress_path)
         for out in outputs.values():
-            out.commit()
+            out.f.close()
+        # progress.json goes inside commit's window: once it is gone, a kill leaves a prep that starts over (its
+        # record incomplete), never one taken as done
+        commit(out_dir, settings, paths.values(), drop=[progress_path])
     except OSError as e:
         write_failed(out_dir, e)
     finally:
         for out in outputs.values():
             out.f.close()
-    if os.path.exists(os.path.join(out_dir, 'meta.pkl')):
-        os.remove(os.path.join(out_dir, 'meta.pkl'))  # an earlier char-level prep's: it would set the vocabulary
     print(f"{out_dir}: {outputs['train'].n:,} train and {outputs['val'].n:,} val tokens (val: the first "
           f"{val_docs:,} of {total:,} documents)")
 
@@ -603,7 +667,7 @@ def main(argv=None):
     if dataset in FINEWEB and 'val_fraction' in set_keys:
         sys.exit(f"error: {dataset}'s val is its first --val_docs documents, a fixed split: set val_docs, not "
                  f"val_fraction")
-    misplaced = sorted(set_keys & {'val_docs', 'chunk_docs', 'force'})
+    misplaced = sorted(set_keys & {'val_docs', 'chunk_docs'})
     if dataset not in FINEWEB and misplaced:
         sys.exit(f"error: {', '.join(misplaced)} is for fineweb and fineweb-edu only: leave it out for {dataset}")
     for key in ('num_proc', 'chunk_chars', 'val_docs', 'chunk_docs'):

@@ -133,9 +133,12 @@ def hold(folder, what='another run', collective=True):
     is refused in one line naming the holder. A hold whose holder died (on this host), whose heartbeat stopped (on
     another host sharing the folder), or that this run's own launcher left (a torchrun restart, a SLURM requeue) is
     taken over. collective: rank 0 takes it and every rank learns the verdict (a collective)."""
-    import torch.distributed as dist  # here: prepare.py holds its folder without torch
-    verdict = [_take(folder, what) if not collective or dist.get_rank() == 0 else None]
-    if collective and dist.get_world_size() > 1:
-        dist.broadcast_object_list(verdict, src=0)
+    if not collective:
+        verdict = [_take(folder, what)]
+    else:
+        import torch.distributed as dist  # here: prepare.py holds its folder without torch (0.7 s to import)
+        verdict = [_take(folder, what) if dist.get_rank() == 0 else None]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(verdict, src=0)
     if verdict[0]:
         sys.exit(verdict[0])

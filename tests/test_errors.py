@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY, env, one_line_error, run
+from conftest import REPO, SHAKESPEARE, TINY, env, one_line_error, run
 
 
 def fails(tmp_path, *args, nproc=1, script='train.py'):
@@ -33,10 +33,23 @@ def test_unknown_key_and_wrong_type(tmp_path, data_dir):
     assert not (tmp_path / 'out').exists()
 
 
-def test_missing_data(tmp_path):
-    msg = fails(tmp_path, '--dataset=nowhere', '--out_dir=out')
-    assert 'data/nowhere/train.bin not found' in msg and 'python prepare.py nowhere' in msg
+@pytest.mark.parametrize('dataset, folder', [
+    ('nowhere', 'data/nowhere'),  # a folder's name: data/<name>
+    ('shakespeare_char', 'data/shakespeare_char'),  # one that prepare.py makes by its name
+    ('sub/mine', 'sub/mine'),  # a relative path
+    ('ABS', 'abs/mine'),  # an absolute path (os.path.join('data', '/abs') is '/abs': its advice named two that failed)
+])
+def test_missing_data_names_a_prep_that_makes_it(tmp_path, dataset, folder):
+    dataset = str(tmp_path / 'abs' / 'mine') if dataset == 'ABS' else dataset
+    msg = fails(tmp_path, f'--dataset={dataset}', '--out_dir=out')
+    shown = dataset if '/' in dataset else f'data/{dataset}'
+    assert msg.startswith(f"error: {shown}/train.bin not found: run `python prepare.py "), msg
     assert not (tmp_path / 'out').exists()
+    (tmp_path / 'small.txt').write_text(SHAKESPEARE.read_text()[:20000])
+    command = msg.split('`')[1].replace('FILE', 'small.txt').split()
+    # the advice as given, offline: a local copy of the text for a prep that would download it
+    run(*command[1:], *([] if '--input=small.txt' in command else ['--input=small.txt']), cwd=tmp_path)
+    assert (tmp_path / folder / 'train.bin').is_file() and (tmp_path / folder / 'val.bin').is_file()
 
 
 def test_bin_shorter_than_a_block(tmp_path, data_dir):

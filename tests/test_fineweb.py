@@ -57,7 +57,7 @@ def test_fineweb_tokens_are_each_document_and_an_eot_and_val_is_the_first_val_do
     val, train = tokens(out / 'val.bin'), tokens(out / 'train.bin')
     assert val == expected(docs[:40]) and val.count(EOT) == 40
     assert train == expected(docs[40:]) and train.count(EOT) == 260
-    assert sorted(f.name for f in out.iterdir()) == ['train.bin', 'val.bin']  # no progress.json, no .tmp
+    assert sorted(f.name for f in out.iterdir()) == ['prep.json', 'train.bin', 'val.bin']  # no progress.json nor .tmp
     assert f"{len(train):,} train and {len(val):,} val tokens (val: the first 40 of 300 documents)" in p.stdout
 
 
@@ -68,8 +68,8 @@ def test_finished_fineweb_prep_is_not_redone_unless_forced(tmp_path):
     out = tmp_path / 'data' / 'fineweb'
     before = {f.name: (f.stat().st_mtime_ns, f.read_bytes()) for f in out.iterdir()}
     p = run(*args, cwd=tmp_path)
-    assert p.stdout.strip() == 'data/fineweb is already prepared (train.bin and val.bin): pass --force=True to ' \
-                               'prepare it again'
+    assert p.stdout.strip() == 'data/fineweb is already prepared from this input with these settings: pass ' \
+                               '--force=True to prepare it again'
     assert {f.name: (f.stat().st_mtime_ns, f.read_bytes()) for f in out.iterdir()} == before
     p = run(*args, '--force=True', cwd=tmp_path)
     assert 'already prepared' not in p.stdout
@@ -121,7 +121,7 @@ def test_fineweb_prep_killed_midway_resumes_and_ends_byte_identical(tmp_path):
     assert f"resuming: {record['docs']:,} documents already done" in p.stdout
     for split in ('train', 'val'):
         assert (cut / f'{split}.bin').read_bytes() == (tmp_path / 'data' / 'whole' / f'{split}.bin').read_bytes()
-    assert sorted(f.name for f in cut.iterdir()) == ['train.bin', 'val.bin']
+    assert sorted(f.name for f in cut.iterdir()) == ['prep.json', 'train.bin', 'val.bin']
     assert tokens(cut / 'val.bin') == expected(docs[:100])
 
 
@@ -196,9 +196,9 @@ def test_fineweb_from_the_hub_offline_is_a_one_line_error_naming_data_files(tmp_
 
 
 def test_fineweb_settings_given_to_another_dataset_are_refused(tmp_path):
-    msg = one_line_error(run('prepare.py', 'shakespeare', f'--input={SHAKESPEARE}', '--val_docs=5', '--force=True',
+    msg = one_line_error(run('prepare.py', 'shakespeare', f'--input={SHAKESPEARE}', '--val_docs=5', '--chunk_docs=9',
                              cwd=tmp_path, check=False))
-    assert msg == 'error: force, val_docs is for fineweb and fineweb-edu only: leave it out for shakespeare', msg
+    assert msg == 'error: chunk_docs, val_docs is for fineweb and fineweb-edu only: leave it out for shakespeare', msg
     assert not any(tmp_path.iterdir())
 
 

@@ -124,18 +124,19 @@ def test_ctrl_c_in_a_tool_is_one_line_and_a_non_zero_exit(tmp_path, data_dir, sh
     assert err.strip() == "error: interrupted (Ctrl-C); nothing half-written is kept: rerun to start over"
 
 def test_ctrl_c_in_prepare_keeps_the_folder_as_it_was(tmp_path):
-    """A GPT-2 prep over an earlier char-level one, interrupted while it writes: the earlier files stay whole, and
-    the partial ones are gone."""
+    """A GPT-2 prep over an earlier char-level one (--force), interrupted while it writes: the earlier files stay
+    whole, and the partial ones are gone."""
     small = tmp_path / 'small.txt'
     small.write_text(SHAKESPEARE.read_text()[:20000])
     out_dir = tmp_path / 'data'
-    subprocess.run([sys.executable, str(REPO / 'prepare.py'), 'text', f'--input={small}', f'--out_dir={out_dir}'],
+    subprocess.run([sys.executable, str(REPO / 'prepare.py'), 'text', f'--input={small}', '--tokenizer=char',
+                    f'--out_dir={out_dir}'],
                    cwd=tmp_path, env=env(), check=True, capture_output=True)
     before = {f.name: f.read_bytes() for f in out_dir.iterdir()}
     big = tmp_path / 'big.txt'
     big.write_text(SHAKESPEARE.read_text() * 40)  # 44 MB: tens of seconds of BPE on one core
     p = subprocess.Popen([sys.executable, str(REPO / 'prepare.py'), 'text', f'--input={big}', '--tokenizer=gpt2',
-                          '--num_proc=1', f'--out_dir={out_dir}'], cwd=tmp_path, env=env(),
+                          '--num_proc=1', f'--out_dir={out_dir}', '--force=True'], cwd=tmp_path, env=env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=as_at_a_terminal)
     partial = out_dir / 'train.bin.tmp'
     while not (partial.exists() and partial.stat().st_size > 0):

@@ -1,13 +1,15 @@
 import json
 import os
 import pickle
+import shutil
+import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import REPO, SHAKESPEARE, env, one_line_error, run
+from conftest import REPO, SHAKESPEARE, TINY, env, one_line_error, run
 
 
 def tokens(path):
@@ -49,7 +51,9 @@ def test_bpe_prep_over_a_char_folder_removes_its_vocabulary(tmp_path):
     src.write_text('the quick brown fox jumps over the lazy dog\n' * 50)
     run('prepare.py', 'text', f'--input={src}', '--tokenizer=char', f'--out_root={tmp_path}', cwd=tmp_path)
     assert (tmp_path / 'poem' / 'meta.pkl').exists()
-    run('prepare.py', 'text', f'--input={src}', '--tokenizer=gpt2', f'--out_root={tmp_path}', cwd=tmp_path)
+    # replacing a finished prep takes --force (test_a_finished_prep_is_kept_unless_forced)
+    run('prepare.py', 'text', f'--input={src}', '--tokenizer=gpt2', f'--out_root={tmp_path}', '--force=True',
+        cwd=tmp_path)
     assert not (tmp_path / 'poem' / 'meta.pkl').exists()  # else train.py would size the vocabulary from it
 
 
@@ -187,7 +191,7 @@ def test_document_files_as_parquet(tmp_path):
         cwd=tmp_path)
     assert tokens(tmp_path / 'data' / 'owt' / 'val.bin').tolist().count(50256) == 2
     assert tokens(tmp_path / 'data' / 'owt' / 'train.bin').tolist().count(50256) == 18
-    assert sorted(p.name for p in (tmp_path / 'data' / 'owt').iterdir()) == ['train.bin', 'val.bin']
+    assert sorted(p.name for p in (tmp_path / 'data' / 'owt').iterdir()) == ['prep.json', 'train.bin', 'val.bin']
 
 
 # -----------------------------------------------------------------------------
@@ -204,7 +208,7 @@ def test_each_dataset_has_its_folder_script_in_git_and_its_outputs_out_of_it():
     for name in FOLDERS:
         assert (REPO / 'data' / name / 'prepare.py').is_file(), name
         assert not git_ignores(f'data/{name}/prepare.py'), name
-        for made in ('train.bin', 'val.bin', 'meta.pkl', 'input.txt', 'progress.json', 'train.bin.tmp'):
+        for made in ('train.bin', 'val.bin', 'meta.pkl', 'input.txt', 'progress.json', 'prep.json', 'train.bin.tmp'):
             assert git_ignores(f'data/{name}/{made}'), (name, made)
     assert git_ignores('data/mine/train.bin')  # prepare.py text --name=mine
 
@@ -224,7 +228,9 @@ def test_a_folder_script_prepares_into_its_own_folder_from_anywhere(tmp_path):
         p = subprocess.run([sys.executable, script, f'--input={src}'], cwd=cwd, env=env(), capture_output=True,
                            text=True)
         assert p.returncode == 0, p.stderr
-        assert sorted(os.listdir(folder)) == ['meta.pkl', 'prepare.py', 'train.bin', 'val.bin'], cwd
+        # the same prep again is not redone: that it says so shows that it looked in the same folder
+        assert ('data/shakespeare_char is already prepared from this input' in p.stdout) == (cwd != repo), p.stdout
+        assert sorted(os.listdir(folder)) == ['meta.pkl', 'prep.json', 'prepare.py', 'train.bin', 'val.bin'], cwd
         assert sorted(os.listdir(repo)) == ['configurator.py', 'data', 'data.py', 'prepare.py', 'runlock.py',
                                             'seeds.py'] and \
             os.listdir(repo / 'data') == ['shakespeare_char']  # nothing written elsewhere (no data/ under the cwd)
@@ -250,3 +256,120 @@ def test_dlrover_src_data_path_is_a_char_prep_and_names_ours(tmp_path, args, whe
     ids = np.concatenate([tokens(tmp_path / where / 'train.bin'), tokens(tmp_path / where / 'val.bin')])
     assert len(tokens(tmp_path / where / 'train.bin')) == 4500  # nanoGPT's 90% split, as DLRover's prep
     assert ''.join(meta['itos'][i] for i in ids) == text
+
+
+# -----------------------------------------------------------------------------
+# a folder that holds a finished prep: kept unless --force, and never left as a mix of two preps
+
+def state(folder):
+    return {f.name: (f.stat().st_mtime_ns, f.read_bytes()) for f in folder.iterdir()}
+
+
+def test_a_finished_prep_is_kept_unless_forced(tmp_path):
+    """The same prep again (the same text from any copy) is not redone. A prep of other input or settings over a
+    finished one, which a model trained on it needs (its meta.pkl), is refused in one line and the folder left as
+    it was; so is one over a prep that records no settings (an older prepare.py's, or nanoGPT's). --force replaces."""
+    poem, copy, other = tmp_path / 'poem.txt', tmp_path / 'copy.txt', tmp_path / 'other.txt'
+    poem.write_text('the quick brown fox jumps over the lazy dog\n' * 50)
+    copy.write_text(poem.read_text())
+    other.write_text('pack my box with five dozen liquor jugs\n' * 50)
+    (tmp_path / 'docs.jsonl').write_text(jsonl(DOCS))
+    run('prepare.py', 'text', '--input=poem.txt', '--tokenizer=char', '--name=mine', cwd=tmp_path)
+    folder = tmp_path / 'data' / 'mine'
+    before = state(folder)
+    for again in ('poem.txt', 'copy.txt'):
+        p = run('prepare.py', 'text', f'--input={again}', '--tokenizer=char', '--name=mine', cwd=tmp_path)
+        assert p.stdout.strip() == 'data/mine is already prepared from this input with these settings: pass ' \
+                                   '--force=True to prepare it again', p.stdout
+        assert state(folder) == before
+    fix = 'which a model trained on it may need: pass --force=True to replace it, or prepare into another folder ' \
+          '(--name, --out_root or --out_dir)'
+    for args, changed in ((['text', '--input=other.txt', '--tokenizer=char'], "input_sha256='"),
+                          (['text', '--input=poem.txt', '--tokenizer=gpt2'], "tokenizer='char')"),
+                          (['text', '--input=poem.txt', '--tokenizer=char', '--val_fraction=0.2'], 'val_fraction=0.1)'),
+                          (['openwebtext-10k', '--data_files=docs.jsonl', '--num_proc=1'], "input_sha256='")):
+        msg = one_line_error(run('prepare.py', *args, '--name=mine', cwd=tmp_path, check=False))
+        assert msg.startswith(f'error: data/mine holds a finished prep of other input or settings ({changed}'), msg
+        assert msg.endswith(fix), msg
+        assert state(folder) == before
+    (folder / 'prep.json').unlink()  # as an older prepare.py, or nanoGPT's, left it
+    before = state(folder)
+    msg = one_line_error(run('prepare.py', 'text', '--input=poem.txt', '--tokenizer=char', '--name=mine', cwd=tmp_path,
+                             check=False))
+    assert msg == f"error: data/mine holds a finished prep that records no settings (an older prepare.py's, or " \
+                  f"nanoGPT's), {fix}", msg
+    assert state(folder) == before
+    run('prepare.py', 'text', '--input=other.txt', '--tokenizer=char', '--name=mine', '--force=True', cwd=tmp_path)
+    meta = pickle.loads((folder / 'meta.pkl').read_bytes())
+    assert ''.join(meta['itos'][i] for i in tokens(folder / 'train.bin')) == other.read_text()[:1800]
+
+
+# Runs prepare.py with a real SIGKILL just before its nth rename or removal of a file of the given name.
+KILLED_AT = """
+import os, runpy, signal, sys
+name, nth = sys.argv[1], int(sys.argv[2])
+seen = []
+def kill(event, args):
+    if event in ('os.rename', 'os.remove') and os.path.basename(os.fspath(args[0])) == name:
+        seen.append(name)
+        if len(seen) == nth:
+            os.kill(os.getpid(), signal.SIGKILL)
+sys.addaudithook(kill)
+sys.argv = sys.argv[3:]
+sys.path[0] = os.path.dirname(sys.argv[0])  # as `python prepare.py` has it
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+
+
+def read_back(folder):
+    """The text that a reader (data.py, as every entrypoint and sample.py use it) takes from folder, or None where it
+    refuses the folder. Tokens decoded with a vocabulary they were not made with give other text, or none."""
+    sys.path.insert(0, str(REPO))
+    import data
+    try:
+        paths, _ = data.find_bins(str(folder), 8)
+        meta = data.read_meta(str(folder / 'meta.pkl')) if (folder / 'meta.pkl').exists() else None
+    except SystemExit:
+        return None
+    ids = np.concatenate([tokens(paths['train']), tokens(paths['val'])])
+    if meta is None:
+        os.environ.update(TIKTOKEN_CACHE_DIR=env()['TIKTOKEN_CACHE_DIR'])
+        import tiktoken
+        return tiktoken.get_encoding('gpt2').decode(ids.tolist())
+    return ''.join(meta['itos'].get(int(i), '\0') for i in ids)
+
+
+@pytest.mark.parametrize('tokenizer, steps', [
+    ('char', [('prep.json.tmp', 1), ('train.bin.tmp', 1), ('val.bin.tmp', 1), ('meta.pkl.tmp', 1),
+              ('prep.json.tmp', 2)]),
+    ('gpt2', [('train.bin.tmp', 1), ('meta.pkl', 1), ('prep.json.tmp', 2)]),  # the char prep's meta.pkl removed
+])
+def test_a_prep_killed_while_it_puts_its_files_in_place_is_never_read_as_a_mix(tmp_path, tokenizer, steps):
+    """A prep (--force) over a finished char prep, SIGKILLed before each rename or removal that puts its files in
+    place: every reader then takes the old prep whole, or the new one, or refuses the folder in one line; a refused
+    one is prepared again without --force."""
+    old, new = 'the quick brown fox jumps over the lazy dog\n' * 50, 'to be, or not to be: that is the question\n' * 50
+    (tmp_path / 'old.txt').write_text(old)
+    (tmp_path / 'new.txt').write_text(new)
+    run('prepare.py', 'text', '--input=old.txt', '--tokenizer=char', '--out_dir=template', cwd=tmp_path)
+    prep = [str(REPO / 'prepare.py'), 'text', '--input=new.txt', f'--tokenizer={tokenizer}', '--out_dir=data']
+    seen = set()
+    for name, nth in steps:
+        shutil.rmtree(tmp_path / 'data', ignore_errors=True)
+        shutil.copytree(tmp_path / 'template', tmp_path / 'data')
+        p = subprocess.run([sys.executable, '-c', KILLED_AT, name, str(nth), *prep, '--force=True'], cwd=tmp_path,
+                           env=env(), capture_output=True, text=True)
+        assert p.returncode == -signal.SIGKILL, (name, nth, p.stderr[-2000:])  # killed, not ended
+        text = read_back(tmp_path / 'data')
+        assert text in (old, new, None), (name, nth, text[:100])
+        seen.add('old' if text == old else 'new' if text == new else 'refused')
+        if text is None:
+            folder = tmp_path / 'data'
+            msg = one_line_error(run('train.py', *TINY, f'--dataset={folder}', '--out_dir=out', cwd=tmp_path,
+                                     check=False))
+            assert msg == f'error: {folder} holds a prep that stopped while its files were put in place (prep.json ' \
+                          'is not marked complete), so its files may come from two preps: run that prep again with ' \
+                          'prepare.py', msg
+            subprocess.run([sys.executable, *prep], cwd=tmp_path, env=env(), check=True, capture_output=True)
+            assert read_back(tmp_path / 'data') == new
+    assert seen == ({'old', 'refused'} if tokenizer == 'char' else {'refused'}), seen

@@ -84,4 +84,4 @@ def test_prepare_holds_its_dataset_folder(tmp_path):
     assert sorted(f.name for f in folder.iterdir()) == ['run.lock']  # nothing written beside it
     (folder / 'run.lock').unlink()
     run('prepare.py', 'shakespeare_char', f'--input={SHAKESPEARE}', f'--out_root={tmp_path / "data"}', cwd=tmp_path)
-    assert sorted(f.name for f in folder.iterdir()) == ['meta.pkl', 'train.bin', 'val.bin']
+    assert sorted(f.name for f in folder.iterdir()) == ['meta.pkl', 'prep.json', 'train.bin', 'val.bin']
