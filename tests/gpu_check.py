@@ -259,6 +259,17 @@ def variant(script, extra, name):
     trains('A', f'{script} {" ".join(extra)}', code, secs, name)
 
 
+def snapshot_written(out_dir):
+    """Whether the run in out_dir has a memory snapshot written whole (a busy machine writes one late)."""
+    try:
+        with open(os.path.join(work, out_dir, 'run_id')) as f:
+            run_id = f.read().strip()
+    except OSError:
+        return False
+    shm = '/dev/shm' if os.path.isdir('/dev/shm') else tempfile.gettempdir()
+    return os.path.isfile(os.path.join(shm, f'nanogpt-{run_id}', 'ckpt.pt'))
+
+
 def sigkill():
     """A worker SIGKILLed under elastic torchrun: the restarted group resumes from its memory snapshot."""
     name = 'train-kill'
@@ -269,11 +280,13 @@ def sigkill():
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     timer = threading.Timer(left(), os.killpg, (proc.pid, signal.SIGKILL))  # the deadline stops it too
-    timer.start()
+    if args.deadline:
+        timer.start()
     killed, text = False, []
     for line in proc.stdout:
         text.append(line)
-        if not killed and line.startswith('iter ') and int(line.split()[1].rstrip(':')) >= STEPS // 2:
+        if not killed and line.startswith('iter ') and int(line.split()[1].rstrip(':')) >= STEPS // 2 \
+                and snapshot_written(name):
             worker = subprocess.run(['pgrep', '-f', '-n', f'train.py.*out_dir={name}'], capture_output=True,
                                     text=True).stdout.split()
             if worker:
