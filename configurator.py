@@ -291,8 +291,10 @@ def quiet_interrupt():
     remove temporary files)."""
     def hook(kind, value, tb, default=sys.excepthook):
         if issubclass(kind, KeyboardInterrupt):
-            print("error: interrupted (Ctrl-C); nothing half-written is kept: rerun to start over", file=sys.stderr)
-            sys.stderr.flush()
+            # to the process's own stderr: torch's init_process_group wraps this hook in one that points sys.stderr
+            # at a buffer while it runs (to prefix the rank), which os._exit would leave unwritten
+            print("error: interrupted (Ctrl-C); nothing half-written is kept: rerun to start over", file=sys.__stderr__)
+            sys.__stderr__.flush()
             os._exit(130)
         default(kind, value, tb)
     sys.excepthook = hook
