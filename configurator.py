@@ -45,6 +45,8 @@ def _check(key, value, defaults, where):
     if type(value) is not want:
         sys.exit(f"error: {where}: {key} must be {want.__name__} like its default {defaults[key]!r}, "
                  f"got {type(value).__name__} {value!r}")
+    if want is str and '\0' in value:  # a config file's "\x00": no path can hold one (os raises ValueError)
+        sys.exit(f"error: {where}: {key}={value!r} holds a NUL byte (\\x00), which no path or name can: remove it")
     return value
 
 
