@@ -778,12 +778,24 @@ PRETRAINED = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
 
 
 def pretrained_or_exit(name, dropout=0.0):
-    """OpenAI's GPT-2 (gpt2 ... gpt2-xl) from the Hugging Face hub, or a one-line error saying what is missing."""
+    """OpenAI's GPT-2 (gpt2 ... gpt2-xl) from the Hugging Face hub, or a GPT-2 folder that save_pretrained or
+    export_hf.py wrote, or a one-line error saying what is missing or damaged."""
+    local = os.path.exists(name) or os.path.isabs(name) or name.startswith(('.', '~'))
+    if local and not os.path.isdir(name):
+        sys.exit(f"error: {name} is no folder: give a Hugging Face GPT-2 folder (export_hf.py or save_pretrained "
+                 f"wrote it), or gpt2, gpt2-medium, gpt2-large, gpt2-xl")
     try:
-        return GPT.from_pretrained(name, dict(dropout=dropout))
+        with warnings.catch_warnings():  # torch's note on a plain pickle's protocol: a one-line error says enough
+            warnings.filterwarnings('ignore', 'Detected pickle protocol', UserWarning)
+            return GPT.from_pretrained(name, dict(dropout=dropout))
     except ImportError:
         sys.exit(f"error: init_from={name} needs Hugging Face transformers: pip install transformers")
-    except OSError as e:
+    except Exception as e:
+        if local:  # a folder given by mistake, or damaged: its pickles were read as data, a planted one refused
+            sys.exit(f"error: {name} is not an intact Hugging Face GPT-2 folder ({reason(e)}): give a folder that "
+                     f"export_hf.py or save_pretrained wrote, or gpt2, gpt2-medium, gpt2-large, gpt2-xl")
+        if not isinstance(e, OSError):
+            raise
         sys.exit(f"error: could not load {name} from the Hugging Face hub ({reason(e)}): check the network, or set "
                  f"HF_HUB_OFFLINE=1 with the model in the local cache")
 
