@@ -25,6 +25,7 @@ import socket
 import sys
 import tempfile
 import threading
+import traceback
 import uuid
 import warnings
 from contextlib import nullcontext
@@ -802,9 +803,11 @@ def pretrained_or_exit(name, dropout=0.0):
 
 def checkpoint_or_exit(path, fix):
     """load_checkpoint(path) for a tool (dropout off), or a one-line error: where there is no checkpoint, naming
-    fix; where it is damaged, saying so."""
+    fix; where it is damaged, saying so; where it is some other file, saying what to give instead."""
     try:
-        return load_checkpoint(path, dropout=0.0)
+        with warnings.catch_warnings():  # torch's note on a plain pickle's protocol (a meta.pkl given by mistake)
+            warnings.filterwarnings('ignore', 'Detected pickle protocol', UserWarning)
+            return load_checkpoint(path, dropout=0.0)
     except FileNotFoundError as e:
         sys.exit(f"error: {e}: {fix}")
     except Exception as e:
@@ -812,8 +815,14 @@ def checkpoint_or_exit(path, fix):
             path = find_checkpoint(path)
         except ValueError:
             pass
-        sys.exit(f"error: checkpoint {path} is corrupt or not a model checkpoint ({reason(e)}): "
-                 f"delete it or restore a good copy")
+        # "delete" only for what is a damaged checkpoint: a sharded folder, or a file named as ours (ckpt.pt,
+        # ckpt.prev.pt, best.pt) that torch.load could not read. Any other file (a dcp/latest, DCP's extra.pt,
+        # DeepSpeed's model states, a config.json, a meta.pkl, another project's .pt) may be a run's good state.
+        unread = any(f.filename == torch.serialization.__file__ for f in traceback.extract_tb(e.__traceback__))
+        if os.path.isdir(path) or unread and re.fullmatch(r'(ckpt|best)(\.prev\d*)?\.pt', os.path.basename(path)):
+            sys.exit(f"error: checkpoint {path} is corrupt ({reason(e)}): delete it or restore a good copy")
+        sys.exit(f"error: {path} is not a model checkpoint ({reason(e)}): give a ckpt.pt, a run folder or a sharded "
+                 f"checkpoint folder (dcp/step-N)")
 
 
 def take_shape(model_args, ckpt_args, config, given):
