@@ -9,6 +9,10 @@ Measures what fault tolerance costs and buys, with the functions the entrypoints
 python bench_checkpoint.py                          # both, GPT-2 124M with AdamW state, on the GPU if there is one
 python bench_checkpoint.py --what=save --n_layer=4  # a smaller state
 python bench_checkpoint.py --device=cpu             # on the CPU (recovery: 2 processes, or --nproc)
+
+It writes only into out_dir, a folder of its own: one it makes (or an empty one), marked as its own, and refuses any
+other, so that a run's folder given by mistake is never written over. The saves it times are removed at the end;
+the recovery job's run and log stay there until the next time.
 """
 
 import json
@@ -25,12 +29,14 @@ from contextlib import nullcontext
 import torch
 
 from checkpoint import atomic_save, save_in_background, snapshot_dir, wait_for_copies, wait_for_saves
-from configurator import configure
+from configurator import check_out_dir, configure, quiet_interrupt
 from model import GPT, GPTConfig
+
+quiet_interrupt()  # Ctrl-C: one line, no traceback
 
 # -----------------------------------------------------------------------------
 what = 'all'  # 'save', 'recovery' or 'all'
-out_dir = 'bench_checkpoint'
+out_dir = 'bench_checkpoint'  # a folder of the benchmark's own (see above)
 repeats = 5
 n_layer = 12
 n_head = 12
@@ -54,10 +60,29 @@ if dtype == 'auto':
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
 batch_size = batch_size or (32 if device_type == 'cuda' else 4)
 nproc = nproc or (torch.cuda.device_count() if device_type == 'cuda' else 2)
+MARK = os.path.join(out_dir, 'BENCH_CHECKPOINT')  # says that the folder is the benchmark's own
+check_out_dir(out_dir)
+if os.path.isdir(out_dir) and os.listdir(out_dir) and not os.path.isfile(MARK):
+    sys.exit(f"error: out_dir={out_dir} holds files that bench_checkpoint.py did not write, which it would write "
+             f"over: give a new or empty folder with --out_dir")
 os.makedirs(out_dir, exist_ok=True)
+with open(MARK, 'w') as f:
+    f.write("bench_checkpoint.py's folder: it replaces its own files here (save/, recovery/, recovery.log)\n")
 
 
 def bench_save():
+    """Times the saves in out_dir/save and a snapshot folder of this process's own, and removes both at the end
+    (also after Ctrl-C or an error, once the saves in flight have ended)."""
+    save_dir, shm_dir = os.path.join(out_dir, 'save'), snapshot_dir(f'bench-{os.getpid()}')
+    try:
+        return time_saves(save_dir, os.path.join(shm_dir, 'ckpt.pt'))
+    finally:
+        wait_for_saves()
+        shutil.rmtree(save_dir, ignore_errors=True)
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def time_saves(save_dir, shm):
     torch.manual_seed(0)
     # weights and AdamW's moments stay float32, as in train.py: autocast runs the step in dtype
     model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab_size,
@@ -65,8 +90,8 @@ def bench_save():
     optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), device_type)
     x = torch.randint(vocab_size, (batch_size, block_size), device=device)
     ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
-    shm = os.path.join(snapshot_dir('bench'), 'ckpt.pt')
     os.makedirs(os.path.dirname(shm), exist_ok=True)
+    os.makedirs(save_dir, exist_ok=True)
 
     def synchronize():
         # The loop's own stream only, as train.py's .tolist() before wait_for_copies() waits: a device-wide
@@ -107,12 +132,12 @@ def bench_save():
     for r in range(repeats + 1):  # the first round allocates the host copies: left out of the medians
         t0 = time.perf_counter()
         atomic_save({'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'iter_num': 1},
-                    os.path.join(out_dir, 'sync.pt'))
+                    os.path.join(save_dir, 'sync.pt'))
         sync = time.perf_counter() - t0
         plain, _ = step()
         mem_step, mem_blocked = step(shm)
         wait_for_saves()
-        disk_step, disk_blocked = step(os.path.join(out_dir, 'ckpt.pt'))
+        disk_step, disk_blocked = step(os.path.join(save_dir, 'ckpt.pt'))
         wait_for_saves()
         row = dict(zip(keys, (sync, plain, mem_blocked, mem_step, disk_blocked, disk_step)))
         print(f"round {r}: " + ", ".join(f"{k} {v:.3f} s" for k, v in row.items()), flush=True)
@@ -124,7 +149,6 @@ def bench_save():
     for k in ('memory', 'storage'):
         print(f"{k}: the loop is blocked {med[k + ': blocked'] / med['sync torch.save'] * 100:.1f}% of a "
               f"synchronous save; the step with it takes {med[k + ': step'] / med['plain step']:.2f}x a plain one")
-    shutil.rmtree(os.path.dirname(shm))
     return med
 
 
@@ -163,7 +187,7 @@ def bench_recovery():
            f'--device={device_type}', '--compile=False', '--n_layer=2', '--n_head=2', '--n_embd=32',
            '--block_size=32', '--batch_size=4', '--gradient_accumulation_steps=2', '--eval_interval=100000',
            '--eval_iters=4', '--max_iters=100000', '--save_memory_interval=10']
-    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: an old one's checkpoint would be resumed
+    shutil.rmtree(run_dir, ignore_errors=True)  # the last benchmark's run (out_dir is its own): it would be resumed
     log_path = os.path.join(out_dir, 'recovery.log')
     p = subprocess.Popen(cmd, stdout=open(log_path, 'w'), stderr=subprocess.STDOUT)
     recoveries, start = [], 0

@@ -23,13 +23,15 @@ import time
 
 import torch
 
-from configurator import configure
+from configurator import configure, quiet_interrupt
 from data import read_meta
 from decent import fragment_of, mixing_rounds
 from model import GPT, GPTConfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'launch'))
 from cluster import Cluster, namespaces_work  # noqa: E402
+
+quiet_interrupt()  # Ctrl-C: one line, no traceback (the cluster's namespaces are removed first)
 
 # -----------------------------------------------------------------------------
 modes = 'ddp,fsdp,zero2,zero3,complete,ring,one-peer-exp,alternating-exp-ring,diloco-10,diloco-50'

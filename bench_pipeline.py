@@ -20,7 +20,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from configurator import configure
+from configurator import configure, quiet_interrupt
+
+quiet_interrupt()  # Ctrl-C: one line, no traceback
 
 # -----------------------------------------------------------------------------
 forward_ms = 10.0  # a rank's forward of one micro-batch (split among its stages with interleaving)

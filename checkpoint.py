@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 import warnings
 from contextlib import nullcontext
@@ -857,21 +858,35 @@ PRETRAINED = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
 
 
 def pretrained_or_exit(name, dropout=0.0):
-    """OpenAI's GPT-2 (gpt2 ... gpt2-xl) from the Hugging Face hub, or a one-line error saying what is missing."""
+    """OpenAI's GPT-2 (gpt2 ... gpt2-xl) from the Hugging Face hub, or a GPT-2 folder that save_pretrained or
+    export_hf.py wrote, or a one-line error saying what is missing or damaged."""
+    local = os.path.exists(name) or os.path.isabs(name) or name.startswith(('.', '~'))
+    if local and not os.path.isdir(name):
+        sys.exit(f"error: {name} is no folder: give a Hugging Face GPT-2 folder (export_hf.py or save_pretrained "
+                 f"wrote it), or gpt2, gpt2-medium, gpt2-large, gpt2-xl")
     try:
-        return GPT.from_pretrained(name, dict(dropout=dropout))
+        with warnings.catch_warnings():  # torch's note on a plain pickle's protocol: a one-line error says enough
+            warnings.filterwarnings('ignore', 'Detected pickle protocol', UserWarning)
+            return GPT.from_pretrained(name, dict(dropout=dropout))
     except ImportError:
         sys.exit(f"error: init_from={name} needs Hugging Face transformers: pip install transformers")
-    except OSError as e:
+    except Exception as e:
+        if local:  # a folder given by mistake, or damaged: its pickles were read as data, a planted one refused
+            sys.exit(f"error: {name} is not an intact Hugging Face GPT-2 folder ({reason(e)}): give a folder that "
+                     f"export_hf.py or save_pretrained wrote, or gpt2, gpt2-medium, gpt2-large, gpt2-xl")
+        if not isinstance(e, OSError):
+            raise
         sys.exit(f"error: could not load {name} from the Hugging Face hub ({reason(e)}): check the network, or set "
                  f"HF_HUB_OFFLINE=1 with the model in the local cache")
 
 
 def checkpoint_or_exit(path, fix):
     """load_checkpoint(path) for a tool (dropout off), or a one-line error: where there is no checkpoint, naming
-    fix; where it is damaged, saying so."""
+    fix; where it is damaged, saying so; where it is some other file, saying what to give instead."""
     try:
-        return load_checkpoint(path, dropout=0.0)
+        with warnings.catch_warnings():  # torch's note on a plain pickle's protocol (a meta.pkl given by mistake)
+            warnings.filterwarnings('ignore', 'Detected pickle protocol', UserWarning)
+            return load_checkpoint(path, dropout=0.0)
     except FileNotFoundError as e:
         sys.exit(f"error: {e}: {fix}")
     except Exception as e:
@@ -879,8 +894,14 @@ def checkpoint_or_exit(path, fix):
             path = find_checkpoint(path)
         except ValueError:
             pass
-        sys.exit(f"error: checkpoint {path} is corrupt or not a model checkpoint ({reason(e)}): "
-                 f"delete it or restore a good copy")
+        # "delete" only for what is a damaged checkpoint: a sharded folder, or a file named as ours (ckpt.pt,
+        # ckpt.prev.pt, best.pt) that torch.load could not read. Any other file (a dcp/latest, DCP's extra.pt,
+        # DeepSpeed's model states, a config.json, a meta.pkl, another project's .pt) may be a run's good state.
+        unread = any(f.filename == torch.serialization.__file__ for f in traceback.extract_tb(e.__traceback__))
+        if os.path.isdir(path) or unread and re.fullmatch(r'(ckpt|best)(\.prev\d*)?\.pt', os.path.basename(path)):
+            sys.exit(f"error: checkpoint {path} is corrupt ({reason(e)}): delete it or restore a good copy")
+        sys.exit(f"error: {path} is not a model checkpoint ({reason(e)}): give a ckpt.pt, a run folder or a sharded "
+                 f"checkpoint folder (dcp/step-N)")
 
 
 def take_shape(model_args, ckpt_args, config, given):

@@ -45,6 +45,8 @@ def _check(key, value, defaults, where):
     if type(value) is not want:
         sys.exit(f"error: {where}: {key} must be {want.__name__} like its default {defaults[key]!r}, "
                  f"got {type(value).__name__} {value!r}")
+    if want is str and '\0' in value:  # a config file's "\x00": no path can hold one (os raises ValueError)
+        sys.exit(f"error: {where}: {key}={value!r} holds a NUL byte (\\x00), which no path or name can: remove it")
     return value
 
 
@@ -291,8 +293,10 @@ def quiet_interrupt():
     remove temporary files)."""
     def hook(kind, value, tb, default=sys.excepthook):
         if issubclass(kind, KeyboardInterrupt):
-            print("error: interrupted (Ctrl-C); nothing half-written is kept: rerun to start over", file=sys.stderr)
-            sys.stderr.flush()
+            # to the process's own stderr: torch's init_process_group wraps this hook in one that points sys.stderr
+            # at a buffer while it runs (to prefix the rank), which os._exit would leave unwritten
+            print("error: interrupted (Ctrl-C); nothing half-written is kept: rerun to start over", file=sys.__stderr__)
+            sys.__stderr__.flush()
             os._exit(130)
         default(kind, value, tb)
     sys.excepthook = hook

@@ -57,6 +57,9 @@ def read_meta(path):
             raise ValueError("it holds no vocab_size")
     except Exception as e:
         why = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__
+        if os.path.basename(path) != 'meta.pkl':  # another file given for one (sample.py --meta_path=RUN/ckpt.pt)
+            sys.exit(f"error: {path} is not a vocabulary ({why}): give the meta.pkl that prepare.py wrote beside the "
+                     f"dataset's train.bin, --meta_path=data/<dataset>/meta.pkl")
         sys.exit(f"error: {path} is not a vocabulary ({why}): prepare the dataset again with prepare.py, or remove "
                  f"it for GPT-2's BPE")
     return meta

@@ -9,13 +9,14 @@ torchrun --standalone --nproc_per_node=8 eval_hellaswag.py --init_from=gpt2-xl  
 Reference marks by this scoring: GPT-2 124M acc_norm 0.2955 (llm.c quotes 0.2945), GPT-3 124M 0.337.
 """
 
+import os
 import sys
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
-from checkpoint import checkpoint_or_exit, find_checkpoint, pretrained_or_exit
+from checkpoint import PRETRAINED, checkpoint_or_exit, find_checkpoint, pretrained_or_exit
 from configurator import configure, quiet_interrupt
 from distributed import finish, pick_device, torchrun_env
 from hellaswag import DEFAULT_PATH, encoding, evaluate, load_or_exit
@@ -48,6 +49,13 @@ ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device
 
 # model, read before the process group starts: a one-line error then leaves no group behind
 if init_from:
+    try:  # this repo's checkpoints are --ckpt's: a run folder (or its dcp/latest) or a file
+        ours = init_from not in PRETRAINED and (os.path.isfile(init_from) or os.path.exists(find_checkpoint(init_from)))
+    except ValueError:  # a dcp/latest that names no step folder: a run folder all the same
+        ours = True
+    if ours:
+        sys.exit(f"error: {init_from} is a checkpoint file or a run folder, not a Hugging Face folder: evaluate a "
+                 f"checkpoint of this repo with --ckpt={init_from}")
     model, name = pretrained_or_exit(init_from), init_from
 else:
     model, _ = checkpoint_or_exit(ckpt, "give --ckpt=a run folder, a ckpt.pt or a sharded checkpoint folder, or "

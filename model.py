@@ -229,7 +229,7 @@ class GPT(nn.Module):
         override_args = override_args or {}
         assert all(k == 'dropout' for k in override_args), "only dropout can be overridden"
         from transformers import GPT2LMHeadModel  # imported here only: training from scratch does not need it
-        hf_model = GPT2LMHeadModel.from_pretrained(model_type)
+        hf_model = GPT2LMHeadModel.from_pretrained(model_type, weights_only=True)  # a .bin is data, never code
         hf = hf_model.config
         config = GPTConfig(block_size=hf.n_positions, vocab_size=hf.vocab_size, n_layer=hf.n_layer,
                            n_head=hf.n_head, n_embd=hf.n_embd, bias=True,

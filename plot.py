@@ -10,7 +10,9 @@ import json
 import os
 import sys
 
-from configurator import configure
+from configurator import configure, quiet_interrupt
+
+quiet_interrupt()  # Ctrl-C: one line, no traceback
 
 # -----------------------------------------------------------------------------
 out = 'loss.png'

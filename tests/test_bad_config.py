@@ -60,7 +60,12 @@ def test_device_and_out_dir(tmp_path, data_dir):
         fails(tmp_path, data, '--out_dir=afile/run')
     assert 'out_dir is empty: give --out_dir=FOLDER' in fails(tmp_path, data, '--out_dir=')
     assert 'cannot write in /proc' in fails(tmp_path, data, '--out_dir=/proc/run')  # read-only, even for root
-    assert (tmp_path / 'afile').read_text() == 'x' and sorted(p.name for p in tmp_path.iterdir()) == ['afile']
+    (tmp_path / 'cf').mkdir()  # a NUL byte only a config file can give (os raises ValueError on it)
+    for key, value in (('out_dir', 'run\\x00'), ('dataset', f'{data_dir / "shakespeare_char"}\\x00')):
+        (tmp_path / 'cf' / f'{key}.py').write_text(f'{key} = "{value}"\n')
+        assert f"{key}.py:1: {key}='{value}' holds a NUL byte" in fails(tmp_path, data, '--out_dir=out',
+                                                                      str(tmp_path / 'cf' / f'{key}.py'))
+    assert (tmp_path / 'afile').read_text() == 'x' and sorted(p.name for p in tmp_path.iterdir()) == ['afile', 'cf']
 
 
 @pytest.fixture

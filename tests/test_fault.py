@@ -4,6 +4,7 @@ torchrun. These compare against one uninterrupted run per entrypoint, made once 
 test_fault_write.py (a kill mid-write), test_fault_resize.py (another world size, damaged checkpoints),
 test_fault_single.py (one process: SIGTERM, damaged snapshots, a run started afresh, non-finite losses)."""
 
+import glob
 import json
 import os
 import re
@@ -280,12 +281,23 @@ def test_dlrover_run_without_dlrover_a_one_line_error_says_how_to_install_it(tmp
 
 
 def test_bench_checkpoint_times_the_loop_blocked_per_save_against_a_synchronous_one(tmp_path):
-    p = subprocess.run([sys.executable, str(REPO / 'bench_checkpoint.py'), '--what=save', '--device=cpu', '--n_layer=1',
-                        '--n_head=2', '--n_embd=64', '--vocab_size=256', '--block_size=32', '--repeats=1',
-                        f'--out_dir={tmp_path / "bench"}'], cwd=tmp_path, env=env(), capture_output=True, text=True,
-                       timeout=300)
+    args = ['--what=save', '--device=cpu', '--n_layer=1', '--n_head=2', '--n_embd=64', '--vocab_size=256',
+            '--block_size=32', '--repeats=1']
+    # a run's folder given by mistake is refused, and stays as it was
+    run_dir = tmp_path / 'run'
+    (run_dir / 'recovery').mkdir(parents=True)
+    for name in ('ckpt.pt', 'ckpt.prev.pt', 'recovery/ckpt.pt'):
+        (run_dir / name).write_text(name)
+    before = sorted((str(f), f.read_bytes() if f.is_file() else None) for f in run_dir.rglob('*'))
+    p = run('bench_checkpoint.py', *args, f'--out_dir={run_dir}', cwd=tmp_path, check=False)
+    assert 'holds files that bench_checkpoint.py did not write' in one_line_error(p)
+    assert sorted((str(f), f.read_bytes() if f.is_file() else None) for f in run_dir.rglob('*')) == before
+    snapshots = set(glob.glob('/dev/shm/nanogpt-bench*'))
+    p = subprocess.run([sys.executable, str(REPO / 'bench_checkpoint.py'), *args, f'--out_dir={tmp_path / "bench"}'],
+                       cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     for kind in ('memory', 'storage'):
         assert re.search(rf'{kind}: the loop is blocked [\d.]+% of a synchronous save; the step with it takes',
                          p.stdout)
-    assert not os.path.exists('/dev/shm/nanogpt-bench')  # its snapshot folder is gone
+    assert os.listdir(tmp_path / 'bench') == ['BENCH_CHECKPOINT']  # the saves it timed are gone, only its mark stays
+    assert set(glob.glob('/dev/shm/nanogpt-bench*')) == snapshots  # and its snapshot folder

@@ -3,8 +3,10 @@ in HellaSwag's format; 2 FSDP ranks against 1; the standalone evaluation, prepar
 
 import json
 import os
+import pickle
 import random
 import runpy
+import shutil
 import subprocess
 import sys
 from contextlib import nullcontext
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, TINY, env, one_line_error, run
+from test_untrusted import Payload
 
 os.environ.update(TIKTOKEN_CACHE_DIR=env()['TIKTOKEN_CACHE_DIR'], HF_HUB_OFFLINE='1')
 import hellaswag  # noqa: E402
@@ -237,6 +240,28 @@ def test_bad_input_is_a_one_line_error(setup, tmp_path):
     char = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=16, vocab_size=65))
     with pytest.raises(ValueError, match='this one has 65'):
         hellaswag.evaluate(char, examples, 'cpu', nullcontext(), 16)
+
+
+def test_init_from_a_folder_that_is_no_intact_hugging_face_model_is_one_line(setup, tmp_path):
+    """A run folder (which --ckpt takes), a planted pickle beside a good config.json (refused unread, and torch's
+    advice to read it as code is not passed on), a cut-short model.safetensors: one line each, naming the fix."""
+    tmp, data, _, _ = setup
+    planted, cut = tmp_path / 'planted', tmp_path / 'cut'
+    planted.mkdir()
+    shutil.copy(tmp / 'hf_bias' / 'config.json', planted)
+    (planted / 'pytorch_model.bin').write_bytes(pickle.dumps(Payload(tmp_path / 'MARKER'), protocol=2))
+    shutil.copytree(tmp / 'hf_bias', cut)
+    (cut / 'model.safetensors').write_bytes((tmp / 'hf_bias' / 'model.safetensors').read_bytes()[:3000])
+    for folder, says in ((tmp / 'bias', f'is a checkpoint file or a run folder, not a Hugging Face folder: evaluate '
+                                        f'a checkpoint of this repo with --ckpt={tmp / "bias"}'),
+                         (planted, 'is not an intact Hugging Face GPT-2 folder (UnpicklingError: it holds objects '
+                                   'other than tensors and plain data (posix.system), refused unread): give a folder'),
+                         (cut, 'is not an intact Hugging Face GPT-2 folder (SafetensorError: ')):
+        p = run('eval_hellaswag.py', f'--init_from={folder}', f'--input={data}', '--device=cpu', cwd=tmp_path,
+                check=False)
+        assert one_line_error(p).startswith(f'error: {folder} {says}')
+        assert 'weights_only' not in p.stderr
+    assert not (tmp_path / 'MARKER').exists()
 
 
 @pytest.mark.parametrize('line, message', [

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import REPO, SHAKESPEARE, TINY, env, run
-from test_fault import logged_iters
+from test_fault import free_port, logged_iters
 
 ARGS = ['--gradient_accumulation_steps=2', '--max_iters=100000', '--eval_interval=4']
 
@@ -106,22 +106,47 @@ def test_a_second_ctrl_c_during_the_save_leaves_at_once_and_the_newest_checkpoin
     assert f'at iter {max(newest)}' in p.stdout
 
 
-@pytest.mark.parametrize('tool', ['sample.py', 'bench.py'])
+@pytest.mark.parametrize('tool', ['sample.py', 'bench.py', 'bench_checkpoint.py', 'bench_pipeline.py', 'plot.py'])
 def test_ctrl_c_in_a_tool_is_one_line_and_a_non_zero_exit(tmp_path, data_dir, shared_run, tool):
+    e = env()
     if tool == 'sample.py':
         ckpt = shared_run('train.py', '--max_iters=4', '--gradient_accumulation_steps=1')
         args = [f'--out_dir={ckpt}', '--device=cpu', '--num_samples=1000', '--max_new_tokens=30', '--start=a',
                 f'--meta_path={data_dir / "shakespeare_char" / "meta.pkl"}']
-    else:
+    elif tool == 'bench.py':
         args = ['--device=cpu', '--dtype=float32', '--compile=False', '--n_layer=2', '--n_head=2', '--n_embd=32',
                 '--block_size=32', '--batch_size=4', '--iters=1000000', '--warmup=0']
-    p = subprocess.Popen([sys.executable, str(REPO / tool), *args], cwd=tmp_path, env=env(),
+    elif tool == 'bench_checkpoint.py':
+        args = ['--what=save', '--device=cpu', '--n_layer=1', '--n_head=2', '--n_embd=32', '--vocab_size=65',
+                '--block_size=32', '--repeats=1000000', f'--out_dir={tmp_path / "bench"}']
+    elif tool == 'bench_pipeline.py':  # one rank, as torchrun would start it
+        args = ['--steps=1000000', '--microbatches=1']
+        e.update(RANK='0', WORLD_SIZE='1', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(free_port()))
+    else:  # plot.py reads a pipe that a writer holds open: it waits there, in the middle of reading the run
+        os.mkfifo(tmp_path / 'metrics.jsonl')
+        args = [str(tmp_path / 'metrics.jsonl'), f'--out={tmp_path / "loss.png"}']
+    p = subprocess.Popen([sys.executable, str(REPO / tool), *args], cwd=tmp_path, env=e,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=as_at_a_terminal)
-    assert p.stdout.readline()  # sampling / timing has begun
+    if tool == 'plot.py':
+        while True:  # the pipe opens for writing once plot.py has opened it for reading
+            try:
+                pipe = os.open(tmp_path / 'metrics.jsonl', os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError:
+                assert p.poll() is None, p.communicate()
+                time.sleep(0.01)
+    else:
+        assert p.stdout.readline()  # sampling / timing has begun
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130, err[-3000:]
     assert err.strip() == "error: interrupted (Ctrl-C); nothing half-written is kept: rerun to start over"
+    if tool == 'plot.py':
+        os.close(pipe)
+        assert not (tmp_path / 'loss.png').exists()
+    if tool == 'bench_checkpoint.py':
+        assert os.listdir(tmp_path / 'bench') == ['BENCH_CHECKPOINT']  # the saves it was timing are gone
+
 
 def test_ctrl_c_in_prepare_keeps_the_folder_as_it_was(tmp_path):
     """A GPT-2 prep over an earlier char-level one (--force), interrupted while it writes: the earlier files stay

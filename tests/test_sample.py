@@ -62,6 +62,29 @@ def test_sample_errors(char_run, tmp_path):
         assert len(p.stderr.strip().splitlines()) == 1
 
 
+def test_a_file_that_is_no_model_checkpoint_is_never_called_corrupt(char_run, tmp_path):
+    """Intact files that are simply not a model checkpoint (another tool's state, the run's config.json, the
+    dataset's meta.pkl, given where a checkpoint or a vocabulary goes) are named as such, never as to be deleted:
+    that advice would delete good state. A ckpt.pt that torch cannot read is damaged, and is."""
+    torch.save({'module': {'w': torch.zeros(2)}, 'buffer_names': []}, tmp_path / 'mp_rank_00_model_states.pt')
+    meta = char_run / 'data' / 'shakespeare_char' / 'meta.pkl'
+    for flag, path in (('--out_dir', char_run / 'config.json'), ('--init_from', meta),
+                       ('--init_from', tmp_path / 'mp_rank_00_model_states.pt')):  # DeepSpeed's, as it names it
+        msg = one_line_error(run('sample.py', f'{flag}={path}', '--device=cpu', cwd=char_run, check=False))
+        assert msg.startswith(f'error: {path} is not a model checkpoint (') and msg.endswith(
+            '): give a ckpt.pt, a run folder or a sharded checkpoint folder (dcp/step-N)'), msg  # no torch warning
+    (tmp_path / 'run').mkdir()
+    (tmp_path / 'run' / 'ckpt.pt').write_bytes((char_run / 'ckpt.pt').read_bytes()[:3000])
+    msg = one_line_error(run('sample.py', f'--out_dir={tmp_path / "run"}', '--device=cpu', cwd=char_run, check=False))
+    assert msg.startswith(f'error: checkpoint {tmp_path / "run" / "ckpt.pt"} is corrupt (RuntimeError: ') and \
+        msg.endswith('): delete it or restore a good copy')
+    msg = one_line_error(run('sample.py', f'--out_dir={char_run}', f'--meta_path={char_run / "ckpt.pt"}',
+                             '--device=cpu', cwd=char_run, check=False))
+    assert msg.startswith(f'error: {char_run / "ckpt.pt"} is not a vocabulary (') and 'remove' not in msg and \
+        msg.endswith("give the meta.pkl that prepare.py wrote beside the dataset's train.bin, "
+                     "--meta_path=data/<dataset>/meta.pkl")
+
+
 NO_GPU = 'cuda' if not torch.cuda.is_available() else f'cuda:{torch.cuda.device_count()}'
 
 

@@ -1,6 +1,7 @@
 """Files from elsewhere are data, never code: a planted pickle (a DCP folder's .metadata, a shard's non-tensor value,
 a meta.pkl, a ckpt.pt) runs nothing in any script that reads it, which fails with one line instead, or passes it
-over as damaged; damaged DCP folders give one line too; sample.py follows no path that a checkpoint names."""
+over as damaged; damaged DCP folders give one line too, and a DCP folder's other files are not called damaged;
+sample.py follows no path that a checkpoint names."""
 
 import io
 import os
@@ -101,6 +102,15 @@ def test_planted_dcp_metadata_runs_nothing(copy, tmp_path, data_dir, script):
     assert 'UnpicklingError: it names posix.system, which DCP' in msg and str(copy) in msg
     assert not marker.exists()
     assert not (tmp_path / 'hf').exists() and not (tmp_path / 'hf.tmp').exists() and not (tmp_path / 'out').exists()
+
+
+def test_the_files_of_a_sharded_checkpoint_are_not_called_corrupt(fsdp_run, tmp_path):
+    """A run's dcp/latest and a step folder's extra.pt, given as the checkpoint, are intact files but no model
+    checkpoint: the error says what to give, and never to delete them (the run's good state)."""
+    for path in (fsdp_run / 'dcp' / 'latest', fsdp_run / 'dcp' / 'step-00000004' / 'extra.pt'):
+        msg = one_line_error(run('sample.py', f'--init_from={path}', '--device=cpu', cwd=tmp_path, check=False))
+        assert msg.startswith(f'error: {path} is not a model checkpoint (') and 'delete' not in msg, msg
+        assert msg.endswith('give a ckpt.pt, a run folder or a sharded checkpoint folder (dcp/step-N)')
 
 
 def test_auto_resume_passes_a_planted_dcp_metadata_over_as_damaged(copy, tmp_path, data_dir):
