@@ -86,6 +86,7 @@ def load_checkpoint(path, dropout=None):
             model, checkpoint = _load(version, dropout)
         except Exception as e:
             if version == versions[-1]:
+                e.checkpoint_path = version  # the file that failed, for the error (checkpoint_or_exit)
                 raise
             print(f"warning: {version} is damaged ({reason(e)}): passed over for the version before it",
                   file=sys.stderr, flush=True)
@@ -891,7 +892,7 @@ def checkpoint_or_exit(path, fix):
         sys.exit(f"error: {e}: {fix}")
     except Exception as e:
         try:
-            path = find_checkpoint(path)
+            path = getattr(e, 'checkpoint_path', None) or find_checkpoint(path)
         except ValueError:
             pass
         # "delete" only for what is a damaged checkpoint: a sharded folder, or a file named as ours (ckpt.pt,
