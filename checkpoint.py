@@ -719,7 +719,8 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     # an eval of another model is no resume; an eval of out_dir (init_from=scratch) is one of its newest state
     wanted = init_from == 'resume' or (auto_resume and (not eval_only or init_from == 'scratch'))
     run_id_path = os.path.join(out_dir, 'run_id')
-    earlier = read_run_id(run_id_path) if os.path.isfile(run_id_path) else None  # read before rank 0 moves it
+    # the run there, read before rank 0 moves it (keep_earlier_run); an eval of another model has no business with it
+    earlier = read_run_id(run_id_path) if os.path.isfile(run_id_path) and (wanted or not eval_only) else None
     if wanted and os.path.isfile(run_id_path):
         run_id = read_run_id(run_id_path)
         folder = snapshot_dir(run_id)
