@@ -60,8 +60,9 @@ def test_a_truncated_newest_memory_snapshot_falls_back_to_the_one_before(tmp_pat
     p = run(script, *tiny(data_dir, out_dir, *ONE), cwd=tmp_path)
     assert f'warning: skipping the damaged {damaged} (' in p.stdout, p.stdout[-3000:]
     start = int(re.search(r'resuming from \S+ at iter (\d+)', p.stdout)[1])
-    # the snapshot before it; train.py's node keeps one, so its storage checkpoint (iter 6, or of the same iter)
-    assert 6 <= start < held or (script == 'train.py' and start == held), (start, held)
+    # the snapshot before it; train.py's node keeps one, so its storage checkpoint (iter 6, or of the same iter); and
+    # where a busy machine wrote no snapshot past the storage checkpoint's iter 6, that checkpoint
+    assert 6 <= start < held or (script == 'train.py' or held == 6) and start == held, (start, held)
     assert_same_run(ref_dir, out_dir, script, exact=script != 'ds_train.py')
     assert not shm.exists()  # the finished run freed its snapshots, the damaged one too
 
