@@ -876,8 +876,10 @@ def pretrained_or_exit(name, dropout=0.0):
         if local:  # a folder given by mistake, or damaged: its pickles were read as data, a planted one refused
             sys.exit(f"error: {name} is not an intact Hugging Face GPT-2 folder ({reason(e)}): give a folder that "
                      f"export_hf.py or save_pretrained wrote, or gpt2, gpt2-medium, gpt2-large, gpt2-xl")
-        if not isinstance(e, OSError):
-            raise
+        if not isinstance(e, OSError):  # it came, but does not load: a damaged file in the local cache
+            sys.exit(f"error: {name} from the Hugging Face hub does not load ({reason(e)}): its copy in the local "
+                     f"cache (HF_HOME, ~/.cache/huggingface) may be damaged: delete that model's folder there to "
+                     f"download it again")
         sys.exit(f"error: could not load {name} from the Hugging Face hub ({reason(e)}): check the network, or set "
                  f"HF_HUB_OFFLINE=1 with the model in the local cache")
 

@@ -332,3 +332,19 @@ def test_every_entrypoint_scores_hellaswag_as_train_py_does(in_the_loop, script,
     run(script, *args, *extra, f'--out_dir={tmp / name}', nproc=nproc, cwd=tmp)
     rows = hellaswag_rows(tmp / name)
     assert sorted(rows) == [0, 2] and rows[0] == ref[0]
+
+
+def test_a_damaged_model_in_the_hugging_face_cache_is_one_line(setup, tmp_path):
+    """init_from=gpt2 offline, with the hub cache holding a cut-short model.safetensors under gpt2's name: one line
+    that says where the cached copy is to be deleted, not a traceback."""
+    tmp, data, _, _ = setup
+    snapshot = tmp_path / 'hf_home' / 'hub' / 'models--gpt2' / 'snapshots' / ('0' * 40)
+    shutil.copytree(tmp / 'hf_bias', snapshot)
+    (snapshot / 'model.safetensors').write_bytes((tmp / 'hf_bias' / 'model.safetensors').read_bytes()[:3000])
+    (tmp_path / 'hf_home' / 'hub' / 'models--gpt2' / 'refs').mkdir()
+    (tmp_path / 'hf_home' / 'hub' / 'models--gpt2' / 'refs' / 'main').write_text('0' * 40)
+    p = subprocess.run([sys.executable, str(REPO / 'eval_hellaswag.py'), '--init_from=gpt2', f'--input={data}',
+                        '--device=cpu'], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env=dict(env(), HF_HOME=str(tmp_path / 'hf_home'), HF_HUB_OFFLINE='1'))
+    assert one_line_error(p).startswith('error: gpt2 from the Hugging Face hub does not load (SafetensorError: '), \
+        p.stderr[-3000:]
