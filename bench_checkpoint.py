@@ -183,7 +183,8 @@ def bench_recovery():
     metrics = os.path.join(run_dir, 'metrics.jsonl')
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--nnodes=1:2', f'--nproc_per_node={nproc}',
            f'--max-restarts={kills}', '--rdzv-backend=c10d', f'--rdzv-endpoint=127.0.0.1:{free_port()}',
-           '--rdzv-conf=last_call_timeout=1', 'train.py', f'--dataset={dataset}', f'--out_dir={run_dir}',
+           '--rdzv-conf=last_call_timeout=1', os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py'),
+           f'--dataset={dataset}', f'--out_dir={run_dir}',
            f'--device={device_type}', '--compile=False', '--n_layer=2', '--n_head=2', '--n_embd=32',
            '--block_size=32', '--batch_size=4', '--gradient_accumulation_steps=2', '--eval_interval=100000',
            '--eval_iters=4', '--max_iters=100000', '--save_memory_interval=10']
@@ -191,29 +192,33 @@ def bench_recovery():
     log_path = os.path.join(out_dir, 'recovery.log')
     p = subprocess.Popen(cmd, stdout=open(log_path, 'w'), stderr=subprocess.STDOUT)
     recoveries, start = [], 0
-    for k in range(kills):
-        while not steps_logged(metrics) or steps_logged(metrics)[-1] < start + 30:  # 30 steps into this run
-            assert p.poll() is None, f"the job ended early: see {log_path}"
-            time.sleep(0.005)
-        victim = workers(p.pid)[k % nproc]
-        last = steps_logged(metrics)[-1]
-        written_before = os.stat(metrics).st_ino
-        t_kill = time.time()
-        os.kill(victim, signal.SIGKILL)
-        while True:  # the restarted job says where it resumes, then logs that step first
-            with open(log_path) as f:
-                resumed = [int(line.rsplit(' ', 1)[1]) for line in f if line.startswith('resuming from ')]
-            # the killed job logged that step too: the restarted one's row is in the file it puts in place of the old
-            if len(resumed) > k and os.stat(metrics).st_ino != written_before and resumed[k] in steps_logged(metrics):
-                break
-            assert p.poll() is None, f"the job ended: see {log_path}"
-            time.sleep(0.005)
-        recoveries.append(time.time() - t_kill)
-        start = resumed[k]
-        print(f"kill {k + 1}: worker killed after iter {last}, resumed at iter {start}, its first step logged "
-              f"{recoveries[-1]:.2f} s after the kill", flush=True)
-    p.send_signal(signal.SIGTERM)  # torchrun stops the workers (which save a checkpoint first)
-    p.wait()
+    try:  # the job stops with the benchmark, however it ends (Ctrl-C, a failed check)
+        for k in range(kills):
+            while not steps_logged(metrics) or steps_logged(metrics)[-1] < start + 30:  # 30 steps into this run
+                assert p.poll() is None, f"the job ended early: see {log_path}"
+                time.sleep(0.005)
+            victim = workers(p.pid)[k % nproc]
+            last = steps_logged(metrics)[-1]
+            written_before = os.stat(metrics).st_ino
+            t_kill = time.time()
+            os.kill(victim, signal.SIGKILL)
+            while True:  # the restarted job says where it resumes, then logs that step first
+                with open(log_path) as f:
+                    resumed = [int(line.rsplit(' ', 1)[1]) for line in f if line.startswith('resuming from ')]
+                # the killed job logged that step too: the restarted one's row is in the file it puts in place of
+                # the old
+                logged = steps_logged(metrics)
+                if len(resumed) > k and os.stat(metrics).st_ino != written_before and resumed[k] in logged:
+                    break
+                assert p.poll() is None, f"the job ended: see {log_path}"
+                time.sleep(0.005)
+            recoveries.append(time.time() - t_kill)
+            start = resumed[k]
+            print(f"kill {k + 1}: worker killed after iter {last}, resumed at iter {start}, its first step logged "
+                  f"{recoveries[-1]:.2f} s after the kill", flush=True)
+    finally:
+        p.send_signal(signal.SIGTERM)  # torchrun stops the workers (which save a checkpoint first)
+        p.wait()
     print(f"recovery, SIGKILL to the next logged step: median {statistics.median(recoveries):.2f} s over {kills} kills")
     return recoveries
 
