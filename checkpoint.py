@@ -53,11 +53,7 @@ def find_checkpoint(path):
             raise ValueError(f"{pointer} names {name[:40]!r}, not a best-step-N folder")
         # both, where one entrypoint continued another's run: the newer is the better (a best replaces one only
         # for a lower val loss, and a resumed run carries that loss on)
-        try:
-            pt_iter = torch.load(best_pt, map_location='cpu', weights_only=True, mmap=True)['iter_num']
-        except Exception:
-            pt_iter = None  # none, or damaged: the folder
-        return best_pt if pt_iter is not None and pt_iter >= int(name[10:]) else os.path.join(run, 'dcp', name)
+        return best_pt if _saved_iter(best_pt) >= int(name[10:]) else os.path.join(run, 'dcp', name)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, 'extra.pt')):
         latest = os.path.join(path, 'dcp', 'latest')
         if os.path.exists(latest):
@@ -65,9 +61,19 @@ def find_checkpoint(path):
                 name = f.read(100).strip()
             if not re.fullmatch(r'step-\d+', name):  # a name read from a file never leads out of its folder
                 raise ValueError(f"{latest} names {name[:40]!r}, not a step-N folder")
-            return os.path.join(path, 'dcp', name)
+            # the newer of it and ckpt.pt, which is newer where train.py continued the run from its export
+            ckpt = os.path.join(path, 'ckpt.pt')
+            return ckpt if _saved_iter(ckpt) > int(name[5:]) else os.path.join(path, 'dcp', name)
         return os.path.join(path, 'ckpt.pt')
     return path
+
+
+def _saved_iter(path):
+    """The iteration of the checkpoint file at path; -1 where there is none, or it is damaged."""
+    try:
+        return int(torch.load(path, map_location='cpu', weights_only=True, mmap=True)['iter_num'])
+    except Exception:
+        return -1
 
 
 def load_checkpoint(path, dropout=None):
@@ -238,7 +244,9 @@ def atomic_save(obj, path, keep=1, best=None):
         except BaseException as e:
             os.remove(path + '.tmp')
             raise (errors[0] if errors else e) from None
-    for n in range(keep - 1, 0, -1) if not same_step(obj, path) else []:
+    # a save that crashed between linking ckpt.pt as ckpt.prev.pt and replacing it has moved the versions down already
+    moved = os.path.exists(path) and os.path.exists(previous(path)) and os.path.samefile(path, previous(path))
+    for n in range(keep - 1, 0, -1) if not same_step(obj, path) and not moved else []:
         if os.path.exists(previous(path, n - 1)):
             # the newest becomes ckpt.prev.pt as a second name (a link), so that path names a whole checkpoint at
             # every moment, which a crash here leaves to the tools that read it
@@ -262,6 +270,8 @@ def same_step(obj, path):
 
 def same_file(path, to):
     """Makes `to` name the file at path (a hard link, or a copy where the filesystem has none), atomically."""
+    if os.path.exists(to) and os.path.samefile(path, to):
+        return  # so it does (a rename onto another name of the same file would do nothing, and leave the .tmp)
     if os.path.exists(to + '.tmp'):
         os.remove(to + '.tmp')  # our own temporary name, left by a crash
     try:
@@ -780,10 +790,26 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     if resume_from is None and not eval_only:  # a new run: what earlier runs saved here is kept, out of its way
         if not wanted and earlier:
             keep_earlier_snapshots(out_dir, earlier)
-        if rank == 0:
-            keep_earlier_run(out_dir, earlier)
-        dist.barrier()  # moved before any rank writes there
+        kept = [keep_earlier_run(out_dir, earlier) if rank == 0 else None]
+        dist.broadcast_object_list(kept)  # moved before any rank writes there; every rank learns where
+        if kept[0]:
+            _kept[os.path.abspath(out_dir)] = kept[0]
     return run_id, resume_from
+
+
+_kept = {}  # out_dir -> (the folder that keep_earlier_run moved the earlier run's saved states into, their names)
+
+
+def where_kept(path):
+    """path, or where keep_earlier_run has moved what it names: a run started afresh over out_dir from the weights
+    of out_dir (or of a file or folder in it) reads them there."""
+    for out_dir, (kept_as, names) in _kept.items():
+        rel = os.path.relpath(os.path.abspath(path), out_dir)
+        if rel == '.':
+            return kept_as
+        if rel.split(os.sep)[0] in names + ['best']:  # RUN/best names no file of its own
+            return os.path.join(kept_as, rel)
+    return path
 
 
 # the names in out_dir of a run's saved state and its records, which a new run there would rotate, prune or replace
@@ -795,7 +821,8 @@ def keep_earlier_run(out_dir, earlier):
     """A run started afresh in an out_dir that holds another run's saved states (--auto_resume=False, or a run
     whose own state was never saved) would rotate and prune them, replace its best by a worse one and its
     config.json by its own. They move, as they are, into out_dir/before-RUN_ID/ (renames, nothing copied or lost);
-    `earlier` is the id in out_dir/run_id, if any. A log with no saved state is kept by runlog.open_log."""
+    `earlier` is the id in out_dir/run_id, if any. A log with no saved state is kept by runlog.open_log. Returns
+    (that folder, the names moved), or None where there was nothing to move."""
     names = sorted(n for n in os.listdir(out_dir) if RUN_NAMES.fullmatch(n)) if os.path.isdir(out_dir) else []
     if not any(n not in ('run_id', 'config.json', 'metrics.jsonl') for n in names):
         return
@@ -804,6 +831,7 @@ def keep_earlier_run(out_dir, earlier):
     for name in names:
         os.rename(os.path.join(out_dir, name), os.path.join(kept_as, name))
     print(f"{out_dir} holds an earlier run's saved states: kept, as they were, in {kept_as}", flush=True)
+    return os.path.abspath(kept_as), names
 
 
 def unused(path):
@@ -945,6 +973,7 @@ def create_model(resume_path, read, init_from, model_args, config, given):
             model_args[k] = getattr(model.config, k)
     elif init_from != 'scratch':
         # any entrypoint's checkpoint, or a run folder's newest: its weights, with a new optimizer from step 0
+        init_from = where_kept(init_from)
         try:
             model, ckpt = load_checkpoint(init_from, dropout=model_args['dropout'])
             take_shape(model_args, ckpt['model_args'], config, given)

@@ -256,7 +256,9 @@ def test_init_from_a_folder_that_is_no_intact_hugging_face_model_is_one_line(set
                                         f'a checkpoint of this repo with --ckpt={tmp / "bias"}'),
                          (planted, 'is not an intact Hugging Face GPT-2 folder (UnpicklingError: it holds objects '
                                    'other than tensors and plain data (posix.system), refused unread): give a folder'),
-                         (cut, 'is not an intact Hugging Face GPT-2 folder (SafetensorError: ')):
+                         (cut, 'is not an intact Hugging Face GPT-2 folder (SafetensorError: '),
+                         (cut / 'config.json', f'is a file, and --init_from takes a Hugging Face folder: give the '
+                                               f'folder that holds it, --init_from={cut}')):
         p = run('eval_hellaswag.py', f'--init_from={folder}', f'--input={data}', '--device=cpu', cwd=tmp_path,
                 check=False)
         assert one_line_error(p).startswith(f'error: {folder} {says}')

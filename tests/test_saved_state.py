@@ -97,6 +97,9 @@ def test_another_entrypoints_run_is_refused_in_one_line_and_left_as_it_was(tmp_p
           script='fsdp_train.py')
     p = start(tmp_path, data_dir, tmp_path / 'fsdp', '--max_iters=12')
     assert 'at iter 10' in p.stdout and iter_of(tmp_path / 'fsdp' / 'ckpt.pt') == 12
+    # the run's newest, for the tools, is now train.py's ckpt.pt, not the older step folder that dcp/latest names
+    from checkpoint import find_checkpoint
+    assert find_checkpoint(str(tmp_path / 'fsdp')) == str(tmp_path / 'fsdp' / 'ckpt.pt')
 
 
 def test_a_damaged_log_is_set_aside_and_the_run_goes_on(tmp_path, data_dir, shared_run):
@@ -232,6 +235,10 @@ def test_a_run_started_afresh_over_another_keeps_that_runs_states_whole_beside_i
     second = (out / 'run_id').read_text().strip()
     start(tmp_path, data_dir, out, '--max_iters=2', '--auto_resume=False', script=script)
     assert files(kept_as) == before and (out / f'before-{second}').is_dir()
+    # a new run there from the weights there: they are read where they were moved to
+    third = (out / 'run_id').read_text().strip()
+    p = start(tmp_path, data_dir, out, '--max_iters=2', '--auto_resume=False', f'--init_from={out}', script=script)
+    assert f'initializing from the weights of {out / f"before-{third}"}' in p.stdout, p.stdout[-2000:]
 
 
 def test_an_export_folder_or_a_run_file_that_is_a_folder_is_refused_at_the_start(tmp_path, data_dir):
@@ -273,6 +280,10 @@ def test_a_crash_as_a_checkpoint_is_renamed_leaves_the_newest_name_whole(tmp_pat
     assert p.returncode == 9
     # ckpt.pt still names the newest whole state, which every tool reads; its versions moved down beside it
     assert [iter_of(tmp_path / f) for f in ('ckpt.pt', 'ckpt.prev.pt', 'ckpt.prev2.pt')] == [1, 1, 0]
+    # the next save finds the versions moved down already: it replaces ckpt.pt alone, and leaves no .tmp
+    atomic_save({'iter_num': 2}, str(path), keep=3)
+    assert sorted(os.listdir(tmp_path)) == ['ckpt.prev.pt', 'ckpt.prev2.pt', 'ckpt.pt']
+    assert [iter_of(tmp_path / f) for f in ('ckpt.pt', 'ckpt.prev.pt', 'ckpt.prev2.pt')] == [2, 1, 0]
 
 
 def test_run_best_names_the_newer_best_where_another_entrypoint_continued_the_run(tmp_path, data_dir, shared_run):
