@@ -275,7 +275,8 @@ def sigkill():
     name = 'train-kill'
     if left() < 60:
         return row('A', 'SIGKILL under elastic torchrun', False, exited(None))
-    cmd = torchrun('train.py', [f'--out_dir={name}', f'--eval_interval={STEPS}', '--save_memory_interval=2',
+    # no eval (so no storage checkpoint) before the end: the restart has the memory snapshots alone to resume from
+    cmd = torchrun('train.py', [f'--out_dir={name}', f'--eval_interval={STEPS * 50}', '--save_memory_interval=2',
                                 f'--max_iters={STEPS * 50}', f'--lr_decay_iters={STEPS * 50}'], elastic=True)
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
