@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from checkpoint import find_checkpoint, reason
+from checkpoint import find_checkpoint, kept, reason
 from configurator import check_model_name, check_model_shape, configure, quiet_interrupt
 from model import GPT2_SHAPES, GPT, GPTConfig
 
@@ -47,6 +47,16 @@ def saved_shape(path):
     weights (mmap): sizing never loads or builds a model."""
     ckpt = find_checkpoint(path)
     ckpt = os.path.join(ckpt, 'extra.pt') if os.path.isdir(ckpt) else ckpt
+    # a run folder: its newest ckpt.pt version that loads, as the other tools read it
+    versions = [v for v in kept(ckpt) if os.path.exists(v)] if os.path.isdir(path) and \
+        os.path.basename(ckpt) == 'ckpt.pt' else []
+    for version in versions[:-1]:
+        try:
+            return torch.load(version, map_location='cpu', weights_only=True, mmap=True)['model_args']
+        except Exception as e:
+            print(f"warning: {version} is damaged ({reason(e)}): passed over for the version before it",
+                  file=sys.stderr)
+    ckpt = versions[-1] if versions else ckpt
     try:
         return torch.load(ckpt, map_location='cpu', weights_only=True, mmap=True)['model_args']
     except FileNotFoundError:

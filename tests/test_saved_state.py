@@ -304,6 +304,8 @@ def test_a_tool_reads_the_version_before_a_damaged_or_missing_ckpt_pt(tmp_path, 
     p = run('sample.py', f'--out_dir={tmp_path / "run"}', '--device=cpu', '--num_samples=1', '--max_new_tokens=5',
             meta, cwd=tmp_path)
     assert f"warning: {ckpt} is damaged" in p.stderr and f"reading {ckpt.parent / 'ckpt.prev.pt'} (iter 5)" in p.stderr
+    p = run('model_size.py', str(tmp_path / 'run'), cwd=tmp_path)  # the shape, from the version before
+    assert f"warning: {ckpt} is damaged" in p.stderr and ' 2 layers, 2 heads, 32 wide' in p.stdout, p.stdout
     ckpt.unlink()
     p = run('export_hf.py', f'--ckpt={tmp_path / "run"}', f'--out={tmp_path / "hf"}', cwd=tmp_path)
     assert f"reading {ckpt.parent / 'ckpt.prev.pt'} (iter 5)" in p.stderr and (tmp_path / 'hf' / 'config.json').exists()
