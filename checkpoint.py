@@ -83,8 +83,7 @@ def load_checkpoint(path, dropout=None):
     run folder stands for its newest ckpt.pt that loads: a damaged one is passed over for the version before it
     (ckpt.prev.pt, ...), with a warning, as a resume does."""
     found = find_checkpoint(path)
-    versions = [v for v in kept(found) if os.path.exists(v)] if os.path.isdir(path) and \
-        os.path.basename(found) == 'ckpt.pt' else [found] if os.path.exists(found) else []
+    versions = run_versions(path, found) or ([found] if os.path.exists(found) else [])
     if not versions:
         raise FileNotFoundError(f"no checkpoint at {found}")
     for version in versions:
@@ -101,6 +100,14 @@ def load_checkpoint(path, dropout=None):
             print(f"warning: reading {version} (iter {checkpoint.get('iter_num')}), since the run's newest ckpt.pt "
                   f"is missing or damaged", file=sys.stderr, flush=True)
         return model, checkpoint
+
+
+def run_versions(path, found):
+    """Where path is a run folder whose newest checkpoint is found, its ckpt.pt: the versions of it that are there,
+    newest first, which a tool tries in turn; else []."""
+    if not (os.path.isdir(path) and os.path.basename(found) == 'ckpt.pt'):
+        return []
+    return [v for v in kept(found) if os.path.exists(v)]
 
 
 def _load(path, dropout):

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from checkpoint import find_checkpoint, kept, reason
+from checkpoint import find_checkpoint, reason, run_versions
 from configurator import check_model_name, check_model_shape, configure, quiet_interrupt
 from model import GPT2_SHAPES, GPT, GPTConfig
 
@@ -48,8 +48,7 @@ def saved_shape(path):
     ckpt = find_checkpoint(path)
     ckpt = os.path.join(ckpt, 'extra.pt') if os.path.isdir(ckpt) else ckpt
     # a run folder: its newest ckpt.pt version that loads, as the other tools read it
-    versions = [v for v in kept(ckpt) if os.path.exists(v)] if os.path.isdir(path) and \
-        os.path.basename(ckpt) == 'ckpt.pt' else []
+    versions = run_versions(path, ckpt)
     for version in versions[:-1]:
         try:
             return torch.load(version, map_location='cpu', weights_only=True, mmap=True)['model_args']
