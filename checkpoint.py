@@ -797,6 +797,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     if resume_from is None and not eval_only:  # a new run: what earlier runs saved here is kept, out of its way
         if not wanted and earlier:
             keep_earlier_snapshots(out_dir, earlier)
+            dist.barrier()  # every node's are in out_dir before rank 0 moves them in with the run's other states
         kept = [keep_earlier_run(out_dir, earlier) if rank == 0 else None]
         dist.broadcast_object_list(kept)  # moved before any rank writes there; every rank learns where
         if kept[0]:
@@ -829,8 +830,11 @@ def keep_earlier_run(out_dir, earlier):
     whose own state was never saved) would rotate and prune them, replace its best by a worse one and its
     config.json by its own. They move, as they are, into out_dir/before-RUN_ID/ (renames, nothing copied or lost);
     `earlier` is the id in out_dir/run_id, if any. A log with no saved state is kept by runlog.open_log. Returns
-    (that folder, the names moved), or None where there was nothing to move."""
-    names = sorted(n for n in os.listdir(out_dir) if RUN_NAMES.fullmatch(n)) if os.path.isdir(out_dir) else []
+    (that folder, the names moved), or None where there was nothing to move. Its memory snapshots, which
+    keep_earlier_snapshots put in out_dir, count as saved states: a run that saved only those keeps its config.json."""
+    snapshots = re.compile(rf'snapshots\.before-{re.escape(earlier or "")}-.+')
+    names = sorted(n for n in os.listdir(out_dir) if RUN_NAMES.fullmatch(n) or earlier and snapshots.fullmatch(n)) \
+        if os.path.isdir(out_dir) else []
     if not any(n not in ('run_id', 'config.json', 'metrics.jsonl') for n in names):
         return
     kept_as = unused(os.path.join(out_dir, f"before-{earlier or time.strftime('%Y%m%d-%H%M%S')}"))

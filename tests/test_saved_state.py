@@ -207,11 +207,15 @@ def test_a_run_started_afresh_keeps_the_killed_earlier_runs_snapshots_in_out_dir
     earlier.kill()
     earlier.wait()
     snapshots = Path(f'/dev/shm/nanogpt-{run_id}')
-    before = files(snapshots)
+    before, config = files(snapshots), (out / 'config.json').read_bytes()
     p = start(tmp_path, data_dir, out, '--max_iters=2', '--auto_resume=False')
-    kept_as = out / f'snapshots.before-{run_id}-{socket.gethostname()}'
-    assert f"the earlier run's memory snapshots moved from {snapshots} (RAM) to {kept_as}" in p.stdout
-    assert not snapshots.exists() and files(kept_as) == before and before
+    name = f'snapshots.before-{run_id}-{socket.gethostname()}'
+    assert f"the earlier run's memory snapshots moved from {snapshots} (RAM) to {out / name}" in p.stdout
+    # they are the run's only saved state, so they join its config.json and log in before-RUN_ID/
+    kept_as = out / f'before-{run_id}'
+    assert f"{out} holds an earlier run's saved states: kept, as they were, in {kept_as}" in p.stdout
+    assert not snapshots.exists() and files(kept_as / name) == before and before
+    assert (kept_as / 'config.json').read_bytes() == config and (kept_as / 'run_id').read_text().strip() == run_id
     assert (out / 'run_id').read_text().strip() != run_id
     assert not os.path.exists(f"/dev/shm/nanogpt-{(out / 'run_id').read_text().strip()}")  # its own, freed at the end
 
