@@ -63,8 +63,10 @@ EOT = 50256  # GPT-2's <|endoftext|>
 created = []  # the folders this run made, deepest first: a failed run removes those still empty
 
 
-def make_out_dir(out_dir):
-    """Creates out_dir once the inputs have passed their checks, and tries writing in it before any tokenizing."""
+def make_out_dir(out_dir, settings=None):
+    """Creates out_dir once the inputs have passed their checks, tries writing in it before any tokenizing, and
+    holds it. True where, by the time it is held, another prepare.py has finished the prep of these settings there:
+    already_prepared again, as a prep of other settings finished since the first look would be replaced."""
     d = out_dir
     while d and not os.path.isdir(d):
         created.append(d)
@@ -76,6 +78,7 @@ def make_out_dir(out_dir):
     except OSError as e:
         sys.exit(f"error: cannot write in {out_dir} ({e.strerror}): choose a writable --out_root")
     hold(out_dir, 'another prepare.py', collective=False)  # two preps of one folder would mix their files
+    return settings is not None and already_prepared(out_dir, settings)
 
 
 def write_failed(out_dir, e):
@@ -196,6 +199,8 @@ def commit(out_dir, settings, bins, meta=None, drop=()):
     if meta is not None:
         with open(meta_path + '.tmp', 'wb') as f:
             pickle.dump(meta, f)
+    # on the disk before any record counts them: a power cut must not leave a record of complete, empty files
+    on_disk(*[path + '.tmp' for path in bins], *([meta_path + '.tmp'] if meta is not None else []))
     write_json(os.path.join(out_dir, RECORD), {'settings': settings, 'complete': False})
     for path in drop:
         os.remove(path)
@@ -205,6 +210,7 @@ def commit(out_dir, settings, bins, meta=None, drop=()):
         os.replace(meta_path + '.tmp', meta_path)
     elif os.path.exists(meta_path):
         os.remove(meta_path)
+    on_disk(out_dir)  # the renames, before the record that says they are done
     write_json(os.path.join(out_dir, RECORD), {'settings': settings, 'complete': True})
 
 
@@ -250,7 +256,8 @@ def prepare_text(src, out_dir, kind):
 
         def encode(pieces):
             return enc.encode_ordinary_batch(pieces, num_threads=num_proc)  # Rust threads, GIL released
-    make_out_dir(out_dir)
+    if make_out_dir(out_dir, settings):
+        return
     outputs = {}
     try:
         for split in ('train', 'val'):
@@ -386,7 +393,8 @@ def prepare_documents(dataset, out_dir):
         ids = enc.encode_ordinary(example[text_column]) + [EOT]
         return {'ids': ids, 'len': len(ids)}
 
-    make_out_dir(out_dir)
+    if make_out_dir(out_dir, settings):
+        return
     tokenized = {}
     for name_, dset in (('train', split['train']), ('val', split['test'])):
         # tokenized documents go to datasets' on-disk cache, not to memory; then stream into a memmap
@@ -446,7 +454,20 @@ def prepare_hellaswag(out_dir):
 def write_json(path, obj):
     with open(path + '.tmp', 'w') as f:
         json.dump(obj, f)
+    on_disk(path + '.tmp')
     os.replace(path + '.tmp', path)  # whole or not at all, whenever the prep is killed
+    on_disk(os.path.dirname(path) or '.')
+
+
+def on_disk(*paths):
+    """fsync of each file or folder (a folder's: the renames in it), so that what a later write counts on has
+    reached the disk before it."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def fineweb_files(dataset, progress_path, out_dir):
@@ -572,13 +593,14 @@ def prepare_fineweb(dataset, out_dir):
     settings = {'dataset': dataset, 'files': files, 'text_column': text_column, 'val_docs': val_docs}
     if not os.path.exists(progress_path) and already_prepared(out_dir, settings):
         return
-    progress = None if force else load_progress(progress_path, settings, paths)
     total = count_documents(files, fix)
     if val_docs >= total:
         sys.exit(f"error: val_docs={val_docs:,} but the files hold {total:,} documents: lower --val_docs to leave "
                  f"some for train")
     enc = gpt2_encoding()
-    make_out_dir(out_dir)
+    if make_out_dir(out_dir, None if os.path.exists(progress_path) else settings):
+        return
+    progress = None if force else load_progress(progress_path, settings, paths)  # read under the hold
     done = progress['docs'] if progress else 0
     if progress:
         print(f"resuming: {done:,} documents already done")

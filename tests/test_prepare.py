@@ -304,6 +304,38 @@ def test_a_finished_prep_is_kept_unless_forced(tmp_path):
     assert ''.join(meta['itos'][i] for i in tokens(folder / 'train.bin')) == other.read_text()[:1800]
 
 
+# Runs prepare.py as if another prepare.py finished a prep (the files of the folder argv[1]) in the folder just
+# before this one holds it (the link of its run.lock), after its first look found none.
+RACED = """
+import os, runpy, shutil, sys
+finished, done = sys.argv[1], []
+def race(event, args):
+    if event == 'os.link' and not done and os.path.basename(os.fspath(args[1])) == 'run.lock':
+        done.append(1)
+        for name in os.listdir(finished):
+            shutil.copy(os.path.join(finished, name), os.path.dirname(os.fspath(args[1])))
+sys.addaudithook(race)
+sys.argv = sys.argv[2:]
+sys.path[0] = os.path.dirname(sys.argv[0])
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+
+
+def test_a_prep_finished_by_another_prepare_between_the_first_look_and_the_hold_is_kept(tmp_path):
+    """The look for a finished prep comes before the hold (a read-only folder that is prepared needs none), so it is
+    taken again under the hold: a prep of other settings finished in between is refused, not replaced."""
+    (tmp_path / 'poem.txt').write_text('the quick brown fox jumps over the lazy dog\n' * 50)
+    (tmp_path / 'other.txt').write_text('pack my box with five dozen liquor jugs\n' * 50)
+    run('prepare.py', 'text', '--input=other.txt', '--tokenizer=char', '--name=theirs', cwd=tmp_path)
+    finished = tmp_path / 'data' / 'theirs'
+    p = subprocess.run([sys.executable, '-c', RACED, str(finished), str(REPO / 'prepare.py'), 'text',
+                        '--input=poem.txt', '--tokenizer=char', '--name=mine'], cwd=tmp_path, env=env(),
+                       capture_output=True, text=True, timeout=120)
+    assert one_line_error(p).startswith('error: data/mine holds a finished prep of other input'), p.stderr
+    assert {f.name: f.read_bytes() for f in (tmp_path / 'data' / 'mine').iterdir()} == \
+        {f.name: f.read_bytes() for f in finished.iterdir()}
+
+
 # Runs prepare.py with a real SIGKILL just before its nth rename or removal of a file of the given name.
 KILLED_AT = """
 import os, runpy, signal, sys
