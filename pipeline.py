@@ -55,6 +55,15 @@ class Part(nn.Module):
     configure_optimizers = GPT.configure_optimizers
 
     def forward(self, x):
+        if self.training and not torch.is_grad_enabled():
+            # torch 2.11's schedules infer the shapes that stages send by a forward without gradients in their first
+            # step, whose dropout draws on the RNG; a resumed run takes that first step later than the uninterrupted
+            # one did, and would draw other masks from then on. Training runs no other forward without gradients.
+            with torch.random.fork_rng(devices=[x.device] if x.is_cuda else []):
+                return self.layers(x)
+        return self.layers(x)
+
+    def layers(self, x):
         t = self.transformer
         if self.first:  # x: token ids
             x = t.drop(t.wte(x) + t.wpe(torch.arange(x.size(1), device=x.device)))
