@@ -616,8 +616,9 @@ def point_latest(folder, iter_of=None, keep=2, best=False):
         shutil.rmtree(os.path.join(root, 'best-' + name), ignore_errors=True)
         os.replace(os.path.join(root, 'best.tmp'), os.path.join(root, 'best-' + name))
         write_name(os.path.join(root, 'best'), 'best-' + name)
-        if before and before != 'best-' + name and before.startswith('best-step-'):
-            shutil.rmtree(os.path.join(root, before), ignore_errors=True)  # a better one has taken its place
+        # a better one has taken its place; a name read from a file never leads out of its folder
+        if before and before != 'best-' + name and re.fullmatch(r'best-step-\d+', before):
+            shutil.rmtree(os.path.join(root, before), ignore_errors=True)
     fallbacks = 0
     for old in sorted((f for f in os.listdir(root) if f.startswith('step-') and f < name), reverse=True):
         if fallbacks < keep - 1:

@@ -38,6 +38,19 @@ def test_a_planted_dcp_latest_is_refused_by_the_tools(tmp_path, shared_run):
     assert 'not a step-N folder' in one_line_error(p)
 
 
+def test_a_planted_dcp_best_never_leads_a_new_best_to_remove_a_folder_elsewhere(tmp_path, data_dir, shared_run):
+    victim = tmp_path / 'victim'
+    victim.mkdir()
+    (victim / 'keep.txt').write_text('a user file')
+    out = tmp_path / 'run'
+    shutil.copytree(shared_run('fsdp_train.py', *ARGS), out)
+    (out / 'dcp' / 'best').write_text('best-step-00000010/../../../victim')  # a run folder someone handed over
+    run('fsdp_train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}', *ARGS,
+        '--max_iters=15', cwd=tmp_path)
+    assert (out / 'dcp' / 'best').read_text() == 'best-step-00000015'  # a new best was saved, so the test means it
+    assert (victim / 'keep.txt').read_text() == 'a user file'
+
+
 def test_export_keeps_a_users_tmp_folder_and_cleans_its_own_on_a_full_disk(tmp_path, shared_run, small_disk):
     ckpt = shared_run('train.py', *ARGS)
     (tmp_path / 'hf.tmp').mkdir()
