@@ -22,7 +22,9 @@ def launch_identity():
     keeps its id when it is requeued, torchrun its rendezvous (id and the agents' store) over elastic restarts."""
     if os.environ.get('SLURM_JOB_ID'):  # and its step: two steps of one job at once are two runs
         return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '')}"
-    if 'TORCHELASTIC_RUN_ID' in os.environ:
+    # a static rendezvous (--master_port, --node_rank) has the id 'none': the same for every such launch, so two
+    # runs started alike on two hosts over one folder would each take it as its own launch's
+    if os.environ.get('TORCHELASTIC_RUN_ID', 'none') != 'none':
         return f"torchrun-{os.environ['TORCHELASTIC_RUN_ID']}@{os.environ.get('MASTER_ADDR')}:" \
                f"{os.environ.get('MASTER_PORT')}"
     return None

@@ -73,6 +73,14 @@ def test_holds_of_the_dead_of_stale_hosts_and_of_a_requeue_are_taken_over(tmp_pa
     monkeypatch.setenv('SLURM_JOB_ID', '78')  # another job is another run
     plant(tmp_path / 'other-job', pid=os.getpid(), launch='slurm-77.0')
     assert 'is in use' in one_line_error(start(tmp_path / 'other-job', check=False))
+    # torchrun's static rendezvous (--master_port, --node_rank) names every launch 'none': the same command on
+    # another host over this folder is another run, not a restart of this one
+    monkeypatch.delenv('SLURM_JOB_ID')
+    monkeypatch.setenv('TORCHELASTIC_RUN_ID', 'none')
+    monkeypatch.setenv('MASTER_ADDR', '127.0.0.1')
+    monkeypatch.setenv('MASTER_PORT', '29555')
+    plant(tmp_path / 'static', host='another-host', pid=1, launch='torchrun-none@127.0.0.1:29555')
+    assert 'is in use' in one_line_error(start(tmp_path / 'static', check=False))
 
 
 def test_prepare_holds_its_dataset_folder(tmp_path):
