@@ -116,12 +116,14 @@ def main():
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    tmp = out + '.tmp'
+    tmp, made = f'{out}.{os.getpid()}.tmp', False  # a name of its own, made here: a user's file is never written over
     try:
-        fig.savefig(tmp, dpi=110, format=fmt)
+        with open(tmp, 'xb') as f:
+            made = True
+            fig.savefig(f, dpi=110, format=fmt)
         os.replace(tmp, out)
     except OSError as e:
-        if os.path.exists(tmp):
+        if made and os.path.exists(tmp):
             os.remove(tmp)
         sys.exit(f"error: cannot write {out} ({e.strerror}): choose a writable --out")
     print(f"wrote {out}: {len(runs)} run(s)")

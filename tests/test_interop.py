@@ -136,8 +136,11 @@ def test_export_hf_of_a_bias_free_char_model_gives_transformers_the_same_logits(
 
 def test_plot_draws_two_runs(trip, tmp_path):
     out = tmp_path / 'loss.png'
+    (tmp_path / 'loss.png.tmp').write_text('a user file')  # no name of the user's is taken for a temporary file
     p = run('plot.py', trip / 'a', trip / 'b', '--labels=train.py,fsdp_train.py', f'--out={out}', cwd=tmp_path)
     assert 'wrote' in p.stdout
+    assert (tmp_path / 'loss.png.tmp').read_text() == 'a user file'
+    assert sorted(f.name for f in tmp_path.glob('loss.png*')) == ['loss.png', 'loss.png.tmp']
     data = out.read_bytes()
     assert data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > 20000
     # without matplotlib: a clear message, no file
