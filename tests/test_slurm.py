@@ -306,3 +306,11 @@ def test_an_entrypoint_not_ours_is_refused_in_one_line_before_any_slurm_call(tmp
     assert p.returncode == 1 and p.stderr == '' and len(p.stdout.splitlines()) == 1, (p.stdout, p.stderr)
     assert p.stdout.startswith(f"error: {args[0]} is not a training entrypoint here") and right in p.stdout, p.stdout
     assert list(tmp_path.iterdir()) == []  # no logs folder made
+
+
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py', 'pp_train.py'])
+def test_every_entrypoint_passes_the_scripts_check(tmp_path, script):
+    # from an empty folder: past the check of the name, the script stops at the file it cannot find there
+    p = subprocess.run(['bash', str(SBATCH), script, 'config/train_gpt2.py'], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 1 and p.stdout.startswith(f"error: {script} is not a file"), p.stdout
