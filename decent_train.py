@@ -305,8 +305,8 @@ if checkpoint is not None:
     saved_optimizer = saved_config.get('replica_optimizer', saved_config.get('optimizer', 'adamw'))  # its old name
     if 'optimizers' in checkpoint and saved_optimizer != replica_optimizer:
         sys.exit(f"error: {resume_path} holds the state of replica_optimizer={saved_optimizer}: resume with "
-                 f"--replica_optimizer={saved_optimizer}, or delete {decent_dir} to start from the averaged "
-                 f"{ckpt_path}")
+                 f"--replica_optimizer={saved_optimizer}, or start a new run from its averaged weights with "
+                 f"--init_from={ckpt_path} and another --out_dir")
     try:
         if 'optimizers' in checkpoint:  # this script's: every bucket's own
             for optimizer, state in zip(optimizers, checkpoint['optimizers'], strict=True):

@@ -255,6 +255,13 @@ def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path, data_dir):
     # the one before is kept, the fallback should the newest turn out damaged (and the best, besides)
     assert sorted(p.name for p in (tmp_path / 'split' / 'decent').iterdir() if not p.name.startswith('best')) == [
         'latest', 'step-00000004', 'step-00000008']
+    # another replica optimizer cannot take the replicas' state: the answer keeps them, and changes nothing
+    before = {f: f.read_bytes() for f in (tmp_path / 'split').rglob('*') if f.is_file() and f.name != 'run.lock'}
+    p = launch(tmp_path, data_dir, 'split', *args, '--max_iters=10', '--replica_optimizer=sgd', nproc=2, check=False)
+    error = one_line_error(p, nproc=2)
+    assert 'holds the state of replica_optimizer=accumadamw' in error and 'delete' not in error, error
+    assert f"--init_from={tmp_path / 'split' / 'ckpt.pt'} and another --out_dir" in error, error
+    assert {f: f.read_bytes() for f in (tmp_path / 'split').rglob('*') if f.is_file()} == before
 
 
 def test_train_checkpoint_starts_the_replicas_and_their_average_goes_to_sample_and_train(tmp_path, data_dir,
