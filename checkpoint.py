@@ -320,11 +320,24 @@ def _note_failure(paths, e):
     loop learns of it at its next agree() or at finish_saves(), and exits on every rank (exit_after_failed_save)."""
     failures = getattr(e, 'failures', None)  # DCP's CheckpointException: what went wrong, on the first rank
     why = reason(next(iter(failures.values()))[0] if isinstance(failures, dict) and failures else e)
+    if 'unexpected pos' in why and _nearly_full(paths[0]):  # torch's serializer, on a write that fell short
+        why = f"No space left on device, as it seems ({why})"
     if all(is_snapshot(p) for p in paths):
         print(f"warning: the memory snapshot {paths[0]} could not be written ({why}); training goes on, and a "
               f"restart would resume from the newest storage checkpoint", file=sys.stderr, flush=True)
     else:
         _failed.append((next(p for p in paths if not is_snapshot(p)), why))
+
+
+def _nearly_full(path):
+    """Whether the file system that path is on (or would be) has less than 1 MiB free."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        st = os.statvfs(path or '.')
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 2**20
 
 
 def _step_folder(path):
