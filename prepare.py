@@ -18,7 +18,8 @@ A text file is one document, split as nanoGPT does: its first 90% of characters 
 Document datasets (json, parquet) get an end-of-text token (50256) after each document and a random 0.05% of
 documents for val. Token ids stream to disk: the corpus is never held in memory.
 FineWeb's samples (~10B tokens) stream from their parquet files instead, with a fixed val split: the first val_docs
-documents (files in sorted order). An interrupted prep of them resumes where it stopped.
+documents (files in sorted order). An interrupted prep of them resumes where it stopped; a text or document prep
+would write over its partial files, and is refused unless --force.
 A folder's prep.json records its prep's input and settings: the same prep again is not redone, and a finished prep
 of other input or settings is kept and the new one refused, unless --force=True.
 """
@@ -188,6 +189,21 @@ def already_prepared(out_dir, settings):
              f"to replace it, or prepare into another folder (--name, --out_root or --out_dir)")
 
 
+def interrupted_prep(out_dir, drop=False):
+    """A text or document prep writes the train.bin.tmp and val.bin.tmp that an interrupted FineWeb prep in out_dir
+    resumes from (its progress.json counts their tokens): refused in one line, unless --force. drop (under the
+    hold, before those files are written over): --force's prep removes that record first, so that a kill after it
+    never leaves a record that counts this prep's tokens as the FineWeb prep's."""
+    path = os.path.join(out_dir, 'progress.json')
+    if os.path.exists(path) and not force:
+        sys.exit(f"error: {out_dir} holds an interrupted FineWeb prep (progress.json), whose partial files this prep "
+                 f"would overwrite: run the same fineweb command again to resume it, pass --force=True to replace "
+                 f"it, or prepare into another folder (--name, --out_root or --out_dir)")
+    for p in (path, path + '.tmp') if drop else ():
+        if os.path.exists(p):
+            os.remove(p)
+
+
 def commit(out_dir, settings, bins, meta=None, drop=()):
     """Puts a prep's files in place: each of bins from its .tmp, meta.pkl written for a char vocabulary or else
     removed (an earlier char prep's would set the vocabulary), then the record of settings. A kill may stop this
@@ -227,6 +243,7 @@ def prepare_text(src, out_dir, kind):
     settings = {'input_sha256': file_sha256(src), 'tokenizer': kind, 'val_fraction': frac}
     if already_prepared(out_dir, settings):
         return
+    interrupted_prep(out_dir)
     n_chars, chars = 0, set()
     try:
         for block in text_blocks(src, 0, float('inf')):
@@ -260,6 +277,7 @@ def prepare_text(src, out_dir, kind):
         return
     outputs = {}
     try:
+        interrupted_prep(out_dir, drop=True)  # again under the hold: one interrupted since the first look is kept too
         for split in ('train', 'val'):
             outputs[split] = Output(os.path.join(out_dir, f'{split}.bin'))
         with tqdm(total=n_chars, unit='char', unit_scale=True, desc=f'tokenizing {os.path.basename(src)}') as bar:
@@ -358,6 +376,7 @@ def prepare_documents(dataset, out_dir):
     settings = {'documents': source, 'text_column': text_column, 'val_fraction': frac}
     if already_prepared(out_dir, settings):
         return
+    interrupted_prep(out_dir)
     if data_files:
         ds = load_local(files, builder)
     else:
@@ -395,6 +414,7 @@ def prepare_documents(dataset, out_dir):
 
     if make_out_dir(out_dir, settings):
         return
+    interrupted_prep(out_dir, drop=True)  # again under the hold: one interrupted since the first look is kept too
     tokenized = {}
     for name_, dset in (('train', split['train']), ('val', split['test'])):
         # tokenized documents go to datasets' on-disk cache, not to memory; then stream into a memmap
@@ -578,7 +598,6 @@ def load_progress(path, settings, outputs):
             return progress
     except (OSError, ValueError, KeyError, TypeError):  # a partial file gone, a record from an older version
         pass
-    print(f"{path} does not match the partial files beside it: starting over")
     return None
 
 
@@ -601,6 +620,11 @@ def prepare_fineweb(dataset, out_dir):
     if make_out_dir(out_dir, None if os.path.exists(progress_path) else settings):
         return
     progress = None if force else load_progress(progress_path, settings, paths)  # read under the hold
+    if progress is None and os.path.exists(progress_path) and not force:
+        # starting over, as from no record, must not replace a finished prep of other settings: looked for as then
+        if already_prepared(out_dir, settings):
+            return
+        print(f"{progress_path} does not match the partial files beside it: starting over")
     done = progress['docs'] if progress else 0
     if progress:
         print(f"resuming: {done:,} documents already done")
@@ -738,6 +762,7 @@ def prepare(dataset, out_dir):
     if not src:  # tiny Shakespeare, downloaded once next to the data as nanoGPT does
         src = os.path.join(out_dir, 'input.txt')
         if not os.path.exists(src):
+            interrupted_prep(out_dir)  # before input.txt is written beside its files
             make_out_dir(out_dir)
             download(SHAKESPEARE_URL, src)
     kind = 'char' if dataset == 'shakespeare_char' else 'gpt2' if dataset == 'shakespeare' else tokenizer

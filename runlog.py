@@ -25,13 +25,14 @@ def open_log(out_dir, run_id, settings, resumed_at=None, write=True, eval_only=F
     """log(iter_num, **row) appends a row to out_dir/metrics.jsonl with the time since this call; the first call
     writes run_id and config.json (settings), and drops the rows that a resumed run (resumed_at: its iteration)
     logged after its checkpoint, since they are about to be logged again. An eval_only run writes nothing but its
-    rows, appended: it evaluates a run (or a model), and is no run of its own. write=False (every rank but the
-    first) makes log do nothing. A file that cannot be written (a full disk) is a one-line error, with nothing
-    half-written left."""
+    rows, appended and marked "eval_only": true: it evaluates a run (or a model), and is no run of its own, so a
+    resume keeps them (read_log). write=False (every rank but the first) makes log do nothing. A file that cannot be
+    written (a full disk) is a one-line error, with nothing half-written left."""
     t_start, metrics = time.time(), []
+    mark = {'eval_only': True} if eval_only else {}
 
     def log(iter_num, **row):
-        text = json.dumps({'iter': iter_num, **row, 'time': round(time.time() - t_start, 3)}) + '\n'
+        text = json.dumps({'iter': iter_num, **row, **mark, 'time': round(time.time() - t_start, 3)}) + '\n'
         if metrics:
             if write and metrics[0] is not None:
                 metrics[0].write(text)
@@ -99,9 +100,10 @@ def _last_byte(path):
 
 
 def read_log(path, before):
-    """The lines of the log at path whose rows precede iteration `before`. Lines that are not a JSON object of a
-    row (cut short by a crash, not UTF-8, edited by hand), or a folder in the log's place, are set aside into
-    path.damaged-TIME, never lost, with a one-line warning: a damaged log never blocks a resume."""
+    """The lines of the log at path whose rows precede iteration `before`, and those of eval_only runs (which the
+    resumed run does not log again). Lines that are not a JSON object of a row (cut short by a crash, not UTF-8,
+    edited by hand), or a folder in the log's place, are set aside into path.damaged-TIME, never lost, with a
+    one-line warning: a damaged log never blocks a resume."""
     if not os.path.lexists(path):
         return []
     aside = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -121,7 +123,7 @@ def read_log(path, before):
                 if line.strip():
                     bad.append(line if line.endswith(b'\n') else line + b'\n')
                 continue
-            if row.get('iter', 0) < before:
+            if row.get('iter', 0) < before or row.get('eval_only') is True:
                 kept.append(line.decode('utf-8').rstrip('\n') + '\n')
     if bad:
         with open(aside + '.tmp', 'wb') as f:

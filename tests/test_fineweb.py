@@ -125,6 +125,61 @@ def test_fineweb_prep_killed_midway_resumes_and_ends_byte_identical(tmp_path):
     assert tokens(cut / 'val.bin') == expected(docs[:100])
 
 
+def killed_fineweb(tmp_path, *args):
+    """A FineWeb prep into tmp_path/d SIGKILLed (KILLED_AT) before its third record of progress: 100 of 300 documents
+    recorded in d/progress.json, 150 in its partial files. Returns its command."""
+    from test_prepare import KILLED_AT
+    write_parquet(tmp_path / 'a.parquet', documents(300), 50)
+    fineweb = [str(REPO / 'prepare.py'), 'fineweb-edu', '--data_files=a.parquet', '--val_docs=20', '--chunk_docs=50',
+               '--num_proc=1', '--out_dir=d']
+    p = subprocess.run([sys.executable, '-c', KILLED_AT, 'progress.json.tmp', '3', *fineweb, *args], cwd=tmp_path,
+                       env=env(), capture_output=True, text=True)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]  # killed, not ended
+    assert json.loads((tmp_path / 'd' / 'progress.json').read_text())['docs'] == 100
+    return fineweb
+
+
+def test_a_text_or_document_prep_never_writes_over_an_interrupted_fineweb_prep(tmp_path):
+    """They write the partial files that the FineWeb prep resumes from: refused in one line, the folder left as it
+    was. --force replaces it, its record of progress removed before those files are written over: a kill then leaves
+    no record that counts the new prep's tokens as the FineWeb prep's, and the prep ends with none."""
+    from test_prepare import KILLED_AT, state
+    killed_fineweb(tmp_path)
+    folder = tmp_path / 'd'
+    before = state(folder)
+    (tmp_path / 'poem.txt').write_text('the quick brown fox jumps over the lazy dog\n' * 50)
+    (tmp_path / 'docs.jsonl').write_text(''.join(json.dumps({'text': d}) + '\n' for d in DOCS))
+    for args in (['text', '--input=poem.txt', '--tokenizer=char'], ['openwebtext-10k', '--data_files=docs.jsonl']):
+        msg = one_line_error(run('prepare.py', *args, '--num_proc=1', '--out_dir=d', cwd=tmp_path, check=False))
+        assert msg == 'error: d holds an interrupted FineWeb prep (progress.json), whose partial files this prep ' \
+                      'would overwrite: run the same fineweb command again to resume it, pass --force=True to ' \
+                      'replace it, or prepare into another folder (--name, --out_root or --out_dir)', msg
+        assert state(folder) == before
+    text = [str(REPO / 'prepare.py'), 'text', '--input=poem.txt', '--tokenizer=char', '--out_dir=d', '--force=True']
+    p = subprocess.run([sys.executable, '-c', KILLED_AT, 'prep.json.tmp', '1', *text], cwd=tmp_path, env=env(),
+                       capture_output=True, text=True)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]  # as it puts its files in place, its tokens written
+    assert not (folder / 'progress.json').exists() and not (folder / 'progress.json.tmp').exists()
+    run(*text, cwd=tmp_path)
+    assert sorted(f.name for f in folder.iterdir()) == ['meta.pkl', 'prep.json', 'train.bin', 'val.bin']
+
+
+def test_a_fineweb_record_that_does_not_match_its_files_never_replaces_a_finished_prep(tmp_path):
+    """A FineWeb prep forced over a finished one and killed, its partial files then lost: run again without --force,
+    it cannot resume, and starting over is refused as it is where no record is left."""
+    from test_prepare import state
+    (tmp_path / 'poem.txt').write_text('the quick brown fox jumps over the lazy dog\n' * 50)
+    run('prepare.py', 'text', '--input=poem.txt', '--tokenizer=char', '--out_dir=d', cwd=tmp_path)
+    fineweb = killed_fineweb(tmp_path, '--force=True')
+    folder = tmp_path / 'd'
+    (folder / 'val.bin.tmp').unlink()
+    (folder / 'run.lock').unlink()  # the killed prep's hold, which the next one takes over
+    before = state(folder)
+    msg = one_line_error(run(*fineweb, cwd=tmp_path, check=False))
+    assert msg.startswith("error: d holds a finished prep of other input or settings (input_sha256='"), msg
+    assert state(folder) == before  # the char prep whole, its meta.pkl with it
+
+
 def write_file(path, content):
     if isinstance(content, list):  # columns of a parquet file
         import pyarrow as pa

@@ -81,6 +81,14 @@ def test_eval_only_writes_nothing_but_its_rows_and_evaluates_the_runs_newest_sta
     assert now[:len(lines)] == lines and len(now) == len(lines) + 2  # the log kept whole, two eval rows appended
     for row in map(json.loads, now[-2:]):  # the trained model's val loss, not an untrained one's
         assert row['iter'] == 10 and row['val_loss'] == pytest.approx(last_eval['val_loss'], abs=1e-6)
+    if script == 'train.py':  # the log is runlog.py's in every entrypoint
+        # a resume keeps them (it drops the rows from its iteration on, which it logs again, but not these), and
+        # logs its own rows once
+        start(tmp_path, data_dir, tmp_path / 'run', '--max_iters=12')
+        log = (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()
+        assert log[:len(lines) + 1] == lines[:-1] + now[-2:]  # the run's eval at 10 gone, logged again below
+        losses, evals = read_metrics(tmp_path / 'run')
+        assert sorted(losses) == list(range(12)) and [r['iter'] for r in evals] == [0, 5, 10, 10, 10, 12]
 
 
 def test_another_entrypoints_run_is_refused_in_one_line_and_left_as_it_was(tmp_path, data_dir, shared_run):
