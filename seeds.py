@@ -99,7 +99,7 @@ def _job_folder(log_dir, where, source):
     if job:
         return os.path.join(log_dir, re.sub(r'[^\w-]', '_', job)), \
             f"SLURM job {job}'s folder, as there: a requeued job resumes in it, another job starts afresh"
-    if run_id not in ('', 'none'):  # 'none' is a static rendezvous; --standalone draws a new id each launch
+    if run_id not in ('', 'none'):  # none: given --master_port, or nodes but no --rdzv-id; one node draws a new one
         return os.path.join(log_dir, re.sub(r'[^\w-]', '_', run_id)), \
             "the folder of torchrun's run id: its restarts resume in it, another launch starts afresh"
     if source != 'flag':

@@ -4,6 +4,7 @@ ends in one line naming our command, so the page cannot go stale."""
 import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import pytest
 
 from configurator import configure
 from conftest import REPO, TINY, env, one_line_error, run
+
+DOC = REPO / 'docs' / 'coming-from.md'
 
 SEED_DECENT_TOML = """log_dir = "./log"
 dataset = "openwebtext"
@@ -188,6 +191,11 @@ def test_dlrover_train_command_runs_as_written(here, script, data):
     config = json.loads((out / 'config.json').read_text())
     assert config['max_iters'] == 8 and config['dataset'] == dataset and config['bias'] is True
     assert 'iter 7:' in p.stdout and 'iter 8:' not in p.stdout
+    # what docs/coming-from.md says of DLRover's log line: our line, and the keys of its row in metrics.jsonl
+    doc = next(line for line in DOC.read_text().splitlines() if line.startswith('| its log line `iter 0:'))
+    assert re.search(r'^iter 7: loss [\d.]+, time [\d.]+ ms, [\d,]+ tok/s$', p.stdout, re.M)
+    row = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines() if '"loss"' in line][-1]
+    assert set(re.findall(r'`(\w+)`', doc.split('metrics.jsonl')[1])) == set(row) and row['mfu'] is None
 
 
 def test_torchrun_auto_on_cpu_names_the_accumulation_of_a_rank_a_core_which_trains(tmp_path, data_dir):
@@ -215,12 +223,20 @@ def test_torchrun_auto_on_cpu_names_the_accumulation_of_a_rank_a_core_which_trai
 
 def test_decent_toml_trains_at_tiny_size(tmp_path, data_dir):
     (tmp_path / 'decent.toml').write_text(SEED_DECENT_TOML)
-    p = run('decent_train.py', 'decent.toml', *TINY, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=o',
+    p = run('decent_train.py', 'decent.toml', *TINY, f'--dataset={data_dir / "shakespeare_char"}',
             '--wandb_log=False', '--topology=ring', '--gradient_accumulation_steps=2', '--max_iters=3',
             '--eval_interval=3', nproc=2, cwd=tmp_path)
     assert 'decent.toml is in Decent-DP' in p.stdout and 'iter 2:' in p.stdout
-    config = json.loads((tmp_path / 'o' / 'config.json').read_text())
+    # log_dir = "./log" is this job's folder in it, which both ranks named alike (the launcher gives no run id)
+    out = tmp_path / 'log' / os.environ.get('SLURM_JOB_ID', 'decent')
+    assert list((tmp_path / 'log').iterdir()) == [out] and (out / 'best.pt').exists()  # Decent-DP's best_model.pth
+    config = json.loads((out / 'config.json').read_text())
     assert (config['replica_optimizer'], config['moment_accum_steps'], config['beta2']) == ('accumadamw', 8, 0.98)
+    # what docs/coming-from.md says of Decent-DP's log line: our eval line, and the keys of its row in metrics.jsonl
+    doc = next(line for line in DOC.read_text().splitlines() if line.startswith('| its log line `Step '))
+    assert re.search(r'^step 3: train loss [\d.]+, val loss [\d.]+, consensus distance [\d.e+-]+$', p.stdout, re.M)
+    row = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines()][-1]
+    assert set(re.findall(r'"(\w+)"', doc)) | {'consensus_distance'} == set(row) and 'consensus_distance' in doc
 
 
 def test_toml_with_our_keys_in_tables_and_its_errors_name_the_line(tmp_path):
