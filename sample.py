@@ -7,6 +7,7 @@ python sample.py --init_from=gpt2-xl --start=FILE:prompt.txt
 """
 
 import os
+import shlex
 import sys
 from contextlib import nullcontext
 
@@ -83,12 +84,16 @@ model.to(device)
 
 # tokenizer: the char vocabulary the data was prepared with, else GPT-2's BPE. The checkpoint's dataset leads to
 # data/<dataset>/meta.pkl only where it is a folder's name: a path in a checkpoint is not followed out of data/
-where = 'no dataset in the checkpoint'
+where, hint = 'no dataset in the checkpoint', 'data/<dataset>/meta.pkl'
 if not meta_path and isinstance(dataset, str) and dataset:
     if os.path.basename(dataset) == dataset and dataset not in ('.', '..') and not os.path.isabs(dataset):
         meta_path = os.path.join('data', dataset, 'meta.pkl')
     else:
         where = f"the checkpoint's dataset {dataset[:200]!r} is a path, which is not followed"
+        if dataset.isprintable() and len(dataset) <= 200:  # the file it names, for the user to pass if it is theirs
+            folder = os.path.expanduser(dataset)
+            hint = shlex.quote(os.path.join(folder, 'meta.pkl')) + \
+                ('' if os.path.isabs(folder) else ' (relative to the folder the run was started in)')
 if meta_path and os.path.exists(meta_path):
     meta = read_meta(meta_path)
     stoi, itos = meta.get('stoi'), meta.get('itos')
@@ -110,7 +115,7 @@ if meta_path and os.path.exists(meta_path):
 else:
     if model.config.vocab_size < 50257:
         sys.exit(f"error: the model's vocabulary has {model.config.vocab_size} tokens, but no meta.pkl was found "
-                 f"({meta_path or where}): pass --meta_path=data/<dataset>/meta.pkl")
+                 f"({meta_path or where}): pass --meta_path={hint}")
     import tiktoken
     enc = tiktoken.get_encoding('gpt2')
 

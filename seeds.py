@@ -12,7 +12,7 @@ import re
 import sys
 import tomllib
 
-from data import find_bins
+from data import find_bins, is_path
 
 TRAINERS = ('train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py')
 DECENT_ONLY = ('topology', 'replica_optimizer', 'moment_accum_steps')  # decent_train.py's keys and no other's
@@ -49,7 +49,7 @@ HYDRA = {
     'gpt_config.embd_pdrop': '--dropout={}', 'gpt_config.resid_pdrop': '--dropout={}',
     'gpt_config.attn_pdrop': '--dropout={}', 'optimizer_config.learning_rate': '--learning_rate={}',
     'optimizer_config.weight_decay': '--weight_decay={}',
-    'data_config.path': 'python prepare.py text --input={} (then --dataset=<its name>)',
+    'data_config.path': 'python prepare.py text --input={} --tokenizer=char (then --dataset=<its name>)',
 }
 
 
@@ -91,6 +91,24 @@ def _decent_command(script, where, source):
     return f"`torchrun --nproc_per_node=N decent_train.py{config} ...`"
 
 
+def _job_folder(log_dir, where, source):
+    """(folder, why) for Decent-DP's log_dir, which there holds a folder per SLURM job, each started afresh. Ours
+    resume what out_dir holds, so each job gets its own: named by what every rank of it sees alike and a restart
+    keeps (its SLURM job id, or torchrun's run id), never by a clock, which differs between ranks and restarts."""
+    job, run_id = os.environ.get('SLURM_JOB_ID', ''), os.environ.get('TORCHELASTIC_RUN_ID', 'none')
+    if job:
+        return os.path.join(log_dir, re.sub(r'[^\w-]', '_', job)), \
+            f"SLURM job {job}'s folder, as there: a requeued job resumes in it, another job starts afresh"
+    if run_id not in ('', 'none'):  # none: given --master_port, or nodes but no --rdzv-id; one node draws a new one
+        return os.path.join(log_dir, re.sub(r'[^\w-]', '_', run_id)), \
+            "the folder of torchrun's run id: its restarts resume in it, another launch starts afresh"
+    if source != 'flag':
+        path = where.rsplit(':', 1)[0] if where.rsplit(':', 1)[-1].isdigit() else where
+        return os.path.join(log_dir, os.path.splitext(os.path.basename(path))[0]), \
+            "this config file's folder, with no SLURM job or torchrun run id to name a job's: a rerun resumes in it"
+    return log_dir, "no SLURM job or torchrun run id to name a job's folder: a rerun resumes in it"
+
+
 def translate(key, value, where, source, ctx):
     """[(our key, value)] for a key a flag ('flag'), .py ('file') or TOML file ('toml') sets: ours as they are, a
     seed's name translated (saying so once), or a one-line error. A key this entrypoint lacks and no seed names comes
@@ -124,6 +142,19 @@ def translate(key, value, where, source, ctx):
             sys.exit(f"error: {where}: epochs must be a number above 0 (passes over train.bin), got {value!r}")
         ctx['epochs'] = (value, where)
         return []  # its max_iters needs the data and the batch, which later keys may still change: see finish()
+    in_file = {k.rsplit('.', 1)[-1] for k in toml}  # the keys of this TOML file, which have no order there
+    if key == 'log_dir' and 'out_dir' in keys and 'out_dir' in in_file:
+        _note(ctx, where, source, shown, "unused (the file's out_dir is the folder)", "Decent-DP's")
+        return []
+    if key == 'log_dir' and 'out_dir' in keys and isinstance(value, str) and value:
+        folder, why = _job_folder(value, where, source)
+        _note(ctx, where, source, shown, f"--out_dir={folder} ({why})", "Decent-DP's")
+        return [('out_dir', folder)]
+    if key == 'data_dir' and isinstance(value, str) and value and not is_path(value):
+        value = os.path.join('.', value)  # a path there, always: mydata is ./mydata, not data/mydata
+    if key == 'dataset' and 'data_dir' in in_file:  # Decent-DP's label beside its data_dir, which names the folder
+        _note(ctx, where, source, f"dataset={value!r}", "a label there, unused (data_dir is the folder)", "Decent-DP's")
+        return []
     if key in RENAMES:
         whose, ours = RENAMES[key]
         if ours in keys:

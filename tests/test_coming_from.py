@@ -4,6 +4,7 @@ ends in one line naming our command, so the page cannot go stale."""
 import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import pytest
 
 from configurator import configure
 from conftest import REPO, TINY, env, one_line_error, run
+
+DOC = REPO / 'docs' / 'coming-from.md'
 
 SEED_DECENT_TOML = """log_dir = "./log"
 dataset = "openwebtext"
@@ -99,6 +102,45 @@ def test_decent_dp_toml_as_published_takes_its_hyperparameters(tmp_path):
     assert "backend='decentdp'" in msg and 'decent_train.py /' in msg and msg.endswith('not train.py')
 
 
+def test_decent_dp_log_dir_is_a_folder_per_job_that_its_restarts_share(monkeypatch, capsys, tmp_path):
+    # Decent-DP starts each job afresh in log_dir/<slurm job id>/, and a run here resumes what its out_dir holds: the
+    # two shipped configs (both log_dir = "./log") must not continue each other's model
+    configs = [('train.py', str(REPO / 'config' / 'gpt2-small.toml')),
+               ('decent_train.py', str(REPO / 'config' / 'decent-gpt2-small.toml'))]
+
+    def out_dirs(*argv, **environ):
+        for key in ('SLURM_JOB_ID', 'TORCHELASTIC_RUN_ID'):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in environ.items():
+            monkeypatch.setenv(key, value)
+        return [config_of(script, [config, *argv])['out_dir'] for script, config in configs]
+
+    # every rank and every restart of a job sees its ids alike: a requeued SLURM job keeps its id, so resumes
+    assert out_dirs(SLURM_JOB_ID='4242', TORCHELASTIC_RUN_ID='4242') == ['./log/4242'] * 2
+    assert "log_dir is --out_dir=./log/4242 (SLURM job 4242's folder, as there: a requeued job resumes in it" in \
+        capsys.readouterr().out
+    assert out_dirs(TORCHELASTIC_RUN_ID='a1-b2') == ['./log/a1-b2'] * 2  # torchrun's, kept over its restarts
+    for environ in ({'TORCHELASTIC_RUN_ID': 'none'}, {}):  # a static rendezvous, or no launcher: the file names it
+        assert out_dirs(**environ) == ['./log/gpt2-small', './log/decent-gpt2-small']
+    assert out_dirs('--out_dir=mine') == ['mine'] * 2
+    monkeypatch.setenv('SLURM_JOB_ID', '7')
+    assert config_of('train.py', ['--log_dir', './log'])['out_dir'] == './log/7'
+    for text in ('out_dir = "mine"\nlog_dir = "./log"\n', 'log_dir = "./log"\nout_dir = "mine"\n'):  # no order
+        (tmp_path / 'both.toml').write_text(text)
+        assert config_of('train.py', [str(tmp_path / 'both.toml')])['out_dir'] == 'mine'
+
+
+def test_data_dir_is_a_path_that_decent_dps_dataset_label_does_not_replace(tmp_path, capsys):
+    keys = ['dataset = "openwebtext"\n', 'data_dir = "./data/owt"\n']
+    for text in (''.join(keys), ''.join(reversed(keys))):  # TOML keys have no order
+        (tmp_path / 'data.toml').write_text(text)
+        assert config_of('train.py', [str(tmp_path / 'data.toml')])['dataset'] == './data/owt'
+        assert "dataset='openwebtext': a label there, unused (data_dir is the folder)" in capsys.readouterr().out
+    # DLRover's --data_dir is always a folder's path (its prep's --output_dir mydata), never a name under data/
+    assert config_of('train.py', ['--data_dir', 'mydata'])['dataset'] == './mydata'
+    assert config_of('train.py', ['--dataset', 'mydata'])['dataset'] == 'mydata'
+
+
 @pytest.mark.parametrize('script, argv, says', [
     ('train.py', ['--plan_ngpus=2', '--runtime_ngpus=4'],
      'torchrun --nproc_per_node=4 fsdp_train.py --tp_size=2 ... (each model split over 2 GPUs by tensor parallelism, '
@@ -112,6 +154,7 @@ def test_decent_dp_toml_as_published_takes_its_hyperparameters(tmp_path):
     ('train.py', ['trainer_config.distributed_method=fsdp'], 'fsdp_train.py'),
     ('train.py', ['--topology=exp'], 'decent_train.py'),
     ('train.py', ['--lora_rank', '4'], 'no counterpart'),
+    ('train.py', ['data_config.path=in.txt'], 'python prepare.py text --input=in.txt --tokenizer=char'),  # CharDataset
 ])
 def test_other_meanings_name_our_command(script, argv, says):
     assert says in error_of(script, argv)
@@ -124,26 +167,35 @@ def test_decent_dp_names_on_the_command_line():
 
 @pytest.fixture(scope='module')
 def here(tmp_path_factory, data_dir):
-    """DLRover's layout: train.bin, val.bin and meta.pkl in the folder it runs in, train.bin cut to 1,000 tokens."""
+    """DLRover's layout: train.bin, val.bin and meta.pkl in the folder it runs in (and in mydata/, as its prep's
+    --output_dir mydata writes them), train.bin cut to 1,000 tokens."""
     d = tmp_path_factory.mktemp('dlrover')
-    for name in ('val.bin', 'meta.pkl'):
-        shutil.copy(data_dir / 'shakespeare_char' / name, d / name)
-    (d / 'train.bin').write_bytes((data_dir / 'shakespeare_char' / 'train.bin').read_bytes()[:2000])
+    for folder in (d, d / 'mydata'):
+        folder.mkdir(exist_ok=True)
+        for name in ('val.bin', 'meta.pkl'):
+            shutil.copy(data_dir / 'shakespeare_char' / name, folder / name)
+        (folder / 'train.bin').write_bytes((data_dir / 'shakespeare_char' / 'train.bin').read_bytes()[:2000])
     return d
 
 
-@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py'])
-def test_dlrover_train_command_runs_as_written(here, script):
+@pytest.mark.parametrize('script, data', [('train.py', './'), ('fsdp_train.py', 'mydata')])
+def test_dlrover_train_command_runs_as_written(here, script, data):
     out = here / f'out-{script}'
-    p = run(script, '--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--data_dir', './', '--epochs', '1',
+    p = run(script, '--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--data_dir', data, '--epochs', '1',
             '--save_memory_interval', '50', '--save_storage_interval', '500', '--bias', '--decay_lr',
             '--device', 'cpu', '--compile', 'False', '--block_size', '32', '--batch_size', '4',
             '--gradient_accumulation_steps', '1', '--eval_iters', '2', '--out_dir', str(out), cwd=here)
-    assert "--data_dir ./ is DLRover's and Decent-DP's name: here --dataset=./" in p.stdout
+    dataset = './' if data == './' else './mydata'  # a path, as there: not data/mydata
+    assert f"--data_dir {data} is DLRover's and Decent-DP's name: here --dataset={dataset}" in p.stdout
     assert '--max_iters=8 (1 passes' in p.stdout  # ceil(1,000 tokens / 128 a step)
     config = json.loads((out / 'config.json').read_text())
-    assert config['max_iters'] == 8 and config['dataset'] == './' and config['bias'] is True
+    assert config['max_iters'] == 8 and config['dataset'] == dataset and config['bias'] is True
     assert 'iter 7:' in p.stdout and 'iter 8:' not in p.stdout
+    # what docs/coming-from.md says of DLRover's log line: our line, and the keys of its row in metrics.jsonl
+    doc = next(line for line in DOC.read_text().splitlines() if line.startswith('| its log line `iter 0:'))
+    assert re.search(r'^iter 7: loss [\d.]+, time [\d.]+ ms, [\d,]+ tok/s$', p.stdout, re.M)
+    row = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines() if '"loss"' in line][-1]
+    assert set(re.findall(r'`(\w+)`', doc.split('metrics.jsonl')[1])) == set(row) and row['mfu'] is None
 
 
 def test_torchrun_auto_on_cpu_names_the_accumulation_of_a_rank_a_core_which_trains(tmp_path, data_dir):
@@ -171,12 +223,20 @@ def test_torchrun_auto_on_cpu_names_the_accumulation_of_a_rank_a_core_which_trai
 
 def test_decent_toml_trains_at_tiny_size(tmp_path, data_dir):
     (tmp_path / 'decent.toml').write_text(SEED_DECENT_TOML)
-    p = run('decent_train.py', 'decent.toml', *TINY, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=o',
+    p = run('decent_train.py', 'decent.toml', *TINY, f'--dataset={data_dir / "shakespeare_char"}',
             '--wandb_log=False', '--topology=ring', '--gradient_accumulation_steps=2', '--max_iters=3',
             '--eval_interval=3', nproc=2, cwd=tmp_path)
     assert 'decent.toml is in Decent-DP' in p.stdout and 'iter 2:' in p.stdout
-    config = json.loads((tmp_path / 'o' / 'config.json').read_text())
+    # log_dir = "./log" is this job's folder in it, which both ranks named alike (the launcher gives no run id)
+    out = tmp_path / 'log' / os.environ.get('SLURM_JOB_ID', 'decent')
+    assert list((tmp_path / 'log').iterdir()) == [out] and (out / 'best.pt').exists()  # Decent-DP's best_model.pth
+    config = json.loads((out / 'config.json').read_text())
     assert (config['replica_optimizer'], config['moment_accum_steps'], config['beta2']) == ('accumadamw', 8, 0.98)
+    # what docs/coming-from.md says of Decent-DP's log line: our eval line, and the keys of its row in metrics.jsonl
+    doc = next(line for line in DOC.read_text().splitlines() if line.startswith('| its log line `Step '))
+    assert re.search(r'^step 3: train loss [\d.]+, val loss [\d.]+, consensus distance [\d.e+-]+$', p.stdout, re.M)
+    row = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines()][-1]
+    assert set(re.findall(r'"(\w+)"', doc)) | {'consensus_distance'} == set(row) and 'consensus_distance' in doc
 
 
 def test_toml_with_our_keys_in_tables_and_its_errors_name_the_line(tmp_path):
