@@ -72,15 +72,21 @@ def _arguments(argv, defaults):
             out.append((arg, key, text))
         else:
             key, after = arg[2:], argv[i] if i < len(argv) else None
-            flag = type(defaults.get(key, seeds.flag_default(key))) is bool
-            if flag and after not in ('True', 'False'):
-                out.append((arg, key, None))  # argparse's store_true
-            elif after is None or after.startswith('--'):
-                sys.exit(f"error: flag '{arg}' needs a value: write it as {arg}=VALUE or {arg} VALUE")
+            default = defaults.get(key, seeds.flag_default(key))
+            missing = after is None or after.startswith('--')
+            if type(default) is bool and after not in ('True', 'False') or default is None and missing:
+                # argparse's store_true; or a name this script lacks (--eval_onyl), which configure() answers
+                out.append((arg, key, None))
+            elif missing:
+                _needs_value(arg)
             else:
                 out.append((f'{arg} {after}', key, after))
                 i += 1
     return out
+
+
+def _needs_value(arg):
+    sys.exit(f"error: flag '{arg}' needs a value: write it as {arg}=VALUE or {arg} VALUE")
 
 
 def _parse(text, key, defaults):
@@ -161,6 +167,8 @@ def configure(namespace, argv=None, skip_unknown_in_files=False):
             for key, value in seeds.translate(key, value, where, source, context):
                 if key not in defaults and skip_unknown_in_files and source != 'flag':
                     continue  # e.g. a training config read by bench.py for its model and batch
+                if source == 'flag' and text is None and type(defaults.get(key)) not in (bool, type(None)):
+                    _needs_value(arg)  # a seed's name for one of our keys, alone: --lr
                 namespace[key] = defaults[key] = _check(key, value, defaults, where)
                 given.add(key)
     for key, value, where in seeds.finish(context):  # --epochs, once the data and batch are known

@@ -82,6 +82,8 @@ def test_space_separated_values_and_bare_booleans():
     assert (c['n_layer'], c['n_head'], c['eval_only'], c['bias'], c['decay_lr'], c['compile']) == \
         (48, 16, True, True, True, False)
     assert 'needs a value' in error_of('train.py', ['--n_layer'])
+    assert 'needs a value' in error_of('train.py', ['--lr'])  # Decent-DP's name for learning_rate: it takes one
+    assert "unknown config key 'eval-only'; did you mean eval_only?" in error_of('train.py', ['--eval-only'])
     assert 'DEFAULT_PATH' not in error_of('train.py', ['--xyzzy=1'])
 
 

@@ -66,6 +66,9 @@ def test_config_file_errors_name_the_file_and_line(tmp_path, capsys):
 
 def test_malformed_arguments(capsys):
     assert 'needs a value' in fails(defaults(), ['--batch_size'], capsys)
+    # a misspelt bool flag alone is an unknown key, as a misspelt key with a value is
+    assert "unknown config key 'compiel'; did you mean compile?" in fails(defaults(), ['--compiel', '--n_layer=2'],
+                                                                         capsys)
     assert 'neither a config file' in fails(defaults(), ['batch_size=3'], capsys)
     assert 'cannot read config file' in fails(defaults(), ['nope.py'], capsys)
 
