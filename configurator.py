@@ -8,7 +8,8 @@ constants, not keys). Call
 
 right after them: every `config/x.py` argument is run as Python, every `config/x.toml` read as TOML (tables group
 keys), and every `--key=value` or `--key value` argument is parsed with ast.literal_eval (a bare word is a string;
-a bool key alone, `--eval_only`, is True), in the order given, each checked against the default's name and type.
+a bool key alone, `--eval_only`, is True), in the order given (a file that overrides an earlier flag says so in a
+line), each checked against the default's name and type.
 A config file runs like a module: it may import (modules, functions and _names are not keys) and knows its own
 path as __file__. The names other projects give our keys, and their config files, are translated by seeds.py.
 `config` is the final dict of every key; `given` the keys that a file or flag set. With skip_unknown_in_files,
@@ -147,7 +148,7 @@ def _read_py(arg, defaults):
 def configure(namespace, argv=None, skip_unknown_in_files=False):
     argv = sys.argv[1:] if argv is None else argv
     defaults = config_keys(namespace)
-    given = set()
+    given, flagged = set(), {}  # flagged: the flag that set each key
     arguments = _arguments(argv, defaults)
     # what the seed projects' names need to see: the entrypoint, and the other flags (nnScaler's come in pairs)
     context = seeds.context(os.path.basename(namespace.get('__file__') or sys.argv[0]), defaults,
@@ -169,7 +170,15 @@ def configure(namespace, argv=None, skip_unknown_in_files=False):
                     continue  # e.g. a training config read by bench.py for its model and batch
                 if source == 'flag' and text is None and type(defaults.get(key)) not in (bool, type(None)):
                     _needs_value(arg)  # a seed's name for one of our keys, alone: --lr
-                namespace[key] = defaults[key] = _check(key, value, defaults, where)
+                value = _check(key, value, defaults, where)
+                if source == 'flag':
+                    flagged[key] = arg
+                elif key in flagged and value != defaults[key] and os.environ.get('RANK', '0') == '0':
+                    # nanoGPT's rule, kept; argparse's, Hydra's and TOML users expect the flag to win wherever it is
+                    print(f"note: {where} sets {key}={value!r} over {flagged.pop(key)} before it on the command "
+                          f"line: the later one wins (arguments apply in order); give the flag after the file to "
+                          f"keep its value", flush=True)
+                namespace[key] = defaults[key] = value
                 given.add(key)
     for key, value, where in seeds.finish(context):  # --epochs, once the data and batch are known
         namespace[key] = defaults[key] = _check(key, value, defaults, where)
