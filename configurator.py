@@ -180,6 +180,8 @@ def configure(namespace, argv=None, skip_unknown_in_files=False):
                           f"keep its value", flush=True)
                 namespace[key] = defaults[key] = value
                 given.add(key)
+    for key, value in seeds.dlrover_defaults(context, given):  # defaults, not given: a checkpoint's shape still wins
+        namespace[key] = defaults[key] = value
     for key, value, where in seeds.finish(context):  # --epochs, once the data and batch are known
         namespace[key] = defaults[key] = _check(key, value, defaults, where)
         given.add(key)

@@ -34,12 +34,13 @@ def deepspeed_launch(tmp_path, data_dir, out, *extra, nproc=2):
 
 def dlrover_launch(tmp_path, data_dir, out, *extra):
     """ds_train.py as DLRover's nanoGPT example runs its DeepSpeed script, launcher and flags as written there
-    (argparse's space-separated values, --data_dir, --epochs), through launch/dlrover_run.py for dlrover-run."""
+    (argparse's space-separated values, --data_dir, --epochs, a bare --decay_lr: DLRover's default, taken for what
+    its flags leave out, is a constant rate), through launch/dlrover_run.py for dlrover-run."""
     shape = ('--n_layer', '--n_head', '--n_embd')  # given here as DLRover writes them
     return launched([sys.executable, str(REPO / 'launch' / 'dlrover_run.py'), '--nnodes=1', '--max_restarts=2',
                      '--nproc_per_node=2', str(REPO / 'ds_train.py'), '--n_layer', '2', '--n_head', '2', '--n_embd',
                      '32', '--data_dir', str(data_dir / 'shakespeare_char'), '--epochs', '1',
-                     '--save_memory_interval', '3', '--save_storage_interval', '4',
+                     '--save_memory_interval', '3', '--save_storage_interval', '4', '--decay_lr',
                      *[a for a in TINY if a.split('=')[0] not in shape], *BASE, f'--out_dir={tmp_path / out}', *extra],
                     tmp_path)
 
