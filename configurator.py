@@ -145,9 +145,16 @@ def _read_py(arg, defaults):
     return settings
 
 
-def configure(namespace, argv=None, skip_unknown_in_files=False):
+def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None):
+    """positional(arg): [(key, value)] for an argument that is no config file nor flag (model_size.py's checkpoint,
+    whose shape it sets), or a one-line error."""
     argv = sys.argv[1:] if argv is None else argv
     defaults = config_keys(namespace)
+    if '-h' in argv or '--help' in argv:
+        print(f"{(namespace.get('__doc__') or '').strip()}\n\nits keys, with their defaults (set by config files, *.py "
+              f"or *.toml, and --key=value or --key value, in order):\n" +
+              '\n'.join(f"  --{k}={v!r}" for k, v in defaults.items()))
+        sys.exit(0)
     given, flagged = set(), {}  # flagged: the flag that set each key
     arguments = _arguments(argv, defaults)
     # what the seed projects' names need to see: the entrypoint, and the other flags (nnScaler's come in pairs)
@@ -161,7 +168,9 @@ def configure(namespace, argv=None, skip_unknown_in_files=False):
                 settings, source = seeds.read_toml(arg, _read_text(arg), context), 'toml'
             else:
                 seeds.check_positional(arg)  # minGPT-DDP's Hydra overrides
-                sys.exit(f"error: argument '{arg}' is neither a config file (*.py, *.toml) nor --key=value")
+                if positional is None or arg.startswith('-'):
+                    sys.exit(f"error: argument '{arg}' is neither a config file (*.py, *.toml) nor --key=value")
+                settings, source = [(key, value, arg) for key, value in positional(arg)], 'file'
         else:
             settings, source = [(key, _parse(text, key, defaults), arg)], 'flag'
         for key, value, where in settings:

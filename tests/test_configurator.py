@@ -38,6 +38,13 @@ def test_a_file_after_a_flag_overrides_it_and_says_so(tmp_path, capsys, monkeypa
     assert capsys.readouterr().out == ''
 
 
+def test_help_shows_the_scripts_docstring_and_its_keys(capsys):
+    with pytest.raises(SystemExit) as e:
+        configure({**defaults(), '__doc__': 'Trains a GPT.'}, ['--batch_size=3', '-h'])
+    out = capsys.readouterr().out
+    assert e.value.code in (0, None) and out.startswith('Trains a GPT.\n') and '  --batch_size=12\n' in out
+
+
 def test_string_keys_take_any_text():
     ns = defaults()
     configure(ns, ['--out_dir=2024', "--device='cuda:1'"])
