@@ -12,6 +12,7 @@ a bool key alone, `--eval_only`, is True), in the order given (a file that overr
 line), each checked against the default's name and type.
 A config file runs like a module: it may import (modules, functions and _names are not keys) and knows its own
 path as __file__. The names other projects give our keys, and their config files, are translated by seeds.py.
+`-h` or `--help` prints the script's docstring and its keys.
 `config` is the final dict of every key; `given` the keys that a file or flag set. With skip_unknown_in_files,
 a config file may set keys the script lacks (bench.py reads training configs), but a flag may not.
 Bad input exits with a one-line error that names the fix. check_model_shape(config) and check_optimizer(config)
@@ -173,12 +174,14 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
                 settings, source = [(key, value, arg) for key, value in positional(arg)], 'file'
         else:
             settings, source = [(key, _parse(text, key, defaults), arg)], 'flag'
+        # a name that neither this script nor a seed's flag knows, alone: its translation may need a value (--lr)
+        alone = source == 'flag' and text is None and defaults.get(key, seeds.flag_default(key)) is None
         for key, value, where in settings:
             for key, value in seeds.translate(key, value, where, source, context):
                 if key not in defaults and skip_unknown_in_files and source != 'flag':
                     continue  # e.g. a training config read by bench.py for its model and batch
-                if source == 'flag' and text is None and type(defaults.get(key)) not in (bool, type(None)):
-                    _needs_value(arg)  # a seed's name for one of our keys, alone: --lr
+                if alone and type(defaults.get(key)) not in (bool, type(None)):
+                    _needs_value(arg)
                 value = _check(key, value, defaults, where)
                 if source == 'flag':
                     flagged[key] = arg
