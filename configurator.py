@@ -8,9 +8,11 @@ constants, not keys). Call
 
 right after them: every `config/x.py` argument is run as Python, every `config/x.toml` read as TOML (tables group
 keys), and every `--key=value` or `--key value` argument is parsed with ast.literal_eval (a bare word is a string;
-a bool key alone, `--eval_only`, is True), in the order given, each checked against the default's name and type.
+a bool key alone, `--eval_only`, is True), in the order given (a file that overrides an earlier flag says so in a
+line), each checked against the default's name and type.
 A config file runs like a module: it may import (modules, functions and _names are not keys) and knows its own
 path as __file__. The names other projects give our keys, and their config files, are translated by seeds.py.
+`-h` or `--help` prints the script's docstring and its keys.
 `config` is the final dict of every key; `given` the keys that a file or flag set. With skip_unknown_in_files,
 a config file may set keys the script lacks (bench.py reads training configs), but a flag may not.
 Bad input exits with a one-line error that names the fix. check_model_shape(config) and check_optimizer(config)
@@ -72,15 +74,21 @@ def _arguments(argv, defaults):
             out.append((arg, key, text))
         else:
             key, after = arg[2:], argv[i] if i < len(argv) else None
-            flag = type(defaults.get(key, seeds.flag_default(key))) is bool
-            if flag and after not in ('True', 'False'):
-                out.append((arg, key, None))  # argparse's store_true
-            elif after is None or after.startswith('--'):
-                sys.exit(f"error: flag '{arg}' needs a value: write it as {arg}=VALUE or {arg} VALUE")
+            default = defaults.get(key, seeds.flag_default(key))
+            missing = after is None or after.startswith('--')
+            if type(default) is bool and after not in ('True', 'False') or default is None and missing:
+                # argparse's store_true; or a name this script lacks (--eval_onyl), which configure() answers
+                out.append((arg, key, None))
+            elif missing:
+                _needs_value(arg)
             else:
                 out.append((f'{arg} {after}', key, after))
                 i += 1
     return out
+
+
+def _needs_value(arg):
+    sys.exit(f"error: flag '{arg}' needs a value: write it as {arg}=VALUE or {arg} VALUE")
 
 
 def _parse(text, key, defaults):
@@ -138,10 +146,17 @@ def _read_py(arg, defaults):
     return settings
 
 
-def configure(namespace, argv=None, skip_unknown_in_files=False):
+def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None):
+    """positional(arg): [(key, value)] for an argument that is no config file nor flag (model_size.py's checkpoint,
+    whose shape it sets), or a one-line error."""
     argv = sys.argv[1:] if argv is None else argv
     defaults = config_keys(namespace)
-    given = set()
+    if '-h' in argv or '--help' in argv:
+        print(f"{(namespace.get('__doc__') or '').strip()}\n\nits keys, with their defaults (set by config files, *.py "
+              f"or *.toml, and --key=value or --key value, in order):\n" +
+              '\n'.join(f"  --{k}={v!r}" for k, v in defaults.items()))
+        sys.exit(0)
+    given, flagged = set(), {}  # flagged: the flag that set each key
     arguments = _arguments(argv, defaults)
     # what the seed projects' names need to see: the entrypoint, and the other flags (nnScaler's come in pairs)
     context = seeds.context(os.path.basename(namespace.get('__file__') or sys.argv[0]), defaults,
@@ -154,15 +169,31 @@ def configure(namespace, argv=None, skip_unknown_in_files=False):
                 settings, source = seeds.read_toml(arg, _read_text(arg), context), 'toml'
             else:
                 seeds.check_positional(arg)  # minGPT-DDP's Hydra overrides
-                sys.exit(f"error: argument '{arg}' is neither a config file (*.py, *.toml) nor --key=value")
+                if positional is None or arg.startswith('-'):
+                    sys.exit(f"error: argument '{arg}' is neither a config file (*.py, *.toml) nor --key=value")
+                settings, source = [(key, value, arg) for key, value in positional(arg)], 'file'
         else:
             settings, source = [(key, _parse(text, key, defaults), arg)], 'flag'
+        # a name that neither this script nor a seed's flag knows, alone: its translation may need a value (--lr)
+        alone = source == 'flag' and text is None and defaults.get(key, seeds.flag_default(key)) is None
         for key, value, where in settings:
             for key, value in seeds.translate(key, value, where, source, context):
                 if key not in defaults and skip_unknown_in_files and source != 'flag':
                     continue  # e.g. a training config read by bench.py for its model and batch
-                namespace[key] = defaults[key] = _check(key, value, defaults, where)
+                if alone and type(defaults.get(key)) not in (bool, type(None)):
+                    _needs_value(arg)
+                value = _check(key, value, defaults, where)
+                if source == 'flag':
+                    flagged[key] = arg
+                elif key in flagged and value != defaults[key] and os.environ.get('RANK', '0') == '0':
+                    # nanoGPT's rule, kept; argparse's, Hydra's and TOML users expect the flag to win wherever it is
+                    print(f"note: {where} sets {key}={value!r} over {flagged.pop(key)} before it on the command "
+                          f"line: the later one wins (arguments apply in order); give the flag after the file to "
+                          f"keep its value", flush=True)
+                namespace[key] = defaults[key] = value
                 given.add(key)
+    for key, value in seeds.dlrover_defaults(context, given):  # defaults, not given: a checkpoint's shape still wins
+        namespace[key] = defaults[key] = value
     for key, value, where in seeds.finish(context):  # --epochs, once the data and batch are known
         namespace[key] = defaults[key] = _check(key, value, defaults, where)
         given.add(key)

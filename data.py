@@ -65,6 +65,13 @@ def read_meta(path):
     return meta
 
 
+def meta_vocab(dataset, random_data=False):
+    """The vocabulary of the dataset's meta.pkl (a character-level prep's), or None where it has none (GPT-2's
+    tokens: the model takes 50304) or random_data=True reads none of its files."""
+    path = os.path.join(data_dir(dataset), 'meta.pkl')
+    return read_meta(path)['vocab_size'] if os.path.exists(path) and not random_data else None
+
+
 def is_path(dataset):
     """Whether --dataset names a folder by its path: anything with a slash or '.' alone (./, ../x,
     data/openwebtext-10k, /abs/folder, ~/x); otherwise it is a folder's name under data/."""

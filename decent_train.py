@@ -36,7 +36,7 @@ from checkpoint import (commit, create_model, find_resume, finish_saves, kept, p
                         save_in_background, snapshot_dir, step_folders, upgrade_optimizer_state, wait_for_copies,
                         wait_for_saves)
 from configurator import check_config, configure
-from data import check_token_ids, data_dir, find_bins, open_tokens, read_meta
+from data import check_token_ids, find_bins, meta_vocab, open_tokens
 from decent import (average_moments, average_replicas, check_diloco, global_model, make_bucket, make_mixing_groups,
                     make_optimizer, make_outer, mixing_rounds, outer_bytes, outer_state, read_replica, restore_outer,
                     restore_replica, start_outer_step, wait_for)
@@ -218,8 +218,7 @@ resume_path = resume_from and resume_from[1]
 
 # -----------------------------------------------------------------------------
 # model
-meta_path = os.path.join(data_dir(dataset), 'meta.pkl')
-meta_vocab_size = read_meta(meta_path)['vocab_size'] if os.path.exists(meta_path) and not random_data else None
+meta_vocab_size = meta_vocab(dataset, random_data)
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=meta_vocab_size or 50304, dropout=dropout)
 check_fits(model_args, device)  # a shape too big for this machine is refused before it is built

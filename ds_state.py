@@ -54,7 +54,8 @@ def offload(key, value, device_type):
 
 
 def add_config_file(ds_cfg, path):
-    """Adds a user's DeepSpeed config file to the generated config; a setting that contradicts it is an error."""
+    """Adds a user's DeepSpeed config file to the generated config. Its settings that contradict ds_train.py's keys,
+    that DeepSpeed does not read or that have the wrong type are refused together, in one line."""
     try:
         with open(path) as f:
             extra = json.load(f)
@@ -62,8 +63,56 @@ def add_config_file(ds_cfg, path):
         sys.exit(f"error: cannot read ds_config {path} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
     if not isinstance(extra, dict):
         sys.exit(f"error: ds_config {path} holds a JSON {type(extra).__name__}, not an object of DeepSpeed settings")
-    merge_config(ds_cfg, extra, '', path)
-    check_settings(ds_cfg, extra, path)
+    clashes = []
+    merge_config(ds_cfg, extra, '', clashes)  # ours stay where theirs differ
+    problems = [contradictions(ds_cfg, extra, clashes)] if clashes else []
+    problems += check_settings(ds_cfg, extra)
+    if problems:
+        sys.exit(f"error: {path} {'; it '.join(problems)}")
+
+
+# a generated setting -> the flag of ds_train.py that sets it (value -> the flag's value)
+FLAGS = {'zero_optimization.stage': ('zero_stage', lambda v: v), 'gradient_clipping': ('grad_clip', lambda v: v),
+         'train_micro_batch_size_per_gpu': ('batch_size', lambda v: v),
+         'bf16.enabled': ('dtype', lambda v: 'bfloat16' if v else 'float32'),
+         'fp16.enabled': ('dtype', lambda v: 'float16' if v else 'float32')}
+BATCH = ('train_batch_size', 'train_micro_batch_size_per_gpu', 'gradient_accumulation_steps')
+
+
+def contradictions(ours, extra, clashes):
+    """What one line says of the file's settings that contradict the generated config (ours): each with ours, then
+    the flags that generate the file's values, and the settings no flag can make agree, to drop. The batch's three
+    come from batch_size and gradient_accumulation_steps, which counts micro-steps over all ranks."""
+    flags, drop = {}, []
+    for key, value, _ in clashes:
+        if key in FLAGS:
+            flags[FLAGS[key][0]] = FLAGS[key][1](value)
+        elif key in ('optimizer', 'scheduler'):
+            drop.append(f"{key} (ds_train.py makes AdamW and the LR schedule from its keys)")
+        elif key not in BATCH:
+            drop.append(key)
+    total, micro, accum = (ours[k] for k in BATCH)
+    ranks, steps = total // (micro * accum), total // micro  # ours: train_batch_size = micro x accum x ranks
+    theirs = {k: v for k, v in extra.items() if k in BATCH and type(v) is int and v > 0}  # not "auto"
+    micro = theirs.get(BATCH[1], micro)
+    if BATCH[0] in theirs and theirs[BATCH[0]] % micro:
+        drop.append(f"{BATCH[0]} ({theirs.pop(BATCH[0])} is no whole number of {micro}-sequence micro-batches)")
+    want = theirs[BATCH[0]] // micro if BATCH[0] in theirs else theirs.get(BATCH[2], accum) * ranks
+    if want != steps:
+        flags['gradient_accumulation_steps'] = want
+    if BATCH[2] in theirs and theirs[BATCH[2]] * ranks != want:
+        drop.append(f"{BATCH[2]} (its {theirs[BATCH[2]]} a rank fits {want / theirs[BATCH[2]]:g} ranks, not {ranks}: "
+                    f"DeepSpeed derives it)")
+    said = [f"{key}={json.dumps(value)} ({json.dumps(here)} here)" for key, value, here in clashes if here is not None]
+    if not said:  # an optimizer or scheduler section alone
+        return f"sets {', '.join(k for k, _, _ in clashes)}: ds_train.py makes AdamW and the LR schedule from its " \
+               f"keys; drop {'it' if len(clashes) == 1 else 'them'}"
+    said = f"contradicts the config in {', '.join(said)}: "
+    drop = f"drop {', '.join(drop)}" if drop else ''
+    if not flags:
+        return said + drop
+    return f"{said}give `{' '.join(f'--{k}={v}' for k, v in flags.items())}`{drop and ' and '}{drop}, or drop those " \
+           f"settings from the file"
 
 
 # The type each top-level setting takes, from its default in DeepSpeed's constants; those whose default (None) tells
@@ -99,38 +148,37 @@ class Reads(dict):
         return Reads(dict.fromkeys(super().keys()), self.seen)
 
 
-def check_settings(ds_cfg, extra, path):
+def check_settings(ds_cfg, extra):
     """DeepSpeed ignores a top-level key it does not know (a misspelt setting goes unnoticed) and takes a value of
     the wrong type until the step that uses it, after the first eval: both are refused here, before anything is
-    written. The keys it knows are those its config reader looks up; nested sections are pydantic models, which
-    refuse unknown fields and wrong types themselves."""
-    seen = set()
+    written, each named in the list returned. The keys it knows are those its config reader looks up; nested
+    sections are pydantic models, which refuse unknown fields and wrong types themselves."""
+    seen, problems = set(), []
     try:
         DeepSpeedConfig(Reads(ds_cfg, seen))
     except (ValueError, AssertionError):
-        return  # deepspeed.initialize raises it again, and ds_train.py says why in one line
+        return []  # deepspeed.initialize raises it again, and ds_train.py says why in one line
     for k, v in extra.items():
-        if k not in seen:
-            sys.exit(f"error: {path} sets {k!r}, which DeepSpeed {deepspeed.__version__} does not read: check its "
-                     f"spelling, or drop it")
         want, words = TYPES.get(type(DEFAULTS.get(k)), ((object,), ''))
-        if not isinstance(v, want) or isinstance(v, bool) and bool not in want:
-            sys.exit(f"error: {path} sets {k}={json.dumps(v)}, but DeepSpeed takes {words} there")
+        if k not in seen:
+            problems.append(f"sets {k!r}, which DeepSpeed {deepspeed.__version__} does not read: check its spelling, "
+                            f"or drop it")
+        elif not isinstance(v, want) or isinstance(v, bool) and bool not in want:
+            problems.append(f"sets {k}={json.dumps(v)}, but DeepSpeed takes {words} there")
+    return problems
 
 
-def merge_config(ours, theirs, where, path):
-    """theirs added to ours, in place; a value of theirs that differs from ours is an error."""
+def merge_config(ours, theirs, where, clashes):
+    """theirs added to ours, in place; where a value of theirs differs from ours, ours stays and (dotted key, theirs,
+    ours) goes to clashes. "auto" (Hugging Face's word for "as the trainer says") takes ours."""
     for k, v in theirs.items():
         if isinstance(v, dict) and isinstance(ours.get(k), dict):
-            merge_config(ours[k], v, f'{where}{k}.', path)
+            merge_config(ours[k], v, f'{where}{k}.', clashes)
         elif k in ('optimizer', 'scheduler') and not where:
-            sys.exit(f"error: {path} sets {k}: ds_train.py makes the optimizer (AdamW, train.py's weight-decay "
-                     f"groups) and the LR schedule from its config keys; drop {k!r} from the file")
-        elif k in ours and ours[k] != v:
-            sys.exit(f"error: {path} sets {where}{k}={json.dumps(v)}, which contradicts {json.dumps(ours[k])} "
-                     f"from the config (batch_size, gradient_accumulation_steps, grad_clip, dtype, zero_stage, "
-                     f"offload_*): set it with those keys, or drop it from the file")
-        else:
+            clashes.append((k, v, None))
+        elif k in ours and ours[k] != v and v != 'auto':
+            clashes.append((f'{where}{k}', v, ours[k]))
+        elif k not in ours:
             ours[k] = v
 
 

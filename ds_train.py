@@ -30,7 +30,7 @@ import torch.distributed as dist
 from checkpoint import (commit, create_model, find_resume, finish_saves, kept, reason, remove_snapshots,
                         save_in_background, snapshot_dir, upgrade_optimizer_state, wait_for_copies, wait_for_saves)
 from configurator import check_config, configure
-from data import check_token_ids, data_dir, find_bins, open_tokens, read_meta
+from data import check_token_ids, find_bins, meta_vocab, open_tokens
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
                          stop_signal, use_deterministic_algorithms)
 from model import GPT
@@ -215,8 +215,7 @@ elif foreign and resume_from is None:
 
 # -----------------------------------------------------------------------------
 # model
-meta_path = os.path.join(data_dir(dataset), 'meta.pkl')
-meta_vocab_size = read_meta(meta_path)['vocab_size'] if os.path.exists(meta_path) and not random_data else None
+meta_vocab_size = meta_vocab(dataset, random_data)
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=meta_vocab_size or 50304, dropout=dropout)
 check_fits(model_args, device)  # a shape too big for this machine is refused before it is built

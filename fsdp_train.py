@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from checkpoint import (create_model, find_resume, finish_saves, kept, previous, reason, remove_snapshots,
                         save_in_background, snapshot_dir, step_folders, wait_for_copies, wait_for_saves)
 from configurator import check_config, configure
-from data import check_token_ids, data_dir, find_bins, open_tokens, read_meta
+from data import check_token_ids, find_bins, meta_vocab, open_tokens
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
                          skip_on_device, state_bytes, stop_signal, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
@@ -184,8 +184,7 @@ resume_path = resume_from and resume_from[1]
 
 # -----------------------------------------------------------------------------
 # model
-meta_path = os.path.join(data_dir(dataset), 'meta.pkl')
-meta_vocab_size = read_meta(meta_path)['vocab_size'] if os.path.exists(meta_path) and not random_data else None
+meta_vocab_size = meta_vocab(dataset, random_data)
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=meta_vocab_size or 50304, dropout=dropout)
 check_fits(model_args, device)  # a shape too big for this machine is refused before it is built

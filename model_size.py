@@ -6,7 +6,8 @@ pp_size, each rank of pp_train.py's pipeline too (the first and the last hold th
 
 python model_size.py --model=gpt2-xl --world_size=8
 python model_size.py --n_layer=4 --n_head=4 --n_embd=128 --block_size=64 --vocab_size=65 --world_size=2 --dtype=float32
-python model_size.py config/train_shakespeare_char_cpu.py   # a training config: its shape and batch
+python model_size.py config/train_shakespeare_char_cpu.py   # a training config: its shape, batch and data's vocabulary
+python model_size.py config/gpt2-small.toml                 # a TOML one too (Decent-DP's names taken, as in training)
 python model_size.py out-shakespeare-char                   # a run folder or checkpoint: the shape it saved
 python model_size.py --model=gpt2 --pp_size=4                # and per rank of a 4-stage pipeline
 """
@@ -20,6 +21,7 @@ import torch
 
 from checkpoint import find_checkpoint, reason, run_versions
 from configurator import check_model_name, check_model_shape, configure, quiet_interrupt
+from data import meta_vocab
 from model import GPT2_SHAPES, GPT, GPTConfig
 
 quiet_interrupt()  # Ctrl-C: one line, no traceback
@@ -30,12 +32,14 @@ n_layer = 12
 n_head = 12
 n_embd = 768
 block_size = 1024
-vocab_size = 50304
+vocab_size = 50304  # unless the dataset's meta.pkl gives one, as in training
+dataset = ''  # a training config's: its meta.pkl (a character-level prep's) gives the vocabulary; '' none
+random_data = False  # a training config's: its synthetic GPT-2 tokens, whatever the dataset
 bias = False
 world_size = 8
 tp_size = 0  # the tensor-parallel group of the 2-D row; 0: none shown unless world_size / 2 divides evenly
 batch_size = 12  # sequences per micro-step per rank, for the activation estimate
-dtype = 'bfloat16'  # the compute dtype: activations take 2 bytes an element in bfloat16, 4 in float32
+dtype = 'bfloat16'  # the compute dtype: activations take 2 bytes an element in bfloat16, 4 in float32; auto: a GPU's
 activation_checkpointing = False
 pp_size = 0  # pipeline stages (pp_train.py, one per rank): 0 none shown
 stages_per_rank = 1  # interleaved-1f1b's stages per rank
@@ -59,22 +63,24 @@ def saved_shape(path):
     try:
         return torch.load(ckpt, map_location='cpu', weights_only=True, mmap=True)['model_args']
     except FileNotFoundError:
-        sys.exit(f"error: {path} is neither a config file (*.py) nor a checkpoint or a run folder with a ckpt.pt")
+        sys.exit(f"error: {path} is neither a config file (*.py, *.toml) nor a checkpoint or a run folder with a "
+                 f"ckpt.pt")
     except Exception as e:
         sys.exit(f"error: cannot read the model's shape from {ckpt} ({reason(e)}): give --n_layer, --n_head, --n_embd")
 
 
-args = []
-for arg in sys.argv[1:]:  # a checkpoint or run folder sets the shape; flags after it may change it
-    if arg.startswith('--') or arg.endswith('.py'):
-        args.append(arg)
-        continue
-    shape = saved_shape(arg)
-    args += [f'--{k}={shape[k]}' for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size', 'bias')
-             if k in shape]
-# a training config sets keys this tool lacks (out_dir, learning_rate, ...): only the shape and batch count here
-config, given = configure(globals(), args, skip_unknown_in_files=True)
+def shape_of(path):
+    """A checkpoint or run folder given as an argument: the shape it saved, which flags after it may change."""
+    shape = saved_shape(path)
+    return [(k, shape[k]) for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size', 'bias') if k in shape]
+
+
+# a training config sets keys this tool lacks (out_dir, learning_rate, ...): only the shape, batch and data count here
+config, given = configure(globals(), skip_unknown_in_files=True, positional=shape_of)
 check_model_name(model, given)
+if dataset and 'vocab_size' not in given:
+    vocab_size = meta_vocab(dataset, random_data) or vocab_size
+dtype = 'bfloat16' if dtype == 'auto' else dtype  # the entrypoints' auto on a GPU (a TOML's amp = true)
 if model:
     if model not in GPT2_SHAPES:
         sys.exit(f"error: unknown model={model!r}: use one of {', '.join(GPT2_SHAPES)}, or set n_layer, n_head, n_embd")

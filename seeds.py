@@ -35,6 +35,13 @@ RENAMES = {
 FLAG_DEFAULTS = {'data_dir': '', 'log_dir': '', 'epochs': 0, 'use_nnscaler': False, 'plan_ngpus': 0,
                  'runtime_ngpus': 0, 'in_memory': False, 'amp': False}
 
+# DLRover's nanoGPT example's defaults where they differ from ours (add_train_args in its train_utils.py, which its
+# train.py, fsdp_train.py and ds_train.py share), for the keys its command line leaves out. Not its epochs=1: its
+# epoch starts a sequence at every offset, block_size times ours, so its max_iters ends such a run first
+DLROVER_DEFAULTS = {'n_layer': 6, 'n_head': 6, 'n_embd': 384, 'block_size': 128, 'batch_size': 32, 'max_iters': 2000,
+                    'decay_lr': False, 'warmup_iters': 0, 'lr_decay_iters': 10, 'compile': False,
+                    'save_memory_interval': 20, 'save_storage_interval': 200}
+
 # minGPT-DDP's Hydra overrides (key=value, no dashes) and ours
 HYDRA = {
     'trainer_config.batch_size': '--batch_size={}', 'trainer_config.max_epochs': '--epochs={}',
@@ -242,6 +249,26 @@ def translate(key, value, where, source, ctx):
         _note(ctx, where, source, f"{key}={value!r}", f"--{key}={value.lower()}", "Decent-DP's")
         return [(key, value.lower())]
     return [(key, value)]
+
+
+def dlrover_defaults(ctx, given):
+    """[(key, value)]: DLRover's defaults for the keys that its command line (a --data_dir or --epochs flag to one of
+    its three scripts, and no TOML file: Decent-DP's data_dir is a key of its files) does not give, said in one line;
+    none for any other command line."""
+    keys = ctx['keys']
+    dlrover = {'data_dir', 'epochs'} & ctx['flags'].keys()
+    if ctx['script'] not in ('train.py', 'fsdp_train.py', 'ds_train.py') or ctx['toml'] or not dlrover:
+        return []
+    # its gradient_accumulation_steps=0 is one micro-step a rank; ours counts them over all the data-parallel ranks
+    ranks = max(1, int(os.environ.get('WORLD_SIZE', '1')) // max(1, keys.get('tp_size', 1)))
+    taken = [(k, v) for k, v in {**DLROVER_DEFAULTS, 'gradient_accumulation_steps': ranks}.items()
+             if k in keys and k not in given]
+    if taken:
+        flags = ' '.join(f"--{k}={v}" + (' (a micro-step a rank)' if k == 'gradient_accumulation_steps' else '')
+                         for k, v in taken)
+        ctx['notes'].append((None, f"DLRover's command line: its nanoGPT example's defaults where it gives none: "
+                                   f"{flags}"))
+    return taken
 
 
 def finish(ctx):

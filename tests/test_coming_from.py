@@ -85,6 +85,9 @@ def test_space_separated_values_and_bare_booleans():
     assert (c['n_layer'], c['n_head'], c['eval_only'], c['bias'], c['decay_lr'], c['compile']) == \
         (48, 16, True, True, True, False)
     assert 'needs a value' in error_of('train.py', ['--n_layer'])
+    assert 'needs a value' in error_of('train.py', ['--lr'])  # Decent-DP's name for learning_rate: it takes one
+    assert config_of('train.py', ['--dtype=float32', '--amp'])['dtype'] == 'auto'  # and its bool, alone
+    assert "unknown config key 'eval-only'; did you mean eval_only?" in error_of('train.py', ['--eval-only'])
     assert 'DEFAULT_PATH' not in error_of('train.py', ['--xyzzy=1'])
 
 
@@ -196,6 +199,27 @@ def test_dlrover_train_command_runs_as_written(here, script, data):
     assert re.search(r'^iter 7: loss [\d.]+, time [\d.]+ ms, [\d,]+ tok/s$', p.stdout, re.M)
     row = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines() if '"loss"' in line][-1]
     assert set(re.findall(r'`(\w+)`', doc.split('metrics.jsonl')[1])) == set(row) and row['mfu'] is None
+
+
+def test_dlrover_command_takes_dlrover_defaults_for_what_it_leaves_out(here, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(here)
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    monkeypatch.delenv('RANK', raising=False)
+    seed = ['--n_layer', '48', '--n_head', '16', '--n_embd', '1600', '--data_dir', './', '--epochs', '50',
+            '--save_memory_interval', '50', '--save_storage_interval', '500']  # SEEDS.md's, as written
+    c = config_of('ds_train.py', seed)
+    assert (c['n_layer'], c['block_size'], c['batch_size'], c['gradient_accumulation_steps'], c['decay_lr'],
+            c['compile'], c['save_memory_interval'], c['max_iters']) == (48, 128, 32, 2, False, False, 50, 7)
+    assert "its nanoGPT example's defaults where it gives none: --block_size=128 --batch_size=32 --max_iters=2000 " \
+        "--decay_lr=False --warmup_iters=0 --lr_decay_iters=10 --compile=False --gradient_accumulation_steps=2 (a " \
+        "micro-step a rank)\n--epochs 50 is DLRover's name: here --max_iters=7 " in capsys.readouterr().out
+    # what a config file sets wins; a Decent-DP TOML (its data_dir a key) or no DLRover flag keeps our defaults
+    (tmp_path / 'c.py').write_text('batch_size = 8\n')
+    c = config_of('train.py', [str(tmp_path / 'c.py'), '--data_dir', './'])
+    assert (c['batch_size'], c['block_size'], c['max_iters'], c['save_storage_interval']) == (8, 128, 2000, 200)
+    (tmp_path / 'c.toml').write_text('[model]\nn_layer = 2\n')
+    assert config_of('train.py', [str(tmp_path / 'c.toml'), '--data_dir', './'])['block_size'] == 1024
+    assert config_of('train.py', ['--dataset=./'])['block_size'] == 1024
 
 
 def test_torchrun_auto_on_cpu_names_the_accumulation_of_a_rank_a_core_which_trains(tmp_path, data_dir):

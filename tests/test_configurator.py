@@ -25,6 +25,26 @@ def test_flags_and_files_override_in_order_with_type_checks(tmp_path):
     assert given == {'batch_size', 'learning_rate', 'n_layer', 'compile', 'device'}
 
 
+def test_a_file_after_a_flag_overrides_it_and_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv('RANK', raising=False)
+    cfg_file = tmp_path / 'c.py'
+    cfg_file.write_text("batch_size = 4\ncompile = False\n")
+    ns = defaults()
+    configure(ns, ['--batch_size=6', '--compile=False', str(cfg_file), '--device=cpu'])
+    assert ns['batch_size'] == 4  # nanoGPT's order, kept; the same value (compile) needs no word
+    assert capsys.readouterr().out == f"note: {cfg_file}:1 sets batch_size=4 over --batch_size=6 before it on the " \
+        f"command line: the later one wins (arguments apply in order); give the flag after the file to keep its value\n"
+    configure(defaults(), [str(cfg_file), '--batch_size=6'])
+    assert capsys.readouterr().out == ''
+
+
+def test_help_shows_the_scripts_docstring_and_its_keys(capsys):
+    with pytest.raises(SystemExit) as e:
+        configure({**defaults(), '__doc__': 'Trains a GPT.'}, ['--batch_size=3', '-h'])
+    out = capsys.readouterr().out
+    assert e.value.code in (0, None) and out.startswith('Trains a GPT.\n') and '  --batch_size=12\n' in out
+
+
 def test_string_keys_take_any_text():
     ns = defaults()
     configure(ns, ['--out_dir=2024', "--device='cuda:1'"])
@@ -66,6 +86,9 @@ def test_config_file_errors_name_the_file_and_line(tmp_path, capsys):
 
 def test_malformed_arguments(capsys):
     assert 'needs a value' in fails(defaults(), ['--batch_size'], capsys)
+    # a misspelt bool flag alone is an unknown key, as a misspelt key with a value is
+    assert "unknown config key 'compiel'; did you mean compile?" in fails(defaults(), ['--compiel', '--n_layer=2'],
+                                                                         capsys)
     assert 'neither a config file' in fails(defaults(), ['batch_size=3'], capsys)
     assert 'cannot read config file' in fails(defaults(), ['nope.py'], capsys)
 

@@ -34,12 +34,13 @@ def deepspeed_launch(tmp_path, data_dir, out, *extra, nproc=2):
 
 def dlrover_launch(tmp_path, data_dir, out, *extra):
     """ds_train.py as DLRover's nanoGPT example runs its DeepSpeed script, launcher and flags as written there
-    (argparse's space-separated values, --data_dir, --epochs), through launch/dlrover_run.py for dlrover-run."""
+    (argparse's space-separated values, --data_dir, --epochs, a bare --decay_lr: DLRover's default, taken for what
+    its flags leave out, is a constant rate), through launch/dlrover_run.py for dlrover-run."""
     shape = ('--n_layer', '--n_head', '--n_embd')  # given here as DLRover writes them
     return launched([sys.executable, str(REPO / 'launch' / 'dlrover_run.py'), '--nnodes=1', '--max_restarts=2',
                      '--nproc_per_node=2', str(REPO / 'ds_train.py'), '--n_layer', '2', '--n_head', '2', '--n_embd',
                      '32', '--data_dir', str(data_dir / 'shakespeare_char'), '--epochs', '1',
-                     '--save_memory_interval', '3', '--save_storage_interval', '4',
+                     '--save_memory_interval', '3', '--save_storage_interval', '4', '--decay_lr',
                      *[a for a in TINY if a.split('=')[0] not in shape], *BASE, f'--out_dir={tmp_path / out}', *extra],
                     tmp_path)
 
@@ -166,18 +167,21 @@ def test_bad_input(tmp_path, data_dir, stages):
     def fails(*args):
         return one_line_error(launch('ds_train.py', tmp_path, data_dir, 'bad', *args, check=False))
     assert 'zero_stage=4 is not one of 0' in fails('--zero_stage=4')
-    (tmp_path / 'ds.json').write_text(json.dumps({'train_batch_size': 32, 'steps_per_print': 100}))
-    msg = fails(f'--ds_config={tmp_path / "ds.json"}')
-    assert 'sets train_batch_size=32, which contradicts 16 from the config' in msg
-    (tmp_path / 'ds.json').write_text(json.dumps({'zero_optimization': {'stage': 3}}))
-    assert 'sets zero_optimization.stage=3, which contradicts 2' in fails(f'--ds_config={tmp_path / "ds.json"}')
-    # DeepSpeed itself would ignore the misspelt key, and fail on the string only at the first step, after an eval
-    (tmp_path / 'ds.json').write_text(json.dumps({'steps_per_print': 100, 'gradient_clippin': 0.5}))
-    msg = fails(f'--ds_config={tmp_path / "ds.json"}')
-    assert "sets 'gradient_clippin', which DeepSpeed 0.19.8 does not read: check its spelling" in msg
-    (tmp_path / 'ds.json').write_text(json.dumps({'steps_per_print': 'x'}))
-    msg = fails(f'--ds_config={tmp_path / "ds.json"}')
-    assert 'sets steps_per_print="x", but DeepSpeed takes a whole number there' in msg
+    # DLRover's ds_config.json's settings (its batch for 16 ranks), and two mistakes: every one refused in one line,
+    # with the flags that make ours the file's. DeepSpeed itself would ignore the misspelt key, and fail on the
+    # string only at the first step, after an eval
+    (tmp_path / 'ds.json').write_text(json.dumps({
+        'zero_optimization': {'stage': 1, 'overlap_comm': True, 'reduce_bucket_size': 'auto'},
+        'gradient_accumulation_steps': 1, 'gradient_clipping': 0.1, 'train_batch_size': 256,
+        'train_micro_batch_size_per_gpu': 16, 'steps_per_print': 'x', 'gradient_clippin': 0.5}))
+    assert fails(f'--ds_config={tmp_path / "ds.json"}') == (
+        f"error: {tmp_path / 'ds.json'} contradicts the config in zero_optimization.stage=1 (2 here), "
+        "gradient_accumulation_steps=1 (4 here), gradient_clipping=0.1 (1.0 here), train_batch_size=256 (16 here), "
+        "train_micro_batch_size_per_gpu=16 (4 here): give `--zero_stage=1 --grad_clip=0.1 --batch_size=16 "
+        "--gradient_accumulation_steps=16` and drop gradient_accumulation_steps (its 1 a rank fits 16 ranks, not 1: "
+        "DeepSpeed derives it), or drop those settings from the file; it sets steps_per_print=\"x\", but DeepSpeed "
+        "takes a whole number there; it sets 'gradient_clippin', which DeepSpeed 0.19.8 does not read: check its "
+        "spelling, or drop it")
     assert not (tmp_path / 'bad').exists()
     # ZeRO's shards resume at the world size and stage that wrote them; elsewhere only a consolidated ckpt.pt does
     shutil.copytree(stages[3], tmp_path / 'shards')

@@ -255,9 +255,10 @@ def test_dlrover_run_restarts_sigkilled_workers_and_train_py_finishes_bit_exact(
     # store, and a new MASTER_PORT at each restart
     ref_dir = shared_run('train.py', *KILLED, nproc=2)
     # the workers' flags as DLRover's nanoGPT example writes them: argparse's space-separated values, the data's
-    # folder as --data_dir, and --epochs (one pass over train.bin is 3,922 steps here: max_iters=60 ends the run)
+    # folder as --data_dir, and --epochs (one pass over train.bin is 3,922 steps here: max_iters=60 ends the run);
+    # bare --decay_lr, since DLRover's default (taken here for what its flags leave out) is a constant rate
     dlrover = ['--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--data_dir', str(data_dir / 'shakespeare_char'),
-               '--epochs', '1', '--save_memory_interval', '4', '--save_storage_interval', '50']
+               '--epochs', '1', '--save_memory_interval', '4', '--save_storage_interval', '50', '--decay_lr']
     ours = [a for a in [*TINY, *KILLED] if a.split('=')[0] not in ('--n_layer', '--n_head', '--n_embd',
                                                                      '--save_memory_interval')]
     cmd = [sys.executable, str(REPO / 'launch' / 'dlrover_run.py'), '--standalone', '--nproc_per_node=2',

@@ -32,7 +32,9 @@ def fails(tmp_path, script, *args):
     (['--dtype=float64'], "error: dtype='float64': use bfloat16, float16 or float32"),
     (['--model=gpt2'], 'error: model=gpt2 sets n_layer, n_head and n_embd, so n_embd, n_head, n_layer would be '
                        'ignored'),
-    (['/nowhere'], 'error: /nowhere is neither a config file (*.py) nor a checkpoint or a run folder with a ckpt.pt'),
+    (['/nowhere'], 'error: /nowhere is neither a config file (*.py, *.toml) nor a checkpoint or a run folder with a '
+                   'ckpt.pt'),
+    (['gpt_config.n_layer=8'], "error: gpt_config.n_layer=8 is a Hydra override (minGPT-DDP's): here --n_layer=8"),
 ])
 def test_model_size_refuses_shapes_that_make_no_model(tmp_path, args, message):
     msg = fails(tmp_path, 'model_size.py', *SMALL, '--vocab_size=65', '--world_size=2', *args)
@@ -153,10 +155,15 @@ def test_model_size_sizes_any_depth_without_building_it(tmp_path):
     assert json.loads(p.stdout.splitlines()[-1])['params'] == n
 
 
-def test_model_size_reads_a_training_config_and_a_run_folder(tmp_path, shared_run):
+def test_model_size_reads_a_training_config_and_a_run_folder(tmp_path, shared_run, data_dir):
     from conftest import REPO
+    (tmp_path / 'data').symlink_to(data_dir)  # the config's dataset, data/shakespeare_char, and its meta.pkl
     p = run('model_size.py', str(REPO / 'config' / 'train_shakespeare_char_cpu.py'), cwd=tmp_path)
-    assert ' 4 layers, 4 heads, 128 wide, block 64,' in p.stdout  # the config's shape, not the defaults
+    # the config's shape, not the defaults, and its data's vocabulary: train.py's 0.80M parameters
+    assert p.stdout.startswith('804,096 parameters') and ' 4 layers, 4 heads, 128 wide, block 64, vocab 65' in p.stdout
+    # train.py's ways: a TOML config (Decent-DP's names) and `--key value`
+    p = run('model_size.py', str(REPO / 'config' / 'gpt2-small.toml'), '--n_layer', '2', cwd=tmp_path)
+    assert ' 2 layers, 12 heads, 768 wide, block 1024, vocab 50304' in p.stdout
     out = shared_run('train.py', '--max_iters=4', '--gradient_accumulation_steps=1')
     p = run('model_size.py', str(out), '--n_layer=3', cwd=tmp_path)
     assert ' 3 layers, 2 heads, 32 wide, block 32, vocab 65' in p.stdout  # the run's shape, a flag after it wins
