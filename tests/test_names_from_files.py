@@ -12,12 +12,17 @@ from test_saved_state import fill, small_disk  # noqa: F401  (the fixture, for t
 ARGS = ['--gradient_accumulation_steps=1', '--max_iters=10', '--eval_interval=5']
 
 
-def test_a_planted_run_id_never_becomes_a_path(tmp_path, data_dir, shared_run):
+def planted(tmp_path, run_dir):
+    """(a user's folder beside, the copy of run_dir that a name planted in it may lead there)"""
     victim = tmp_path / 'victim'
     victim.mkdir()
     (victim / 'keep.txt').write_text('a user file')
-    out = tmp_path / 'run'
-    shutil.copytree(shared_run('train.py', *ARGS), out)
+    shutil.copytree(run_dir, tmp_path / 'run')
+    return victim, tmp_path / 'run'
+
+
+def test_a_planted_run_id_never_becomes_a_path(tmp_path, data_dir, shared_run):
+    victim, out = planted(tmp_path, shared_run('train.py', *ARGS))
     (out / 'run_id').write_text(f'zz/../../..{victim}')  # /dev/shm/nanogpt-zz/../../.. is /
     for ckpt in out.glob('ckpt*.pt'):  # checkpoints without an id, as old code wrote them, which any id matches
         state = torch.load(ckpt, weights_only=True)
@@ -39,11 +44,7 @@ def test_a_planted_dcp_latest_is_refused_by_the_tools(tmp_path, shared_run):
 
 
 def test_a_planted_dcp_best_never_leads_a_new_best_to_remove_a_folder_elsewhere(tmp_path, data_dir, shared_run):
-    victim = tmp_path / 'victim'
-    victim.mkdir()
-    (victim / 'keep.txt').write_text('a user file')
-    out = tmp_path / 'run'
-    shutil.copytree(shared_run('fsdp_train.py', *ARGS), out)
+    victim, out = planted(tmp_path, shared_run('fsdp_train.py', *ARGS))
     (out / 'dcp' / 'best').write_text('best-step-00000010/../../../victim')  # a run folder someone handed over
     run('fsdp_train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}', *ARGS,
         '--max_iters=15', cwd=tmp_path)
