@@ -37,6 +37,8 @@ def config_keys(namespace):
 
 
 def _check(key, value, defaults, where):
+    if key == 'config' and 'config' not in defaults and isinstance(value, str):  # --config FILE, -c FILE elsewhere
+        sys.exit(f"error: {where}: a config file is given by its path alone, first: write {value} without --config")
     if key not in defaults:
         close = difflib.get_close_matches(key, defaults, n=3, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(sorted(defaults))}"
@@ -76,7 +78,7 @@ def _arguments(argv, defaults):
             key, after = arg[2:], argv[i] if i < len(argv) else None
             default = defaults.get(key, seeds.flag_default(key))
             missing = after is None or after.startswith('--')
-            if type(default) is bool and after not in ('True', 'False') or default is None and missing:
+            if type(default) is bool and after not in BOOLS or default is None and missing:
                 # argparse's store_true; or a name this script lacks (--eval_onyl), which configure() answers
                 out.append((arg, key, None))
             elif missing:
@@ -91,14 +93,20 @@ def _needs_value(arg):
     sys.exit(f"error: flag '{arg}' needs a value: write it as {arg}=VALUE or {arg} VALUE")
 
 
+BOOLS = {'True': True, 'False': False, 'true': True, 'false': False}  # Python's, and argparse users' lower case
+
+
 def _parse(text, key, defaults):
     if text is None:
         return True  # a bool flag alone
+    default = defaults.get(key, seeds.flag_default(key))
+    if type(default) is bool and text in BOOLS:
+        return BOOLS[text]
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
         value = text  # a bare word such as --device=cpu
-    if type(defaults.get(key, seeds.flag_default(key))) is str and type(value) is not str:
+    if type(default) is str and type(value) is not str:
         value = text  # a string key takes any text: --out_dir=2024 is a folder, not a number
     return value
 
@@ -169,6 +177,9 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
                 settings, source = seeds.read_toml(arg, _read_text(arg), context), 'toml'
             else:
                 seeds.check_positional(arg)  # minGPT-DDP's Hydra overrides
+                if arg.split('=')[0] in defaults and '=' in arg:  # Hydra's habit, with a key of ours
+                    sys.exit(f"error: argument '{arg}' is neither a config file (*.py, *.toml) nor --key=value: "
+                             f"write it as --{arg}")
                 if positional is None or arg.startswith('-'):
                     sys.exit(f"error: argument '{arg}' is neither a config file (*.py, *.toml) nor --key=value")
                 settings, source = [(key, value, arg) for key, value in positional(arg)], 'file'

@@ -181,7 +181,9 @@ def already_prepared(out_dir, settings):
         return True
     old = record.get('settings') if record else None
     if isinstance(old, dict):
-        changed = ', '.join(f"{k}={v!r:.40}" for k, v in old.items() if settings.get(k) != v)  # a sha256 cut short
+        # a long string (a sha256) cut short inside its quotes
+        changed = ', '.join(f"{k}={(v[:12] + '…' if isinstance(v, str) and len(v) > 40 else v)!r:.60}"
+                            for k, v in old.items() if settings.get(k) != v)
         what = f"of other input or settings ({changed[:300] or 'other keys'})"
     else:
         what = "that records no settings (an older prepare.py's, or nanoGPT's)"

@@ -134,10 +134,16 @@ def translate(key, value, where, source, ctx):
                     f"{plan} GPUs by tensor parallelism, no data parallel)")
         else:
             whole = type(plan) is type(runtime) is int and plan > 0 and runtime % plan == 0
+            if type(plan) is type(runtime) is int and not whole:
+                sys.exit(f"error: {where}: nnScaler's --plan_ngpus={plan} --runtime_ngpus={runtime} splits no GPUs "
+                         f"into whole groups: runtime_ngpus must be a multiple of plan_ngpus, there as here")
             groups = f"the {runtime // plan} groups" if whole else "the groups"
             ours = (f"torchrun --nproc_per_node={runtime} fsdp_train.py --tp_size={plan} ... (each model split over "
                     f"{plan} GPUs by tensor parallelism, {groups} data parallel with FSDP)")
         sys.exit(f"error: {where}: nnScaler's --plan_ngpus={plan} --runtime_ngpus={runtime} is `{ours}` here")
+    if key == 'use_nnscaler' and value is False:  # what every entrypoint here is
+        _note(ctx, where, source, shown, "what every entrypoint is: plain PyTorch, nothing to set", "nnScaler's")
+        return []
     if key == 'use_nnscaler':
         sys.exit(f"error: {where}: nnScaler's switch has no counterpart: every entrypoint here is plain PyTorch "
                  f"(train.py is its use_nnscaler=False, fsdp_train.py --tp_size=N its plan_ngpus=N); leave it out")

@@ -152,7 +152,8 @@ def test_data_dir_is_a_path_that_decent_dps_dataset_label_does_not_replace(tmp_p
      '`torchrun --nproc_per_node=4 fsdp_train.py --tp_size=4 ... (one model split over 4 GPUs by tensor parallelism, '
      'no data parallel)` here'),
     ('train.py', ['--plan_ngpus', '1', '--runtime_ngpus', '4'], 'torchrun --nproc_per_node=4 train.py'),
-    ('train.py', ['--use_nnscaler=False'], 'plain PyTorch'),
+    ('train.py', ['--use_nnscaler=True'], 'plain PyTorch'),
+    ('train.py', ['--plan_ngpus=3', '--runtime_ngpus=4'], 'runtime_ngpus must be a multiple of plan_ngpus'),
     ('train.py', ['trainer_config.batch_size=128'], 'here --batch_size=128'),
     ('train.py', ['trainer_config.distributed_method=fsdp'], 'fsdp_train.py'),
     ('train.py', ['--topology=exp'], 'decent_train.py'),
@@ -161,6 +162,11 @@ def test_data_dir_is_a_path_that_decent_dps_dataset_label_does_not_replace(tmp_p
 ])
 def test_other_meanings_name_our_command(script, argv, says):
     assert says in error_of(script, argv)
+
+
+def test_use_nnscaler_false_is_what_every_entrypoint_is(capsys):
+    assert config_of('train.py', ['--use_nnscaler=False', '--n_layer=2'])['n_layer'] == 2
+    assert 'plain PyTorch, nothing to set' in capsys.readouterr().out
 
 
 def test_decent_dp_names_on_the_command_line():

@@ -90,7 +90,15 @@ def test_malformed_arguments(capsys):
     assert "unknown config key 'compiel'; did you mean compile?" in fails(defaults(), ['--compiel', '--n_layer=2'],
                                                                          capsys)
     assert 'neither a config file' in fails(defaults(), ['batch_size=3'], capsys)
+    assert 'write it as --batch_size=3' in fails(defaults(), ['batch_size=3'], capsys)  # Hydra's habit, our key
+    assert 'write cfg.py without --config' in fails(defaults(), ['--config', 'cfg.py'], capsys)
     assert 'cannot read config file' in fails(defaults(), ['nope.py'], capsys)
+
+
+def test_bool_values_in_lower_case_as_argparse_users_write_them():
+    ns = dict(defaults(), eval_only=False, bias=True)
+    configure(ns, ['--compile', 'false', '--eval_only=true', '--bias', 'False'])
+    assert (ns['compile'], ns['eval_only'], ns['bias']) == (False, True, False)
 
 
 def test_config_file_may_run_another_by_its_own_path(tmp_path):
