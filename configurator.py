@@ -159,13 +159,13 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
     whose shape it sets), or a one-line error."""
     argv = sys.argv[1:] if argv is None else argv
     defaults = config_keys(namespace)
-    if '-h' in argv or '--help' in argv:
+    given, flagged = set(), {}  # flagged: the flag that set each key
+    arguments = _arguments(argv, defaults)
+    if any(arg in ('-h', '--help') and text is None for arg, _, text in arguments):  # alone, not a flag's value
         print(f"{(namespace.get('__doc__') or '').strip()}\n\nits keys, with their defaults (set by config files, *.py "
               f"or *.toml, and --key=value or --key value, in order):\n" +
               '\n'.join(f"  --{k}={v!r}" for k, v in defaults.items()))
         sys.exit(0)
-    given, flagged = set(), {}  # flagged: the flag that set each key
-    arguments = _arguments(argv, defaults)
     # what the seed projects' names need to see: the entrypoint, and the other flags (nnScaler's come in pairs)
     context = seeds.context(os.path.basename(namespace.get('__file__') or sys.argv[0]), defaults,
                             {key: _parse(text, key, defaults) for _, key, text in arguments if key})

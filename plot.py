@@ -63,8 +63,8 @@ def check_out():
 
 
 def main():
-    runs = [a for a in sys.argv[1:] if not a.startswith('--')]
-    configure(globals(), [a for a in sys.argv[1:] if a.startswith('--')])
+    runs = [a for a in sys.argv[1:] if not a.startswith('-')]
+    configure(globals(), [a for a in sys.argv[1:] if a.startswith('-')])  # -h among them
     if not runs:
         sys.exit("error: name at least one run: python plot.py RUN_DIR [RUN_DIR ...] [--out=loss.png]")
     names = labels.split(',') if labels else [os.path.basename(os.path.normpath(r)) for r in runs]
@@ -122,10 +122,16 @@ def main():
             made = True
             fig.savefig(f, dpi=110, format=fmt)
         os.replace(tmp, out)
-    except OSError as e:
+    except BaseException as e:  # whatever stops the write (a full disk, a backend that is missing, Ctrl-C)
         if made and os.path.exists(tmp):
             os.remove(tmp)
-        sys.exit(f"error: cannot write {out} ({e.strerror}): choose a writable --out")
+        if isinstance(e, OSError):
+            sys.exit(f"error: cannot write {out} ({e.strerror}): choose a writable --out")
+        if isinstance(e, Exception):  # e.g. .pgf without xelatex
+            why = (str(e).splitlines() or [''])[0][:200]
+            sys.exit(f"error: matplotlib cannot write {out} here ({type(e).__name__}: {why}): choose another "
+                     f"format, e.g. .png")
+        raise
     print(f"wrote {out}: {len(runs)} run(s)")
 
 

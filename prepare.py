@@ -698,6 +698,9 @@ def main(argv=None):
     quiet_interrupt()  # Ctrl-C: one line, no traceback
     argv = sys.argv[1:] if argv is None else argv
     argv = seeds.prepare_args(argv) or argv  # DLRover's --src_data_path FILE, as ours
+    if argv[:1] in (['-h'], ['--help']):
+        print(__doc__.strip())
+        sys.exit(0)
     if not argv or argv[0] not in DATASETS:
         given = argv[0] if argv else 'nothing'
         sys.exit(f"error: unknown dataset {given!r}: use one of {', '.join(DATASETS)} (or DLRover's "

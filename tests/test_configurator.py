@@ -95,6 +95,15 @@ def test_malformed_arguments(capsys):
     assert 'cannot read config file' in fails(defaults(), ['nope.py'], capsys)
 
 
+def test_help_alone_prints_the_keys_and_a_value_of_h_is_a_value(capsys):
+    with pytest.raises(SystemExit) as e:
+        configure(defaults(), ['--n_layer=2', '-h'])
+    assert e.value.code == 0 and '--n_layer=12' in capsys.readouterr().out
+    ns = defaults()
+    configure(ns, ['--out_dir', '-h'])
+    assert ns['out_dir'] == '-h'
+
+
 def test_bool_values_in_lower_case_as_argparse_users_write_them():
     ns = dict(defaults(), eval_only=False, bias=True)
     configure(ns, ['--compile', 'false', '--eval_only=true', '--bias', 'False'])

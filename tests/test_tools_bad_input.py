@@ -140,6 +140,26 @@ def test_plot_refuses_an_output_it_cannot_write(tmp_path, metrics, out, message)
     assert sorted(p.name for p in run_dir.iterdir()) == ['metrics.jsonl']
 
 
+def test_plot_a_format_whose_backend_is_missing_is_one_line_and_leaves_nothing(tmp_path, metrics):
+    import os
+    import subprocess
+    import sys
+    from conftest import REPO, env
+    run_dir = metrics(STEP)
+    # .pgf needs a TeX (xelatex) on PATH, and a PATH of python's own folder has none
+    p = subprocess.run([sys.executable, str(REPO / 'plot.py'), str(run_dir), f'--out={tmp_path / "loss.pgf"}'],
+                       cwd=tmp_path, env=dict(env(), PATH=os.path.dirname(sys.executable)), capture_output=True,
+                       text=True, timeout=300)
+    assert 'matplotlib cannot write' in one_line_error(p) and 'choose another format' in p.stderr, p.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['run']  # its temporary file removed
+
+
+@pytest.mark.parametrize('script', ['plot.py', 'prepare.py', 'model_size.py'])
+def test_help_prints_what_the_script_does(tmp_path, script):
+    p = run(script, '-h', cwd=tmp_path)
+    assert p.stdout.split()[0] in ('Draws', 'Prepares', 'Sizes') and list(tmp_path.iterdir()) == [], p.stdout
+
+
 def test_plot_writes_the_format_its_extension_names(tmp_path, metrics):
     run_dir = metrics(STEP, '', {'iter': 1, 'loss': 4.0, 'time': 1.0}, {'iter': 1, 'val_loss': 4.1, 'time': 1.2})
     for name, magic in (('loss.pdf', b'%PDF'), ('loss.svg', b'<?xml'), ('loss', b'\x89PNG')):  # it wrote PNG always
