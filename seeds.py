@@ -70,12 +70,22 @@ def context(script, keys, flags):
     return dict(script=script, keys=keys, flags=flags, toml={}, notes=[], epochs=None)
 
 
+def _file_of(where):
+    """The config file's path in a file's `where`: `path:line`, or the path alone."""
+    path, _, line = where.rpartition(':')
+    return path if path and line.isdigit() else where
+
+
+def _safe(name):
+    """An id from the environment as one folder's name: no `/` or `..` in it can point elsewhere."""
+    return re.sub(r'[^\w-]', '_', name)
+
+
 def _note(ctx, where, source, seed, ours, whose):
     if source == 'flag':
         ctx['notes'].append((None, f"{where} is {whose} name: here {ours}"))
-    else:  # one line for a whole file: `path:line` -> path
-        path = where.rsplit(':', 1)[0] if where.rsplit(':', 1)[-1].isdigit() else where
-        ctx['notes'].append((path, f"{seed} is {ours}" if ours.startswith('--') else f"{seed}: {ours}"))
+    else:  # one line for a whole file
+        ctx['notes'].append((_file_of(where), f"{seed} is {ours}" if ours.startswith('--') else f"{seed}: {ours}"))
 
 
 def print_notes(ctx):
@@ -94,7 +104,7 @@ def print_notes(ctx):
 
 
 def _decent_command(script, where, source):
-    config = f" {where.rsplit(':', 1)[0]}" if source != 'flag' else ''
+    config = f" {_file_of(where)}" if source != 'flag' else ''
     return f"`torchrun --nproc_per_node=N decent_train.py{config} ...`"
 
 
@@ -104,14 +114,13 @@ def _job_folder(log_dir, where, source):
     keeps (its SLURM job id, or torchrun's run id), never by a clock, which differs between ranks and restarts."""
     job, run_id = os.environ.get('SLURM_JOB_ID', ''), os.environ.get('TORCHELASTIC_RUN_ID', 'none')
     if job:
-        return os.path.join(log_dir, re.sub(r'[^\w-]', '_', job)), \
+        return os.path.join(log_dir, _safe(job)), \
             f"SLURM job {job}'s folder, as there: a requeued job resumes in it, another job starts afresh"
     if run_id not in ('', 'none'):  # none: given --master_port, or nodes but no --rdzv-id; one node draws a new one
-        return os.path.join(log_dir, re.sub(r'[^\w-]', '_', run_id)), \
+        return os.path.join(log_dir, _safe(run_id)), \
             "the folder of torchrun's run id: its restarts resume in it, another launch starts afresh"
     if source != 'flag':
-        path = where.rsplit(':', 1)[0] if where.rsplit(':', 1)[-1].isdigit() else where
-        return os.path.join(log_dir, os.path.splitext(os.path.basename(path))[0]), \
+        return os.path.join(log_dir, os.path.splitext(os.path.basename(_file_of(where)))[0]), \
             "this config file's folder, with no SLURM job or torchrun run id to name a job's: a rerun resumes in it"
     return log_dir, "no SLURM job or torchrun run id to name a job's folder: a rerun resumes in it"
 
@@ -236,7 +245,7 @@ def translate(key, value, where, source, ctx):
         if value == 'decentdp':
             sys.exit(f"error: {where}: backend='decentdp' is Decent-DP's decentralized training: run "
                      f"{_decent_command(script, where, source)}, not {script}")
-        config = f" {where.rsplit(':', 1)[0]}" if source != 'flag' else ''
+        config = f" {_file_of(where)}" if source != 'flag' else ''
         sys.exit(f"error: {where}: backend='pytorchddp' is Decent-DP's all-reduce training: run "
                  f"`torchrun --nproc_per_node=N train.py{config} ...`, not decent_train.py")
     if key in DECENT_ONLY and key not in keys and script in TRAINERS:
