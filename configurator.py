@@ -173,7 +173,8 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
     arguments = _arguments(argv, defaults)
     # what the seed projects' names need to see: the entrypoint, and the other flags (nnScaler's come in pairs)
     context = seeds.context(os.path.basename(namespace.get('__file__') or sys.argv[0]), defaults,
-                            {key: _parse(text, key, defaults) for _, key, text in arguments if key})
+                            {key: _parse(text, key, defaults) for _, key, text in arguments if key},
+                            [arg for arg, key, _ in arguments if key is None and arg.endswith(('.py', '.toml'))])
     for arg, key, text in arguments:
         if key is None:
             if arg.endswith('.py'):

@@ -64,10 +64,10 @@ def flag_default(key):
     return FLAG_DEFAULTS.get(key)
 
 
-def context(script, keys, flags):
-    """What translate() sees: the entrypoint's file name, its keys (the live dict the configurator fills) and every
-    flag of the command line (nnScaler's come in pairs)."""
-    return dict(script=script, keys=keys, flags=flags, toml={}, notes=[], epochs=None)
+def context(script, keys, flags, files):
+    """What translate() sees: the entrypoint's file name, its keys (the live dict the configurator fills), every
+    flag of the command line (nnScaler's come in pairs) and its config files (.py, .toml)."""
+    return dict(script=script, keys=keys, flags=flags, files=files, toml={}, notes=[], epochs=None)
 
 
 def _file_of(where):
@@ -108,19 +108,27 @@ def _decent_command(script, where, source):
     return f"`torchrun --nproc_per_node=N decent_train.py{config} ...`"
 
 
-def _job_folder(log_dir, where, source):
+def _job_folder(log_dir, where, source, files):
     """(folder, why) for Decent-DP's log_dir, which there holds a folder per SLURM job, each started afresh. Ours
-    resume what out_dir holds, so each job gets its own: named by what every rank of it sees alike and a restart
-    keeps (its SLURM job id, or torchrun's run id), never by a clock, which differs between ranks and restarts."""
+    resume what out_dir holds, so each job and config file gets its own, log_dir/<job>/<config's name>: two configs
+    run in one job or allocation (AllReduce, then decentralized) must not continue each other's model. The job is
+    named by what every rank of it sees alike and a restart keeps (its SLURM job id, or torchrun's run id), never by
+    a clock, which differs between ranks and restarts. A --log_dir flag takes the name of the command line's (last) config file."""
+    config = _file_of(where) if source != 'flag' else (files[-1] if files else '')
+    name = [os.path.splitext(os.path.basename(config))[0]] if config else []
+    this, other = (' for this config file', 'job or config') if config else ('', 'job')
     job, run_id = os.environ.get('SLURM_JOB_ID', ''), os.environ.get('TORCHELASTIC_RUN_ID', 'none')
     if job:
-        return os.path.join(log_dir, _safe(job)), \
-            f"SLURM job {job}'s folder, as there: a requeued job resumes in it, another job starts afresh"
-    if run_id not in ('', 'none'):  # none: given --master_port, or nodes but no --rdzv-id; one node draws a new one
-        return os.path.join(log_dir, _safe(run_id)), \
-            "the folder of torchrun's run id: its restarts resume in it, another launch starts afresh"
-    if source != 'flag':
-        return os.path.join(log_dir, os.path.splitext(os.path.basename(_file_of(where)))[0]), \
+        return os.path.join(log_dir, _safe(job), *name), \
+            f"SLURM job {job}'s folder{this}: a requeued job resumes in it, another {other} starts afresh"
+    # torchrun draws a new id each launch with --standalone or no rendezvous flags; its id is `none` with
+    # --master_port, or with --rdzv-backend=c10d and no --rdzv-id
+    if run_id not in ('', 'none'):
+        folder = os.path.join(log_dir, _safe(run_id), *name)
+        return folder, f"torchrun's run id's folder{this}: its restarts resume in it, a launch under another id " \
+                       f"starts afresh in another (--out_dir={folder} continues this one)"
+    if config:
+        return os.path.join(log_dir, *name), \
             "this config file's folder, with no SLURM job or torchrun run id to name a job's: a rerun resumes in it"
     return log_dir, "no SLURM job or torchrun run id to name a job's folder: a rerun resumes in it"
 
@@ -169,7 +177,7 @@ def translate(key, value, where, source, ctx):
         _note(ctx, where, source, shown, "unused (the file's out_dir is the folder)", "Decent-DP's")
         return []
     if key == 'log_dir' and 'out_dir' in keys and isinstance(value, str) and value:
-        folder, why = _job_folder(value, where, source)
+        folder, why = _job_folder(value, where, source, ctx['files'])
         _note(ctx, where, source, shown, f"--out_dir={folder} ({why})", "Decent-DP's")
         return [('out_dir', folder)]
     if key == 'data_dir' and isinstance(value, str) and value and not is_path(value):

@@ -105,9 +105,9 @@ def test_decent_dp_toml_as_published_takes_its_hyperparameters(tmp_path):
     assert "backend='decentdp'" in msg and 'decent_train.py /' in msg and msg.endswith('not train.py')
 
 
-def test_decent_dp_log_dir_is_a_folder_per_job_that_its_restarts_share(monkeypatch, capsys, tmp_path):
+def test_decent_dp_log_dir_is_a_folder_per_job_and_config_that_its_restarts_share(monkeypatch, capsys, tmp_path):
     # Decent-DP starts each job afresh in log_dir/<slurm job id>/, and a run here resumes what its out_dir holds: the
-    # two shipped configs (both log_dir = "./log") must not continue each other's model
+    # two shipped configs (both log_dir = "./log") must not continue each other's model, in one job or in two
     configs = [('train.py', str(REPO / 'config' / 'gpt2-small.toml')),
                ('decent_train.py', str(REPO / 'config' / 'decent-gpt2-small.toml'))]
 
@@ -119,15 +119,24 @@ def test_decent_dp_log_dir_is_a_folder_per_job_that_its_restarts_share(monkeypat
         return [config_of(script, [config, *argv])['out_dir'] for script, config in configs]
 
     # every rank and every restart of a job sees its ids alike: a requeued SLURM job keeps its id, so resumes
-    assert out_dirs(SLURM_JOB_ID='4242', TORCHELASTIC_RUN_ID='4242') == ['./log/4242'] * 2
-    assert "log_dir is --out_dir=./log/4242 (SLURM job 4242's folder, as there: a requeued job resumes in it" in \
-        capsys.readouterr().out
-    assert out_dirs(TORCHELASTIC_RUN_ID='a1-b2') == ['./log/a1-b2'] * 2  # torchrun's, kept over its restarts
+    assert out_dirs(SLURM_JOB_ID='4242', TORCHELASTIC_RUN_ID='4242') == \
+        ['./log/4242/gpt2-small', './log/4242/decent-gpt2-small']
+    assert "log_dir is --out_dir=./log/4242/gpt2-small (SLURM job 4242's folder for this config file: a requeued " \
+        "job resumes in it, another job or config starts afresh)" in capsys.readouterr().out
+    # torchrun's, kept over its restarts; a launch under another id starts afresh, and the line says how to continue
+    assert out_dirs(TORCHELASTIC_RUN_ID='a1-b2') == ['./log/a1-b2/gpt2-small', './log/a1-b2/decent-gpt2-small']
+    assert "starts afresh in another (--out_dir=./log/a1-b2/gpt2-small continues this one)" in capsys.readouterr().out
     for environ in ({'TORCHELASTIC_RUN_ID': 'none'}, {}):  # a static rendezvous, or no launcher: the file names it
         assert out_dirs(**environ) == ['./log/gpt2-small', './log/decent-gpt2-small']
     assert out_dirs('--out_dir=mine') == ['mine'] * 2
+    # a --log_dir flag: the command line's config file names the folder in the job's, as a file's log_dir does
+    (tmp_path / 'mine.py').write_text('n_layer = 2\n')
     monkeypatch.setenv('SLURM_JOB_ID', '7')
     assert config_of('train.py', ['--log_dir', './log'])['out_dir'] == './log/7'
+    assert config_of('train.py', [str(tmp_path / 'mine.py'), '--log_dir', './log'])['out_dir'] == './log/7/mine'
+    monkeypatch.setenv('TORCHELASTIC_RUN_ID', 'x')
+    monkeypatch.delenv('SLURM_JOB_ID')
+    assert config_of('train.py', ['--log_dir', './log', str(tmp_path / 'mine.py')])['out_dir'] == './log/x/mine'
     for text in ('out_dir = "mine"\nlog_dir = "./log"\n', 'log_dir = "./log"\nout_dir = "mine"\n'):  # no order
         (tmp_path / 'both.toml').write_text(text)
         assert config_of('train.py', [str(tmp_path / 'both.toml')])['out_dir'] == 'mine'
@@ -257,9 +266,10 @@ def test_decent_toml_trains_at_tiny_size(tmp_path, data_dir):
             '--wandb_log=False', '--topology=ring', '--gradient_accumulation_steps=2', '--max_iters=3',
             '--eval_interval=3', nproc=2, cwd=tmp_path)
     assert 'decent.toml is in Decent-DP' in p.stdout and 'iter 2:' in p.stdout
-    # log_dir = "./log" is this job's folder in it, which both ranks named alike (the launcher gives no run id)
-    out = tmp_path / 'log' / os.environ.get('SLURM_JOB_ID', 'decent')
-    assert list((tmp_path / 'log').iterdir()) == [out] and (out / 'best.pt').exists()  # Decent-DP's best_model.pth
+    # log_dir = "./log": this job's and config's folder in it, which both ranks named alike (the launcher gives no
+    # run id; the suite may run inside a SLURM job)
+    out = tmp_path / 'log' / os.environ.get('SLURM_JOB_ID', '') / 'decent'
+    assert [*(tmp_path / 'log').rglob('best.pt')] == [out / 'best.pt']  # Decent-DP's best_model.pth
     config = json.loads((out / 'config.json').read_text())
     assert (config['replica_optimizer'], config['moment_accum_steps'], config['beta2']) == ('accumadamw', 8, 0.98)
     # what docs/coming-from.md says of Decent-DP's log line: our eval line, and the keys of its row in metrics.jsonl
