@@ -38,6 +38,7 @@ FLAG_DEFAULTS = {'data_dir': '', 'log_dir': '', 'epochs': 0, 'use_nnscaler': Fal
 # DLRover's nanoGPT example's defaults where they differ from ours (add_train_args in its train_utils.py, which its
 # train.py, fsdp_train.py and ds_train.py share), for the keys its command line leaves out. Not its epochs=1: its
 # epoch starts a sequence at every offset, block_size times ours, so its max_iters ends such a run first
+DLROVER_SCRIPTS = ('train.py', 'fsdp_train.py', 'ds_train.py', 'model_size.py')  # its three, and our sizer of them
 DLROVER_DEFAULTS = {'n_layer': 6, 'n_head': 6, 'n_embd': 384, 'block_size': 128, 'batch_size': 32, 'max_iters': 2000,
                     'decay_lr': False, 'warmup_iters': 0, 'lr_decay_iters': 10, 'compile': False,
                     'save_memory_interval': 20, 'save_storage_interval': 200}
@@ -275,12 +276,13 @@ def translate(key, value, where, source, ctx):
 
 
 def dlrover_defaults(ctx, given):
-    """[(key, value)]: DLRover's defaults for the keys that its command line (a --data_dir or --epochs flag to one of
-    its three scripts, and no TOML file: Decent-DP's data_dir is a key of its files) does not give, said in one line;
-    none for any other command line."""
+    """[(key, value)]: DLRover's defaults for the keys that its command line does not give, said in one line; none
+    for any other command line. Its command line has its required --data_dir flag and no config file: our .py files
+    never came from DLRover, and Decent-DP's TOML files name data_dir themselves; --epochs alone is minGPT-DDP's
+    max_epochs too (seeds.HYDRA), and our --dataset is ours, so both keep our defaults. model_size.py takes them to
+    size the command as train.py runs it (a key that a script lacks is skipped)."""
     keys = ctx['keys']
-    dlrover = {'data_dir', 'epochs'} & ctx['flags'].keys()
-    if ctx['script'] not in ('train.py', 'fsdp_train.py', 'ds_train.py') or ctx['toml'] or not dlrover:
+    if ctx['script'] not in DLROVER_SCRIPTS or 'data_dir' not in ctx['flags'] or ctx['files']:
         return []
     # its gradient_accumulation_steps=0 is one micro-step a rank; ours counts them over all the data-parallel ranks
     ranks = max(1, int(os.environ.get('WORLD_SIZE', '1')) // max(1, keys.get('tp_size', 1)))
@@ -289,8 +291,8 @@ def dlrover_defaults(ctx, given):
     if taken:
         flags = ' '.join(f"--{k}={v}" + (' (a micro-step a rank)' if k == 'gradient_accumulation_steps' else '')
                          for k, v in taken)
-        ctx['notes'].append((None, f"DLRover's command line: its nanoGPT example's defaults where it gives none: "
-                                   f"{flags}"))
+        ctx['notes'].append((None, f"DLRover's command line (--data_dir, no config file): its nanoGPT example's "
+                                   f"defaults where it gives none, so resume it with the same command: {flags}"))
     return taken
 
 

@@ -225,16 +225,23 @@ def test_dlrover_command_takes_dlrover_defaults_for_what_it_leaves_out(here, tmp
     c = config_of('ds_train.py', seed)
     assert (c['n_layer'], c['block_size'], c['batch_size'], c['gradient_accumulation_steps'], c['decay_lr'],
             c['compile'], c['save_memory_interval'], c['max_iters']) == (48, 128, 32, 2, False, False, 50, 7)
-    assert "its nanoGPT example's defaults where it gives none: --block_size=128 --batch_size=32 --max_iters=2000 " \
-        "--decay_lr=False --warmup_iters=0 --lr_decay_iters=10 --compile=False --gradient_accumulation_steps=2 (a " \
-        "micro-step a rank)\n--epochs 50 is DLRover's name: here --max_iters=7 " in capsys.readouterr().out
-    # what a config file sets wins; a Decent-DP TOML (its data_dir a key) or no DLRover flag keeps our defaults
+    assert "DLRover's command line (--data_dir, no config file): its nanoGPT example's defaults where it gives none, " \
+        "so resume it with the same command: --block_size=128 --batch_size=32 --max_iters=2000 --decay_lr=False " \
+        "--warmup_iters=0 --lr_decay_iters=10 --compile=False --gradient_accumulation_steps=2 (a micro-step a rank)" \
+        "\n--epochs 50 is DLRover's name: here --max_iters=7 " in capsys.readouterr().out
+    # a command line with a config file is not DLRover's: ours (.py) never came from it, and Decent-DP's TOML names
+    # data_dir itself; the file keeps its schedule and every key it leaves out keeps our default
     (tmp_path / 'c.py').write_text('batch_size = 8\n')
     c = config_of('train.py', [str(tmp_path / 'c.py'), '--data_dir', './'])
-    assert (c['batch_size'], c['block_size'], c['max_iters'], c['save_storage_interval']) == (8, 128, 2000, 200)
+    assert (c['batch_size'], c['block_size'], c['max_iters'], c['save_storage_interval']) == (8, 1024, 600000, 0)
+    c = config_of('train.py', [str(REPO / 'config' / 'train_shakespeare_char_cpu.py'), '--epochs=1', '--dataset=./'])
+    assert (c['decay_lr'], c['warmup_iters'], c['lr_decay_iters'], c['save_memory_interval']) == (True, 100, 2000, 0)
     (tmp_path / 'c.toml').write_text('[model]\nn_layer = 2\n')
     assert config_of('train.py', [str(tmp_path / 'c.toml'), '--data_dir', './'])['block_size'] == 1024
+    # --dataset is our name, with our defaults; --epochs alone is minGPT-DDP's max_epochs too (our Hydra hint's)
     assert config_of('train.py', ['--dataset=./'])['block_size'] == 1024
+    c = config_of('train.py', ['--epochs', '1', '--dataset=./', '--block_size=32'])
+    assert (c['n_layer'], c['batch_size'], c['decay_lr'], c['gradient_accumulation_steps']) == (12, 12, True, 40)
 
 
 def test_torchrun_auto_on_cpu_names_the_accumulation_of_a_rank_a_core_which_trains(tmp_path, data_dir):
