@@ -114,7 +114,7 @@ def _job_folder(log_dir, where, source, files):
     resume what out_dir holds, so each job and config file gets its own, log_dir/<job>/<config's name>: two configs
     run in one job or allocation (AllReduce, then decentralized) must not continue each other's model. The job is
     named by what every rank of it sees alike and a restart keeps (its SLURM job id, or torchrun's run id), never by
-    a clock, which differs between ranks and restarts. A --log_dir flag takes the name of the command line's (last) config file."""
+    a clock, which differs between ranks and restarts. A --log_dir flag takes the command line's (last) config file."""
     config = _file_of(where) if source != 'flag' else (files[-1] if files else '')
     name = [os.path.splitext(os.path.basename(config))[0]] if config else []
     this, other = (' for this config file', 'job or config') if config else ('', 'job')
