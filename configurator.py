@@ -63,6 +63,11 @@ def _assigned_names(source):
     return names
 
 
+def _default(key, defaults):
+    """A key's default, or else a seed's flag's (seeds.py), whose type says how its value reads; None for neither."""
+    return defaults.get(key, seeds.flag_default(key))
+
+
 def _arguments(argv, defaults):
     """argv as [(path, None, None)] for a config file and [(arg, key, text)] for a flag, as people write them:
     --key=value, --key value, and a bool key alone (--eval_only) for True. text is None for a bool key alone."""
@@ -76,7 +81,7 @@ def _arguments(argv, defaults):
             out.append((arg, key, text))
         else:
             key, after = arg[2:], argv[i] if i < len(argv) else None
-            default = defaults.get(key, seeds.flag_default(key))
+            default = _default(key, defaults)
             missing = after is None or after.startswith('--')
             if type(default) is bool and after not in BOOLS or default is None and missing:
                 # argparse's store_true; or a name this script lacks (--eval_onyl), which configure() answers
@@ -99,7 +104,7 @@ BOOLS = {'True': True, 'False': False, 'true': True, 'false': False}  # Python's
 def _parse(text, key, defaults):
     if text is None:
         return True  # a bool flag alone
-    default = defaults.get(key, seeds.flag_default(key))
+    default = _default(key, defaults)
     if type(default) is bool and text in BOOLS:
         return BOOLS[text]
     try:
@@ -168,7 +173,8 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
         sys.exit(0)
     # what the seed projects' names need to see: the entrypoint, and the other flags (nnScaler's come in pairs)
     context = seeds.context(os.path.basename(namespace.get('__file__') or sys.argv[0]), defaults,
-                            {key: _parse(text, key, defaults) for _, key, text in arguments if key})
+                            {key: _parse(text, key, defaults) for _, key, text in arguments if key},
+                            [arg for arg, key, _ in arguments if key is None and arg.endswith(('.py', '.toml'))])
     for arg, key, text in arguments:
         if key is None:
             if arg.endswith('.py'):
@@ -186,7 +192,7 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
         else:
             settings, source = [(key, _parse(text, key, defaults), arg)], 'flag'
         # a name that neither this script nor a seed's flag knows, alone: its translation may need a value (--lr)
-        alone = source == 'flag' and text is None and defaults.get(key, seeds.flag_default(key)) is None
+        alone = source == 'flag' and text is None and _default(key, defaults) is None
         for key, value, where in settings:
             for key, value in seeds.translate(key, value, where, source, context):
                 if key not in defaults and skip_unknown_in_files and source != 'flag':

@@ -38,6 +38,7 @@ FLAG_DEFAULTS = {'data_dir': '', 'log_dir': '', 'epochs': 0, 'use_nnscaler': Fal
 # DLRover's nanoGPT example's defaults where they differ from ours (add_train_args in its train_utils.py, which its
 # train.py, fsdp_train.py and ds_train.py share), for the keys its command line leaves out. Not its epochs=1: its
 # epoch starts a sequence at every offset, block_size times ours, so its max_iters ends such a run first
+DLROVER_SCRIPTS = ('train.py', 'fsdp_train.py', 'ds_train.py', 'model_size.py')  # its three, and our sizer of them
 DLROVER_DEFAULTS = {'n_layer': 6, 'n_head': 6, 'n_embd': 384, 'block_size': 128, 'batch_size': 32, 'max_iters': 2000,
                     'decay_lr': False, 'warmup_iters': 0, 'lr_decay_iters': 10, 'compile': False,
                     'save_memory_interval': 20, 'save_storage_interval': 200}
@@ -64,18 +65,28 @@ def flag_default(key):
     return FLAG_DEFAULTS.get(key)
 
 
-def context(script, keys, flags):
-    """What translate() sees: the entrypoint's file name, its keys (the live dict the configurator fills) and every
-    flag of the command line (nnScaler's come in pairs)."""
-    return dict(script=script, keys=keys, flags=flags, toml={}, notes=[], epochs=None)
+def context(script, keys, flags, files):
+    """What translate() sees: the entrypoint's file name, its keys (the live dict the configurator fills), every
+    flag of the command line (nnScaler's come in pairs) and its config files (.py, .toml)."""
+    return dict(script=script, keys=keys, flags=flags, files=files, toml={}, notes=[], epochs=None)
+
+
+def _file_of(where):
+    """The config file's path in a file's `where`: `path:line`, or the path alone."""
+    path, _, line = where.rpartition(':')
+    return path if path and line.isdigit() else where
+
+
+def _safe(name):
+    """An id from the environment as one folder's name: no `/` or `..` in it can point elsewhere."""
+    return re.sub(r'[^\w-]', '_', name)
 
 
 def _note(ctx, where, source, seed, ours, whose):
     if source == 'flag':
         ctx['notes'].append((None, f"{where} is {whose} name: here {ours}"))
-    else:  # one line for a whole file: `path:line` -> path
-        path = where.rsplit(':', 1)[0] if where.rsplit(':', 1)[-1].isdigit() else where
-        ctx['notes'].append((path, f"{seed} is {ours}" if ours.startswith('--') else f"{seed}: {ours}"))
+    else:  # one line for a whole file
+        ctx['notes'].append((_file_of(where), f"{seed} is {ours}" if ours.startswith('--') else f"{seed}: {ours}"))
 
 
 def print_notes(ctx):
@@ -94,24 +105,31 @@ def print_notes(ctx):
 
 
 def _decent_command(script, where, source):
-    config = f" {where.rsplit(':', 1)[0]}" if source != 'flag' else ''
+    config = f" {_file_of(where)}" if source != 'flag' else ''
     return f"`torchrun --nproc_per_node=N decent_train.py{config} ...`"
 
 
-def _job_folder(log_dir, where, source):
+def _job_folder(log_dir, where, source, files):
     """(folder, why) for Decent-DP's log_dir, which there holds a folder per SLURM job, each started afresh. Ours
-    resume what out_dir holds, so each job gets its own: named by what every rank of it sees alike and a restart
-    keeps (its SLURM job id, or torchrun's run id), never by a clock, which differs between ranks and restarts."""
+    resume what out_dir holds, so each job and config file gets its own, log_dir/<job>/<config's name>: two configs
+    run in one job or allocation (AllReduce, then decentralized) must not continue each other's model. The job is
+    named by what every rank of it sees alike and a restart keeps (its SLURM job id, or torchrun's run id), never by
+    a clock, which differs between ranks and restarts. A --log_dir flag takes the command line's (last) config file."""
+    config = _file_of(where) if source != 'flag' else (files[-1] if files else '')
+    name = [os.path.splitext(os.path.basename(config))[0]] if config else []
+    this, other = (' for this config file', 'job or config') if config else ('', 'job')
     job, run_id = os.environ.get('SLURM_JOB_ID', ''), os.environ.get('TORCHELASTIC_RUN_ID', 'none')
     if job:
-        return os.path.join(log_dir, re.sub(r'[^\w-]', '_', job)), \
-            f"SLURM job {job}'s folder, as there: a requeued job resumes in it, another job starts afresh"
-    if run_id not in ('', 'none'):  # none: given --master_port, or nodes but no --rdzv-id; one node draws a new one
-        return os.path.join(log_dir, re.sub(r'[^\w-]', '_', run_id)), \
-            "the folder of torchrun's run id: its restarts resume in it, another launch starts afresh"
-    if source != 'flag':
-        path = where.rsplit(':', 1)[0] if where.rsplit(':', 1)[-1].isdigit() else where
-        return os.path.join(log_dir, os.path.splitext(os.path.basename(path))[0]), \
+        return os.path.join(log_dir, _safe(job), *name), \
+            f"SLURM job {job}'s folder{this}: a requeued job resumes in it, another {other} starts afresh"
+    # torchrun draws a new id each launch with --standalone or no rendezvous flags; its id is `none` with
+    # --master_port, or with --rdzv-backend=c10d and no --rdzv-id
+    if run_id not in ('', 'none'):
+        folder = os.path.join(log_dir, _safe(run_id), *name)
+        return folder, f"torchrun's run id's folder{this}: its restarts resume in it, a launch under another id " \
+                       f"starts afresh in another (--out_dir={folder} continues this one)"
+    if config:
+        return os.path.join(log_dir, *name), \
             "this config file's folder, with no SLURM job or torchrun run id to name a job's: a rerun resumes in it"
     return log_dir, "no SLURM job or torchrun run id to name a job's folder: a rerun resumes in it"
 
@@ -160,7 +178,7 @@ def translate(key, value, where, source, ctx):
         _note(ctx, where, source, shown, "unused (the file's out_dir is the folder)", "Decent-DP's")
         return []
     if key == 'log_dir' and 'out_dir' in keys and isinstance(value, str) and value:
-        folder, why = _job_folder(value, where, source)
+        folder, why = _job_folder(value, where, source, ctx['files'])
         _note(ctx, where, source, shown, f"--out_dir={folder} ({why})", "Decent-DP's")
         return [('out_dir', folder)]
     if key == 'data_dir' and isinstance(value, str) and value and not is_path(value):
@@ -236,7 +254,7 @@ def translate(key, value, where, source, ctx):
         if value == 'decentdp':
             sys.exit(f"error: {where}: backend='decentdp' is Decent-DP's decentralized training: run "
                      f"{_decent_command(script, where, source)}, not {script}")
-        config = f" {where.rsplit(':', 1)[0]}" if source != 'flag' else ''
+        config = f" {_file_of(where)}" if source != 'flag' else ''
         sys.exit(f"error: {where}: backend='pytorchddp' is Decent-DP's all-reduce training: run "
                  f"`torchrun --nproc_per_node=N train.py{config} ...`, not decent_train.py")
     if key in DECENT_ONLY and key not in keys and script in TRAINERS:
@@ -258,12 +276,13 @@ def translate(key, value, where, source, ctx):
 
 
 def dlrover_defaults(ctx, given):
-    """[(key, value)]: DLRover's defaults for the keys that its command line (a --data_dir or --epochs flag to one of
-    its three scripts, and no TOML file: Decent-DP's data_dir is a key of its files) does not give, said in one line;
-    none for any other command line."""
+    """[(key, value)]: DLRover's defaults for the keys that its command line does not give, said in one line; none
+    for any other command line. Its command line has its required --data_dir flag and no config file: our .py files
+    never came from DLRover, and Decent-DP's TOML files name data_dir themselves; --epochs alone is minGPT-DDP's
+    max_epochs too (seeds.HYDRA), and our --dataset is ours, so both keep our defaults. model_size.py takes them to
+    size the command as train.py runs it (a key that a script lacks is skipped)."""
     keys = ctx['keys']
-    dlrover = {'data_dir', 'epochs'} & ctx['flags'].keys()
-    if ctx['script'] not in ('train.py', 'fsdp_train.py', 'ds_train.py') or ctx['toml'] or not dlrover:
+    if ctx['script'] not in DLROVER_SCRIPTS or 'data_dir' not in ctx['flags'] or ctx['files']:
         return []
     # its gradient_accumulation_steps=0 is one micro-step a rank; ours counts them over all the data-parallel ranks
     ranks = max(1, int(os.environ.get('WORLD_SIZE', '1')) // max(1, keys.get('tp_size', 1)))
@@ -272,8 +291,8 @@ def dlrover_defaults(ctx, given):
     if taken:
         flags = ' '.join(f"--{k}={v}" + (' (a micro-step a rank)' if k == 'gradient_accumulation_steps' else '')
                          for k, v in taken)
-        ctx['notes'].append((None, f"DLRover's command line: its nanoGPT example's defaults where it gives none: "
-                                   f"{flags}"))
+        ctx['notes'].append((None, f"DLRover's command line (--data_dir, no config file): its nanoGPT example's "
+                                   f"defaults where it gives none, so resume it with the same command: {flags}"))
     return taken
 
 

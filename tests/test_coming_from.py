@@ -105,9 +105,9 @@ def test_decent_dp_toml_as_published_takes_its_hyperparameters(tmp_path):
     assert "backend='decentdp'" in msg and 'decent_train.py /' in msg and msg.endswith('not train.py')
 
 
-def test_decent_dp_log_dir_is_a_folder_per_job_that_its_restarts_share(monkeypatch, capsys, tmp_path):
+def test_decent_dp_log_dir_is_a_folder_per_job_and_config_that_its_restarts_share(monkeypatch, capsys, tmp_path):
     # Decent-DP starts each job afresh in log_dir/<slurm job id>/, and a run here resumes what its out_dir holds: the
-    # two shipped configs (both log_dir = "./log") must not continue each other's model
+    # two shipped configs (both log_dir = "./log") must not continue each other's model, in one job or in two
     configs = [('train.py', str(REPO / 'config' / 'gpt2-small.toml')),
                ('decent_train.py', str(REPO / 'config' / 'decent-gpt2-small.toml'))]
 
@@ -119,15 +119,24 @@ def test_decent_dp_log_dir_is_a_folder_per_job_that_its_restarts_share(monkeypat
         return [config_of(script, [config, *argv])['out_dir'] for script, config in configs]
 
     # every rank and every restart of a job sees its ids alike: a requeued SLURM job keeps its id, so resumes
-    assert out_dirs(SLURM_JOB_ID='4242', TORCHELASTIC_RUN_ID='4242') == ['./log/4242'] * 2
-    assert "log_dir is --out_dir=./log/4242 (SLURM job 4242's folder, as there: a requeued job resumes in it" in \
-        capsys.readouterr().out
-    assert out_dirs(TORCHELASTIC_RUN_ID='a1-b2') == ['./log/a1-b2'] * 2  # torchrun's, kept over its restarts
+    assert out_dirs(SLURM_JOB_ID='4242', TORCHELASTIC_RUN_ID='4242') == \
+        ['./log/4242/gpt2-small', './log/4242/decent-gpt2-small']
+    assert "log_dir is --out_dir=./log/4242/gpt2-small (SLURM job 4242's folder for this config file: a requeued " \
+        "job resumes in it, another job or config starts afresh)" in capsys.readouterr().out
+    # torchrun's, kept over its restarts; a launch under another id starts afresh, and the line says how to continue
+    assert out_dirs(TORCHELASTIC_RUN_ID='a1-b2') == ['./log/a1-b2/gpt2-small', './log/a1-b2/decent-gpt2-small']
+    assert "starts afresh in another (--out_dir=./log/a1-b2/gpt2-small continues this one)" in capsys.readouterr().out
     for environ in ({'TORCHELASTIC_RUN_ID': 'none'}, {}):  # a static rendezvous, or no launcher: the file names it
         assert out_dirs(**environ) == ['./log/gpt2-small', './log/decent-gpt2-small']
     assert out_dirs('--out_dir=mine') == ['mine'] * 2
+    # a --log_dir flag: the command line's config file names the folder in the job's, as a file's log_dir does
+    (tmp_path / 'mine.py').write_text('n_layer = 2\n')
     monkeypatch.setenv('SLURM_JOB_ID', '7')
     assert config_of('train.py', ['--log_dir', './log'])['out_dir'] == './log/7'
+    assert config_of('train.py', [str(tmp_path / 'mine.py'), '--log_dir', './log'])['out_dir'] == './log/7/mine'
+    monkeypatch.setenv('TORCHELASTIC_RUN_ID', 'x')
+    monkeypatch.delenv('SLURM_JOB_ID')
+    assert config_of('train.py', ['--log_dir', './log', str(tmp_path / 'mine.py')])['out_dir'] == './log/x/mine'
     for text in ('out_dir = "mine"\nlog_dir = "./log"\n', 'log_dir = "./log"\nout_dir = "mine"\n'):  # no order
         (tmp_path / 'both.toml').write_text(text)
         assert config_of('train.py', [str(tmp_path / 'both.toml')])['out_dir'] == 'mine'
@@ -216,16 +225,23 @@ def test_dlrover_command_takes_dlrover_defaults_for_what_it_leaves_out(here, tmp
     c = config_of('ds_train.py', seed)
     assert (c['n_layer'], c['block_size'], c['batch_size'], c['gradient_accumulation_steps'], c['decay_lr'],
             c['compile'], c['save_memory_interval'], c['max_iters']) == (48, 128, 32, 2, False, False, 50, 7)
-    assert "its nanoGPT example's defaults where it gives none: --block_size=128 --batch_size=32 --max_iters=2000 " \
-        "--decay_lr=False --warmup_iters=0 --lr_decay_iters=10 --compile=False --gradient_accumulation_steps=2 (a " \
-        "micro-step a rank)\n--epochs 50 is DLRover's name: here --max_iters=7 " in capsys.readouterr().out
-    # what a config file sets wins; a Decent-DP TOML (its data_dir a key) or no DLRover flag keeps our defaults
+    assert "DLRover's command line (--data_dir, no config file): its nanoGPT example's defaults where it gives none, " \
+        "so resume it with the same command: --block_size=128 --batch_size=32 --max_iters=2000 --decay_lr=False " \
+        "--warmup_iters=0 --lr_decay_iters=10 --compile=False --gradient_accumulation_steps=2 (a micro-step a rank)" \
+        "\n--epochs 50 is DLRover's name: here --max_iters=7 " in capsys.readouterr().out
+    # a command line with a config file is not DLRover's: ours (.py) never came from it, and Decent-DP's TOML names
+    # data_dir itself; the file keeps its schedule and every key it leaves out keeps our default
     (tmp_path / 'c.py').write_text('batch_size = 8\n')
     c = config_of('train.py', [str(tmp_path / 'c.py'), '--data_dir', './'])
-    assert (c['batch_size'], c['block_size'], c['max_iters'], c['save_storage_interval']) == (8, 128, 2000, 200)
+    assert (c['batch_size'], c['block_size'], c['max_iters'], c['save_storage_interval']) == (8, 1024, 600000, 0)
+    c = config_of('train.py', [str(REPO / 'config' / 'train_shakespeare_char_cpu.py'), '--epochs=1', '--dataset=./'])
+    assert (c['decay_lr'], c['warmup_iters'], c['lr_decay_iters'], c['save_memory_interval']) == (True, 100, 2000, 0)
     (tmp_path / 'c.toml').write_text('[model]\nn_layer = 2\n')
     assert config_of('train.py', [str(tmp_path / 'c.toml'), '--data_dir', './'])['block_size'] == 1024
+    # --dataset is our name, with our defaults; --epochs alone is minGPT-DDP's max_epochs too (our Hydra hint's)
     assert config_of('train.py', ['--dataset=./'])['block_size'] == 1024
+    c = config_of('train.py', ['--epochs', '1', '--dataset=./', '--block_size=32'])
+    assert (c['n_layer'], c['batch_size'], c['decay_lr'], c['gradient_accumulation_steps']) == (12, 12, True, 40)
 
 
 def test_torchrun_auto_on_cpu_names_the_accumulation_of_a_rank_a_core_which_trains(tmp_path, data_dir):
@@ -257,9 +273,10 @@ def test_decent_toml_trains_at_tiny_size(tmp_path, data_dir):
             '--wandb_log=False', '--topology=ring', '--gradient_accumulation_steps=2', '--max_iters=3',
             '--eval_interval=3', nproc=2, cwd=tmp_path)
     assert 'decent.toml is in Decent-DP' in p.stdout and 'iter 2:' in p.stdout
-    # log_dir = "./log" is this job's folder in it, which both ranks named alike (the launcher gives no run id)
-    out = tmp_path / 'log' / os.environ.get('SLURM_JOB_ID', 'decent')
-    assert list((tmp_path / 'log').iterdir()) == [out] and (out / 'best.pt').exists()  # Decent-DP's best_model.pth
+    # log_dir = "./log": this job's and config's folder in it, which both ranks named alike (the launcher gives no
+    # run id; the suite may run inside a SLURM job)
+    out = tmp_path / 'log' / os.environ.get('SLURM_JOB_ID', '') / 'decent'
+    assert [*(tmp_path / 'log').rglob('best.pt')] == [out / 'best.pt']  # Decent-DP's best_model.pth
     config = json.loads((out / 'config.json').read_text())
     assert (config['replica_optimizer'], config['moment_accum_steps'], config['beta2']) == ('accumadamw', 8, 0.98)
     # what docs/coming-from.md says of Decent-DP's log line: our eval line, and the keys of its row in metrics.jsonl

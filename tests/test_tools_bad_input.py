@@ -184,6 +184,11 @@ def test_model_size_reads_a_training_config_and_a_run_folder(tmp_path, shared_ru
     # train.py's ways: a TOML config (Decent-DP's names) and `--key value`
     p = run('model_size.py', str(REPO / 'config' / 'gpt2-small.toml'), '--n_layer', '2', cwd=tmp_path)
     assert ' 2 layers, 12 heads, 768 wide, block 1024, vocab 50304' in p.stdout
+    # DLRover's command (SEEDS.md's, its --data_dir folder holding meta.pkl), sized as train.py runs it: with its
+    # defaults for the keys the command leaves out, batch 32 x 128 (and no error for its keys this tool lacks)
+    p = run('model_size.py', '--n_layer', '48', '--n_head', '16', '--n_embd', '1600', '--data_dir', './',
+            cwd=data_dir / 'shakespeare_char')
+    assert ' 48 layers, 16 heads, 1600 wide, block 128, vocab 65' in p.stdout and ', batch 32x128 ' in p.stdout
     out = shared_run('train.py', '--max_iters=4', '--gradient_accumulation_steps=1')
     p = run('model_size.py', str(out), '--n_layer=3', cwd=tmp_path)
     assert ' 3 layers, 2 heads, 32 wide, block 32, vocab 65' in p.stdout  # the run's shape, a flag after it wins
