@@ -945,6 +945,12 @@ def checkpoint_or_exit(path, fix):
             warnings.filterwarnings('ignore', 'Detected pickle protocol', UserWarning)
             return load_checkpoint(path, dropout=0.0)
     except FileNotFoundError as e:
+        run, kind = os.path.split(os.path.dirname(os.path.normpath(path)))
+        if os.path.isdir(path) and kind in ('ds', 'decent'):  # their step folders: ZeRO's shards, or the replicas
+            whole = "ckpt.pt, the replicas averaged, or one replica's rank-R.pt in that folder" if kind == 'decent' \
+                else "ckpt.pt, the whole model"
+            sys.exit(f"error: {path} is a step folder of {kind}_train.py, which only it resumes: give the run folder "
+                     f"{run or '.'} (its {whole})")
         sys.exit(f"error: {e}: {fix}")
     except Exception as e:
         try:
