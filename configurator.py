@@ -87,15 +87,11 @@ def _arguments(argv, defaults):
                 # argparse's store_true; or a name this script lacks (--eval_onyl), which configure() answers
                 out.append((arg, key, None))
             elif missing:
-                _needs_value(arg)
+                seeds.needs_value(arg)
             else:
                 out.append((f'{arg} {after}', key, after))
                 i += 1
     return out
-
-
-def _needs_value(arg):
-    sys.exit(f"error: flag '{arg}' needs a value: write it as {arg}=VALUE or {arg} VALUE")
 
 
 BOOLS = {'True': True, 'False': False, 'true': True, 'false': False}  # Python's, and argparse users' lower case
@@ -198,7 +194,7 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
                 if key not in defaults and skip_unknown_in_files and source != 'flag':
                     continue  # e.g. a training config read by bench.py for its model and batch
                 if alone and type(defaults.get(key)) not in (bool, type(None)):
-                    _needs_value(arg)
+                    seeds.needs_value(arg)
                 value = _check(key, value, defaults, where)
                 if source == 'flag':
                     flagged[key] = arg

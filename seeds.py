@@ -65,6 +65,10 @@ def flag_default(key):
     return FLAG_DEFAULTS.get(key)
 
 
+def needs_value(arg):
+    sys.exit(f"error: flag '{arg}' needs a value: write it as {arg}=VALUE or {arg} VALUE")
+
+
 def context(script, keys, flags, files):
     """What translate() sees: the entrypoint's file name, its keys (the live dict the configurator fills), every
     flag of the command line (nnScaler's come in pairs) and its config files (.py, .toml)."""
@@ -197,6 +201,8 @@ def translate(key, value, where, source, ctx):
         _note(ctx, where, source, shown, f"--max_iters={value} --lr_decay_iters={value}", "Decent-DP's")
         return [('max_iters', value), ('lr_decay_iters', value)]
     if key == 'global_batch_size' and 'gradient_accumulation_steps' in keys and 'batch_size' in keys:
+        if value is True and source == 'flag':  # --global_batch_size alone
+            needs_value(where)
         if type(value) is not int or value < 1:
             sys.exit(f"error: {where}: global_batch_size must be a whole number of sequences, 1 or more, "
                      f"got {value!r}")
@@ -207,6 +213,8 @@ def translate(key, value, where, source, ctx):
               "Decent-DP's")
         return [('gradient_accumulation_steps', accum), ('batch_size', value // accum)]
     if key == 'betas' and 'beta1' in keys:
+        if value is True and source == 'flag':  # --betas alone
+            needs_value(where)
         if not isinstance(value, (list, tuple)) or len(value) != 2:
             sys.exit(f"error: {where}: betas must be a list of two numbers such as [0.9, 0.95], got {value!r}")
         _note(ctx, where, source, shown, f"--beta1={value[0]} --beta2={value[1]}", "Decent-DP's")

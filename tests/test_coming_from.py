@@ -86,6 +86,8 @@ def test_space_separated_values_and_bare_booleans():
         (48, 16, True, True, True, False)
     assert 'needs a value' in error_of('train.py', ['--n_layer'])
     assert 'needs a value' in error_of('train.py', ['--lr'])  # Decent-DP's name for learning_rate: it takes one
+    assert "flag '--betas' needs a value" in error_of('train.py', ['--betas'])  # translated with checks of its own
+    assert "flag '--global_batch_size' needs a value" in error_of('train.py', ['--global_batch_size'])
     assert config_of('train.py', ['--dtype=float32', '--amp'])['dtype'] == 'auto'  # and its bool, alone
     assert "unknown config key 'eval-only'; did you mean eval_only?" in error_of('train.py', ['--eval-only'])
     assert 'DEFAULT_PATH' not in error_of('train.py', ['--xyzzy=1'])
