@@ -83,8 +83,9 @@ def _arguments(argv, defaults):
             key, after = arg[2:], argv[i] if i < len(argv) else None
             default = _default(key, defaults)
             missing = after is None or after.startswith('--')
-            if type(default) is bool and after not in BOOLS or default is None and missing:
-                # argparse's store_true; or a name this script lacks (--eval_onyl), which configure() answers
+            if type(default) is bool and after not in BOOLS or default is None and missing or key == 'help':
+                # argparse's store_true, and --help, which takes no value (`--help config/x.py` asks for help);
+                # or a name this script lacks (--eval_onyl), which configure() answers
                 out.append((arg, key, None))
             elif missing:
                 _needs_value(arg)

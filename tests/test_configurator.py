@@ -99,6 +99,9 @@ def test_help_alone_prints_the_keys_and_a_value_of_h_is_a_value(capsys):
     with pytest.raises(SystemExit) as e:
         configure(defaults(), ['--n_layer=2', '-h'])
     assert e.value.code == 0 and '--n_layer=12' in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:  # --help takes no value: the file after it is not one
+        configure(defaults(), ['--help', 'config/train_shakespeare_char.py'])
+    assert e.value.code == 0 and '--n_layer=12' in capsys.readouterr().out
     ns = defaults()
     configure(ns, ['--out_dir', '-h'])
     assert ns['out_dir'] == '-h'
