@@ -166,6 +166,9 @@ def test_plot_writes_the_format_its_extension_names(tmp_path, metrics):
         run('plot.py', run_dir, f'--out={tmp_path / name}', cwd=tmp_path)
         assert (tmp_path / name).read_bytes()[:len(magic)] == magic
     assert sorted(p.name for p in tmp_path.iterdir()) == ['loss', 'loss.pdf', 'loss.svg', 'run']
+    # --key value, as everywhere: the value is no run (it said: flag '--out' needs a value: write it as ... --out VALUE)
+    p = run('plot.py', '--out', tmp_path / 'spaced.png', run_dir, '--title', 'two words', cwd=tmp_path)
+    assert p.stdout.startswith(f"wrote {tmp_path / 'spaced.png'}: 1 run(s)") and (tmp_path / 'spaced.png').exists()
 
 
 def test_model_size_sizes_any_depth_without_building_it(tmp_path):
