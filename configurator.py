@@ -38,7 +38,9 @@ def config_keys(namespace):
 
 def _check(key, value, defaults, where):
     if key == 'config' and 'config' not in defaults and isinstance(value, str):  # --config FILE, -c FILE elsewhere
-        sys.exit(f"error: {where}: a config file is given by its path alone, first: write {value} without --config")
+        fix = f"write {value} without --config" if value.endswith(('.py', '.toml')) else \
+            "a *.py or *.toml one (a YAML file's keys are --key=value flags here)"
+        sys.exit(f"error: {where}: a config file is given by its path alone, first: {fix}")
     if key not in defaults:
         close = difflib.get_close_matches(key, defaults, n=3, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(sorted(defaults))}"
