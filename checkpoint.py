@@ -947,10 +947,16 @@ def checkpoint_or_exit(path, fix):
     except FileNotFoundError as e:
         run, kind = os.path.split(os.path.dirname(os.path.normpath(path)))
         if os.path.isdir(path) and kind in ('ds', 'decent'):  # their step folders: ZeRO's shards, or the replicas
-            whole = "ckpt.pt, the replicas averaged, or one replica's rank-R.pt in that folder" if kind == 'decent' \
-                else "ckpt.pt, the whole model"
-            sys.exit(f"error: {path} is a step folder of {kind}_train.py, which only it resumes: give the run folder "
-                     f"{run or '.'} (its {whole})")
+            run, best = run or '.', os.path.basename(os.path.normpath(path)).startswith('best')
+            what = f"{kind}_train.py, which only it resumes"
+            if not os.path.exists(os.path.join(run, 'best.pt' if best else 'ckpt.pt')):  # ds: save_consolidated=False
+                sys.exit(f"error: {path} is a step folder of {what}, and {run} holds no whole model beside it "
+                         f"(save_consolidated=False): the run's next save with --save_consolidated=True writes its "
+                         f"ckpt.pt (resume it with a larger --max_iters)")
+            whole = f"give its best, {os.path.join(run, 'best.pt')}" if best else \
+                f"give the run folder {run} (its newest, ckpt.pt" + \
+                (", the replicas averaged; or this step's rank-R.pt, one replica)" if kind == 'decent' else ")")
+            sys.exit(f"error: {path} is a step folder of {what}: {whole}")
         sys.exit(f"error: {e}: {fix}")
     except Exception as e:
         try:

@@ -38,7 +38,9 @@ def config_keys(namespace):
 
 def _check(key, value, defaults, where):
     if key == 'config' and 'config' not in defaults and isinstance(value, str):  # --config FILE, -c FILE elsewhere
-        sys.exit(f"error: {where}: a config file is given by its path alone, first: write {value} without --config")
+        fix = f"write {value} without --config" if value.endswith(('.py', '.toml')) else \
+            "a *.py or *.toml one (a YAML file's keys are --key=value flags here)"
+        sys.exit(f"error: {where}: a config file is given by its path alone, first: {fix}")
     if key not in defaults:
         close = difflib.get_close_matches(key, defaults, n=3, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(sorted(defaults))}"
@@ -83,8 +85,9 @@ def _arguments(argv, defaults):
             key, after = arg[2:], argv[i] if i < len(argv) else None
             default = _default(key, defaults)
             missing = after is None or after.startswith('--')
-            if type(default) is bool and after not in BOOLS or default is None and missing:
-                # argparse's store_true; or a name this script lacks (--eval_onyl), which configure() answers
+            if type(default) is bool and after not in BOOLS or default is None and missing or key == 'help':
+                # argparse's store_true, and --help, which takes no value (`--help config/x.py` asks for help);
+                # or a name this script lacks (--eval_onyl), which configure() answers
                 out.append((arg, key, None))
             elif missing:
                 seeds.needs_value(arg)

@@ -63,8 +63,8 @@ def check_out():
 
 
 def main():
-    runs = [a for a in sys.argv[1:] if not a.startswith('-')]
-    configure(globals(), [a for a in sys.argv[1:] if a.startswith('-')])  # -h among them
+    runs = []  # the arguments that are no flag nor a flag's value (--out loss.png), in order
+    configure(globals(), positional=lambda arg: runs.append(arg) or [])
     if not runs:
         sys.exit("error: name at least one run: python plot.py RUN_DIR [RUN_DIR ...] [--out=loss.png]")
     names = labels.split(',') if labels else [os.path.basename(os.path.normpath(r)) for r in runs]

@@ -294,8 +294,10 @@ def dlrover_defaults(ctx, given):
         return []
     # its gradient_accumulation_steps=0 is one micro-step a rank; ours counts them over all the data-parallel ranks
     ranks = max(1, int(os.environ.get('WORLD_SIZE', '1')) // max(1, keys.get('tp_size', 1)))
+    # a GPT-2's shape (model_size.py's --model, an init_from of OpenAI's weights) is not the command's to leave out
+    gpt2 = 'model' in given or str(keys.get('init_from', '')).startswith('gpt2')
     taken = [(k, v) for k, v in {**DLROVER_DEFAULTS, 'gradient_accumulation_steps': ranks}.items()
-             if k in keys and k not in given]
+             if k in keys and k not in given and not (gpt2 and k in ('n_layer', 'n_head', 'n_embd'))]
     if taken:
         flags = ' '.join(f"--{k}={v}" + (' (a micro-step a rank)' if k == 'gradient_accumulation_steps' else '')
                          for k, v in taken)

@@ -92,12 +92,17 @@ def test_malformed_arguments(capsys):
     assert 'neither a config file' in fails(defaults(), ['batch_size=3'], capsys)
     assert 'write it as --batch_size=3' in fails(defaults(), ['batch_size=3'], capsys)  # Hydra's habit, our key
     assert 'write cfg.py without --config' in fails(defaults(), ['--config', 'cfg.py'], capsys)
+    # minGPT-DDP's gpt2_train_cfg.yaml: not "write it without --config", which is then no config file either
+    assert 'first: a *.py or *.toml one (a YAML' in fails(defaults(), ['--config', 'gpt2_train_cfg.yaml'], capsys)
     assert 'cannot read config file' in fails(defaults(), ['nope.py'], capsys)
 
 
 def test_help_alone_prints_the_keys_and_a_value_of_h_is_a_value(capsys):
     with pytest.raises(SystemExit) as e:
         configure(defaults(), ['--n_layer=2', '-h'])
+    assert e.value.code == 0 and '--n_layer=12' in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:  # --help takes no value: the file after it is not one
+        configure(defaults(), ['--help', 'config/train_shakespeare_char.py'])
     assert e.value.code == 0 and '--n_layer=12' in capsys.readouterr().out
     ns = defaults()
     configure(ns, ['--out_dir', '-h'])

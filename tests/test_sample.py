@@ -85,6 +85,21 @@ def test_a_file_that_is_no_model_checkpoint_is_never_called_corrupt(char_run, tm
                      "--meta_path=data/<dataset>/meta.pkl")
 
 
+def test_a_step_folder_of_ds_or_decent_names_a_whole_model_that_is_there(tmp_path):
+    """A tool given a step folder of ds_train.py or decent_train.py (ZeRO's shards, or the replicas) is sent to a
+    whole model of the run that exists: its best for a best-step folder, and none where ds_train.py wrote none."""
+    step, best = tmp_path / 'ds-run' / 'ds' / 'step-00000002', tmp_path / 'run' / 'decent' / 'best-step-00000004'
+    step.mkdir(parents=True)
+    best.mkdir(parents=True)
+    (tmp_path / 'run' / 'best.pt').touch()  # only looked for
+    msg = one_line_error(run('sample.py', f'--init_from={step}', '--device=cpu', cwd=tmp_path, check=False))
+    assert msg.endswith(f"and {tmp_path / 'ds-run'} holds no whole model beside it (save_consolidated=False): the run's "
+                        f"next save with --save_consolidated=True writes its ckpt.pt (resume it with a larger "
+                        f"--max_iters)"), msg  # it said: give the run folder (its ckpt.pt), which has none
+    msg = one_line_error(run('sample.py', f'--init_from={best}', '--device=cpu', cwd=tmp_path, check=False))
+    assert msg.endswith(f": give its best, {tmp_path / 'run' / 'best.pt'}"), msg  # not its newest, ckpt.pt
+
+
 NO_GPU = 'cuda' if not torch.cuda.is_available() else f'cuda:{torch.cuda.device_count()}'
 
 

@@ -166,6 +166,9 @@ def test_plot_writes_the_format_its_extension_names(tmp_path, metrics):
         run('plot.py', run_dir, f'--out={tmp_path / name}', cwd=tmp_path)
         assert (tmp_path / name).read_bytes()[:len(magic)] == magic
     assert sorted(p.name for p in tmp_path.iterdir()) == ['loss', 'loss.pdf', 'loss.svg', 'run']
+    # --key value, as everywhere: the value is no run (it said: flag '--out' needs a value: write it as ... --out VALUE)
+    p = run('plot.py', '--out', tmp_path / 'spaced.png', run_dir, '--title', 'two words', cwd=tmp_path)
+    assert p.stdout.startswith(f"wrote {tmp_path / 'spaced.png'}: 1 run(s)") and (tmp_path / 'spaced.png').exists()
 
 
 def test_model_size_sizes_any_depth_without_building_it(tmp_path):
@@ -189,6 +192,9 @@ def test_model_size_reads_a_training_config_and_a_run_folder(tmp_path, shared_ru
     p = run('model_size.py', '--n_layer', '48', '--n_head', '16', '--n_embd', '1600', '--data_dir', './',
             cwd=data_dir / 'shakespeare_char')
     assert ' 48 layers, 16 heads, 1600 wide, block 128, vocab 65' in p.stdout and ', batch 32x128 ' in p.stdout
+    p = run('model_size.py', '--model', 'gpt2-xl', '--data_dir', './', cwd=data_dir / 'shakespeare_char')
+    assert 'gives none, so resume it with the same command: --block_size=128 --batch_size=32\n' in p.stdout and \
+        ' 48 layers, 25 heads, 1600 wide, block 128, vocab 65' in p.stdout  # not DLRover's 6 layers (it said so)
     out = shared_run('train.py', '--max_iters=4', '--gradient_accumulation_steps=1')
     p = run('model_size.py', str(out), '--n_layer=3', cwd=tmp_path)
     assert ' 3 layers, 2 heads, 32 wide, block 32, vocab 65' in p.stdout  # the run's shape, a flag after it wins
