@@ -113,14 +113,23 @@ def _decent_command(script, where, source):
     return f"`torchrun --nproc_per_node=N decent_train.py{config} ...`"
 
 
+def _config_folder(config):
+    """The config file's path less its extension, from the working folder where it lies in it (config/gpt2-small),
+    else from the root (tmp/sweep/gpt2-small): two files of one name in two folders (a sweep's) get two folders."""
+    path = os.path.relpath(os.path.abspath(config))
+    if path.startswith(os.pardir + os.sep):
+        path = os.path.abspath(config).lstrip(os.sep)
+    return os.path.splitext(path)[0]
+
+
 def _job_folder(log_dir, where, source, files):
     """(folder, why) for Decent-DP's log_dir, which there holds a folder per SLURM job, each started afresh. Ours
-    resume what out_dir holds, so each job and config file gets its own, log_dir/<job>/<config's name>: two configs
+    resume what out_dir holds, so each job and config file gets its own, log_dir/<job>/<config's path>: two configs
     run in one job or allocation (AllReduce, then decentralized) must not continue each other's model. The job is
     named by what every rank of it sees alike and a restart keeps (its SLURM job id, or torchrun's run id), never by
     a clock, which differs between ranks and restarts. A --log_dir flag takes the command line's (last) config file."""
     config = _file_of(where) if source != 'flag' else (files[-1] if files else '')
-    name = [os.path.splitext(os.path.basename(config))[0]] if config else []
+    name = [_config_folder(config)] if config else []
     this, other = (' for this config file', 'job or config') if config else ('', 'job')
     job, run_id = os.environ.get('SLURM_JOB_ID', ''), os.environ.get('TORCHELASTIC_RUN_ID', 'none')
     if job:

@@ -110,8 +110,8 @@ def test_decent_dp_toml_as_published_takes_its_hyperparameters(tmp_path):
 def test_decent_dp_log_dir_is_a_folder_per_job_and_config_that_its_restarts_share(monkeypatch, capsys, tmp_path):
     # Decent-DP starts each job afresh in log_dir/<slurm job id>/, and a run here resumes what its out_dir holds: the
     # two shipped configs (both log_dir = "./log") must not continue each other's model, in one job or in two
-    configs = [('train.py', str(REPO / 'config' / 'gpt2-small.toml')),
-               ('decent_train.py', str(REPO / 'config' / 'decent-gpt2-small.toml'))]
+    monkeypatch.chdir(REPO)
+    configs = [('train.py', 'config/gpt2-small.toml'), ('decent_train.py', 'config/decent-gpt2-small.toml')]
 
     def out_dirs(*argv, **environ):
         for key in ('SLURM_JOB_ID', 'TORCHELASTIC_RUN_ID'):
@@ -122,23 +122,37 @@ def test_decent_dp_log_dir_is_a_folder_per_job_and_config_that_its_restarts_shar
 
     # every rank and every restart of a job sees its ids alike: a requeued SLURM job keeps its id, so resumes
     assert out_dirs(SLURM_JOB_ID='4242', TORCHELASTIC_RUN_ID='4242') == \
-        ['./log/4242/gpt2-small', './log/4242/decent-gpt2-small']
-    assert "log_dir is --out_dir=./log/4242/gpt2-small (SLURM job 4242's folder for this config file: a requeued " \
-        "job resumes in it, another job or config starts afresh)" in capsys.readouterr().out
+        ['./log/4242/config/gpt2-small', './log/4242/config/decent-gpt2-small']
+    assert "log_dir is --out_dir=./log/4242/config/gpt2-small (SLURM job 4242's folder for this config file: a " \
+        "requeued job resumes in it, another job or config starts afresh)" in capsys.readouterr().out
     # torchrun's, kept over its restarts; a launch under another id starts afresh, and the line says how to continue
-    assert out_dirs(TORCHELASTIC_RUN_ID='a1-b2') == ['./log/a1-b2/gpt2-small', './log/a1-b2/decent-gpt2-small']
-    assert "starts afresh in another (--out_dir=./log/a1-b2/gpt2-small continues this one)" in capsys.readouterr().out
+    assert out_dirs(TORCHELASTIC_RUN_ID='a1-b2') == \
+        ['./log/a1-b2/config/gpt2-small', './log/a1-b2/config/decent-gpt2-small']
+    assert "starts afresh in another (--out_dir=./log/a1-b2/config/gpt2-small continues this one)" in \
+        capsys.readouterr().out
     for environ in ({'TORCHELASTIC_RUN_ID': 'none'}, {}):  # a static rendezvous, or no launcher: the file names it
-        assert out_dirs(**environ) == ['./log/gpt2-small', './log/decent-gpt2-small']
+        assert out_dirs(**environ) == ['./log/config/gpt2-small', './log/config/decent-gpt2-small']
     assert out_dirs('--out_dir=mine') == ['mine'] * 2
+    # a sweep's files of one name in two folders, in one job: two runs, not one continuing the other
+    monkeypatch.chdir(tmp_path)
+    for lr in ('6e-4', '1e-3'):
+        (tmp_path / 'sweep' / lr).mkdir(parents=True)
+        (tmp_path / 'sweep' / lr / 'gpt2-small.toml').write_text(f'log_dir = "./log"\nlearning_rate = {lr}\n')
+    assert [config_of('train.py', [f'sweep/{lr}/gpt2-small.toml'])['out_dir'] for lr in ('6e-4', '1e-3')] == \
+        ['./log/sweep/6e-4/gpt2-small', './log/sweep/1e-3/gpt2-small']
+    # a file outside the working folder: its whole path names the folder
+    outside = tmp_path / 'sweep' / '6e-4' / 'gpt2-small.toml'
+    monkeypatch.chdir(tmp_path / 'sweep' / '1e-3')
+    assert config_of('train.py', [str(outside)])['out_dir'] == './log/' + str(outside.with_suffix('')).lstrip('/')
+    monkeypatch.chdir(tmp_path)
     # a --log_dir flag: the command line's config file names the folder in the job's, as a file's log_dir does
     (tmp_path / 'mine.py').write_text('n_layer = 2\n')
     monkeypatch.setenv('SLURM_JOB_ID', '7')
     assert config_of('train.py', ['--log_dir', './log'])['out_dir'] == './log/7'
-    assert config_of('train.py', [str(tmp_path / 'mine.py'), '--log_dir', './log'])['out_dir'] == './log/7/mine'
+    assert config_of('train.py', ['mine.py', '--log_dir', './log'])['out_dir'] == './log/7/mine'
     monkeypatch.setenv('TORCHELASTIC_RUN_ID', 'x')
     monkeypatch.delenv('SLURM_JOB_ID')
-    assert config_of('train.py', ['--log_dir', './log', str(tmp_path / 'mine.py')])['out_dir'] == './log/x/mine'
+    assert config_of('train.py', ['--log_dir', './log', 'mine.py'])['out_dir'] == './log/x/mine'
     for text in ('out_dir = "mine"\nlog_dir = "./log"\n', 'log_dir = "./log"\nout_dir = "mine"\n'):  # no order
         (tmp_path / 'both.toml').write_text(text)
         assert config_of('train.py', [str(tmp_path / 'both.toml')])['out_dir'] == 'mine'
