@@ -158,13 +158,15 @@ def translate(key, value, where, source, ctx):
         plan, runtime = ctx['flags'].get('plan_ngpus'), ctx['flags'].get('runtime_ngpus')
         plan = plan if plan is not None else 'P'
         runtime = runtime if runtime is not None else 'N'
+        if type(plan) is int and plan < 1:
+            sys.exit(f"error: {where}: nnScaler's --plan_ngpus={plan}: a model is split over 1 GPU or more")
         if plan == 1:
             ours = f"torchrun --nproc_per_node={runtime} train.py ... (data parallel, a whole model on each GPU)"
         elif plan == runtime:
             ours = (f"torchrun --nproc_per_node={runtime} fsdp_train.py --tp_size={plan} ... (one model split over "
                     f"{plan} GPUs by tensor parallelism, no data parallel)")
         else:
-            whole = type(plan) is type(runtime) is int and plan > 0 and runtime % plan == 0
+            whole = type(plan) is type(runtime) is int and runtime % plan == 0
             if type(plan) is type(runtime) is int and not whole:
                 sys.exit(f"error: {where}: nnScaler's --plan_ngpus={plan} --runtime_ngpus={runtime} splits no GPUs "
                          f"into whole groups: runtime_ngpus must be a multiple of plan_ngpus, there as here")
@@ -172,7 +174,7 @@ def translate(key, value, where, source, ctx):
             ours = (f"torchrun --nproc_per_node={runtime} fsdp_train.py --tp_size={plan} ... (each model split over "
                     f"{plan} GPUs by tensor parallelism, {groups} data parallel with FSDP)")
         sys.exit(f"error: {where}: nnScaler's --plan_ngpus={plan} --runtime_ngpus={runtime} is `{ours}` here")
-    if key == 'use_nnscaler' and value is False:  # what every entrypoint here is
+    if key == 'use_nnscaler' and value in (False, 0) and type(value) in (bool, int):  # what every entrypoint is
         _note(ctx, where, source, shown, "what every entrypoint is: plain PyTorch, nothing to set", "nnScaler's")
         return []
     if key == 'use_nnscaler':
@@ -308,10 +310,11 @@ def dlrover_defaults(ctx, given):
     taken = [(k, v) for k, v in {**DLROVER_DEFAULTS, 'gradient_accumulation_steps': ranks}.items()
              if k in keys and k not in given and not (gpt2 and k in ('n_layer', 'n_head', 'n_embd'))]
     if taken:
+        again = '' if ctx['script'] == 'model_size.py' else ', so resume it with the same command'
         flags = ' '.join(f"--{k}={v}" + (' (a micro-step a rank)' if k == 'gradient_accumulation_steps' else '')
                          for k, v in taken)
         ctx['notes'].append((None, f"DLRover's command line (--data_dir, no config file): its nanoGPT example's "
-                                   f"defaults where it gives none, so resume it with the same command: {flags}"))
+                                   f"defaults where it gives none{again}: {flags}"))
     return taken
 
 

@@ -179,6 +179,7 @@ def test_data_dir_is_a_path_that_decent_dps_dataset_label_does_not_replace(tmp_p
     ('train.py', ['--plan_ngpus', '1', '--runtime_ngpus', '4'], 'torchrun --nproc_per_node=4 train.py'),
     ('train.py', ['--use_nnscaler=True'], 'plain PyTorch'),
     ('train.py', ['--plan_ngpus=3', '--runtime_ngpus=4'], 'runtime_ngpus must be a multiple of plan_ngpus'),
+    ('train.py', ['--plan_ngpus=0', '--runtime_ngpus=0'], 'a model is split over 1 GPU or more'),
     ('train.py', ['trainer_config.batch_size=128'], 'here --batch_size=128'),
     ('train.py', ['trainer_config.distributed_method=fsdp'], 'fsdp_train.py'),
     ('train.py', ['--topology=exp'], 'decent_train.py'),
@@ -190,8 +191,9 @@ def test_other_meanings_name_our_command(script, argv, says):
 
 
 def test_use_nnscaler_false_is_what_every_entrypoint_is(capsys):
-    assert config_of('train.py', ['--use_nnscaler=False', '--n_layer=2'])['n_layer'] == 2
-    assert 'plain PyTorch, nothing to set' in capsys.readouterr().out
+    for off in ('False', 'false', '0'):
+        assert config_of('train.py', [f'--use_nnscaler={off}', '--n_layer=2'])['n_layer'] == 2
+        assert 'plain PyTorch, nothing to set' in capsys.readouterr().out
 
 
 def test_decent_dp_names_on_the_command_line():

@@ -193,7 +193,7 @@ def test_model_size_reads_a_training_config_and_a_run_folder(tmp_path, shared_ru
             cwd=data_dir / 'shakespeare_char')
     assert ' 48 layers, 16 heads, 1600 wide, block 128, vocab 65' in p.stdout and ', batch 32x128 ' in p.stdout
     p = run('model_size.py', '--model', 'gpt2-xl', '--data_dir', './', cwd=data_dir / 'shakespeare_char')
-    assert 'gives none, so resume it with the same command: --block_size=128 --batch_size=32\n' in p.stdout and \
+    assert 'gives none: --block_size=128 --batch_size=32\n' in p.stdout and \
         ' 48 layers, 25 heads, 1600 wide, block 128, vocab 65' in p.stdout  # not DLRover's 6 layers (it said so)
     out = shared_run('train.py', '--max_iters=4', '--gradient_accumulation_steps=1')
     p = run('model_size.py', str(out), '--n_layer=3', cwd=tmp_path)
