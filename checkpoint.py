@@ -962,6 +962,11 @@ def checkpoint_or_exit(path, fix):
                 else f"the run folder {run or '.'} (its ckpt.pt"
             sys.exit(f"error: {folder} is a step folder of {kind}_train.py, which only it resumes: give {give}, "
                      f"{whole})")
+        run = path if os.path.isdir(path) else os.path.dirname(os.path.normpath(path))  # a run folder, or RUN/best
+        if os.path.isfile(os.path.join(run, 'ds', 'latest')):  # ZeRO's shards alone: save_consolidated=False
+            sys.exit(f"error: {run} holds ds_train.py's step folders but no {os.path.basename(find_checkpoint(path))} "
+                     f"(save_consolidated=False), and only ds_train.py reads ZeRO's shards: continue the run with "
+                     f"--save_consolidated=True to its next save, which writes {os.path.join(run, 'ckpt.pt')}")
         snapshots = snapshot_dir(read_run_id(os.path.join(path, 'run_id'))) \
             if os.path.isfile(os.path.join(path, 'run_id')) else None
         if snapshots and os.path.isdir(snapshots) and os.listdir(snapshots):  # a run killed before its first save
