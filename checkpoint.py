@@ -40,9 +40,17 @@ from model import GPT, GPTConfig
 
 
 def find_checkpoint(path):
-    """The checkpoint a path names: a file, a sharded folder, a run folder's newest checkpoint, or with RUN/best
-    the run's best by val loss (best.pt, else the sharded folder that its dcp/best names)."""
+    """The checkpoint a path names: a file, a sharded folder, a run folder's newest checkpoint, with RUN/best
+    the run's best by val loss (best.pt, else the sharded folder that its dcp/best names), or the folder that a
+    <kind>/latest or <kind>/best file names."""
     run, name = os.path.split(os.path.normpath(path))
+    if name in ('latest', 'best') and os.path.basename(run) in ('dcp', 'ds', 'decent') and os.path.isfile(path):
+        # the file beside the step folders that names the newest or the best: the folder it names
+        with open(path) as f:
+            name = f.read(100).strip()
+        if not re.fullmatch(r'(best-)?step-\d+', name):  # a name read from a file never leads out of its folder
+            raise ValueError(f"{path} names {name[:40]!r}, not a step-N folder")
+        return os.path.join(run, name)
     if name == 'best' and not os.path.exists(path) and os.path.isdir(run or '.'):
         pointer, best_pt = os.path.join(run, 'dcp', 'best'), os.path.join(run, 'best.pt')
         if not os.path.exists(pointer):
@@ -945,18 +953,31 @@ def checkpoint_or_exit(path, fix):
             warnings.filterwarnings('ignore', 'Detected pickle protocol', UserWarning)
             return load_checkpoint(path, dropout=0.0)
     except FileNotFoundError as e:
-        run, kind = os.path.split(os.path.dirname(os.path.normpath(path)))
-        if os.path.isdir(path) and kind in ('ds', 'decent'):  # their step folders: ZeRO's shards, or the replicas
-            run, best = run or '.', os.path.basename(os.path.normpath(path)).startswith('best')
+        folder = path if os.path.isdir(path) else find_checkpoint(path)  # or the one a latest or best file names
+        run, kind = os.path.split(os.path.dirname(os.path.normpath(folder)))
+        if os.path.isdir(folder) and kind in ('ds', 'decent'):  # their step folders: ZeRO's shards, or the replicas
+            run, best = run or '.', os.path.basename(os.path.normpath(folder)).startswith('best')
             what = f"{kind}_train.py, which only it resumes"
             if not os.path.exists(os.path.join(run, 'best.pt' if best else 'ckpt.pt')):  # ds: save_consolidated=False
-                sys.exit(f"error: {path} is a step folder of {what}, and {run} holds no whole model beside it "
+                sys.exit(f"error: {folder} is a step folder of {what}, and {run} holds no whole model beside it "
                          f"(save_consolidated=False): the run's next save with --save_consolidated=True writes its "
                          f"ckpt.pt (resume it with a larger --max_iters)")
             whole = f"give its best, {os.path.join(run, 'best.pt')}" if best else \
                 f"give the run folder {run} (its newest, ckpt.pt" + \
                 (", the replicas averaged; or this step's rank-R.pt, one replica)" if kind == 'decent' else ")")
-            sys.exit(f"error: {path} is a step folder of {what}: {whole}")
+            sys.exit(f"error: {folder} is a step folder of {what}: {whole}")
+        run = path if os.path.isdir(path) else os.path.dirname(os.path.normpath(path))  # a run folder, or RUN/best
+        if os.path.isfile(os.path.join(run, 'ds', 'latest')):  # ZeRO's shards alone: save_consolidated=False
+            sys.exit(f"error: {run} holds ds_train.py's step folders but no {os.path.basename(find_checkpoint(path))} "
+                     f"(save_consolidated=False), and only ds_train.py reads ZeRO's shards: continue the run with "
+                     f"--save_consolidated=True to its next save, which writes {os.path.join(run, 'ckpt.pt')}")
+        snapshots = snapshot_dir(read_run_id(os.path.join(path, 'run_id'))) \
+            if os.path.isfile(os.path.join(path, 'run_id')) else None
+        if snapshots and os.path.isdir(snapshots) and os.listdir(snapshots):  # a run killed before its first save
+            whole = os.path.join(snapshots, 'ckpt.pt')  # train.py's snapshot is a whole ckpt.pt; the others' shards
+            sys.exit(f"error: {path} holds no checkpoint yet, only this node's memory snapshots of the run, in "
+                     f"{snapshots}: " + (f"give {whole}, or " if os.path.isfile(whole) else "") +
+                     "resume the run (it starts from them) until it saves one")
         sys.exit(f"error: {e}: {fix}")
     except Exception as e:
         try:
@@ -964,7 +985,7 @@ def checkpoint_or_exit(path, fix):
         except ValueError:
             pass
         # "delete" only for what is a damaged checkpoint: a sharded folder, or a file named as ours (ckpt.pt,
-        # ckpt.prev.pt, best.pt) that torch.load could not read. Any other file (a dcp/latest, DCP's extra.pt,
+        # ckpt.prev.pt, best.pt) that torch.load could not read. Any other file (DCP's extra.pt,
         # DeepSpeed's model states, a config.json, a meta.pkl, another project's .pt) may be a run's good state.
         unread = any(f.filename == torch.serialization.__file__ for f in traceback.extract_tb(e.__traceback__))
         if os.path.isdir(path) or unread and re.fullmatch(r'(ckpt|best)(\.prev\d*)?\.pt', os.path.basename(path)):

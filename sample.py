@@ -14,7 +14,7 @@ from contextlib import nullcontext
 import torch
 
 from configurator import check_seed, configure, quiet_interrupt
-from checkpoint import checkpoint_or_exit, pretrained_or_exit
+from checkpoint import checkpoint_or_exit, find_checkpoint, pretrained_or_exit
 from data import read_meta
 
 # -----------------------------------------------------------------------------
@@ -72,7 +72,11 @@ dataset = None
 if init_from in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
     model = pretrained_or_exit(init_from)
 else:
-    if init_from not in ('resume', 'best') and not os.path.exists(init_from):
+    try:  # a path, or RUN/best, which names a file or folder of another name (best.pt, dcp/best-step-N)
+        known = os.path.exists(init_from) or os.path.exists(find_checkpoint(init_from))
+    except ValueError:  # a pointer that names no checkpoint folder: checkpoint_or_exit says so in one line
+        known = True
+    if init_from not in ('resume', 'best') and not known:
         sys.exit(f"error: unknown init_from={init_from!r}: use resume (out_dir's checkpoint), best, gpt2, "
                  f"gpt2-medium, gpt2-large, gpt2-xl or the path of a checkpoint")
     # any entrypoint's checkpoint: a ckpt.pt, a sharded folder, a run folder's newest, or RUN/best, its best

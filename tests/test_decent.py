@@ -260,6 +260,9 @@ def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path, data_dir):
     assert one_line_error(p) == f"error: {tmp_path / 'split' / 'decent' / 'step-00000008'} is a step folder of " \
         f"decent_train.py, which only it resumes: give the run folder {tmp_path / 'split'} (its newest, ckpt.pt, " \
         f"the replicas averaged; or this step's rank-R.pt, one replica)"
+    p = run('sample.py', f"--init_from={tmp_path / 'split' / 'decent' / 'latest'}", '--device=cpu', cwd=tmp_path,
+            check=False)  # as does the file that names it
+    assert one_line_error(p).startswith(f"error: {tmp_path / 'split' / 'decent' / 'step-00000008'} is a step folder")
     # another replica optimizer cannot take the replicas' state: the answer keeps them, and changes nothing
     before = {f: f.read_bytes() for f in (tmp_path / 'split').rglob('*') if f.is_file() and f.name != 'run.lock'}
     p = launch(tmp_path, data_dir, 'split', *args, '--max_iters=10', '--replica_optimizer=sgd', nproc=2, check=False)

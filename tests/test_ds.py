@@ -230,6 +230,13 @@ def test_the_run_folder_stands_for_its_export_which_samples_and_resumes_under_tr
     s = run('sample.py', f'--out_dir={tmp_path / "run"}', f'--meta_path={data_dir / "shakespeare_char" / "meta.pkl"}',
             '--num_samples=2', '--max_new_tokens=20', '--device=cpu', cwd=tmp_path)
     assert s.stdout.count('---------------') == 2
+    # as save_consolidated=False leaves a run: the step folders, no ckpt.pt or best.pt beside them
+    shutil.copytree(tmp_path / 'run', tmp_path / 'shards',
+                    ignore=lambda d, names: [n for n in names if n.endswith('.pt') and d == str(tmp_path / 'run')])
+    p = run('sample.py', f'--out_dir={tmp_path / "shards"}', '--device=cpu', cwd=tmp_path, check=False)
+    assert one_line_error(p) == f"error: {tmp_path / 'shards'} holds ds_train.py's step folders but no ckpt.pt " \
+        f"(save_consolidated=False), and only ds_train.py reads ZeRO's shards: continue the run with " \
+        f"--save_consolidated=True to its next save, which writes {tmp_path / 'shards' / 'ckpt.pt'}"
     shutil.rmtree(tmp_path / 'run' / 'ds')
     launch('train.py', tmp_path, data_dir, 'run', '--max_iters=12', '--init_from=resume')
     losses = read_metrics(tmp_path / 'run')[0]

@@ -75,6 +75,9 @@ def test_best_survives_worse_evals_and_pruning_and_every_tool_reads_it(base, tmp
     p = run('sample.py', f'--out_dir={out}', '--init_from=best', '--num_samples=1', '--max_new_tokens=5',
             '--device=cpu', f'--meta_path={meta}', cwd=tmp_path)
     assert p.stdout.strip()
+    again = run('sample.py', f'--init_from={out}/best', '--num_samples=1', '--max_new_tokens=5', '--device=cpu',
+                f'--meta_path={meta}', cwd=tmp_path)  # RUN/best as a path, as export_hf.py and train.py take it
+    assert again.stdout == p.stdout
     run('export_hf.py', f'--ckpt={out}/best', f'--out={tmp_path / "hf"}', cwd=tmp_path)
     assert (tmp_path / 'hf' / 'model.safetensors').exists()
     p = run('train.py', *tiny(data_dir, tmp_path / 'new', '--max_iters=1', f'--init_from={out}/best'), cwd=tmp_path)

@@ -1,8 +1,13 @@
+import os
 import pickle
+import shutil
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
 
+from checkpoint import snapshot_dir
 from conftest import TINY, one_line_error, run
 
 
@@ -156,3 +161,25 @@ def test_export_hf_bad_input(char_run, tmp_path):
         p = run('export_hf.py', f'--ckpt={char_run}', f'--out={out}', cwd=tmp_path, check=False)
         assert message in one_line_error(p)
     assert sorted(f.name for f in tmp_path.iterdir()) == ['file']
+
+
+def test_a_run_killed_before_its_first_save_names_its_memory_snapshots(char_run, tmp_path):
+    """A run folder whose run saved only memory snapshots (killed before its first checkpoint): the tools say where
+    its state is, the whole ckpt.pt of train.py's snapshot to give, rather than that this is no run's folder."""
+    out = tmp_path / 'killed'
+    out.mkdir()
+    run_id = f'test-{uuid.uuid4().hex}'
+    (out / 'run_id').write_text(run_id)
+    shm = Path(snapshot_dir(run_id))
+    shm.mkdir()
+    try:
+        shutil.copy(char_run / 'ckpt.pt', shm / 'ckpt.pt')
+        p = run('export_hf.py', f'--ckpt={out}', f'--out={tmp_path / "hf"}', cwd=tmp_path, check=False)
+        assert one_line_error(p) == f"error: {out} holds no checkpoint yet, only this node's memory snapshots of the " \
+            f"run, in {shm}: give {shm / 'ckpt.pt'}, or resume the run (it starts from them) until it saves one"
+        (shm / 'ckpt.pt').rename(shm / 'rank-0-of-1x1.pt')  # fsdp_train.py's: its shards, which only it reads
+        p = run('sample.py', f'--out_dir={out}', '--device=cpu', cwd=tmp_path, check=False)
+        assert one_line_error(p).endswith(f"in {shm}: resume the run (it starts from them) until it saves one")
+        assert sorted(os.listdir(out)) == ['run_id'] and not (tmp_path / 'hf').exists()
+    finally:
+        shutil.rmtree(shm)

@@ -104,13 +104,17 @@ def test_planted_dcp_metadata_runs_nothing(copy, tmp_path, data_dir, script):
     assert not (tmp_path / 'hf').exists() and not (tmp_path / 'hf.tmp').exists() and not (tmp_path / 'out').exists()
 
 
-def test_the_files_of_a_sharded_checkpoint_are_not_called_corrupt(fsdp_run, tmp_path):
-    """A run's dcp/latest and a step folder's extra.pt, given as the checkpoint, are intact files but no model
-    checkpoint: the error says what to give, and never to delete them (the run's good state)."""
-    for path in (fsdp_run / 'dcp' / 'latest', fsdp_run / 'dcp' / 'step-00000004' / 'extra.pt'):
-        msg = one_line_error(run('sample.py', f'--init_from={path}', '--device=cpu', cwd=tmp_path, check=False))
-        assert msg.startswith(f'error: {path} is not a model checkpoint (') and 'delete' not in msg, msg
-        assert msg.endswith('give a ckpt.pt, a run folder or a sharded checkpoint folder (dcp/step-N)')
+def test_the_files_of_a_sharded_checkpoint_are_not_called_corrupt(fsdp_run, tmp_path, data_dir):
+    """A step folder's extra.pt, given as the checkpoint, is an intact file but no model checkpoint: the error says
+    what to give, and never to delete it (the run's good state). The run's dcp/latest stands for the folder it names."""
+    path = fsdp_run / 'dcp' / 'step-00000004' / 'extra.pt'
+    msg = one_line_error(run('sample.py', f'--init_from={path}', '--device=cpu', cwd=tmp_path, check=False))
+    assert msg.startswith(f'error: {path} is not a model checkpoint (') and 'delete' not in msg, msg
+    assert msg.endswith('give a ckpt.pt, a run folder or a sharded checkpoint folder (dcp/step-N)')
+    meta = f"--meta_path={data_dir / 'shakespeare_char' / 'meta.pkl'}"
+    samples = [run('sample.py', f'--init_from={path}', '--num_samples=1', '--max_new_tokens=5', '--device=cpu',
+                   meta, cwd=tmp_path).stdout for path in (fsdp_run / 'dcp' / 'latest', path.parent)]
+    assert samples[0] == samples[1] and samples[0].strip()
 
 
 def test_auto_resume_passes_a_planted_dcp_metadata_over_as_damaged(copy, tmp_path, data_dir):
