@@ -53,7 +53,9 @@ if init_from:
         ours = init_from not in PRETRAINED and (os.path.isfile(init_from) or os.path.exists(find_checkpoint(init_from)))
     except ValueError:  # a dcp/latest that names no step folder: a run folder all the same
         ours = True
-    if os.path.isfile(init_from) and not init_from.endswith('.pt'):  # a Hugging Face folder's file, say
+    kind = os.path.basename(os.path.dirname(os.path.normpath(init_from)))  # dcp for a dcp/latest file: ours
+    if os.path.isfile(init_from) and not init_from.endswith('.pt') and kind not in ('dcp', 'ds', 'decent'):
+        # a Hugging Face folder's file, say
         sys.exit(f"error: {init_from} is a file, and --init_from takes a Hugging Face folder: give the folder that "
                  f"holds it, --init_from={os.path.dirname(init_from) or '.'}, or a checkpoint of this repo with --ckpt")
     if ours:

@@ -252,8 +252,13 @@ def test_init_from_a_folder_that_is_no_intact_hugging_face_model_is_one_line(set
     (planted / 'pytorch_model.bin').write_bytes(pickle.dumps(Payload(tmp_path / 'MARKER'), protocol=2))
     shutil.copytree(tmp / 'hf_bias', cut)
     (cut / 'model.safetensors').write_bytes((tmp / 'hf_bias' / 'model.safetensors').read_bytes()[:3000])
+    latest = tmp_path / 'fsdp' / 'dcp' / 'latest'  # the file that names a sharded run's newest step folder
+    (latest.parent / 'step-00000002').mkdir(parents=True)
+    latest.write_text('step-00000002\n')
     for folder, says in ((tmp / 'bias', f'is a checkpoint file or a run folder, not a Hugging Face folder: evaluate '
                                         f'a checkpoint of this repo with --ckpt={tmp / "bias"}'),
+                         (latest, f'is a checkpoint file or a run folder, not a Hugging Face folder: evaluate a '
+                                  f'checkpoint of this repo with --ckpt={latest}'),  # not --init_from=its folder
                          (planted, 'is not an intact Hugging Face GPT-2 folder (UnpicklingError: it holds objects '
                                    'other than tensors and plain data (posix.system), refused unread): give a folder'),
                          (cut, 'is not an intact Hugging Face GPT-2 folder (SafetensorError: '),
