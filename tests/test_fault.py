@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,13 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TINY, env, one_line_error, read_metrics, run
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
+from conftest import REPO, TINY, env, free_port, one_line_error, read_metrics, run
 
 
 def elastic(script, *args, nproc=2, max_restarts=3):

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, SHAKESPEARE, TINY, env, run
-from test_fault import free_port, logged_iters
+from conftest import REPO, SHAKESPEARE, TINY, env, free_port, run
+from test_fault import logged_iters
 
 ARGS = ['--gradient_accumulation_steps=2', '--max_iters=100000', '--eval_interval=4']
 
