@@ -50,7 +50,7 @@ def logged_iters(out_dir):
 
 def run_with_kills(cmd, out_dir, kill_after, cwd, timeout=300):
     """Runs cmd (a torchrun job) and SIGKILLs one of its workers, in turn, once the run has logged each iteration of
-    kill_after. Returns (stdout, [the last iteration logged before each kill])."""
+    kill_after. Returns (stdout, [the last iteration that each killed group logged])."""
     log = open(Path(cwd) / 'torchrun.log', 'w')
     p = subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=log, stderr=subprocess.STDOUT, text=True)
     killed_at, deadline, seen = [], time.time() + timeout, 0
@@ -66,12 +66,15 @@ def run_with_kills(cmd, out_dir, kill_after, cwd, timeout=300):
                 # and killing a group before it has resumed proves nothing
                 if len(done) > seen and done[-1] >= target and len(pids) == 2:
                     os.kill(pids[n % 2], signal.SIGKILL)
-                    killed_at.append(done[-1])
                     break
                 time.sleep(0.005)
             while p.poll() is None and set(workers(p.pid)) & set(pids):  # until torchrun has seen the death
                 time.sleep(0.01)
-            seen = len(logged_iters(out_dir))  # every worker of the killed group is gone: its log is complete
+            # every worker of the killed group is gone: its log is complete. Its last row is read now, not before the
+            # kill: a poller held up between the two lets the group log steps and take snapshots meanwhile
+            done = logged_iters(out_dir)
+            killed_at.append(done[-1])
+            seen = len(done)
         p.wait(timeout=max(1, deadline - time.time()))
     finally:
         p.kill()
