@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -152,12 +151,6 @@ def time_saves(save_dir, shm):
     return med
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
-
 def steps_logged(path):
     try:
         with open(path) as f:
@@ -181,8 +174,10 @@ def workers(pid):
 def bench_recovery():
     run_dir = os.path.join(out_dir, 'recovery')
     metrics = os.path.join(run_dir, 'metrics.jsonl')
+    # port 0: the agent binds a port of the kernel's choosing for its rendezvous (one node), where a port picked
+    # here and freed could be bound by another process in the seconds before torchrun binds it
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--nnodes=1:2', f'--nproc_per_node={nproc}',
-           f'--max-restarts={kills}', '--rdzv-backend=c10d', f'--rdzv-endpoint=127.0.0.1:{free_port()}',
+           f'--max-restarts={kills}', '--rdzv-backend=c10d', '--rdzv-endpoint=127.0.0.1:0',
            '--rdzv-conf=last_call_timeout=1', os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py'),
            f'--dataset={dataset}', f'--out_dir={run_dir}',
            f'--device={device_type}', '--compile=False', '--n_layer=2', '--n_head=2', '--n_embd=32',

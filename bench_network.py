@@ -221,7 +221,7 @@ def measure(mode, rate, n):
                     raise RuntimeError(f"{mode} at {rate} on {n} nodes exited early: see {out}/node*.log")
                 if marks and last > steps_seen[-1][0]:
                     steps_seen.append((last, c.counters(0)['tx_bytes']))
-                time.sleep(0.02)
+                time.sleep(0.005)  # a read late by half a window (2 of DiLoCo's 12 ms steps) counts a burst wrongly
             marks.append((last, [node['tx_bytes'] for node in c.counters()]))
             if not steps_seen or last > steps_seen[-1][0]:
                 steps_seen.append((last, marks[-1][1][0]))
@@ -239,7 +239,7 @@ def measure(mode, rate, n):
     design, design_peak = design_bytes(mode, sizes, n, nproc_per_node)
     link = bits_per_second(rate)
     sent = statistics.mean(per_step)
-    # per step logged (a poll that saw several counts their mean): steps much longer than a poll (~20 ms) make it
+    # per step logged (a poll that saw several counts their mean): steps much longer than a poll (~5 ms) make it
     # a step's bytes; with shorter ones it mixes neighbours
     peak = max((b - a) / (j - i) for (i, a), (j, b) in zip(steps_seen, steps_seen[1:]))
     return dict(mode=mode, rate=rate, nodes=n, straggler=straggler, params=n_params, ms=ms, mean_ms=mean_ms,

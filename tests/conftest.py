@@ -3,6 +3,8 @@ temporary folders."""
 
 import json
 import os
+import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +93,31 @@ def run(script, *args, nproc=1, cwd, check=True, nthreads=1):
         raise AssertionError(f"{script} {' '.join(map(str, args))} on {nproc} exited {p.returncode}\n"
                              f"{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
     return p
+
+
+_ports_given = set()
+
+
+def free_port():
+    """A port for a process that binds it later (a rendezvous, a launcher's master port), picked below the kernel's
+    ephemeral ports. One that bind(0) returned and was freed goes to the next bind(0) on the machine in 1 of ~14,000
+    (measured), and the suite's gloo ranks and stores bind several a second while a launcher spends 5 to 30 s
+    importing torch before it binds its port: a rendezvous then joined a stranger's socket. Here only another such
+    pick can take it."""
+    with open('/proc/sys/net/ipv4/ip_local_port_range') as f:
+        low = int(f.read().split()[0])
+    for _ in range(100):
+        # random's own state may be seeded by a test: every xdist worker would pick the same ports
+        port = random.SystemRandom().randrange(15000, 25000) if low >= 25000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(('127.0.0.1', port))
+            except OSError:  # in use
+                continue
+            if s.getsockname()[1] not in _ports_given:  # SLURM's three daemons get three
+                _ports_given.add(s.getsockname()[1])
+                return s.getsockname()[1]
+    raise RuntimeError('no free port in 15000-25000')
 
 
 def one_line_error(p, nproc=1):

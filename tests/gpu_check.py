@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -156,10 +155,9 @@ def run(name, cmd, timeout=600, check=True, by_deadline=True):
 def torchrun(script, extra, nproc=1, elastic=False):
     launcher = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}']
     if elastic:
-        with socket.socket() as s:  # a free port for the rendezvous
-            s.bind(('127.0.0.1', 0))
-            port = s.getsockname()[1]
-        launcher += ['--nnodes=1:1', '--max-restarts=2', '--rdzv-backend=c10d', f'--rdzv-endpoint=127.0.0.1:{port}',
+        # port 0: the agent binds a port of the kernel's choosing (one node), where a port picked here and freed
+        # could be bound by another process in the seconds before torchrun binds it
+        launcher += ['--nnodes=1:1', '--max-restarts=2', '--rdzv-backend=c10d', '--rdzv-endpoint=127.0.0.1:0',
                      '--rdzv-conf=last_call_timeout=1']
     else:
         launcher += ['--standalone']

@@ -43,9 +43,11 @@ def test_two_nodes_train_through_a_pulled_cable_with_the_losses_of_one_process(t
         torchruns = c.torchrun([REPO / 'train.py', *args, f'--out_dir={out}'], max_restarts=2, env=env(),
                                logs=tmp_path, cwd=tmp_path)
         deadline = time.time() + 300
-        while last_iter(out) < 15 and time.time() < deadline and all(p.poll() is None for p in torchruns):
+        # the iteration that ended the wait, not a read after it: one that meets a row being written (a write() of
+        # it that spans two pages shows its first part alone) reads as -1
+        while (pulled_at := last_iter(out)) < 15 and time.time() < deadline and \
+                all(p.poll() is None for p in torchruns):
             time.sleep(0.05)
-        pulled_at = last_iter(out)
         c.link(1, up=False)  # node 1's cable out: its gloo and rendezvous traffic stops dead
         time.sleep(3)
         c.link(1, up=True)

@@ -5,14 +5,13 @@ resume; the averaged export through sample.py and train.py; bad input."""
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import REPO, TINY, env, one_line_error, read_metrics, run
+from conftest import REPO, TINY, env, free_port, one_line_error, read_metrics, run
 from decent import AccumAdamW, mixing_rounds
 
 
@@ -24,9 +23,7 @@ def launch(tmp_path, data_dir, out, *extra, nproc=1, script='decent_train.py', c
 def launch_two_nodes(tmp_path, data_dir, out, *extra):
     """Two torchrun launches of 2 processes each, as the two nodes of one job on this machine (static rendezvous
     on a free port): each process sees LOCAL_WORLD_SIZE=2 in a world of 4."""
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        port = s.getsockname()[1]
+    port = free_port()
     args = [*TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path / out}', *extra]
     nodes = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--nnodes=2', '--nproc_per_node=2',
                                f'--node_rank={i}', '--master_addr=127.0.0.1', f'--master_port={port}',

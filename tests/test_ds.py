@@ -4,14 +4,13 @@ by sample.py and train.py; per-rank memory; bad input."""
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import REPO, TINY, env, one_line_error, read_metrics, run
+from conftest import REPO, TINY, env, free_port, one_line_error, read_metrics, run
 
 # the same global batch everywhere: 4 micro-steps of 4 sequences, shared out over the data-parallel ranks
 BASE = ['--gradient_accumulation_steps=4', '--eval_interval=5', '--always_save_checkpoint=True']
@@ -24,9 +23,7 @@ def launch(script, tmp_path, data_dir, out, *extra, nproc=1, check=True):
 
 def deepspeed_launch(tmp_path, data_dir, out, *extra, nproc=2):
     """ds_train.py under `deepspeed --num_gpus N` (its module, on the CPU N processes), on a free port."""
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        port = s.getsockname()[1]
+    port = free_port()
     return launched([sys.executable, '-m', 'deepspeed.launcher.runner', f'--num_gpus={nproc}', f'--master_port={port}',
                      str(REPO / 'ds_train.py'), *TINY, *BASE, f'--dataset={data_dir / "shakespeare_char"}',
                      f'--out_dir={tmp_path / out}', *extra], tmp_path)

@@ -2,6 +2,7 @@
 entrypoints; the job restarts from the checkpoint before and finishes on the curve of an uninterrupted run (a wider
 model than the other tests', for a checkpoint big enough to be caught while it is written)."""
 
+import gc
 import os
 import re
 import signal
@@ -43,6 +44,9 @@ def test_sigkill_during_a_storage_write_falls_back_to_the_previous_checkpoint(tm
     log = open(tmp_path / 'torchrun.log', 'w')
     p = subprocess.Popen(elastic(script, *tiny(data_dir, out_dir, *args)), cwd=tmp_path, env=env(),
                          stdout=log, stderr=subprocess.STDOUT, text=True)
+    # no collection of this process's garbage until the kill: a full one (torch's objects) takes 150-300 ms, longer
+    # than a write lasts (DCP's: 130 ms), and the kill would come after it
+    gc.disable()
     try:
         while not first_complete(script, out_dir):  # the first checkpoint is complete ...
             assert p.poll() is None, open(log.name).read()[-3000:]
@@ -55,8 +59,10 @@ def test_sigkill_during_a_storage_write_falls_back_to_the_previous_checkpoint(tm
         for pid in workers(p.pid):
             os.kill(pid, signal.SIGKILL)
         cut_short = first_complete(script, out_dir)  # the second never became the newest
+        gc.enable()
         p.wait(timeout=300)
     finally:
+        gc.enable()
         p.kill()
         log.close()
     out = open(log.name).read()

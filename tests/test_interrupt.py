@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, SHAKESPEARE, TINY, env, run
-from test_fault import free_port, logged_iters
+from conftest import REPO, SHAKESPEARE, TINY, env, free_port, run
+from test_fault import logged_iters
 
 ARGS = ['--gradient_accumulation_steps=2', '--max_iters=100000', '--eval_interval=4']
 
@@ -87,17 +87,48 @@ def test_ctrl_c_in_every_entrypoint_saves_the_step_it_stops_at_and_the_rerun_res
     assert f'holds this run\'s state at iter {stopped},' in p.stdout, p.stdout[-3000:]
 
 
+# Runs a script with the write of the first checkpoint that follows a Ctrl-C held up halfway, for up to a minute,
+# as a big model's long write would be: the tiny model's takes milliseconds, less than a busy machine may take to
+# wake the test that sends the second Ctrl-C, which then came after the save and the exit's message
+SLOW_SAVE = '''
+import io, os, runpy, signal, sys, threading, time
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+import checkpoint, distributed, torch
+save, atomic_save, held, holds = torch.save, checkpoint.atomic_save, threading.local(), []
+def held_atomic_save(*args, **kwargs):  # a checkpoint's write (not torch.save pickling the RNG states to gather)
+    held.up = signal.SIGINT in distributed._stop_signals
+    return atomic_save(*args, **kwargs)
+def slow_save(obj, f, *args, **kwargs):
+    if not getattr(held, 'up', False) or holds:  # the first such write only
+        return save(obj, f, *args, **kwargs)
+    holds.append(obj)
+    buffer = io.BytesIO()
+    save(obj, buffer, *args, **kwargs)
+    data = buffer.getvalue()
+    f.write(data[:len(data) // 2])
+    f.flush()
+    print('write held', flush=True)
+    time.sleep(60)
+    f.write(data[len(data) // 2:])
+checkpoint.atomic_save, torch.save = held_atomic_save, slow_save
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name='__main__')
+'''
+
+
 def test_a_second_ctrl_c_during_the_save_leaves_at_once_and_the_newest_checkpoint_loads(tmp_path, data_dir):
     out_dir = tmp_path / 'run'
-    p = start([str(REPO / 'train.py')], data_dir, out_dir, tmp_path)
+    (tmp_path / 'slow_save.py').write_text(SLOW_SAVE)
+    p = start([str(tmp_path / 'slow_save.py'), str(REPO / 'train.py')], data_dir, out_dir, tmp_path)
     interrupt_after(p, out_dir, 5)  # evals at 4 saved a checkpoint already
     for line in p.stdout:
-        if 'SIGINT (Ctrl-C): saving' in line:
-            os.killpg(p.pid, signal.SIGINT)  # while the checkpoint of the stop is being written
+        if line == 'write held\n':  # the checkpoint of the stop is being written
             break
+    os.killpg(p.pid, signal.SIGINT)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 130
     assert err.strip().startswith('error: interrupted twice: left without saving'), err[-3000:]
+    assert (out_dir / 'ckpt.pt.tmp').exists()  # it left in the middle of the write
     newest = [torch.load(f, weights_only=True)['iter_num'] for f in (out_dir / 'ckpt.pt', out_dir / 'ckpt.prev.pt')
               if f.exists()]
     assert newest and max(newest) >= 4

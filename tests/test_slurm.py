@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,19 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, env, read_metrics, run
+from conftest import REPO, TINY, env, free_port, read_metrics, run
 
 INSTALL = 'apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge'
 SBATCH = REPO / 'slurm' / 'torchrun.sbatch'
 NODES = ('n1', 'n2')
 # the reference's global batch: 4 micro-steps of 4 sequences, which 2 nodes share out as 2 each
 BASE = ['--gradient_accumulation_steps=4', '--max_iters=10', '--eval_interval=10']
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
 
 
 def slurm_conf(root, ports):
