@@ -107,6 +107,11 @@ def load_checkpoint(path, dropout=None):
         if version != found:
             print(f"warning: reading {version} (iter {checkpoint.get('iter_num')}), since the run's newest ckpt.pt "
                   f"is missing or damaged", file=sys.stderr, flush=True)
+        if 'optimizers' in checkpoint:  # decent_train.py's file of one rank: its replica is not the run's model
+            print(f"note: {version} is one rank's own replica, not the run's model, which is "
+                  + ("DiLoCo's global model (the replica moves away from it within a window)"
+                     if 'diloco' in checkpoint else "the replicas' average") + ": the run folder's ckpt.pt holds that",
+                  file=sys.stderr, flush=True)
         return model, checkpoint
 
 
@@ -964,7 +969,8 @@ def checkpoint_or_exit(path, fix):
                          f"ckpt.pt (resume it with a larger --max_iters)")
             whole = f"give its best, {os.path.join(run, 'best.pt')}" if best else \
                 f"give the run folder {run} (its newest, ckpt.pt" + \
-                (", the replicas averaged; or this step's rank-R.pt, one replica)" if kind == 'decent' else ")")
+                (", the replicas averaged, or DiLoCo's global model; or this step's rank-R.pt, one replica)"
+                 if kind == 'decent' else ")")
             sys.exit(f"error: {folder} is a step folder of {what}: {whole}")
         run = path if os.path.isdir(path) else os.path.dirname(os.path.normpath(path))  # a run folder, or RUN/best
         if os.path.isfile(os.path.join(run, 'ds', 'latest')):  # ZeRO's shards alone: save_consolidated=False

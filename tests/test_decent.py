@@ -256,7 +256,7 @@ def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path, data_dir):
             cwd=tmp_path, check=False)  # a step folder names the files a tool reads
     assert one_line_error(p) == f"error: {tmp_path / 'split' / 'decent' / 'step-00000008'} is a step folder of " \
         f"decent_train.py, which only it resumes: give the run folder {tmp_path / 'split'} (its newest, ckpt.pt, " \
-        f"the replicas averaged; or this step's rank-R.pt, one replica)"
+        f"the replicas averaged, or DiLoCo's global model; or this step's rank-R.pt, one replica)"
     p = run('sample.py', f"--init_from={tmp_path / 'split' / 'decent' / 'latest'}", '--device=cpu', cwd=tmp_path,
             check=False)  # as does the file that names it
     assert one_line_error(p).startswith(f"error: {tmp_path / 'split' / 'decent' / 'step-00000008'} is a step folder")

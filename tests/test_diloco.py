@@ -140,6 +140,11 @@ def test_ckpt_pt_holds_the_global_model_for_sample_and_export(tmp_path, data_dir
     s = run('sample.py', f'--out_dir={out}', f'--meta_path={data_dir / "shakespeare_char" / "meta.pkl"}',
             '--num_samples=2', '--max_new_tokens=20', '--device=cpu', cwd=tmp_path)
     assert s.stdout.count('---------------') == 2
+    # a rank's own file is its replica: the tool says so, and where the global model is
+    replica = out / 'decent' / 'step-00000008' / 'rank-0.pt'
+    s = run('sample.py', f'--init_from={replica}', f'--meta_path={data_dir / "shakespeare_char" / "meta.pkl"}',
+            '--num_samples=1', '--max_new_tokens=5', '--device=cpu', cwd=tmp_path)
+    assert f"note: {replica} is one rank's own replica, not the run's model, which is DiLoCo's global model" in s.stderr
     run('export_hf.py', f'--ckpt={out}', f'--out={tmp_path / "hf"}', cwd=tmp_path)
     hf = load_file(tmp_path / 'hf' / 'model.safetensors')
     assert torch.equal(hf['transformer.wte.weight'], export['model']['transformer.wte.weight'])
