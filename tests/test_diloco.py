@@ -125,6 +125,17 @@ def test_at_another_world_size_every_replica_starts_from_the_global_model(tmp_pa
         assert torch.equal(torch.cat([model[k].flatten() for k in keys]), bucket)
 
 
+def test_a_diloco_run_resumed_without_diloco_steps_is_refused_and_kept(tmp_path, data_dir, windows):
+    # it would go on as a gossip run, and its first eval would write the replicas' average over ckpt.pt's θ_global
+    shutil.copytree(windows / 'at4', tmp_path / 'run')
+    before = {f: f.read_bytes() for f in (tmp_path / 'run').rglob('*') if f.is_file() and f.name != 'run.lock'}
+    p = launch(tmp_path, data_dir, 'run', *[a for a in ARGS if 'diloco' not in a], '--max_iters=8', check=False)
+    assert one_line_error(p).endswith(f"holds a DiLoCo run (diloco_steps=3): resume with its --diloco_steps, or start "
+                                      f"a gossip run from its global model with --init_from="
+                                      f"{tmp_path / 'run' / 'ckpt.pt'} and another --out_dir")
+    assert {f: f.read_bytes() for f in (tmp_path / 'run').rglob('*') if f.is_file() and f.name != 'run.lock'} == before
+
+
 def test_ckpt_pt_holds_the_global_model_for_sample_and_export(tmp_path, data_dir, windows):
     out = windows / 'full'
     export = load(out / 'ckpt.pt')
