@@ -1,8 +1,9 @@
 """Never a worse state in place of a good one, in real processes of every entrypoint: keep_checkpoints keeps the
 newest K states and prunes older ones, the best by val loss is kept besides (and survives later, worse evals);
 a diverged run (a learning rate of 1e30) saves nothing at its NaN eval, sets aside what it saved after its weights
-went bad, and its error names the last good state, from which the next run resumes. One base run per entrypoint
-(10 steps, an eval every 2, keep_checkpoints=3) is shared by the tests."""
+went bad, and its error names the last good state, from which the next run resumes; a save to the step of a whole
+DCP folder of the run keeps that folder. One base run per entrypoint (10 steps, an eval every 2,
+keep_checkpoints=3) is shared by the tests."""
 
 import re
 import shutil
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint
-from conftest import one_line_error, run
+from conftest import REPO, one_line_error, run
 from test_fault import KIND, final_weights, same_weights, tiny
 
 SCRIPTS = ['train.py', 'fsdp_train.py', 'pp_train.py', 'ds_train.py', 'decent_train.py']
@@ -120,3 +121,35 @@ def test_a_diverged_run_leaves_its_last_good_state_newest(base, tmp_path, data_d
     p = run(script, *tiny(data_dir, out, *BASE, '--max_iters=12'), cwd=tmp_path)
     assert re.search(r'resuming from \S+ at iter 10\b', p.stdout), p.stdout[-2000:]
     assert all(torch.isfinite(v).all() for v in load_checkpoint(str(out))[0].state_dict().values())
+
+
+SAVE_TWICE = '''
+import os, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[2])  # the repo
+from checkpoint import wait_for_saves
+from sharded import save_dcp
+dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)
+path = os.path.join(sys.argv[1], 'dcp', 'step-00000004')
+extra = {'iter_num': 4, 'run_id': 'a' * 32}
+save_dcp({'w': torch.arange(4.0)}, extra, path, None)
+wait_for_saves()
+before = {f: os.stat(os.path.join(path, f)).st_ino for f in sorted(os.listdir(path))}
+save_dcp({'w': torch.arange(4.0)}, extra, path, None)  # resumed from a memory snapshot of step 4: its first eval
+wait_for_saves()
+print('kept' if {f: os.stat(os.path.join(path, f)).st_ino for f in sorted(os.listdir(path))} == before else 'rewritten')
+os.remove(os.path.join(path, '.metadata'))  # a save cut short: written again
+save_dcp({'w': torch.arange(4.0)}, extra, path, None)
+wait_for_saves()
+print('whole' if os.path.isfile(os.path.join(path, '.metadata')) else 'cut short')
+dist.destroy_process_group()
+'''
+
+
+def test_a_save_to_the_step_of_a_whole_dcp_folder_of_the_run_keeps_it(tmp_path):
+    # a run killed after its step-4 folder and its memory snapshot of step 4, resumed from the snapshot: its first
+    # eval left the folder that latest names removed while it wrote it again
+    (tmp_path / 'save_twice.py').write_text(SAVE_TWICE)
+    p = run(tmp_path / 'save_twice.py', tmp_path, REPO, cwd=tmp_path)
+    assert [line for line in p.stdout.splitlines() if not line.startswith('saving')] == ['kept', 'whole']
+    assert (tmp_path / 'dcp' / 'latest').read_text() == 'step-00000004'
