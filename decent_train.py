@@ -6,7 +6,7 @@ parameters with a few peers that a topology picks.
 Ring, 8 GPUs:     torchrun --standalone --nproc_per_node=8 decent_train.py config/train_gpt2.py --topology=ring
 Two nodes:        torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HEAD:29500 \
                       decent_train.py config/train_gpt2.py --topology=alternating-exp-ring \
-                      --replica_optimizer=accumadamw
+                      --replica_optimizer=accumadamw --batch_size=8 --gradient_accumulation_steps=64
 
 Everything but the distribution is train.py's. A topology is a cycle of mixing rounds; in each round every group
 of ranks averages its replicas (an all-reduce within the group). A bucket of parameters is updated and starts

@@ -5,7 +5,7 @@ over the data-parallel ranks, optionally offloaded to CPU memory (ZeRO-Offload) 
 torchrun, 8 GPUs:   torchrun --standalone --nproc_per_node=8 ds_train.py config/train_gpt2.py --zero_stage=2
 deepspeed, 8 GPUs:  deepspeed --num_gpus 8 ds_train.py config/train_gpt2.py --zero_stage=3 --offload_optimizer=cpu
 Two nodes:          torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HEAD:29500 \
-                        ds_train.py config/train_gpt2.py
+                        ds_train.py config/train_gpt2.py --batch_size=8 --gradient_accumulation_steps=64
 
 Everything but the distribution is train.py's: config keys, data stream, logging, eval and exact resume. The
 DeepSpeed config is generated from train.py's keys, so that one config trains on the same global batch in tokens

@@ -3,7 +3,7 @@ Trains a GPT with pipeline parallelism (torch.distributed.pipelining), and data 
 
 4 stages, 4 GPUs: torchrun --standalone --nproc_per_node=4 pp_train.py config/train_gpt2.py --pp_size=4
 PP x DP, 2 nodes: torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HEAD:29500 \
-                      pp_train.py config/train_gpt2.py --pp_size=8 --pp_schedule=interleaved-1f1b
+                      pp_train.py config/train_gpt2.py --pp_size=4 --pp_schedule=interleaved-1f1b
 
 The global batch in tokens, the data stream and the logged loss do not depend on the world size, and a run
 resumed from its checkpoint repeats the uninterrupted run exactly (RNG and data position are saved with it).
