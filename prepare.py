@@ -699,8 +699,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     argv = seeds.prepare_args(argv) or argv  # DLRover's --src_data_path FILE, as ours
     if argv[:1] in (['-h'], ['--help']):
-        print(__doc__.strip())
-        sys.exit(0)
+        configure(globals(), argv[:1])  # this docstring and the keys with their defaults, as every script's -h
     if not argv or argv[0] not in DATASETS:
         given = argv[0] if argv else 'nothing'
         sys.exit(f"error: unknown dataset {given!r}: use one of {', '.join(DATASETS)} (or DLRover's "

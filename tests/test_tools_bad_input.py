@@ -158,6 +158,7 @@ def test_plot_a_format_whose_backend_is_missing_is_one_line_and_leaves_nothing(t
 def test_help_prints_what_the_script_does(tmp_path, script):
     p = run(script, '-h', cwd=tmp_path)
     assert p.stdout.split()[0] in ('Draws', 'Prepares', 'Sizes') and list(tmp_path.iterdir()) == [], p.stdout
+    assert "its keys, with their defaults" in p.stdout and "\n  --" in p.stdout  # and the keys, as every script's
 
 
 def test_plot_writes_the_format_its_extension_names(tmp_path, metrics):
