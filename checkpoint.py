@@ -46,34 +46,37 @@ def find_checkpoint(path):
     run, name = os.path.split(os.path.normpath(path))
     if name in ('latest', 'best') and os.path.basename(run) in ('dcp', 'ds', 'decent') and os.path.isfile(path):
         # the file beside the step folders that names the newest or the best: the folder it names
-        with open(path) as f:
-            name = f.read(100).strip()
-        if not re.fullmatch(r'(best-)?step-\d+', name):  # a name read from a file never leads out of its folder
-            raise ValueError(f"{path} names {name[:40]!r}, not a step-N folder")
-        return os.path.join(run, name)
+        return os.path.join(run, _named(path, r'(best-)?step-\d+', 'step-N'))
     if name == 'best' and not os.path.exists(path) and os.path.isdir(run or '.'):
         pointer, best_pt = os.path.join(run, 'dcp', 'best'), os.path.join(run, 'best.pt')
         if not os.path.exists(pointer):
             return best_pt
-        with open(pointer) as f:
-            name = f.read(100).strip()
-        if not re.fullmatch(r'best-step-\d+', name):  # a name read from a file never leads out of its folder
-            raise ValueError(f"{pointer} names {name[:40]!r}, not a best-step-N folder")
+        name = _named(pointer, r'best-step-\d+', 'best-step-N')
         # both, where one entrypoint continued another's run: the newer is the better (a best replaces one only
         # for a lower val loss, and a resumed run carries that loss on)
         return best_pt if _saved_iter(best_pt) >= int(name[10:]) else os.path.join(run, 'dcp', name)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, 'extra.pt')):
         latest = os.path.join(path, 'dcp', 'latest')
         if os.path.exists(latest):
-            with open(latest) as f:
-                name = f.read(100).strip()
-            if not re.fullmatch(r'step-\d+', name):  # a name read from a file never leads out of its folder
-                raise ValueError(f"{latest} names {name[:40]!r}, not a step-N folder")
+            name = _named(latest, r'step-\d+', 'step-N')
             # the newer of it and ckpt.pt, which is newer where train.py continued the run from its export
             ckpt = os.path.join(path, 'ckpt.pt')
             return ckpt if _saved_iter(ckpt) > int(name[5:]) else os.path.join(path, 'dcp', name)
         return os.path.join(path, 'ckpt.pt')
     return path
+
+
+def _named(pointer, pattern, what):
+    """The folder name that a latest or best file holds. A name read from a file never leads out of its folder; a
+    pointer that names none, or cannot be read (a folder in its place), is a ValueError, as for bad input."""
+    try:
+        with open(pointer) as f:
+            name = f.read(100).strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{pointer} cannot be read ({reason(e)})") from None
+    if not re.fullmatch(pattern, name):
+        raise ValueError(f"{pointer} names {name[:40]!r}, not a {what} folder")
+    return name
 
 
 def _saved_iter(path):
@@ -988,8 +991,9 @@ def checkpoint_or_exit(path, fix):
     except Exception as e:
         try:
             path = getattr(e, 'checkpoint_path', None) or find_checkpoint(path)
-        except ValueError:
-            pass
+        except ValueError as bad:  # a latest or best file that names no step folder: the run's state is all there
+            sys.exit(f"error: {bad}: give a step folder or a ckpt.pt of the run (its training goes by the step "
+                     f"folders themselves)")
         # "delete" only for what is a damaged checkpoint: a sharded folder, or a file named as ours (ckpt.pt,
         # ckpt.prev.pt, best.pt) that torch.load could not read. Any other file (DCP's extra.pt,
         # DeepSpeed's model states, a config.json, a meta.pkl, another project's .pt) may be a run's good state.

@@ -284,8 +284,12 @@ def check_config(config):
             sys.exit("error: device=mps but this machine has no Apple GPU torch can use: use --device=cpu (or auto)")
     from checkpoint import find_checkpoint  # here: the config convention itself needs no torch
     init_from = config.get('init_from', 'scratch')
-    if init_from not in ('scratch', 'resume', 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') and \
-            not os.path.exists(init_from) and not os.path.exists(find_checkpoint(init_from)):  # RUN/best
+    try:
+        named = init_from in ('scratch', 'resume', 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') or \
+            os.path.exists(init_from) or os.path.exists(find_checkpoint(init_from))  # RUN/best
+    except ValueError as e:  # a dcp/best that names no best-step folder
+        sys.exit(f"error: init_from={init_from!r}: {e}: give a step folder or a ckpt.pt of that run")
+    if not named:
         sys.exit(f"error: unknown init_from={init_from!r}: use scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl "
                  f"or the path of a checkpoint (a ckpt.pt, a sharded checkpoint folder, a run's out_dir, or "
                  f"out_dir/best for its best)")

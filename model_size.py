@@ -49,7 +49,10 @@ stages_per_rank = 1  # interleaved-1f1b's stages per rank
 def saved_shape(path):
     """The model_args a checkpoint (a ckpt.pt, a sharded folder, a run folder) was saved with, read without its
     weights (mmap): sizing never loads or builds a model."""
-    ckpt = find_checkpoint(path)
+    try:
+        ckpt = find_checkpoint(path)
+    except ValueError as e:  # a latest or best file that names no step folder
+        sys.exit(f"error: {e}: give a step folder or a ckpt.pt of the run, or --n_layer, --n_head, --n_embd")
     ckpt = os.path.join(ckpt, 'extra.pt') if os.path.isdir(ckpt) else ckpt
     # a run folder: its newest ckpt.pt version that loads, as the other tools read it
     versions = run_versions(path, ckpt)

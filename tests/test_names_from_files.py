@@ -40,7 +40,23 @@ def test_a_planted_dcp_latest_is_refused_by_the_tools(tmp_path, shared_run):
     (out / 'dcp' / 'latest').write_text('../../elsewhere')
     p = run('sample.py', f'--out_dir={out}', '--device=cpu', '--num_samples=1', '--max_new_tokens=5', cwd=tmp_path,
             check=False)
-    assert 'not a step-N folder' in one_line_error(p)
+    assert 'not a step-N folder' in one_line_error(p) and 'delete' not in one_line_error(p)  # it said: delete RUN
+
+
+def test_a_latest_or_best_file_that_names_no_folder_is_one_line_in_every_tool(tmp_path):
+    # a folder in a pointer's place, or junk in it, was a traceback (sample.py, export_hf.py, model_size.py, and
+    # train.py's --init_from=RUN/best), or "checkpoint RUN is corrupt: delete it", of a run whose state is all there
+    (tmp_path / 'a' / 'dcp' / 'latest').mkdir(parents=True)
+    (tmp_path / 'b' / 'dcp').mkdir(parents=True)
+    (tmp_path / 'b' / 'dcp' / 'latest').write_text('junk')
+    (tmp_path / 'b' / 'dcp' / 'best').write_text('junk')
+    cases = [(('sample.py', '--init_from=a', '--device=cpu'), "a/dcp/latest cannot be read (IsADirectoryError"),
+             (('export_hf.py', '--ckpt=b', '--out=hf'), "b/dcp/latest names 'junk', not a step-N folder: give a step"),
+             (('model_size.py', 'b'), "b/dcp/latest names 'junk', not a step-N folder: give a step"),
+             (('train.py', '--init_from=b/best', '--out_dir=out'), "b/dcp/best names 'junk', not a best-step-N")]
+    for args, says in cases:
+        assert says in one_line_error(run(*args, cwd=tmp_path, check=False)), args
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['a', 'b']
 
 
 def test_a_planted_dcp_best_never_leads_a_new_best_to_remove_a_folder_elsewhere(tmp_path, data_dir, shared_run):
