@@ -306,7 +306,7 @@ if checkpoint is not None:
         sys.exit(f"error: {resume_path} holds the state of replica_optimizer={saved_optimizer}: resume with "
                  f"--replica_optimizer={saved_optimizer}, or start a new run from its averaged weights with "
                  f"--init_from={ckpt_path} and another --out_dir")
-    if 'optimizers' in checkpoint and 'diloco' in checkpoint and not diloco_steps:  # a forgotten flag, most likely
+    if 'diloco' in checkpoint and not diloco_steps:  # a forgotten flag, most likely (a folder's, or ckpt.pt's)
         sys.exit(f"error: {resume_path} holds a DiLoCo run (diloco_steps={saved_config.get('diloco_steps')}): resume "
                  f"with its --diloco_steps, or start a gossip run from its global model with --init_from={ckpt_path} "
                  f"and another --out_dir")

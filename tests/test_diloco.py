@@ -134,6 +134,11 @@ def test_a_diloco_run_resumed_without_diloco_steps_is_refused_and_kept(tmp_path,
                                       f"a gossip run from its global model with --init_from="
                                       f"{tmp_path / 'run' / 'ckpt.pt'} and another --out_dir")
     assert {f: f.read_bytes() for f in (tmp_path / 'run').rglob('*') if f.is_file() and f.name != 'run.lock'} == before
+    shutil.rmtree(tmp_path / 'run' / 'decent')  # its step folders lost: ckpt.pt (θ_global, the outer momentum) resumes
+    before = {f: f.read_bytes() for f in (tmp_path / 'run').rglob('*') if f.is_file() and f.name != 'run.lock'}
+    p = launch(tmp_path, data_dir, 'run', *[a for a in ARGS if 'diloco' not in a], '--max_iters=8', check=False)
+    assert 'holds a DiLoCo run (diloco_steps=3): resume with its --diloco_steps' in one_line_error(p)  # it went on
+    assert {f: f.read_bytes() for f in (tmp_path / 'run').rglob('*') if f.is_file() and f.name != 'run.lock'} == before
 
 
 def test_ckpt_pt_holds_the_global_model_for_sample_and_export(tmp_path, data_dir, windows):
