@@ -134,10 +134,13 @@ path = os.path.join(sys.argv[1], 'dcp', 'step-00000004')
 extra = {'iter_num': 4, 'run_id': 'a' * 32}
 save_dcp({'w': torch.arange(4.0)}, extra, path, None)
 wait_for_saves()
-before = {f: os.stat(os.path.join(path, f)).st_ino for f in sorted(os.listdir(path))}
+open(os.path.join(path, 'marker'), 'w').close()  # gone if the folder is removed and written again
 save_dcp({'w': torch.arange(4.0)}, extra, path, None)  # resumed from a memory snapshot of step 4: its first eval
 wait_for_saves()
-print('kept' if {f: os.stat(os.path.join(path, f)).st_ino for f in sorted(os.listdir(path))} == before else 'rewritten')
+print('kept' if os.path.exists(os.path.join(path, 'marker')) else 'rewritten')
+save_dcp({'w': torch.arange(4.0)}, {**extra, 'val_loss': 1.0}, path, None, best=True)  # a new best: its val loss
+wait_for_saves()
+print('kept' if os.path.exists(os.path.join(path, 'marker')) else 'rewritten')
 os.remove(os.path.join(path, '.metadata'))  # a save cut short: written again
 save_dcp({'w': torch.arange(4.0)}, extra, path, None)
 wait_for_saves()
@@ -151,5 +154,6 @@ def test_a_save_to_the_step_of_a_whole_dcp_folder_of_the_run_keeps_it(tmp_path):
     # eval left the folder that latest names removed while it wrote it again
     (tmp_path / 'save_twice.py').write_text(SAVE_TWICE)
     p = run(tmp_path / 'save_twice.py', tmp_path, REPO, cwd=tmp_path)
-    assert [line for line in p.stdout.splitlines() if not line.startswith('saving')] == ['kept', 'whole']
+    assert [line for line in p.stdout.splitlines() if not line.startswith('saving')] == ['kept', 'rewritten', 'whole']
     assert (tmp_path / 'dcp' / 'latest').read_text() == 'step-00000004'
+    assert torch.load(tmp_path / 'dcp' / 'best-step-00000004' / 'extra.pt', weights_only=True)['val_loss'] == 1.0
