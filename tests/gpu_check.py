@@ -1,10 +1,11 @@
 """
-Proves and measures every entrypoint on one GPU, a part per command, each printing one table last (issue: "On the
-GPU"). A lent GPU machine runs one command for at most 10 minutes, so each part fits in one, by its --deadline.
+Proves and measures every entrypoint on one GPU, parts of it per command, each printing one table last (issue: "On
+the GPU"). A lent GPU machine gives a session 15 minutes in all, its start included, and one command at most 10; so
+one command runs parts A and B and a later session's runs L and C, each part within its own seconds.
 
 On a GPU machine (the device tool's; DeepSpeed travels as wheels in .whl/, tiny Shakespeare as .gpu/input.txt, both
 made by tests/gpu_carry.sh; docs/speed.md has the calls):
-    python tests/gpu_check.py --parts=A --deadline=540 --input=.gpu/input.txt --wheels=.whl --out=$OUT
+    python tests/gpu_check.py --parts=A:250,B:300 --deadline=570 --input=.gpu/input.txt --wheels=.whl --out=$OUT
 On CPU, at tiny sizes, so that its own logic is proven before a GPU run relies on it (tests/test_gpu_check.py):
     python tests/gpu_check.py --dry_run --input=../shared/data/tinyshakespeare/input.txt
 
@@ -46,14 +47,21 @@ p.add_argument('--input', default=os.path.join(REPO, 'data', 'shakespeare_char',
                help="tiny Shakespeare's input.txt")
 p.add_argument('--wheels', default='', help='a folder of wheels to install first where DeepSpeed is missing')
 p.add_argument('--out', default='', help='where logs and the table go (default: a temporary folder)')
-p.add_argument('--parts', default='ABLC', help='which parts to run, in this order')
+p.add_argument('--parts', default='ABLC', help='which parts to run, in this order, each with its own seconds if '
+               'given (A:250,B:320): a part stops its runs when its seconds are up, and the next part begins')
 p.add_argument('--entrypoints', default=','.join(ENTRYPOINTS), help='which entrypoints parts A and C run')
 p.add_argument('--deadline', type=float, default=0, help='seconds from the start after which no run begins, and '
                'by which every run is stopped; its checks are rows "not reached". 0: none')
-p.add_argument('--jobs', type=int, default=0, help="part A's runs at a time (0: 6 on a GPU, 2 dry)")
+p.add_argument('--jobs', type=int, default=0, help="part A's runs at a time (0: 12 on a GPU, 2 dry)")
 p.add_argument('--batch', type=int, default=0, help="part L's micro-batch (0: part B's fastest, else 16)")
 args = p.parse_args()
 dry = args.dry_run
+plan = []  # [(part, its seconds or 0)], from 'ABLC' or 'A:250,B:320'
+for item in args.parts.split(',') if ',' in args.parts or ':' in args.parts else args.parts:
+    part, _, secs = item.partition(':')
+    if part not in ('A', 'B', 'L', 'C') or secs and not secs.replace('.', '', 1).isdigit():
+        sys.exit(f"error: --parts={args.parts}: give parts of ABLC in order, as ABLC or as A:250,B:320 (seconds)")
+    plan.append((part, float(secs or 0)))
 chosen = args.entrypoints.split(',')
 work = tempfile.mkdtemp(prefix='gpu_check-')
 out = args.out or work
@@ -120,8 +128,12 @@ def wrapped(how, cmd, script):
     return cmd[:at] + [path] + cmd[at:]
 
 
+part_ends = float('inf')  # the time at which the running part's seconds are up
+
+
 def left():
-    return args.deadline - (time.time() - BEGAN) if args.deadline else float('inf')
+    """Seconds to the deadline or the end of the part's seconds, whichever comes first."""
+    return min(args.deadline - (time.time() - BEGAN) if args.deadline else float('inf'), part_ends - time.time())
 
 
 def log_name(name):
@@ -216,22 +228,13 @@ def trains(part, what, code, secs, name):
 
 
 def entrypoint(script):
-    """An entrypoint's runs in order: trains and saves, stops halfway and resumes exactly, is sampled and exported."""
-    name, half = script[:-3], STEPS // 2
-    extra = ['--zero_stage=2'] if script == 'ds_train.py' else []
-    full, first = f'{name}-full', f'{name}-half'
-    code, _, secs = run(full, torchrun(script, extra + [f'--out_dir={full}', f'--eval_interval={half}']))
-    curve = trains('A', f'{script} trains', code, secs, full)
+    """An entrypoint's whole run: it trains and saves, is sampled and exported."""
+    name, extra = script[:-3], ['--zero_stage=2'] if script == 'ds_train.py' else []
+    full = f'{name}-full'
+    code, _, secs = run(full, torchrun(script, extra + [f'--out_dir={full}', f'--eval_interval={STEPS // 2}']))
+    trains('A', f'{script} trains', code, secs, full)
     saved = os.path.exists(os.path.join(work, full, 'ckpt.pt')) or os.path.isdir(os.path.join(work, full, 'dcp'))
     row('A', f'{script} checkpoint', code == 0 and saved, full if code is not None else exited(code))
-    # stopped halfway (a run to max_iters=half), then resumed to the end: the same last loss, bit for bit
-    code1, _, _ = run(first, torchrun(script, extra + [f'--out_dir={first}', f'--eval_interval={half}',
-                                                         f'--max_iters={half}']))
-    code2, _, _ = run(first + '-resumed', torchrun(script, extra + [f'--out_dir={first}', f'--eval_interval={half}']))
-    resumed = losses(first)
-    same = bool(curve) and resumed.get(STEPS - 1) == curve.get(STEPS - 1)
-    row('A', f'{script} exact resume', code1 == 0 and code2 == 0 and same,
-        f"last loss {resumed.get(STEPS - 1)} vs {curve.get(STEPS - 1)}" if code2 is not None else exited(code2))
     code, text, _ = run(f'{name}-sample', [sys.executable, os.path.join(REPO, 'sample.py'), f'--out_dir={full}',
                                            '--num_samples=1', '--max_new_tokens=40', *SYSTEM[:1 if dry else 0]])
     row('A', f'{script} sample.py', code == 0, text.strip().splitlines()[-1][:40] if text.strip() else '')
@@ -240,6 +243,26 @@ def entrypoint(script):
     said = [line for line in text.strip().splitlines() if '%|' not in line]  # not its progress bars
     row('A', f'{script} export_hf.py', code == 0 and os.path.isdir(os.path.join(work, f'{name}-hf')),
         said[-1][:60] if said else '')
+
+
+def halves(script):
+    """The same run stopped halfway (a run to max_iters=half) and resumed to the end, beside the whole run; returns
+    the two exit codes, for resumed() to compare with the whole run's once both are done."""
+    name, extra = script[:-3], ['--zero_stage=2'] if script == 'ds_train.py' else []
+    first = f'{name}-half'
+    code1, _, _ = run(first, torchrun(script, extra + [f'--out_dir={first}', f'--eval_interval={STEPS // 2}',
+                                                         f'--max_iters={STEPS // 2}']))
+    code2, _, _ = run(first + '-resumed', torchrun(script, extra + [f'--out_dir={first}',
+                                                                    f'--eval_interval={STEPS // 2}']))
+    return code1, code2
+
+
+def resumed(script, code1, code2):
+    """The run resumed halfway ends on the whole run's last loss, bit for bit."""
+    curve, again = losses(f'{script[:-3]}-full'), losses(f'{script[:-3]}-half')
+    same = bool(curve) and again.get(STEPS - 1) == curve.get(STEPS - 1)
+    row('A', f'{script} exact resume', code1 == 0 and code2 == 0 and same,
+        f"last loss {again.get(STEPS - 1)} vs {curve.get(STEPS - 1)}" if code2 is not None else exited(code2))
 
 
 def recipe():
@@ -320,9 +343,10 @@ parts = {}
 
 
 def part_a():
-    jobs = args.jobs or (2 if dry else 8)
+    jobs = args.jobs or (2 if dry else 12)
     work_list = [] if dry else [(recipe, ())]  # the longest first; at tiny sizes it could not reach its loss
-    work_list += [(entrypoint, (script,)) for script in ENTRYPOINTS if script in chosen]
+    scripts = [script for script in ENTRYPOINTS if script in chosen]
+    work_list += [(f, (script,)) for script in scripts for f in (entrypoint, halves)]
     variants = [('fsdp_train.py', ['--cpu_offload=True', '--activation_checkpointing=True'], 'fsdp-offload-ac'),
                 ('ds_train.py', ['--zero_stage=2', '--offload_optimizer=cpu'], 'zero2-offload'),
                 ('ds_train.py', ['--zero_stage=3', '--offload_optimizer=cpu'], 'zero3-offload')]
@@ -330,13 +354,16 @@ def part_a():
         variants.append(('train.py', ['--dtype=float16'], 'train-fp16'))
     work_list += [(variant, v) for v in variants if v[0] in chosen] + [(sigkill, ())]
     with ThreadPoolExecutor(jobs) as pool:
-        for future in [pool.submit(f, *a) for f, a in work_list]:
-            future.result()  # a check's own exception stops the script, as it would run alone
+        futures = [(f, a, pool.submit(f, *a)) for f, a in work_list]
+        for f, a, future in futures:
+            result = future.result()  # a check's own exception stops the script, as it would run alone
+            if f is halves:
+                resumed(*a, *result)
 
 
 def part_b():
     best = None
-    for b in [2] if dry else [12, 24, 48]:
+    for b in [2] if dry else [12, 32]:  # nanoGPT's batch, and one that fills more of the GPU
         r, failed = bench(f'bench-b{b}', [f'--batch_size={b}'])
         row('B', f'bench.py batch {b}', r, speed(r) if r else failed)
         if r and (best is None or r['tokens_per_sec'] > best['tokens_per_sec']):
@@ -447,7 +474,8 @@ def part_c():
             exited(code, secs))
 
 
-for part in args.parts:
+for part, seconds in plan:
+    part_ends = time.time() + seconds if seconds else float('inf')
     {'A': part_a, 'B': part_b, 'L': part_l, 'C': part_c}[part]()
 
 print(f'\n{time.time() - BEGAN:.0f} s in all\n| part | check | result | figure |\n| --- | --- | --- | --- |')
@@ -455,7 +483,7 @@ order = {part: i for i, part in enumerate('ABLC')}
 for part, what, ok, figure in sorted(rows, key=lambda r: order[r[0]]):
     print(f"| {part} | {what} | {'ok' if ok else 'FAIL'} | {figure} |")
 if args.out:
-    shutil.make_archive(os.path.join(out, f'logs-{args.parts}'), 'gztar', logs)
+    shutil.make_archive(os.path.join(out, 'logs-' + ''.join(part for part, _ in plan)), 'gztar', logs)
 else:
     shutil.rmtree(work, ignore_errors=True)
 sys.exit(0 if rows and all(ok for _, _, ok, _ in rows) else 1)

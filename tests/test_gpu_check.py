@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, SHAKESPEARE, env
 
 
@@ -46,14 +48,24 @@ def test_gpu_check_fails_where_a_check_fails(tmp_path):
     assert p.returncode != 0 and p.stderr.strip().startswith('error: no ') and len(p.stderr.strip().splitlines()) == 1
 
 
-def test_gpu_check_keeps_its_deadline_and_still_prints_the_table(tmp_path):
-    # a GPU machine runs one command for at most 10 minutes: a part cut short by --deadline says which checks it
-    # did not reach, in the table, and fails
+@pytest.mark.parametrize('limits', [['--parts=AL', '--deadline=1'], ['--parts=A:1,L:1']])
+def test_gpu_check_keeps_its_deadline_and_still_prints_the_table(tmp_path, limits):
+    # a GPU machine runs one command for at most 10 minutes: a part cut short by --deadline, or by its own seconds,
+    # says which checks it did not reach, in the table, and fails
     p = subprocess.run([sys.executable, str(REPO / 'tests' / 'gpu_check.py'), '--dry_run', '--entrypoints=train.py',
-                        '--parts=AL', '--deadline=1', f'--input={SHAKESPEARE}', f'--out={tmp_path / "out"}'],
+                        *limits, f'--input={SHAKESPEARE}', f'--out={tmp_path / "out"}'],
                        cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 1
     rows = json.loads((tmp_path / 'out' / 'table.json').read_text())
     assert {part for part, *_ in rows} == {'A', 'L'} and len(rows) == 7
     assert all(not ok and figure == 'not reached: the deadline came first' for _, _, ok, figure in rows), rows
     assert p.stdout.splitlines()[-1].startswith('| L | plain step')
+
+
+@pytest.mark.parametrize('parts', ['ABX', 'A:1,Q:2', 'A:ten', 'AB:5'])
+def test_gpu_check_refuses_parts_it_does_not_know_in_one_line(tmp_path, parts):
+    p = subprocess.run([sys.executable, str(REPO / 'tests' / 'gpu_check.py'), '--dry_run', f'--parts={parts}',
+                        f'--input={SHAKESPEARE}', f'--out={tmp_path / "out"}'], cwd=tmp_path, env=env(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and p.stderr.strip().startswith(f'error: --parts={parts}: ') and \
+        len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / 'out').exists()
