@@ -30,10 +30,12 @@ RENAMES = {
     'n_layers': ("Decent-DP's", 'n_layer'),
     'n_heads': ("Decent-DP's", 'n_head'),
     'accum_steps': ("Decent-DP's", 'moment_accum_steps'),  # AccumAdamW's steps a moment update
+    'save_dir': ("DLRover's", 'out_dir'),  # the folder of its checkpoints; its out_dir there is unused
 }
 # the default of a seed's flag, whose type says how `--key VALUE` and a bare `--key` read
 FLAG_DEFAULTS = {'data_dir': '', 'log_dir': '', 'epochs': 0, 'use_nnscaler': False, 'plan_ngpus': 0,
-                 'runtime_ngpus': 0, 'in_memory': False, 'amp': False}
+                 'runtime_ngpus': 0, 'in_memory': False, 'amp': False, 'save_dir': '', 'use_fsdp': False,
+                 'use_native_ckpt': False}
 
 # DLRover's nanoGPT example's defaults where they differ from ours (add_train_args in its train_utils.py, which its
 # train.py, fsdp_train.py and ds_train.py share), for the keys its command line leaves out. Not its epochs=1: its
@@ -157,7 +159,8 @@ def translate(key, value, where, source, ctx):
     if key in ('plan_ngpus', 'runtime_ngpus'):
         plan, runtime = ctx['flags'].get('plan_ngpus'), ctx['flags'].get('runtime_ngpus')
         plan = plan if plan is not None else 'P'
-        runtime = runtime if runtime is not None else 'N'
+        # nnScaler's runtime_ngpus=-1 (its default) means all of torchrun's WORLD_SIZE, whatever it is
+        runtime = runtime if runtime is not None and runtime != -1 else 'N'
         if type(plan) is int and plan < 1:
             sys.exit(f"error: {where}: nnScaler's --plan_ngpus={plan}: a model is split over 1 GPU or more")
         if plan == 1:
@@ -180,6 +183,16 @@ def translate(key, value, where, source, ctx):
     if key == 'use_nnscaler':
         sys.exit(f"error: {where}: nnScaler's switch has no counterpart: every entrypoint here is plain PyTorch "
                  f"(train.py is its use_nnscaler=False, fsdp_train.py --tp_size=N its plan_ngpus=N); leave it out")
+    if key == 'use_fsdp' and script in TRAINERS and type(value) is bool:  # DLRover's README: train.py --use_fsdp
+        if value and script != 'fsdp_train.py':
+            sys.exit(f"error: {where}: DLRover's --use_fsdp is fsdp_train.py here: run it in place of {script}, "
+                     f"with the same flags and launcher (`dlrover-run ... fsdp_train.py ...`)")
+        _note(ctx, where, source, shown, f"nothing to set ({script})", "DLRover's")
+        return []
+    if key == 'use_native_ckpt' and 'save_storage_interval' in keys and type(value) is bool:
+        # its torch.save'd checkpoints rather than flash ones: ckpt.pt here is one, and snapshots in memory only add
+        _note(ctx, where, source, shown, "nothing to set (out_dir's ckpt.pt is written with torch.save)", "DLRover's")
+        return []
     if key.startswith('lora_'):
         sys.exit(f"error: {where}: DLRover's LoRA has no counterpart here: finetune the whole model "
                  f"(--init_from=gpt2 or a checkpoint, as config/finetune_shakespeare.py does); leave it out")

@@ -185,6 +185,11 @@ def test_data_dir_is_a_path_that_decent_dps_dataset_label_does_not_replace(tmp_p
     ('train.py', ['--topology=exp'], 'decent_train.py'),
     ('train.py', ['--lora_rank', '4'], 'no counterpart'),
     ('train.py', ['data_config.path=in.txt'], 'python prepare.py text --input=in.txt --tokenizer=char'),  # CharDataset
+    # nnScaler's runtime_ngpus=-1 (its default) is torchrun's WORLD_SIZE: not a count of -1 GPUs
+    ('train.py', ['--plan_ngpus', '2', '--runtime_ngpus', '-1'], '--runtime_ngpus=N is `torchrun --nproc_per_node=N '
+     'fsdp_train.py --tp_size=2 ... (each model split over 2 GPUs'),
+    ('train.py', ['--plan_ngpus=1', '--runtime_ngpus=-1'], '`torchrun --nproc_per_node=N train.py'),
+    ('train.py', ['--data_dir', './', '--use_fsdp'], "DLRover's --use_fsdp is fsdp_train.py here"),  # its README's
 ])
 def test_other_meanings_name_our_command(script, argv, says):
     assert says in error_of(script, argv)
@@ -194,6 +199,15 @@ def test_use_nnscaler_false_is_what_every_entrypoint_is(capsys):
     for off in ('False', 'false', '0'):
         assert config_of('train.py', [f'--use_nnscaler={off}', '--n_layer=2'])['n_layer'] == 2
         assert 'plain PyTorch, nothing to set' in capsys.readouterr().out
+
+
+def test_dlrover_checkpoint_flags_are_taken(capsys):
+    # its --save_dir is the folder of its checkpoints, our out_dir; --use_fsdp is what fsdp_train.py is
+    assert config_of('train.py', ['--save_dir', '/tmp/ck', '--use_native_ckpt'])['out_dir'] == '/tmp/ck'
+    out = capsys.readouterr().out
+    assert "--save_dir /tmp/ck is DLRover's name: here --out_dir=/tmp/ck" in out and "ckpt.pt is written" in out
+    assert config_of('fsdp_train.py', ['--use_fsdp', '--n_layer', '2'])['n_layer'] == 2
+    assert "--use_fsdp is DLRover's name: here nothing to set (fsdp_train.py)" in capsys.readouterr().out
 
 
 def test_decent_dp_names_on_the_command_line():
