@@ -27,6 +27,7 @@ def read_run(path):
     if os.path.isdir(path):
         path = os.path.join(path, 'metrics.jsonl')
     steps, evals, hellaswag = [], [], []
+    before, launches = 0.0, 0.0  # a row's time counts from its launch: a resumed run's starts from 0 again
     with open(path, encoding='utf-8') as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -45,6 +46,10 @@ def read_run(path):
                     sys.exit(f"error: {path}:{n}: a row with '{kind}' lacks a number for '{bad[0]}': plot.py reads "
                              f"metrics.jsonl as the entrypoints write it; remove or repair that line")
                 rows.append(row)
+            if type(row.get('time')) in (int, float):
+                if row['time'] < before:  # the first row of a later launch: its time goes on from the one before's
+                    launches += before
+                before, row['time'] = row['time'], row['time'] + launches
     if not steps and not evals:
         sys.exit(f"error: {path} holds no logged step or eval yet: plot the run once it has logged one")
     return steps, evals, hellaswag
