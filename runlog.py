@@ -20,29 +20,44 @@ from checkpoint import reason, wait_for_saves
 from distributed import verdicts
 from keep import set_aside
 
+EVALS = ('val_loss', 'hellaswag_acc_norm')  # the rows of an iteration's evals, which come before its checkpoint
+
 
 def open_log(out_dir, run_id, settings, resumed_at=None, write=True, eval_only=False):
     """log(iter_num, **row) appends a row to out_dir/metrics.jsonl with the time since this call; the first call
     writes run_id and config.json (settings), and drops the rows that a resumed run (resumed_at: its iteration)
-    logged after its checkpoint, since they are about to be logged again. An eval_only run writes nothing but its
-    rows, appended and marked "eval_only": true: it evaluates a run (or a model), and is no run of its own, so a
-    resume keeps them (read_log). write=False (every rank but the first) makes log do nothing. A file that cannot be
-    written (a full disk) is a one-line error, with nothing half-written left."""
+    logged after its checkpoint, since they are about to be logged again; the evals at resumed_at itself came before
+    the checkpoint, and are kept unless the resumed run logs them again (the last eval of a finished run that is
+    extended, off eval_interval, is not). An eval_only run writes nothing but its rows, appended and marked
+    "eval_only": true: it evaluates a run (or a model), and is no run of its own, so a resume keeps them (read_log).
+    write=False (every rank but the first) makes log do nothing. A file that cannot be written (a full disk) is a
+    one-line error, with nothing half-written left."""
     t_start, metrics = time.time(), []
     mark = {'eval_only': True} if eval_only else {}
+    pending = []  # (kind, line): the evals logged at resumed_at, written once the resumed run has not redone them
+
+    def settle(iter_num, row):
+        """The pending evals to write before this row: those of another kind, once the run goes past them."""
+        pending[:] = [(kind, line) for kind, line in pending if not (iter_num == resumed_at and kind in row)]
+        if not pending or iter_num == resumed_at and any(kind in row for kind in EVALS):
+            return ''  # the resumed run may still redo the others at its first iteration
+        lines = ''.join(line for _, line in pending)
+        pending.clear()
+        return lines
 
     def log(iter_num, **row):
         text = json.dumps({'iter': iter_num, **row, **mark, 'time': round(time.time() - t_start, 3)}) + '\n'
         if metrics:
             if write and metrics[0] is not None:
-                metrics[0].write(text)
+                metrics[0].write(settle(iter_num, row) + text)
             return
         # the first row, which every rank logs at the same point: the ranks learn together whether rank 0 could
         # write the run's files, and all stop if it could not
         made, error = [], None  # the files that the first row's writes create, removed again should one fail
         if write:
             try:
-                metrics.append(_start(out_dir, run_id, settings, resumed_at, eval_only, text, made))
+                metrics.append(_start(out_dir, run_id, settings, resumed_at, eval_only, text, made, pending,
+                                      lambda: settle(iter_num, row)))
             except OSError as e:
                 for path in made:
                     if os.path.isfile(path):
@@ -60,10 +75,11 @@ def open_log(out_dir, run_id, settings, resumed_at=None, write=True, eval_only=F
     return log
 
 
-def _start(out_dir, run_id, settings, resumed_at, eval_only, first_row, made):
+def _start(out_dir, run_id, settings, resumed_at, eval_only, first_row, made, pending, settle):
     """The log file with its first row, opened to append to, once the files of the run are written (each whole or
-    not at all; those it makes listed in made). The log is read first (a damaged one set aside, see read_log), so
-    that nothing is rewritten before it is known readable."""
+    not at all; those it makes listed in made); pending gets the evals at resumed_at, and settle() those of them that
+    go before the first row. The log is read first (a damaged one set aside, see read_log), so that nothing is
+    rewritten before it is known readable."""
     path = os.path.join(out_dir, 'metrics.jsonl')
     if eval_only:
         if os.path.exists(path) and not os.path.isfile(path):
@@ -73,7 +89,7 @@ def _start(out_dir, run_id, settings, resumed_at, eval_only, first_row, made):
         f = open(path, 'a', buffering=1)
         f.write(('\n' if f.tell() and _last_byte(path) != b'\n' else '') + first_row)  # a row cut short stays apart
         return f
-    kept = read_log(path, resumed_at) if resumed_at is not None else []
+    kept, pending[:] = read_log(path, resumed_at) if resumed_at is not None else ([], [])
     os.makedirs(out_dir, exist_ok=True)
     if resumed_at is None and os.path.isfile(path) and os.path.getsize(path):
         # a run started afresh over an older run's log (--auto_resume=False): that log is kept beside, not cut
@@ -83,7 +99,7 @@ def _start(out_dir, run_id, settings, resumed_at, eval_only, first_row, made):
         os.replace(path, aside)
         print(f"{path} holds an earlier run's log: kept as {aside}", flush=True)
     for name, text in (('run_id', run_id), ('config.json', json.dumps(settings, indent=1)),
-                       ('metrics.jsonl', ''.join(kept) + first_row)):
+                       ('metrics.jsonl', ''.join(kept) + settle() + first_row)):
         if not os.path.exists(os.path.join(out_dir, name)):
             made.append(os.path.join(out_dir, name))
         try:
@@ -101,18 +117,18 @@ def _last_byte(path):
 
 def read_log(path, before):
     """The lines of the log at path whose rows precede iteration `before`, and those of eval_only runs (which the
-    resumed run does not log again). Lines that are not a JSON object of a row (cut short by a crash, not UTF-8,
-    edited by hand), or a folder in the log's place, are set aside into path.damaged-TIME, never lost, with a
-    one-line warning: a damaged log never blocks a resume."""
+    resumed run does not log again); and [(kind, line)] of the evals at `before` (EVALS). Lines that are not a JSON
+    object of a row (cut short by a crash, not UTF-8, edited by hand), or a folder in the log's place, are set aside
+    into path.damaged-TIME, never lost, with a one-line warning: a damaged log never blocks a resume."""
     if not os.path.lexists(path):
-        return []
+        return [], []
     aside = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
     if not os.path.isfile(path):
         os.replace(path, aside)
         print(f"warning: {path} was not a file; it was moved to {aside} and the log starts anew",
               file=sys.stderr, flush=True)
-        return []
-    kept, bad = [], []
+        return [], []
+    kept, evals, bad = [], [], []
     with open(path, 'rb') as f:
         for line in f:
             try:
@@ -125,13 +141,15 @@ def read_log(path, before):
                 continue
             if row.get('iter', 0) < before or row.get('eval_only') is True:
                 kept.append(line.decode('utf-8').rstrip('\n') + '\n')
+            elif row.get('iter') == before and (kinds := [kind for kind in EVALS if kind in row]):
+                evals.append((kinds[0], line.decode('utf-8').rstrip('\n') + '\n'))
     if bad:
         with open(aside + '.tmp', 'wb') as f:
             f.write(b''.join(bad))
         os.replace(aside + '.tmp', aside)
         print(f"warning: {len(bad)} unreadable line(s) of {path} set aside in {aside}; the run goes on",
               file=sys.stderr, flush=True)
-    return kept
+    return kept, evals
 
 
 def replace_text(path, text):

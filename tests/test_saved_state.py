@@ -134,6 +134,18 @@ def test_a_damaged_log_is_set_aside_and_the_run_goes_on(tmp_path, data_dir, shar
     assert sorted(read_metrics(tmp_path / 'run2')[0]) == [10, 11]
 
 
+def test_the_last_eval_of_a_finished_run_is_kept_when_the_run_is_extended(tmp_path, data_dir, shared_run):
+    # its eval at iter 10 came before its checkpoint at 10: a run resumed there logs it again only where it evaluates
+    # at 10 once more (10 is on its eval_interval), and must not drop it where it does not (off eval_interval 3)
+    for interval in ('3', '5'):
+        shutil.copytree(shared_run('train.py', *ARGS), tmp_path / interval)
+        start(tmp_path, data_dir, tmp_path / interval, '--max_iters=10')  # the same command again: evaluates at 10
+        p = start(tmp_path, data_dir, tmp_path / interval, '--max_iters=12', f'--eval_interval={interval}')
+        assert 'at iter 10' in p.stdout
+        assert [row['iter'] for row in read_metrics(tmp_path / interval)[1]] == [0, 5, 10, 12]
+        assert sorted(read_metrics(tmp_path / interval)[0]) == list(range(12))
+
+
 def test_a_checkpoint_that_cannot_be_written_stops_the_run_with_the_one_before_intact(tmp_path, data_dir,
                                                                                       shared_run, small_disk):
     size = (shared_run('train.py', *ARGS) / 'ckpt.pt').stat().st_size
