@@ -269,7 +269,8 @@ def check_config(config):
     if config.get('wandb_log'):
         import importlib.util
         if importlib.util.find_spec('wandb') is None:
-            sys.exit("error: wandb_log=True but wandb is not installed: pip install wandb, or drop --wandb_log")
+            # set by a flag or by a config file (Decent-DP's publishes wandb_log = true): a flag turns either off
+            sys.exit("error: wandb_log=True but wandb is not installed: pip install wandb, or add --wandb_log=False")
     if config.get('backend') in ('nccl', 'mpi') or config.get('device') == 'mps':
         import torch
         import torch.distributed as dist
