@@ -298,6 +298,13 @@ def translate(key, value, where, source, ctx):
             return []
         sys.exit(f"error: {where}: {key} is decent_train.py's: run {_decent_command(script, where, source)}, or "
                  f"leave it out for {script}")
+    # minGPT-DDP's key as a flag without its section (--max_epochs, --cpu_offload on train.py), where ours differs
+    hydra = [k for k in HYDRA if k.endswith(f'.{key}') and not HYDRA[k].startswith(f'--{key}=')]
+    if hydra and key not in keys and script in TRAINERS:
+        if key == 'distributed_method' and {'ddp': 'train.py', 'fsdp': 'fsdp_train.py'}.get(str(value)) == script:
+            _note(ctx, where, source, shown, f"nothing to set ({script})", "minGPT-DDP's")
+            return []
+        sys.exit(f"error: {where}: {key} is minGPT-DDP's {hydra[0]}: here {_hydra_ours(hydra[0], value)}")
     if key == 'topology' and value == 'exp' and key in keys:
         _note(ctx, where, source, f"topology={value!r}", "--topology=one-peer-exp", "Decent-DP's")
         return [(key, 'one-peer-exp')]
@@ -377,6 +384,14 @@ def prepare_args(args):
     return ours
 
 
+def _hydra_ours(key, value):
+    """Our command for minGPT-DDP's Hydra key (section.key) set to value."""
+    if key == 'trainer_config.distributed_method':
+        return {'ddp': 'train.py', 'fsdp': 'fsdp_train.py'}.get(str(value).lower(), HYDRA[key]) + \
+            ' as the script torchrun runs (`torchrun --nproc_per_node=N SCRIPT ...`)'
+    return HYDRA[key].format(value)
+
+
 def check_positional(arg):
     """A one-line error for minGPT-DDP's Hydra overrides (section.key=value), naming ours."""
     m = re.fullmatch(r'\+{0,2}([A-Za-z_]\w*(?:\.\w+)+)=(.*)', arg)
@@ -384,11 +399,7 @@ def check_positional(arg):
         return
     key, value = m.groups()
     if key in HYDRA:
-        ours = HYDRA[key].format(value)
-        if key == 'trainer_config.distributed_method':
-            ours = {'ddp': 'train.py', 'fsdp': 'fsdp_train.py'}.get(value.lower(), ours) + \
-                ' as the script torchrun runs (`torchrun --nproc_per_node=N SCRIPT ...`)'
-        sys.exit(f"error: {arg} is a Hydra override (minGPT-DDP's): here {ours}")
+        sys.exit(f"error: {arg} is a Hydra override (minGPT-DDP's): here {_hydra_ours(key, value)}")
     sys.exit(f"error: {arg} is a Hydra override (minGPT-DDP's): here keys are flags, --key=value, and config "
              f"files (docs/coming-from.md)")
 

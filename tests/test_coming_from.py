@@ -190,6 +190,11 @@ def test_data_dir_is_a_path_that_decent_dps_dataset_label_does_not_replace(tmp_p
      'fsdp_train.py --tp_size=2 ... (each model split over 2 GPUs'),
     ('train.py', ['--plan_ngpus=1', '--runtime_ngpus=-1'], '`torchrun --nproc_per_node=N train.py'),
     ('train.py', ['--data_dir', './', '--use_fsdp'], "DLRover's --use_fsdp is fsdp_train.py here"),  # its README's
+    # minGPT-DDP's Hydra keys written as flags without their section: ours, not 'did you mean max_iters?'
+    ('train.py', ['--cpu_offload=True'], "cpu_offload is minGPT-DDP's trainer_config.cpu_offload: here fsdp_train.py "
+     "--cpu_offload=True"),
+    ('ds_train.py', ['--max_epochs', '2'], "max_epochs is minGPT-DDP's trainer_config.max_epochs: here --epochs=2"),
+    ('train.py', ['--distributed_method', 'fsdp'], 'here fsdp_train.py as the script torchrun runs'),
 ])
 def test_other_meanings_name_our_command(script, argv, says):
     assert says in error_of(script, argv)
@@ -201,13 +206,16 @@ def test_use_nnscaler_false_is_what_every_entrypoint_is(capsys):
         assert 'plain PyTorch, nothing to set' in capsys.readouterr().out
 
 
-def test_dlrover_checkpoint_flags_are_taken(capsys):
+def test_dlrover_and_mingpt_flags_of_fsdp_are_taken(capsys):
     # its --save_dir is the folder of its checkpoints, our out_dir; --use_fsdp is what fsdp_train.py is
     assert config_of('train.py', ['--save_dir', '/tmp/ck', '--use_native_ckpt'])['out_dir'] == '/tmp/ck'
     out = capsys.readouterr().out
     assert "--save_dir /tmp/ck is DLRover's name: here --out_dir=/tmp/ck" in out and "ckpt.pt is written" in out
     assert config_of('fsdp_train.py', ['--use_fsdp', '--n_layer', '2'])['n_layer'] == 2
     assert "--use_fsdp is DLRover's name: here nothing to set (fsdp_train.py)" in capsys.readouterr().out
+    # minGPT-DDP's distributed_method on the script it names, and its FSDP fork's cpu_offload where it is a key
+    c = config_of('fsdp_train.py', ['--distributed_method=fsdp', '--cpu_offload=True'])
+    assert c['cpu_offload'] is True and 'here nothing to set (fsdp_train.py)' in capsys.readouterr().out
 
 
 def test_decent_dp_names_on_the_command_line():
