@@ -224,7 +224,7 @@ def translate(key, value, where, source, ctx):
     if key == 'n_steps' and 'max_iters' in keys:
         _note(ctx, where, source, shown, f"--max_iters={value} --lr_decay_iters={value}", "Decent-DP's")
         return [('max_iters', value), ('lr_decay_iters', value)]
-    if key == 'global_batch_size' and 'gradient_accumulation_steps' in keys and 'batch_size' in keys:
+    if key == 'global_batch_size' and 'batch_size' in keys:  # model_size.py has no gradient_accumulation_steps
         if value is True and source == 'flag':  # --global_batch_size alone
             needs_value(where)
         if type(value) is not int or value < 1:
@@ -235,7 +235,8 @@ def translate(key, value, where, source, ctx):
         accum = math.gcd(value, 16)
         _note(ctx, where, source, shown, f"--gradient_accumulation_steps={accum} --batch_size={value // accum}",
               "Decent-DP's")
-        return [('gradient_accumulation_steps', accum), ('batch_size', value // accum)]
+        pairs = (('gradient_accumulation_steps', accum), ('batch_size', value // accum))
+        return [(k, v) for k, v in pairs if k in keys]
     if key == 'betas' and 'beta1' in keys:
         if value is True and source == 'flag':  # --betas alone
             needs_value(where)

@@ -188,6 +188,7 @@ def test_model_size_reads_a_training_config_and_a_run_folder(tmp_path, shared_ru
     # train.py's ways: a TOML config (Decent-DP's names) and `--key value`
     p = run('model_size.py', str(REPO / 'config' / 'gpt2-small.toml'), '--n_layer', '2', cwd=tmp_path)
     assert ' 2 layers, 12 heads, 768 wide, block 1024, vocab 50304' in p.stdout
+    assert ', batch 30x1024 ' in p.stdout  # its global_batch_size = 480 is 16 micro-steps of 30, as train.py runs it
     # DLRover's command (SEEDS.md's, its --data_dir folder holding meta.pkl), sized as train.py runs it: with its
     # defaults for the keys the command leaves out, batch 32 x 128 (and no error for its keys this tool lacks)
     p = run('model_size.py', '--n_layer', '48', '--n_head', '16', '--n_embd', '1600', '--data_dir', './',
