@@ -45,6 +45,13 @@ DLROVER_DEFAULTS = {'n_layer': 6, 'n_head': 6, 'n_embd': 384, 'block_size': 128,
                     'decay_lr': False, 'warmup_iters': 0, 'lr_decay_iters': 10, 'compile': False,
                     'save_memory_interval': 20, 'save_storage_interval': 200}
 
+# the rest of its example's flags (add_train_args), which set how it trains and saves, not what a rank holds:
+# model_size.py, given its whole command, leaves them out
+DLROVER_RUN_FLAGS = ('out_dir', 'eval_interval', 'log_interval', 'eval_iters', 'eval_only', 'epochs', 'learning_rate',
+                     'max_iters', 'weight_decay', 'beta1', 'beta2', 'grad_clip', 'gradient_accumulation_steps',
+                     'decay_lr', 'warmup_iters', 'lr_decay_iters', 'min_lr', 'compile', 'save_memory_interval',
+                     'save_storage_interval', 'dropout', 'save_dir', 'use_native_ckpt', 'ds_config')
+
 # minGPT-DDP's Hydra overrides (key=value, no dashes) and ours
 HYDRA = {
     'trainer_config.batch_size': '--batch_size={}', 'trainer_config.max_epochs': '--epochs={}',
@@ -192,6 +199,9 @@ def translate(key, value, where, source, ctx):
     if key == 'use_native_ckpt' and 'save_storage_interval' in keys and type(value) is bool:
         # its torch.save'd checkpoints rather than flash ones: ckpt.pt here is one, and snapshots in memory only add
         _note(ctx, where, source, shown, "nothing to set (out_dir's ckpt.pt is written with torch.save)", "DLRover's")
+        return []
+    if script == 'model_size.py' and key in DLROVER_RUN_FLAGS and key not in keys and 'data_dir' in ctx['flags']:
+        _note(ctx, where, source, shown, "not a size, left out", "DLRover's")
         return []
     if key.startswith('lora_'):
         sys.exit(f"error: {where}: DLRover's LoRA has no counterpart here: finetune the whole model "
