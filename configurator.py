@@ -36,12 +36,16 @@ def config_keys(namespace):
     return {k: v for k, v in namespace.items() if not k.startswith('_') and not k.isupper() and type(v) in CONFIG_TYPES}
 
 
-def _check(key, value, defaults, where):
+def _check(key, value, defaults, where, script=''):
     if key == 'config' and 'config' not in defaults and isinstance(value, str):  # --config FILE, -c FILE elsewhere
         fix = f"write {value} without --config" if value.endswith(('.py', '.toml')) else \
             "a *.py or *.toml one (a YAML file's keys are --key=value flags here)"
         sys.exit(f"error: {where}: a config file is given by its path alone, first: {fix}")
     if key not in defaults:
+        owners = _owners(key, script)
+        if owners:  # another entrypoint's key: the user meant that mode
+            sys.exit(f"error: {where}: {key} is a key of {' and '.join(owners)}, not of {script}: run "
+                     f"{owners[0]} in its place, with the same flags and launcher (`torchrun ... {owners[0]} ...`)")
         close = difflib.get_close_matches(key, defaults, n=3, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(sorted(defaults))}"
         sys.exit(f"error: {where}: unknown config key '{key}'; {hint}")
@@ -54,6 +58,33 @@ def _check(key, value, defaults, where):
     if want is str and '\0' in value:  # a config file's "\x00": no path can hold one (os raises ValueError)
         sys.exit(f"error: {where}: {key}={value!r} holds a NUL byte (\\x00), which no path or name can: remove it")
     return value
+
+
+ENTRYPOINTS = ('train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py', 'pp_train.py')
+
+
+def _owners(key, script):
+    """The other entrypoints that have key in their config, where script is one of them: their keys are the names
+    assigned at the top of each before its configure() call, read as text, not run."""
+    if script not in ENTRYPOINTS:
+        return []
+    owners = []
+    for other in ENTRYPOINTS:
+        try:
+            with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), other), encoding='utf-8') as f:
+                body = ast.parse(f.read()).body
+        except (OSError, SyntaxError, ValueError):  # not beside this file (one script copied alone): no advice
+            continue
+        keys = set()
+        for node in body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and \
+                    getattr(node.value.func, 'id', None) == 'configure':
+                break
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, 'target', None)]
+            keys.update(t.id for t in targets if isinstance(t, ast.Name))
+        if other != script and key in keys and not key.startswith('_') and not key.isupper():
+            owners.append(other)
+    return owners
 
 
 def _assigned_names(source):
@@ -171,7 +202,8 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
               '\n'.join(f"  --{k}={v!r}" for k, v in defaults.items()))
         sys.exit(0)
     # what the seed projects' names need to see: the entrypoint, and the other flags (nnScaler's come in pairs)
-    context = seeds.context(os.path.basename(namespace.get('__file__') or sys.argv[0]), defaults,
+    script = os.path.basename(namespace.get('__file__') or sys.argv[0])
+    context = seeds.context(script, defaults,
                             {key: _parse(text, key, defaults) for _, key, text in arguments if key},
                             [arg for arg, key, _ in arguments if key is None and arg.endswith(('.py', '.toml'))])
     for arg, key, text in arguments:
@@ -198,7 +230,7 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
                     continue  # e.g. a training config read by bench.py for its model and batch
                 if alone and type(defaults.get(key)) not in (bool, type(None)):
                     seeds.needs_value(arg)
-                value = _check(key, value, defaults, where)
+                value = _check(key, value, defaults, where, script)
                 if source == 'flag':
                     flagged[key] = arg
                 elif key in flagged and value != defaults[key] and os.environ.get('RANK', '0') == '0':
@@ -211,7 +243,7 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
     for key, value in seeds.dlrover_defaults(context, given):  # defaults, not given: a checkpoint's shape still wins
         namespace[key] = defaults[key] = value
     for key, value, where in seeds.finish(context):  # --epochs, once the data and batch are known
-        namespace[key] = defaults[key] = _check(key, value, defaults, where)
+        namespace[key] = defaults[key] = _check(key, value, defaults, where, script)
         given.add(key)
     seeds.print_notes(context)
     return config_keys(namespace), given

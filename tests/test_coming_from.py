@@ -93,6 +93,23 @@ def test_space_separated_values_and_bare_booleans():
     assert 'DEFAULT_PATH' not in error_of('train.py', ['--xyzzy=1'])
 
 
+def test_another_entrypoints_key_names_that_entrypoint(tmp_path):
+    # a mode's key given to another entrypoint: the user meant that mode, which the error names
+    for script, argv, owner in (('train.py', ['--tp_size=2'], 'fsdp_train.py'),
+                                ('train.py', ['--zero_stage', '2'], 'ds_train.py'),
+                                ('fsdp_train.py', ['--diloco_steps=4'], 'decent_train.py'),
+                                ('ds_train.py', ['--pp_size=2'], 'pp_train.py'),
+                                ('pp_train.py', ['--offload_optimizer=cpu'], 'ds_train.py')):
+        key = argv[0][2:].split('=')[0]
+        assert f"{key} is a key of {owner}, not of {script}: run {owner} in its place" in error_of(script, argv)
+    (tmp_path / 'tp.py').write_text('n_layer = 2\ntp_size = 2\n')  # in a config file too, with its line
+    tp = str(tmp_path / 'tp.py')
+    assert f"{tp}:2: tp_size is a key of fsdp_train.py" in error_of('train.py', [tp])
+    # a name the other scripts assign after their config is no key of theirs; a tool gets no entrypoint's advice
+    assert "unknown config key 'iter_num'" in error_of('train.py', ['--iter_num=3'])
+    assert "unknown config key 'zero_stage'" in error_of('sample.py', ['--zero_stage=2'])
+
+
 def test_decent_dp_toml_as_published_takes_its_hyperparameters(tmp_path):
     (tmp_path / 'decent.toml').write_text(SEED_DECENT_TOML)
     c = config_of('decent_train.py', [str(tmp_path / 'decent.toml')])
