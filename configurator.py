@@ -30,6 +30,13 @@ import seeds
 
 CONFIG_TYPES = (int, float, bool, str)
 
+# Every rank of a job writes to the same stdout and stderr. Unbuffered (PYTHONUNBUFFERED=1, as many images set), a
+# line is two writes, its text and then its newline (print, and Python's own exit message), so two ranks' one-line
+# errors run together; a line at a time, each line is one write and stays whole
+for _stream in (sys.stdout, sys.stderr):
+    if getattr(_stream, 'write_through', False) and hasattr(_stream, 'reconfigure'):
+        _stream.reconfigure(write_through=False, line_buffering=True)
+
 
 def config_keys(namespace):
     # ALL_CAPS names are constants by Python's convention (an imported DEFAULT_PATH), not keys

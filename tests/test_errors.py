@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -31,6 +32,22 @@ def test_unknown_key_and_wrong_type(tmp_path, data_dir):
     msg = fails(tmp_path, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out', '--max_iters=five')
     assert 'max_iters must be int' in msg
     assert not (tmp_path / 'out').exists()
+
+def test_ranks_failing_at_once_print_whole_lines_unbuffered(tmp_path):
+    # the ranks of a job share one stderr; with PYTHONUNBUFFERED=1 a line was two writes (its text, its newline), so
+    # two ranks' one-line errors ran together. Two processes that import the config module exit at one instant.
+    start = time.time() + 2
+    code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r}); import configurator\n"
+            f"time.sleep(max(0, {start} - time.time()))\n"
+            f"sys.exit('error: ' + 'x' * 300 + ' use ring')")
+    read, write = os.pipe()
+    procs = [subprocess.Popen([sys.executable, '-c', code], env=env(), stderr=write)
+             for _ in range(4)]
+    os.close(write)
+    with os.fdopen(read) as f:
+        text = f.read()
+    assert [p.wait() for p in procs] == [1] * 4
+    assert text.splitlines() == ['error: ' + 'x' * 300 + ' use ring'] * 4, text
 
 
 @pytest.mark.parametrize('dataset, folder', [
