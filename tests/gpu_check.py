@@ -1,11 +1,12 @@
 """
 Proves and measures every entrypoint on one GPU, parts of it per command, each printing one table last (issue: "On
 the GPU"). A lent GPU machine gives a session 15 minutes in all, its start included, and one command at most 10; so
-one command runs parts A and B and a later session's runs L and C, each part within its own seconds.
+one command runs parts A and B, each within its own seconds, then L and C until its deadline, and a later session's
+runs what it did not reach.
 
 On a GPU machine (the device tool's; DeepSpeed travels as wheels in .whl/, tiny Shakespeare as .gpu/input.txt, both
 made by tests/gpu_carry.sh; docs/speed.md has the calls):
-    python tests/gpu_check.py --parts=A:250,B:300 --deadline=570 --input=.gpu/input.txt --wheels=.whl --out=$OUT
+    python tests/gpu_check.py --parts=A:250,B:300,L,C --deadline=570 --input=.gpu/input.txt --wheels=.whl --out=$OUT
 On CPU, at tiny sizes, so that its own logic is proven before a GPU run relies on it (tests/test_gpu_check.py):
     python tests/gpu_check.py --dry_run --input=../shared/data/tinyshakespeare/input.txt
 
