@@ -334,26 +334,31 @@ def check_config(config):
                  f"or the path of a checkpoint (a ckpt.pt, a sharded checkpoint folder, a run's out_dir, or "
                  f"out_dir/best for its best)")
     if 'out_dir' in config:
-        check_out_dir(config['out_dir'])
+        check_out_dir(config['out_dir'], evaluates=config.get('eval_only') and init_from in ('scratch', 'resume'))
 
 
-def check_out_dir(out_dir):
+def check_out_dir(out_dir, evaluates=False):
     """out_dir must be a folder this process can write in, or one it can make; nothing is written to find out
-    but a temporary file, removed at once, in the nearest folder that exists."""
+    but a temporary file, removed at once, in the nearest folder that exists. evaluates: an eval_only run of the
+    checkpoint in out_dir, which may be read-only."""
     if not out_dir:
         sys.exit("error: out_dir is empty: give --out_dir=FOLDER")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         sys.exit(f"error: out_dir={out_dir} is a file, not a folder: give another --out_dir")
     parent = os.path.abspath(out_dir)
     while not os.path.exists(parent):
+        if os.path.islink(parent):  # a link to a folder not there (scratch space purged, say): no folder can be made
+            sys.exit(f"error: out_dir={out_dir}: {parent} is a symbolic link to {os.readlink(parent)}, which does "
+                     f"not exist: make that folder, or give another --out_dir")
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         sys.exit(f"error: out_dir={out_dir} would lie below {parent}, which is a file: give another --out_dir")
     try:
         tempfile.TemporaryFile(dir=parent).close()
     except OSError as e:
-        sys.exit(f"error: cannot write in {parent} for out_dir={out_dir} ({e.strerror}): give a folder you can "
-                 f"write to with --out_dir")
+        fix = f"to evaluate its checkpoint, give it as --init_from={out_dir}, and a folder you can write to, for " \
+            "the log, as --out_dir" if evaluates else "give a folder you can write to with --out_dir"
+        sys.exit(f"error: cannot write in {parent} for out_dir={out_dir} ({e.strerror}): {fix}")
 
 
 def check_seed(config):

@@ -5,6 +5,7 @@ decide what a run resumes or keeps: checkpoint.py does.
 """
 
 import atexit
+import errno
 import json
 import os
 import socket
@@ -66,7 +67,9 @@ def _take(folder, what):
             os.remove(mine)
         if created and os.path.isdir(folder) and not os.listdir(folder):
             os.rmdir(folder)
-        return f"error: cannot write in {folder} ({e.strerror}): free some space there, or give another folder"
+        fix = 'free some space there, or give another folder' if e.errno in (errno.ENOSPC, errno.EDQUOT) else \
+            'give a folder this user can write in'
+        return f"error: cannot write in {folder} ({e.strerror}): {fix}"
     try:
         try:
             os.link(mine, path)  # atomic: fails where a hold exists

@@ -60,6 +60,11 @@ def test_device_and_out_dir(tmp_path, data_dir):
         fails(tmp_path, data, '--out_dir=afile/run')
     assert 'out_dir is empty: give --out_dir=FOLDER' in fails(tmp_path, data, '--out_dir=')
     assert 'cannot write in /proc' in fails(tmp_path, data, '--out_dir=/proc/run')  # read-only, even for root
+    (tmp_path / 'scratch').symlink_to(tmp_path / 'purged')  # a link to a folder not there, as the run's or above it
+    for out_dir in ('scratch', 'scratch/run'):
+        assert f"{tmp_path / 'scratch'} is a symbolic link to {tmp_path / 'purged'}, which does not exist: make " \
+            "that folder" in fails(tmp_path, data, f'--out_dir={out_dir}')
+    (tmp_path / 'scratch').unlink()
     (tmp_path / 'cf').mkdir()  # a NUL byte only a config file can give (os raises ValueError on it)
     for key, value in (('out_dir', 'run\\x00'), ('dataset', f'{data_dir / "shakespeare_char"}\\x00')):
         (tmp_path / 'cf' / f'{key}.py').write_text(f'{key} = "{value}"\n')

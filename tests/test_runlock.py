@@ -93,3 +93,14 @@ def test_prepare_holds_its_dataset_folder(tmp_path):
     (folder / 'run.lock').unlink()
     run('prepare.py', 'shakespeare_char', f'--input={SHAKESPEARE}', f'--out_root={tmp_path / "data"}', cwd=tmp_path)
     assert sorted(f.name for f in folder.iterdir()) == ['meta.pkl', 'prep.json', 'train.bin', 'val.bin']
+
+
+def test_a_folder_that_cannot_be_made_is_not_called_a_full_disk(tmp_path):
+    # "free some space" is the fix for a full disk only: a link to nowhere in the folder's place is another matter
+    sys.path.insert(0, str(REPO))
+    import runlock
+    (tmp_path / 'scratch').symlink_to(tmp_path / 'purged')
+    said = runlock._take(str(tmp_path / 'scratch' / 'run'), 'a run')
+    assert said.startswith(f"error: cannot write in {tmp_path / 'scratch' / 'run'} (") and \
+        said.endswith('): give a folder this user can write in')
+    assert 'free some space' not in said and not (tmp_path / 'purged').exists()

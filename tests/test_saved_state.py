@@ -91,6 +91,24 @@ def test_eval_only_writes_nothing_but_its_rows_and_evaluates_the_runs_newest_sta
         assert sorted(losses) == list(range(12)) and [r['iter'] for r in evals] == [0, 5, 10, 10, 10, 12]
 
 
+def test_an_eval_of_a_read_only_run_names_how_to_evaluate_it(tmp_path, data_dir, shared_run):
+    # a run folder on a read-only mount: an eval_only run cannot log beside it, and the error says how to evaluate it
+    shutil.copytree(shared_run('train.py', *ARGS), tmp_path / 'run')
+    before, last_eval = files(tmp_path / 'run'), read_metrics(tmp_path / 'run')[1][-1]
+    ro = tmp_path / 'ro'
+    ro.mkdir()
+    subprocess.run(['mount', '--bind', str(tmp_path / 'run'), str(ro)], check=True)
+    try:
+        subprocess.run(['mount', '-o', 'remount,ro,bind', str(ro)], check=True)
+        said = one_line_error(start(tmp_path, data_dir, ro, '--eval_only=True', check=False))
+        assert f"(Read-only file system): to evaluate its checkpoint, give it as --init_from={ro}, and a " in said
+        start(tmp_path, data_dir, tmp_path / 'log', '--eval_only=True', f'--init_from={ro}')
+    finally:
+        subprocess.run(['umount', '-l', str(ro)], check=False)
+    assert read_metrics(tmp_path / 'log')[1][-1]['val_loss'] == pytest.approx(last_eval['val_loss'], abs=1e-6)
+    assert files(tmp_path / 'run') == before
+
+
 def test_another_entrypoints_run_is_refused_in_one_line_and_left_as_it_was(tmp_path, data_dir, shared_run):
     shutil.copytree(shared_run('fsdp_train.py', *ARGS), tmp_path / 'fsdp')  # dcp/ only: no ckpt.pt to resume
     before = files(tmp_path / 'fsdp')
