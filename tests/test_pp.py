@@ -25,9 +25,9 @@ STEPS = 6
 SHAPE = dict(n_layer=8, n_head=2, n_embd=32, block_size=32, vocab_size=65)  # TINY's, with BASE's layers
 
 
-def launch(script, tmp_path, data_dir, out, *extra, nproc=1):
+def launch(script, tmp_path, data_dir, out, *extra, nproc=1, check=True):
     return run(script, *TINY, *BASE, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path / out}',
-               *extra, nproc=nproc, cwd=tmp_path)
+               *extra, nproc=nproc, cwd=tmp_path, check=check)
 
 
 def assert_same_curve(a, b, iters, rel=1e-5):
@@ -178,3 +178,10 @@ def test_a_crashed_runs_snapshots_at_another_layout_are_refused_not_stranded(tmp
     assert {f: f.read_bytes() for f in out.rglob('*') if f.is_file() and f.name != 'run.lock'} == before
     r = run('pp_train.py', *bounded, '--pp_size=2', nproc=2, cwd=tmp_path)
     assert int(re.search(r'resuming from \S+/nanogpt-\w+/\S+ at iter (\d+)', r.stdout)[1]) >= 4
+
+
+def test_stages_per_rank_below_one_is_a_one_line_error(tmp_path, data_dir):
+    # it was an IndexError in the stages' placement, after the process group had started
+    p = launch('pp_train.py', tmp_path, data_dir, 'out', '--pp_schedule=interleaved-1f1b', '--stages_per_rank=0',
+               check=False)
+    assert one_line_error(p) == "error: stages_per_rank=0 must be 1 or more"
