@@ -591,6 +591,18 @@ def newest_loadable(paths, run_id=None, or_any=False, iter_of=None):
     return (*best, skipped)
 
 
+def other_layouts(folder, names):
+    """(iter_num, path) of the newest loadable snapshot in a run's snapshot folder that another layout of ranks wrote
+    (rank-R-of-LAYOUT.pt, where LAYOUT differs from that of names, this rank's), (None, None) where none; the
+    damaged are passed over."""
+    layout = lambda name: (m := re.fullmatch(r'rank-\d+-of-(.+?)(\.prev\d*)?\.pt', name)) and m.group(1)
+    ours = {layout(n) for n in names}
+    if None in ours or not ours or not os.path.isdir(folder):
+        return None, None, []
+    theirs = sorted(os.path.join(folder, n) for n in os.listdir(folder) if layout(n) not in ours | {None})
+    return newest_loadable(theirs)
+
+
 def checkpoint_iter(path, run_id=None):
     """The iteration of the checkpoint at path, or None while it is incomplete, or, given a run_id, where another run
     wrote it (one that a run started afresh over its out_dir left there); raises where it is damaged. A file
@@ -762,7 +774,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     another entrypoint keeps in out_dir is an error naming it (a new run over it would cut its log and, once it
     resumed there, prune its folders). eval_only with init_from=scratch evaluates the run's newest state."""
     rank = dist.get_rank()
-    run_id, held, disk, damaged, others, wrong = None, {}, (None, None), [], None, None
+    run_id, held, disk, damaged, others, wrong, foreign = None, {}, (None, None), [], None, None, (None, None, [])
     # an eval of another model is no resume; an eval of out_dir (init_from=scratch) is one of its newest state
     wanted = init_from == 'resume' or (auto_resume and (not eval_only or init_from == 'scratch'))
     run_id_path = os.path.join(out_dir, 'run_id')
@@ -776,6 +788,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
             damaged += bad
             if it is not None:
                 held[it] = path
+        foreign = other_layouts(folder, [] if callable(snapshots) else snapshots)
     if rank == 0:
         wrong = misplaced(out_dir, storage)
         others = others_newest(out_dir, script)
@@ -790,8 +803,8 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
             elif found[0] > disk[0] and os.path.isfile(found[1]) and writer_of(found[1]) != script:
                 disk = found
     views = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (run_id, held, tuple(disk), damaged, uuid.uuid4().hex, others, wrong))
-    run_id, _, (disk_iter, disk_path), _, new_id, others, wrong = views[0]
+    dist.all_gather_object(views, (run_id, held, tuple(disk), damaged, uuid.uuid4().hex, others, wrong, foreign[:2]))
+    run_id, _, (disk_iter, disk_path), _, new_id, others, wrong, _ = views[0]
     if wrong:
         sys.exit(f"error: {wrong}: move it out of {out_dir} (nothing was changed)")
     damaged = [d for v in views for d in v[3]]
@@ -803,6 +816,14 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         run_id, resume_from = run_id or new_id, (disk_iter, disk_path)
     else:
         run_id, resume_from = new_id, None  # a fresh run gets a new id
+    # the run's newest state in snapshots of another layout, which this one cannot read: starting without it (afresh,
+    # under a new run id) would strand them in /dev/shm, so the layout that wrote them has to save it first
+    it, path = max((v[7] for v in views if v[7][0] is not None), default=(None, None))
+    if it is not None and (resume_from is None or resume_from[0] < it):
+        sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of another layout, which "
+                 f"only that layout reads: resume with the layout in its name and let it save a checkpoint to "
+                 f"{out_dir} (SIGTERM does) before changing it, or start afresh with --auto_resume=False (the "
+                 f"snapshots are then kept in {out_dir})")
     if others and (resume_from is None or resume_from[0] < others[0]) and (wanted or not eval_only):
         it, folder, writer = others
         sys.exit(f"error: {out_dir} holds a run of {writer}, whose newest state ({folder}, iter {it}) "

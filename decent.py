@@ -140,6 +140,9 @@ def start_outer_step(bucket, now, overlap):
     """DiLoCo, at the end of the bucket's window (after step now): the sum over ranks of (θ_global - θ_local) /
     world size, the mean pseudo-gradient, in the background, as the gradient of θ_global; wait_for(bucket) takes
     the outer step before the forward of iteration now + 1 + overlap, so that `overlap` inner steps hide it."""
+    # an outer step still in flight lands first: only a run resumed with another diloco_steps, diloco_fragments or
+    # diloco_overlap can end a window before the last one's step landed, and the new pseudo-gradient would drop it
+    wait_for(bucket, bucket.lands_at, finish=True)
     bucket.outer.grad = (bucket.outer - bucket.flat).div_(dist.get_world_size())
     bucket.work = dist.all_reduce(bucket.outer.grad, async_op=True)
     bucket.sent_at, bucket.lands_at = now, now + 1 + overlap

@@ -258,3 +258,24 @@ def test_an_outer_step_in_flight_lands_late_merged_with_the_replica(tmp_path, da
         expected = old - 0.7 * (g + 0.9 * buf)  # Nesterov
         assert (new - expected).abs().max() < 1e-6 and (new - old).abs().max() > 1e-4
         assert (mine - (old + new) / 2).abs().max() < 1e-6 and after['diloco']['pending'][i] is None
+
+
+def test_an_outer_step_in_flight_lands_when_a_resume_with_another_window_ends_one_first(tmp_path, data_dir,
+                                                                                        streaming):
+    # at iter 4 the first fragment's outer step is in flight (it lands at 5); resumed with windows of 5, that
+    # fragment's window ends after step 4, before it landed: the saved pseudo-gradient lands then, not dropped for
+    # the new one (inner learning rate 0, one rank: the replica starts from θ_global and stays there)
+    shutil.copytree(streaming / 'at4', tmp_path / 'run')
+    args = [a for a in STREAMING if not a.startswith(('--diloco_steps', '--eval_interval'))]
+    launch(tmp_path, data_dir, 'run', *args, '--diloco_steps=5', '--max_iters=5', '--eval_interval=5',
+           '--learning_rate=0', '--min_lr=0', '--init_from=resume')
+    before = load(tmp_path / 'run' / 'decent' / 'step-00000004' / 'rank-0.pt')['diloco']
+    after = load(tmp_path / 'run' / 'decent' / 'step-00000005' / 'rank-0.pt')['diloco']
+    for i in (0, 1):  # the first fragment's buckets: θ_global took the saved Nesterov step
+        old, g = before['outer'][i], before['pending'][i]
+        buf = before['outer_optimizers'][i]['state'].get(0, {}).get('momentum_buffer')
+        buf = g if buf is None else 0.9 * buf + g
+        assert (after['outer'][i] - (old - 0.7 * (g + 0.9 * buf))).abs().max() < 1e-6
+        # and the new window's pseudo-gradient is in flight: the replica, merged half-way, against the new θ_global
+        assert after['lands_at'][i] == 6 and after['pending'][i].abs().max() > 1e-5
+    assert torch.equal(after['outer'][2], before['outer'][2])  # the second fragment had nothing in flight

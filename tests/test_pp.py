@@ -3,14 +3,21 @@ each schedule), the tied embedding, every rank's memory against model_size.py, e
 another layout and in fsdp_train.py."""
 
 import json
+import os
+import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
-from conftest import TINY, read_metrics, run
+from conftest import REPO, TINY, env, one_line_error, read_metrics, run
 from model import GPT, GPTConfig
 from pipeline import Part, stage_memory
+from test_fault import logged_iters, workers
 
 # 8 blocks, so that pp 4 with two stages per rank has one block a stage; the global batch of test_fsdp.py
 BASE = ['--n_layer=8', '--gradient_accumulation_steps=4', '--eval_interval=4', '--always_save_checkpoint=True']
@@ -18,9 +25,9 @@ STEPS = 6
 SHAPE = dict(n_layer=8, n_head=2, n_embd=32, block_size=32, vocab_size=65)  # TINY's, with BASE's layers
 
 
-def launch(script, tmp_path, data_dir, out, *extra, nproc=1):
+def launch(script, tmp_path, data_dir, out, *extra, nproc=1, check=True):
     return run(script, *TINY, *BASE, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path / out}',
-               *extra, nproc=nproc, cwd=tmp_path)
+               *extra, nproc=nproc, cwd=tmp_path, check=check)
 
 
 def assert_same_curve(a, b, iters, rel=1e-5):
@@ -142,3 +149,39 @@ def test_model_size_gives_each_pipeline_rank_the_parameters_its_stages_hold(tmp_
         counted = stage_memory(GPTConfig(**shape), pp, v)
         for r in range(pp):
             assert rows[f'PP {pp} rank {r}']['param_bytes'] == 4 * counted[r][0], (pp, v, r)
+
+
+def test_a_crashed_runs_snapshots_at_another_layout_are_refused_not_stranded(tmp_path, data_dir):
+    """A pp 2 run SIGKILLed with its newest state in memory snapshots only (no checkpoint in out_dir yet), restarted
+    at pp 1: it used to start afresh under a new run id, stranding the snapshots in /dev/shm. It is refused, with
+    nothing written, and the layout that wrote them resumes them."""
+    out = tmp_path / 'run'
+    args = [*TINY, *BASE, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}', '--eval_interval=1000',
+            '--save_memory_interval=2', '--max_iters=100000']
+    p = subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                          str(REPO / 'pp_train.py'), *args, '--pp_size=2'], cwd=tmp_path, env=env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not (logged_iters(out) and logged_iters(out)[-1] >= 5 and len(workers(p.pid)) == 2):
+            assert p.poll() is None and time.time() < deadline
+            time.sleep(0.01)
+        os.kill(workers(p.pid)[0], signal.SIGKILL)
+        p.wait(timeout=60)
+    finally:
+        p.kill()
+    before = {f: f.read_bytes() for f in out.rglob('*') if f.is_file() and f.name != 'run.lock'}
+    assert not (out / 'dcp').exists()
+    bounded = [a for a in args if 'max_iters' not in a] + ['--max_iters=40']
+    r = run('pp_train.py', *bounded, '--pp_size=1', nproc=2, cwd=tmp_path, check=False)
+    assert "is the memory snapshot" in one_line_error(r, nproc=2) and 'of another layout' in r.stderr
+    assert {f: f.read_bytes() for f in out.rglob('*') if f.is_file() and f.name != 'run.lock'} == before
+    r = run('pp_train.py', *bounded, '--pp_size=2', nproc=2, cwd=tmp_path)
+    assert int(re.search(r'resuming from \S+/nanogpt-\w+/\S+ at iter (\d+)', r.stdout)[1]) >= 4
+
+
+def test_stages_per_rank_below_one_is_a_one_line_error(tmp_path, data_dir):
+    # it was an IndexError in the stages' placement, after the process group had started
+    p = launch('pp_train.py', tmp_path, data_dir, 'out', '--pp_schedule=interleaved-1f1b', '--stages_per_rank=0',
+               check=False)
+    assert one_line_error(p) == "error: stages_per_rank=0 must be 1 or more"
