@@ -592,9 +592,9 @@ def newest_loadable(paths, run_id=None, or_any=False, iter_of=None):
 
 
 def other_layouts(folder, names):
-    """(iter_num, path) of the newest loadable snapshot in a run's snapshot folder that another layout of ranks wrote
-    (rank-R-of-LAYOUT.pt, where LAYOUT differs from that of names, this rank's), (None, None) where none; the
-    damaged are passed over."""
+    """(iter_num, path, damaged) of the newest loadable snapshot in a run's snapshot folder that another layout of
+    ranks wrote (rank-R-of-LAYOUT.pt, where LAYOUT differs from that of names, this rank's), as newest_loadable
+    gives it: (None, None, []) where there is none; the damaged are passed over."""
     layout = lambda name: (m := re.fullmatch(r'rank-\d+-of-(.+?)(\.prev\d*)?\.pt', name)) and m.group(1)
     ours = {layout(n) for n in names}
     if None in ours or not ours or not os.path.isdir(folder):
