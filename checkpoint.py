@@ -254,10 +254,10 @@ def atomic_save(obj, path, keep=1, best=None):
     with open(path + '.tmp', 'wb') as f:
         errors = []
 
-        def write(data):  # torch.save reports a failed write as an "unexpected pos": the OSError says why
-            try:
+        def write(data):  # torch.save reports a failed write as an "unexpected pos": the exception says why (an
+            try:              # OSError, or a Ctrl-C's KeyboardInterrupt, raised here where Python checks for signals)
                 return f.write(data)
-            except OSError as e:
+            except BaseException as e:
                 errors.append(e)
                 raise
         try:
