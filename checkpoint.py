@@ -250,7 +250,9 @@ def atomic_save(obj, path, keep=1, best=None):
     fallback should the new one ever turn out damaged; but a save of the iteration path holds replaces it. best, if
     given, names a file to hold this state too (a hard link: no file here is ever changed in place, so the two
     names never part). A write that fails (a full disk) removes its temporary file, which would hold the space that
-    the next start needs, and raises."""
+    the next start needs, and raises. The folder is made here where it is missing (a memory snapshot's, in /dev/shm),
+    so that a folder that cannot be made (a read-only or full /dev/shm) fails the write like any other cause."""
+    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
     with open(path + '.tmp', 'wb') as f:
         errors = []
 

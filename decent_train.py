@@ -370,7 +370,6 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     if diloco_steps:  # θ_global and its optimizer's state, in each rank's file (ckpt.pt's model is θ_global)
         checkpoint['diloco'] = outer_state(buckets)
     if to == 'memory':
-        os.makedirs(os.path.dirname(snapshot_path), exist_ok=True)
         # the one before is kept: a rank killed mid-write holds it still, and so do the others
         save_in_background(checkpoint, snapshot_path, keep=2)
     else:

@@ -23,7 +23,7 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
                              safe_set_full_optimizer_state)
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from checkpoint import checkpoint_iter, step_folders
+from checkpoint import checkpoint_iter, is_snapshot, step_folders
 
 # the classes that DeepSpeed 0.19.8 pickles into its checkpoints besides tensors and containers
 DS_SAFE_GLOBALS = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
@@ -203,8 +203,19 @@ class DeferredWrites(CheckpointEngine):
     def commit(self, info):
         return True
 
+    def makedirs(self, path, exist_ok=False):
+        if not is_snapshot(path):  # a snapshot's folder is made by its background write, whose failure is a warning
+            os.makedirs(path, exist_ok=exist_ok)
+
     def preserves_storage_sharing(self):
         return False  # no clones: the thread copies the tensors into host memory, while the next step runs
+
+
+def storage_only(copy_recovery_script):
+    """The engine's copy of its zero_to_fp32.py beside each save (in the caller's thread), left out beside a memory
+    snapshot: no one reads it in RAM, and a /dev/shm that cannot be written is then a warning of the snapshot's own
+    background write, as in the other entrypoints, not a traceback."""
+    return lambda save_path: None if is_snapshot(save_path) else copy_recovery_script(save_path)
 
 
 def engine_state(path):

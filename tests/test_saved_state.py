@@ -218,12 +218,16 @@ def test_a_start_or_resume_on_a_full_disk_is_one_line_and_leaves_nothing_half_wr
     assert files(disk / 'run') == before  # its log whole, no temporary file
 
 
-def test_a_memory_snapshot_that_cannot_be_written_is_a_warning(tmp_path, data_dir):
-    # a /dev/shm of 16 KiB in a mount namespace of the run's own: its snapshots fail, its storage checkpoint not
-    command = [sys.executable, str(REPO / 'train.py'), *TINY, f'--dataset={data_dir / "shakespeare_char"}',
-               f'--out_dir={tmp_path / "run"}', *ARGS, '--max_iters=4', '--save_memory_interval=2']
+@pytest.mark.parametrize('script,shm', [('train.py', 'size=16k'), ('train.py', 'ro'), ('fsdp_train.py', 'ro'),
+                                        ('pp_train.py', 'ro'), ('ds_train.py', 'ro'), ('decent_train.py', 'ro')])
+def test_a_memory_snapshot_that_cannot_be_written_is_a_warning(tmp_path, data_dir, script, shm):
+    # a /dev/shm of 16 KiB, or a read-only one where not even the run's snapshot folder can be made, in a mount
+    # namespace of the run's own (unmounted as it ends): its snapshots fail, its storage checkpoint not
+    command = [sys.executable, str(REPO / script), *TINY, f'--dataset={data_dir / "shakespeare_char"}',
+               f'--out_dir={tmp_path / "run"}', *ARGS, '--max_iters=4', '--save_memory_interval=2',
+               *(['--save_consolidated=True'] if script in ('fsdp_train.py', 'pp_train.py') else [])]
     p = subprocess.run(['unshare', '-m', '--propagation', 'private', 'sh', '-c',
-                        'mount -t tmpfs -o size=16k tmpfs /dev/shm && exec "$@"', 'sh', *command],
+                        f'mount -t tmpfs -o size=16k,{shm} tmpfs /dev/shm && exec "$@"', 'sh', *command],
                        cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert 'warning: the memory snapshot' in p.stderr and 'training goes on' in p.stderr
