@@ -332,10 +332,11 @@ _writers = {}  # slot -> (the thread saving it, an event set once its copy of th
 _failed = []  # (path, reason) of each storage checkpoint of this process that could not be written
 
 
-def _note_failure(paths, e):
-    """A background write failed. A memory snapshot's is a warning: the storage checkpoints are intact, and a
-    restart resumes from them (only the snapshot's shortcut is lost). A storage checkpoint's stops the run: the
-    loop learns of it at its next agree() or at finish_saves(), and exits on every rank (exit_after_failed_save)."""
+def note_failure(paths, e):
+    """A write failed (in the background, or as a save began). A memory snapshot's is a warning: the storage
+    checkpoints are intact, and a restart resumes from them (only the snapshot's shortcut is lost). A storage
+    checkpoint's stops the run: the loop learns of it at its next agree() or at finish_saves(), and exits on every
+    rank (exit_after_failed_save)."""
     failures = getattr(e, 'failures', None)  # DCP's CheckpointException: what went wrong, on the first rank
     why = reason(next(iter(failures.values()))[0] if isinstance(failures, dict) and failures else e)
     if 'unexpected pos' in why and _nearly_full(paths[0]):  # torch's serializer, on a write that fell short
@@ -453,13 +454,13 @@ def save_in_background(state, path, keep=1, slot=None, then=None, best=None):
                 atomic_save(s, p, keep, best)
             ok = True
         except Exception as e:  # the previous file is still in place
-            _note_failure(paths, e)
+            note_failure(paths, e)
         finally:
             if then is not None:
                 try:
                     then(ok)  # always: it may be a collective that the other ranks' threads wait in
                 except Exception as e:  # pointing latest at the folder
-                    _note_failure(paths, e)
+                    note_failure(paths, e)
     thread = threading.Thread(target=save, name=f'save {slot}')
     thread.start()
     _writers[slot] = (thread, copied)
@@ -478,11 +479,11 @@ def in_background(wait, slot, then, path=None):
             wait()
             ok = True
         except BaseException as e:  # the previous checkpoint is still in place (DCP's failure is a BaseException)
-            _note_failure([path or slot], e)
+            note_failure([path or slot], e)
         try:
             then(ok)
         except Exception as e:
-            _note_failure([path or slot], e)
+            note_failure([path or slot], e)
     thread = threading.Thread(target=finish, name=f'save {slot}')
     thread.start()
     _writers[slot] = (thread, copied)

@@ -191,6 +191,25 @@ def test_a_failed_sharded_save_stops_every_rank(tmp_path, data_dir, small_disk):
     assert 'step 10' not in p.stdout and not list((disk / 'run' / 'dcp').iterdir())  # what it wrote of it, gone
 
 
+def test_a_sharded_save_that_cannot_begin_stops_every_rank_in_one_line(tmp_path, data_dir, shared_run, small_disk):
+    # 16 KiB left: the resume starts (its hold and log rows fit), but not even the step folder's extra.pt, which
+    # rank 0 writes before the shards: that too is a one-line stop on every rank, not a traceback and a hang
+    disk = small_disk('4m')
+    shutil.copytree(shared_run('fsdp_train.py', *ARGS), disk / 'run')
+    fill(disk)
+    os.truncate(disk / 'filler', (disk / 'filler').stat().st_size - 16384)
+    two = ['--max_iters=15', '--gradient_accumulation_steps=2']  # a micro-step for each of the 2 ranks
+    p = start(tmp_path, data_dir, disk / 'run', *two, script='fsdp_train.py', nproc=2, check=False)
+    error = one_line_error(p, nproc=2)
+    assert f'writing the checkpoint {disk / "run" / "dcp" / "step-00000015"} failed' in error, p.stderr[-3000:]
+    assert 'No space left on device' in error and 'Traceback' not in p.stderr
+    assert sorted(os.listdir(disk / 'run' / 'dcp')) == ['best', 'best-step-00000010', 'latest', 'step-00000005',
+                                                        'step-00000010']  # the empty step-00000015 gone
+    os.remove(disk / 'filler')
+    p = start(tmp_path, data_dir, disk / 'run', *two, script='fsdp_train.py', nproc=2)
+    assert 'resuming from' in p.stdout and 'at iter 10' in p.stdout
+
+
 def test_a_checkpoint_path_that_is_a_folder_is_refused_at_the_start(tmp_path, data_dir):
     (tmp_path / 'run' / 'ckpt.pt').mkdir(parents=True)
     (tmp_path / 'run' / 'ckpt.pt' / 'mine').write_text('kept')
