@@ -731,11 +731,15 @@ def misplaced(out_dir, storage):
     """A one-line reason where something stands in out_dir where the entrypoints write a file (a ckpt.pt that is
     a folder) or a folder of step folders (a dcp that is a file): every save there would fail, or move it. And a
     config.json that no run wrote (a Hugging Face export's): the run would write its own over it."""
-    for path in [p for paths in storage for p in paths] + [os.path.join(out_dir, k) for k in FOLDERS.values()]:
+    kinds = [os.path.join(out_dir, k) for k in sorted(set(FOLDERS.values()))]
+    for path in [p for paths in storage for p in paths] + [os.path.join(out_dir, 'best.pt')] + kinds:
         if path.endswith('.pt') and os.path.exists(path) and not os.path.isfile(path):
             return f"{path} is a folder, where the checkpoint file goes"
         if not path.endswith('.pt') and os.path.exists(path) and not os.path.isdir(path):
             return f"{path} is a file, where a folder of checkpoints goes"
+    for path in [os.path.join(kind, name) for kind in kinds for name in ('latest', 'best')]:
+        if os.path.exists(path) and not os.path.isfile(path):  # the save that points it at its folder would fail
+            return f"{path} is a folder, where the file that names the {os.path.basename(path)} step folder goes"
     for name in ('run_id', 'config.json'):  # (a metrics.jsonl that is not a file is set aside: runlog.read_log)
         path = os.path.join(out_dir, name)
         if os.path.exists(path) and not os.path.isfile(path):

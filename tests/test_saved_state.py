@@ -210,12 +210,14 @@ def test_a_sharded_save_that_cannot_begin_stops_every_rank_in_one_line(tmp_path,
     assert 'resuming from' in p.stdout and 'at iter 10' in p.stdout
 
 
-def test_a_checkpoint_path_that_is_a_folder_is_refused_at_the_start(tmp_path, data_dir):
-    (tmp_path / 'run' / 'ckpt.pt').mkdir(parents=True)
-    (tmp_path / 'run' / 'ckpt.pt' / 'mine').write_text('kept')
+@pytest.mark.parametrize('name', ['ckpt.pt', 'best.pt', 'dcp/latest', 'ds/best'])
+def test_a_checkpoint_path_that_is_a_folder_is_refused_at_the_start(tmp_path, data_dir, name):
+    # best.pt, or a latest or best file beside step folders, was let through: the run trained until its first save
+    (tmp_path / 'run' / name).mkdir(parents=True)
+    (tmp_path / 'run' / name / 'mine').write_text('kept')
     error = one_line_error(start(tmp_path, data_dir, tmp_path / 'run', check=False))
-    assert 'ckpt.pt is a folder' in error
-    assert files(tmp_path / 'run') == {'ckpt.pt/mine': hashlib.md5(b'kept').hexdigest()}  # nothing moved or added
+    assert f'{name} is a folder' in error
+    assert files(tmp_path / 'run') == {f'{name}/mine': hashlib.md5(b'kept').hexdigest()}  # nothing moved or added
 
 
 def test_a_start_or_resume_on_a_full_disk_is_one_line_and_leaves_nothing_half_written(tmp_path, data_dir,
