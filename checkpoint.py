@@ -271,12 +271,16 @@ def atomic_save(obj, path, keep=1, best=None):
             raise (errors[0] if errors else e) from None
     # a save that crashed between linking ckpt.pt as ckpt.prev.pt and replacing it has moved the versions down already
     moved = os.path.exists(path) and os.path.exists(previous(path)) and os.path.samefile(path, previous(path))
-    for n in range(keep - 1, 0, -1) if not same_step(obj, path) and not moved else []:
-        if os.path.exists(previous(path, n - 1)):
-            # the newest becomes ckpt.prev.pt as a second name (a link), so that path names a whole checkpoint at
-            # every moment, which a crash here leaves to the tools that read it
-            (same_file if n == 1 else os.replace)(previous(path, n - 1), previous(path, n))
-    os.replace(path + '.tmp', path)
+    try:
+        for n in range(keep - 1, 0, -1) if not same_step(obj, path) and not moved else []:
+            if os.path.exists(previous(path, n - 1)):
+                # the newest becomes ckpt.prev.pt as a second name (a link), so that path names a whole checkpoint
+                # at every moment, which a crash here leaves to the tools that read it
+                (same_file if n == 1 else os.replace)(previous(path, n - 1), previous(path, n))
+        os.replace(path + '.tmp', path)
+    except BaseException:
+        os.remove(path + '.tmp')  # a copy in place of a link that did not fit: the space goes back, path is whole
+        raise
     if best:
         same_file(path, best)
 
@@ -302,7 +306,12 @@ def same_file(path, to):
     try:
         os.link(path, to + '.tmp')
     except OSError:
-        shutil.copyfile(path, to + '.tmp')
+        try:
+            shutil.copyfile(path, to + '.tmp')
+        except BaseException:
+            if os.path.isfile(to + '.tmp'):
+                os.remove(to + '.tmp')  # a copy cut short (a full disk): to is as it was
+            raise
     os.replace(to + '.tmp', to)
 
 

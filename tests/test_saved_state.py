@@ -354,6 +354,22 @@ def test_a_crash_as_a_checkpoint_is_renamed_leaves_the_newest_name_whole(tmp_pat
     assert [iter_of(tmp_path / f) for f in ('ckpt.pt', 'ckpt.prev.pt', 'ckpt.prev2.pt')] == [2, 1, 0]
 
 
+def test_a_save_on_a_full_disk_without_hard_links_leaves_no_temporary_file(small_disk, monkeypatch):
+    # vfat, exFAT and some FUSE mounts of cloud buckets have no hard links: the versions move down by copies, and a
+    # copy that did not fit left a half-written ckpt.prev.pt.tmp and the whole new ckpt.pt.tmp, holding the space
+    from checkpoint import atomic_save
+
+    def no_links(*args, **kwargs):
+        raise PermissionError(1, 'Operation not permitted')
+    monkeypatch.setattr(os, 'link', no_links)
+    path = small_disk('800k') / 'ckpt.pt'
+    state = {'iter_num': 1, 'w': torch.zeros(60000)}  # 240 KB: three fit, not four
+    atomic_save(state, str(path), keep=2, best=str(path.parent / 'best.pt'))
+    with pytest.raises(OSError, match='No space left on device'):
+        atomic_save({**state, 'iter_num': 2}, str(path), keep=2, best=str(path.parent / 'best.pt'))
+    assert sorted(os.listdir(path.parent)) == ['best.pt', 'ckpt.pt'] and iter_of(path) == 1
+
+
 def test_run_best_names_the_newer_best_where_another_entrypoint_continued_the_run(tmp_path, data_dir, shared_run):
     from checkpoint import find_checkpoint
     shutil.copytree(shared_run('train.py', *ARGS), tmp_path / 'run')  # best.pt at 10
