@@ -653,7 +653,11 @@ def point_latest(folder, iter_of=None, keep=2, best=False):
         before = read_name(os.path.join(root, 'best'))
         if os.path.exists(os.path.join(root, 'best.tmp')):
             shutil.rmtree(os.path.join(root, 'best.tmp'))  # our own temporary name, left by a crash
-        shutil.copytree(folder, os.path.join(root, 'best.tmp'), copy_function=same_file)
+        try:
+            shutil.copytree(folder, os.path.join(root, 'best.tmp'), copy_function=same_file)
+        except BaseException:
+            shutil.rmtree(os.path.join(root, 'best.tmp'), ignore_errors=True)  # copies that did not fit (no links)
+            raise
         shutil.rmtree(os.path.join(root, 'best-' + name), ignore_errors=True)
         os.replace(os.path.join(root, 'best.tmp'), os.path.join(root, 'best-' + name))
         write_name(os.path.join(root, 'best'), 'best-' + name)

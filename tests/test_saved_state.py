@@ -368,6 +368,14 @@ def test_a_save_on_a_full_disk_without_hard_links_leaves_no_temporary_file(small
     with pytest.raises(OSError, match='No space left on device'):
         atomic_save({**state, 'iter_num': 2}, str(path), keep=2, best=str(path.parent / 'best.pt'))
     assert sorted(os.listdir(path.parent)) == ['best.pt', 'ckpt.pt'] and iter_of(path) == 1
+    # a step folder kept as the best is copied file by file: one that did not fit leaves no best.tmp behind
+    from checkpoint import point_latest
+    step = path.parent / 'dcp' / 'step-00000002'
+    step.mkdir(parents=True)
+    torch.save({'iter_num': 2, 'w': torch.zeros(50000)}, step / 'extra.pt')  # 200 KB: fits once, not twice
+    with pytest.raises(OSError, match='No space left on device'):
+        point_latest(str(step), iter_of=lambda folder: 2, best=True)
+    assert sorted(os.listdir(step.parent)) == ['latest', 'step-00000002']
 
 
 def test_run_best_names_the_newer_best_where_another_entrypoint_continued_the_run(tmp_path, data_dir, shared_run):
