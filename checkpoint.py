@@ -36,6 +36,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from data import data_dir, meta_vocab
 from model import GPT, GPTConfig
 
 
@@ -1036,6 +1037,19 @@ def take_shape(model_args, ckpt_args, config, given):
             config[k] = ckpt_args[k]
 
 
+def check_vocabulary(config, checkpoint, path):
+    """A one-line error where a resume would go on with another dataset than the run's, whose meta.pkl is another
+    vocabulary (another char-level dataset given over the same out_dir): its token ids would stand for other
+    characters, and its saves would push the run's own checkpoints out for a model trained on both. (A run that
+    began on such data, from another model's weights, resumes on it.)"""
+    vocab, saved = meta_vocab(config['dataset'], config['random_data']), checkpoint['model_args']['vocab_size']
+    was = checkpoint.get('config', {}).get('dataset')
+    if vocab is not None and vocab != saved and was != config['dataset']:
+        sys.exit(f"error: {os.path.join(data_dir(config['dataset']), 'meta.pkl')} has {vocab} tokens, but the run "
+                 f"it would continue ({path}) has a vocabulary of {saved}, from dataset {was!r}: give the run's own "
+                 f"dataset, or another --out_dir for a new run")
+
+
 def create_model(resume_path, read, init_from, model_args, config, given):
     """(model, checkpoint): the GPT to train, on the CPU, and the checkpoint it resumes (None for a new run).
     A resumed run reads its checkpoint with read(resume_path), whose model_args give the shape, and takes its
@@ -1047,6 +1061,7 @@ def create_model(resume_path, read, init_from, model_args, config, given):
     if resume_path is not None:
         try:
             checkpoint = read(resume_path)
+            check_vocabulary(config, checkpoint, resume_path)
             take_shape(model_args, checkpoint['model_args'], config, given)
             model = GPT(GPTConfig(**model_args))
             if 'model' in checkpoint or not (os.path.isdir(resume_path) or 'shards' in checkpoint):
