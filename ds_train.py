@@ -136,7 +136,11 @@ check_offload(offload_optimizer, offload_params, zero_stage)
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
 rank, local_rank, world_size = start(backend, device, deepspeed=True)
-deepspeed.init_distributed(dist_backend=backend)  # takes the group start() made, or makes it under its launcher
+try:
+    deepspeed.init_distributed(dist_backend=backend)  # takes the group start() made, or makes it under its launcher
+except OSError as e:  # on a CPU it compiles its collectives first, into ~/.cache unless told otherwise
+    sys.exit(f"error: DeepSpeed could not build its CPU collectives ({reason(e)}): set TORCH_EXTENSIONS_DIR to a "
+             f"folder this user can write in (its default, ~/.cache/torch_extensions, is not)")
 master_process = rank == 0  # does all the logging and checkpoint writing
 dp_rank, dp_size = rank, world_size  # every rank is a data-parallel rank: ZeRO shards over all of them
 if device_type == 'cpu':
