@@ -6,8 +6,10 @@ leaves unchecked, its state as train.py's whole model and AdamW state and back (
 resumes at any world size and stage), and what each rank holds in memory.
 """
 
+import filecmp
 import json
 import os
+import shutil
 import sys
 
 import torch
@@ -23,7 +25,7 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
                              safe_set_full_optimizer_state)
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from checkpoint import checkpoint_iter, is_snapshot, step_folders
+from checkpoint import checkpoint_iter, is_snapshot, reason, step_folders
 
 # the classes that DeepSpeed 0.19.8 pickles into its checkpoints besides tensors and containers
 DS_SAFE_GLOBALS = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
@@ -211,11 +213,26 @@ class DeferredWrites(CheckpointEngine):
         return False  # no clones: the thread copies the tensors into host memory, while the next step runs
 
 
-def storage_only(copy_recovery_script):
-    """The engine's copy of its zero_to_fp32.py beside each save (in the caller's thread), left out beside a memory
-    snapshot: no one reads it in RAM, and a /dev/shm that cannot be written is then a warning of the snapshot's own
-    background write, as in the other entrypoints, not a traceback."""
-    return lambda save_path: None if is_snapshot(save_path) else copy_recovery_script(save_path)
+def copy_recovery_scripts(save_path):
+    """In place of the engine's copy of its zero_to_fp32.py and zero_to_torch.py beside every save, in the loop's
+    thread, which a full disk made a traceback that left a script half-written: each is copied once, whole or not
+    at all, and never beside a memory snapshot (no one reads it in RAM). One that cannot be copied is a warning;
+    the checkpoint's own background write tells whether the save failed."""
+    if is_snapshot(save_path):
+        return
+    for name in ('zero_to_fp32.py', 'zero_to_torch.py'):
+        source, path = os.path.join(os.path.dirname(deepspeed.__file__), 'utils', name), os.path.join(save_path, name)
+        if os.path.isfile(path) and filecmp.cmp(source, path, shallow=False):
+            continue
+        try:
+            shutil.copyfile(source, path + '.tmp')
+            os.chmod(path + '.tmp', 0o755)
+            os.replace(path + '.tmp', path)
+        except OSError as e:
+            if os.path.isfile(path + '.tmp'):
+                os.remove(path + '.tmp')
+            print(f"warning: DeepSpeed's {name} could not be copied beside the checkpoints ({reason(e)})",
+                  file=sys.stderr, flush=True)
 
 
 def engine_state(path):

@@ -191,22 +191,29 @@ def test_a_failed_sharded_save_stops_every_rank(tmp_path, data_dir, small_disk):
     assert 'step 10' not in p.stdout and not list((disk / 'run' / 'dcp').iterdir())  # what it wrote of it, gone
 
 
-def test_a_sharded_save_that_cannot_begin_stops_every_rank_in_one_line(tmp_path, data_dir, shared_run, small_disk):
-    # 16 KiB left: the resume starts (its hold and log rows fit), but not even the step folder's extra.pt, which
-    # rank 0 writes before the shards: that too is a one-line stop on every rank, not a traceback and a hang
+@pytest.mark.parametrize('script,kind,nproc', [('fsdp_train.py', 'dcp', 2), ('ds_train.py', 'ds', 1)])
+def test_a_sharded_save_that_cannot_begin_stops_every_rank_in_one_line(tmp_path, data_dir, shared_run, small_disk,
+                                                                       script, kind, nproc):
+    # 16 KiB left: the resume starts (its hold and log rows fit), but not even what goes first: the step folder's
+    # extra.pt, which rank 0 writes before the shards, or DeepSpeed's zero_to_fp32.py (first copied here, as on a
+    # new disk), which its engine copied in the loop's thread. Each was a traceback (and a hang of the other ranks)
     disk = small_disk('4m')
-    shutil.copytree(shared_run('fsdp_train.py', *ARGS), disk / 'run')
+    shutil.copytree(shared_run(script, *ARGS), disk / 'run')
+    for script_copy in (disk / 'run' / kind).glob('zero_to_*.py'):
+        script_copy.unlink()
     fill(disk)
     os.truncate(disk / 'filler', (disk / 'filler').stat().st_size - 16384)
-    two = ['--max_iters=15', '--gradient_accumulation_steps=2']  # a micro-step for each of the 2 ranks
-    p = start(tmp_path, data_dir, disk / 'run', *two, script='fsdp_train.py', nproc=2, check=False)
+    more = ['--max_iters=15', f'--gradient_accumulation_steps={nproc}']  # a micro-step for each rank
+    p = start(tmp_path, data_dir, disk / 'run', *more, script=script, nproc=nproc, check=False)
     error = one_line_error(p, nproc=2)
-    assert f'writing the checkpoint {disk / "run" / "dcp" / "step-00000015"} failed' in error, p.stderr[-3000:]
+    assert f'writing the checkpoint {disk / "run" / kind / "step-00000015"}' in error, p.stderr[-3000:]
     assert 'No space left on device' in error and 'Traceback' not in p.stderr
-    assert sorted(os.listdir(disk / 'run' / 'dcp')) == ['best', 'best-step-00000010', 'latest', 'step-00000005',
-                                                        'step-00000010']  # the empty step-00000015 gone
+    assert (disk / 'run' / kind / 'latest').read_text() == 'step-00000010'
+    assert not (disk / 'run' / kind / 'step-00000015').exists()  # what was made of it, gone
+    assert [f.name for f in (disk / 'run' / kind).iterdir() if f.is_file() and f.name not in ('latest', 'best')] \
+        in ([], ['zero_to_torch.py'])  # no script half-copied, no temporary file
     os.remove(disk / 'filler')
-    p = start(tmp_path, data_dir, disk / 'run', *two, script='fsdp_train.py', nproc=2)
+    p = start(tmp_path, data_dir, disk / 'run', *more, script=script, nproc=nproc)
     assert 'resuming from' in p.stdout and 'at iter 10' in p.stdout
 
 
