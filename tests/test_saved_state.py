@@ -385,6 +385,20 @@ def test_a_save_on_a_full_disk_without_hard_links_leaves_no_temporary_file(small
     assert sorted(os.listdir(step.parent)) == ['latest', 'step-00000002']
 
 
+def test_a_log_row_on_a_full_disk_is_a_warning_and_never_left_half_written(small_disk, capsys):
+    # it was a traceback out of the loop, with the row cut short in metrics.jsonl; the checkpoints, not the log,
+    # decide whether the run stops (a save that fails stops it, in one line)
+    from runlog import open_log
+    out = small_disk('64k') / 'run'
+    log = open_log(str(out), 'abc', {'out_dir': str(out)})
+    for i in range(2000):  # far more than fit
+        log(i, loss=1.0, note='x' * 100)
+    assert capsys.readouterr().err.count('warning: cannot write') == 1
+    rows = (out / 'metrics.jsonl').read_bytes().split(b'\n')
+    assert rows[-1] == b'' and 100 < len(rows) < 2000  # whole rows only, up to the one that did not fit
+    assert [json.loads(row)['iter'] for row in rows[:-1]] == list(range(len(rows) - 1))
+
+
 def test_run_best_names_the_newer_best_where_another_entrypoint_continued_the_run(tmp_path, data_dir, shared_run):
     from checkpoint import find_checkpoint
     shutil.copytree(shared_run('train.py', *ARGS), tmp_path / 'run')  # best.pt at 10
