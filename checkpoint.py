@@ -36,6 +36,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from data import data_dir, meta_vocab
 from model import GPT, GPTConfig
 
 
@@ -250,7 +251,9 @@ def atomic_save(obj, path, keep=1, best=None):
     fallback should the new one ever turn out damaged; but a save of the iteration path holds replaces it. best, if
     given, names a file to hold this state too (a hard link: no file here is ever changed in place, so the two
     names never part). A write that fails (a full disk) removes its temporary file, which would hold the space that
-    the next start needs, and raises."""
+    the next start needs, and raises. The folder is made here where it is missing (a memory snapshot's, in /dev/shm),
+    so that a folder that cannot be made (a read-only or full /dev/shm) fails the write like any other cause."""
+    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
     with open(path + '.tmp', 'wb') as f:
         errors = []
 
@@ -269,12 +272,16 @@ def atomic_save(obj, path, keep=1, best=None):
             raise (errors[0] if errors else e) from None
     # a save that crashed between linking ckpt.pt as ckpt.prev.pt and replacing it has moved the versions down already
     moved = os.path.exists(path) and os.path.exists(previous(path)) and os.path.samefile(path, previous(path))
-    for n in range(keep - 1, 0, -1) if not same_step(obj, path) and not moved else []:
-        if os.path.exists(previous(path, n - 1)):
-            # the newest becomes ckpt.prev.pt as a second name (a link), so that path names a whole checkpoint at
-            # every moment, which a crash here leaves to the tools that read it
-            (same_file if n == 1 else os.replace)(previous(path, n - 1), previous(path, n))
-    os.replace(path + '.tmp', path)
+    try:
+        for n in range(keep - 1, 0, -1) if not same_step(obj, path) and not moved else []:
+            if os.path.exists(previous(path, n - 1)):
+                # the newest becomes ckpt.prev.pt as a second name (a link), so that path names a whole checkpoint
+                # at every moment, which a crash here leaves to the tools that read it
+                (same_file if n == 1 else os.replace)(previous(path, n - 1), previous(path, n))
+        os.replace(path + '.tmp', path)
+    except BaseException:
+        os.remove(path + '.tmp')  # a copy in place of a link that did not fit: the space goes back, path is whole
+        raise
     if best:
         same_file(path, best)
 
@@ -300,7 +307,12 @@ def same_file(path, to):
     try:
         os.link(path, to + '.tmp')
     except OSError:
-        shutil.copyfile(path, to + '.tmp')
+        try:
+            shutil.copyfile(path, to + '.tmp')
+        except BaseException:
+            if os.path.isfile(to + '.tmp'):
+                os.remove(to + '.tmp')  # a copy cut short (a full disk): to is as it was
+            raise
     os.replace(to + '.tmp', to)
 
 
@@ -330,10 +342,11 @@ _writers = {}  # slot -> (the thread saving it, an event set once its copy of th
 _failed = []  # (path, reason) of each storage checkpoint of this process that could not be written
 
 
-def _note_failure(paths, e):
-    """A background write failed. A memory snapshot's is a warning: the storage checkpoints are intact, and a
-    restart resumes from them (only the snapshot's shortcut is lost). A storage checkpoint's stops the run: the
-    loop learns of it at its next agree() or at finish_saves(), and exits on every rank (exit_after_failed_save)."""
+def note_failure(paths, e):
+    """A write failed (in the background, or as a save began). A memory snapshot's is a warning: the storage
+    checkpoints are intact, and a restart resumes from them (only the snapshot's shortcut is lost). A storage
+    checkpoint's stops the run: the loop learns of it at its next agree() or at finish_saves(), and exits on every
+    rank (exit_after_failed_save)."""
     failures = getattr(e, 'failures', None)  # DCP's CheckpointException: what went wrong, on the first rank
     why = reason(next(iter(failures.values()))[0] if isinstance(failures, dict) and failures else e)
     if 'unexpected pos' in why and _nearly_full(paths[0]):  # torch's serializer, on a write that fell short
@@ -451,13 +464,13 @@ def save_in_background(state, path, keep=1, slot=None, then=None, best=None):
                 atomic_save(s, p, keep, best)
             ok = True
         except Exception as e:  # the previous file is still in place
-            _note_failure(paths, e)
+            note_failure(paths, e)
         finally:
             if then is not None:
                 try:
                     then(ok)  # always: it may be a collective that the other ranks' threads wait in
                 except Exception as e:  # pointing latest at the folder
-                    _note_failure(paths, e)
+                    note_failure(paths, e)
     thread = threading.Thread(target=save, name=f'save {slot}')
     thread.start()
     _writers[slot] = (thread, copied)
@@ -476,11 +489,11 @@ def in_background(wait, slot, then, path=None):
             wait()
             ok = True
         except BaseException as e:  # the previous checkpoint is still in place (DCP's failure is a BaseException)
-            _note_failure([path or slot], e)
+            note_failure([path or slot], e)
         try:
             then(ok)
         except Exception as e:
-            _note_failure([path or slot], e)
+            note_failure([path or slot], e)
     thread = threading.Thread(target=finish, name=f'save {slot}')
     thread.start()
     _writers[slot] = (thread, copied)
@@ -653,7 +666,11 @@ def point_latest(folder, iter_of=None, keep=2, best=False):
         before = read_name(os.path.join(root, 'best'))
         if os.path.exists(os.path.join(root, 'best.tmp')):
             shutil.rmtree(os.path.join(root, 'best.tmp'))  # our own temporary name, left by a crash
-        shutil.copytree(folder, os.path.join(root, 'best.tmp'), copy_function=same_file)
+        try:
+            shutil.copytree(folder, os.path.join(root, 'best.tmp'), copy_function=same_file)
+        except BaseException:
+            shutil.rmtree(os.path.join(root, 'best.tmp'), ignore_errors=True)  # copies that did not fit (no links)
+            raise
         shutil.rmtree(os.path.join(root, 'best-' + name), ignore_errors=True)
         os.replace(os.path.join(root, 'best.tmp'), os.path.join(root, 'best-' + name))
         write_name(os.path.join(root, 'best'), 'best-' + name)
@@ -740,11 +757,15 @@ def misplaced(out_dir, storage):
     """A one-line reason where something stands in out_dir where the entrypoints write a file (a ckpt.pt that is
     a folder) or a folder of step folders (a dcp that is a file): every save there would fail, or move it. And a
     config.json that no run wrote (a Hugging Face export's): the run would write its own over it."""
-    for path in [p for paths in storage for p in paths] + [os.path.join(out_dir, k) for k in FOLDERS.values()]:
+    kinds = [os.path.join(out_dir, k) for k in sorted(set(FOLDERS.values()))]
+    for path in [p for paths in storage for p in paths] + [os.path.join(out_dir, 'best.pt')] + kinds:
         if path.endswith('.pt') and os.path.exists(path) and not os.path.isfile(path):
             return f"{path} is a folder, where the checkpoint file goes"
         if not path.endswith('.pt') and os.path.exists(path) and not os.path.isdir(path):
             return f"{path} is a file, where a folder of checkpoints goes"
+    for path in [os.path.join(kind, name) for kind in kinds for name in ('latest', 'best')]:
+        if os.path.exists(path) and not os.path.isfile(path):  # the save that points it at its folder would fail
+            return f"{path} is a folder, where the file that names the {os.path.basename(path)} step folder goes"
     for name in ('run_id', 'config.json'):  # (a metrics.jsonl that is not a file is set aside: runlog.read_log)
         path = os.path.join(out_dir, name)
         if os.path.exists(path) and not os.path.isfile(path):
@@ -1037,6 +1058,19 @@ def take_shape(model_args, ckpt_args, config, given):
             config[k] = ckpt_args[k]
 
 
+def check_vocabulary(config, checkpoint, path):
+    """A one-line error where a resume would go on with another dataset than the run's, whose meta.pkl is another
+    vocabulary (another char-level dataset given over the same out_dir): its token ids would stand for other
+    characters, and its saves would push the run's own checkpoints out for a model trained on both. (A run that
+    began on such data, from another model's weights, resumes on it.)"""
+    vocab, saved = meta_vocab(config['dataset'], config['random_data']), checkpoint['model_args']['vocab_size']
+    was = checkpoint.get('config', {}).get('dataset')
+    if vocab is not None and vocab != saved and was != config['dataset']:
+        sys.exit(f"error: {os.path.join(data_dir(config['dataset']), 'meta.pkl')} has {vocab} tokens, but the run "
+                 f"it would continue ({path}) has a vocabulary of {saved}, from dataset {was!r}: give the run's own "
+                 f"dataset, or another --out_dir for a new run")
+
+
 def create_model(resume_path, read, init_from, model_args, config, given):
     """(model, checkpoint): the GPT to train, on the CPU, and the checkpoint it resumes (None for a new run).
     A resumed run reads its checkpoint with read(resume_path), whose model_args give the shape, and takes its
@@ -1048,6 +1082,7 @@ def create_model(resume_path, read, init_from, model_args, config, given):
     if resume_path is not None:
         try:
             checkpoint = read(resume_path)
+            check_vocabulary(config, checkpoint, resume_path)
             take_shape(model_args, checkpoint['model_args'], config, given)
             model = GPT(GPTConfig(**model_args))
             if 'model' in checkpoint or not (os.path.isdir(resume_path) or 'shards' in checkpoint):

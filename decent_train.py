@@ -370,13 +370,11 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     if diloco_steps:  # θ_global and its optimizer's state, in each rank's file (ckpt.pt's model is θ_global)
         checkpoint['diloco'] = outer_state(buckets)
     if to == 'memory':
-        os.makedirs(os.path.dirname(snapshot_path), exist_ok=True)
         # the one before is kept: a rank killed mid-write holds it still, and so do the others
         save_in_background(checkpoint, snapshot_path, keep=2)
     else:
         folder = os.path.join(decent_dir, f'step-{iter_num:08d}')
         if folder != resume_path:  # a resumed run's first eval finds it there
-            os.makedirs(folder, exist_ok=True)
             save_in_background(checkpoint, os.path.join(folder, f'rank-{rank}.pt'), slot='decent',
                                then=lambda ok: commit(folder, ok, checkpoint_group, master_process,
                                                       keep=keep_checkpoints, best=best))

@@ -6,8 +6,10 @@ leaves unchecked, its state as train.py's whole model and AdamW state and back (
 resumes at any world size and stage), and what each rank holds in memory.
 """
 
+import filecmp
 import json
 import os
+import shutil
 import sys
 
 import torch
@@ -23,7 +25,7 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
                              safe_set_full_optimizer_state)
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from checkpoint import checkpoint_iter, step_folders
+from checkpoint import checkpoint_iter, is_snapshot, reason, step_folders
 
 # the classes that DeepSpeed 0.19.8 pickles into its checkpoints besides tensors and containers
 DS_SAFE_GLOBALS = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
@@ -203,8 +205,34 @@ class DeferredWrites(CheckpointEngine):
     def commit(self, info):
         return True
 
+    def makedirs(self, path, exist_ok=False):
+        if not is_snapshot(path):  # a snapshot's folder is made by its background write, whose failure is a warning
+            os.makedirs(path, exist_ok=exist_ok)
+
     def preserves_storage_sharing(self):
         return False  # no clones: the thread copies the tensors into host memory, while the next step runs
+
+
+def copy_recovery_scripts(save_path):
+    """In place of the engine's copy of its zero_to_fp32.py and zero_to_torch.py beside every save, in the loop's
+    thread, which a full disk made a traceback that left a script half-written: each is copied once, whole or not
+    at all, and never beside a memory snapshot (no one reads it in RAM). One that cannot be copied is a warning;
+    the checkpoint's own background write tells whether the save failed."""
+    if is_snapshot(save_path):
+        return
+    for name in ('zero_to_fp32.py', 'zero_to_torch.py'):
+        source, path = os.path.join(os.path.dirname(deepspeed.__file__), 'utils', name), os.path.join(save_path, name)
+        if os.path.isfile(path) and filecmp.cmp(source, path, shallow=False):
+            continue
+        try:
+            shutil.copyfile(source, path + '.tmp')
+            os.chmod(path + '.tmp', 0o755)
+            os.replace(path + '.tmp', path)
+        except OSError as e:
+            if os.path.isfile(path + '.tmp'):
+                os.remove(path + '.tmp')
+            print(f"warning: DeepSpeed's {name} could not be copied beside the checkpoints ({reason(e)})",
+                  file=sys.stderr, flush=True)
 
 
 def engine_state(path):

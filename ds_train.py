@@ -108,7 +108,8 @@ try:
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from ds_state import (DeferredWrites, add_config_file, check_offload, checkpoint_iter_at, engine_folders,
-                          gather_state, guard_step, load_state, offload, remove_shm_buffer_name, state_bytes)
+                          copy_recovery_scripts, gather_state, guard_step, load_state, offload, remove_shm_buffer_name,
+                          state_bytes)
 except ImportError as e:
     sys.exit(f"error: ds_train.py needs DeepSpeed ({e}): pip install deepspeed==0.19.8")
 # DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates, and torch says so at each call
@@ -135,7 +136,11 @@ check_offload(offload_optimizer, offload_params, zero_stage)
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
 rank, local_rank, world_size = start(backend, device, deepspeed=True)
-deepspeed.init_distributed(dist_backend=backend)  # takes the group start() made, or makes it under its launcher
+try:
+    deepspeed.init_distributed(dist_backend=backend)  # takes the group start() made, or makes it under its launcher
+except OSError as e:  # on a CPU it compiles its collectives first, into ~/.cache unless told otherwise
+    sys.exit(f"error: DeepSpeed could not build its CPU collectives ({reason(e)}): set TORCH_EXTENSIONS_DIR to a "
+             f"folder this user can write in (its default, ~/.cache/torch_extensions, is not)")
 master_process = rank == 0  # does all the logging and checkpoint writing
 dp_rank, dp_size = rank, world_size  # every rank is a data-parallel rank: ZeRO shards over all of them
 if device_type == 'cpu':
@@ -283,6 +288,7 @@ except ValueError as e:  # pydantic's errors about ds_config's settings among th
 if zero_stage == 0 and dtype == 'float32':
     guard_step(model.optimizer)  # DeepSpeed steps our AdamW unchecked here: a non-finite step is skipped as ZeRO's are
 model.checkpoint_engine = DeferredWrites()  # its saves are ours to write in the background
+model._copy_recovery_script = copy_recovery_scripts  # once, whole or not at all, beside storage only
 
 # -----------------------------------------------------------------------------
 # checkpoint load: the rest of the state, so that the run continues exactly where it stopped

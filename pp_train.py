@@ -269,7 +269,6 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     }
     checkpoint = sharded_state(model, optimizer, raw_model)
     if to == 'memory':
-        os.makedirs(os.path.dirname(snapshot_path), exist_ok=True)
         # the one before is kept: a rank killed mid-write holds it still, and so do the others
         save_in_background({'shards': local_shards(checkpoint), **extra}, snapshot_path, keep=2)
     else:

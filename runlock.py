@@ -70,6 +70,10 @@ def _take(folder, what):
         fix = 'free some space there, or give another folder' if e.errno in (errno.ENOSPC, errno.EDQUOT) else \
             'give a folder this user can write in'
         return f"error: cannot write in {folder} ({e.strerror}): {fix}"
+    if os.path.lexists(path) and not os.path.isfile(path):  # never a hold: no run would ever let it go
+        os.remove(mine)
+        return (f"error: {path} is no file (a folder, or a link to nothing), where the hold goes: move it out of "
+                f"{folder}")
     try:
         try:
             os.link(mine, path)  # atomic: fails where a hold exists

@@ -35,6 +35,7 @@ def open_log(out_dir, run_id, settings, resumed_at=None, write=True, eval_only=F
     t_start, metrics = time.time(), []
     mark = {'eval_only': True} if eval_only else {}
     pending = []  # (kind, line): the evals logged at resumed_at, written once the resumed run has not redone them
+    warned = []  # the error of the first row that could not be written
 
     def settle(iter_num, row):
         """The pending evals to write before this row: those of another kind, once the run goes past them."""
@@ -49,7 +50,11 @@ def open_log(out_dir, run_id, settings, resumed_at=None, write=True, eval_only=F
         text = json.dumps({'iter': iter_num, **row, **mark, 'time': round(time.time() - t_start, 3)}) + '\n'
         if metrics:
             if write and metrics[0] is not None:
-                metrics[0].write(settle(iter_num, row) + text)
+                failed = append(metrics[0], settle(iter_num, row) + text)
+                if failed and not warned:  # a full disk: the checkpoints, not the log, decide whether the run stops
+                    warned.append(failed)
+                    print(f"warning: cannot write {os.path.join(out_dir, 'metrics.jsonl')} ({reason(failed)}): "
+                          f"rows are not logged while it cannot be; training goes on", file=sys.stderr, flush=True)
             return
         # the first row, which every rank logs at the same point: the ranks learn together whether rank 0 could
         # write the run's files, and all stop if it could not
@@ -86,8 +91,8 @@ def _start(out_dir, run_id, settings, resumed_at, eval_only, first_row, made, pe
             print(f"warning: {path} is not a file: this eval's rows are not logged", file=sys.stderr, flush=True)
             return None
         os.makedirs(out_dir, exist_ok=True)
-        f = open(path, 'a', buffering=1)
-        f.write(('\n' if f.tell() and _last_byte(path) != b'\n' else '') + first_row)  # a row cut short stays apart
+        f = open(path, 'ab', buffering=0)
+        f.write((b'\n' if f.tell() and _last_byte(path) != b'\n' else b'') + first_row.encode('utf-8'))  # kept apart
         return f
     kept, pending[:] = read_log(path, resumed_at) if resumed_at is not None else ([], [])
     os.makedirs(out_dir, exist_ok=True)
@@ -106,7 +111,23 @@ def _start(out_dir, run_id, settings, resumed_at, eval_only, first_row, made, pe
             replace_text(os.path.join(out_dir, name), text)
         except OSError as e:  # a write's error names no file
             raise OSError(e.errno, e.strerror, e.filename or os.path.join(out_dir, name)) from None
-    return open(path, 'a', buffering=1)
+    return open(path, 'ab', buffering=0)
+
+
+def append(f, text):
+    """Appends text to the log file f (unbuffered) whole or not at all: a row that does not fit (a full disk) is cut
+    off again, not left half-written. Returns the OSError, or None."""
+    end, data = f.seek(0, os.SEEK_END), memoryview(text.encode('utf-8'))  # (a row cut off leaves f.tell() past it)
+    try:
+        while data:
+            data = data[f.write(data):]
+    except OSError as e:
+        try:
+            f.truncate(end)
+        except OSError:
+            pass  # a line cut short is set aside when the log is next read (read_log)
+        return e
+    return None
 
 
 def _last_byte(path):

@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten_with_path, tree_map_only
 
-from checkpoint import (atomic_save, dcp_load, in_background, point_latest, print0, same_step, save_in_background,
-                        upgrade_optimizer_state, wait_for_saves)
+from checkpoint import (atomic_save, dcp_load, in_background, note_failure, point_latest, print0, same_step,
+                        save_in_background, upgrade_optimizer_state, wait_for_saves)
 
 
 def check_tp_size(config, tp_size):
@@ -84,11 +84,18 @@ def save_dcp(state, extra, path, resume_path, keep=2, best=False):
         if dist.get_rank() == 0:
             point_latest(path, keep=keep)  # in case the kill came before the folder was pointed at
         return
+    begun = torch.tensor([1], dtype=torch.int32)
     if dist.get_rank() == 0:
         shutil.rmtree(path, ignore_errors=True)  # what a save cut short left there
-        os.makedirs(path)
-        atomic_save(extra, os.path.join(path, 'extra.pt'))
-    dist.barrier()  # nobody writes into the folder before it is clean
+        try:
+            os.makedirs(path)
+            atomic_save(extra, os.path.join(path, 'extra.pt'))
+        except OSError as e:  # a full disk: the run stops at the next agreement, as for a write that fails later
+            note_failure([path], e)
+            begun[0] = 0
+    dist.broadcast(begun, src=0, group=_checkpoint_group)  # nobody writes into the folder before it is clean
+    if not begun.item():
+        return
     saving = dcp.async_save(state, checkpoint_id=path, process_group=_checkpoint_group)
     in_background(saving.result, 'dcp', path=path,
                   then=lambda ok: ok and dist.get_rank() == 0 and point_latest(path, keep=keep, best=best))

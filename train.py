@@ -229,7 +229,6 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     checkpoint = {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'scaler': scaler.state_dict(),
                   **extra}
     if to == 'memory' and local_rank == 0:
-        os.makedirs(os.path.dirname(snapshot_path), exist_ok=True)
         save_in_background(checkpoint, snapshot_path)
     elif to == 'storage' and master_process:
         save_in_background(checkpoint, ckpt_path, keep=keep_checkpoints, best=best and best_path)

@@ -124,6 +124,13 @@ def test_a_resume_that_fails_leaves_the_run_as_it_was(tmp_path, data_dir, good_r
     (odd_data / 'train.bin').write_bytes(ids[:-2] + (70).to_bytes(2, 'little'))
     msg = fails(tmp_path, f'--dataset={odd_data}', *resume)
     assert 'holds token id 70, past the model\'s vocabulary of 65' in msg
+    # another vocabulary (the data prepared again from another text): its ids would stand for other characters
+    (odd_data / 'train.bin').write_bytes(ids)
+    meta = pickle.loads((odd_data / 'meta.pkl').read_bytes())
+    (odd_data / 'meta.pkl').write_bytes(pickle.dumps({**meta, 'vocab_size': 46}))
+    msg = fails(tmp_path, f'--dataset={odd_data}', *resume)
+    assert f"meta.pkl has 46 tokens, but the run it would continue ({out / 'ckpt.pt'}) has a vocabulary of 65, " \
+           f"from dataset '{data_dir / 'shakespeare_char'}'" in msg
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 

@@ -238,3 +238,18 @@ def test_the_run_folder_stands_for_its_export_which_samples_and_resumes_under_tr
     launch('train.py', tmp_path, data_dir, 'run', '--max_iters=12', '--init_from=resume')
     losses = read_metrics(tmp_path / 'run')[0]
     assert sorted(losses) == list(range(12)) and losses[11] < losses[5]
+
+
+def test_a_home_it_cannot_write_in_is_one_line_naming_torch_extensions_dir(tmp_path, data_dir):
+    # DeepSpeed compiles its CPU collectives into ~/.cache/torch_extensions at start: a HOME that cannot be written
+    # (a container's arbitrary user) was a traceback
+    e = {**env(), 'HOME': '/proc'}
+    e.pop('TORCH_EXTENSIONS_DIR', None)
+    p = subprocess.run([sys.executable, str(REPO / 'ds_train.py'), *TINY, f'--dataset={data_dir / "shakespeare_char"}',
+                        f'--out_dir={tmp_path / "run"}', '--max_iters=2'], cwd=tmp_path, env=e, capture_output=True,
+                       text=True, timeout=300)
+    errors = [line for line in p.stderr.splitlines() if line.startswith('error: ')]
+    assert p.returncode != 0 and 'Traceback' not in p.stderr, p.stderr[-3000:]
+    assert errors and errors[0].endswith('set TORCH_EXTENSIONS_DIR to a folder this user can write in (its default, '
+                                         '~/.cache/torch_extensions, is not)')
+    assert not (tmp_path / 'run').exists()

@@ -104,3 +104,20 @@ def test_a_folder_that_cannot_be_made_is_not_called_a_full_disk(tmp_path):
     assert said.startswith(f"error: cannot write in {tmp_path / 'scratch' / 'run'} (") and \
         said.endswith('): give a folder this user can write in')
     assert 'free some space' not in said and not (tmp_path / 'purged').exists()
+
+
+def test_a_hold_that_is_a_folder_or_a_link_to_nothing_is_named_not_taken_for_a_run(tmp_path):
+    # it read as "in use by another run on host None" for two minutes, and then as a traceback
+    sys.path.insert(0, str(REPO))
+    import runlock
+    (tmp_path / 'a' / 'run.lock').mkdir(parents=True)
+    (tmp_path / 'a' / 'run.lock' / 'mine').write_text('kept')
+    os.utime(tmp_path / 'a' / 'run.lock', (time.time() - 600, time.time() - 600))
+    (tmp_path / 'b').mkdir()
+    (tmp_path / 'b' / 'run.lock').symlink_to(tmp_path / 'nowhere')
+    for folder in (tmp_path / 'a', tmp_path / 'b'):
+        said = runlock._take(str(folder), 'a run')
+        assert said == f"error: {folder / 'run.lock'} is no file (a folder, or a link to nothing), where the hold " \
+                       f"goes: move it out of {folder}"
+        assert sorted(os.listdir(folder)) == ['run.lock']  # nothing of ours left beside it
+    assert (tmp_path / 'a' / 'run.lock' / 'mine').read_text() == 'kept'

@@ -191,12 +191,40 @@ def test_a_failed_sharded_save_stops_every_rank(tmp_path, data_dir, small_disk):
     assert 'step 10' not in p.stdout and not list((disk / 'run' / 'dcp').iterdir())  # what it wrote of it, gone
 
 
-def test_a_checkpoint_path_that_is_a_folder_is_refused_at_the_start(tmp_path, data_dir):
-    (tmp_path / 'run' / 'ckpt.pt').mkdir(parents=True)
-    (tmp_path / 'run' / 'ckpt.pt' / 'mine').write_text('kept')
+@pytest.mark.parametrize('script,kind,nproc', [('fsdp_train.py', 'dcp', 2), ('ds_train.py', 'ds', 1)])
+def test_a_sharded_save_that_cannot_begin_stops_every_rank_in_one_line(tmp_path, data_dir, shared_run, small_disk,
+                                                                       script, kind, nproc):
+    # 16 KiB left: the resume starts (its hold and log rows fit), but not even what goes first: the step folder's
+    # extra.pt, which rank 0 writes before the shards, or DeepSpeed's zero_to_fp32.py (first copied here, as on a
+    # new disk), which its engine copied in the loop's thread. Each was a traceback (and a hang of the other ranks)
+    disk = small_disk('4m')
+    shutil.copytree(shared_run(script, *ARGS), disk / 'run')
+    for script_copy in (disk / 'run' / kind).glob('zero_to_*.py'):
+        script_copy.unlink()
+    fill(disk)
+    os.truncate(disk / 'filler', (disk / 'filler').stat().st_size - 16384)
+    more = ['--max_iters=15', f'--gradient_accumulation_steps={nproc}']  # a micro-step for each rank
+    p = start(tmp_path, data_dir, disk / 'run', *more, script=script, nproc=nproc, check=False)
+    error = one_line_error(p, nproc=2)
+    assert f'writing the checkpoint {disk / "run" / kind / "step-00000015"}' in error, p.stderr[-3000:]
+    assert 'No space left on device' in error and 'Traceback' not in p.stderr
+    assert (disk / 'run' / kind / 'latest').read_text() == 'step-00000010'
+    assert not (disk / 'run' / kind / 'step-00000015').exists()  # what was made of it, gone
+    assert [f.name for f in (disk / 'run' / kind).iterdir() if f.is_file() and f.name not in ('latest', 'best')] \
+        in ([], ['zero_to_torch.py'])  # no script half-copied, no temporary file
+    os.remove(disk / 'filler')
+    p = start(tmp_path, data_dir, disk / 'run', *more, script=script, nproc=nproc)
+    assert 'resuming from' in p.stdout and 'at iter 10' in p.stdout
+
+
+@pytest.mark.parametrize('name', ['ckpt.pt', 'best.pt', 'dcp/latest', 'ds/best'])
+def test_a_checkpoint_path_that_is_a_folder_is_refused_at_the_start(tmp_path, data_dir, name):
+    # best.pt, or a latest or best file beside step folders, was let through: the run trained until its first save
+    (tmp_path / 'run' / name).mkdir(parents=True)
+    (tmp_path / 'run' / name / 'mine').write_text('kept')
     error = one_line_error(start(tmp_path, data_dir, tmp_path / 'run', check=False))
-    assert 'ckpt.pt is a folder' in error
-    assert files(tmp_path / 'run') == {'ckpt.pt/mine': hashlib.md5(b'kept').hexdigest()}  # nothing moved or added
+    assert f'{name} is a folder' in error
+    assert files(tmp_path / 'run') == {f'{name}/mine': hashlib.md5(b'kept').hexdigest()}  # nothing moved or added
 
 
 def test_a_start_or_resume_on_a_full_disk_is_one_line_and_leaves_nothing_half_written(tmp_path, data_dir,
@@ -218,12 +246,16 @@ def test_a_start_or_resume_on_a_full_disk_is_one_line_and_leaves_nothing_half_wr
     assert files(disk / 'run') == before  # its log whole, no temporary file
 
 
-def test_a_memory_snapshot_that_cannot_be_written_is_a_warning(tmp_path, data_dir):
-    # a /dev/shm of 16 KiB in a mount namespace of the run's own: its snapshots fail, its storage checkpoint not
-    command = [sys.executable, str(REPO / 'train.py'), *TINY, f'--dataset={data_dir / "shakespeare_char"}',
-               f'--out_dir={tmp_path / "run"}', *ARGS, '--max_iters=4', '--save_memory_interval=2']
+@pytest.mark.parametrize('script,shm', [('train.py', 'size=16k'), ('train.py', 'ro'), ('fsdp_train.py', 'ro'),
+                                        ('pp_train.py', 'ro'), ('ds_train.py', 'ro'), ('decent_train.py', 'ro')])
+def test_a_memory_snapshot_that_cannot_be_written_is_a_warning(tmp_path, data_dir, script, shm):
+    # a /dev/shm of 16 KiB, or a read-only one where not even the run's snapshot folder can be made, in a mount
+    # namespace of the run's own (unmounted as it ends): its snapshots fail, its storage checkpoint not
+    command = [sys.executable, str(REPO / script), *TINY, f'--dataset={data_dir / "shakespeare_char"}',
+               f'--out_dir={tmp_path / "run"}', *ARGS, '--max_iters=4', '--save_memory_interval=2',
+               *(['--save_consolidated=True'] if script in ('fsdp_train.py', 'pp_train.py') else [])]
     p = subprocess.run(['unshare', '-m', '--propagation', 'private', 'sh', '-c',
-                        'mount -t tmpfs -o size=16k tmpfs /dev/shm && exec "$@"', 'sh', *command],
+                        f'mount -t tmpfs -o size=16k,{shm} tmpfs /dev/shm && exec "$@"', 'sh', *command],
                        cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert 'warning: the memory snapshot' in p.stderr and 'training goes on' in p.stderr
@@ -327,6 +359,44 @@ def test_a_crash_as_a_checkpoint_is_renamed_leaves_the_newest_name_whole(tmp_pat
     atomic_save({'iter_num': 2}, str(path), keep=3)
     assert sorted(os.listdir(tmp_path)) == ['ckpt.prev.pt', 'ckpt.prev2.pt', 'ckpt.pt']
     assert [iter_of(tmp_path / f) for f in ('ckpt.pt', 'ckpt.prev.pt', 'ckpt.prev2.pt')] == [2, 1, 0]
+
+
+def test_a_save_on_a_full_disk_without_hard_links_leaves_no_temporary_file(small_disk, monkeypatch):
+    # vfat, exFAT and some FUSE mounts of cloud buckets have no hard links: the versions move down by copies, and a
+    # copy that did not fit left a half-written ckpt.prev.pt.tmp and the whole new ckpt.pt.tmp, holding the space
+    from checkpoint import atomic_save
+
+    def no_links(*args, **kwargs):
+        raise PermissionError(1, 'Operation not permitted')
+    monkeypatch.setattr(os, 'link', no_links)
+    path = small_disk('800k') / 'ckpt.pt'
+    state = {'iter_num': 1, 'w': torch.zeros(60000)}  # 240 KB: three fit, not four
+    atomic_save(state, str(path), keep=2, best=str(path.parent / 'best.pt'))
+    with pytest.raises(OSError, match='No space left on device'):
+        atomic_save({**state, 'iter_num': 2}, str(path), keep=2, best=str(path.parent / 'best.pt'))
+    assert sorted(os.listdir(path.parent)) == ['best.pt', 'ckpt.pt'] and iter_of(path) == 1
+    # a step folder kept as the best is copied file by file: one that did not fit leaves no best.tmp behind
+    from checkpoint import point_latest
+    step = path.parent / 'dcp' / 'step-00000002'
+    step.mkdir(parents=True)
+    torch.save({'iter_num': 2, 'w': torch.zeros(50000)}, step / 'extra.pt')  # 200 KB: fits once, not twice
+    with pytest.raises(OSError, match='No space left on device'):
+        point_latest(str(step), iter_of=lambda folder: 2, best=True)
+    assert sorted(os.listdir(step.parent)) == ['latest', 'step-00000002']
+
+
+def test_a_log_row_on_a_full_disk_is_a_warning_and_never_left_half_written(small_disk, capsys):
+    # it was a traceback out of the loop, with the row cut short in metrics.jsonl; the checkpoints, not the log,
+    # decide whether the run stops (a save that fails stops it, in one line)
+    from runlog import open_log
+    out = small_disk('64k') / 'run'
+    log = open_log(str(out), 'abc', {'out_dir': str(out)})
+    for i in range(2000):  # far more than fit
+        log(i, loss=1.0, note='x' * 100)
+    assert capsys.readouterr().err.count('warning: cannot write') == 1
+    rows = (out / 'metrics.jsonl').read_bytes().split(b'\n')
+    assert rows[-1] == b'' and 100 < len(rows) < 2000  # whole rows only, up to the one that did not fit
+    assert [json.loads(row)['iter'] for row in rows[:-1]] == list(range(len(rows) - 1))
 
 
 def test_run_best_names_the_newer_best_where_another_entrypoint_continued_the_run(tmp_path, data_dir, shared_run):
