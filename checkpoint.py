@@ -782,6 +782,25 @@ def misplaced(out_dir, storage):
     return None
 
 
+def saved_for(snapshot, out_dir):
+    """Whether the memory snapshot file was saved by a run in out_dir. A copy of a run's folder (cp -r, to branch an
+    experiment) holds the same run_id, which names the snapshot folder: each run resumed the other's snapshots, a
+    state it never trained, and went on to push its own checkpoints out. (DeepSpeed's snapshot folders are not read
+    here: they pass.)"""
+    if os.path.isdir(snapshot):
+        return True
+    try:
+        saved = torch.load(snapshot, map_location='cpu', weights_only=True, mmap=True).get('config', {}).get('out_dir')
+    except Exception:
+        return True  # unreadable here: newest_loadable has judged it already
+    if saved is None or os.path.realpath(saved) == os.path.realpath(out_dir):
+        return True
+    if int(os.environ.get('LOCAL_RANK', 0)) == 0:
+        print(f"note: passing over the memory snapshot {snapshot}, which a run in {saved} saved (its folder was "
+              f"copied from this one's, or this one's from it): this run resumes from its own checkpoints", flush=True)
+    return False
+
+
 def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, where, iter_of=None, script=None):
     """(run_id, (iter_num, path) to resume from or None), the same on every rank (a collective). out_dir/run_id
     names the run; snapshots names this rank's snapshot files in the run's node-local folder (or is a function of
@@ -807,7 +826,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         for path in snapshots(folder) if callable(snapshots) else [os.path.join(folder, n) for n in snapshots]:
             it, _, bad = newest_loadable([path], iter_of=iter_of)
             damaged += bad
-            if it is not None:
+            if it is not None and saved_for(path, out_dir):
                 held[it] = path
         foreign = other_layouts(folder, [] if callable(snapshots) else snapshots)
     if rank == 0:

@@ -262,6 +262,24 @@ def test_a_memory_snapshot_that_cannot_be_written_is_a_warning(tmp_path, data_di
     assert iter_of(tmp_path / 'run' / 'ckpt.pt') == 4
 
 
+def test_a_copy_of_a_run_folder_never_resumes_the_others_memory_snapshot(tmp_path, data_dir, shared_run):
+    # the copy holds the same run_id, which names the snapshot folder in /dev/shm: run A resumed the snapshot that
+    # its copy B left there (killed), a state A never trained, and its saves then pushed A's own checkpoints out
+    a, b = tmp_path / 'a', tmp_path / 'b'
+    shutil.copytree(shared_run('train.py', *ARGS), a)
+    shutil.copytree(a, b)
+    start(tmp_path, data_dir, b, '--max_iters=15', '--learning_rate=0.1')
+    snapshots = Path('/dev/shm') / f"nanogpt-{(a / 'run_id').read_text().strip()}"
+    try:
+        snapshots.mkdir()
+        shutil.copy(b / 'ckpt.pt', snapshots / 'ckpt.pt')  # what B's snapshot held when it was killed
+        p = start(tmp_path, data_dir, a, '--max_iters=12')
+        assert f'resuming from {a / "ckpt.pt"} at iter 10' in p.stdout, p.stdout[-2000:]
+        assert f'passing over the memory snapshot {snapshots / "ckpt.pt"}, which a run in {b} saved' in p.stdout
+    finally:
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
 def test_a_run_started_afresh_keeps_the_killed_earlier_runs_snapshots_in_out_dir_and_frees_the_ram(tmp_path,
                                                                                                    data_dir):
     out = tmp_path / 'run'
