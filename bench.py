@@ -183,7 +183,7 @@ for _ in range(warmup):
     step()
 sync()
 if profile:
-    from torch.profiler import ProfilerActivity, profile as torch_profile, tensorboard_trace_handler
+    from torch.profiler import DeviceType, ProfilerActivity, profile as torch_profile, tensorboard_trace_handler
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == 'cuda' else [])
     with torch_profile(activities=activities, on_trace_ready=tensorboard_trace_handler('./bench_log')) as prof:
         for _ in range(iters):
@@ -194,6 +194,8 @@ if profile:
     # the device's time by what it was spent on, read off kernel (or on CPU, op) names: the first kind that matches
     kinds = {}
     for e in prof.key_averages():
+        if device_type == 'cuda' and e.device_type == DeviceType.CPU:
+            continue  # an op's device time is its kernels' time, and the kernels are rows of their own
         us = e.self_device_time_total if device_type == 'cuda' else e.self_cpu_time_total
         name = e.key.lower()
         kind = next((k for k, words in PROFILE_KINDS if any(w in name for w in words)), 'other')

@@ -38,6 +38,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from proctree import stop  # tests/, beside this script
+
 BEGAN = time.time()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRYPOINTS = ('train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py', 'pp_train.py')  # pp: 1 stage
@@ -55,6 +57,8 @@ p.add_argument('--deadline', type=float, default=0, help='seconds from the start
                'by which every run is stopped; its checks are rows "not reached". 0: none')
 p.add_argument('--jobs', type=int, default=0, help="part A's runs at a time (0: 12 on a GPU, 2 dry)")
 p.add_argument('--batch', type=int, default=0, help="part L's micro-batch (0: part B's fastest, else 16)")
+p.add_argument('--only', default='', help="of parts A and B, only the checks whose names (the table's) hold one of "
+               "these comma-separated words, as 'zero_stage=3,SIGKILL,verdict': what an earlier call did not reach")
 args = p.parse_args()
 dry = args.dry_run
 plan = []  # [(part, its seconds or 0)], from 'ABLC' or 'A:250,B:320'
@@ -64,6 +68,13 @@ for item in args.parts.split(',') if ',' in args.parts or ':' in args.parts else
         sys.exit(f"error: --parts={args.parts}: give parts of ABLC in order, as ABLC or as A:250,B:320 (seconds)")
     plan.append((part, float(secs or 0)))
 chosen = args.entrypoints.split(',')
+
+
+def wanted(*checks):
+    """Whether --only leaves one of these checks (names as the table's) to run."""
+    return not args.only or any(w.lower() in c.lower() for c in checks for w in args.only.split(',') if w)
+
+
 work = tempfile.mkdtemp(prefix='gpu_check-')
 out = args.out or work
 logs = os.path.join(work, 'logs')  # one archive of them in out at the end: a device call brings back 8 files
@@ -141,13 +152,18 @@ def log_name(name):
     return os.path.join(logs, name.replace('/', '_') + '.log')
 
 
+TIME_UP = 'time up'  # a run's code where the part's seconds or the deadline stopped it
+
+
 def run(name, cmd, timeout=600, check=True, by_deadline=True):
     """Runs cmd in the work folder, its output in out/<name>.log; returns (returncode, output, seconds). A run
-    is stopped at the deadline (exit 124), and one that would start within 20 s of it is not started (None)."""
+    still going when the part's seconds or the deadline run out is stopped (TIME_UP), one past its own timeout too
+    (124), and one that would start within 20 s of the end is not started (None)."""
+    cut = False
     if by_deadline:
         if left() < 20:
             return None, 'not reached: the deadline came first', 0
-        timeout = min(timeout, left())
+        cut, timeout = left() < timeout, min(timeout, left())
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -155,9 +171,9 @@ def run(name, cmd, timeout=600, check=True, by_deadline=True):
         stdout, stderr = proc.communicate(timeout=timeout)
         code, text = proc.returncode, stdout + stderr
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers too, which would hold the GPU
+        stop(proc.pid)
         stdout, stderr = proc.communicate()
-        code, text = 124, f"timed out after {time.time() - t0:.0f} s\n{stdout}{stderr}"
+        code, text = TIME_UP if cut else 124, f"stopped after {time.time() - t0:.0f} s\n{stdout}{stderr}"
     with open(log_name(name), 'w') as f:
         f.write(' '.join(cmd) + '\n' + text)
     if check and code != 0:
@@ -204,8 +220,11 @@ def mean_ms(out_dir, skip=5):
 
 def exited(code, secs=None):
     """A run's figure where it has no other: why it ended."""
-    return 'not reached: the deadline came first' if code is None else \
-        f"exit {code}" + (f" after {secs:.0f} s" if secs is not None else '')
+    if code is None:
+        return 'not reached: the deadline came first'
+    if code == TIME_UP:
+        return "stopped" + (f" after {secs:.0f} s" if secs is not None else '') + ": out of time"
+    return f"exit {code}" + (f" after {secs:.0f} s" if secs is not None else '')
 
 
 # -----------------------------------------------------------------------------
@@ -224,7 +243,8 @@ def trains(part, what, code, secs, name):
     curve = losses(name)
     fell = bool(curve) and curve[max(curve)] < curve[min(curve)]
     row(part, what, code == 0 and fell,
-        f"loss {curve[min(curve)]:.3f} -> {curve[max(curve)]:.3f} in {secs:.0f} s" if curve else exited(code, secs))
+        f"loss {curve[min(curve)]:.3f} -> {curve[max(curve)]:.3f} at step {max(curve)} in {secs:.0f} s"
+        + (", stopped: out of time" if code == TIME_UP else '') if curve else exited(code, secs))
     return curve
 
 
@@ -298,12 +318,16 @@ def sigkill():
     if left() < 60:
         return row('A', 'SIGKILL under elastic torchrun', False, exited(None))
     # no eval (so no storage checkpoint) before the end: the restart has the memory snapshots alone to resume from
-    cmd = torchrun('train.py', [f'--out_dir={name}', f'--eval_interval={STEPS * 50}', '--save_memory_interval=2',
-                                f'--max_iters={STEPS * 50}', f'--lr_decay_iters={STEPS * 50}'], elastic=True)
+    # long enough to be killed while it runs (a snapshot may be written late on a busy CPU), short enough to end well
+    # within part A on a GPU once resumed
+    steps = STEPS * (50 if dry else 4)
+    cmd = torchrun('train.py', [f'--out_dir={name}', f'--eval_interval={steps}', '--save_memory_interval=2',
+                                f'--max_iters={steps}', f'--lr_decay_iters={steps}'], elastic=True)
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    timer = threading.Timer(left(), os.killpg, (proc.pid, signal.SIGKILL))  # the deadline stops it too
-    if args.deadline:
+    time_up = threading.Event()
+    timer = threading.Timer(left(), lambda: (time_up.set(), stop(proc.pid)))  # the part's seconds or the deadline
+    if left() < float('inf'):
         timer.start()
     killed, text = False, []
     for line in proc.stdout:
@@ -317,12 +341,14 @@ def sigkill():
                 killed = True
     proc.wait()
     timer.cancel()
+    time_up = time_up.is_set() and proc.returncode != 0
     with open(log_name(name), 'w') as f:
         f.write(''.join(text))
     from_memory = any('resuming from /dev/shm' in line or 'resuming from ' + tempfile.gettempdir() in line
                       for line in text)
     row('A', 'SIGKILL under elastic torchrun', proc.returncode == 0 and killed and from_memory,
-        'resumed from the memory snapshot' if from_memory else f'exit {proc.returncode}, killed={killed}')
+        'resumed from the memory snapshot' if from_memory and not time_up else
+        exited(TIME_UP if time_up else proc.returncode) + f'; worker killed: {killed}, resumed: {from_memory}')
 
 
 def bench(name, extra):
@@ -345,15 +371,21 @@ parts = {}
 
 def part_a():
     jobs = args.jobs or (2 if dry else 12)
-    work_list = [] if dry else [(recipe, ())]  # the longest first; at tiny sizes it could not reach its loss
-    scripts = [script for script in ENTRYPOINTS if script in chosen]
-    work_list += [(f, (script,)) for script in scripts for f in (entrypoint, halves)]
+    # the longest first; at tiny sizes it could not reach its loss
+    work_list = [] if dry or not wanted('config/train_shakespeare_char.py') else [(recipe, ())]
+    for script in [script for script in ENTRYPOINTS if script in chosen]:
+        whole = [f'{script} {c}' for c in ('trains', 'checkpoint', 'sample.py', 'export_hf.py')]
+        if wanted(*whole, f'{script} exact resume'):  # the resumed run is compared with the whole run
+            work_list.append((entrypoint, (script,)))
+        if wanted(f'{script} exact resume'):
+            work_list.append((halves, (script,)))
     variants = [('fsdp_train.py', ['--cpu_offload=True', '--activation_checkpointing=True'], 'fsdp-offload-ac'),
                 ('ds_train.py', ['--zero_stage=2', '--offload_optimizer=cpu'], 'zero2-offload'),
                 ('ds_train.py', ['--zero_stage=3', '--offload_optimizer=cpu'], 'zero3-offload')]
     if not dry:  # float16 and its scaler are for GPUs: on CPU autocast in float16 is not what is being proven
         variants.append(('train.py', ['--dtype=float16'], 'train-fp16'))
-    work_list += [(variant, v) for v in variants if v[0] in chosen] + [(sigkill, ())]
+    work_list += [(variant, v) for v in variants if v[0] in chosen and wanted(f'{v[0]} {" ".join(v[1])}')]
+    work_list += [(sigkill, ())] if wanted('SIGKILL under elastic torchrun') else []
     with ThreadPoolExecutor(jobs) as pool:
         futures = [(f, a, pool.submit(f, *a)) for f, a in work_list]
         for f, a, future in futures:
@@ -364,50 +396,55 @@ def part_a():
 
 def part_b():
     best = None
-    for b in [2] if dry else [12, 32]:  # nanoGPT's batch, and one that fills more of the GPU
+    for b in [b for b in ([2] if dry else [12, 32]) if wanted(f'bench.py batch {b}')]:  # nanoGPT's, and a fuller one
         r, failed = bench(f'bench-b{b}', [f'--batch_size={b}'])
         row('B', f'bench.py batch {b}', r, speed(r) if r else failed)
         if r and (best is None or r['tokens_per_sec'] > best['tokens_per_sec']):
             best = r
     if best:
-        parts['batch'] = b = best['batch_size']
+        parts['batch'] = best['batch_size']
+    b = args.batch or parts.get('batch') or (2 if dry else 12)
+    if wanted(f'profile at batch {b}'):
         # where the device's time goes, and how much of the step it is idle (the step's time is the timed run's)
         r, failed = bench('bench-profile', [f'--batch_size={b}', '--profile=True', '--iters=5'])
         if r and os.path.isdir(os.path.join(work, 'bench_log')) and args.out:
             shutil.make_archive(os.path.join(out, 'bench_trace'), 'gztar', os.path.join(work, 'bench_log'))
-        row('B', f'profile at batch {b}', r, f"busy {r['busy_ms']:.2f} of {best['ms']:.2f} ms a step: " +
+        row('B', f'profile at batch {b}', r, f"busy {r['busy_ms']:.2f}" + (f" of {best['ms']:.2f}" if best else '') +
+            " ms a step: " +
             ', '.join(f"{k} {v * 100:.0f}%" for k, v in r['shares'].items() if v >= 0.005) if r else failed)
-    # the lever of the non-finite check: train.py as it is (the verdict read a step late), and with the host made to
-    # wait for each step's verdict, as a read at once would; logged every 10 steps, since a logged step waits too
-    size = MODEL + ['--max_iters=4', '--log_interval=2'] if dry else \
-        ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024', '--batch_size=12', '--max_iters=60',
-         '--log_interval=10', '--eval_iters=2']
-    ms, mfu, failed = {}, None, ''
-    for name, wait in (('sync-late', False), ('sync-every-step', True)):
-        cmd = torchrun('train.py', size + ['--random_data=True', f'--out_dir={name}', '--eval_interval=1000',
-                                           '--always_save_checkpoint=False', '--deterministic=False'])
-        code, _, secs = run(name, wrapped('sync', cmd, 'train.py') if wait else cmd)
-        ms[name] = mean_ms(name, skip=2 if dry else 20) if code == 0 else None
-        failed = failed or (code != 0 and exited(code, secs))
-        mfu = mfu or next((r['mfu'] for r in reversed(metrics(name)) if r.get('mfu')), None)
-    late, every = ms['sync-late'], ms['sync-every-step']
-    row('B', 'verdict a step late vs every step', late and every,
-        f"{late:.2f} vs {every:.2f} ms/iter ({every / late:.3f}x)" + (f"; train.py's MFU {mfu * 100:.1f}%"
-                                                                      if mfu else '')
-        if late and every else failed or 'no times logged: see sync-*.log')
-    # train.py's own log for config/train_gpt2.py as a user runs it on one GPU (40 micro-steps a step), on random
-    # tokens: the MFU it reports
-    tiny = SYSTEM + MODEL[:5] + ['--gradient_accumulation_steps=2'] if dry else []
-    code, _, secs = run('train-gpt2', [sys.executable, os.path.join(REPO, 'train.py'),
-                                       os.path.join(REPO, 'config', 'train_gpt2.py'), '--random_data=True',
-                                       '--max_iters=6', '--log_interval=1', '--eval_interval=1000', '--eval_iters=1',
-                                       '--always_save_checkpoint=False', '--out_dir=train-gpt2'] + tiny)
-    logged = sorted((r['ms'], r['tokens_per_sec'], r['mfu']) for r in metrics('train-gpt2') if r.get('iter', 0) >= 2
-                    and 'ms' in r)
-    ms, tok, mfu = logged[len(logged) // 2] if logged else (None, None, None)
-    row('B', 'train.py config/train_gpt2.py', code == 0 and ms,
-        f"{ms:,.0f} ms/iter, {tok:,.0f} tok/s" + (f", MFU {mfu * 100:.1f}%" if mfu else '') if ms else
-        exited(code, secs))
+    if wanted('verdict a step late vs every step'):
+        # the lever of the non-finite check: train.py as it is (the verdict read a step late), and with the host made to
+        # wait for each step's verdict, as a read at once would; logged every 10 steps, since a logged step waits too
+        size = MODEL + ['--max_iters=4', '--log_interval=2'] if dry else \
+            ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024', '--batch_size=12', '--max_iters=60',
+             '--log_interval=10', '--eval_iters=2']
+        ms, mfu, failed = {}, None, ''
+        for name, wait in (('sync-late', False), ('sync-every-step', True)):
+            cmd = torchrun('train.py', size + ['--random_data=True', f'--out_dir={name}', '--eval_interval=1000',
+                                               '--always_save_checkpoint=False', '--deterministic=False'])
+            code, _, secs = run(name, wrapped('sync', cmd, 'train.py') if wait else cmd)
+            ms[name] = mean_ms(name, skip=2 if dry else 20) if code == 0 else None
+            failed = failed or (code != 0 and exited(code, secs))
+            mfu = mfu or next((r['mfu'] for r in reversed(metrics(name)) if r.get('mfu')), None)
+        late, every = ms['sync-late'], ms['sync-every-step']
+        row('B', 'verdict a step late vs every step', late and every,
+            f"{late:.2f} vs {every:.2f} ms/iter ({every / late:.3f}x)" + (f"; train.py's MFU {mfu * 100:.1f}%"
+                                                                          if mfu else '')
+            if late and every else failed or 'no times logged: see sync-*.log')
+    if wanted('train.py config/train_gpt2.py'):
+        # train.py's own log for config/train_gpt2.py as a user runs it on one GPU (40 micro-steps a step), on random
+        # tokens: the MFU it reports
+        tiny = SYSTEM + MODEL[:5] + ['--gradient_accumulation_steps=2'] if dry else []
+        code, _, secs = run('train-gpt2', [
+            sys.executable, os.path.join(REPO, 'train.py'), os.path.join(REPO, 'config', 'train_gpt2.py'),
+            '--random_data=True', '--max_iters=6', '--log_interval=1', '--eval_interval=1000', '--eval_iters=1',
+            '--always_save_checkpoint=False', '--out_dir=train-gpt2'] + tiny)
+        logged = sorted((r['ms'], r['tokens_per_sec'], r['mfu']) for r in metrics('train-gpt2')
+                        if r.get('iter', 0) >= 2 and 'ms' in r)
+        ms, tok, mfu = logged[len(logged) // 2] if logged else (None, None, None)
+        row('B', 'train.py config/train_gpt2.py', code == 0 and ms,
+            f"{ms:,.0f} ms/iter, {tok:,.0f} tok/s" + (f", MFU {mfu * 100:.1f}%" if mfu else '') if ms else
+            exited(code, secs))
 
 
 def part_l():

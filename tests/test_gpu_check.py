@@ -69,3 +69,42 @@ def test_gpu_check_refuses_parts_it_does_not_know_in_one_line(tmp_path, parts):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and p.stderr.strip().startswith(f'error: --parts={parts}: ') and \
         len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / 'out').exists()
+
+
+def test_a_run_out_of_time_is_stopped_with_the_workers_torchrun_started_in_sessions_of_their_own(tmp_path):
+    # gpu_check.py stops a run at its part's end or its deadline and then reads its output to the end: torchrun's
+    # worker (its own session) and a process the worker started (as inductor's compile workers) must go too, or
+    # they hold the pipe, and the GPU, until their run is done
+    sys.path.insert(0, str(REPO / 'tests'))
+    from proctree import stop
+    (tmp_path / 'worker.py').write_text(
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)', sys.argv[0]])\n"
+        "print('started', flush=True)\n"
+        "time.sleep(300)\n")
+    p = subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=1',
+                          str(tmp_path / 'worker.py')], cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        for line in p.stdout:
+            if 'started' in line:
+                break
+        stop(p.pid)
+        p.communicate(timeout=30)  # the pipe closes: nothing that holds it is left
+        ps = subprocess.run(['pgrep', '-f', str(tmp_path / 'worker.py')], capture_output=True, text=True)  # all 3
+        assert ps.stdout == '' and p.returncode == -9
+    finally:
+        subprocess.run(['pkill', '-9', '-f', str(tmp_path)])
+        p.kill()
+
+
+def test_gpu_check_runs_only_the_checks_named(tmp_path):
+    # a later GPU call runs what an earlier one did not reach, and nothing it did: here part B's verdict timing alone
+    # (part A's ZeRO-3 check is of ds_train.py, which --entrypoints leaves out)
+    p = subprocess.run([sys.executable, str(REPO / 'tests' / 'gpu_check.py'), '--dry_run', '--entrypoints=train.py',
+                        '--parts=AB', '--only=zero_stage=3,Verdict', f'--input={SHAKESPEARE}',
+                        f'--out={tmp_path / "out"}'], cwd=tmp_path, env=env(), capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.loads((tmp_path / 'out' / 'table.json').read_text())
+    assert [(part, what, ok) for part, what, ok, _ in rows] == [('B', 'verdict a step late vs every step', True)]
