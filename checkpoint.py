@@ -877,6 +877,11 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         sys.exit(f"error: no checkpoint at {where}: point --out_dir at a run's folder, or use --init_from=scratch")
     for path, why in damaged:
         print0(f"warning: skipping the damaged {path} ({why}); resuming from the newest one before it")
+    if damaged and not eval_only:  # the same on every rank: damaged is every rank's
+        moved = [set_aside_damaged(out_dir, damaged) if rank == 0 else None]
+        dist.broadcast_object_list(moved)  # renamed before any rank reads the state it resumes from
+        if resume_from is not None:
+            resume_from = (resume_from[0], moved[0].get(resume_from[1], resume_from[1]))
     if eval_only and resume_from is not None:
         print0(f"eval_only: evaluating the newest state of the run in {out_dir}, {resume_from[1]} at iter "
                f"{resume_from[0]}; nothing in {out_dir} is written but its eval rows in metrics.jsonl")
@@ -896,6 +901,34 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     return run_id, resume_from
 
 
+def set_aside_damaged(out_dir, damaged):
+    """A run that will write to out_dir resumes past damaged versions of its ckpt.pt ((path, why) in damaged): each
+    is renamed damaged-NAME, kept but out of the versions that the run's saves move down, where it would take the
+    place of a good one, and the good ones are renamed up into the gaps, as if it had never been written. Returns
+    {old path: new path} of those renamed up."""
+    path = os.path.join(out_dir, 'ckpt.pt')
+    bad = {os.path.abspath(p) for p, _ in damaged}
+    versions = kept(path)
+    if not any(os.path.abspath(v) in bad for v in versions):
+        return {}
+    good, moved = [], {}
+    for v in versions:
+        if os.path.abspath(v) in bad:
+            aside = unused(os.path.join(out_dir, 'damaged-' + os.path.basename(v)))
+            os.replace(v, aside)
+            print(f"the damaged {v} is kept as {aside}, out of the versions that this run's saves move down",
+                  flush=True)
+        else:
+            good.append(v)
+    for n, v in enumerate(good):  # the n-th good one is at version n or later: the names before it are free
+        if v != previous(path, n):
+            os.replace(v, previous(path, n))
+            moved[v] = previous(path, n)
+            print(f"{v} is renamed {previous(path, n)}: the good versions move up in the damaged ones' place",
+                  flush=True)
+    return moved
+
+
 _kept = {}  # out_dir -> (the folder that keep_earlier_run moved the earlier run's saved states into, their names)
 
 
@@ -912,8 +945,8 @@ def where_kept(path):
 
 
 # the names in out_dir of a run's saved state and its records, which a new run there would rotate, prune or replace
-RUN_NAMES = re.compile(r'(ckpt|best)(\.prev\d*)?\.pt|diverged-.+|dcp|ds|decent|run_id|config\.json|metrics\.jsonl'
-                       r'(\.damaged-.+)?')
+RUN_NAMES = re.compile(r'(ckpt|best)(\.prev\d*)?\.pt|(diverged|damaged)-.+|dcp|ds|decent|run_id|config\.json'
+                       r'|metrics\.jsonl(\.damaged-.+)?')
 
 
 def keep_earlier_run(out_dir, earlier):

@@ -68,10 +68,11 @@ def test_fsdp_resumed_at_another_world_size_past_a_truncated_checkpoint_continue
 
 
 # the file cut short in the newest storage checkpoint (iter 8) and what the run resumes from instead (iter 4):
-# train.py's ckpt.pt and the ckpt.prev.pt kept beside it; a rank's file of ds_train.py's and decent_train.py's
+# train.py's ckpt.pt and the ckpt.prev.pt kept beside it, renamed ckpt.pt once the damaged one is set aside as
+# damaged-ckpt.pt (test_keep.py has why); a rank's file of ds_train.py's and decent_train.py's
 # step folders (decent_train.py on two ranks: rank 0 checks the second rank's file too, and names the folder).
 # ds_train.py names its default stage, as the test above does: the same runs, shared.
-NEWEST = {'train.py': ('ckpt.pt', 'ckpt.prev.pt'),
+NEWEST = {'train.py': ('ckpt.pt', 'ckpt.pt'),
           'ds_train.py': ('ds/step-00000008/zero_pp_rank_0_mp_rank_00_optim_states.pt', 'ds/step-00000004'),
           'decent_train.py': ('decent/step-00000008/rank-1.pt', 'decent/step-00000004')}
 STAGE = {'ds_train.py': ['--zero_stage=2']}

@@ -123,6 +123,22 @@ def test_a_diverged_run_leaves_its_last_good_state_newest(base, tmp_path, data_d
     assert all(torch.isfinite(v).all() for v in load_checkpoint(str(out))[0].state_dict().values())
 
 
+
+def test_a_damaged_newest_checkpoint_takes_no_good_state_s_place_among_the_kept(base, tmp_path, data_dir):
+    # ckpt.pt (10) damaged: the run resumes from ckpt.prev.pt (8). Moved down with the versions, the damaged file
+    # would push 6 out at the first save and 8 at the next; it is kept aside, and the good ones move up in its place
+    base_dir, _ = base('train.py')
+    out = tmp_path / 'run'
+    shutil.copytree(base_dir, out)
+    damaged = (out / 'ckpt.pt').read_bytes()[:1000]
+    (out / 'ckpt.pt').unlink()
+    (out / 'ckpt.pt').write_bytes(damaged)
+    p = run('train.py', *tiny(data_dir, out, *BASE), cwd=tmp_path)
+    assert kept_iters('train.py', out) == ([6, 8, 10], [])
+    assert re.search(rf'resuming from {out}/ckpt.pt at iter 8\b', p.stdout), p.stdout[-3000:]
+    assert (out / 'damaged-ckpt.pt').read_bytes() == damaged
+    assert same_weights(final_weights('train.py', out), final_weights('train.py', base_dir))
+
 SAVE_TWICE = '''
 import os, sys
 import torch, torch.distributed as dist
