@@ -64,6 +64,8 @@ def _check(key, value, defaults, where, script=''):
                  f"got {type(value).__name__} {value!r}")
     if want is str and '\0' in value:  # a config file's "\x00": no path can hold one (os raises ValueError)
         sys.exit(f"error: {where}: {key}={value!r} holds a NUL byte (\\x00), which no path or name can: remove it")
+    if want is str and (value == '~' or value.startswith('~/')):
+        value = os.path.expanduser(value)  # a shell leaves the ~ of --out_dir=~/x as it is: a folder named ~ here
     return value
 
 

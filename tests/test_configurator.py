@@ -197,3 +197,14 @@ def test_check_model_shape_passes_good_shapes_and_ignores_missing_keys():
 def test_check_optimizer_names_the_key_and_the_fix(config, message):
     assert message in check_fails(check_optimizer, config)
     check_optimizer(dict(learning_rate=0.0, weight_decay=0.0, grad_clip=0.0, beta1=0.0, beta2=0.99))
+
+
+def test_a_path_from_home_is_the_home_folder_s_not_a_folder_named_tilde(tmp_path, monkeypatch):
+    # bash expands ~ only at a word's start or in an assignment: --out_dir=~/runs/x reaches the script as it is
+    monkeypatch.setenv('HOME', str(tmp_path))
+    cfg_file = tmp_path / 'c.py'
+    cfg_file.write_text("init_from = '~/runs/a/ckpt.pt'\n")
+    ns = dict(defaults(), init_from='scratch', wandb_run_name='gpt2')
+    configure(ns, ['--out_dir=~/runs/x', str(cfg_file), '--wandb_run_name=~x'])
+    assert (ns['out_dir'], ns['init_from']) == (f'{tmp_path}/runs/x', f'{tmp_path}/runs/a/ckpt.pt')
+    assert ns['wandb_run_name'] == '~x'  # not a path from a home
