@@ -782,18 +782,23 @@ def misplaced(out_dir, storage):
     return None
 
 
-def saved_for(snapshot, out_dir):
-    """Whether the memory snapshot file was saved by a run in out_dir. A copy of a run's folder (cp -r, to branch an
-    experiment) holds the same run_id, which names the snapshot folder: each run resumed the other's snapshots, a
-    state it never trained, and went on to push its own checkpoints out. (DeepSpeed's snapshot folders are not read
-    here: they pass.)"""
-    if os.path.isdir(snapshot):
-        return True
+def saved_for(snapshot, out_dir, run_id, state_of=None):
+    """Whether the memory snapshot (a file, or a folder that state_of reads: ds_train.py's) was saved by the run in
+    out_dir. A copy of a run's folder (cp -r, to branch an experiment) holds the same run_id, which names the
+    snapshot folder: each run resumed the other's snapshots, a state it never trained, and went on to push its own
+    checkpoints out. A snapshot is the other copy's where the folder it was saved for is another one that holds
+    this run's id; one saved for a folder that is no more (renamed, moved) or named from elsewhere (a relative
+    out_dir from another working folder) is this run's."""
     try:
-        saved = torch.load(snapshot, map_location='cpu', weights_only=True, mmap=True).get('config', {}).get('out_dir')
+        state = state_of(snapshot) if os.path.isdir(snapshot) else \
+            torch.load(snapshot, map_location='cpu', weights_only=True, mmap=True)
+        saved = state.get('config', {}).get('out_dir')
     except Exception:
-        return True  # unreadable here: newest_loadable has judged it already
+        return True  # unreadable here (or a folder with no state_of): newest_loadable has judged it already
     if saved is None or os.path.realpath(saved) == os.path.realpath(out_dir):
+        return True
+    copy = os.path.join(saved, 'run_id')
+    if not os.path.isfile(copy) or read_run_id(copy) != run_id:
         return True
     if int(os.environ.get('LOCAL_RANK', 0)) == 0:
         print(f"note: passing over the memory snapshot {snapshot}, which a run in {saved} saved (its folder was "
@@ -801,7 +806,8 @@ def saved_for(snapshot, out_dir):
     return False
 
 
-def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, where, iter_of=None, script=None):
+def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, where, iter_of=None, script=None,
+                state_of=None):
     """(run_id, (iter_num, path) to resume from or None), the same on every rank (a collective). out_dir/run_id
     names the run; snapshots names this rank's snapshot files in the run's node-local folder (or is a function of
     the folder that lists their paths); storage is lists of paths in out_dir, which rank 0 reads (it must be
@@ -812,7 +818,8 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     or are an error where nothing else loads; init_from=resume with nothing to resume is an error naming where
     (what storage was looked for). script is the entrypoint: a start that would not continue the newest state that
     another entrypoint keeps in out_dir is an error naming it (a new run over it would cut its log and, once it
-    resumed there, prune its folders). eval_only with init_from=scratch evaluates the run's newest state."""
+    resumed there, prune its folders). eval_only with init_from=scratch evaluates the run's newest state. state_of
+    reads a snapshot folder's own state (saved_for)."""
     rank = dist.get_rank()
     run_id, held, disk, damaged, others, wrong, foreign = None, {}, (None, None), [], None, None, (None, None, [])
     # an eval of another model is no resume; an eval of out_dir (init_from=scratch) is one of its newest state
@@ -826,7 +833,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         for path in snapshots(folder) if callable(snapshots) else [os.path.join(folder, n) for n in snapshots]:
             it, _, bad = newest_loadable([path], iter_of=iter_of)
             damaged += bad
-            if it is not None and saved_for(path, out_dir):
+            if it is not None and saved_for(path, out_dir, run_id, state_of):
                 held[it] = path
         foreign = other_layouts(folder, [] if callable(snapshots) else snapshots)
     if rank == 0:

@@ -108,8 +108,8 @@ try:
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from ds_state import (DeferredWrites, add_config_file, check_offload, checkpoint_iter_at, engine_folders,
-                          copy_recovery_scripts, gather_state, guard_step, load_state, offload, remove_shm_buffer_name,
-                          state_bytes)
+                          engine_state, copy_recovery_scripts, gather_state, guard_step, load_state, offload,
+                          remove_shm_buffer_name, state_bytes)
 except ImportError as e:
     sys.exit(f"error: ds_train.py needs DeepSpeed ({e}): pip install deepspeed==0.19.8")
 # DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates, and torch says so at each call
@@ -208,7 +208,7 @@ if not eval_only:  # an eval writes nothing: it neither holds out_dir nor waits 
 run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only, snapshots=engine_folders,
                                   storage=[engine_folders(ds_dir) + kept(ckpt_path)],
                                   where=f"{os.path.join(ds_dir, 'latest')} or {ckpt_path}", iter_of=engine_iter,
-                                  script='ds_train.py')
+                                  script='ds_train.py', state_of=engine_state)
 resume_path = resume_from and resume_from[1]
 if foreign and resume_path in kept(ckpt_path):
     print0(f"{foreign[0][0]} was written by {foreign[0][1]} ranks at zero_stage={foreign[0][2]}, not {world_size} at "

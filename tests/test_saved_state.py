@@ -262,7 +262,8 @@ def test_a_memory_snapshot_that_cannot_be_written_is_a_warning(tmp_path, data_di
     assert iter_of(tmp_path / 'run' / 'ckpt.pt') == 4
 
 
-def test_a_copy_of_a_run_folder_never_resumes_the_others_memory_snapshot(tmp_path, data_dir, shared_run):
+def test_a_copy_of_a_run_folder_never_resumes_the_others_memory_snapshot_a_moved_one_does(tmp_path, data_dir,
+                                                                                          shared_run):
     # the copy holds the same run_id, which names the snapshot folder in /dev/shm: run A resumed the snapshot that
     # its copy B left there (killed), a state A never trained, and its saves then pushed A's own checkpoints out
     a, b = tmp_path / 'a', tmp_path / 'b'
@@ -276,6 +277,30 @@ def test_a_copy_of_a_run_folder_never_resumes_the_others_memory_snapshot(tmp_pat
         p = start(tmp_path, data_dir, a, '--max_iters=12')
         assert f'resuming from {a / "ckpt.pt"} at iter 10' in p.stdout, p.stdout[-2000:]
         assert f'passing over the memory snapshot {snapshots / "ckpt.pt"}, which a run in {b} saved' in p.stdout
+        # B renamed (mv b c) is B still, which resumes its own snapshot
+        b.rename(tmp_path / 'c')
+        snapshots.mkdir(exist_ok=True)  # A's finish freed it
+        shutil.copy(tmp_path / 'c' / 'ckpt.pt', snapshots / 'ckpt.pt')  # its snapshot at 15
+        p = start(tmp_path, data_dir, tmp_path / 'c', '--max_iters=16', '--learning_rate=0.1')
+        assert f'resuming from {snapshots / "ckpt.pt"} at iter 15' in p.stdout, p.stdout[-2000:]
+    finally:
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
+def test_a_copy_of_a_deepspeed_run_folder_never_resumes_the_others_memory_snapshot(tmp_path, data_dir, shared_run):
+    # DeepSpeed's snapshots are folders of the engine's files, our state among them; here the run's own folder's
+    # snapshot at 10 (its out_dir the shared run's), beside the copy's checkpoint at 10
+    shared = shared_run('ds_train.py', *ARGS)
+    copy = tmp_path / 'copy'
+    shutil.copytree(shared, copy)
+    snapshots = Path('/dev/shm') / f"nanogpt-{(copy / 'run_id').read_text().strip()}"
+    try:
+        snapshots.mkdir()
+        shutil.copytree(shared / 'ds' / 'step-00000010', snapshots / 'step-00000010')
+        (snapshots / 'latest').write_text('step-00000010')
+        p = start(tmp_path, data_dir, copy, '--max_iters=12', script='ds_train.py')
+        assert f'resuming from {copy / "ds" / "step-00000010"} at iter 10' in p.stdout, p.stdout[-2000:]
+        assert f'passing over the memory snapshot {snapshots / "step-00000010"}, which a run in {shared}' in p.stdout
     finally:
         shutil.rmtree(snapshots, ignore_errors=True)
 
