@@ -9,6 +9,8 @@ wandb_run_name = 'gpt2-124M'
 batch_size = 12
 block_size = 1024
 gradient_accumulation_steps = 5 * 8
+# a GPU with 80 GB takes a larger micro-batch, which keeps more of it busy (docs/speed.md): the same tokens in
+# --batch_size=30 --gradient_accumulation_steps=16 (2 micro-steps per GPU on 8)
 
 # 600,000 iterations: about 300B tokens
 max_iters = 600000
