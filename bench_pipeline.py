@@ -13,6 +13,7 @@ left over theory is the schedule's own overhead (sends, receives, bookkeeping).
 """
 
 import os
+import sys
 import time
 
 import torch
@@ -21,6 +22,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from configurator import configure, quiet_interrupt
+from pipeline import nearest_taken, schedule_takes
 
 quiet_interrupt()  # Ctrl-C: one line, no traceback
 
@@ -31,6 +33,25 @@ stages_per_rank = 2  # v of interleaved 1F1B
 steps = 5  # timed steps per point, after one untimed
 # -----------------------------------------------------------------------------
 configure(globals())
+# bad input is refused before the process group starts, on every rank alike: torchrun's environment has the ranks
+if 'RANK' not in os.environ:
+    sys.exit("error: bench_pipeline.py runs a pipeline stage on each rank: launch it with torchrun, e.g. "
+             "torchrun --standalone --nproc_per_node=2 bench_pipeline.py")
+p = int(os.environ['WORLD_SIZE'])
+counts = [int(m) if m.strip().isdigit() else 0 for m in microbatches.split(',')]
+if min(counts) < 1:
+    sys.exit(f"error: microbatches={microbatches!r} must be counts of 1 or more, comma-separated: e.g. "
+             f"--microbatches=1,2,4,8")
+for key in ('stages_per_rank', 'steps'):
+    if globals()[key] < 1:
+        sys.exit(f"error: {key}={globals()[key]} must be 1 or more")
+if not forward_ms >= 0:
+    sys.exit(f"error: forward_ms={forward_ms} must be 0 or more")
+for m in counts:
+    if m >= p and not schedule_takes('interleaved-1f1b', m, p):  # below p the 1F1B schedules are left out
+        use = " or ".join(map(str, nearest_taken('interleaved-1f1b', m, p)))
+        sys.exit(f"error: microbatches={microbatches!r}: interleaved 1F1B on {p} ranks does not run {m} (torch's runs "
+                 f"them in {m // p} rounds of equal size): use {use} instead")
 
 
 class Sleep(torch.autograd.Function):
@@ -61,7 +82,7 @@ def measure(name, m, rank, p):
     ids = [rank + j * p for j in range(v)]
     stages = [PipelineStage(Stage(seconds), s, p * v, torch.device('cpu')) for s in ids]
     Schedule = {'gpipe': ScheduleGPipe, '1f1b': Schedule1F1B, 'interleaved-1f1b': ScheduleInterleaved1F1B}[name]
-    schedule = Schedule(stages if v > 1 else stages[0], m, loss_fn=lambda out, y: out.mean())
+    schedule = Schedule(stages if name == 'interleaved-1f1b' else stages[0], m, loss_fn=lambda out, y: out.mean())
     x, y = torch.randn(m, 4), torch.randn(m, 4)
     times = []
     for i in range(steps + 1):
@@ -81,12 +102,12 @@ def measure(name, m, rank, p):
 
 
 dist.init_process_group('gloo')
-rank, p = dist.get_rank(), dist.get_world_size()
+rank = dist.get_rank()
 if rank == 0:
     print(f"{p} ranks, forward {forward_ms} ms + backward {2 * forward_ms} ms per micro-batch per rank")
     print(f"{'schedule':>17} {'m':>3} {'step ms':>8} {'bubble':>7} {'theory':>7}")
 for name in ('gpipe', '1f1b', 'interleaved-1f1b'):
-    for m in map(int, microbatches.split(',')):
+    for m in counts:
         if name != 'gpipe' and m < p:
             continue  # 1F1B needs a micro-batch for each stage to fill the pipeline before its first backward
         bubble, theory, step = measure(name, m, rank, p)

@@ -274,13 +274,17 @@ def read_replica(path, rank, world_size, print0):
     """A rank's replica and optimizer state from a folder of every rank's; a memory snapshot or a ckpt.pt
     (train.py's, or decent_train.py's averaged export) whole. Data, never code. The algorithm's state is one
     replica per rank, which does not reshard: at another world size (an elastic restart with fewer or more nodes)
-    every rank starts from their average, as evals see it."""
+    every rank starts from their average, as evals see it (DiLoCo's then from θ_global, which restore_outer puts
+    back)."""
     if not os.path.isdir(path):
         return torch.load(path, map_location='cpu', weights_only=True)
-    saved = len(torch.load(os.path.join(path, 'rank-0.pt'), map_location='cpu', weights_only=True, mmap=True)['rng'])
+    first = torch.load(os.path.join(path, 'rank-0.pt'), map_location='cpu', weights_only=True, mmap=True)
+    saved = len(first['rng'])
     if saved == world_size:
         return torch.load(os.path.join(path, f'rank-{rank}.pt'), map_location='cpu', weights_only=True)
-    print0(f"{path} holds the replicas of {saved} ranks, not {world_size}: every rank starts from their average")
+    # DiLoCo's replicas are put back to θ_global (restore_outer), which the files hold beside them
+    start = "DiLoCo's global model θ_global" if 'outer' in first.get('diloco', {}) else "their average"
+    print0(f"{path} holds the replicas of {saved} ranks, not {world_size}: every rank starts from {start}")
     return averaged_replicas(path, saved)
 
 

@@ -35,6 +35,19 @@ def stage_blocks(stage, n_stages, n_layer):
     return list(range(stage * n_layer // n_stages, (stage + 1) * n_layer // n_stages))
 
 
+def schedule_takes(schedule, m, pp):
+    """Whether schedule runs m micro-batches on pp ranks: GPipe any number, 1F1B pp or more (it fills the pipeline
+    before its first backward), and torch's interleaved 1F1B a multiple of its rounds besides, max(1, m // pp)."""
+    return m >= 1 and (schedule == 'gpipe' or m >= pp and (schedule == '1f1b' or m % (m // pp) == 0))
+
+
+def nearest_taken(schedule, m, pp):
+    """The micro-batch counts nearest m that schedule runs on pp ranks: the one below m (where there is one), and
+    the one above (a multiple of pp always is)."""
+    below = [k for k in range(m - 1, 0, -1) if schedule_takes(schedule, k, pp)][:1]
+    return below + [next(k for k in range(m + 1, m + pp + 1) if schedule_takes(schedule, k, pp))]
+
+
 class Part(nn.Module):
     """Some of a GPT's modules, the same objects, under the GPT's own names (transformer.h.5 stays transformer.h.5):
     the first stage holds the embeddings, the last the final layer norm and the head (and the token embedding under

@@ -23,16 +23,16 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from checkpoint import (create_model, find_resume, finish_saves, kept, previous, reason, remove_snapshots,
+from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, previous, reason, remove_snapshots,
                         save_in_background, snapshot_dir, step_folders, wait_for_copies, wait_for_saves)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
-                         skip_on_device, state_bytes, stop_signal, use_deterministic_algorithms)
+                         skip_on_device, state_bytes, stop_signal, torchrun_env, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import saves_at_eval, skips_save
-from pipeline import (Forward, Part, clip, loss_fn, save_full, sharded_state, stage_blocks, stage_ids,
-                      tied_grads_and_norm)
+from pipeline import (Forward, Part, clip, loss_fn, nearest_taken, save_full, schedule_takes, sharded_state,
+                      stage_blocks, stage_ids, tied_grads_and_norm)
 from runlock import hold
 from runlog import heed, open_log
 from sharded import load_sharded_state, local_shards, read_start, save_dcp
@@ -108,19 +108,26 @@ if pp_schedule not in ('gpipe', '1f1b', 'interleaved-1f1b'):
     sys.exit(f"error: pp_schedule={pp_schedule!r} is not one of gpipe, 1f1b, interleaved-1f1b")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
-rank, local_rank, world_size = start(backend, device)
-master_process = rank == 0  # does all the logging and checkpoint writing
+# the layout is checked before any rank joins the group, from what torchrun set: every rank refuses it alike
+world_size = torchrun_env()[2]
 if pp_size < 1 or world_size % pp_size != 0:
     sys.exit(f"error: pp_size={pp_size} does not divide the world size {world_size}: use a divisor of it")
-# the mesh is (dp, pp) with pp innermost, so a pipeline is pp_size consecutive ranks (the GPUs of a node, or of
-# consecutive nodes: only activations cross a stage boundary); a pipeline's ranks read the same batches
-dp_rank, dp_size, pp_rank = rank // pp_size, world_size // pp_size, rank % pp_size
-mesh = init_device_mesh(device_type, (dp_size, pp_size), mesh_dim_names=('dp', 'pp'))
+dp_size = world_size // pp_size
 # the micro-batches of the pipeline's schedule are this rank's micro-steps: the same data as train.py's
 accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)
-if pp_schedule != 'gpipe' and accum_steps < pp_size:  # 1F1B fills the pipeline before its first backward
-    sys.exit(f"error: {pp_schedule} needs at least pp_size={pp_size} micro-batches per pipeline, not {accum_steps}: "
-             f"set gradient_accumulation_steps to {pp_size * dp_size} or more, or use --pp_schedule=gpipe")
+if not schedule_takes(pp_schedule, accum_steps, pp_size):
+    why = (f"it fills the pipeline before its first backward, so it needs at least pp_size={pp_size}"
+           if accum_steps < pp_size else f"torch's runs them in {accum_steps // pp_size} rounds of equal size")
+    sys.exit(f"error: {pp_schedule} does not run {accum_steps} micro-batches per pipeline ({why}): set "
+             + " or ".join(f"--gradient_accumulation_steps={m * dp_size}" for m in
+                           nearest_taken(pp_schedule, accum_steps, pp_size))
+             + (f" (counted over the {dp_size} pipelines)" if dp_size > 1 else "") + ", or use --pp_schedule=gpipe")
+rank, local_rank, world_size = start(backend, device)
+master_process = rank == 0  # does all the logging and checkpoint writing
+# the mesh is (dp, pp) with pp innermost, so a pipeline is pp_size consecutive ranks (the GPUs of a node, or of
+# consecutive nodes: only activations cross a stage boundary); a pipeline's ranks read the same batches
+dp_rank, pp_rank = rank // pp_size, rank % pp_size
+mesh = init_device_mesh(device_type, (dp_size, pp_size), mesh_dim_names=('dp', 'pp'))
 # Megatron's embedding group: in each pipeline the first and the last stage's ranks, which both hold the tied weight
 tie_groups = [dist.new_group([d * pp_size, d * pp_size + pp_size - 1]) for d in range(dp_size)] if pp_size > 1 else []
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
@@ -233,6 +240,12 @@ optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta
 # -----------------------------------------------------------------------------
 # checkpoint load: the rest of the state, so that the run continues exactly where it stopped
 if checkpoint is not None:
+    saved = checkpoint.get('config', {})
+    saved_v = saved.get('stages_per_rank', 1) if saved.get('pp_schedule') == 'interleaved-1f1b' else 1
+    if is_snapshot(resume_path) and saved_v != n_stages // pp_size:  # a snapshot holds only its rank's own stages
+        sys.exit(f"error: the memory snapshot {resume_path} holds the stages that --pp_schedule={saved['pp_schedule']} "
+                 f"--stages_per_rank={saved['stages_per_rank']} place on this rank: resume with these flags, and let "
+                 f"it save a checkpoint to {out_dir} (SIGTERM does) before changing them")
     try:
         load_sharded_state(model, optimizer, checkpoint, resume_path, raw_model)
     except Exception as e:

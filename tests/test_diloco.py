@@ -107,7 +107,8 @@ def test_at_another_world_size_every_replica_starts_from_the_global_model(tmp_pa
     shutil.copytree(windows / 'at4', tmp_path / 'run')
     p = launch(tmp_path, data_dir, 'run', *ARGS, '--max_iters=5', '--eval_interval=5', '--learning_rate=0',
                '--min_lr=0', '--init_from=resume')
-    assert 'holds the replicas of 2 ranks, not 1: every rank starts from their average' in p.stdout
+    # it said 'from their average', where the replicas then start from θ_global
+    assert "holds the replicas of 2 ranks, not 1: every rank starts from DiLoCo's global model θ_global" in p.stdout
     assert 'at iter 4' in p.stdout
     saved = [load(tmp_path / 'run' / 'decent' / 'step-00000004' / f'rank-{r}.pt') for r in range(2)]
     template = saved[0]['model']

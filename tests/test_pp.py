@@ -154,7 +154,8 @@ def test_model_size_gives_each_pipeline_rank_the_parameters_its_stages_hold(tmp_
 def test_a_crashed_runs_snapshots_at_another_layout_are_refused_not_stranded(tmp_path, data_dir):
     """A pp 2 run SIGKILLed with its newest state in memory snapshots only (no checkpoint in out_dir yet), restarted
     at pp 1: it used to start afresh under a new run id, stranding the snapshots in /dev/shm. It is refused, with
-    nothing written, and the layout that wrote them resumes them."""
+    nothing written, and the layout that wrote them resumes them. At pp 2 with interleaved-1f1b (other stages on each
+    rank) the error said to delete them: it names the flags that resume them."""
     out = tmp_path / 'run'
     args = [*TINY, *BASE, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}', '--eval_interval=1000',
             '--save_memory_interval=2', '--max_iters=100000']
@@ -176,6 +177,12 @@ def test_a_crashed_runs_snapshots_at_another_layout_are_refused_not_stranded(tmp
     r = run('pp_train.py', *bounded, '--pp_size=1', nproc=2, cwd=tmp_path, check=False)
     assert "is the memory snapshot" in one_line_error(r, nproc=2) and 'of another layout' in r.stderr
     assert {f: f.read_bytes() for f in out.rglob('*') if f.is_file() and f.name != 'run.lock'} == before
+    # the same layout, with another schedule's stages on each rank: the snapshot's flags, never "delete it"
+    r = run('pp_train.py', *bounded, '--pp_size=2', '--pp_schedule=interleaved-1f1b', nproc=2, cwd=tmp_path,
+            check=False)
+    assert "resume with these flags" in one_line_error(r, nproc=2) and 'delete' not in r.stderr
+    assert "holds the stages that --pp_schedule=1f1b --stages_per_rank=2 place on this rank" in r.stderr
+    assert {f: f.read_bytes() for f in out.rglob('*') if f.is_file() and f.name != 'run.lock'} == before
     r = run('pp_train.py', *bounded, '--pp_size=2', nproc=2, cwd=tmp_path)
     assert int(re.search(r'resuming from \S+/nanogpt-\w+/\S+ at iter (\d+)', r.stdout)[1]) >= 4
 
@@ -185,3 +192,26 @@ def test_stages_per_rank_below_one_is_a_one_line_error(tmp_path, data_dir):
     p = launch('pp_train.py', tmp_path, data_dir, 'out', '--pp_schedule=interleaved-1f1b', '--stages_per_rank=0',
                check=False)
     assert one_line_error(p) == "error: stages_per_rank=0 must be 1 or more"
+
+
+@pytest.mark.parametrize('nproc, args, message', [
+    # torch's ValueError traceback, after the process group had started
+    (2, ['--pp_schedule=interleaved-1f1b', '--gradient_accumulation_steps=5'],
+     "error: interleaved-1f1b does not run 5 micro-batches per pipeline (torch's runs them in 2 rounds of equal size): "
+     "set --gradient_accumulation_steps=4 or --gradient_accumulation_steps=6, or use --pp_schedule=gpipe"),
+    (4, ['--pp_schedule=interleaved-1f1b', '--gradient_accumulation_steps=10'],
+     "error: interleaved-1f1b does not run 5 micro-batches per pipeline (torch's runs them in 2 rounds of equal size): "
+     "set --gradient_accumulation_steps=8 or --gradient_accumulation_steps=12 (counted over the 2 pipelines), or use "
+     "--pp_schedule=gpipe"),
+    # it said "set gradient_accumulation_steps to 4 or more", and 5 does not divide over 2 pipelines
+    (4, ['--pp_schedule=1f1b', '--gradient_accumulation_steps=2'],
+     "error: 1f1b does not run 1 micro-batches per pipeline (it fills the pipeline before its first backward, so it "
+     "needs at least pp_size=2): set --gradient_accumulation_steps=4 (counted over the 2 pipelines), or use "
+     "--pp_schedule=gpipe"),
+], ids=['interleaved-pp2', 'interleaved-dp2xpp2', '1f1b-dp2xpp2'])
+def test_micro_batches_a_schedule_cannot_run_are_a_one_line_error_naming_counts_it_runs(tmp_path, data_dir, nproc,
+                                                                                        args, message):
+    p = launch('pp_train.py', tmp_path, data_dir, 'out', '--pp_size=2', *args, nproc=nproc, check=False)
+    assert one_line_error(p, nproc=nproc) == message
+    assert set(p.stderr.splitlines()) == {message}  # every rank's, and nothing else
+    assert not (tmp_path / 'out').exists()

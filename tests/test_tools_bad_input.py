@@ -1,5 +1,5 @@
-"""Bad input to the tools beside training (model_size.py, bench.py, plot.py): a one-line error that names the fix,
-a non-zero exit, and nothing written."""
+"""Bad input to the tools beside training (model_size.py, bench.py, bench_pipeline.py, plot.py): a one-line error
+that names the fix, a non-zero exit, and nothing written."""
 
 import json
 
@@ -90,6 +90,33 @@ def test_bench_on_too_little_real_data_or_with_nowhere_to_profile(tmp_path):
     msg = fails(tmp_path, 'bench.py', *BENCH, '--profile=True')
     assert msg.startswith('error: cannot create ./bench_log for the trace (File exists)'), msg
     assert sorted(p.name for p in tmp_path.iterdir()) == ['bench_log', 'data']
+
+
+@pytest.mark.parametrize('nproc, args, message', [
+    # each was a traceback: RANK unset, int('x'), torch's interleaved schedule handed one stage, or 5 micro-batches
+    (1, [], 'error: bench_pipeline.py runs a pipeline stage on each rank: launch it with torchrun, e.g. '
+            'torchrun --standalone --nproc_per_node=2 bench_pipeline.py'),
+    (2, ['--microbatches=2,x'], "error: microbatches='2,x' must be counts of 1 or more, comma-separated: e.g. "
+                                "--microbatches=1,2,4,8"),
+    (2, ['--microbatches=0'], "error: microbatches='0' must be counts of 1 or more, comma-separated: e.g. "
+                              "--microbatches=1,2,4,8"),
+    (2, ['--stages_per_rank=0'], 'error: stages_per_rank=0 must be 1 or more'),
+    (2, ['--steps=0'], 'error: steps=0 must be 1 or more'),
+    (2, ['--microbatches=2,5'], "error: microbatches='2,5': interleaved 1F1B on 2 ranks does not run 5 (torch's "
+                                "runs them in 2 rounds of equal size): use 4 or 6 instead"),
+], ids=['no-torchrun', 'not-a-count', 'zero', 'stages_per_rank', 'steps', 'interleaved-rounds'])
+def test_bench_pipeline_refuses_bad_settings_in_one_line(tmp_path, nproc, args, message):
+    p = run('bench_pipeline.py', '--forward_ms=0', '--steps=1', *args, nproc=nproc, cwd=tmp_path, check=False)
+    assert one_line_error(p, nproc) == message
+    assert set(p.stderr.splitlines()) == {message} and p.stdout == ''  # every rank's, before anything was timed
+
+
+def test_bench_pipeline_runs_interleaved_1f1b_with_one_stage_per_rank(tmp_path):
+    # a TypeError: the interleaved schedule was handed a stage, not the list of one it takes
+    p = run('bench_pipeline.py', '--forward_ms=0', '--steps=1', '--microbatches=2', '--stages_per_rank=1', nproc=2,
+            cwd=tmp_path)
+    rows = {line.split()[0]: line.split() for line in p.stdout.splitlines()[2:]}
+    assert sorted(rows) == ['1f1b', 'gpipe', 'interleaved-1f1b'] and rows['interleaved-1f1b'][-1] == '0.333'
 
 
 @pytest.fixture
