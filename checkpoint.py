@@ -878,8 +878,8 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                  f"before), or start a new run from its weights with --init_from={out_dir} and another --out_dir")
     if resume_from is None and damaged:
         path, why = damaged[0]
-        sys.exit(f"error: checkpoint {path} is corrupt or not a training checkpoint ({why}): delete it or restore "
-                 f"a good copy (or start afresh over it with --auto_resume=False)")
+        sys.exit(f"error: checkpoint {path} is corrupt or not a training checkpoint ({why}): move it aside (mv, to a "
+                 f"name of your own) or restore a good copy (or start afresh over it with --auto_resume=False)")
     if resume_from is None and init_from == 'resume':
         sys.exit(f"error: no checkpoint at {where}: point --out_dir at a run's folder, or use --init_from=scratch")
     for path, why in damaged:
@@ -1100,7 +1100,8 @@ def checkpoint_or_exit(path, fix):
         # DeepSpeed's model states, a config.json, a meta.pkl, another project's .pt) may be a run's good state.
         unread = any(f.filename == torch.serialization.__file__ for f in traceback.extract_tb(e.__traceback__))
         if os.path.isdir(path) or unread and re.fullmatch(r'(ckpt|best)(\.prev\d*)?\.pt', os.path.basename(path)):
-            sys.exit(f"error: checkpoint {path} is corrupt ({reason(e)}): delete it or restore a good copy")
+            sys.exit(f"error: checkpoint {path} is corrupt ({reason(e)}): move it aside (mv, to a name of your own) "
+                     f"or restore a good copy")
         sys.exit(f"error: {path} is not a model checkpoint ({reason(e)}): give a ckpt.pt, a run folder or a sharded "
                  f"checkpoint folder (dcp/step-N)")
 
@@ -1147,8 +1148,8 @@ def create_model(resume_path, read, init_from, model_args, config, given):
             if 'model' in checkpoint or not (os.path.isdir(resume_path) or 'shards' in checkpoint):
                 model.load_state_dict(GPT.upgrade_state_dict(checkpoint['model']))
         except Exception as e:
-            sys.exit(f"error: checkpoint {resume_path} is corrupt or not a training checkpoint ({reason(e)}): delete "
-                     f"it or restore a good copy")
+            sys.exit(f"error: checkpoint {resume_path} is corrupt or not a training checkpoint ({reason(e)}): move "
+                     f"it aside (mv, to a name of your own) or restore a good copy")
     elif init_from in PRETRAINED:
         print0(f"initializing from OpenAI GPT-2 weights: {init_from}")
         model = pretrained_or_exit(init_from, model_args['dropout'])

@@ -324,8 +324,8 @@ if checkpoint is not None:
                     state = {**state, 'step': int(state['step'])}  # it counts in a plain int
                 bucket_of[p].optimizer.state[p] = state
     except Exception as e:
-        sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): delete it or restore a "
-                 f"good copy")
+        sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): move it aside (mv, to a name "
+                 f"of your own) or restore a good copy")
     if diloco_steps:  # θ_global, its momentum and the outer steps in flight; own: not an average, not ckpt.pt
         own = len(checkpoint.get('rng', [])) == world_size and 'optimizers' in checkpoint
         restore_outer(buckets, checkpoint.get('diloco'), own, outer_optimizer, outer_learning_rate, outer_momentum)

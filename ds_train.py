@@ -243,8 +243,8 @@ if checkpoint is not None and 'model' in checkpoint:
         checkpoint['optimizer'] = upgrade_optimizer_state(model, checkpoint['optimizer']) \
             if checkpoint.get('optimizer') else {'state': {}}
     except Exception as e:
-        sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): delete it or restore a "
-                 f"good copy")
+        sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): move it aside (mv, to a name "
+                 f"of your own) or restore a good copy")
 block_size = model_args['block_size']
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []
@@ -300,8 +300,8 @@ if checkpoint is not None:
         else:  # a fp16 run's loss scale is not in it: the engine's starts afresh
             load_state(model, raw_model, optimizer, group_names, checkpoint['model'], checkpoint['optimizer'], device)
     except Exception as e:
-        sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): delete it or restore a "
-                 f"good copy")
+        sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): move it aside (mv, to a name "
+                 f"of your own) or restore a good copy")
     if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
         data_gen.set_state(checkpoint['data_rng'])
     restore_rng(checkpoint.get('rng', []), print0)

@@ -249,8 +249,8 @@ if checkpoint is not None:
     try:
         load_sharded_state(model, optimizer, checkpoint, resume_path, raw_model)
     except Exception as e:
-        sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): delete it or restore a "
-                 f"good copy")
+        sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): move it aside (mv, to a name "
+                 f"of your own) or restore a good copy")
     if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
         data_gen.set_state(checkpoint['data_rng'])
     restore_rng(checkpoint.get('rng', []), print0)

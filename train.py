@@ -189,8 +189,8 @@ if checkpoint is not None:
     try:
         optimizer.load_state_dict(upgrade_optimizer_state(raw_model, checkpoint['optimizer']))
     except Exception as e:
-        sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): delete it or restore a "
-                 f"good copy")
+        sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): move it aside (mv, to a name "
+                 f"of your own) or restore a good copy")
     if checkpoint.get('scaler') and scaler.is_enabled():  # a bf16 or fp32 run saved the disabled scaler's {}
         scaler.load_state_dict(checkpoint['scaler'])
     if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh

@@ -69,8 +69,8 @@ def test_sample_errors(char_run, tmp_path):
 
 def test_a_file_that_is_no_model_checkpoint_is_never_called_corrupt(char_run, tmp_path):
     """Intact files that are simply not a model checkpoint (another tool's state, the run's config.json, the
-    dataset's meta.pkl, given where a checkpoint or a vocabulary goes) are named as such, never as to be deleted:
-    that advice would delete good state. A ckpt.pt that torch cannot read is damaged, and is."""
+    dataset's meta.pkl, given where a checkpoint or a vocabulary goes) are named as such, never as damaged. A
+    ckpt.pt that torch cannot read is damaged, and is; even then the advice is to move it aside, not delete it."""
     torch.save({'module': {'w': torch.zeros(2)}, 'buffer_names': []}, tmp_path / 'mp_rank_00_model_states.pt')
     meta = char_run / 'data' / 'shakespeare_char' / 'meta.pkl'
     for flag, path in (('--out_dir', char_run / 'config.json'), ('--init_from', meta),
@@ -82,7 +82,7 @@ def test_a_file_that_is_no_model_checkpoint_is_never_called_corrupt(char_run, tm
     (tmp_path / 'run' / 'ckpt.pt').write_bytes((char_run / 'ckpt.pt').read_bytes()[:3000])
     msg = one_line_error(run('sample.py', f'--out_dir={tmp_path / "run"}', '--device=cpu', cwd=char_run, check=False))
     assert msg.startswith(f'error: checkpoint {tmp_path / "run" / "ckpt.pt"} is corrupt (RuntimeError: ') and \
-        msg.endswith('): delete it or restore a good copy')
+        msg.endswith('): move it aside (mv, to a name of your own) or restore a good copy')
     msg = one_line_error(run('sample.py', f'--out_dir={char_run}', f'--meta_path={char_run / "ckpt.pt"}',
                              '--device=cpu', cwd=char_run, check=False))
     assert msg.startswith(f'error: {char_run / "ckpt.pt"} is not a vocabulary (') and 'remove' not in msg and \
