@@ -884,7 +884,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         sys.exit(f"error: no checkpoint at {where}: point --out_dir at a run's folder, or use --init_from=scratch")
     for path, why in damaged:
         print0(f"warning: skipping the damaged {path} ({why}); resuming from the newest one before it")
-    if damaged and not eval_only:  # the same on every rank: damaged is every rank's
+    if wanted and not eval_only:  # the same on every rank
         moved = [set_aside_damaged(out_dir, damaged) if rank == 0 else None]
         dist.broadcast_object_list(moved)  # renamed before any rank reads the state it resumes from
         if resume_from is not None:
@@ -911,13 +911,13 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
 def set_aside_damaged(out_dir, damaged):
     """A run that will write to out_dir resumes past damaged versions of its ckpt.pt ((path, why) in damaged): each
     is renamed damaged-NAME, kept but out of the versions that the run's saves move down, where it would take the
-    place of a good one, and the good ones are renamed up into the gaps, as if it had never been written. Returns
-    {old path: new path} of those renamed up."""
+    place of a good one, and the good ones are renamed up into the gaps, as if it had never been written. A gap
+    left otherwise (a start stopped between these renames, a version deleted by hand) closes too: a save moves the
+    versions down one each, so a gap would let the oldest be replaced while a slot stood empty. Returns {old path:
+    new path} of those renamed up."""
     path = os.path.join(out_dir, 'ckpt.pt')
     bad = {os.path.abspath(p) for p, _ in damaged}
-    versions = kept(path)
-    if not any(os.path.abspath(v) in bad for v in versions):
-        return {}
+    versions = [v for v in kept(path) if os.path.lexists(v)]
     good, moved = [], {}
     for v in versions:
         if os.path.abspath(v) in bad:
@@ -931,8 +931,8 @@ def set_aside_damaged(out_dir, damaged):
         if v != previous(path, n):
             os.replace(v, previous(path, n))
             moved[v] = previous(path, n)
-            print(f"{v} is renamed {previous(path, n)}: the good versions move up in the damaged ones' place",
-                  flush=True)
+            print(f"{v} is renamed {previous(path, n)}: the versions follow each other with no gap, as a save "
+                  f"moves each down one", flush=True)
     return moved
 
 

@@ -138,6 +138,14 @@ def test_a_damaged_newest_checkpoint_takes_no_good_state_s_place_among_the_kept(
     assert re.search(rf'resuming from {out}/ckpt.pt at iter 8\b', p.stdout), p.stdout[-3000:]
     assert (out / 'damaged-ckpt.pt').read_bytes() == damaged
     assert same_weights(final_weights('train.py', out), final_weights('train.py', base_dir))
+    # a start stopped between those renames (ckpt.pt set aside, the others not yet moved up), or a version deleted
+    # by hand, leaves a gap: it closes at the next start, or a save would move 8 onto 6 with ckpt.pt's slot empty
+    shutil.rmtree(out)
+    shutil.copytree(base_dir, out)
+    (out / 'ckpt.pt').rename(out / 'damaged-ckpt.pt')
+    p = run('train.py', *tiny(data_dir, out, *BASE), cwd=tmp_path)
+    assert kept_iters('train.py', out) == ([6, 8, 10], [])
+    assert 'ckpt.prev.pt is renamed' in p.stdout and re.search(rf'resuming from {out}/ckpt.pt at iter 8\b', p.stdout)
 
 SAVE_TWICE = '''
 import os, sys
