@@ -797,8 +797,11 @@ def saved_for(snapshot, out_dir, run_id, state_of=None):
         return True  # unreadable here (or a folder with no state_of): newest_loadable has judged it already
     if saved is None or os.path.realpath(saved) == os.path.realpath(out_dir):
         return True
-    copy = os.path.join(saved, 'run_id')
-    if not os.path.isfile(copy) or read_run_id(copy) != run_id:
+    try:  # the other folder's, read as data: whatever it holds, only this run's id makes it a copy
+        with open(os.path.join(saved, 'run_id'), encoding='utf-8') as f:
+            if f.read(200).strip() != run_id:
+                return True
+    except (OSError, UnicodeDecodeError):
         return True
     if int(os.environ.get('LOCAL_RANK', 0)) == 0:
         print(f"note: passing over the memory snapshot {snapshot}, which a run in {saved} saved (its folder was "
