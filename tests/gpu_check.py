@@ -409,7 +409,8 @@ def part_b():
         r, failed = bench('bench-profile', [f'--batch_size={b}', '--profile=True', '--iters=5'])
         if r and os.path.isdir(os.path.join(work, 'bench_log')) and args.out:
             shutil.make_archive(os.path.join(out, 'bench_trace'), 'gztar', os.path.join(work, 'bench_log'))
-        row('B', f'profile at batch {b}', r, f"busy {r['busy_ms']:.2f}" + (f" of {best['ms']:.2f}" if best else '') +
+        timed = best if best and best['batch_size'] == b else None  # the step's time, where it was timed
+        row('B', f'profile at batch {b}', r, f"busy {r['busy_ms']:.2f}" + (f" of {timed['ms']:.2f}" if timed else '') +
             " ms a step: " +
             ', '.join(f"{k} {v * 100:.0f}%" for k, v in r['shares'].items() if v >= 0.005) if r else failed)
     if wanted('verdict a step late vs every step'):
