@@ -825,6 +825,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     reads a snapshot folder's own state (saved_for)."""
     rank = dist.get_rank()
     run_id, held, disk, damaged, others, wrong, foreign = None, {}, (None, None), [], None, None, (None, None, [])
+    passed = False  # a snapshot of a copy of this run's folder lies in the run's snapshot folder
     # an eval of another model is no resume; an eval of out_dir (init_from=scratch) is one of its newest state
     wanted = init_from == 'resume' or (auto_resume and (not eval_only or init_from == 'scratch'))
     run_id_path = os.path.join(out_dir, 'run_id')
@@ -838,6 +839,8 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
             damaged += bad
             if it is not None and saved_for(path, out_dir, run_id, state_of):
                 held[it] = path
+            elif it is not None:
+                passed = True
         foreign = other_layouts(folder, [] if callable(snapshots) else snapshots)
     if rank == 0:
         wrong = misplaced(out_dir, storage)
@@ -853,8 +856,9 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
             elif found[0] > disk[0] and os.path.isfile(found[1]) and writer_of(found[1]) != script:
                 disk = found
     views = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (run_id, held, tuple(disk), damaged, uuid.uuid4().hex, others, wrong, foreign[:2]))
-    run_id, _, (disk_iter, disk_path), _, new_id, others, wrong, _ = views[0]
+    dist.all_gather_object(views, (run_id, held, tuple(disk), damaged, uuid.uuid4().hex, others, wrong, foreign[:2],
+                                  passed))
+    run_id, _, (disk_iter, disk_path), _, new_id, others, wrong, _, _ = views[0]
     if wrong:
         sys.exit(f"error: {wrong}: move it out of {out_dir} (nothing was changed)")
     damaged = [d for v in views for d in v[3]]
@@ -885,6 +889,11 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                  f"name of your own) or restore a good copy (or start afresh over it with --auto_resume=False)")
     if resume_from is None and init_from == 'resume':
         sys.exit(f"error: no checkpoint at {where}: point --out_dir at a run's folder, or use --init_from=scratch")
+    # the copy's snapshots share this run's folder in /dev/shm: this run's saves would replace them and its end
+    # would remove them, the copy's newest state where it was killed; they are kept in out_dir first
+    if any(v[8] for v in views) and not eval_only and (resume_from is None or not is_snapshot(resume_from[1])):
+        keep_earlier_snapshots(out_dir, run_id, 'copy')
+        dist.barrier()
     for path, why in damaged:
         print0(f"warning: skipping the damaged {path} ({why}); resuming from the newest one before it")
     if wanted and not eval_only:  # the same on every rank
@@ -989,15 +998,16 @@ def unused(path):
     return path
 
 
-def keep_earlier_snapshots(out_dir, run_id):
+def keep_earlier_snapshots(out_dir, run_id, whose='before'):
     """A run started afresh over out_dir (auto_resume=False) takes it over, so the earlier run's memory snapshots
     on this node could never be resumed again, and would hold its RAM until a reboot: they move into out_dir
     (snapshots.before-RUN_ID-HOST/), where nothing of them is lost. Where they do not fit, they stay, with a
-    warning."""
+    warning. whose='copy': those of a copy of out_dir (the same run_id), kept as snapshots.copy-RUN_ID-HOST/."""
     folder = snapshot_dir(run_id)
     if int(os.environ.get('LOCAL_RANK', 0)) != 0 or not os.path.isdir(folder):
         return
-    kept_as = os.path.join(out_dir, f"snapshots.before-{run_id}-{socket.gethostname()}")
+    kept_as = os.path.join(out_dir, f"snapshots.{whose}-{run_id}-{socket.gethostname()}")
+    kept_as = unused(kept_as) if whose == 'copy' else kept_as  # a copy's kept each time it is passed over
     try:
         if os.path.lexists(kept_as) or os.path.lexists(kept_as + '.tmp'):  # not ours to replace or remove
             raise FileExistsError(f"{kept_as} or its .tmp is there already")
@@ -1008,11 +1018,13 @@ def keep_earlier_snapshots(out_dir, run_id):
             shutil.rmtree(kept_as + '.tmp', ignore_errors=True)  # the part copied: made here, just now
             raise
     except OSError as e:
-        print(f"warning: the earlier run's memory snapshots stay in {folder}, holding RAM: they could not be kept in "
+        print(f"warning: the {'copy' if whose == 'copy' else 'earlier run'}'s memory snapshots stay in {folder}, "
+              f"holding RAM: they could not be kept in "
               f"{out_dir} ({reason(e)}); delete the folder once they are not wanted", flush=True)
         return
     shutil.rmtree(folder, ignore_errors=True)
-    print(f"the earlier run's memory snapshots moved from {folder} (RAM) to {kept_as}", flush=True)
+    print(f"the {'copy' if whose == 'copy' else 'earlier run'}'s memory snapshots moved from {folder} (RAM) to "
+          f"{kept_as}", flush=True)
 
 
 def print0(*args):

@@ -277,9 +277,13 @@ def test_a_copy_of_a_run_folder_never_resumes_the_others_memory_snapshot_a_moved
         p = start(tmp_path, data_dir, a, '--max_iters=12')
         assert f'resuming from {a / "ckpt.pt"} at iter 10' in p.stdout, p.stdout[-2000:]
         assert f'passing over the memory snapshot {snapshots / "ckpt.pt"}, which a run in {b} saved' in p.stdout
+        # B's snapshot, its newest state, was neither replaced by A's snapshots nor removed at A's end: kept in A
+        kept_as = a / f"snapshots.copy-{snapshots.name[len('nanogpt-'):]}-{socket.gethostname()}"
+        assert f"the copy's memory snapshots moved from {snapshots} (RAM) to {kept_as}" in p.stdout
+        assert iter_of(kept_as / 'ckpt.pt') == 15
         # B renamed (mv b c) is B still, which resumes its own snapshot
         b.rename(tmp_path / 'c')
-        snapshots.mkdir(exist_ok=True)  # A's finish freed it
+        snapshots.mkdir(exist_ok=True)  # A's finish freed it, its own in it only
         shutil.copy(tmp_path / 'c' / 'ckpt.pt', snapshots / 'ckpt.pt')  # its snapshot at 15
         p = start(tmp_path, data_dir, tmp_path / 'c', '--max_iters=16', '--learning_rate=0.1')
         assert f'resuming from {snapshots / "ckpt.pt"} at iter 15' in p.stdout, p.stdout[-2000:]
