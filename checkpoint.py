@@ -787,12 +787,14 @@ def saved_for(snapshot, out_dir, run_id, state_of=None):
     out_dir. A copy of a run's folder (cp -r, to branch an experiment) holds the same run_id, which names the
     snapshot folder: each run resumed the other's snapshots, a state it never trained, and went on to push its own
     checkpoints out. A snapshot is the other copy's where the folder it was saved for is another one that holds
-    this run's id; one saved for a folder that is no more (renamed, moved) or named from elsewhere (a relative
-    out_dir from another working folder) is this run's."""
+    this run's id (its real path, which a snapshot holds; an older one only its config's out_dir, as given); one
+    saved for a folder that is no more (renamed, moved) is this run's."""
     try:
         state = state_of(snapshot) if os.path.isdir(snapshot) else \
             torch.load(snapshot, map_location='cpu', weights_only=True, mmap=True)
-        saved = state.get('config', {}).get('out_dir')
+        # its out_dir's real path: the config's as given, where a relative one names another folder from another
+        # working folder (a copied project folder, each copy run from its own); older ones hold only that
+        saved = state.get('out_dir') or state.get('config', {}).get('out_dir')
     except Exception:
         return True  # unreadable here (or a folder with no state_of): newest_loadable has judged it already
     if saved is None or os.path.realpath(saved) == os.path.realpath(out_dir):

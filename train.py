@@ -224,6 +224,7 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         'rng': gather_rng(),
         'data_rng': data_gen.get_state(),
         'run_id': run_id,  # so that a run started afresh over this out_dir never takes it for its own
+        'out_dir': os.path.realpath(out_dir),  # the folder it is saved for, however named (saved_for)
         'val_loss': val_loss,  # the eval's it was saved at (None: a save between evals)
     }
     checkpoint = {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'scaler': scaler.state_dict(),

@@ -291,6 +291,26 @@ def test_a_copy_of_a_run_folder_never_resumes_the_others_memory_snapshot_a_moved
         shutil.rmtree(snapshots, ignore_errors=True)
 
 
+def test_a_copy_run_with_a_relative_out_dir_from_its_own_folder_never_resumes_the_originals_snapshot(tmp_path,
+                                                                                                    data_dir,
+                                                                                                    shared_run):
+    # a project folder copied whole (cp -r p1 p2), each run as --out_dir=out from its own folder: the snapshot's
+    # config names `out`, which from p2 is p2/out, so p2 took p1's snapshot (iter 15) for its own
+    p1, p2 = tmp_path / 'p1', tmp_path / 'p2'
+    shutil.copytree(shared_run('train.py', *ARGS), p1 / 'out')
+    shutil.copytree(p1, p2)
+    start(p1, data_dir, 'out', '--max_iters=15', '--learning_rate=0.1')
+    snapshots = Path('/dev/shm') / f"nanogpt-{(p1 / 'out' / 'run_id').read_text().strip()}"
+    try:
+        snapshots.mkdir()
+        shutil.copy(p1 / 'out' / 'ckpt.pt', snapshots / 'ckpt.pt')  # what p1's snapshot held when it was killed
+        p = start(p2, data_dir, 'out', '--max_iters=12')
+        assert 'resuming from out/ckpt.pt at iter 10' in p.stdout, p.stdout[-2000:]
+        assert iter_of(next((p2 / 'out').glob('snapshots.copy-*')) / 'ckpt.pt') == 15  # p1's, kept
+    finally:
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
 def test_a_copy_of_a_deepspeed_run_folder_never_resumes_the_others_memory_snapshot(tmp_path, data_dir, shared_run):
     # DeepSpeed's snapshots are folders of the engine's files, our state among them; here the run's own folder's
     # snapshot at 10 (its out_dir the shared run's), beside the copy's checkpoint at 10
