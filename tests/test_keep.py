@@ -147,6 +147,22 @@ def test_a_damaged_newest_checkpoint_takes_no_good_state_s_place_among_the_kept(
     assert kept_iters('train.py', out) == ([6, 8, 10], [])
     assert 'ckpt.prev.pt is renamed' in p.stdout and re.search(rf'resuming from {out}/ckpt.pt at iter 8\b', p.stdout)
 
+def test_a_damaged_export_beside_good_step_folders_takes_no_good_versions_place(base, tmp_path, data_dir):
+    # decent_train.py resumes from its step folders (10); its ckpt.pt export (10) damaged, with good versions
+    # before it (8, 6), was no reason to stop it, but moved down with them it pushed 8 out at the second save
+    base_dir, _ = base('decent_train.py')
+    out = tmp_path / 'run'
+    shutil.copytree(base_dir, out)
+    damaged = (out / 'ckpt.pt').read_bytes()[:1000]
+    (out / 'ckpt.pt').unlink()
+    (out / 'ckpt.pt').write_bytes(damaged)
+    p = run('decent_train.py', *tiny(data_dir, out, '--max_iters=12', '--eval_interval=2', '--keep_checkpoints=3'),
+            cwd=tmp_path)
+    assert re.search(r'resuming from \S+step-00000010 at iter 10\b', p.stdout), p.stdout[-3000:]
+    assert (out / 'damaged-ckpt.pt').read_bytes() == damaged
+    assert kept_iters('decent_train.py', out) == ([8, 10, 12], [8, 10, 12])
+
+
 SAVE_TWICE = '''
 import os, sys
 import torch, torch.distributed as dist
