@@ -852,9 +852,9 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         for paths in storage:
             *found, bad = newest_loadable(paths, run_id=run_id, or_any=init_from == 'resume', iter_of=iter_of)
             damaged += bad  # a later list's too (decent_train.py's ckpt.pt): set aside, never moved down its versions
-            if found[0] is not None and disk[0] is None:
-                disk = found
-            elif found[0] is not None and found[0] > disk[0] and os.path.isfile(found[1]) and writer_of(found[1]) != script:
+            if found[0] is None:
+                continue
+            if disk[0] is None or found[0] > disk[0] and os.path.isfile(found[1]) and writer_of(found[1]) != script:
                 disk = found
     views = [None] * dist.get_world_size()
     dist.all_gather_object(views, (run_id, held, tuple(disk), damaged, uuid.uuid4().hex, others, wrong, foreign[:2],
