@@ -123,16 +123,22 @@ def test_a_diverged_run_leaves_its_last_good_state_newest(base, tmp_path, data_d
     assert all(torch.isfinite(v).all() for v in load_checkpoint(str(out))[0].state_dict().values())
 
 
+def copy_with_a_damaged_ckpt(base_dir, out):
+    """A copy of a base run in out whose ckpt.pt is cut short (a new file: best.pt may be a link to the old one);
+    returns the damaged bytes."""
+    shutil.copytree(base_dir, out)
+    damaged = (out / 'ckpt.pt').read_bytes()[:1000]
+    (out / 'ckpt.pt').unlink()
+    (out / 'ckpt.pt').write_bytes(damaged)
+    return damaged
+
 
 def test_a_damaged_newest_checkpoint_takes_no_good_state_s_place_among_the_kept(base, tmp_path, data_dir):
     # ckpt.pt (10) damaged: the run resumes from ckpt.prev.pt (8). Moved down with the versions, the damaged file
     # would push 6 out at the first save and 8 at the next; it is kept aside, and the good ones move up in its place
     base_dir, _ = base('train.py')
     out = tmp_path / 'run'
-    shutil.copytree(base_dir, out)
-    damaged = (out / 'ckpt.pt').read_bytes()[:1000]
-    (out / 'ckpt.pt').unlink()
-    (out / 'ckpt.pt').write_bytes(damaged)
+    damaged = copy_with_a_damaged_ckpt(base_dir, out)
     p = run('train.py', *tiny(data_dir, out, *BASE), cwd=tmp_path)
     assert kept_iters('train.py', out) == ([6, 8, 10], [])
     assert re.search(rf'resuming from {out}/ckpt.pt at iter 8\b', p.stdout), p.stdout[-3000:]
@@ -147,15 +153,13 @@ def test_a_damaged_newest_checkpoint_takes_no_good_state_s_place_among_the_kept(
     assert kept_iters('train.py', out) == ([6, 8, 10], [])
     assert 'ckpt.prev.pt is renamed' in p.stdout and re.search(rf'resuming from {out}/ckpt.pt at iter 8\b', p.stdout)
 
+
 def test_a_damaged_export_beside_good_step_folders_takes_no_good_versions_place(base, tmp_path, data_dir):
     # decent_train.py resumes from its step folders (10); its ckpt.pt export (10) damaged, with good versions
     # before it (8, 6), was no reason to stop it, but moved down with them it pushed 8 out at the second save
     base_dir, _ = base('decent_train.py')
     out = tmp_path / 'run'
-    shutil.copytree(base_dir, out)
-    damaged = (out / 'ckpt.pt').read_bytes()[:1000]
-    (out / 'ckpt.pt').unlink()
-    (out / 'ckpt.pt').write_bytes(damaged)
+    damaged = copy_with_a_damaged_ckpt(base_dir, out)
     p = run('decent_train.py', *tiny(data_dir, out, '--max_iters=12', '--eval_interval=2', '--keep_checkpoints=3'),
             cwd=tmp_path)
     assert re.search(r'resuming from \S+step-00000010 at iter 10\b', p.stdout), p.stdout[-3000:]
