@@ -897,11 +897,11 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         dist.barrier()
     for path, why in damaged:
         print0(f"warning: skipping the damaged {path} ({why}); resuming from the newest one before it")
-    if wanted and not eval_only:  # the same on every rank
+    # only for a run that continues: a new one moves an earlier run's files aside as they are (keep_earlier_run)
+    if wanted and not eval_only and resume_from is not None:  # the same on every rank
         moved = [set_aside_damaged(out_dir, damaged) if rank == 0 else None]
         dist.broadcast_object_list(moved)  # renamed before any rank reads the state it resumes from
-        if resume_from is not None:
-            resume_from = (resume_from[0], moved[0].get(resume_from[1], resume_from[1]))
+        resume_from = (resume_from[0], moved[0].get(resume_from[1], resume_from[1]))
     if eval_only and resume_from is not None:
         print0(f"eval_only: evaluating the newest state of the run in {out_dir}, {resume_from[1]} at iter "
                f"{resume_from[0]}; nothing in {out_dir} is written but its eval rows in metrics.jsonl")
