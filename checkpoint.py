@@ -782,29 +782,42 @@ def misplaced(out_dir, storage):
     return None
 
 
+def where_saved(out_dir):
+    """What a saved state holds of the folder it is saved for (saved_for): its real path, and its inode, which a
+    rename or a move within its disk keeps and a copy never has (None on a node where it is not there)."""
+    return {'out_dir': os.path.realpath(out_dir),
+            'out_dir_ino': os.stat(out_dir).st_ino if os.path.isdir(out_dir) else None}
+
+
 def saved_for(snapshot, out_dir, run_id, state_of=None):
     """Whether the memory snapshot (a file, or a folder that state_of reads: ds_train.py's) was saved by the run in
     out_dir. A copy of a run's folder (cp -r, to branch an experiment) holds the same run_id, which names the
     snapshot folder: each run resumed the other's snapshots, a state it never trained, and went on to push its own
-    checkpoints out. A snapshot is the other copy's where the folder it was saved for is another one that holds
-    this run's id (its real path, which a snapshot holds; an older one only its config's out_dir, as given); one
-    saved for a folder that is no more (renamed, moved) is this run's."""
+    checkpoints out. A snapshot is this run's where it was saved for this folder: the same real path, or the same
+    inode (the folder renamed or moved on its disk). A copy is another inode, also once the folder it was copied
+    from is deleted. An older snapshot holds no inode (only its real path, or its config's out_dir as given): it is
+    the other copy's where the folder it names is another one that holds this run's id."""
     try:
         state = state_of(snapshot) if os.path.isdir(snapshot) else \
             torch.load(snapshot, map_location='cpu', weights_only=True, mmap=True)
         # its out_dir's real path: the config's as given, where a relative one names another folder from another
         # working folder (a copied project folder, each copy run from its own); older ones hold only that
         saved = state.get('out_dir') or state.get('config', {}).get('out_dir')
+        ino = state.get('out_dir_ino')
     except Exception:
         return True  # unreadable here (or a folder with no state_of): newest_loadable has judged it already
     if saved is None or os.path.realpath(saved) == os.path.realpath(out_dir):
         return True
-    try:  # the other folder's, read as data: whatever it holds, only this run's id makes it a copy
-        with open(os.path.join(saved, 'run_id'), encoding='utf-8') as f:
-            if f.read(200).strip() != run_id:
-                return True
-    except (OSError, UnicodeDecodeError):
-        return True
+    if ino is not None:
+        if ino == os.stat(out_dir).st_ino:
+            return True
+    else:
+        try:  # the other folder's, read as data: whatever it holds, only this run's id makes it a copy
+            with open(os.path.join(saved, 'run_id'), encoding='utf-8') as f:
+                if f.read(200).strip() != run_id:
+                    return True
+        except (OSError, UnicodeDecodeError):
+            return True
     if int(os.environ.get('LOCAL_RANK', 0)) == 0:
         print(f"note: passing over the memory snapshot {snapshot}, which a run in {saved} saved (its folder was "
               f"copied from this one's, or this one's from it): this run resumes from its own checkpoints", flush=True)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from checkpoint import (commit, create_model, find_resume, finish_saves, kept, previous, reason, remove_snapshots,
                         save_in_background, snapshot_dir, step_folders, upgrade_optimizer_state, wait_for_copies,
-                        wait_for_saves)
+                        wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens
 from decent import (average_moments, average_replicas, check_diloco, global_model, make_bucket, make_mixing_groups,
@@ -364,7 +364,7 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         'rng': gather_rng(),
         'data_rng': data_gen.get_state(),
         'run_id': run_id,  # so that a run started afresh over this out_dir never takes it for its own
-        'out_dir': os.path.realpath(out_dir),  # the folder it is saved for, however named (saved_for)
+        **where_saved(out_dir),  # the folder it is saved for, however named, and its inode (saved_for)
         'val_loss': val_loss,  # the eval's it was saved at (None: a save between evals)
     }
     checkpoint = {'model': raw_model.state_dict(), 'optimizers': [o.state_dict() for o in optimizers], **extra}

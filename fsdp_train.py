@@ -26,7 +26,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from checkpoint import (create_model, find_resume, finish_saves, kept, previous, reason, remove_snapshots,
-                        save_in_background, snapshot_dir, step_folders, wait_for_copies, wait_for_saves)
+                        save_in_background, snapshot_dir, step_folders, wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
@@ -257,7 +257,7 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         'rng': gather_rng(),
         'data_rng': data_gen.get_state(),
         'run_id': run_id,  # so that a run started afresh over this out_dir never takes it for its own
-        'out_dir': os.path.realpath(out_dir),  # the folder it is saved for, however named (saved_for)
+        **where_saved(out_dir),  # the folder it is saved for, however named, and its inode (saved_for)
         'val_loss': val_loss,  # the eval's it was saved at (None: a save between evals)
     }
     checkpoint = sharded_state(model, optimizer)

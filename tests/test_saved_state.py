@@ -287,6 +287,13 @@ def test_a_copy_of_a_run_folder_never_resumes_the_others_memory_snapshot_a_moved
         shutil.copy(tmp_path / 'c' / 'ckpt.pt', snapshots / 'ckpt.pt')  # its snapshot at 15
         p = start(tmp_path, data_dir, tmp_path / 'c', '--max_iters=16', '--learning_rate=0.1')
         assert f'resuming from {snapshots / "ckpt.pt"} at iter 15' in p.stdout, p.stdout[-2000:]
+        # C deleted after its snapshot (at 16): A is not C moved (another inode), so it resumes its own state still
+        snapshots.mkdir(exist_ok=True)
+        shutil.copy(tmp_path / 'c' / 'ckpt.pt', snapshots / 'ckpt.pt')
+        shutil.rmtree(tmp_path / 'c')
+        p = start(tmp_path, data_dir, a, '--max_iters=13')
+        assert f'resuming from {a / "ckpt.pt"} at iter 12' in p.stdout, p.stdout[-2000:]
+        assert sorted(iter_of(k / 'ckpt.pt') for k in a.glob('snapshots.copy-*')) == [15, 16]  # C's kept too
     finally:
         shutil.rmtree(snapshots, ignore_errors=True)
 
