@@ -161,7 +161,7 @@ def _read_text(path):
         with open(path, 'rb') as f:
             data = f.read()
     except OSError as e:
-        sys.exit(f"error: cannot read config file {path}: {e.strerror}")
+        sys.exit(f"error: cannot read config file {path}: {e.strerror}{seeds.config_here(path)}")
     try:
         return data.decode('utf-8-sig')  # as Python reads a source file; a BOM from an editor is fine
     except UnicodeDecodeError as e:

@@ -415,6 +415,15 @@ def check_positional(arg):
              f"files (docs/coming-from.md)")
 
 
+def config_here(path):
+    """Where a seed's path to one of nanoGPT's config files is not here (nnScaler's
+    nanoGPT/config/train_shakespeare_char.py), the text naming ours of that name (config/ in this repo), or ''."""
+    ours = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'config', os.path.basename(path))
+    if not os.path.isfile(ours) or os.path.exists(path):
+        return ''
+    return f": here {ours if os.path.relpath(ours).startswith('..') else os.path.relpath(ours)}"
+
+
 def _toml_lines(text):
     """{dotted key: line} of a TOML file's keys, for errors that name the line (tomllib does not keep them)."""
     lines, table = {}, ''

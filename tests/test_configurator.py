@@ -1,6 +1,9 @@
+import os
+
 import pytest
 
 from configurator import check_model_shape, check_optimizer, configure
+from conftest import REPO
 
 
 def defaults():
@@ -95,6 +98,10 @@ def test_malformed_arguments(capsys):
     # minGPT-DDP's gpt2_train_cfg.yaml: not "write it without --config", which is then no config file either
     assert 'first: a *.py or *.toml one (a YAML' in fails(defaults(), ['--config', 'gpt2_train_cfg.yaml'], capsys)
     assert 'cannot read config file' in fails(defaults(), ['nope.py'], capsys)
+    # nnScaler's path to nanoGPT's config (its checkout beside): ours of that name
+    msg = fails(defaults(), ['nanoGPT/config/train_shakespeare_char.py'], capsys)
+    assert msg.endswith(f"here {os.path.join(REPO, 'config', 'train_shakespeare_char.py')}") or \
+        msg.endswith(': here config/train_shakespeare_char.py'), msg
 
 
 def test_help_alone_prints_the_keys_and_a_value_of_h_is_a_value(capsys):
