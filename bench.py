@@ -6,6 +6,7 @@ python bench.py --model=gpt2-medium --batch_size=8
 python bench.py config/train_shakespeare_char_cpu.py --real_data=True --compile=False   # a config's model and batch
 python bench.py --profile=True                      # a torch.profiler trace in bench_log/ instead
 python bench.py --sdpa=cudnn --fused_qkv=True --loss_rows=4096   # levers (docs/speed.md), one at a time
+python bench.py --autocast_residual=True            # a lever that changes the numerics: its loss is compared
 """
 
 import json
@@ -52,6 +53,7 @@ compile_mode = 'default'  # torch.compile's mode: 'default', 'reduce-overhead', 
 sdpa = 'auto'  # attention's kernel: 'auto' (PyTorch's choice), or only 'cudnn', 'flash', 'efficient' or 'math'
 fused_qkv = False  # the levers of model.GPTConfig, which training leaves off until they are measured here
 loss_rows = 0
+autocast_residual = False
 seed = 1337
 profile = False  # write a torch.profiler trace instead of timing
 # -----------------------------------------------------------------------------
@@ -132,7 +134,8 @@ else:
 check_fits(dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, vocab_size=vocab_size,
                 bias=bias), device)  # refused before it is built
 gpt = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                    dropout=dropout, bias=bias, fused_qkv=fused_qkv, loss_rows=loss_rows)).to(device)
+                    dropout=dropout, bias=bias, fused_qkv=fused_qkv, loss_rows=loss_rows,
+                    autocast_residual=autocast_residual)).to(device)
 optimizer = gpt.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
 try:

@@ -30,6 +30,9 @@ class GPTConfig:
     # weight that they read whole
     fused_qkv: bool = False  # q, k and v from one matmul of their three weights stacked, not three matmuls
     loss_rows: int = 0  # the training loss over this many rows of logits at a time (LinearCrossEntropy); 0: at once
+    # under autocast, the residual stream in autocast's dtype (bf16), not float32 (nanoGPT's): half the bytes that
+    # each layer norm and residual add reads and writes. This one changes the numerics: a loss check decides
+    autocast_residual: bool = False
 
 
 # (n_layer, n_head, n_embd) of OpenAI's GPT-2 sizes: 124M, 350M, 774M and 1558M parameters
@@ -183,6 +186,8 @@ class GPT(nn.Module):
         assert t <= self.config.block_size, f"sequence of length {t} is longer than block_size {self.config.block_size}"
         pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        if self.config.autocast_residual and torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))  # the blocks' outputs (bf16) then keep it so
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)

@@ -18,9 +18,10 @@ A: each entrypoint trains the baby GPT under torchrun (nccl, bf16, compiled): th
    loss. The runs share the GPU, --jobs at a time: these are proofs, not timings.
 B: bench.py on GPT-2 124M (T=1024) at a few micro-batches, and a profiler trace of the fastest; train.py's step
    with its verdict left on the device against a step that waits for it (the host sync it saves).
-L: the levers, one at a time against the plain step at one batch, side by side: SDPA's cuDNN and flash kernels,
-   one fused QKV matmul, the loss a chunk of logits at a time, those that paid together, and a compile mode; the
-   plain step timed again last, for the spread. Each must also train to the plain step's loss.
+L: the levers, one at a time against the plain step at one batch, side by side: the loss a chunk of logits at a
+   time, a bf16 residual stream, SDPA's cuDNN and flash kernels, one fused QKV matmul, those that paid together,
+   and a compile mode; the plain step timed again last, for the spread. Each must also train to the plain step's
+   loss.
 C: tok/s of fsdp_train.py, ds_train.py (ZeRO-2) and decent_train.py against train.py at the same batch, and each
    one's peak GPU memory.
 Each check is a row: what, ok or FAIL, the figure. The exit status is 1 where a check failed or was not reached.
@@ -457,7 +458,9 @@ def part_l():
     step's two timings, and it must train to the plain step's loss (the same batch, seed and steps)."""
     batch = args.batch or parts.get('batch') or (2 if dry else 16)
     on_gpu = [] if dry else [('sdpa=cudnn', ['--sdpa=cudnn']), ('sdpa=flash', ['--sdpa=flash'])]
-    levers = on_gpu + [('fused_qkv', ['--fused_qkv=True']), ('loss_rows', [f'--loss_rows={50 if dry else 4096}'])]
+    # the likeliest to pay first (the profile's memory-bound kernels: the loss, the layer norms), should time run out
+    levers = [('loss_rows', [f'--loss_rows={50 if dry else 4096}']), ('autocast_residual', ['--autocast_residual=True'])]
+    levers += on_gpu + [('fused_qkv', ['--fused_qkv=True'])]
     base, failed = bench('lever-plain', [f'--batch_size={batch}'])
     row('L', f'plain step, batch {batch}', base, speed(base) if base else failed)
     if not base:

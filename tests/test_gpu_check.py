@@ -26,7 +26,7 @@ def test_gpu_check_dry_run_passes_every_part_and_prints_the_table(tmp_path):
     # part C's memory: the run's peak (on CPU the process's) beside model_size.py's estimate for the mode
     assert 'MiB (model_size.py: ' in checks['train.py speed'][1] and '; peak ' in checks['train.py speed'][1]
     # part L's levers ran against the plain step and trained to its loss (fp32 on CPU: to rounding)
-    for lever in ('fused_qkv', 'loss_rows'):
+    for lever in ('fused_qkv', 'loss_rows', 'autocast_residual'):
         loss, plain = (float(x) for x in checks[lever][1].split('loss ')[1].split(' vs '))
         assert abs(loss - plain) <= 1e-4 * plain, checks[lever]
     # the resume row compares the two runs' last losses: equal, and real numbers

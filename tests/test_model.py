@@ -172,13 +172,16 @@ def relative_error(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize('levers', [dict(fused_qkv=True), dict(loss_rows=7), dict(fused_qkv=True, loss_rows=64)])
+@pytest.mark.parametrize('levers', [dict(fused_qkv=True), dict(loss_rows=7), dict(fused_qkv=True, loss_rows=64),
+                                    dict(autocast_residual=True)])
 def test_speed_levers_compute_the_plain_models_loss_and_gradients(levers):
-    """GPTConfig's fused_qkv and loss_rows change how the step computes, not what: the same loss and gradients in
-    float32 (to rounding), near them under bf16 autocast, the same eval loss, and a loss scaled before backward (as
-    gradient accumulation scales it) scales the gradients. 7 rows do not divide the 30 of the batch, and ignored
-    targets (-1) count for nothing."""
+    """GPTConfig's fused_qkv, loss_rows and autocast_residual change how the step computes, not what: the same loss
+    and gradients in float32 (to rounding), near them under bf16 autocast, the same eval loss, and a loss scaled
+    before backward (as gradient accumulation scales it) scales the gradients. 7 rows do not divide the 30 of the
+    batch, and ignored targets (-1) count for nothing."""
     plain, fast = tiny(), tiny(**levers)
+    residual = []  # what the second block reads: the residual stream
+    fast.transformer.h[1].register_forward_pre_hook(lambda module, args: residual.append(args[0].dtype))
     assert fast.state_dict().keys() == plain.state_dict().keys()  # the same parameters: checkpoints are alike
     idx, targets = torch.randint(50, (3, 10)), torch.randint(50, (3, 10))
     targets[0, :4] = -1
@@ -195,6 +198,9 @@ def test_speed_levers_compute_the_plain_models_loss_and_gradients(levers):
         assert abs(loss1.item() - loss0.item()) <= tolerance * loss0.item()
         assert relative_error(grad1, grad0) <= tolerance * (10 if dtype == torch.float32 else 1), (dtype, scale)
         assert torch.isfinite(grad1).all()
+    # bf16 under autocast where the lever says so, else float32 (also in a float32 step: autocast is off)
+    bf16 = torch.bfloat16 if levers.get('autocast_residual') else torch.float32
+    assert residual == [torch.float32, torch.float32, bf16], residual
     with torch.no_grad():  # eval: the plain path, logits and all
         (logits0, loss0), (logits1, loss1) = plain(idx, targets), fast(idx, targets)
     assert logits1.shape == logits0.shape and torch.allclose(loss1, loss0, rtol=1e-6)
