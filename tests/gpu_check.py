@@ -459,8 +459,8 @@ def part_l():
     batch = args.batch or parts.get('batch') or (2 if dry else 16)
     on_gpu = [] if dry else [('sdpa=cudnn', ['--sdpa=cudnn']), ('sdpa=flash', ['--sdpa=flash'])]
     # the likeliest to pay first (the profile's memory-bound kernels: the loss, the layer norms), should time run out
-    levers = [('loss_rows', [f'--loss_rows={50 if dry else 4096}']), ('autocast_residual', ['--autocast_residual=True'])]
-    levers += on_gpu + [('fused_qkv', ['--fused_qkv=True'])]
+    levers = [('loss_rows', [f'--loss_rows={50 if dry else 4096}']),
+              ('autocast_residual', ['--autocast_residual=True'])] + on_gpu + [('fused_qkv', ['--fused_qkv=True'])]
     base, failed = bench('lever-plain', [f'--batch_size={batch}'])
     row('L', f'plain step, batch {batch}', base, speed(base) if base else failed)
     if not base:
