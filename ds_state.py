@@ -30,6 +30,15 @@ from checkpoint import checkpoint_iter, is_snapshot, reason, step_folders
 # the classes that DeepSpeed 0.19.8 pickles into its checkpoints besides tensors and containers
 DS_SAFE_GLOBALS = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
+# ZeRO-3's settings for a compiled model. Its hooks on every module (a graph break at each) left dynamo a frame per
+# Linear, compiled again for each weight's shape and grad mode, and its own hooks' frames once per module: past its
+# recompile limit of 8 those ran uncompiled (on CPU, 44 recompiles in 4 steps of the 2-layer model). With each Block
+# a ZeRO leaf, hooks on the Block alone gather its parameters (a block's at a time rather than a Linear's; for its
+# backward too), and its forward compiles whole, once for every block. DeepSpeed's memory-efficient F.linear then
+# has nothing to do (it re-gathers a weight for backward, and saves what F.linear saves), and it is where dynamo
+# recompiled on a GPU: plain F.linear instead.
+ZERO3_COMPILED = {'leaf_module': {'classes': ['Block']}, 'memory_efficient_linear': False}
+
 
 def check_offload(offload_optimizer, offload_params, zero_stage):
     """A one-line error where an offload setting is no device or folder, or needs a higher ZeRO stage or libaio."""

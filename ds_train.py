@@ -108,9 +108,9 @@ try:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-    from ds_state import (DeferredWrites, add_config_file, check_offload, checkpoint_iter_at, engine_folders,
-                          engine_state, copy_recovery_scripts, gather_state, guard_step, load_state, offload,
-                          remove_shm_buffer_name, state_bytes)
+    from ds_state import (ZERO3_COMPILED, DeferredWrites, add_config_file, check_offload, checkpoint_iter_at,
+                          engine_folders, engine_state, copy_recovery_scripts, gather_state, guard_step, load_state,
+                          offload, remove_shm_buffer_name, state_bytes)
 except ImportError as e:
     sys.exit(f"error: ds_train.py needs DeepSpeed ({e}): pip install deepspeed==0.19.8")
 # DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates, and torch says so at each call
@@ -277,7 +277,8 @@ ds_cfg = {
     'fp16': {'enabled': dtype == 'float16'},
     'zero_optimization': {'stage': zero_stage,
                           **offload('offload_optimizer', offload_optimizer, device_type),
-                          **offload('offload_param', offload_params, device_type)},
+                          **offload('offload_param', offload_params, device_type),
+                          **(ZERO3_COMPILED if zero_stage == 3 and compile else {})},
 }
 if ds_config:  # a user's settings, added where they contradict none of ours
     add_config_file(ds_cfg, ds_config)
@@ -311,7 +312,11 @@ if checkpoint is not None:
 
 if compile:
     print0("compiling the model... (takes a ~minute)")
-    model.compile()  # the engine compiles its module in place (at stage 3 it recompiles in ZeRO's hooks, though)
+    if zero_stage == 3:  # each Block's forward, left whole by ZeRO3_COMPILED: one graph, the same for every block
+        for block in raw_model.transformer.h:
+            block.forward = torch.compile(block.forward)
+    else:
+        model.compile()  # the engine compiles its module in place
 eval_model = model  # at stage 3 every rank takes part in each forward, evaluation's too
 
 
