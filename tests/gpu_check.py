@@ -243,9 +243,12 @@ if code:
 def trains(part, what, code, secs, name):
     curve = losses(name)
     fell = bool(curve) and curve[max(curve)] < curve[min(curve)]
-    row(part, what, code == 0 and fell,
+    # dynamo gave up on a frame: it ran uncompiled, slowly (a run not started has no log)
+    limit = os.path.exists(log_name(name)) and 'torch._dynamo hit config.recompile_limit' in open(log_name(name)).read()
+    row(part, what, code == 0 and fell and not limit,
         f"loss {curve[min(curve)]:.3f} -> {curve[max(curve)]:.3f} at step {max(curve)} in {secs:.0f} s"
-        + (", stopped: out of time" if code == TIME_UP else '') if curve else exited(code, secs))
+        + (", stopped: out of time" if code == TIME_UP else '') + (", past dynamo's recompile limit" if limit else '')
+        if curve else exited(code, secs))
     return curve
 
 
