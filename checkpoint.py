@@ -789,14 +789,14 @@ def where_saved(out_dir):
             'out_dir_ino': os.stat(out_dir).st_ino if os.path.isdir(out_dir) else None}
 
 
-def saved_for(snapshot, out_dir, run_id, state_of=None):
+def saved_for(snapshot, out_dir, run_id, state_of=None, say=True):
     """Whether the memory snapshot (a file, or a folder that state_of reads: ds_train.py's) was saved by the run in
     out_dir. A copy of a run's folder (cp -r, to branch an experiment) holds the same run_id, which names the
     snapshot folder: each run resumed the other's snapshots, a state it never trained, and went on to push its own
     checkpoints out. A snapshot is this run's where it was saved for this folder: the same real path, or the same
     inode (the folder renamed or moved on its disk). A copy is another inode, also once the folder it was copied
     from is deleted. An older snapshot holds no inode (only its real path, or its config's out_dir as given): it is
-    the other copy's where the folder it names is another one that holds this run's id."""
+    the other copy's where the folder it names is another one that holds this run's id. say: a note where it is not."""
     try:
         state = state_of(snapshot) if os.path.isdir(snapshot) else \
             torch.load(snapshot, map_location='cpu', weights_only=True, mmap=True)
@@ -818,7 +818,7 @@ def saved_for(snapshot, out_dir, run_id, state_of=None):
                     return True
         except (OSError, UnicodeDecodeError):
             return True
-    if int(os.environ.get('LOCAL_RANK', 0)) == 0:
+    if int(os.environ.get('LOCAL_RANK', 0)) == 0 and say:
         print(f"note: passing over the memory snapshot {snapshot}, which a run in {saved} saved (its folder was "
               f"copied from this one's, or this one's from it): this run resumes from its own checkpoints", flush=True)
     return False
@@ -904,10 +904,17 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     if resume_from is None and init_from == 'resume':
         sys.exit(f"error: no checkpoint at {where}: point --out_dir at a run's folder, or use --init_from=scratch")
     # the copy's snapshots share this run's folder in /dev/shm: this run's saves would replace them and its end
-    # would remove them, the copy's newest state where it was killed; they are kept in out_dir first
-    if any(v[8] for v in views) and not eval_only and (resume_from is None or not is_snapshot(resume_from[1])):
-        keep_earlier_snapshots(out_dir, run_id, 'copy')
-        dist.barrier()
+    # would remove them, the copy's newest state where it was killed; they are kept in out_dir first (only they,
+    # where the run resumes from its own there). Where they cannot be, the run takes no snapshots of its own
+    if any(v[8] for v in views) and not eval_only:
+        folder, own = snapshot_dir(run_id), resume_from is not None and is_snapshot(resume_from[1])
+        theirs = [n for n in sorted(os.listdir(folder)) if not saved_for(os.path.join(folder, n), out_dir, run_id,
+                                                                         state_of, say=False)] \
+            if own and os.path.isdir(folder) and int(os.environ.get('LOCAL_RANK', 0)) == 0 else None
+        kept = [None] * dist.get_world_size()
+        dist.all_gather_object(kept, keep_earlier_snapshots(out_dir, run_id, 'copy', theirs))
+        if not all(kept):
+            _copy_in_ram.append(folder)
     for path, why in damaged:
         print0(f"warning: skipping the damaged {path} ({why}); resuming from the newest one before it")
     # only for a run that continues: a new one moves an earlier run's files aside as they are (keep_earlier_run)
@@ -1012,33 +1019,54 @@ def unused(path):
     return path
 
 
-def keep_earlier_snapshots(out_dir, run_id, whose='before'):
+def keep_earlier_snapshots(out_dir, run_id, whose='before', theirs=None):
     """A run started afresh over out_dir (auto_resume=False) takes it over, so the earlier run's memory snapshots
     on this node could never be resumed again, and would hold its RAM until a reboot: they move into out_dir
     (snapshots.before-RUN_ID-HOST/), where nothing of them is lost. Where they do not fit, they stay, with a
-    warning. whose='copy': those of a copy of out_dir (the same run_id), kept as snapshots.copy-RUN_ID-HOST/."""
+    warning. whose='copy': those of a copy of out_dir (the same run_id), kept as snapshots.copy-RUN_ID-HOST/;
+    theirs, if given, names the folder's entries that are the copy's (the rest, this run's own that it resumes
+    from, stay). Returns False where they stay: the folder then holds what this run must neither replace nor remove."""
     folder = snapshot_dir(run_id)
-    if int(os.environ.get('LOCAL_RANK', 0)) != 0 or not os.path.isdir(folder):
-        return
+    if int(os.environ.get('LOCAL_RANK', 0)) != 0 or not os.path.isdir(folder) or theirs == []:
+        return True
     kept_as = os.path.join(out_dir, f"snapshots.{whose}-{run_id}-{socket.gethostname()}")
     kept_as = unused(kept_as) if whose == 'copy' else kept_as  # a copy's kept each time it is passed over
+    others = None if theirs is None else lambda d, names: [n for n in names if d == folder and n not in theirs]
     try:
         if os.path.lexists(kept_as) or os.path.lexists(kept_as + '.tmp'):  # not ours to replace or remove
             raise FileExistsError(f"{kept_as} or its .tmp is there already")
         try:
-            shutil.copytree(folder, kept_as + '.tmp')
+            shutil.copytree(folder, kept_as + '.tmp', ignore=others)
             os.rename(kept_as + '.tmp', kept_as)
         except OSError:
             shutil.rmtree(kept_as + '.tmp', ignore_errors=True)  # the part copied: made here, just now
             raise
     except OSError as e:
+        # copytree gathers its files' errors into one list: the first says why (a full disk)
+        why = e.args[0][0][2] if isinstance(e, shutil.Error) and e.args and e.args[0] else reason(e)
         print(f"warning: the {'copy' if whose == 'copy' else 'earlier run'}'s memory snapshots stay in {folder}, "
-              f"holding RAM: they could not be kept in "
-              f"{out_dir} ({reason(e)}); delete the folder once they are not wanted", flush=True)
-        return
-    shutil.rmtree(folder, ignore_errors=True)
+              f"holding RAM: they could not be kept in {out_dir} ({why}); " +
+              ("this run takes no memory snapshots of its own, which would replace them, and leaves them there at "
+               "its end: free space and restart the run to keep them there, or " if whose == 'copy' else "") +
+              "delete the folder once they are not wanted", flush=True)
+        return False
+    for name in theirs or []:
+        path = os.path.join(folder, name)
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+    if theirs is None:
+        shutil.rmtree(folder, ignore_errors=True)
     print(f"the {'copy' if whose == 'copy' else 'earlier run'}'s memory snapshots moved from {folder} (RAM) to "
           f"{kept_as}", flush=True)
+    return True
+
+
+_copy_in_ram = []  # the snapshot folder, where it holds a copy's snapshots that could not be kept in out_dir
+
+
+def holds_a_copys_snapshots():
+    """Whether this run's snapshot folder holds a copy's snapshots (find_resume could not move them): the run takes
+    none of its own, which would replace them, and neither sets aside nor removes anything there."""
+    return bool(_copy_in_ram)
 
 
 def print0(*args):
@@ -1050,7 +1078,7 @@ def remove_snapshots(run_id, eval_only=False):
     """At the end of a run, once every rank's saves are written (out_dir holds the final state): the node's
     snapshots go, to free the RAM they hold. Not after an eval_only run: they are the run's it evaluated."""
     dist.barrier()
-    if int(os.environ.get('LOCAL_RANK', 0)) == 0 and not eval_only:
+    if int(os.environ.get('LOCAL_RANK', 0)) == 0 and not eval_only and not holds_a_copys_snapshots():
         shutil.rmtree(snapshot_dir(run_id), ignore_errors=True)
 
 

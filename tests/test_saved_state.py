@@ -298,6 +298,65 @@ def test_a_copy_of_a_run_folder_never_resumes_the_others_memory_snapshot_a_moved
         shutil.rmtree(snapshots, ignore_errors=True)
 
 
+def test_a_copys_snapshots_that_do_not_fit_in_out_dir_are_left_whole_in_ram(tmp_path, data_dir, shared_run,
+                                                                           small_disk):
+    # run A's disk has no room to keep its copy B's snapshot (iter 15) that A passes over: that was a warning, and
+    # then A's own snapshots replaced it in the shared folder in /dev/shm, and A's end removed the folder
+    a, b = small_disk('2m') / 'a', tmp_path / 'b'
+    shutil.copytree(shared_run('train.py', *ARGS), a)
+    shutil.copytree(a, b)
+    start(tmp_path, data_dir, b, '--max_iters=15', '--learning_rate=0.1')
+    snapshots = Path('/dev/shm') / f"nanogpt-{(a / 'run_id').read_text().strip()}"
+    try:
+        snapshots.mkdir()
+        shutil.copy(b / 'ckpt.pt', snapshots / 'ckpt.pt')  # what B's snapshot held when it was killed
+        before = files(snapshots)
+        fill(a.parent)
+        os.truncate(a.parent / 'filler', (a.parent / 'filler').stat().st_size - 65536)  # A's log rows fit
+        # a learning rate of 0: its evals at 10 and 12 are no better, so A saves no checkpoint either
+        p = start(tmp_path, data_dir, a, '--max_iters=12', '--save_memory_interval=1', '--learning_rate=0',
+                  '--min_lr=0', '--always_save_checkpoint=False')
+        assert f'resuming from {a / "ckpt.pt"} at iter 10' in p.stdout, p.stdout[-2000:]
+        assert f"the copy's memory snapshots stay in {snapshots}" in p.stdout and 'No space left' in p.stdout
+        assert 'this run takes no memory snapshots of its own' in p.stdout, p.stdout[-2000:]
+        assert files(snapshots) == before and not list(a.glob('snapshots.*'))
+    finally:
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
+def test_a_run_resuming_its_own_snapshot_keeps_the_copys_beside_it_in_out_dir(tmp_path, data_dir, shared_run):
+    # fsdp_train.py's two files a rank: A (killed) left its own newest, and its copy B's snapshot shares the folder
+    # (both ran at once). A resumed from its own and kept B's in place, where A's next snapshot replaced it
+    a, b = tmp_path / 'a', tmp_path / 'b'
+    shutil.copytree(shared_run('fsdp_train.py', *ARGS), a)
+    shutil.copytree(a, b)
+    snapshots = Path('/dev/shm') / f"nanogpt-{(a / 'run_id').read_text().strip()}"
+    mine, theirs = snapshots / 'rank-0-of-1x1.pt', snapshots / 'rank-0-of-1x1.prev.pt'
+    killed = subprocess.Popen([sys.executable, str(REPO / 'fsdp_train.py'), *TINY,
+                               f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={a}', *ARGS,
+                               '--max_iters=100000', '--save_memory_interval=1'], cwd=tmp_path, env=env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while not theirs.exists():
+            assert killed.poll() is None
+            time.sleep(0.01)
+        killed.kill()
+        killed.wait()
+        state = torch.load(theirs, weights_only=True)  # A's snapshot before its newest, made B's
+        torch.save({**state, 'out_dir': str(b), 'out_dir_ino': b.stat().st_ino}, theirs)
+        before, newest = files(snapshots), iter_of(mine)
+        p = start(tmp_path, data_dir, a, f'--max_iters={newest + 2}', '--save_memory_interval=1',
+                  script='fsdp_train.py')
+        assert f'resuming from {mine} at iter {newest}' in p.stdout, p.stdout[-2000:]
+        kept_as = next(a.glob('snapshots.copy-*'))
+        assert files(kept_as) == {theirs.name: before[theirs.name]}  # B's, as it was; A's own stayed for A
+        assert not snapshots.exists()  # A's end freed its own
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
 def test_a_copy_run_with_a_relative_out_dir_from_its_own_folder_never_resumes_the_originals_snapshot(tmp_path,
                                                                                                     data_dir,
                                                                                                     shared_run):
