@@ -604,16 +604,18 @@ def newest_loadable(paths, run_id=None, or_any=False, iter_of=None):
     return (*best, skipped)
 
 
-def other_layouts(folder, names):
-    """(iter_num, path, damaged) of the newest loadable snapshot in a run's snapshot folder that another layout of
-    ranks wrote (rank-R-of-LAYOUT.pt, where LAYOUT differs from that of names, this rank's), as newest_loadable
-    gives it: (None, None, []) where there is none; the damaged are passed over."""
+def other_layouts(folder, names, mine=lambda path: True):
+    """(iter_num, path, damaged, passed) of the newest loadable snapshot in a run's snapshot folder that another
+    layout of ranks wrote (rank-R-of-LAYOUT.pt, where LAYOUT differs from that of names, this rank's), as
+    newest_loadable gives it: (None, None, [], passed) where there is none; the damaged are passed over, and those
+    that mine (saved_for) says a copy of the run's folder saved, which passed says are there."""
     layout = lambda name: (m := re.fullmatch(r'rank-\d+-of-(.+?)(\.prev\d*)?\.pt', name)) and m.group(1)
     ours = {layout(n) for n in names}
     if None in ours or not ours or not os.path.isdir(folder):
-        return None, None, []
+        return None, None, [], False
     theirs = sorted(os.path.join(folder, n) for n in os.listdir(folder) if layout(n) not in ours | {None})
-    return newest_loadable(theirs)
+    runs = [p for p in theirs if mine(p)]
+    return *newest_loadable(runs), len(runs) < len(theirs)
 
 
 def checkpoint_iter(path, run_id=None):
@@ -839,7 +841,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     resumed there, prune its folders). eval_only with init_from=scratch evaluates the run's newest state. state_of
     reads a snapshot folder's own state (saved_for)."""
     rank = dist.get_rank()
-    run_id, held, disk, damaged, others, wrong, foreign = None, {}, (None, None), [], None, None, (None, None, [])
+    run_id, held, disk, damaged, others, wrong, foreign = None, {}, (None, None), [], None, None, (None, None)
     passed = False  # a snapshot of a copy of this run's folder lies in the run's snapshot folder
     # an eval of another model is no resume; an eval of out_dir (init_from=scratch) is one of its newest state
     wanted = init_from == 'resume' or (auto_resume and (not eval_only or init_from == 'scratch'))
@@ -856,7 +858,10 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                 held[it] = path
             elif it is not None:
                 passed = True
-        foreign = other_layouts(folder, [] if callable(snapshots) else snapshots)
+        # another layout's, which this one cannot read: a copy's are passed over and kept, as those of this layout
+        foreign = other_layouts(folder, [] if callable(snapshots) else snapshots,
+                                lambda path: saved_for(path, out_dir, run_id, state_of))
+        passed = passed or foreign[3]
     if rank == 0:
         wrong = misplaced(out_dir, storage)
         others = others_newest(out_dir, script)

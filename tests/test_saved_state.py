@@ -357,6 +357,25 @@ def test_a_run_resuming_its_own_snapshot_keeps_the_copys_beside_it_in_out_dir(tm
         shutil.rmtree(snapshots, ignore_errors=True)
 
 
+def test_a_copys_snapshot_of_another_layout_is_passed_over_and_kept(tmp_path, data_dir, shared_run):
+    # B, a copy of A's folder, killed at 2 ranks: A at 1 rank was refused, B's snapshot named as "this run's newest
+    # state", and told to resume at B's layout or to start afresh
+    a, b = tmp_path / 'a', tmp_path / 'b'
+    shutil.copytree(shared_run('fsdp_train.py', *ARGS), a)
+    shutil.copytree(a, b)
+    snapshots = Path('/dev/shm') / f"nanogpt-{(a / 'run_id').read_text().strip()}"
+    try:
+        snapshots.mkdir()
+        theirs = {'iter_num': 15, 'run_id': snapshots.name[8:], 'out_dir': str(b), 'out_dir_ino': b.stat().st_ino}
+        torch.save(theirs, snapshots / 'rank-0-of-2x1.pt')  # what B's rank 0 left (its shards are not needed here)
+        before = files(snapshots)
+        p = start(tmp_path, data_dir, a, '--max_iters=12', script='fsdp_train.py')
+        assert f'resuming from {a / "dcp" / "step-00000010"} at iter 10' in p.stdout, p.stdout[-2000:]
+        assert files(next(a.glob('snapshots.copy-*'))) == before and not snapshots.exists()
+    finally:
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
 def test_a_copy_run_with_a_relative_out_dir_from_its_own_folder_never_resumes_the_originals_snapshot(tmp_path,
                                                                                                     data_dir,
                                                                                                     shared_run):
