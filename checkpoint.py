@@ -843,6 +843,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     rank = dist.get_rank()
     run_id, held, disk, damaged, others, wrong, foreign = None, {}, (None, None), [], None, None, (None, None)
     passed = False  # a snapshot of a copy of this run's folder lies in the run's snapshot folder
+    theirs = []  # the names of those in it, on the node's first rank
     # an eval of another model is no resume; an eval of out_dir (init_from=scratch) is one of its newest state
     wanted = init_from == 'resume' or (auto_resume and (not eval_only or init_from == 'scratch'))
     run_id_path = os.path.join(out_dir, 'run_id')
@@ -861,7 +862,11 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         # another layout's, which this one cannot read: a copy's are passed over and kept, as those of this layout
         foreign = other_layouts(folder, [] if callable(snapshots) else snapshots,
                                 lambda path: saved_for(path, out_dir, run_id, state_of))
-        passed = passed or foreign[3]
+        if int(os.environ.get('LOCAL_RANK', 0)) == 0 and os.path.isdir(folder):
+            # all of them, those that the listing above leaves out too (a DeepSpeed step folder past its latest)
+            theirs = [n for n in sorted(os.listdir(folder))
+                      if not saved_for(os.path.join(folder, n), out_dir, run_id, state_of, say=False)]
+        passed = passed or foreign[3] or bool(theirs)
     if rank == 0:
         wrong = misplaced(out_dir, storage)
         others = others_newest(out_dir, script)
@@ -912,14 +917,11 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     # would remove them, the copy's newest state where it was killed; they are kept in out_dir first (only they,
     # where the run resumes from its own there). Where they cannot be, the run takes no snapshots of its own
     if any(v[8] for v in views) and not eval_only:
-        folder, own = snapshot_dir(run_id), resume_from is not None and is_snapshot(resume_from[1])
-        theirs = [n for n in sorted(os.listdir(folder)) if not saved_for(os.path.join(folder, n), out_dir, run_id,
-                                                                         state_of, say=False)] \
-            if own and os.path.isdir(folder) and int(os.environ.get('LOCAL_RANK', 0)) == 0 else None
+        own = resume_from is not None and is_snapshot(resume_from[1])
         kept = [None] * dist.get_world_size()
-        dist.all_gather_object(kept, keep_earlier_snapshots(out_dir, run_id, 'copy', theirs))
+        dist.all_gather_object(kept, keep_earlier_snapshots(out_dir, run_id, 'copy', theirs if own else None))
         if not all(kept):
-            _copy_in_ram.append(folder)
+            _copy_in_ram.append(snapshot_dir(run_id))
     for path, why in damaged:
         print0(f"warning: skipping the damaged {path} ({why}); resuming from the newest one before it")
     # only for a run that continues: a new one moves an earlier run's files aside as they are (keep_earlier_run)

@@ -414,6 +414,28 @@ def test_a_copy_of_a_deepspeed_run_folder_never_resumes_the_others_memory_snapsh
         shutil.rmtree(snapshots, ignore_errors=True)
 
 
+def test_a_deepspeed_run_resuming_its_own_snapshot_keeps_the_copys_newer_one(tmp_path, data_dir, shared_run):
+    # A's snapshot at 12 (latest names it) beside its copy B's at 15, which the listing up to latest leaves out:
+    # A's snapshot at 15 removed B's folder to write its own there
+    a, b = tmp_path / 'a', tmp_path / 'b'
+    shutil.copytree(shared_run('ds_train.py', *ARGS), a)
+    shutil.copytree(a, b)
+    start(tmp_path, data_dir, a, '--max_iters=12', script='ds_train.py')
+    start(tmp_path, data_dir, b, '--max_iters=15', script='ds_train.py')
+    snapshots = Path('/dev/shm') / f"nanogpt-{(a / 'run_id').read_text().strip()}"
+    try:
+        snapshots.mkdir()
+        shutil.copytree(a / 'ds' / 'step-00000012', snapshots / 'step-00000012')  # A's own, where it was killed
+        shutil.copytree(b / 'ds' / 'step-00000015', snapshots / 'step-00000015')  # B's, killed as it saved latest
+        (snapshots / 'latest').write_text('step-00000012')
+        before = files(snapshots / 'step-00000015')
+        p = start(tmp_path, data_dir, a, '--max_iters=16', '--save_memory_interval=1', script='ds_train.py')
+        assert f'resuming from {snapshots / "step-00000012"} at iter 12' in p.stdout, p.stdout[-2000:]
+        assert files(next(a.glob('snapshots.copy-*')) / 'step-00000015') == before
+    finally:
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
 def test_a_run_started_afresh_keeps_the_killed_earlier_runs_snapshots_in_out_dir_and_frees_the_ram(tmp_path,
                                                                                                    data_dir):
     out = tmp_path / 'run'
