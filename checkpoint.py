@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from data import data_dir, meta_vocab
 from model import GPT, GPTConfig
+from runlock import HOLD, try_hold
 
 
 def find_checkpoint(path):
@@ -844,6 +845,8 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     run_id, held, disk, damaged, others, wrong, foreign = None, {}, (None, None), [], None, None, (None, None)
     passed = False  # a snapshot of a copy of this run's folder lies in the run's snapshot folder
     theirs = []  # the names of those in it, on the node's first rank
+    busy = None  # where a live run of a copy of this run's folder holds that folder: who
+    first = int(os.environ.get('LOCAL_RANK', 0)) == 0
     # an eval of another model is no resume; an eval of out_dir (init_from=scratch) is one of its newest state
     wanted = init_from == 'resume' or (auto_resume and (not eval_only or init_from == 'scratch'))
     run_id_path = os.path.join(out_dir, 'run_id')
@@ -852,6 +855,9 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     if wanted and os.path.isfile(run_id_path):
         run_id = read_run_id(run_id_path)
         folder = snapshot_dir(run_id)
+        # a copy of this folder running on this node writes its snapshots there too: while it lives, this run
+        # neither moves them nor writes its own (each would replace the other's), nor removes the folder at its end
+        busy = try_hold(folder, "a run of a copy of this run's folder") if first and not eval_only else None
         for path in snapshots(folder) if callable(snapshots) else [os.path.join(folder, n) for n in snapshots]:
             it, _, bad = newest_loadable([path], iter_of=iter_of)
             damaged += bad
@@ -862,7 +868,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         # another layout's, which this one cannot read: a copy's are passed over and kept, as those of this layout
         foreign = other_layouts(folder, [] if callable(snapshots) else snapshots,
                                 lambda path: saved_for(path, out_dir, run_id, state_of))
-        if int(os.environ.get('LOCAL_RANK', 0)) == 0 and os.path.isdir(folder):
+        if first and os.path.isdir(folder) and not busy:
             # all of them, those that the listing above leaves out too (a DeepSpeed step folder past its latest)
             theirs = [n for n in sorted(os.listdir(folder))
                       if not saved_for(os.path.join(folder, n), out_dir, run_id, state_of, say=False)]
@@ -881,8 +887,8 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                 disk = found
     views = [None] * dist.get_world_size()
     dist.all_gather_object(views, (run_id, held, tuple(disk), damaged, uuid.uuid4().hex, others, wrong, foreign[:2],
-                                  passed))
-    run_id, _, (disk_iter, disk_path), _, new_id, others, wrong, _, _ = views[0]
+                                  passed, busy))
+    run_id, _, (disk_iter, disk_path), _, new_id, others, wrong, _, _, _ = views[0]
     if wrong:
         sys.exit(f"error: {wrong}: move it out of {out_dir} (nothing was changed)")
     damaged = [d for v in views for d in v[3]]
@@ -916,10 +922,14 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     # the copy's snapshots share this run's folder in /dev/shm: this run's saves would replace them and its end
     # would remove them, the copy's newest state where it was killed; they are kept in out_dir first (only they,
     # where the run resumes from its own there). Where they cannot be, the run takes no snapshots of its own
-    if any(v[8] for v in views) and not eval_only:
-        own = resume_from is not None and is_snapshot(resume_from[1])
+    if any(v[9] for v in views):
+        _copy_in_ram.append(snapshot_dir(run_id))
+        who = next(v[9] for v in views if v[9])
+        print0(f"warning: {who}: this run takes no memory snapshots of its own while that run lasts (each would "
+               f"replace the other's), and leaves that folder as it is")
+    elif any(v[8] for v in views) and not eval_only:
         kept = [None] * dist.get_world_size()
-        dist.all_gather_object(kept, keep_earlier_snapshots(out_dir, run_id, 'copy', theirs if own else None))
+        dist.all_gather_object(kept, keep_earlier_snapshots(out_dir, run_id, 'copy', theirs))
         if not all(kept):
             _copy_in_ram.append(snapshot_dir(run_id))
     for path, why in damaged:
@@ -945,6 +955,8 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         dist.broadcast_object_list(kept)  # moved before any rank writes there; every rank learns where
         if kept[0]:
             _kept[os.path.abspath(out_dir)] = kept[0]
+    if first and not eval_only and not holds_a_copys_snapshots():
+        try_hold(snapshot_dir(run_id), "a run of a copy of this run's folder")  # a new run's (held above otherwise)
     return run_id, resume_from
 
 
@@ -1147,7 +1159,7 @@ def checkpoint_or_exit(path, fix):
                      f"--save_consolidated=True to its next save, which writes {os.path.join(run, 'ckpt.pt')}")
         snapshots = snapshot_dir(read_run_id(os.path.join(path, 'run_id'))) \
             if os.path.isfile(os.path.join(path, 'run_id')) else None
-        if snapshots and os.path.isdir(snapshots) and os.listdir(snapshots):  # a run killed before its first save
+        if snapshots and os.path.isdir(snapshots) and set(os.listdir(snapshots)) - {HOLD}:  # killed before a save
             whole = os.path.join(snapshots, 'ckpt.pt')  # train.py's snapshot is a whole ckpt.pt; the others' shards
             sys.exit(f"error: {path} holds no checkpoint yet, only this node's memory snapshots of the run, in "
                      f"{snapshots}: " + (f"give {whole}, or " if os.path.isfile(whole) else "") +

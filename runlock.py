@@ -137,6 +137,13 @@ def let_go(folder):
         _held.pop(folder)()
 
 
+def try_hold(folder, what):
+    """hold() for this process alone, never exiting: None where it now holds folder (or cannot write there: what
+    it writes there fails alike), else where a live run holds it, the words that name that run."""
+    refusal = _take(folder, what)
+    return refusal[len('error: '):].split(': wait for')[0] if refusal and ' is in use by ' in refusal else None
+
+
 def hold(folder, what='another run', collective=True):
     """Holds folder for the rest of this process (released at its exit, whichever way out): a second run over it
     is refused in one line naming the holder. A hold whose holder died (on this host), whose heartbeat stopped (on

@@ -376,6 +376,33 @@ def test_a_copys_snapshot_of_another_layout_is_passed_over_and_kept(tmp_path, da
         shutil.rmtree(snapshots, ignore_errors=True)
 
 
+def test_a_copy_started_beside_its_running_original_leaves_the_originals_snapshots_alone(tmp_path, data_dir,
+                                                                                        shared_run):
+    # A and its copy B at once on one node, one snapshot folder in RAM: B moved A's live snapshots into its own
+    # out_dir, then each replaced the other's, and B's end removed the folder with A's newest state in it
+    a, b = tmp_path / 'a', tmp_path / 'b'
+    shutil.copytree(shared_run('train.py', *ARGS), a)
+    shutil.copytree(a, b)
+    snapshots = Path('/dev/shm') / f"nanogpt-{(a / 'run_id').read_text().strip()}"
+    running = subprocess.Popen([sys.executable, str(REPO / 'train.py'), *TINY,
+                                f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={a}', *ARGS,
+                                '--max_iters=100000', '--save_memory_interval=1'], cwd=tmp_path, env=env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while not (snapshots / 'ckpt.pt').exists():
+            assert running.poll() is None
+            time.sleep(0.01)
+        p = start(tmp_path, data_dir, b, '--max_iters=14', '--save_memory_interval=1')
+        assert f'{snapshots} is in use by a run of a copy of this run' in p.stdout, p.stdout[-2000:]
+        assert 'this run takes no memory snapshots of its own while that run lasts' in p.stdout
+        assert running.poll() is None and not list(b.glob('snapshots.*'))
+        assert torch.load(snapshots / 'ckpt.pt', weights_only=True)['out_dir'] == str(a)  # A's, and A's only
+    finally:
+        running.kill()
+        running.wait()
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
 def test_a_copy_run_with_a_relative_out_dir_from_its_own_folder_never_resumes_the_originals_snapshot(tmp_path,
                                                                                                     data_dir,
                                                                                                     shared_run):
