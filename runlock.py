@@ -1,6 +1,7 @@
 """
 One run at a time per folder, for every entrypoint (out_dir) and prepare.py (its dataset folder): a run holds the
-folder for its lifetime (hold()), and a second start over it is refused in one line naming the holder. It does not
+folder for its lifetime (hold()), and a second start over it is refused in one line naming the holder. A run's
+snapshot folder in RAM, which a copy of its out_dir shares, is held too (try_hold: checkpoint.find_resume). It does not
 decide what a run resumes or keeps: checkpoint.py does.
 """
 
