@@ -441,6 +441,22 @@ def test_a_copy_of_a_deepspeed_run_folder_never_resumes_the_others_memory_snapsh
         shutil.rmtree(snapshots, ignore_errors=True)
 
 
+def test_a_deepspeed_run_at_another_stage_never_goes_on_from_an_export_older_than_its_newest_folder(tmp_path,
+                                                                                                     data_dir,
+                                                                                                     shared_run):
+    # save_consolidated=False after 10: the ckpt.pt export stays at 10, ds/step-15 (ZeRO-2) is the newest state. At
+    # another stage the run went on from the export at 10, and its save at 15 replaced that folder
+    run_dir = tmp_path / 'run'
+    shutil.copytree(shared_run('ds_train.py', *ARGS), run_dir)
+    start(tmp_path, data_dir, run_dir, '--max_iters=15', '--save_consolidated=False', script='ds_train.py')
+    before = files(run_dir / 'ds')
+    error = one_line_error(start(tmp_path, data_dir, run_dir, '--max_iters=20', '--zero_stage=3',
+                                 script='ds_train.py', check=False))
+    assert f"the run's newest state, {run_dir / 'ds' / 'step-00000015'}, was written by 1 ranks at zero_stage=2" \
+        in error and 'use 1 ranks and --zero_stage=2' in error, error
+    assert files(run_dir / 'ds') == before and iter_of(run_dir / 'ckpt.pt') == 10
+
+
 def test_a_deepspeed_run_resuming_its_own_snapshot_keeps_the_copys_newer_one(tmp_path, data_dir, shared_run):
     # A's snapshot at 12 (latest names it) beside its copy B's at 15, which the listing up to latest leaves out:
     # A's snapshot at 15 removed B's folder to write its own there
