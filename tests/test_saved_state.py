@@ -262,6 +262,25 @@ def test_a_memory_snapshot_that_cannot_be_written_is_a_warning(tmp_path, data_di
     assert iter_of(tmp_path / 'run' / 'ckpt.pt') == 4
 
 
+def test_a_run_resumed_from_a_snapshot_past_a_lowered_max_iters_saves_it_before_it_frees_it(tmp_path, data_dir,
+                                                                                            shared_run):
+    # killed at 12 with its snapshot at 12 and its checkpoint at 10, resumed with --max_iters=11: the run ended at
+    # once, with no eval and so no save, and its end removed the snapshot, its newest state
+    run_dir = tmp_path / 'run'
+    shutil.copytree(shared_run('train.py', *ARGS), run_dir)
+    start(tmp_path, data_dir, run_dir, '--max_iters=12')
+    snapshots = Path('/dev/shm') / f"nanogpt-{(run_dir / 'run_id').read_text().strip()}"
+    try:
+        snapshots.mkdir()
+        shutil.copy(run_dir / 'ckpt.pt', snapshots / 'ckpt.pt')  # its snapshot at 12
+        (run_dir / 'ckpt.prev.pt').replace(run_dir / 'ckpt.pt')  # its checkpoint at 10
+        p = start(tmp_path, data_dir, run_dir, '--max_iters=11')
+        assert f'resuming from {snapshots / "ckpt.pt"} at iter 12' in p.stdout, p.stdout[-2000:]
+        assert iter_of(run_dir / 'ckpt.pt') == 12 and iter_of(run_dir / 'ckpt.prev.pt') == 10
+    finally:
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
 def test_a_copy_of_a_run_folder_never_resumes_the_others_memory_snapshot_a_moved_one_does(tmp_path, data_dir,
                                                                                           shared_run):
     # the copy holds the same run_id, which names the snapshot folder in /dev/shm: run A resumed the snapshot that
