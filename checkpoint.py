@@ -920,8 +920,8 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     if resume_from is None and init_from == 'resume':
         sys.exit(f"error: no checkpoint at {where}: point --out_dir at a run's folder, or use --init_from=scratch")
     # the copy's snapshots share this run's folder in /dev/shm: this run's saves would replace them and its end
-    # would remove them, the copy's newest state where it was killed; they are kept in out_dir first (only they,
-    # where the run resumes from its own there). Where they cannot be, the run takes no snapshots of its own
+    # would remove them, the copy's newest state where it was killed; they (and not this run's own beside them) are
+    # kept in out_dir first. Where they cannot be, or the copy is running, the run takes no snapshots of its own
     if any(v[9] for v in views):
         _copy_in_ram.append(snapshot_dir(run_id))
         who = next(v[9] for v in views if v[9])
@@ -1043,8 +1043,8 @@ def keep_earlier_snapshots(out_dir, run_id, whose='before', theirs=None):
     on this node could never be resumed again, and would hold its RAM until a reboot: they move into out_dir
     (snapshots.before-RUN_ID-HOST/), where nothing of them is lost. Where they do not fit, they stay, with a
     warning. whose='copy': those of a copy of out_dir (the same run_id), kept as snapshots.copy-RUN_ID-HOST/;
-    theirs, if given, names the folder's entries that are the copy's (the rest, this run's own that it resumes
-    from, stay). Returns False where they stay: the folder then holds what this run must neither replace nor remove."""
+    theirs, if given, names the folder's entries that are the copy's (the rest, this run's own, stay). Returns False
+    where they stay: the folder then holds what this run must neither replace nor remove."""
     folder = snapshot_dir(run_id)
     if int(os.environ.get('LOCAL_RANK', 0)) != 0 or not os.path.isdir(folder) or theirs == []:
         return True
@@ -1079,12 +1079,12 @@ def keep_earlier_snapshots(out_dir, run_id, whose='before', theirs=None):
     return True
 
 
-_copy_in_ram = []  # the snapshot folder, where it holds a copy's snapshots that could not be kept in out_dir
+_copy_in_ram = []  # the snapshot folder, where a copy running there holds it, or its snapshots could not be moved
 
 
 def holds_a_copys_snapshots():
-    """Whether this run's snapshot folder holds a copy's snapshots (find_resume could not move them): the run takes
-    none of its own, which would replace them, and neither sets aside nor removes anything there."""
+    """Whether this run's snapshot folder holds a copy's snapshots (a copy running there, or find_resume could not
+    move them): the run takes none of its own, which would replace them, and sets aside or removes nothing there."""
     return bool(_copy_in_ram)
 
 
