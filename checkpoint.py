@@ -786,10 +786,10 @@ def misplaced(out_dir, storage):
 
 
 def where_saved(out_dir):
-    """What a saved state holds of the folder it is saved for (saved_for): its real path, and its inode, which a
-    rename or a move within its disk keeps and a copy never has (None on a node where it is not there)."""
-    return {'out_dir': os.path.realpath(out_dir),
-            'out_dir_ino': os.stat(out_dir).st_ino if os.path.isdir(out_dir) else None}
+    """What a saved state holds of the folder it is saved for (saved_for): its real path, and its inode and device,
+    which a rename or a move within its disk keeps and a copy never has (None on a node where it is not there)."""
+    st = os.stat(out_dir) if os.path.isdir(out_dir) else None
+    return {'out_dir': os.path.realpath(out_dir), 'out_dir_ino': st and st.st_ino, 'out_dir_dev': st and st.st_dev}
 
 
 def saved_for(snapshot, out_dir, run_id, state_of=None, say=True):
@@ -797,22 +797,25 @@ def saved_for(snapshot, out_dir, run_id, state_of=None, say=True):
     out_dir. A copy of a run's folder (cp -r, to branch an experiment) holds the same run_id, which names the
     snapshot folder: each run resumed the other's snapshots, a state it never trained, and went on to push its own
     checkpoints out. A snapshot is this run's where it was saved for this folder: the same real path, or the same
-    inode (the folder renamed or moved on its disk). A copy is another inode, also once the folder it was copied
-    from is deleted. An older snapshot holds no inode (only its real path, or its config's out_dir as given): it is
-    the other copy's where the folder it names is another one that holds this run's id. say: a note where it is not."""
+    inode on the same device (the folder renamed or moved on its disk). A copy is another inode, also once the folder
+    it was copied from is deleted, or another device (a filesystem's snapshot of it). An older snapshot holds no
+    inode (only its real path, or its config's out_dir as given): it is the other copy's where the folder it names
+    is another one that holds this run's id. say: a note where it is not."""
     try:
         state = state_of(snapshot) if os.path.isdir(snapshot) else \
             torch.load(snapshot, map_location='cpu', weights_only=True, mmap=True)
         # its out_dir's real path: the config's as given, where a relative one names another folder from another
         # working folder (a copied project folder, each copy run from its own); older ones hold only that
         saved = state.get('out_dir') or state.get('config', {}).get('out_dir')
-        ino = state.get('out_dir_ino')
+        ino, dev = state.get('out_dir_ino'), state.get('out_dir_dev')
     except Exception:
         return True  # unreadable here (or a folder with no state_of): newest_loadable has judged it already
     if saved is None or os.path.realpath(saved) == os.path.realpath(out_dir):
         return True
     if ino is not None:
-        if ino == os.stat(out_dir).st_ino:
+        # the same inode number on another filesystem is another folder: a btrfs or ZFS snapshot or clone of this
+        # one keeps its inode numbers (older snapshots hold no device)
+        if ino == os.stat(out_dir).st_ino and dev in (None, os.stat(out_dir).st_dev):
             return True
     else:
         try:  # the other folder's, read as data: whatever it holds, only this run's id makes it a copy

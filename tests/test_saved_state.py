@@ -317,6 +317,28 @@ def test_a_copy_of_a_run_folder_never_resumes_the_others_memory_snapshot_a_moved
         shutil.rmtree(snapshots, ignore_errors=True)
 
 
+def test_a_copy_with_the_same_inode_number_on_another_filesystem_never_resumes_the_others_snapshot(tmp_path,
+                                                                                                   data_dir,
+                                                                                                   shared_run):
+    # a btrfs or ZFS snapshot (or clone) of a run folder keeps its inode numbers on another device: B, such a copy of
+    # A, left its snapshot at 15, which A took for its own by the inode alone
+    a, b = tmp_path / 'a', tmp_path / 'b'
+    shutil.copytree(shared_run('train.py', *ARGS), a)
+    shutil.copytree(a, b)
+    start(tmp_path, data_dir, b, '--max_iters=15', '--learning_rate=0.1')
+    snapshots = Path('/dev/shm') / f"nanogpt-{(a / 'run_id').read_text().strip()}"
+    try:
+        snapshots.mkdir()
+        state = torch.load(b / 'ckpt.pt', weights_only=True)
+        torch.save({**state, 'out_dir_ino': a.stat().st_ino, 'out_dir_dev': a.stat().st_dev + 1},
+                   snapshots / 'ckpt.pt')  # as B's snapshot holds them, on its filesystem
+        p = start(tmp_path, data_dir, a, '--max_iters=12')
+        assert f'resuming from {a / "ckpt.pt"} at iter 10' in p.stdout, p.stdout[-2000:]
+        assert iter_of(next(a.glob('snapshots.copy-*')) / 'ckpt.pt') == 15
+    finally:
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
 def test_a_copys_snapshots_that_do_not_fit_in_out_dir_are_left_whole_in_ram(tmp_path, data_dir, shared_run,
                                                                            small_disk):
     # run A's disk has no room to keep its copy B's snapshot (iter 15) that A passes over: that was a warning, and
