@@ -1051,8 +1051,12 @@ def keep_earlier_snapshots(out_dir, run_id, whose='before', theirs=None):
     folder = snapshot_dir(run_id)
     if int(os.environ.get('LOCAL_RANK', 0)) != 0 or not os.path.isdir(folder) or theirs == []:
         return True
-    kept_as = os.path.join(out_dir, f"snapshots.{whose}-{run_id}-{socket.gethostname()}")
-    kept_as = unused(kept_as) if whose == 'copy' else kept_as  # a copy's kept each time it is passed over
+    kept_as = base = os.path.join(out_dir, f"snapshots.{whose}-{run_id}-{socket.gethostname()}")
+    n = 1
+    # a copy's are kept each time they are passed over, beside any .tmp that a crash mid-copy left (not ours to remove)
+    while whose == 'copy' and (os.path.lexists(kept_as) or os.path.lexists(kept_as + '.tmp')):
+        n += 1
+        kept_as = f'{base}.{n}'
     others = None if theirs is None else lambda d, names: [n for n in names if d == folder and n not in theirs]
     try:
         if os.path.lexists(kept_as) or os.path.lexists(kept_as + '.tmp'):  # not ours to replace or remove

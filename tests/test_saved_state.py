@@ -313,6 +313,15 @@ def test_a_copy_of_a_run_folder_never_resumes_the_others_memory_snapshot_a_moved
         p = start(tmp_path, data_dir, a, '--max_iters=13')
         assert f'resuming from {a / "ckpt.pt"} at iter 12' in p.stdout, p.stdout[-2000:]
         assert sorted(iter_of(k / 'ckpt.pt') for k in a.glob('snapshots.copy-*')) == [15, 16]  # C's kept too
+        # a copy of them cut short by a crash (its .tmp) is left as it is, and they are kept under another name
+        snapshots.mkdir(exist_ok=True)
+        torch.save({**torch.load(a / 'ckpt.pt', weights_only=True), 'out_dir': str(tmp_path / 'd'),
+                    'out_dir_ino': tmp_path.stat().st_ino}, snapshots / 'ckpt.pt')  # another copy's, D's
+        cut = a / f"{kept_as.name}.3.tmp"
+        cut.mkdir()
+        p = start(tmp_path, data_dir, a, '--max_iters=14')
+        assert f"moved from {snapshots} (RAM) to {a / kept_as.name}.4" in p.stdout, p.stdout[-2000:]
+        assert cut.is_dir() and iter_of(a / f"{kept_as.name}.4" / 'ckpt.pt') == 13
     finally:
         shutil.rmtree(snapshots, ignore_errors=True)
 
