@@ -968,8 +968,8 @@ def set_aside_damaged(out_dir, damaged):
     is renamed damaged-NAME, kept but out of the versions that the run's saves move down, where it would take the
     place of a good one, and the good ones are renamed up into the gaps, as if it had never been written. A gap
     left otherwise (a start stopped between these renames, a version deleted by hand) closes too: a save moves the
-    versions down one each, so a gap would let the oldest be replaced while a slot stood empty. Returns {old path:
-    new path} of those renamed up."""
+    versions down one each, so a gap would let the oldest be replaced while a slot stood empty. A damaged step folder
+    is kept as damaged-step-N. Returns {old path: new path} of those renamed up."""
     path = os.path.join(out_dir, 'ckpt.pt')
     bad = {os.path.abspath(p) for p, _ in damaged}
     versions = [v for v in kept(path) if os.path.lexists(v)]
@@ -988,6 +988,21 @@ def set_aside_damaged(out_dir, damaged):
             moved[v] = previous(path, n)
             print(f"{v} is renamed {previous(path, n)}: the versions follow each other with no gap, as a save "
                   f"moves each down one", flush=True)
+    # a damaged step folder: the run's save of its step removed it to write its own there, and pruning removed an
+    # older one; kept aside likewise (a shard cut short leaves the others good), latest naming the newest left
+    for root in sorted({os.path.join(out_dir, kind) for kind in FOLDERS.values()}):
+        for name in sorted((n for n in os.listdir(root) if re.fullmatch(r'step-\d+', n)), reverse=True) \
+                if os.path.isdir(root) else []:
+            if os.path.abspath(os.path.join(root, name)) in bad:
+                aside = unused(os.path.join(root, 'damaged-' + name))
+                os.replace(os.path.join(root, name), aside)
+                print(f"the damaged {os.path.join(root, name)} is kept as {aside}, out of the folders that this "
+                      f"run's saves replace and prune", flush=True)
+                left = [n for n in step_folders(root) if os.path.basename(n) < name]
+                if read_name(os.path.join(root, 'latest')) == name and left:
+                    write_name(os.path.join(root, 'latest'), os.path.basename(left[0]))
+                elif read_name(os.path.join(root, 'latest')) == name:
+                    os.remove(os.path.join(root, 'latest'))
     return moved
 
 

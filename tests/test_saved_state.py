@@ -217,6 +217,20 @@ def test_a_sharded_save_that_cannot_begin_stops_every_rank_in_one_line(tmp_path,
     assert 'resuming from' in p.stdout and 'at iter 10' in p.stdout
 
 
+def test_a_damaged_step_folder_that_a_run_resumes_past_is_kept_aside(tmp_path, data_dir, shared_run):
+    # dcp/step-10 with a shard cut short (its other shards good): the run resumed from step-5, and its save at 10
+    # removed the damaged folder to write its own there
+    run_dir = tmp_path / 'run'
+    shutil.copytree(shared_run('fsdp_train.py', *ARGS), run_dir)
+    shard = next((run_dir / 'dcp' / 'step-00000010').glob('*.distcp'))
+    os.truncate(shard, shard.stat().st_size // 2)
+    before = files(run_dir / 'dcp' / 'step-00000010')
+    p = start(tmp_path, data_dir, run_dir, script='fsdp_train.py')
+    assert f'resuming from {run_dir / "dcp" / "step-00000005"} at iter 5' in p.stdout, p.stdout[-2000:]
+    assert files(run_dir / 'dcp' / 'damaged-step-00000010') == before
+    assert (run_dir / 'dcp' / 'latest').read_text() == 'step-00000010'  # its own save at 10, written anew
+
+
 @pytest.mark.parametrize('name', ['ckpt.pt', 'best.pt', 'dcp/latest', 'ds/best'])
 def test_a_checkpoint_path_that_is_a_folder_is_refused_at_the_start(tmp_path, data_dir, name):
     # best.pt, or a latest or best file beside step folders, was let through: the run trained until its first save
