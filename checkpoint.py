@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from data import data_dir, meta_vocab
 from model import GPT, GPTConfig
+from runlock import HOLD, try_hold
 
 
 def find_checkpoint(path):
@@ -604,16 +605,18 @@ def newest_loadable(paths, run_id=None, or_any=False, iter_of=None):
     return (*best, skipped)
 
 
-def other_layouts(folder, names):
-    """(iter_num, path, damaged) of the newest loadable snapshot in a run's snapshot folder that another layout of
-    ranks wrote (rank-R-of-LAYOUT.pt, where LAYOUT differs from that of names, this rank's), as newest_loadable
-    gives it: (None, None, []) where there is none; the damaged are passed over."""
+def other_layouts(folder, names, mine=lambda path: True):
+    """(iter_num, path, damaged, passed) of the newest loadable snapshot in a run's snapshot folder that another
+    layout of ranks wrote (rank-R-of-LAYOUT.pt, where LAYOUT differs from that of names, this rank's), as
+    newest_loadable gives it: (None, None, [], passed) where there is none; the damaged are passed over, and those
+    that mine (saved_for) says a copy of the run's folder saved, which passed says are there."""
     layout = lambda name: (m := re.fullmatch(r'rank-\d+-of-(.+?)(\.prev\d*)?\.pt', name)) and m.group(1)
     ours = {layout(n) for n in names}
     if None in ours or not ours or not os.path.isdir(folder):
-        return None, None, []
+        return None, None, [], False
     theirs = sorted(os.path.join(folder, n) for n in os.listdir(folder) if layout(n) not in ours | {None})
-    return newest_loadable(theirs)
+    runs = [p for p in theirs if mine(p)]
+    return *newest_loadable(runs), len(runs) < len(theirs)
 
 
 def checkpoint_iter(path, run_id=None):
@@ -783,33 +786,36 @@ def misplaced(out_dir, storage):
 
 
 def where_saved(out_dir):
-    """What a saved state holds of the folder it is saved for (saved_for): its real path, and its inode, which a
-    rename or a move within its disk keeps and a copy never has (None on a node where it is not there)."""
-    return {'out_dir': os.path.realpath(out_dir),
-            'out_dir_ino': os.stat(out_dir).st_ino if os.path.isdir(out_dir) else None}
+    """What a saved state holds of the folder it is saved for (saved_for): its real path, and its inode and device,
+    which a rename or a move within its disk keeps and a copy never has (None on a node where it is not there)."""
+    st = os.stat(out_dir) if os.path.isdir(out_dir) else None
+    return {'out_dir': os.path.realpath(out_dir), 'out_dir_ino': st and st.st_ino, 'out_dir_dev': st and st.st_dev}
 
 
-def saved_for(snapshot, out_dir, run_id, state_of=None):
+def saved_for(snapshot, out_dir, run_id, state_of=None, say=True):
     """Whether the memory snapshot (a file, or a folder that state_of reads: ds_train.py's) was saved by the run in
     out_dir. A copy of a run's folder (cp -r, to branch an experiment) holds the same run_id, which names the
     snapshot folder: each run resumed the other's snapshots, a state it never trained, and went on to push its own
     checkpoints out. A snapshot is this run's where it was saved for this folder: the same real path, or the same
-    inode (the folder renamed or moved on its disk). A copy is another inode, also once the folder it was copied
-    from is deleted. An older snapshot holds no inode (only its real path, or its config's out_dir as given): it is
-    the other copy's where the folder it names is another one that holds this run's id."""
+    inode on the same device (the folder renamed or moved on its disk). A copy is another inode, also once the folder
+    it was copied from is deleted, or another device (a filesystem's snapshot of it). An older snapshot holds no
+    inode (only its real path, or its config's out_dir as given): it is the other copy's where the folder it names
+    is another one that holds this run's id. say: a note where it is not."""
     try:
         state = state_of(snapshot) if os.path.isdir(snapshot) else \
             torch.load(snapshot, map_location='cpu', weights_only=True, mmap=True)
         # its out_dir's real path: the config's as given, where a relative one names another folder from another
         # working folder (a copied project folder, each copy run from its own); older ones hold only that
         saved = state.get('out_dir') or state.get('config', {}).get('out_dir')
-        ino = state.get('out_dir_ino')
+        ino, dev = state.get('out_dir_ino'), state.get('out_dir_dev')
     except Exception:
         return True  # unreadable here (or a folder with no state_of): newest_loadable has judged it already
     if saved is None or os.path.realpath(saved) == os.path.realpath(out_dir):
         return True
     if ino is not None:
-        if ino == os.stat(out_dir).st_ino:
+        # the same inode number on another filesystem is another folder: a btrfs or ZFS snapshot or clone of this
+        # one keeps its inode numbers (older snapshots hold no device)
+        if ino == os.stat(out_dir).st_ino and dev in (None, os.stat(out_dir).st_dev):
             return True
     else:
         try:  # the other folder's, read as data: whatever it holds, only this run's id makes it a copy
@@ -818,7 +824,7 @@ def saved_for(snapshot, out_dir, run_id, state_of=None):
                     return True
         except (OSError, UnicodeDecodeError):
             return True
-    if int(os.environ.get('LOCAL_RANK', 0)) == 0:
+    if int(os.environ.get('LOCAL_RANK', 0)) == 0 and say:
         print(f"note: passing over the memory snapshot {snapshot}, which a run in {saved} saved (its folder was "
               f"copied from this one's, or this one's from it): this run resumes from its own checkpoints", flush=True)
     return False
@@ -839,8 +845,11 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     resumed there, prune its folders). eval_only with init_from=scratch evaluates the run's newest state. state_of
     reads a snapshot folder's own state (saved_for)."""
     rank = dist.get_rank()
-    run_id, held, disk, damaged, others, wrong, foreign = None, {}, (None, None), [], None, None, (None, None, [])
+    run_id, held, disk, damaged, others, wrong, foreign = None, {}, (None, None), [], None, None, (None, None)
     passed = False  # a snapshot of a copy of this run's folder lies in the run's snapshot folder
+    theirs = []  # the names of those in it, on the node's first rank
+    busy = None  # where a live run of a copy of this run's folder holds that folder: who
+    first = int(os.environ.get('LOCAL_RANK', 0)) == 0
     # an eval of another model is no resume; an eval of out_dir (init_from=scratch) is one of its newest state
     wanted = init_from == 'resume' or (auto_resume and (not eval_only or init_from == 'scratch'))
     run_id_path = os.path.join(out_dir, 'run_id')
@@ -849,6 +858,9 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     if wanted and os.path.isfile(run_id_path):
         run_id = read_run_id(run_id_path)
         folder = snapshot_dir(run_id)
+        # a copy of this folder running on this node writes its snapshots there too: while it lives, this run
+        # neither moves them nor writes its own (each would replace the other's), nor removes the folder at its end
+        busy = try_hold(folder, "a run of a copy of this run's folder") if first and not eval_only else None
         for path in snapshots(folder) if callable(snapshots) else [os.path.join(folder, n) for n in snapshots]:
             it, _, bad = newest_loadable([path], iter_of=iter_of)
             damaged += bad
@@ -856,7 +868,14 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                 held[it] = path
             elif it is not None:
                 passed = True
-        foreign = other_layouts(folder, [] if callable(snapshots) else snapshots)
+        # another layout's, which this one cannot read: a copy's are passed over and kept, as those of this layout
+        foreign = other_layouts(folder, [] if callable(snapshots) else snapshots,
+                                lambda path: saved_for(path, out_dir, run_id, state_of))
+        if first and os.path.isdir(folder) and not busy:
+            # all of them, those that the listing above leaves out too (a DeepSpeed step folder past its latest)
+            theirs = [n for n in sorted(os.listdir(folder))
+                      if not saved_for(os.path.join(folder, n), out_dir, run_id, state_of, say=False)]
+        passed = passed or foreign[3] or bool(theirs)
     if rank == 0:
         wrong = misplaced(out_dir, storage)
         others = others_newest(out_dir, script)
@@ -871,8 +890,8 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                 disk = found
     views = [None] * dist.get_world_size()
     dist.all_gather_object(views, (run_id, held, tuple(disk), damaged, uuid.uuid4().hex, others, wrong, foreign[:2],
-                                  passed))
-    run_id, _, (disk_iter, disk_path), _, new_id, others, wrong, _, _ = views[0]
+                                  passed, busy))
+    run_id, _, (disk_iter, disk_path), _, new_id, others, wrong, _, _, _ = views[0]
     if wrong:
         sys.exit(f"error: {wrong}: move it out of {out_dir} (nothing was changed)")
     damaged = [d for v in views for d in v[3]]
@@ -904,10 +923,18 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     if resume_from is None and init_from == 'resume':
         sys.exit(f"error: no checkpoint at {where}: point --out_dir at a run's folder, or use --init_from=scratch")
     # the copy's snapshots share this run's folder in /dev/shm: this run's saves would replace them and its end
-    # would remove them, the copy's newest state where it was killed; they are kept in out_dir first
-    if any(v[8] for v in views) and not eval_only and (resume_from is None or not is_snapshot(resume_from[1])):
-        keep_earlier_snapshots(out_dir, run_id, 'copy')
-        dist.barrier()
+    # would remove them, the copy's newest state where it was killed; they (and not this run's own beside them) are
+    # kept in out_dir first. Where they cannot be, or the copy is running, the run takes no snapshots of its own
+    if any(v[9] for v in views):
+        _copy_in_ram.append(snapshot_dir(run_id))
+        who = next(v[9] for v in views if v[9])
+        print0(f"warning: {who}: this run takes no memory snapshots of its own while that run lasts (each would "
+               f"replace the other's), and leaves that folder as it is")
+    elif any(v[8] for v in views) and not eval_only:
+        kept = [None] * dist.get_world_size()
+        dist.all_gather_object(kept, keep_earlier_snapshots(out_dir, run_id, 'copy', theirs))
+        if not all(kept):
+            _copy_in_ram.append(snapshot_dir(run_id))
     for path, why in damaged:
         print0(f"warning: skipping the damaged {path} ({why}); resuming from the newest one before it")
     # only for a run that continues: a new one moves an earlier run's files aside as they are (keep_earlier_run)
@@ -931,6 +958,8 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         dist.broadcast_object_list(kept)  # moved before any rank writes there; every rank learns where
         if kept[0]:
             _kept[os.path.abspath(out_dir)] = kept[0]
+    if first and not eval_only and not holds_a_copys_snapshots():
+        try_hold(snapshot_dir(run_id), "a run of a copy of this run's folder")  # a new run's (held above otherwise)
     return run_id, resume_from
 
 
@@ -939,8 +968,8 @@ def set_aside_damaged(out_dir, damaged):
     is renamed damaged-NAME, kept but out of the versions that the run's saves move down, where it would take the
     place of a good one, and the good ones are renamed up into the gaps, as if it had never been written. A gap
     left otherwise (a start stopped between these renames, a version deleted by hand) closes too: a save moves the
-    versions down one each, so a gap would let the oldest be replaced while a slot stood empty. Returns {old path:
-    new path} of those renamed up."""
+    versions down one each, so a gap would let the oldest be replaced while a slot stood empty. A damaged step folder
+    is kept as damaged-step-N. Returns {old path: new path} of those renamed up."""
     path = os.path.join(out_dir, 'ckpt.pt')
     bad = {os.path.abspath(p) for p, _ in damaged}
     versions = [v for v in kept(path) if os.path.lexists(v)]
@@ -959,6 +988,21 @@ def set_aside_damaged(out_dir, damaged):
             moved[v] = previous(path, n)
             print(f"{v} is renamed {previous(path, n)}: the versions follow each other with no gap, as a save "
                   f"moves each down one", flush=True)
+    # a damaged step folder: the run's save of its step removed it to write its own there, and pruning removed an
+    # older one; kept aside likewise (a shard cut short leaves the others good), latest naming the newest left
+    for root in sorted({os.path.join(out_dir, kind) for kind in FOLDERS.values()}):
+        for name in sorted((n for n in os.listdir(root) if re.fullmatch(r'step-\d+', n)), reverse=True) \
+                if os.path.isdir(root) else []:
+            if os.path.abspath(os.path.join(root, name)) in bad:
+                aside = unused(os.path.join(root, 'damaged-' + name))
+                os.replace(os.path.join(root, name), aside)
+                print(f"the damaged {os.path.join(root, name)} is kept as {aside}, out of the folders that this "
+                      f"run's saves replace and prune", flush=True)
+                left = [n for n in step_folders(root) if os.path.basename(n) < name]
+                if read_name(os.path.join(root, 'latest')) == name and left:
+                    write_name(os.path.join(root, 'latest'), os.path.basename(left[0]))
+                elif read_name(os.path.join(root, 'latest')) == name:
+                    os.remove(os.path.join(root, 'latest'))
     return moved
 
 
@@ -1012,33 +1056,58 @@ def unused(path):
     return path
 
 
-def keep_earlier_snapshots(out_dir, run_id, whose='before'):
+def keep_earlier_snapshots(out_dir, run_id, whose='before', theirs=None):
     """A run started afresh over out_dir (auto_resume=False) takes it over, so the earlier run's memory snapshots
     on this node could never be resumed again, and would hold its RAM until a reboot: they move into out_dir
     (snapshots.before-RUN_ID-HOST/), where nothing of them is lost. Where they do not fit, they stay, with a
-    warning. whose='copy': those of a copy of out_dir (the same run_id), kept as snapshots.copy-RUN_ID-HOST/."""
+    warning. whose='copy': those of a copy of out_dir (the same run_id), kept as snapshots.copy-RUN_ID-HOST/;
+    theirs, if given, names the folder's entries that are the copy's (the rest, this run's own, stay). Returns False
+    where they stay: the folder then holds what this run must neither replace nor remove."""
     folder = snapshot_dir(run_id)
-    if int(os.environ.get('LOCAL_RANK', 0)) != 0 or not os.path.isdir(folder):
-        return
-    kept_as = os.path.join(out_dir, f"snapshots.{whose}-{run_id}-{socket.gethostname()}")
-    kept_as = unused(kept_as) if whose == 'copy' else kept_as  # a copy's kept each time it is passed over
+    if int(os.environ.get('LOCAL_RANK', 0)) != 0 or not os.path.isdir(folder) or theirs == []:
+        return True
+    kept_as = base = os.path.join(out_dir, f"snapshots.{whose}-{run_id}-{socket.gethostname()}")
+    n = 1
+    # a copy's are kept each time they are passed over, beside any .tmp that a crash mid-copy left (not ours to remove)
+    while whose == 'copy' and (os.path.lexists(kept_as) or os.path.lexists(kept_as + '.tmp')):
+        n += 1
+        kept_as = f'{base}.{n}'
+    others = None if theirs is None else lambda d, names: [n for n in names if d == folder and n not in theirs]
     try:
         if os.path.lexists(kept_as) or os.path.lexists(kept_as + '.tmp'):  # not ours to replace or remove
             raise FileExistsError(f"{kept_as} or its .tmp is there already")
         try:
-            shutil.copytree(folder, kept_as + '.tmp')
+            shutil.copytree(folder, kept_as + '.tmp', ignore=others)
             os.rename(kept_as + '.tmp', kept_as)
         except OSError:
             shutil.rmtree(kept_as + '.tmp', ignore_errors=True)  # the part copied: made here, just now
             raise
     except OSError as e:
+        # copytree gathers its files' errors into one list: the first says why (a full disk)
+        why = e.args[0][0][2] if isinstance(e, shutil.Error) and e.args and e.args[0] else reason(e)
         print(f"warning: the {'copy' if whose == 'copy' else 'earlier run'}'s memory snapshots stay in {folder}, "
-              f"holding RAM: they could not be kept in "
-              f"{out_dir} ({reason(e)}); delete the folder once they are not wanted", flush=True)
-        return
-    shutil.rmtree(folder, ignore_errors=True)
+              f"holding RAM: they could not be kept in {out_dir} ({why}); " +
+              ("this run takes no memory snapshots of its own, which would replace them, and leaves them there at "
+               "its end: free space and restart the run to keep them there, or " if whose == 'copy' else "") +
+              "delete the folder once they are not wanted", flush=True)
+        return False
+    for name in theirs or []:
+        path = os.path.join(folder, name)
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+    if theirs is None:
+        shutil.rmtree(folder, ignore_errors=True)
     print(f"the {'copy' if whose == 'copy' else 'earlier run'}'s memory snapshots moved from {folder} (RAM) to "
           f"{kept_as}", flush=True)
+    return True
+
+
+_copy_in_ram = []  # the snapshot folder, where a copy running there holds it, or its snapshots could not be moved
+
+
+def holds_a_copys_snapshots():
+    """Whether this run's snapshot folder holds a copy's snapshots (a copy running there, or find_resume could not
+    move them): the run takes none of its own, which would replace them, and sets aside or removes nothing there."""
+    return bool(_copy_in_ram)
 
 
 def print0(*args):
@@ -1050,7 +1119,7 @@ def remove_snapshots(run_id, eval_only=False):
     """At the end of a run, once every rank's saves are written (out_dir holds the final state): the node's
     snapshots go, to free the RAM they hold. Not after an eval_only run: they are the run's it evaluated."""
     dist.barrier()
-    if int(os.environ.get('LOCAL_RANK', 0)) == 0 and not eval_only:
+    if int(os.environ.get('LOCAL_RANK', 0)) == 0 and not eval_only and not holds_a_copys_snapshots():
         shutil.rmtree(snapshot_dir(run_id), ignore_errors=True)
 
 
@@ -1112,7 +1181,7 @@ def checkpoint_or_exit(path, fix):
                      f"--save_consolidated=True to its next save, which writes {os.path.join(run, 'ckpt.pt')}")
         snapshots = snapshot_dir(read_run_id(os.path.join(path, 'run_id'))) \
             if os.path.isfile(os.path.join(path, 'run_id')) else None
-        if snapshots and os.path.isdir(snapshots) and os.listdir(snapshots):  # a run killed before its first save
+        if snapshots and os.path.isdir(snapshots) and set(os.listdir(snapshots)) - {HOLD}:  # killed before a save
             whole = os.path.join(snapshots, 'ckpt.pt')  # train.py's snapshot is a whole ckpt.pt; the others' shards
             sys.exit(f"error: {path} holds no checkpoint yet, only this node's memory snapshots of the run, in "
                      f"{snapshots}: " + (f"give {whole}, or " if os.path.isfile(whole) else "") +

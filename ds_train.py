@@ -211,7 +211,14 @@ run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only, sn
                                   where=f"{os.path.join(ds_dir, 'latest')} or {ckpt_path}", iter_of=engine_iter,
                                   script='ds_train.py', state_of=engine_state)
 resume_path = resume_from and resume_from[1]
-if foreign and resume_path in kept(ckpt_path):
+# another layout's folder newer than the state resumed: continuing from the older export would prune it, or replace it
+# at its step, with a state it never held (rank 0 reads the storage; a launcher stops the others)
+newer = [f for f in foreign if resume_from is not None and int(os.path.basename(f[0])[5:]) > resume_from[0]]
+if newer:
+    sys.exit(f"error: the run's newest state, {newer[0][0]}, was written by {newer[0][1]} ranks at zero_stage="
+             f"{newer[0][2]}, and ZeRO's shards resume only so: use {newer[0][1]} ranks and --zero_stage={newer[0][2]} "
+             f"(its next save with --save_consolidated=True writes a {ckpt_path} that any layout resumes)")
+elif foreign and resume_path in kept(ckpt_path):
     print0(f"{foreign[0][0]} was written by {foreign[0][1]} ranks at zero_stage={foreign[0][2]}, not {world_size} at "
            f"{zero_stage}: continuing from the consolidated {resume_path} instead")
 elif foreign and resume_from is None:
@@ -424,7 +431,9 @@ while True:
     for param_group in optimizer.param_groups:
         param_group['lr'] = lr
 
-    if iter_num % eval_interval == 0 or iter_num == max_iters or eval_only:
+    # past max_iters too: a run resumed from a memory snapshot beyond a lowered max_iters saves it before its end
+    # frees the snapshots
+    if iter_num % eval_interval == 0 or iter_num >= max_iters or eval_only:
         losses = estimate_loss()
         print0(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         log_metrics(iter_num, train_loss=losses['train'], val_loss=losses['val'])

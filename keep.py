@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from checkpoint import kept, read_name, snapshot_dir, unused, write_name
+from checkpoint import holds_a_copys_snapshots, kept, read_name, snapshot_dir, unused, write_name
 
 KINDS = ('dcp', 'ds', 'decent')  # the folders of step folders that fsdp_train.py, ds_train.py, decent_train.py write
 
@@ -34,7 +34,9 @@ def set_aside(out_dir, first_bad, run_id):
     are renamed diverged-... (kept, not deleted, but out of every resume's and tool's sight) and the good ones
     before take the newest names: ckpt.pt stays the newest. Rank 0 does it in out_dir, the first rank of each node
     in its memory snapshots. Returns (path, iter) of out_dir's newest good state, or (None, None)."""
-    if int(os.environ.get('LOCAL_RANK', 0)) == 0 and os.path.isdir(snapshot_dir(run_id)):
+    # (not where the folder holds a copy's snapshots: this run took none, and those are the copy's newest states)
+    if int(os.environ.get('LOCAL_RANK', 0)) == 0 and os.path.isdir(snapshot_dir(run_id)) \
+            and not holds_a_copys_snapshots():
         _set_aside_in(snapshot_dir(run_id), first_bad, files=[f for f in os.listdir(snapshot_dir(run_id))
                                                              if f.endswith('.pt') and not f.startswith('diverged')])
     if int(os.environ.get('RANK', 0)) != 0:
@@ -88,7 +90,9 @@ def _set_aside_in(folder, first_bad, files):
 
 def skips_save(to, nonfinite_steps, iter_num, print0):
     """Whether the entrypoint's save_checkpoint(to) saves nothing: in a run of non-finite steps, whose weights may
-    have gone bad."""
+    have gone bad. No memory snapshot where the run's snapshot folder holds a copy's, which it would replace."""
+    if to == 'memory' and holds_a_copys_snapshots():
+        return True
     if nonfinite_steps:
         print0(f"iter {iter_num}: no {to} save after {nonfinite_steps} non-finite steps: the last good state stays")
     return nonfinite_steps > 0

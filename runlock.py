@@ -1,6 +1,7 @@
 """
 One run at a time per folder, for every entrypoint (out_dir) and prepare.py (its dataset folder): a run holds the
-folder for its lifetime (hold()), and a second start over it is refused in one line naming the holder. It does not
+folder for its lifetime (hold()), and a second start over it is refused in one line naming the holder. A run's
+snapshot folder in RAM, which a copy of its out_dir shares, is held too (try_hold: checkpoint.find_resume). It does not
 decide what a run resumes or keeps: checkpoint.py does.
 """
 
@@ -135,6 +136,13 @@ def let_go(folder):
     """Releases the hold on folder now, rather than at exit (prepare.py, before it removes the folders it made)."""
     if folder in _held:
         _held.pop(folder)()
+
+
+def try_hold(folder, what):
+    """hold() for this process alone, never exiting: None where it now holds folder (or cannot write there: what
+    it writes there fails alike), else where a live run holds it, the words that name that run."""
+    refusal = _take(folder, what)
+    return refusal[len('error: '):].split(': wait for')[0] if refusal and ' is in use by ' in refusal else None
 
 
 def hold(folder, what='another run', collective=True):

@@ -297,7 +297,9 @@ while True:
     for param_group in optimizer.param_groups:
         param_group['lr'] = lr
 
-    if iter_num % eval_interval == 0 or iter_num == max_iters or eval_only:
+    # past max_iters too: a run resumed from a memory snapshot beyond a lowered max_iters saves it before its end
+    # frees the snapshots
+    if iter_num % eval_interval == 0 or iter_num >= max_iters or eval_only:
         losses = estimate_loss()
         print0(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         log_metrics(iter_num, train_loss=losses['train'], val_loss=losses['val'])

@@ -29,6 +29,7 @@ SLOWEST_FIRST = ['test_fault.py',  # 170
                  'test_fault_single.py',  # 117
                  'test_slurm.py',  # 109
                  'test_interop.py',  # 76
+                 'test_saved_state.py',  # 89 with the shared runs' setup, on a busy machine (load 6)
                  'test_gpu_check.py',  # 80 with other jobs on the 2 cores (36 s of CPU)
                  'test_hellaswag.py',  # 64
                  'test_fault_resize.py',  # 55
@@ -43,7 +44,6 @@ SLOWEST_FIRST = ['test_fault.py',  # 170
                  'test_prepare.py',  # 21
                  'test_runlock.py',  # 134 with other jobs on the cores (71 of it the shared data's setup)
                  'test_names_from_files.py',  # 48 with other jobs on the cores
-                 'test_saved_state.py',  # 19 (30 with the shared runs' setup, on a busy machine)
                  'test_coming_from.py',  # 14
                  'test_tools_bad_input.py',  # 13
                  'test_diloco.py']  # 12 (10.5 idle with Streaming DiLoCo's, 7 before); the rest under 10 each

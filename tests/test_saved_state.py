@@ -217,6 +217,20 @@ def test_a_sharded_save_that_cannot_begin_stops_every_rank_in_one_line(tmp_path,
     assert 'resuming from' in p.stdout and 'at iter 10' in p.stdout
 
 
+def test_a_damaged_step_folder_that_a_run_resumes_past_is_kept_aside(tmp_path, data_dir, shared_run):
+    # dcp/step-10 with a shard cut short (its other shards good): the run resumed from step-5, and its save at 10
+    # removed the damaged folder to write its own there
+    run_dir = tmp_path / 'run'
+    shutil.copytree(shared_run('fsdp_train.py', *ARGS), run_dir)
+    shard = next((run_dir / 'dcp' / 'step-00000010').glob('*.distcp'))
+    os.truncate(shard, shard.stat().st_size // 2)
+    before = files(run_dir / 'dcp' / 'step-00000010')
+    p = start(tmp_path, data_dir, run_dir, script='fsdp_train.py')
+    assert f'resuming from {run_dir / "dcp" / "step-00000005"} at iter 5' in p.stdout, p.stdout[-2000:]
+    assert files(run_dir / 'dcp' / 'damaged-step-00000010') == before
+    assert (run_dir / 'dcp' / 'latest').read_text() == 'step-00000010'  # its own save at 10, written anew
+
+
 @pytest.mark.parametrize('name', ['ckpt.pt', 'best.pt', 'dcp/latest', 'ds/best'])
 def test_a_checkpoint_path_that_is_a_folder_is_refused_at_the_start(tmp_path, data_dir, name):
     # best.pt, or a latest or best file beside step folders, was let through: the run trained until its first save
@@ -262,6 +276,25 @@ def test_a_memory_snapshot_that_cannot_be_written_is_a_warning(tmp_path, data_di
     assert iter_of(tmp_path / 'run' / 'ckpt.pt') == 4
 
 
+def test_a_run_resumed_from_a_snapshot_past_a_lowered_max_iters_saves_it_before_it_frees_it(tmp_path, data_dir,
+                                                                                            shared_run):
+    # killed at 12 with its snapshot at 12 and its checkpoint at 10, resumed with --max_iters=11: the run ended at
+    # once, with no eval and so no save, and its end removed the snapshot, its newest state
+    run_dir = tmp_path / 'run'
+    shutil.copytree(shared_run('train.py', *ARGS), run_dir)
+    start(tmp_path, data_dir, run_dir, '--max_iters=12')
+    snapshots = Path('/dev/shm') / f"nanogpt-{(run_dir / 'run_id').read_text().strip()}"
+    try:
+        snapshots.mkdir()
+        shutil.copy(run_dir / 'ckpt.pt', snapshots / 'ckpt.pt')  # its snapshot at 12
+        (run_dir / 'ckpt.prev.pt').replace(run_dir / 'ckpt.pt')  # its checkpoint at 10
+        p = start(tmp_path, data_dir, run_dir, '--max_iters=11')
+        assert f'resuming from {snapshots / "ckpt.pt"} at iter 12' in p.stdout, p.stdout[-2000:]
+        assert iter_of(run_dir / 'ckpt.pt') == 12 and iter_of(run_dir / 'ckpt.prev.pt') == 10
+    finally:
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
 def test_a_copy_of_a_run_folder_never_resumes_the_others_memory_snapshot_a_moved_one_does(tmp_path, data_dir,
                                                                                           shared_run):
     # the copy holds the same run_id, which names the snapshot folder in /dev/shm: run A resumed the snapshot that
@@ -294,7 +327,143 @@ def test_a_copy_of_a_run_folder_never_resumes_the_others_memory_snapshot_a_moved
         p = start(tmp_path, data_dir, a, '--max_iters=13')
         assert f'resuming from {a / "ckpt.pt"} at iter 12' in p.stdout, p.stdout[-2000:]
         assert sorted(iter_of(k / 'ckpt.pt') for k in a.glob('snapshots.copy-*')) == [15, 16]  # C's kept too
+        # a copy of them cut short by a crash (its .tmp) is left as it is, and they are kept under another name
+        snapshots.mkdir(exist_ok=True)
+        torch.save({**torch.load(a / 'ckpt.pt', weights_only=True), 'out_dir': str(tmp_path / 'd'),
+                    'out_dir_ino': tmp_path.stat().st_ino}, snapshots / 'ckpt.pt')  # another copy's, D's
+        cut = a / f"{kept_as.name}.3.tmp"
+        cut.mkdir()
+        p = start(tmp_path, data_dir, a, '--max_iters=14')
+        assert f"moved from {snapshots} (RAM) to {a / kept_as.name}.4" in p.stdout, p.stdout[-2000:]
+        assert cut.is_dir() and iter_of(a / f"{kept_as.name}.4" / 'ckpt.pt') == 13
     finally:
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
+def test_a_copy_with_the_same_inode_number_on_another_filesystem_never_resumes_the_others_snapshot(tmp_path,
+                                                                                                   data_dir,
+                                                                                                   shared_run):
+    # a btrfs or ZFS snapshot (or clone) of a run folder keeps its inode numbers on another device: B, such a copy of
+    # A, left its snapshot at 15, which A took for its own by the inode alone
+    a, b = tmp_path / 'a', tmp_path / 'b'
+    shutil.copytree(shared_run('train.py', *ARGS), a)
+    shutil.copytree(a, b)
+    start(tmp_path, data_dir, b, '--max_iters=15', '--learning_rate=0.1')
+    snapshots = Path('/dev/shm') / f"nanogpt-{(a / 'run_id').read_text().strip()}"
+    try:
+        snapshots.mkdir()
+        state = torch.load(b / 'ckpt.pt', weights_only=True)
+        torch.save({**state, 'out_dir_ino': a.stat().st_ino, 'out_dir_dev': a.stat().st_dev + 1},
+                   snapshots / 'ckpt.pt')  # as B's snapshot holds them, on its filesystem
+        p = start(tmp_path, data_dir, a, '--max_iters=12')
+        assert f'resuming from {a / "ckpt.pt"} at iter 10' in p.stdout, p.stdout[-2000:]
+        assert iter_of(next(a.glob('snapshots.copy-*')) / 'ckpt.pt') == 15
+    finally:
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
+def test_a_copys_snapshots_that_do_not_fit_in_out_dir_are_left_whole_in_ram(tmp_path, data_dir, shared_run,
+                                                                           small_disk):
+    # run A's disk has no room to keep its copy B's snapshot (iter 15) that A passes over: that was a warning, and
+    # then A's own snapshots replaced it in the shared folder in /dev/shm, and A's end removed the folder
+    a, b = small_disk('2m') / 'a', tmp_path / 'b'
+    shutil.copytree(shared_run('train.py', *ARGS), a)
+    shutil.copytree(a, b)
+    start(tmp_path, data_dir, b, '--max_iters=15', '--learning_rate=0.1')
+    snapshots = Path('/dev/shm') / f"nanogpt-{(a / 'run_id').read_text().strip()}"
+    try:
+        snapshots.mkdir()
+        shutil.copy(b / 'ckpt.pt', snapshots / 'ckpt.pt')  # what B's snapshot held when it was killed
+        before = files(snapshots)
+        fill(a.parent)
+        os.truncate(a.parent / 'filler', (a.parent / 'filler').stat().st_size - 65536)  # A's log rows fit
+        # a learning rate of 0: its evals at 10 and 12 are no better, so A saves no checkpoint either
+        p = start(tmp_path, data_dir, a, '--max_iters=12', '--save_memory_interval=1', '--learning_rate=0',
+                  '--min_lr=0', '--always_save_checkpoint=False')
+        assert f'resuming from {a / "ckpt.pt"} at iter 10' in p.stdout, p.stdout[-2000:]
+        assert f"the copy's memory snapshots stay in {snapshots}" in p.stdout and 'No space left' in p.stdout
+        assert 'this run takes no memory snapshots of its own' in p.stdout, p.stdout[-2000:]
+        assert files(snapshots) == before and not list(a.glob('snapshots.*'))
+    finally:
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
+def test_a_run_resuming_its_own_snapshot_keeps_the_copys_beside_it_in_out_dir(tmp_path, data_dir, shared_run):
+    # fsdp_train.py's two files a rank: A (killed) left its own newest, and its copy B's snapshot shares the folder
+    # (both ran at once). A resumed from its own and kept B's in place, where A's next snapshot replaced it
+    a, b = tmp_path / 'a', tmp_path / 'b'
+    shutil.copytree(shared_run('fsdp_train.py', *ARGS), a)
+    shutil.copytree(a, b)
+    snapshots = Path('/dev/shm') / f"nanogpt-{(a / 'run_id').read_text().strip()}"
+    mine, theirs = snapshots / 'rank-0-of-1x1.pt', snapshots / 'rank-0-of-1x1.prev.pt'
+    killed = subprocess.Popen([sys.executable, str(REPO / 'fsdp_train.py'), *TINY,
+                               f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={a}', *ARGS,
+                               '--max_iters=100000', '--save_memory_interval=1'], cwd=tmp_path, env=env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while not theirs.exists():
+            assert killed.poll() is None
+            time.sleep(0.01)
+        killed.kill()
+        killed.wait()
+        state = torch.load(theirs, weights_only=True)  # A's snapshot before its newest, made B's
+        torch.save({**state, 'out_dir': str(b), 'out_dir_ino': b.stat().st_ino}, theirs)
+        before, newest = files(snapshots), iter_of(mine)
+        p = start(tmp_path, data_dir, a, f'--max_iters={newest + 2}', '--save_memory_interval=1',
+                  script='fsdp_train.py')
+        assert f'resuming from {mine} at iter {newest}' in p.stdout, p.stdout[-2000:]
+        kept_as = next(a.glob('snapshots.copy-*'))
+        assert files(kept_as) == {theirs.name: before[theirs.name]}  # B's, as it was; A's own stayed for A
+        assert not snapshots.exists()  # A's end freed its own
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
+def test_a_copys_snapshot_of_another_layout_is_passed_over_and_kept(tmp_path, data_dir, shared_run):
+    # B, a copy of A's folder, killed at 2 ranks: A at 1 rank was refused, B's snapshot named as "this run's newest
+    # state", and told to resume at B's layout or to start afresh
+    a, b = tmp_path / 'a', tmp_path / 'b'
+    shutil.copytree(shared_run('fsdp_train.py', *ARGS), a)
+    shutil.copytree(a, b)
+    snapshots = Path('/dev/shm') / f"nanogpt-{(a / 'run_id').read_text().strip()}"
+    try:
+        snapshots.mkdir()
+        theirs = {'iter_num': 15, 'run_id': snapshots.name[8:], 'out_dir': str(b), 'out_dir_ino': b.stat().st_ino}
+        torch.save(theirs, snapshots / 'rank-0-of-2x1.pt')  # what B's rank 0 left (its shards are not needed here)
+        before = files(snapshots)
+        p = start(tmp_path, data_dir, a, '--max_iters=12', script='fsdp_train.py')
+        assert f'resuming from {a / "dcp" / "step-00000010"} at iter 10' in p.stdout, p.stdout[-2000:]
+        assert files(next(a.glob('snapshots.copy-*'))) == before and not snapshots.exists()
+    finally:
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
+def test_a_copy_started_beside_its_running_original_leaves_the_originals_snapshots_alone(tmp_path, data_dir,
+                                                                                        shared_run):
+    # A and its copy B at once on one node, one snapshot folder in RAM: B moved A's live snapshots into its own
+    # out_dir, then each replaced the other's, and B's end removed the folder with A's newest state in it
+    a, b = tmp_path / 'a', tmp_path / 'b'
+    shutil.copytree(shared_run('train.py', *ARGS), a)
+    shutil.copytree(a, b)
+    snapshots = Path('/dev/shm') / f"nanogpt-{(a / 'run_id').read_text().strip()}"
+    running = subprocess.Popen([sys.executable, str(REPO / 'train.py'), *TINY,
+                                f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={a}', *ARGS,
+                                '--max_iters=100000', '--save_memory_interval=1'], cwd=tmp_path, env=env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while not (snapshots / 'ckpt.pt').exists():
+            assert running.poll() is None
+            time.sleep(0.01)
+        p = start(tmp_path, data_dir, b, '--max_iters=14', '--save_memory_interval=1')
+        assert f'{snapshots} is in use by a run of a copy of this run' in p.stdout, p.stdout[-2000:]
+        assert 'this run takes no memory snapshots of its own while that run lasts' in p.stdout
+        assert running.poll() is None and not list(b.glob('snapshots.*'))
+        assert torch.load(snapshots / 'ckpt.pt', weights_only=True)['out_dir'] == str(a)  # A's, and A's only
+    finally:
+        running.kill()
+        running.wait()
         shutil.rmtree(snapshots, ignore_errors=True)
 
 
@@ -332,6 +501,44 @@ def test_a_copy_of_a_deepspeed_run_folder_never_resumes_the_others_memory_snapsh
         p = start(tmp_path, data_dir, copy, '--max_iters=12', script='ds_train.py')
         assert f'resuming from {copy / "ds" / "step-00000010"} at iter 10' in p.stdout, p.stdout[-2000:]
         assert f'passing over the memory snapshot {snapshots / "step-00000010"}, which a run in {shared}' in p.stdout
+    finally:
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
+def test_a_deepspeed_run_at_another_stage_never_goes_on_from_an_export_older_than_its_newest_folder(tmp_path,
+                                                                                                     data_dir,
+                                                                                                     shared_run):
+    # save_consolidated=False after 10: the ckpt.pt export stays at 10, ds/step-15 (ZeRO-2) is the newest state. At
+    # another stage the run went on from the export at 10, and its save at 15 replaced that folder
+    run_dir = tmp_path / 'run'
+    shutil.copytree(shared_run('ds_train.py', *ARGS), run_dir)
+    start(tmp_path, data_dir, run_dir, '--max_iters=15', '--save_consolidated=False', script='ds_train.py')
+    before = files(run_dir / 'ds')
+    error = one_line_error(start(tmp_path, data_dir, run_dir, '--max_iters=20', '--zero_stage=3',
+                                 script='ds_train.py', check=False))
+    assert f"the run's newest state, {run_dir / 'ds' / 'step-00000015'}, was written by 1 ranks at zero_stage=2" \
+        in error and 'use 1 ranks and --zero_stage=2' in error, error
+    assert files(run_dir / 'ds') == before and iter_of(run_dir / 'ckpt.pt') == 10
+
+
+def test_a_deepspeed_run_resuming_its_own_snapshot_keeps_the_copys_newer_one(tmp_path, data_dir, shared_run):
+    # A's snapshot at 12 (latest names it) beside its copy B's at 15, which the listing up to latest leaves out:
+    # A's snapshot at 15 removed B's folder to write its own there
+    a, b = tmp_path / 'a', tmp_path / 'b'
+    shutil.copytree(shared_run('ds_train.py', *ARGS), a)
+    shutil.copytree(a, b)
+    start(tmp_path, data_dir, a, '--max_iters=12', script='ds_train.py')
+    start(tmp_path, data_dir, b, '--max_iters=15', script='ds_train.py')
+    snapshots = Path('/dev/shm') / f"nanogpt-{(a / 'run_id').read_text().strip()}"
+    try:
+        snapshots.mkdir()
+        shutil.copytree(a / 'ds' / 'step-00000012', snapshots / 'step-00000012')  # A's own, where it was killed
+        shutil.copytree(b / 'ds' / 'step-00000015', snapshots / 'step-00000015')  # B's, killed as it saved latest
+        (snapshots / 'latest').write_text('step-00000012')
+        before = files(snapshots / 'step-00000015')
+        p = start(tmp_path, data_dir, a, '--max_iters=16', '--save_memory_interval=1', script='ds_train.py')
+        assert f'resuming from {snapshots / "step-00000012"} at iter 12' in p.stdout, p.stdout[-2000:]
+        assert files(next(a.glob('snapshots.copy-*')) / 'step-00000015') == before
     finally:
         shutil.rmtree(snapshots, ignore_errors=True)
 
