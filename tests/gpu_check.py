@@ -334,8 +334,9 @@ def sigkill():
         text.append(line)
         if not killed and line.startswith('iter ') and int(line.split()[1].rstrip(':')) >= STEPS // 2 \
                 and snapshot_written(name):
-            worker = subprocess.run(['pgrep', '-f', '-n', f'train.py.*out_dir={name}'], capture_output=True,
-                                    text=True).stdout.split()
+            # this torchrun's worker (its child), not another check's on the same machine with the same out_dir
+            worker = subprocess.run(['pgrep', '-P', str(proc.pid), '-f', '-n', f'train.py.*out_dir={name}'],
+                                    capture_output=True, text=True).stdout.split()
             if worker:
                 os.kill(int(worker[0]), signal.SIGKILL)
                 killed = True
