@@ -338,8 +338,9 @@ def sigkill():
         text.append(line)
         if not killed and line.startswith('iter ') and int(line.split()[1].rstrip(':')) >= STEPS // 2 \
                 and snapshot_written(name):
-            worker = subprocess.run(['pgrep', '-f', '-n', f'train.py.*out_dir={name}'], capture_output=True,
-                                    text=True).stdout.split()
+            # this torchrun's worker (its child), not another check's on the same machine with the same out_dir
+            worker = subprocess.run(['pgrep', '-P', str(proc.pid), '-f', '-n', f'train.py.*out_dir={name}'],
+                                    capture_output=True, text=True).stdout.split()
             if worker:
                 os.kill(int(worker[0]), signal.SIGKILL)
                 killed = True
@@ -438,12 +439,15 @@ def part_b():
             if late and every else failed or 'no times logged: see sync-*.log')
     # train.py's own log for config/train_gpt2.py as a user runs it on one GPU (40 micro-steps of 12 a step), on
     # random tokens: the MFU it reports; and with the micro-batch an 80 GB GPU takes, the same 491,520 tokens a step
-    # (30 x 16: on 8 GPUs too, 2 micro-steps each)
-    for what, extra in (('', []), (' --batch_size=30 --gradient_accumulation_steps=16',
-                                   ['--batch_size=30', '--gradient_accumulation_steps=16'])):
+    # (30 x 16: on 8 GPUs too, 2 micro-steps each). Dry, the tiny model's 4 x 2 and then 8 x 1, the same tokens too:
+    # 30 x 16 of it (GPT-2's vocabulary, 15,360 tokens a step) took a minute of CPU and proves no more of this script
+    bigger = ['--batch_size=8', '--gradient_accumulation_steps=1'] if dry else \
+        ['--batch_size=30', '--gradient_accumulation_steps=16']
+    for extra in ([], bigger):
+        what = ''.join(' ' + a for a in extra)
         if not wanted('train.py config/train_gpt2.py' + what):
             continue
-        name = 'train-gpt2' + ('-b30' if extra else '')
+        name = 'train-gpt2' + (f"-b{extra[0].split('=')[1]}" if extra else '')
         tiny = SYSTEM + MODEL[:5] + ['--gradient_accumulation_steps=2'] if dry else []
         code, _, secs = run(name, [
             sys.executable, os.path.join(REPO, 'train.py'), os.path.join(REPO, 'config', 'train_gpt2.py'),

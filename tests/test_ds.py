@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -110,19 +111,26 @@ def stages(tmp_path_factory, data_dir, ref):
     (tmp / 'ds.json').write_text(json.dumps({'steps_per_print': 1000, 'wall_clock_breakdown': False,
                                              'gradient_predivide_factor': 1,
                                              'zero_optimization': {'overlap_comm': False}}))
-    for stage in (0, 1, 2, 3):
+
+    def one(stage):
         args = (f'--zero_stage={stage}', '--max_iters=10', *([f'--ds_config={tmp / "ds.json"}'] if stage == 3 else []))
         if stage == 0:
-            p = dlrover_launch(tmp, data_dir, f'zero{stage}', *args)
+            return dlrover_launch(tmp, data_dir, f'zero{stage}', *args)
+        if stage == 1:
+            return deepspeed_launch(tmp, data_dir, f'zero{stage}', *args)
+        return launch('ds_train.py', tmp, data_dir, f'zero{stage}', *args,
+                      *(['--deterministic=True', '--dropout=0.1'] if stage == 2 else []), nproc=2)
+    # the four runs at once: two start fresh interpreters under their launchers, and stage 2's deterministic mode
+    # spends its time filling DeepSpeed's buckets (torch fills what torch.empty returns there): one after another,
+    # they were 48 s of this file's 74 on an idle machine
+    with ThreadPoolExecutor(4) as pool:
+        runs = list(pool.map(one, (0, 1, 2, 3)))
+    for stage, p in enumerate(runs):
+        if stage == 0:
             # one pass over train.bin's 1,003,854 tokens at 512 an iteration; max_iters=10 ends the run first
             assert "--epochs 1 is DLRover's name: here --max_iters=1961" in p.stdout and 'max_iters=10 ends' in p.stdout
             assert 'running as dlrover-run --standalone' in p.stdout
             assert 'saving checkpoint to ' + str(tmp / 'zero0' / 'ds' / 'step-00000004') in p.stdout
-        elif stage == 1:
-            p = deepspeed_launch(tmp, data_dir, f'zero{stage}', *args)
-        else:
-            p = launch('ds_train.py', tmp, data_dir, f'zero{stage}', *args,
-                       *(['--deterministic=True', '--dropout=0.1'] if stage == 2 else []), nproc=2)
         assert 'world size 2, 2 micro-steps per rank' in p.stdout
         assert ('deterministic: dropout 0.1 turned off' in p.stdout) == (stage == 2)
     assert json.loads((tmp / 'zero2' / 'config.json').read_text())['dropout'] == 0.0
@@ -152,8 +160,9 @@ def test_per_rank_optimizer_state_at_stage_1_and_up_is_at_most_0_6_of_stage_0(st
 
 def test_zero_stage_3_resumes_exactly(tmp_path, data_dir):
     args = ['--zero_stage=3', '--dropout=0.1']  # the RNG state has to come back too, on every rank
-    launch('ds_train.py', tmp_path, data_dir, 'full', *args, '--max_iters=10', nproc=2)
-    launch('ds_train.py', tmp_path, data_dir, 'split', *args, '--max_iters=5', nproc=2)
+    with ThreadPoolExecutor(2) as pool:  # the whole run and the first half at once
+        list(pool.map(lambda a: launch('ds_train.py', tmp_path, data_dir, *a, nproc=2),
+                      [('full', *args, '--max_iters=10'), ('split', *args, '--max_iters=5')]))
     launch('ds_train.py', tmp_path, data_dir, 'split', *args, '--max_iters=10', '--init_from=resume', nproc=2)
     full, split = read_metrics(tmp_path / 'full')[0], read_metrics(tmp_path / 'split')[0]
     assert sorted(split) == list(range(10))
@@ -222,10 +231,10 @@ def offload(tmp_path_factory, data_dir, cpu_adam):
     """ZeRO-Offload on 2 ranks, 10 steps: stage 2 with the optimizer in CPU memory, and stage 3 with the parameters
     there too."""
     tmp = tmp_path_factory.mktemp('offload')
-    launch('ds_train.py', tmp, data_dir, 'zero2', '--zero_stage=2', '--offload_optimizer=cpu', '--max_iters=10',
-           nproc=2)
-    launch('ds_train.py', tmp, data_dir, 'zero3', '--zero_stage=3', '--offload_optimizer=cpu', '--offload_params=cpu',
-           '--max_iters=10', nproc=2)
+    with ThreadPoolExecutor(2) as pool:  # both at once
+        list(pool.map(lambda a: launch('ds_train.py', tmp, data_dir, *a, '--max_iters=10', nproc=2),
+                      [('zero2', '--zero_stage=2', '--offload_optimizer=cpu'),
+                       ('zero3', '--zero_stage=3', '--offload_optimizer=cpu', '--offload_params=cpu')]))
     return {2: tmp / 'zero2', 3: tmp / 'zero3'}
 
 

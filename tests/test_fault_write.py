@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -39,11 +40,14 @@ def test_sigkill_during_a_storage_write_falls_back_to_the_previous_checkpoint(tm
     # a wide layer makes the checkpoint big enough (~90 MB with AdamW's moments) to be caught while it is written
     args = ['--n_layer=1', '--n_embd=768', '--n_head=4', '--block_size=16', '--batch_size=2',
             '--gradient_accumulation_steps=2', '--max_iters=16', '--eval_interval=100', '--save_storage_interval=4']
-    run(script, *tiny(data_dir, tmp_path / 'ref', *args), nproc=2, cwd=tmp_path)
     out_dir = tmp_path / 'ft'
     log = open(tmp_path / 'torchrun.log', 'w')
     p = subprocess.Popen(elastic(script, *tiny(data_dir, out_dir, *args)), cwd=tmp_path, env=env(),
                          stdout=log, stderr=subprocess.STDOUT, text=True)
+    # the uninterrupted run beside it, while torchrun's fresh interpreters start (it has its own out_dir)
+    pool = ThreadPoolExecutor(1)
+    ref = pool.submit(run, script, *tiny(data_dir, tmp_path / 'ref', *args), nproc=2, cwd=tmp_path)
+    pool.shutdown(wait=False)
     # no collection of this process's garbage until the kill: a full one (torch's objects) takes 150-300 ms, longer
     # than a write lasts (DCP's: 130 ms), and the kill would come after it
     gc.disable()
@@ -65,6 +69,7 @@ def test_sigkill_during_a_storage_write_falls_back_to_the_previous_checkpoint(tm
         gc.enable()
         p.kill()
         log.close()
+    ref.result()
     out = open(log.name).read()
     assert p.returncode == 0, out[-5000:]
     assert cut_short
