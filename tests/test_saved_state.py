@@ -37,6 +37,13 @@ def iter_of(path):
     return torch.load(path, map_location='cpu', weights_only=True)['iter_num']
 
 
+def copies(shared, a, b):
+    """A run folder copied to a and a to b (cp -r, to branch an experiment), and their shared snapshot folder."""
+    shutil.copytree(shared, a)
+    shutil.copytree(a, b)
+    return Path('/dev/shm') / f"nanogpt-{(a / 'run_id').read_text().strip()}"
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """mount(size) -> a tmpfs of that size, mounted in tmp_path (the tests run as root); unmounted at the end."""
@@ -300,10 +307,8 @@ def test_a_copy_of_a_run_folder_never_resumes_the_others_memory_snapshot_a_moved
     # the copy holds the same run_id, which names the snapshot folder in /dev/shm: run A resumed the snapshot that
     # its copy B left there (killed), a state A never trained, and its saves then pushed A's own checkpoints out
     a, b = tmp_path / 'a', tmp_path / 'b'
-    shutil.copytree(shared_run('train.py', *ARGS), a)
-    shutil.copytree(a, b)
+    snapshots = copies(shared_run('train.py', *ARGS), a, b)
     start(tmp_path, data_dir, b, '--max_iters=15', '--learning_rate=0.1')
-    snapshots = Path('/dev/shm') / f"nanogpt-{(a / 'run_id').read_text().strip()}"
     try:
         snapshots.mkdir()
         shutil.copy(b / 'ckpt.pt', snapshots / 'ckpt.pt')  # what B's snapshot held when it was killed
@@ -346,10 +351,8 @@ def test_a_copy_with_the_same_inode_number_on_another_filesystem_never_resumes_t
     # a btrfs or ZFS snapshot (or clone) of a run folder keeps its inode numbers on another device: B, such a copy of
     # A, left its snapshot at 15, which A took for its own by the inode alone
     a, b = tmp_path / 'a', tmp_path / 'b'
-    shutil.copytree(shared_run('train.py', *ARGS), a)
-    shutil.copytree(a, b)
+    snapshots = copies(shared_run('train.py', *ARGS), a, b)
     start(tmp_path, data_dir, b, '--max_iters=15', '--learning_rate=0.1')
-    snapshots = Path('/dev/shm') / f"nanogpt-{(a / 'run_id').read_text().strip()}"
     try:
         snapshots.mkdir()
         state = torch.load(b / 'ckpt.pt', weights_only=True)
@@ -367,10 +370,8 @@ def test_a_copys_snapshots_that_do_not_fit_in_out_dir_are_left_whole_in_ram(tmp_
     # run A's disk has no room to keep its copy B's snapshot (iter 15) that A passes over: that was a warning, and
     # then A's own snapshots replaced it in the shared folder in /dev/shm, and A's end removed the folder
     a, b = small_disk('2m') / 'a', tmp_path / 'b'
-    shutil.copytree(shared_run('train.py', *ARGS), a)
-    shutil.copytree(a, b)
+    snapshots = copies(shared_run('train.py', *ARGS), a, b)
     start(tmp_path, data_dir, b, '--max_iters=15', '--learning_rate=0.1')
-    snapshots = Path('/dev/shm') / f"nanogpt-{(a / 'run_id').read_text().strip()}"
     try:
         snapshots.mkdir()
         shutil.copy(b / 'ckpt.pt', snapshots / 'ckpt.pt')  # what B's snapshot held when it was killed
@@ -392,9 +393,7 @@ def test_a_run_resuming_its_own_snapshot_keeps_the_copys_beside_it_in_out_dir(tm
     # fsdp_train.py's two files a rank: A (killed) left its own newest, and its copy B's snapshot shares the folder
     # (both ran at once). A resumed from its own and kept B's in place, where A's next snapshot replaced it
     a, b = tmp_path / 'a', tmp_path / 'b'
-    shutil.copytree(shared_run('fsdp_train.py', *ARGS), a)
-    shutil.copytree(a, b)
-    snapshots = Path('/dev/shm') / f"nanogpt-{(a / 'run_id').read_text().strip()}"
+    snapshots = copies(shared_run('fsdp_train.py', *ARGS), a, b)
     mine, theirs = snapshots / 'rank-0-of-1x1.pt', snapshots / 'rank-0-of-1x1.prev.pt'
     killed = subprocess.Popen([sys.executable, str(REPO / 'fsdp_train.py'), *TINY,
                                f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={a}', *ARGS,
@@ -425,9 +424,7 @@ def test_a_copys_snapshot_of_another_layout_is_passed_over_and_kept(tmp_path, da
     # B, a copy of A's folder, killed at 2 ranks: A at 1 rank was refused, B's snapshot named as "this run's newest
     # state", and told to resume at B's layout or to start afresh
     a, b = tmp_path / 'a', tmp_path / 'b'
-    shutil.copytree(shared_run('fsdp_train.py', *ARGS), a)
-    shutil.copytree(a, b)
-    snapshots = Path('/dev/shm') / f"nanogpt-{(a / 'run_id').read_text().strip()}"
+    snapshots = copies(shared_run('fsdp_train.py', *ARGS), a, b)
     try:
         snapshots.mkdir()
         theirs = {'iter_num': 15, 'run_id': snapshots.name[8:], 'out_dir': str(b), 'out_dir_ino': b.stat().st_ino}
@@ -445,9 +442,7 @@ def test_a_copy_started_beside_its_running_original_leaves_the_originals_snapsho
     # A and its copy B at once on one node, one snapshot folder in RAM: B moved A's live snapshots into its own
     # out_dir, then each replaced the other's, and B's end removed the folder with A's newest state in it
     a, b = tmp_path / 'a', tmp_path / 'b'
-    shutil.copytree(shared_run('train.py', *ARGS), a)
-    shutil.copytree(a, b)
-    snapshots = Path('/dev/shm') / f"nanogpt-{(a / 'run_id').read_text().strip()}"
+    snapshots = copies(shared_run('train.py', *ARGS), a, b)
     running = subprocess.Popen([sys.executable, str(REPO / 'train.py'), *TINY,
                                 f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={a}', *ARGS,
                                 '--max_iters=100000', '--save_memory_interval=1'], cwd=tmp_path, env=env(),
@@ -525,11 +520,9 @@ def test_a_deepspeed_run_resuming_its_own_snapshot_keeps_the_copys_newer_one(tmp
     # A's snapshot at 12 (latest names it) beside its copy B's at 15, which the listing up to latest leaves out:
     # A's snapshot at 15 removed B's folder to write its own there
     a, b = tmp_path / 'a', tmp_path / 'b'
-    shutil.copytree(shared_run('ds_train.py', *ARGS), a)
-    shutil.copytree(a, b)
+    snapshots = copies(shared_run('ds_train.py', *ARGS), a, b)
     start(tmp_path, data_dir, a, '--max_iters=12', script='ds_train.py')
     start(tmp_path, data_dir, b, '--max_iters=15', script='ds_train.py')
-    snapshots = Path('/dev/shm') / f"nanogpt-{(a / 'run_id').read_text().strip()}"
     try:
         snapshots.mkdir()
         shutil.copytree(a / 'ds' / 'step-00000012', snapshots / 'step-00000012')  # A's own, where it was killed
