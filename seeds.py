@@ -203,6 +203,11 @@ def translate(key, value, where, source, ctx):
     if script == 'model_size.py' and key in DLROVER_RUN_FLAGS and key not in keys and 'data_dir' in ctx['flags']:
         _note(ctx, where, source, shown, "not a size, left out", "DLRover's")
         return []
+    if key == 'gradient_accumulation_steps' and value == 0 and type(value) is int and _dlrover_command(ctx):
+        # its own default: one micro-step a rank (total // ranks there), which dlrover_defaults counts in ranks here
+        ctx['notes'].append((None, f"{where} is DLRover's default, one micro-step a rank: here that many in total "
+                                   f"(in the line of its defaults below)"))
+        return []
     if key.startswith('lora_'):
         sys.exit(f"error: {where}: DLRover's LoRA has no counterpart here: finetune the whole model "
                  f"(--init_from=gpt2 or a checkpoint, as config/finetune_shakespeare.py does); leave it out")
@@ -325,6 +330,11 @@ def translate(key, value, where, source, ctx):
     return [(key, value)]
 
 
+def _dlrover_command(ctx):
+    """Whether the command line is DLRover's example's: one of its scripts, its --data_dir flag, no config file."""
+    return ctx['script'] in DLROVER_SCRIPTS and 'data_dir' in ctx['flags'] and not ctx['files']
+
+
 def dlrover_defaults(ctx, given):
     """[(key, value)]: DLRover's defaults for the keys that its command line does not give, said in one line; none
     for any other command line. Its command line has its required --data_dir flag and no config file: our .py files
@@ -332,7 +342,7 @@ def dlrover_defaults(ctx, given):
     max_epochs too (seeds.HYDRA), and our --dataset is ours, so both keep our defaults. model_size.py takes them to
     size the command as train.py runs it (a key that a script lacks is skipped)."""
     keys = ctx['keys']
-    if ctx['script'] not in DLROVER_SCRIPTS or 'data_dir' not in ctx['flags'] or ctx['files']:
+    if not _dlrover_command(ctx):
         return []
     # its gradient_accumulation_steps=0 is one micro-step a rank; ours counts them over all the data-parallel ranks
     ranks = max(1, int(os.environ.get('WORLD_SIZE', '1')) // max(1, keys.get('tp_size', 1)))

@@ -286,6 +286,9 @@ def test_dlrover_command_takes_dlrover_defaults_for_what_it_leaves_out(here, tmp
         "so resume it with the same command: --block_size=128 --batch_size=32 --max_iters=2000 --decay_lr=False " \
         "--warmup_iters=0 --lr_decay_iters=10 --compile=False --gradient_accumulation_steps=2 (a micro-step a rank)" \
         "\n--epochs 50 is DLRover's name: here --max_iters=7 " in capsys.readouterr().out
+    # its default given as a flag, 0: one micro-step a rank there, so as many in total here, not an error
+    assert config_of('ds_train.py', [*seed, '--gradient_accumulation_steps', '0'])['gradient_accumulation_steps'] == 2
+    assert "--gradient_accumulation_steps 0 is DLRover's default, one micro-step a rank" in capsys.readouterr().out
     # a command line with a config file is not DLRover's: ours (.py) never came from it, and Decent-DP's TOML names
     # data_dir itself; the file keeps its schedule and every key it leaves out keeps our default
     (tmp_path / 'c.py').write_text('batch_size = 8\n')
