@@ -67,6 +67,11 @@ HYDRA = {
     'gpt_config.attn_pdrop': '--dropout={}', 'optimizer_config.learning_rate': '--learning_rate={}',
     'optimizer_config.weight_decay': '--weight_decay={}',
     'data_config.path': 'python prepare.py text --input={} --tokenizer=char (then --dataset=<its name>)',
+    'data_config.train_split': 'python prepare.py text --input=FILE --tokenizer=char --val_fraction={} (the share '
+                               'of the text for val.bin)',
+    'data_config.truncate': 'nothing to set: prepare the part of the text to train on (head -c BYTES FILE > part.txt, '
+                            'then python prepare.py text --input=part.txt --tokenizer=char)',
+    'hydra.run.dir': '--out_dir={} (the folder of the run\'s files)',
 }
 
 
@@ -410,6 +415,11 @@ def _hydra_ours(key, value):
     if key == 'trainer_config.distributed_method':
         return {'ddp': 'train.py', 'fsdp': 'fsdp_train.py'}.get(str(value).lower(), HYDRA[key]) + \
             ' as the script torchrun runs (`torchrun --nproc_per_node=N SCRIPT ...`)'
+    if key == 'data_config.train_split':  # its share for training, ours for val.bin
+        try:
+            value = round(1 - float(value), 6)
+        except ValueError:
+            value = '1-SPLIT'
     return HYDRA[key].format(value)
 
 

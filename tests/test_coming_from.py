@@ -217,6 +217,24 @@ def test_other_meanings_name_our_command(script, argv, says):
     assert says in error_of(script, argv)
 
 
+# minGPT-DDP's gpt2_train_cfg.yaml, every key as its users override it (its FSDP fork's two keys besides)
+MINGPT_YAML = ['data_config.path=input.txt', 'data_config.block_size=128', 'data_config.train_split=0.9',
+               'data_config.truncate=0.05', 'gpt_config.n_layer=8', 'gpt_config.n_head=8', 'gpt_config.n_embd=512',
+               'trainer_config.max_epochs=1', 'trainer_config.batch_size=64', 'trainer_config.data_loader_workers=4',
+               'trainer_config.grad_norm_clip=1.0', 'trainer_config.snapshot_path=gpt_snapshot.pt',
+               'trainer_config.save_every=4', 'optimizer_config.weight_decay=0.1',
+               'optimizer_config.learning_rate=0.0003', 'hydra.run.dir=./', 'trainer_config.distributed_method=fsdp',
+               'trainer_config.cpu_offload=True']
+
+
+def test_every_key_of_mingpt_ddps_yaml_names_ours():
+    for override in MINGPT_YAML:
+        msg = error_of('train.py', [override])
+        assert msg.startswith(f'error: {override} is a Hydra override') and 'keys are flags' not in msg, msg
+    assert error_of('train.py', ['data_config.train_split=0.9']).endswith('--tokenizer=char --val_fraction=0.1 (the '
+                                                                         'share of the text for val.bin)')
+
+
 def test_use_nnscaler_false_is_what_every_entrypoint_is(capsys):
     for off in ('False', 'false', '0'):
         assert config_of('train.py', [f'--use_nnscaler={off}', '--n_layer=2'])['n_layer'] == 2
