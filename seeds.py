@@ -169,12 +169,18 @@ def translate(key, value, where, source, ctx):
     toml = ctx['toml'] if source == 'toml' else {}
     shown = key  # in a file's one line; a flag's line shows the flag as written
     if key in ('plan_ngpus', 'runtime_ngpus'):
-        plan, runtime = ctx['flags'].get('plan_ngpus'), ctx['flags'].get('runtime_ngpus')
-        plan = plan if plan is not None else 'P'
+        pair = {**ctx['flags'], key: value}  # the other one from the flags, where one is in a config file
+        plan, runtime = pair.get('plan_ngpus', 1), pair.get('runtime_ngpus')  # its plan_ngpus is 1 by default
         # nnScaler's runtime_ngpus=-1 (its default) means all of torchrun's WORLD_SIZE, whatever it is
         runtime = runtime if runtime is not None and runtime != -1 else 'N'
         if type(plan) is int and plan < 1:
             sys.exit(f"error: {where}: nnScaler's --plan_ngpus={plan}: a model is split over 1 GPU or more")
+        world = int(os.environ.get('WORLD_SIZE', '1'))
+        if plan == 1 and script == 'train.py' and runtime in ('N', world):  # what train.py on these ranks does
+            if key == 'plan_ngpus' or 'plan_ngpus' not in ctx['flags']:  # one line for the pair
+                ctx['notes'].append((None, f"nnScaler's --plan_ngpus=1 --runtime_ngpus={runtime}: nothing to set here: "
+                                           f"data parallel, a whole model on each of the {world} ranks, is train.py"))
+            return []
         if plan == 1:
             ours = f"torchrun --nproc_per_node={runtime} train.py ... (data parallel, a whole model on each GPU)"
         elif plan == runtime:

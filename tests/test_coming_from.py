@@ -205,7 +205,7 @@ def test_data_dir_is_a_path_that_decent_dps_dataset_label_does_not_replace(tmp_p
     # nnScaler's runtime_ngpus=-1 (its default) is torchrun's WORLD_SIZE: not a count of -1 GPUs
     ('train.py', ['--plan_ngpus', '2', '--runtime_ngpus', '-1'], '--runtime_ngpus=N is `torchrun --nproc_per_node=N '
      'fsdp_train.py --tp_size=2 ... (each model split over 2 GPUs'),
-    ('train.py', ['--plan_ngpus=1', '--runtime_ngpus=-1'], '`torchrun --nproc_per_node=N train.py'),
+    ('fsdp_train.py', ['--plan_ngpus=1', '--runtime_ngpus=-1'], '`torchrun --nproc_per_node=N train.py'),
     ('train.py', ['--data_dir', './', '--use_fsdp'], "DLRover's --use_fsdp is fsdp_train.py here"),  # its README's
     # minGPT-DDP's Hydra keys written as flags without their section: ours, not 'did you mean max_iters?'
     ('train.py', ['--cpu_offload=True'], "cpu_offload is minGPT-DDP's trainer_config.cpu_offload: here fsdp_train.py "
@@ -233,6 +233,19 @@ def test_every_key_of_mingpt_ddps_yaml_names_ours():
         assert msg.startswith(f'error: {override} is a Hydra override') and 'keys are flags' not in msg, msg
     assert error_of('train.py', ['data_config.train_split=0.9']).endswith('--tokenizer=char --val_fraction=0.1 (the '
                                                                          'share of the text for val.bin)')
+
+
+def test_nnscalers_data_parallel_on_train_py_is_what_it_does(monkeypatch, capsys):
+    # nnScaler's --plan_ngpus=1 (its default) over all of torchrun's ranks (runtime_ngpus=-1, its default) is train.py
+    # itself: taken in one line; on another count of ranks it names the torchrun command that gives that count
+    monkeypatch.setenv('WORLD_SIZE', '4')
+    monkeypatch.delenv('RANK', raising=False)
+    for argv in (['--plan_ngpus=1', '--runtime_ngpus=4'], ['--plan_ngpus', '1', '--runtime_ngpus', '-1'],
+                 ['--runtime_ngpus', '4']):
+        assert config_of('train.py', [*argv, '--n_layer=2'])['n_layer'] == 2
+        assert capsys.readouterr().out == "nnScaler's --plan_ngpus=1 --runtime_ngpus=%s: nothing to set here: data " \
+            "parallel, a whole model on each of the 4 ranks, is train.py\n" % ('N' if '-1' in argv else 4)
+    assert '`torchrun --nproc_per_node=8 train.py ...' in error_of('train.py', ['--plan_ngpus=1', '--runtime_ngpus=8'])
 
 
 def test_use_nnscaler_false_is_what_every_entrypoint_is(capsys):
