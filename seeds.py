@@ -14,7 +14,7 @@ import tomllib
 
 from data import find_bins, is_path
 
-TRAINERS = ('train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py')
+TRAINERS = ('train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py', 'pp_train.py')
 DECENT_ONLY = ('topology', 'replica_optimizer', 'moment_accum_steps')  # decent_train.py's keys and no other's
 
 # a seed's name for one of our keys, with the same meaning: name -> (whose, ours)

@@ -118,8 +118,9 @@ def test_decent_dp_toml_as_published_takes_its_hyperparameters(tmp_path):
             c['moment_accum_steps'], c['topology'], c['block_size'], c['learning_rate'], c['min_lr'],
             c['warmup_iters'], c['eval_iters'], c['n_layer'], c['seed']) == \
         (600000, 600000, 0.9, 0.98, 'accumadamw', 8, 'alternating-exp-ring', 1024, 6e-4, 6e-5, 2000, 200, 12, 42)
-    c = config_of('train.py', [str(REPO / 'config' / 'gpt2-small.toml')])
-    assert (c['beta2'], c['gradient_accumulation_steps'] * c['batch_size'], c['max_iters']) == (0.95, 480, 600000)
+    for script in ('train.py', 'fsdp_train.py', 'ds_train.py', 'pp_train.py'):  # its AllReduce file, in every one
+        c = config_of(script, [str(REPO / 'config' / 'gpt2-small.toml')])
+        assert (c['beta2'], c['gradient_accumulation_steps'] * c['batch_size'], c['max_iters']) == (0.95, 480, 600000)
     msg = error_of('train.py', [str(REPO / 'config' / 'decent-gpt2-small.toml')])
     assert "backend='decentdp'" in msg and 'decent_train.py /' in msg and msg.endswith('not train.py')
 
