@@ -401,7 +401,9 @@ def prepare_args(args):
     while i < len(args):
         key, eq, value = args[i].partition('=')
         if key in ('--src_data_path', '--output_dir'):
-            if not eq and i + 1 < len(args):
+            if not eq and (i + 1 == len(args) or args[i + 1].startswith('--')):
+                needs_value(key)  # as its argparse says; not an --input= or an out_dir left empty
+            if not eq:
                 value, i = args[i + 1], i + 1
             flags[key[2:]] = value
         else:

@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+import seeds
 from conftest import REPO, SHAKESPEARE, TINY, env, one_line_error, run
 
 
@@ -256,6 +257,17 @@ def test_dlrover_src_data_path_is_a_char_prep_and_names_ours(tmp_path, args, whe
     ids = np.concatenate([tokens(tmp_path / where / 'train.bin'), tokens(tmp_path / where / 'val.bin')])
     assert len(tokens(tmp_path / where / 'train.bin')) == 4500  # nanoGPT's 90% split, as DLRover's prep
     assert ''.join(meta['itos'][i] for i in ids) == text
+
+
+@pytest.mark.parametrize('args, flag', [(['--src_data_path'], '--src_data_path'),
+                                        (['--src_data_path', 'data.txt', '--output_dir'], '--output_dir'),
+                                        (['--output_dir', 'x', '--src_data_path', '--force'], '--src_data_path')])
+def test_dlrover_prep_flag_without_its_value_names_the_flag(args, flag):
+    # as its argparse refuses it: not a prep of `--input=` (an error about a flag never typed), nor beside the file
+    # for an --output_dir left empty
+    with pytest.raises(SystemExit) as e:
+        seeds.prepare_args(args)
+    assert e.value.code == f"error: flag '{flag}' needs a value: write it as {flag}=VALUE or {flag} VALUE"
 
 
 # -----------------------------------------------------------------------------
