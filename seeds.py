@@ -50,7 +50,7 @@ DLROVER_DEFAULTS = {'n_layer': 6, 'n_head': 6, 'n_embd': 384, 'block_size': 128,
 DLROVER_RUN_FLAGS = ('out_dir', 'eval_interval', 'log_interval', 'eval_iters', 'eval_only', 'epochs', 'learning_rate',
                      'max_iters', 'weight_decay', 'beta1', 'beta2', 'grad_clip', 'gradient_accumulation_steps',
                      'decay_lr', 'warmup_iters', 'lr_decay_iters', 'min_lr', 'compile', 'save_memory_interval',
-                     'save_storage_interval', 'dropout', 'save_dir', 'use_native_ckpt', 'ds_config')
+                     'save_storage_interval', 'dropout', 'save_dir', 'use_native_ckpt', 'ds_config', 'use_fsdp')
 
 # minGPT-DDP's Hydra overrides (key=value, no dashes) and ours
 HYDRA = {

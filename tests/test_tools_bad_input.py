@@ -220,8 +220,9 @@ def test_model_size_reads_a_training_config_and_a_run_folder(tmp_path, shared_ru
     # defaults for the keys the command leaves out, batch 32 x 128 (and no error for its keys this tool lacks)
     p = run('model_size.py', '--n_layer', '48', '--n_head', '16', '--n_embd', '1600', '--data_dir', './',
             '--epochs', '50', '--save_memory_interval', '50', '--save_storage_interval', '500',  # the whole of it
-            cwd=data_dir / 'shakespeare_char')
+            '--use_fsdp', cwd=data_dir / 'shakespeare_char')  # and its README's multi-node flag
     assert "--epochs 50 is DLRover's name: here not a size, left out" in p.stdout
+    assert "--use_fsdp is DLRover's name: here not a size, left out" in p.stdout  # the table has FSDP's row
     assert ' 48 layers, 16 heads, 1600 wide, block 128, vocab 65' in p.stdout and ', batch 32x128 ' in p.stdout
     p = run('model_size.py', '--model', 'gpt2-xl', '--data_dir', './', cwd=data_dir / 'shakespeare_char')
     assert 'gives none: --block_size=128 --batch_size=32\n' in p.stdout and \
