@@ -178,7 +178,8 @@ def translate(key, value, where, source, ctx):
         world = int(os.environ.get('WORLD_SIZE', '1'))
         if plan == 1 and script == 'train.py' and runtime in ('N', world):  # what train.py on these ranks does
             if key == 'plan_ngpus' or 'plan_ngpus' not in ctx['flags']:  # one line for the pair
-                ctx['notes'].append((None, f"nnScaler's --plan_ngpus=1 --runtime_ngpus={runtime}: nothing to set here: "
+                given = pair.get('runtime_ngpus', -1)
+                ctx['notes'].append((None, f"nnScaler's --plan_ngpus=1 --runtime_ngpus={given}: nothing to set here: "
                                            f"data parallel, a whole model on each of the {world} ranks, is train.py"))
             return []
         if plan == 1:

@@ -245,7 +245,7 @@ def test_nnscalers_data_parallel_on_train_py_is_what_it_does(monkeypatch, capsys
                  ['--runtime_ngpus', '4']):
         assert config_of('train.py', [*argv, '--n_layer=2'])['n_layer'] == 2
         assert capsys.readouterr().out == "nnScaler's --plan_ngpus=1 --runtime_ngpus=%s: nothing to set here: data " \
-            "parallel, a whole model on each of the 4 ranks, is train.py\n" % ('N' if '-1' in argv else 4)
+            "parallel, a whole model on each of the 4 ranks, is train.py\n" % (-1 if '-1' in argv else 4)
     assert '`torchrun --nproc_per_node=8 train.py ...' in error_of('train.py', ['--plan_ngpus=1', '--runtime_ngpus=8'])
 
 
