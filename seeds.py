@@ -45,12 +45,14 @@ DLROVER_DEFAULTS = {'n_layer': 6, 'n_head': 6, 'n_embd': 384, 'block_size': 128,
                     'decay_lr': False, 'warmup_iters': 0, 'lr_decay_iters': 10, 'compile': False,
                     'save_memory_interval': 20, 'save_storage_interval': 200}
 
-# the rest of its example's flags (add_train_args), which set how it trains and saves, not what a rank holds:
-# model_size.py, given its whole command, leaves them out
+# the rest of its example's flags (add_train_args; its fsdp_train.py's cpu_offload, ds_train.py's ds_config, its
+# README's use_fsdp), which set how it trains and saves, not the shape a rank holds: model_size.py, given its whole
+# command, leaves them out
 DLROVER_RUN_FLAGS = ('out_dir', 'eval_interval', 'log_interval', 'eval_iters', 'eval_only', 'epochs', 'learning_rate',
                      'max_iters', 'weight_decay', 'beta1', 'beta2', 'grad_clip', 'gradient_accumulation_steps',
                      'decay_lr', 'warmup_iters', 'lr_decay_iters', 'min_lr', 'compile', 'save_memory_interval',
-                     'save_storage_interval', 'dropout', 'save_dir', 'use_native_ckpt', 'ds_config', 'use_fsdp')
+                     'save_storage_interval', 'dropout', 'save_dir', 'use_native_ckpt', 'ds_config', 'use_fsdp',
+                     'cpu_offload')
 
 # minGPT-DDP's Hydra overrides (key=value, no dashes) and ours
 HYDRA = {

@@ -267,6 +267,15 @@ def test_dlrover_and_mingpt_flags_of_fsdp_are_taken(capsys):
     assert c['cpu_offload'] is True and 'here nothing to set (fsdp_train.py)' in capsys.readouterr().out
 
 
+def test_model_size_leaves_out_the_run_flags_of_dlrovers_fsdp_and_deepspeed_commands(capsys):
+    # its fsdp_train.py's --cpu_offload, ds_train.py's --ds_config, its README's --use_fsdp: no shape, said in a line
+    c = config_of('model_size.py', ['--data_dir', './', '--cpu_offload', '--use_fsdp', '--ds_config', 'ds.json'])
+    assert (c['batch_size'], c['block_size']) == (32, 128)
+    out = capsys.readouterr().out
+    assert all(f"{flag} is DLRover's name: here not a size, left out" in out
+               for flag in ('--cpu_offload', '--use_fsdp', '--ds_config ds.json'))
+
+
 def test_decent_dp_names_on_the_command_line():
     c = config_of('decent_train.py', ['--topology=exp', '--replica_optimizer=AccumAdamW', '--accum_steps', '8'])
     assert (c['topology'], c['replica_optimizer'], c['moment_accum_steps']) == ('one-peer-exp', 'accumadamw', 8)
