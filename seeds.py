@@ -170,6 +170,10 @@ def translate(key, value, where, source, ctx):
     keys, script = ctx['keys'], ctx['script']
     toml = ctx['toml'] if source == 'toml' else {}
     shown = key  # in a file's one line; a flag's line shows the flag as written
+    if key in ('plan_ngpus', 'runtime_ngpus') and ctx['flags'].get('use_nnscaler', True) in (False, 0):
+        # its script reads them only for nnScaler: without it, Lightning's DDP runs on every rank, as here
+        _note(ctx, where, source, shown, "unused with --use_nnscaler=False, as there", "nnScaler's")
+        return []
     if key in ('plan_ngpus', 'runtime_ngpus'):
         pair = {**ctx['flags'], key: value}  # the other one from the flags, where one is in a config file
         plan, runtime = pair.get('plan_ngpus', 1), pair.get('runtime_ngpus')  # its plan_ngpus is 1 by default

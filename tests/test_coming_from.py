@@ -247,6 +247,11 @@ def test_nnscalers_data_parallel_on_train_py_is_what_it_does(monkeypatch, capsys
         assert capsys.readouterr().out == "nnScaler's --plan_ngpus=1 --runtime_ngpus=%s: nothing to set here: data " \
             "parallel, a whole model on each of the 4 ranks, is train.py\n" % (-1 if '-1' in argv else 4)
     assert '`torchrun --nproc_per_node=8 train.py ...' in error_of('train.py', ['--plan_ngpus=1', '--runtime_ngpus=8'])
+    # without nnScaler its script reads neither (Lightning's DDP on every rank): unused, in any order
+    for argv, flag in ((['--use_nnscaler=False', '--plan_ngpus=2', '--runtime_ngpus=4'], '--plan_ngpus=2'),
+                       (['--plan_ngpus', '2', '--use_nnscaler', 'false'], '--plan_ngpus 2')):
+        config_of('fsdp_train.py', argv)
+        assert f"{flag} is nnScaler's name: here unused with --use_nnscaler=False, as there" in capsys.readouterr().out
 
 
 def test_use_nnscaler_false_is_what_every_entrypoint_is(capsys):
