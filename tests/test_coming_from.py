@@ -236,7 +236,7 @@ def test_every_key_of_mingpt_ddps_yaml_names_ours():
                                                                          'share of the text for val.bin)')
 
 
-def test_nnscalers_data_parallel_on_train_py_is_what_it_does(monkeypatch, capsys):
+def test_nnscalers_plan_flags_are_taken_where_they_mean_what_ours_do(monkeypatch, capsys):
     # nnScaler's --plan_ngpus=1 (its default) over all of torchrun's ranks (runtime_ngpus=-1, its default) is train.py
     # itself: taken in one line; on another count of ranks it names the torchrun command that gives that count
     monkeypatch.setenv('WORLD_SIZE', '4')
