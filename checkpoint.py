@@ -94,8 +94,18 @@ def load_checkpoint(path, dropout=None):
     given, else as saved), and the checkpoint's small state (model_args, config, iter_num, ...). Raises
     FileNotFoundError where there is none, and other exceptions (never a BaseException) where it is damaged. A
     run folder stands for its newest ckpt.pt that loads: a damaged one is passed over for the version before it
-    (ckpt.prev.pt, ...), with a warning, as a resume does."""
+    (ckpt.prev.pt, ...), with a warning, as a resume does. Where a run in progress moves its latest (or best) on
+    while its folder is read, and prunes the step folder it named, the newest is read again."""
     found = find_checkpoint(path)
+    try:
+        return _load_newest(path, found, dropout)
+    except Exception:
+        if found != path and find_checkpoint(path) != found:
+            return load_checkpoint(path, dropout)
+        raise
+
+
+def _load_newest(path, found, dropout):
     versions = run_versions(path, found) or ([found] if os.path.exists(found) else [])
     if not versions:
         raise FileNotFoundError(f"no checkpoint at {found}")
