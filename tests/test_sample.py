@@ -103,6 +103,13 @@ def test_a_step_folder_of_ds_or_decent_names_a_whole_model_that_is_there(tmp_pat
                         f"--max_iters)"), msg  # it said: give the run folder (its ckpt.pt), which has none
     msg = one_line_error(run('sample.py', f'--init_from={best}', '--device=cpu', cwd=tmp_path, check=False))
     assert msg.endswith(f": give its best, {tmp_path / 'run' / 'best.pt'}"), msg  # not its newest, ckpt.pt
+    # RUN/best, which names a run's best in every tool, of that ds_train.py run: it has no best.pt (it said: unknown
+    # init_from, use resume, best, gpt2, ...)
+    (step.parent / 'latest').write_text(step.name)
+    msg = one_line_error(run('sample.py', f"--init_from={tmp_path / 'ds-run' / 'best'}", '--device=cpu', cwd=tmp_path,
+                             check=False))
+    assert msg.startswith(f"error: {tmp_path / 'ds-run'} holds ds_train.py's step folders but no best.pt "
+                          f"(save_consolidated=False)"), msg
 
 
 NO_GPU = 'cuda' if not torch.cuda.is_available() else f'cuda:{torch.cuda.device_count()}'
