@@ -94,8 +94,18 @@ def load_checkpoint(path, dropout=None):
     given, else as saved), and the checkpoint's small state (model_args, config, iter_num, ...). Raises
     FileNotFoundError where there is none, and other exceptions (never a BaseException) where it is damaged. A
     run folder stands for its newest ckpt.pt that loads: a damaged one is passed over for the version before it
-    (ckpt.prev.pt, ...), with a warning, as a resume does."""
+    (ckpt.prev.pt, ...), with a warning, as a resume does. Where a run in progress moves its latest (or best) on
+    while its folder is read, and prunes the step folder it named, the newest is read again."""
     found = find_checkpoint(path)
+    try:
+        return _load_newest(path, found, dropout)
+    except Exception:
+        if found != path and find_checkpoint(path) != found:
+            return load_checkpoint(path, dropout)
+        raise
+
+
+def _load_newest(path, found, dropout):
     versions = run_versions(path, found) or ([found] if os.path.exists(found) else [])
     if not versions:
         raise FileNotFoundError(f"no checkpoint at {found}")
@@ -1152,13 +1162,14 @@ def pretrained_or_exit(name, dropout=0.0):
                  f"HF_HUB_OFFLINE=1 with the model in the local cache")
 
 
-def checkpoint_or_exit(path, fix):
-    """load_checkpoint(path) for a tool (dropout off), or a one-line error: where there is no checkpoint, naming
-    fix; where it is damaged, saying so; where it is some other file, saying what to give instead."""
+def checkpoint_or_exit(path, fix, dropout=0.0):
+    """load_checkpoint(path) for a tool (dropout off) or init_from, or a one-line error: where there is no
+    checkpoint, naming fix; where it is damaged, saying so; where it is some other file, saying what to give
+    instead; where its weights are not finite, saying so."""
     try:
         with warnings.catch_warnings():  # torch's note on a plain pickle's protocol (a meta.pkl given by mistake)
             warnings.filterwarnings('ignore', 'Detected pickle protocol', UserWarning)
-            return load_checkpoint(path, dropout=0.0)
+            model, checkpoint = load_checkpoint(path, dropout=dropout)
     except FileNotFoundError as e:
         folder = path if os.path.isdir(path) else find_checkpoint(path)  # or the one a latest or best file names
         run, kind = os.path.split(os.path.dirname(os.path.normpath(folder)))
@@ -1202,6 +1213,19 @@ def checkpoint_or_exit(path, fix):
                      f"or restore a good copy")
         sys.exit(f"error: {path} is not a model checkpoint ({reason(e)}): give a ckpt.pt, a run folder or a sharded "
                  f"checkpoint folder (dcp/step-N)")
+    finite_or_exit(model, path)
+    return model, checkpoint
+
+
+def finite_or_exit(model, path):
+    """A one-line error where the weights read from path hold inf or nan: they would sample nothing (torch.multinomial
+    fails on them), export a model of nan logits, or start a run whose every step is skipped."""
+    params = dict(model.named_parameters())
+    bad = [name for name, p in params.items() if not torch.isfinite(p).all()]
+    if bad:
+        sys.exit(f"error: the weights in {find_checkpoint(path)} hold inf or nan ({len(bad)} of {len(params)} tensors: "
+                 f"{bad[0]}): they were saved after the run had diverged; give a checkpoint of it from before "
+                 f"(ckpt.pt, best.pt or an earlier step folder)")
 
 
 def take_shape(model_args, ckpt_args, config, given):
@@ -1256,12 +1280,10 @@ def create_model(resume_path, read, init_from, model_args, config, given):
     elif init_from != 'scratch':
         # any entrypoint's checkpoint, or a run folder's newest: its weights, with a new optimizer from step 0
         init_from = where_kept(init_from)
-        try:
-            model, ckpt = load_checkpoint(init_from, dropout=model_args['dropout'])
-            take_shape(model_args, ckpt['model_args'], config, given)
-        except Exception as e:
-            sys.exit(f"error: cannot read a checkpoint at {init_from} ({reason(e)}): give a ckpt.pt, a sharded "
-                     f"checkpoint or a run folder")
+        # the tools' reader and errors: a run killed before its first save, a ds or decent step folder, ... alike
+        model, ckpt = checkpoint_or_exit(init_from, "give a ckpt.pt, a sharded checkpoint or a run folder",
+                                         model_args['dropout'])
+        take_shape(model_args, ckpt['model_args'], config, given)
         print0(f"initializing from the weights of {find_checkpoint(init_from)}")
     else:
         model = GPT(GPTConfig(**model_args))

@@ -34,7 +34,7 @@ from distributed import (agree, check_fits, finish, gather_rng, pick_device, res
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import saves_at_eval, skips_save
 from runlock import hold
-from runlog import heed, open_log
+from runlog import ends_diverged, heed, open_log
 from sharded import (check_tp_size, clip_grad_norm, load_sharded_state, local_shards, read_start, save_dcp, save_full,
                      sharded_state, total_norm)
 
@@ -353,6 +353,8 @@ while True:
         log_metrics(iter_num, hellaswag_acc=hs['acc'], hellaswag_acc_norm=hs['acc_norm'])
         t0, steps_timed = time.time(), 0
     if iter_num >= max_iters or eval_only:
+        # a run that ends in non-finite steps stops as max_nonfinite_steps would: a save since may hold bad weights
+        ends_diverged(nonfinite_steps, losses, iter_num, out_dir, run_id)
         break
     if save_memory_interval and iter_num % save_memory_interval == 0 and local_iter_num > 0:
         save_checkpoint('memory')

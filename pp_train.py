@@ -34,7 +34,7 @@ from keep import saves_at_eval, skips_save
 from pipeline import (Forward, Part, clip, loss_fn, nearest_taken, save_full, schedule_takes, sharded_state,
                       stage_blocks, stage_ids, tied_grads_and_norm)
 from runlock import hold
-from runlog import heed, open_log
+from runlog import ends_diverged, heed, open_log
 from sharded import load_sharded_state, local_shards, read_start, save_dcp
 
 # -----------------------------------------------------------------------------
@@ -374,6 +374,8 @@ while True:
         log_metrics(iter_num, hellaswag_acc=hs['acc'], hellaswag_acc_norm=hs['acc_norm'])
         t0, steps_timed = time.time(), 0
     if iter_num >= max_iters or eval_only:
+        # a run that ends in non-finite steps stops as max_nonfinite_steps would: a save since may hold bad weights
+        ends_diverged(nonfinite_steps, losses, iter_num, out_dir, run_id)
         break
     if save_memory_interval and iter_num % save_memory_interval == 0 and local_iter_num > 0:
         save_checkpoint('memory')

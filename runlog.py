@@ -10,6 +10,7 @@ were.
 """
 
 import json
+import math
 import os
 import sys
 import time
@@ -188,9 +189,7 @@ def replace_text(path, text):
 
 def count_skipped(nonfinite, in_a_row, limit, iter_num, log, out_dir, run_id, what='loss or gradient'):
     """The non-finite steps in a row after this one, which the loop skipped: each is logged, and `limit` in a row
-    stop the run with an error (every rank calls this alike), once the saves in flight are written and what was
-    saved since the weights went bad (at the first of these steps) is set aside: out_dir's newest state is the last
-    good one, which the error names."""
+    stop the run (stop_diverged)."""
     if not nonfinite:
         return 0
     in_a_row += 1
@@ -198,17 +197,32 @@ def count_skipped(nonfinite, in_a_row, limit, iter_num, log, out_dir, run_id, wh
         print(f"iter {iter_num}: non-finite {what}, step skipped ({in_a_row} in a row)", flush=True)
     log(iter_num, skipped=f'non-finite {what}')
     if in_a_row >= limit:
-        wait_for_saves()
-        if dist.is_initialized():
-            dist.barrier()  # every rank's snapshot is written before its node's are looked at
-        newest = list(set_aside(out_dir, iter_num - in_a_row + 1, run_id))
-        if dist.is_initialized():
-            dist.broadcast_object_list(newest)  # rank 0's view of out_dir
-        held = f"{newest[0]} (iter {newest[1]}) holds the last good state" if newest[0] else \
-            f"{out_dir} holds no state saved before the weights went bad"
-        sys.exit(f"error: {in_a_row} steps in a row up to iter {iter_num} had a non-finite {what}; {held}: lower "
-                 f"learning_rate, use bfloat16 rather than float16, or check the data")
+        stop_diverged(in_a_row, iter_num, out_dir, run_id, what)
     return in_a_row
+
+
+def ends_diverged(in_a_row, losses, iter_num, out_dir, run_id, what='loss or gradient'):
+    """At the run's last eval (every rank alike): where its last steps were non-finite and so is that eval, its
+    weights went bad before max_nonfinite_steps could stop it, and a save made right after the step that spoiled
+    them (before a loss showed it: a periodic or memory one) holds them; the run stops as the limit would."""
+    if in_a_row and not all(math.isfinite(v) for v in losses.values()):
+        stop_diverged(in_a_row, iter_num - 1, out_dir, run_id, what, ', and so had the final eval')
+
+
+def stop_diverged(in_a_row, iter_num, out_dir, run_id, what, also=''):
+    """Stops the run whose in_a_row steps up to iter_num were non-finite with an error (every rank calls this
+    alike), once the saves in flight are written and what was saved since the weights went bad (at the first of
+    these steps) is set aside: out_dir's newest state is the last good one, which the error names."""
+    wait_for_saves()
+    if dist.is_initialized():
+        dist.barrier()  # every rank's snapshot is written before its node's are looked at
+    newest = list(set_aside(out_dir, iter_num - in_a_row + 1, run_id))
+    if dist.is_initialized():
+        dist.broadcast_object_list(newest)  # rank 0's view of out_dir
+    held = f"{newest[0]} (iter {newest[1]}) holds the last good state" if newest[0] else \
+        f"{out_dir} holds no state saved before the weights went bad"
+    sys.exit(f"error: {in_a_row} steps in a row up to iter {iter_num} had a non-finite {what}{also}; {held}: lower "
+             f"learning_rate, use bfloat16 rather than float16, or check the data")
 
 
 def heed(in_a_row, limit, log, out_dir, run_id):

@@ -76,7 +76,9 @@ else:
         known = os.path.exists(init_from) or os.path.exists(find_checkpoint(init_from))
     except ValueError:  # a pointer that names no checkpoint folder: checkpoint_or_exit says so in one line
         known = True
-    if init_from not in ('resume', 'best') and not known:
+    # a name that is no path (gpt3) is unknown; a path that names no checkpoint gets checkpoint_or_exit's error, which
+    # says what the run folder holds (RUN/best of a ds_train.py run without save_consolidated, ...)
+    if init_from not in ('resume', 'best') and not known and os.sep not in init_from:
         sys.exit(f"error: unknown init_from={init_from!r}: use resume (out_dir's checkpoint), best, gpt2, "
                  f"gpt2-medium, gpt2-large, gpt2-xl or the path of a checkpoint")
     # any entrypoint's checkpoint: a ckpt.pt, a sharded folder, a run folder's newest, or RUN/best, its best

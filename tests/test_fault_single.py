@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from checkpoint import snapshot_dir
-from conftest import REPO, env, read_metrics, run
+from conftest import REPO, env, one_line_error, read_metrics, run
 from launcher import launch
 from test_fault import KIND, assert_same_run, cut_short, final_weights, logged_iters, tiny, weights
 
@@ -132,15 +132,24 @@ def nan_loss_fn(logits, targets):
     loss = loss_fn(logits, targets)
     return nan(loss) if sys._getframe(1).f_code.co_name == '_compute_loss' else loss
 pipeline.loss_fn = nan_loss_fn
+if os.environ.get('POISON_STEP'):  # that optimizer step leaves an inf in the weights, its loss and gradient finite
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    steps = [0]
+    def poison(optimizer, args, kwargs):
+        steps[0] += 1
+        if steps[0] == int(os.environ['POISON_STEP']):
+            optimizer.param_groups[0]['params'][0].data.fill_(float('inf'))
+    register_optimizer_step_post_hook(poison)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name='__main__')
 '''
 
 
-def run_with_nans(tmp_path, nan_steps, *args, script='train.py', nproc=1, launcher=()):
+def run_with_nans(tmp_path, nan_steps, *args, script='train.py', nproc=1, launcher=(), poison_step=''):
     wrapper = tmp_path / 'nan_wrapper.py'
     wrapper.write_text(NAN_WRAPPER)
-    environ = {**env(), 'REPO': str(REPO), 'NAN_STEPS': nan_steps, 'OMP_NUM_THREADS': '1'}
+    environ = {**env(), 'REPO': str(REPO), 'NAN_STEPS': nan_steps, 'OMP_NUM_THREADS': '1',
+               'POISON_STEP': str(poison_step)}
     if nproc > 1:  # the ranks as tests/launcher.py starts them, each with the wrapper
         return launch(str(wrapper), [str(REPO / script), *map(str, args)], environ, tmp_path, nproc=nproc)
     return subprocess.run([sys.executable, *launcher, str(wrapper), str(REPO / script), *args], cwd=tmp_path,
@@ -167,6 +176,32 @@ def test_train_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(t
     assert p.stderr.strip().splitlines()[-1].startswith('error: 3 steps in a row up to iter 9 had a non-finite loss')
     ckpt = torch.load(tmp_path / 'many' / 'ckpt.pt', weights_only=True)
     assert ckpt['iter_num'] == 6 and all(torch.isfinite(t).all() for t in ckpt['model'].values())
+
+
+def test_weights_spoiled_by_a_step_with_a_finite_loss_are_never_left_the_newest_state(tmp_path, data_dir):
+    """The 4th optimizer step (iter 3) puts an inf into the weights while its own loss and gradient were finite: the
+    periodic save at iter 4 comes before any loss shows it, and holds them. The run ends (max_iters) before
+    max_nonfinite_steps could stop it, on 2 non-finite steps and a non-finite final eval: it stops as the limit
+    would, the save of iter 4 set aside, and the eval's checkpoint of iter 3 the newest. Tools refuse the bad one."""
+    out = tmp_path / 'run'
+    p = run_with_nans(tmp_path, '0', *tiny(data_dir, out, '--gradient_accumulation_steps=1', '--max_iters=6',
+                                           '--eval_interval=3', '--save_storage_interval=1'), poison_step=4)
+    assert p.returncode == 1, p.stdout[-2000:]
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"error: 2 steps in a row up to iter 5 had a non-finite loss or gradient, and so had the final eval; "
+        f"{out / 'ckpt.pt'} (iter 3) holds the last good state: lower learning_rate, use bfloat16 rather than "
+        f"float16, or check the data")
+    ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+    assert ckpt['iter_num'] == 3 and all(torch.isfinite(t).all() for t in ckpt['model'].values())
+    bad = out / 'diverged-ckpt-4.pt'
+    assert not all(torch.isfinite(t).all() for t in weights(bad).values())
+    for tool, args in (('sample.py', ['--device=cpu']), ('export_hf.py', [f'--out={tmp_path / "hf"}']),
+                       ('train.py', tiny(data_dir, tmp_path / 'ft'))):
+        q = run(tool, f"--{'ckpt' if tool == 'export_hf.py' else 'init_from'}={bad}", *args, cwd=tmp_path, check=False)
+        assert one_line_error(q) == f"error: the weights in {bad} hold inf or nan (1 of 36 tensors: " \
+            "transformer.wte.weight): they were saved after the run had diverged; give a checkpoint of it from " \
+            "before (ckpt.pt, best.pt or an earlier step folder)", tool
+    assert sorted(f.name for f in tmp_path.iterdir()) == ['nan_wrapper.py', 'run']
 
 
 def test_a_two_rank_run_stopped_by_nonfinite_steps_exits_1_on_both_ranks_under_torchrun(tmp_path, data_dir):

@@ -2,6 +2,7 @@
 and deterministic runs."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -91,6 +92,30 @@ def test_init_from_any_checkpoint_path(trip, data_dir, tmp_path):
         assert s.stdout.count('---------------') == 1
 
 
+def test_a_tool_reads_a_run_in_progress_whose_latest_moves_on_while_it_reads(trip, tmp_path, monkeypatch):
+    """A run that saves often (fsdp_train.py with save_storage_interval=1) points latest at its new step folder and
+    prunes the one before while a tool reads the run folder: every sample.py of such a run failed ("its save was cut
+    short"). The tool reads the newest again."""
+    import checkpoint
+    out = tmp_path / 'run'
+    for step in ('step-00000003', 'step-00000004'):
+        shutil.copytree(trip / 'b' / 'dcp' / 'step-00000003', out / 'dcp' / step)
+    (out / 'dcp' / 'latest').write_text('step-00000003')
+    load, read = checkpoint._load, []
+
+    def load_as_the_run_moves_on(path, dropout):
+        read.append(os.path.basename(path))
+        if len(read) == 1:  # the run commits step 4 and prunes step 3 as this read begins
+            (out / 'dcp' / 'latest').write_text('step-00000004')
+            shutil.rmtree(out / 'dcp' / 'step-00000003')
+        return load(path, dropout)
+    monkeypatch.setattr(checkpoint, '_load', load_as_the_run_moves_on)
+    model, _ = checkpoint.load_checkpoint(str(out))
+    assert read == ['step-00000003', 'step-00000004']
+    a = weights(trip / 'b' / 'ckpt.pt')
+    assert all(torch.equal(model.state_dict()[k], a[k]) for k in a)
+
+
 def test_export_hf_gives_transformers_the_same_logits(tmp_path, data_dir):
     import transformers
     from checkpoint import load_checkpoint
@@ -147,7 +172,6 @@ def test_plot_draws_two_runs(trip, tmp_path):
     fake = tmp_path / 'no_mpl'
     (fake / 'matplotlib').mkdir(parents=True)
     (fake / 'matplotlib' / '__init__.py').write_text("raise ImportError('no matplotlib here')\n")
-    import os
     env = dict(os.environ, PYTHONPATH=str(fake))
     import subprocess
     import sys

@@ -103,6 +103,13 @@ def test_a_step_folder_of_ds_or_decent_names_a_whole_model_that_is_there(tmp_pat
                         f"--max_iters)"), msg  # it said: give the run folder (its ckpt.pt), which has none
     msg = one_line_error(run('sample.py', f'--init_from={best}', '--device=cpu', cwd=tmp_path, check=False))
     assert msg.endswith(f": give its best, {tmp_path / 'run' / 'best.pt'}"), msg  # not its newest, ckpt.pt
+    # RUN/best, which names a run's best in every tool, of that ds_train.py run: it has no best.pt (it said: unknown
+    # init_from, use resume, best, gpt2, ...)
+    (step.parent / 'latest').write_text(step.name)
+    msg = one_line_error(run('sample.py', f"--init_from={tmp_path / 'ds-run' / 'best'}", '--device=cpu', cwd=tmp_path,
+                             check=False))
+    assert msg.startswith(f"error: {tmp_path / 'ds-run'} holds ds_train.py's step folders but no best.pt "
+                          f"(save_consolidated=False)"), msg
 
 
 NO_GPU = 'cuda' if not torch.cuda.is_available() else f'cuda:{torch.cuda.device_count()}'
@@ -163,7 +170,7 @@ def test_export_hf_bad_input(char_run, tmp_path):
     assert sorted(f.name for f in tmp_path.iterdir()) == ['file']
 
 
-def test_a_run_killed_before_its_first_save_names_its_memory_snapshots(char_run, tmp_path):
+def test_a_run_killed_before_its_first_save_names_its_memory_snapshots(char_run, tmp_path, data_dir):
     """A run folder whose run saved only memory snapshots (killed before its first checkpoint): the tools say where
     its state is, the whole ckpt.pt of train.py's snapshot to give, rather than that this is no run's folder."""
     out = tmp_path / 'killed'
@@ -175,8 +182,13 @@ def test_a_run_killed_before_its_first_save_names_its_memory_snapshots(char_run,
     try:
         shutil.copy(char_run / 'ckpt.pt', shm / 'ckpt.pt')
         p = run('export_hf.py', f'--ckpt={out}', f'--out={tmp_path / "hf"}', cwd=tmp_path, check=False)
-        assert one_line_error(p) == f"error: {out} holds no checkpoint yet, only this node's memory snapshots of the " \
-            f"run, in {shm}: give {shm / 'ckpt.pt'}, or resume the run (it starts from them) until it saves one"
+        says = f"error: {out} holds no checkpoint yet, only this node's memory snapshots of the run, in {shm}: give " \
+            f"{shm / 'ckpt.pt'}, or resume the run (it starts from them) until it saves one"
+        assert one_line_error(p) == says
+        # and so does a fine-tuning run's --init_from (it said: give a run folder, which it was given)
+        p = run('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--init_from={out}',
+                f'--out_dir={tmp_path / "ft"}', cwd=tmp_path, check=False)
+        assert one_line_error(p) == says
         (shm / 'ckpt.pt').rename(shm / 'rank-0-of-1x1.pt')  # fsdp_train.py's: its shards, which only it reads
         p = run('sample.py', f'--out_dir={out}', '--device=cpu', cwd=tmp_path, check=False)
         assert one_line_error(p).endswith(f"in {shm}: resume the run (it starts from them) until it saves one")

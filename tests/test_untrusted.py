@@ -276,7 +276,7 @@ def test_damaged_dcp_folder_gives_one_line(copy, tmp_path, data_dir, script, how
     else:
         p = run(script, *args(data_dir), f'--init_from={folder}', f'--out_dir={tmp_path / "out"}', cwd=tmp_path,
                 check=False)
-        fix = 'give a ckpt.pt, a sharded checkpoint or a run folder'
+        fix = 'restore a good copy'  # as the tools say it
     msg = one_line_error(p)
     assert str(folder) in msg and f'({DAMAGE[how]}' in msg and fix in msg
     assert not (tmp_path / 'hf').exists() and not (tmp_path / 'hf.tmp').exists() and not (tmp_path / 'out').exists()
