@@ -83,8 +83,8 @@ def make_out_dir(out_dir, settings=None):
 
 
 def write_failed(out_dir, e):
-    sys.exit(f"error: writing in {out_dir} failed ({e.strerror}: {e.filename}): free some space or choose another "
-             f"--out_root")
+    where = f": {e.filename}" if e.filename else ''  # a write's error names no file
+    sys.exit(f"error: writing in {out_dir} failed ({e.strerror}{where}): free some space or choose another --out_root")
 
 
 def download(url, path):
@@ -159,8 +159,15 @@ class Output:
         self.f.flush()
         os.fsync(self.f.fileno())
 
+    def shut(self):
+        """Closes the file whatever happened: on a full disk its last flush fails again, an error already reported."""
+        try:
+            self.f.close()
+        except OSError:
+            pass
+
     def discard(self):
-        self.f.close()
+        self.shut()
         if os.path.exists(self.path + '.tmp'):
             os.remove(self.path + '.tmp')
 
@@ -423,27 +430,25 @@ def prepare_documents(dataset, out_dir):
         tokenized[name_] = dset.map(tokenize, remove_columns=dset.column_names, num_proc=num_proc,
                                     desc=f'tokenizing {name_}')
     paths = {name_: os.path.join(out_dir, f'{name_}.bin') for name_ in tokenized}
-    totals = {name_: int(np.sum(dset['len'], dtype=np.int64)) for name_, dset in tokenized.items()}
+    outputs = {}
     try:
+        # appended, as the text prep's: a full disk is an OSError here, where a memmap's page would kill the process
         for name_, dset in tokenized.items():
-            arr = np.memmap(paths[name_] + '.tmp', dtype=np.uint16, mode='w+', shape=(totals[name_],))
-            idx, n_shards = 0, min(1024, len(dset))
+            outputs[name_] = Output(paths[name_])
+            n_shards = min(1024, len(dset))
             for i in range(n_shards):
                 shard = dset.shard(num_shards=n_shards, index=i, contiguous=True).with_format('numpy')
-                ids = np.concatenate(shard['ids']) if len(shard) else np.zeros(0, dtype=np.uint16)
-                arr[idx:idx + len(ids)] = ids
-                idx += len(ids)
-            arr.flush()
-            del arr
+                if len(shard):
+                    outputs[name_].write(np.concatenate(shard['ids']))
+            outputs[name_].f.close()
         commit(out_dir, settings, paths.values())
-        for name_, path in paths.items():
-            print(f"{path}: {totals[name_]:,} tokens")
     except OSError as e:
         write_failed(out_dir, e)
     finally:
-        for path in paths.values():
-            if os.path.exists(path + '.tmp'):
-                os.remove(path + '.tmp')
+        for out in outputs.values():
+            out.discard()
+    for name_, path in paths.items():
+        print(f"{path}: {outputs[name_].n:,} tokens")
 
 
 def prepare_hellaswag(out_dir):
@@ -680,7 +685,7 @@ def prepare_fineweb(dataset, out_dir):
         write_failed(out_dir, e)
     finally:
         for out in outputs.values():
-            out.f.close()
+            out.shut()
     print(f"{out_dir}: {outputs['train'].n:,} train and {outputs['val'].n:,} val tokens (val: the first "
           f"{val_docs:,} of {total:,} documents)")
 

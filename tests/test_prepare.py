@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, SHAKESPEARE, TINY, env, one_line_error, run
+from test_saved_state import small_disk  # noqa: F401 (a fixture)
 
 
 def tokens(path):
@@ -193,6 +194,25 @@ def test_document_files_as_parquet(tmp_path):
     assert tokens(tmp_path / 'data' / 'owt' / 'train.bin').tolist().count(50256) == 18
     assert sorted(p.name for p in (tmp_path / 'data' / 'owt').iterdir()) == ['prep.json', 'train.bin', 'val.bin']
 
+
+
+def test_a_document_prep_on_a_full_disk_is_one_line_and_keeps_the_prep_before(tmp_path, small_disk):
+    # its tokens went into a memmap, whose first page past the disk's end killed prepare.py with SIGBUS, its
+    # temporary file taking the rest of the disk
+    disk = small_disk('256k')
+    (tmp_path / 'd.jsonl').write_text(jsonl(DOCS))
+    (tmp_path / 'big.jsonl').write_text(jsonl([{'text': f'word{i} ' * 400} for i in range(40)]))  # ~100k tokens
+    args = ['--name=owt', f'--out_root={disk}', '--num_proc=1']
+    run('prepare.py', 'openwebtext-10k', '--data_files=d.jsonl', *args, cwd=tmp_path)
+    before = {p.name: p.read_bytes() for p in (disk / 'owt').iterdir()}
+    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+    (disk / 'filler').write_bytes(b'\0' * (free - 64 * 1024))  # room for the lock and 64k of the 200k of tokens
+    p = run('prepare.py', 'openwebtext-10k', '--data_files=big.jsonl', '--force=True', *args, cwd=tmp_path,
+            check=False)
+    assert p.returncode == 1 and 'Traceback' not in p.stderr, p.stderr[-2000:]  # after the progress bars, one line
+    assert p.stderr.strip().splitlines()[-1] == f"error: writing in {disk / 'owt'} failed (No space left on device): " \
+                                                f"free some space or choose another --out_root"
+    assert {p.name: p.read_bytes() for p in (disk / 'owt').iterdir()} == before  # no .tmp, no lock left
 
 # -----------------------------------------------------------------------------
 # nanoGPT's layout (data/<name>/prepare.py) and DLRover's command (prepare.py --src_data_path FILE)
