@@ -6,6 +6,7 @@ With random_data, a virtual token file of hashed GPT-2 ids stands in for both, f
 A folder whose prep.json (prepare.py's record) is not marked complete is refused: its prep stopped half put in place.
 """
 
+import hashlib
 import json
 import os
 import pickle
@@ -70,6 +71,19 @@ def meta_vocab(dataset, random_data=False):
     tokens: the model takes 50304) or random_data=True reads none of its files."""
     path = os.path.join(data_dir(dataset), 'meta.pkl')
     return read_meta(path)['vocab_size'] if os.path.exists(path) and not random_data else None
+
+
+def vocabulary(dataset, random_data=False):
+    """What the dataset's token ids stand for, as a run's checkpoints record it: 'gpt2' (no meta.pkl: GPT-2's BPE,
+    as random_data's too) or 'char-N-' and a hash of meta.pkl's characters in id order. A folder prepared again
+    with another tokenizer or text keeps its name but changes this, which a resume on it would not see otherwise."""
+    path = os.path.join(data_dir(dataset), 'meta.pkl')
+    if random_data or not os.path.exists(path):
+        return 'gpt2'
+    meta = read_meta(path)
+    itos = meta.get('itos') if isinstance(meta.get('itos'), dict) else {}
+    chars = [itos.get(i) for i in range(meta['vocab_size'])]
+    return f"char-{meta['vocab_size']}-{hashlib.sha256(repr(chars).encode()).hexdigest()[:16]}"
 
 
 def is_path(dataset):
