@@ -321,9 +321,15 @@ def test_a_finished_prep_is_kept_unless_forced(tmp_path):
     assert msg == f"error: data/mine holds a finished prep that records no settings (an older prepare.py's, or " \
                   f"nanoGPT's), {fix}", msg
     assert state(folder) == before
+    sys.path.insert(0, str(REPO))
+    import data  # a run reading the folder, as every entrypoint does, while --force replaces its prep
+    files, _ = data.find_bins(str(folder), 32)
+    began = {split: tokens(folder / f'{split}.bin').tolist() for split in files}
     run('prepare.py', 'text', '--input=other.txt', '--tokenizer=char', '--name=mine', '--force=True', cwd=tmp_path)
     meta = pickle.loads((folder / 'meta.pkl').read_bytes())
     assert ''.join(meta['itos'][i] for i in tokens(folder / 'train.bin')) == other.read_text()[:1800]
+    # the run goes on with the tokens it began with: it read the new ones, another vocabulary's ids, mid-run
+    assert {split: data.open_tokens(f).tolist() for split, f in files.items()} == began
 
 
 # Runs prepare.py as if another prepare.py finished a prep (the files of the folder argv[1]) in the folder just
