@@ -176,13 +176,18 @@ def already_prepared(out_dir, settings):
     """True (and a line that says so) where out_dir holds a finished prep of these settings, so there is nothing to
     do. A finished prep of other settings, or one that records none (an older prepare.py's, or nanoGPT's), may be
     what a trained model needs (its meta.pkl): a one-line error, unless --force. False where there is none to keep:
-    no train.bin and val.bin, or a prep stopped while its files were put in place (redone without --force)."""
-    if force or not all(os.path.exists(os.path.join(out_dir, f'{split}.bin')) for split in ('train', 'val')):
+    no train.bin and val.bin nor meta.pkl (a folder whose .bin files were removed to save space still holds the
+    vocabulary of a model trained on it), or a prep stopped while its files were put in place (redone without
+    --force), or the same prep with a .bin file missing (made again, meta.pkl as it was)."""
+    bins = all(os.path.exists(os.path.join(out_dir, f'{split}.bin')) for split in ('train', 'val'))
+    if force or not bins and not os.path.exists(os.path.join(out_dir, 'meta.pkl')):
         return False
     record = read_record(out_dir)
     if record is not None and record.get('complete') is not True:
         return False
     if record and record.get('settings') == settings:
+        if not bins:
+            return False
         print(f"{out_dir} is already prepared from this input with these settings: pass --force=True to prepare it "
               f"again")
         return True

@@ -332,6 +332,23 @@ def test_a_finished_prep_is_kept_unless_forced(tmp_path):
     assert {split: data.open_tokens(f).tolist() for split, f in files.items()} == began
 
 
+def test_a_vocabulary_whose_token_files_were_removed_is_kept_unless_forced(tmp_path):
+    # the .bin files removed to save space, meta.pkl is still what a model trained on the folder decodes with: a prep
+    # of other settings removed it (a GPT-2 prep's) or wrote another over it, as if the folder held nothing
+    (tmp_path / 'poem.txt').write_text('the quick brown fox jumps over the lazy dog\n' * 50)
+    run('prepare.py', 'text', '--input=poem.txt', '--tokenizer=char', '--name=mine', cwd=tmp_path)
+    folder = tmp_path / 'data' / 'mine'
+    meta = (folder / 'meta.pkl').read_bytes()
+    for split in ('train', 'val'):
+        (folder / f'{split}.bin').unlink()
+    before = state(folder)
+    msg = one_line_error(run('prepare.py', 'text', '--input=poem.txt', '--tokenizer=gpt2', '--name=mine', cwd=tmp_path,
+                             check=False))
+    assert msg.startswith("error: data/mine holds a finished prep of other input or settings (tokenizer='char')"), msg
+    assert state(folder) == before
+    run('prepare.py', 'text', '--input=poem.txt', '--tokenizer=char', '--name=mine', cwd=tmp_path)  # the same again
+    assert (folder / 'meta.pkl').read_bytes() == meta and len(tokens(folder / 'train.bin')) == 1980
+
 # Runs prepare.py as if another prepare.py finished a prep (the files of the folder argv[1]) in the folder just
 # before this one holds it (the link of its run.lock), after its first look found none.
 RACED = """
