@@ -95,9 +95,14 @@ def download(url, path):
         r.raise_for_status()
     except requests.RequestException as e:
         sys.exit(f"error: could not download {url} ({type(e).__name__}): pass a local copy with --input=FILE")
-    with open(path + '.tmp', 'wb') as f:
-        f.write(r.content)
-    os.replace(path + '.tmp', path)
+    try:
+        with open(path + '.tmp', 'wb') as f:
+            f.write(r.content)
+        os.replace(path + '.tmp', path)
+    except OSError as e:  # a full disk: no partial file left to take the space
+        if os.path.exists(path + '.tmp'):
+            os.remove(path + '.tmp')
+        write_failed(os.path.dirname(path) or '.', e)
 
 
 def text_blocks(path, start, stop):

@@ -5,6 +5,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -183,6 +184,24 @@ def test_failed_download_removes_the_folders_it_made(tmp_path):
     assert p.returncode != 0 and p.stderr.startswith('error: could not download ') and '--input=FILE' in p.stderr
     assert not any(tmp_path.iterdir())  # new/, new/data/ and new/data/shakespeare_char/ were made for input.txt
 
+
+def test_a_download_that_does_not_fit_is_one_line_and_leaves_no_partial_file(small_disk, monkeypatch):
+    # it was a traceback, and the partial input.txt.tmp kept the disk full
+    disk = small_disk('64k')
+    sys.path.insert(0, str(REPO))
+    import prepare
+
+    class Response:
+        content = b'x' * 200_000
+
+        def raise_for_status(self):
+            pass
+    monkeypatch.setitem(sys.modules, 'requests', types.SimpleNamespace(get=lambda url, timeout: Response()))
+    with pytest.raises(SystemExit) as e:
+        prepare.download('https://example.org/input.txt', str(disk / 'input.txt'))
+    assert e.value.code == f"error: writing in {disk} failed (No space left on device): free some space or choose " \
+                           f"another --out_root"
+    assert not any(disk.iterdir())
 
 def test_document_files_as_parquet(tmp_path):
     import pyarrow as pa
