@@ -1227,11 +1227,12 @@ def check_vocabulary(config, checkpoint, path):
     if saved_vocab is not None:
         now = vocabulary(config['dataset'], config['random_data'])
         if now != saved_vocab:
-            what = lambda v: 'GPT-2 BPE tokens' if v == 'gpt2' else f"the ids of a {v.split('-')[1]}-character vocabulary"
-            same = what(now) == what(saved_vocab)  # the same size: other characters, or in another order
-            sys.exit(f"error: {data_dir(config['dataset'])} holds {what(now).replace(' a ', ' another ') if same else what(now)}, but the run it would "
-                     f"continue ({path}) trained on {what(saved_vocab)}: the data was prepared again or is another "
-                     f"dataset; prepare the run's data as it was, or give another --out_dir for a new run")
+            def what(v, a='a'):
+                return 'GPT-2 BPE tokens' if v == 'gpt2' else f"the ids of {a} {v.split('-')[1]}-character vocabulary"
+            ours = what(now, 'another' if what(now) == what(saved_vocab) else 'a')  # the same size: other characters
+            sys.exit(f"error: {data_dir(config['dataset'])} holds {ours}, but the run it would continue ({path}) "
+                     f"trained on {what(saved_vocab)}: the data was prepared again or is another dataset; prepare "
+                     f"the run's data as it was, or give another --out_dir for a new run")
         return
     vocab, saved = meta_vocab(config['dataset'], config['random_data']), checkpoint['model_args']['vocab_size']
     was = checkpoint.get('config', {}).get('dataset')

@@ -78,9 +78,11 @@ def vocabulary(dataset, random_data=False):
     as random_data's too) or 'char-N-' and a hash of meta.pkl's characters in id order. A folder prepared again
     with another tokenizer or text keeps its name but changes this, which a resume on it would not see otherwise."""
     path = os.path.join(data_dir(dataset), 'meta.pkl')
-    if random_data or not os.path.exists(path):
-        return 'gpt2'
-    meta = read_meta(path)
+    return 'gpt2' if random_data or not os.path.exists(path) else vocabulary_of(read_meta(path))
+
+
+def vocabulary_of(meta):
+    """vocabulary()'s name of a meta.pkl's vocabulary (read_meta's dict)."""
     itos = meta.get('itos') if isinstance(meta.get('itos'), dict) else {}
     chars = [itos.get(i) for i in range(meta['vocab_size'])]
     return f"char-{meta['vocab_size']}-{hashlib.sha256(repr(chars).encode()).hexdigest()[:16]}"
