@@ -36,7 +36,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from data import data_dir, meta_vocab
+from data import data_dir, meta_vocab, vocabulary
 from model import GPT, GPTConfig
 from runlock import HOLD, try_hold
 
@@ -1241,10 +1241,23 @@ def take_shape(model_args, ckpt_args, config, given):
 
 
 def check_vocabulary(config, checkpoint, path):
-    """A one-line error where a resume would go on with another dataset than the run's, whose meta.pkl is another
-    vocabulary (another char-level dataset given over the same out_dir): its token ids would stand for other
-    characters, and its saves would push the run's own checkpoints out for a model trained on both. (A run that
-    began on such data, from another model's weights, resumes on it.)"""
+    """A one-line error where a resume would go on with data whose token ids stand for other tokens than the run
+    trained on: its saves would push the run's own checkpoints out for a model trained on both. A checkpoint records
+    its data's vocabulary (data.vocabulary), which catches a folder prepared again under its name with another
+    tokenizer or text, and a vocabulary of the same size; an older one only its size and dataset, where a dataset of
+    another name and vocabulary size is refused. (A run that began on such data, from another model's weights,
+    resumes on it.)"""
+    saved_vocab = checkpoint.get('vocabulary')
+    if saved_vocab is not None:
+        now = vocabulary(config['dataset'], config['random_data'])
+        if now != saved_vocab:
+            def what(v, a='a'):
+                return 'GPT-2 BPE tokens' if v == 'gpt2' else f"the ids of {a} {v.split('-')[1]}-character vocabulary"
+            ours = what(now, 'another' if what(now) == what(saved_vocab) else 'a')  # the same size: other characters
+            sys.exit(f"error: {data_dir(config['dataset'])} holds {ours}, but the run it would continue ({path}) "
+                     f"trained on {what(saved_vocab)}: the data was prepared again or is another dataset; prepare "
+                     f"the run's data as it was, or give another --out_dir for a new run")
+        return
     vocab, saved = meta_vocab(config['dataset'], config['random_data']), checkpoint['model_args']['vocab_size']
     was = checkpoint.get('config', {}).get('dataset')
     if vocab is not None and vocab != saved and was != config['dataset']:

@@ -6,6 +6,7 @@ With random_data, a virtual token file of hashed GPT-2 ids stands in for both, f
 A folder whose prep.json (prepare.py's record) is not marked complete is refused: its prep stopped half put in place.
 """
 
+import hashlib
 import json
 import os
 import pickle
@@ -72,6 +73,21 @@ def meta_vocab(dataset, random_data=False):
     return read_meta(path)['vocab_size'] if os.path.exists(path) and not random_data else None
 
 
+def vocabulary(dataset, random_data=False):
+    """What the dataset's token ids stand for, as a run's checkpoints record it: 'gpt2' (no meta.pkl: GPT-2's BPE,
+    as random_data's too) or 'char-N-' and a hash of meta.pkl's characters in id order. A folder prepared again
+    with another tokenizer or text keeps its name but changes this, which a resume on it would not see otherwise."""
+    path = os.path.join(data_dir(dataset), 'meta.pkl')
+    return 'gpt2' if random_data or not os.path.exists(path) else vocabulary_of(read_meta(path))
+
+
+def vocabulary_of(meta):
+    """vocabulary()'s name of a meta.pkl's vocabulary (read_meta's dict)."""
+    itos = meta.get('itos') if isinstance(meta.get('itos'), dict) else {}
+    chars = [itos.get(i) for i in range(meta['vocab_size'])]
+    return f"char-{meta['vocab_size']}-{hashlib.sha256(repr(chars).encode()).hexdigest()[:16]}"
+
+
 def is_path(dataset):
     """Whether --dataset names a folder by its path: anything with a slash or '.' alone (./, ../x,
     data/openwebtext-10k, /abs/folder, ~/x); otherwise it is a folder's name under data/."""
@@ -102,23 +118,25 @@ class RandomTokens:
 
 
 def open_tokens(source):
-    """A split's tokens, indexable by position: the file memory-mapped anew (a long-lived memmap keeps every page it
-    touched and grows without bound), or random_data's virtual file."""
+    """A split's tokens, indexable by position: the file find_bins opened, memory-mapped anew (a long-lived memmap
+    keeps every page it touched and grows without bound), or random_data's virtual file."""
     return source if isinstance(source, RandomTokens) else np.memmap(source, dtype=np.uint16, mode='r')
 
 
 def find_bins(dataset, block_size, random_data=False):
-    """({split: path}, {split: tokens}) of data/<dataset>/train.bin and val.bin (dataset may be a folder's path),
-    or a one-line error where one is missing, is not whole uint16 tokens, or holds no block of block_size + 1.
+    """({split: the file, open}, {split: tokens}) of data/<dataset>/train.bin and val.bin (dataset may be a folder's
+    path), or a one-line error where one is missing, is not whole uint16 tokens, or holds no block of block_size + 1.
+    A run reads them through these handles to its end: a prep forced over the folder meanwhile (prepare.py renames
+    its new files in) leaves it on the tokens it began with, never another vocabulary's ids under its model.
     With random_data, ({split: RandomTokens}, {split: RandomTokens.SIZE}): no dataset is read."""
     if random_data:
         return ({split: RandomTokens(split) for split in ('train', 'val')},
                 {split: RandomTokens.SIZE for split in ('train', 'val')})
     folder = data_dir(dataset)
     check_whole(folder)
-    paths, n_tokens = {}, {}
+    files, n_tokens = {}, {}
     for split in ('train', 'val'):
-        path = paths[split] = os.path.join(folder, f'{split}.bin')
+        path = os.path.join(folder, f'{split}.bin')
         if not os.path.isfile(path):
             from prepare import DATASETS  # here: only this error needs them
             name = os.path.basename(os.path.normpath(folder))
@@ -131,10 +149,10 @@ def find_bins(dataset, block_size, random_data=False):
                      f"{name if known else 'text --input=FILE'} --out_dir={folder}` first, or give --dataset the "
                      f"folder that holds train.bin and val.bin")
         try:
-            open(path, 'rb').close()
+            files[split] = open(path, 'rb')
         except OSError as e:
             sys.exit(f"error: cannot read {path} ({e.strerror}): give this user read access to it (chmod a+r)")
-        size = os.path.getsize(path)
+        size = os.fstat(files[split].fileno()).st_size
         if size % 2:
             sys.exit(f"error: {path} holds {size} bytes, not a whole number of uint16 tokens: it was cut short or is "
                      f"no token file; prepare the dataset again with prepare.py")
@@ -142,7 +160,7 @@ def find_bins(dataset, block_size, random_data=False):
         if n_tokens[split] < block_size + 1:
             sys.exit(f"error: {path} holds {n_tokens[split]} tokens, fewer than block_size + 1 = {block_size + 1}: "
                      f"lower --block_size or prepare more data")
-    return paths, n_tokens
+    return files, n_tokens
 
 
 def check_token_ids(paths, vocab_size):
@@ -154,8 +172,8 @@ def check_token_ids(paths, vocab_size):
             sys.exit(f"error: random_data draws GPT-2 token ids (0 to {RandomTokens.VOCAB - 1}), past the model's "
                      f"vocabulary of {vocab_size}: use a model with GPT-2's vocabulary, or real data")
         return
-    for path in paths.values():
-        data = np.memmap(path, dtype=np.uint16, mode='r')
+    for source in paths.values():
+        data, path = np.memmap(source, dtype=np.uint16, mode='r'), getattr(source, 'name', source)
         largest = max((int(data[i:i + CHUNK].max()) for i in range(0, len(data), CHUNK)), default=0)
         if largest >= vocab_size:
             sys.exit(f"error: {path} holds token id {largest}, past the model's vocabulary of {vocab_size}: prepare "

@@ -26,7 +26,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, previous, reason, remove_snapshots,
                         save_in_background, snapshot_dir, step_folders, wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
-from data import check_token_ids, find_bins, meta_vocab, open_tokens
+from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
                          skip_on_device, state_bytes, stop_signal, torchrun_env, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
@@ -196,6 +196,7 @@ resume_path = resume_from and resume_from[1]
 # -----------------------------------------------------------------------------
 # model
 meta_vocab_size = meta_vocab(dataset, random_data)
+data_vocab = vocabulary(dataset, random_data)  # what its ids stand for, saved with the run (check_vocabulary)
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=meta_vocab_size or 50304, dropout=dropout)
 check_fits(model_args, device)  # a shape too big for this machine is refused before it is built
@@ -275,6 +276,7 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         'iter_num': iter_num,
         'best_val_loss': best_val_loss,
         'config': config,
+        'vocabulary': data_vocab,
         'rng': gather_rng(),
         'data_rng': data_gen.get_state(),
         'run_id': run_id,  # so that a run started afresh over this out_dir never takes it for its own

@@ -83,8 +83,8 @@ def make_out_dir(out_dir, settings=None):
 
 
 def write_failed(out_dir, e):
-    sys.exit(f"error: writing in {out_dir} failed ({e.strerror}: {e.filename}): free some space or choose another "
-             f"--out_root")
+    where = f": {e.filename}" if e.filename else ''  # a write's error names no file
+    sys.exit(f"error: writing in {out_dir} failed ({e.strerror}{where}): free some space or choose another --out_root")
 
 
 def download(url, path):
@@ -95,9 +95,14 @@ def download(url, path):
         r.raise_for_status()
     except requests.RequestException as e:
         sys.exit(f"error: could not download {url} ({type(e).__name__}): pass a local copy with --input=FILE")
-    with open(path + '.tmp', 'wb') as f:
-        f.write(r.content)
-    os.replace(path + '.tmp', path)
+    try:
+        with open(path + '.tmp', 'wb') as f:
+            f.write(r.content)
+        os.replace(path + '.tmp', path)
+    except OSError as e:  # a full disk: no partial file left to take the space
+        if os.path.exists(path + '.tmp'):
+            os.remove(path + '.tmp')
+        write_failed(os.path.dirname(path) or '.', e)
 
 
 def text_blocks(path, start, stop):
@@ -159,8 +164,15 @@ class Output:
         self.f.flush()
         os.fsync(self.f.fileno())
 
+    def shut(self):
+        """Closes the file whatever happened: on a full disk its last flush fails again, an error already reported."""
+        try:
+            self.f.close()
+        except OSError:
+            pass
+
     def discard(self):
-        self.f.close()
+        self.shut()
         if os.path.exists(self.path + '.tmp'):
             os.remove(self.path + '.tmp')
 
@@ -169,13 +181,18 @@ def already_prepared(out_dir, settings):
     """True (and a line that says so) where out_dir holds a finished prep of these settings, so there is nothing to
     do. A finished prep of other settings, or one that records none (an older prepare.py's, or nanoGPT's), may be
     what a trained model needs (its meta.pkl): a one-line error, unless --force. False where there is none to keep:
-    no train.bin and val.bin, or a prep stopped while its files were put in place (redone without --force)."""
-    if force or not all(os.path.exists(os.path.join(out_dir, f'{split}.bin')) for split in ('train', 'val')):
+    no train.bin and val.bin nor meta.pkl (a folder whose .bin files were removed to save space still holds the
+    vocabulary of a model trained on it), or a prep stopped while its files were put in place (redone without
+    --force), or the same prep with a .bin file missing (made again, meta.pkl as it was)."""
+    bins = all(os.path.exists(os.path.join(out_dir, f'{split}.bin')) for split in ('train', 'val'))
+    if force or not bins and not os.path.exists(os.path.join(out_dir, 'meta.pkl')):
         return False
     record = read_record(out_dir)
     if record is not None and record.get('complete') is not True:
         return False
     if record and record.get('settings') == settings:
+        if not bins:
+            return False
         print(f"{out_dir} is already prepared from this input with these settings: pass --force=True to prepare it "
               f"again")
         return True
@@ -423,27 +440,25 @@ def prepare_documents(dataset, out_dir):
         tokenized[name_] = dset.map(tokenize, remove_columns=dset.column_names, num_proc=num_proc,
                                     desc=f'tokenizing {name_}')
     paths = {name_: os.path.join(out_dir, f'{name_}.bin') for name_ in tokenized}
-    totals = {name_: int(np.sum(dset['len'], dtype=np.int64)) for name_, dset in tokenized.items()}
+    outputs = {}
     try:
+        # appended, as the text prep's: a full disk is an OSError here, where a memmap's page would kill the process
         for name_, dset in tokenized.items():
-            arr = np.memmap(paths[name_] + '.tmp', dtype=np.uint16, mode='w+', shape=(totals[name_],))
-            idx, n_shards = 0, min(1024, len(dset))
+            outputs[name_] = Output(paths[name_])
+            n_shards = min(1024, len(dset))
             for i in range(n_shards):
                 shard = dset.shard(num_shards=n_shards, index=i, contiguous=True).with_format('numpy')
-                ids = np.concatenate(shard['ids']) if len(shard) else np.zeros(0, dtype=np.uint16)
-                arr[idx:idx + len(ids)] = ids
-                idx += len(ids)
-            arr.flush()
-            del arr
+                if len(shard):
+                    outputs[name_].write(np.concatenate(shard['ids']))
+            outputs[name_].f.close()
         commit(out_dir, settings, paths.values())
-        for name_, path in paths.items():
-            print(f"{path}: {totals[name_]:,} tokens")
     except OSError as e:
         write_failed(out_dir, e)
     finally:
-        for path in paths.values():
-            if os.path.exists(path + '.tmp'):
-                os.remove(path + '.tmp')
+        for out in outputs.values():
+            out.discard()
+    for name_, path in paths.items():
+        print(f"{path}: {outputs[name_].n:,} tokens")
 
 
 def prepare_hellaswag(out_dir):
@@ -680,7 +695,7 @@ def prepare_fineweb(dataset, out_dir):
         write_failed(out_dir, e)
     finally:
         for out in outputs.values():
-            out.f.close()
+            out.shut()
     print(f"{out_dir}: {outputs['train'].n:,} train and {outputs['val'].n:,} val tokens (val: the first "
           f"{val_docs:,} of {total:,} documents)")
 

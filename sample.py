@@ -15,7 +15,7 @@ import torch
 
 from configurator import check_seed, configure, quiet_interrupt
 from checkpoint import checkpoint_or_exit, find_checkpoint, pretrained_or_exit
-from data import read_meta
+from data import read_meta, vocabulary_of
 
 # -----------------------------------------------------------------------------
 init_from = 'resume'  # 'resume' (out_dir's newest checkpoint), 'best' (its best by val loss), 'gpt2'..'gpt2-xl', or
@@ -68,7 +68,7 @@ if device_type == 'cuda':
     torch.backends.cuda.matmul.fp32_precision = 'tf32'
 
 # model
-dataset = None
+dataset, trained_on = None, None
 if init_from in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
     model = pretrained_or_exit(init_from)
 else:
@@ -84,7 +84,7 @@ else:
     # any entrypoint's checkpoint: a ckpt.pt, a sharded folder, a run folder's newest, or RUN/best, its best
     path = {'resume': out_dir, 'best': os.path.join(out_dir, 'best')}.get(init_from, init_from)
     model, checkpoint = checkpoint_or_exit(path, "point --out_dir at a run's folder, or use --init_from=gpt2")
-    dataset = checkpoint.get('config', {}).get('dataset')
+    dataset, trained_on = checkpoint.get('config', {}).get('dataset'), checkpoint.get('vocabulary')
 model.eval()
 model.to(device)
 
@@ -108,6 +108,9 @@ if meta_path and os.path.exists(meta_path):
             and all(type(i) is int and 0 <= i < vocab for i in stoi.values())):
         sys.exit(f"error: {meta_path} does not hold the vocabulary of this {vocab}-token model "
                  f"({meta['vocab_size']} tokens): pass the --meta_path of the data the model was trained on")
+    if trained_on is not None and vocabulary_of(meta) != trained_on:  # as many characters, other ones or reordered
+        sys.exit(f"error: {meta_path} is not the vocabulary the model was trained on (its data was prepared again "
+                 f"since, or it is another dataset's): pass the --meta_path of the data the model was trained on")
 
     def encode(s):
         missing = sorted(set(c for c in s if c not in stoi))

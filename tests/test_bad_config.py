@@ -129,9 +129,31 @@ def test_a_resume_that_fails_leaves_the_run_as_it_was(tmp_path, data_dir, good_r
     meta = pickle.loads((odd_data / 'meta.pkl').read_bytes())
     (odd_data / 'meta.pkl').write_bytes(pickle.dumps({**meta, 'vocab_size': 46}))
     msg = fails(tmp_path, f'--dataset={odd_data}', *resume)
-    assert f"meta.pkl has 46 tokens, but the run it would continue ({out / 'ckpt.pt'}) has a vocabulary of 65, " \
-           f"from dataset '{data_dir / 'shakespeare_char'}'" in msg
+    assert msg.startswith(f"error: {odd_data} holds the ids of a 46-character vocabulary, but the run it would "
+                          f"continue ({out / 'ckpt.pt'}) trained on the ids of a 65-character vocabulary: "), msg
+    # as many characters, in another order: every id fits, and each stands for another character
+    itos = [meta['itos'][i] for i in range(65)]
+    itos[0], itos[1] = itos[1], itos[0]
+    (odd_data / 'meta.pkl').write_bytes(pickle.dumps({**meta, 'itos': dict(enumerate(itos))}))
+    assert f"{odd_data} holds the ids of another 65-character vocabulary, but the run" in fails(
+        tmp_path, f'--dataset={odd_data}', *resume)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_resume_on_its_data_prepared_again_as_characters_is_refused(tmp_path, data_dir):
+    # the run's folder prepared again with another tokenizer (prepare.py --force) keeps its name, and each character
+    # id is within a GPT-2 model's vocabulary: the run went on, training its BPE model on character ids
+    d = tmp_path / 'd'
+    shutil.copytree(data_dir / 'shakespeare', d)
+    run('train.py', *TINY, f'--dataset={d}', '--out_dir=run', '--max_iters=2', '--eval_interval=2', cwd=tmp_path)
+    before = {p.name: p.read_bytes() for p in (tmp_path / 'run').iterdir()}
+    for f in ('train.bin', 'val.bin', 'meta.pkl', 'prep.json'):
+        shutil.copy(data_dir / 'shakespeare_char' / f, d / f)
+    msg = fails(tmp_path, f'--dataset={d}', '--out_dir=run', '--max_iters=4')
+    assert msg == f"error: {d} holds the ids of a 65-character vocabulary, but the run it would continue " \
+                  f"(run/ckpt.pt) trained on GPT-2 BPE tokens: the data was prepared again or is another dataset; " \
+                  f"prepare the run's data as it was, or give another --out_dir for a new run"
+    assert {p.name: p.read_bytes() for p in (tmp_path / 'run').iterdir()} == before
 
 
 @pytest.mark.parametrize('config, says', [

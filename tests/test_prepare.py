@@ -5,12 +5,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
 
 import seeds
 from conftest import REPO, SHAKESPEARE, TINY, env, one_line_error, run
+from test_saved_state import small_disk  # noqa: F401 (a fixture)
 
 
 def tokens(path):
@@ -184,6 +186,24 @@ def test_failed_download_removes_the_folders_it_made(tmp_path):
     assert not any(tmp_path.iterdir())  # new/, new/data/ and new/data/shakespeare_char/ were made for input.txt
 
 
+def test_a_download_that_does_not_fit_is_one_line_and_leaves_no_partial_file(small_disk, monkeypatch):
+    # it was a traceback, and the partial input.txt.tmp kept the disk full
+    disk = small_disk('64k')
+    sys.path.insert(0, str(REPO))
+    import prepare
+
+    class Response:
+        content = b'x' * 200_000
+
+        def raise_for_status(self):
+            pass
+    monkeypatch.setitem(sys.modules, 'requests', types.SimpleNamespace(get=lambda url, timeout: Response()))
+    with pytest.raises(SystemExit) as e:
+        prepare.download('https://example.org/input.txt', str(disk / 'input.txt'))
+    assert e.value.code == f"error: writing in {disk} failed (No space left on device): free some space or choose " \
+                           f"another --out_root"
+    assert not any(disk.iterdir())
+
 def test_document_files_as_parquet(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -194,6 +214,25 @@ def test_document_files_as_parquet(tmp_path):
     assert tokens(tmp_path / 'data' / 'owt' / 'train.bin').tolist().count(50256) == 18
     assert sorted(p.name for p in (tmp_path / 'data' / 'owt').iterdir()) == ['prep.json', 'train.bin', 'val.bin']
 
+
+
+def test_a_document_prep_on_a_full_disk_is_one_line_and_keeps_the_prep_before(tmp_path, small_disk):
+    # its tokens went into a memmap, whose first page past the disk's end killed prepare.py with SIGBUS, its
+    # temporary file taking the rest of the disk
+    disk = small_disk('256k')
+    (tmp_path / 'd.jsonl').write_text(jsonl(DOCS))
+    (tmp_path / 'big.jsonl').write_text(jsonl([{'text': f'word{i} ' * 400} for i in range(40)]))  # ~100k tokens
+    args = ['--name=owt', f'--out_root={disk}', '--num_proc=1']
+    run('prepare.py', 'openwebtext-10k', '--data_files=d.jsonl', *args, cwd=tmp_path)
+    before = {p.name: p.read_bytes() for p in (disk / 'owt').iterdir()}
+    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+    (disk / 'filler').write_bytes(b'\0' * (free - 64 * 1024))  # room for the lock and 64k of the 200k of tokens
+    p = run('prepare.py', 'openwebtext-10k', '--data_files=big.jsonl', '--force=True', *args, cwd=tmp_path,
+            check=False)
+    assert p.returncode == 1 and 'Traceback' not in p.stderr, p.stderr[-2000:]  # after the progress bars, one line
+    assert p.stderr.strip().splitlines()[-1] == f"error: writing in {disk / 'owt'} failed (No space left on device): " \
+                                                f"free some space or choose another --out_root"
+    assert {p.name: p.read_bytes() for p in (disk / 'owt').iterdir()} == before  # no .tmp, no lock left
 
 # -----------------------------------------------------------------------------
 # nanoGPT's layout (data/<name>/prepare.py) and DLRover's command (prepare.py --src_data_path FILE)
@@ -313,10 +352,33 @@ def test_a_finished_prep_is_kept_unless_forced(tmp_path):
     assert msg == f"error: data/mine holds a finished prep that records no settings (an older prepare.py's, or " \
                   f"nanoGPT's), {fix}", msg
     assert state(folder) == before
+    sys.path.insert(0, str(REPO))
+    import data  # a run reading the folder, as every entrypoint does, while --force replaces its prep
+    files, _ = data.find_bins(str(folder), 32)
+    began = {split: tokens(folder / f'{split}.bin').tolist() for split in files}
     run('prepare.py', 'text', '--input=other.txt', '--tokenizer=char', '--name=mine', '--force=True', cwd=tmp_path)
     meta = pickle.loads((folder / 'meta.pkl').read_bytes())
     assert ''.join(meta['itos'][i] for i in tokens(folder / 'train.bin')) == other.read_text()[:1800]
+    # the run goes on with the tokens it began with: it read the new ones, another vocabulary's ids, mid-run
+    assert {split: data.open_tokens(f).tolist() for split, f in files.items()} == began
 
+
+def test_a_vocabulary_whose_token_files_were_removed_is_kept_unless_forced(tmp_path):
+    # the .bin files removed to save space, meta.pkl is still what a model trained on the folder decodes with: a prep
+    # of other settings removed it (a GPT-2 prep's) or wrote another over it, as if the folder held nothing
+    (tmp_path / 'poem.txt').write_text('the quick brown fox jumps over the lazy dog\n' * 50)
+    run('prepare.py', 'text', '--input=poem.txt', '--tokenizer=char', '--name=mine', cwd=tmp_path)
+    folder = tmp_path / 'data' / 'mine'
+    meta = (folder / 'meta.pkl').read_bytes()
+    for split in ('train', 'val'):
+        (folder / f'{split}.bin').unlink()
+    before = state(folder)
+    msg = one_line_error(run('prepare.py', 'text', '--input=poem.txt', '--tokenizer=gpt2', '--name=mine', cwd=tmp_path,
+                             check=False))
+    assert msg.startswith("error: data/mine holds a finished prep of other input or settings (tokenizer='char')"), msg
+    assert state(folder) == before
+    run('prepare.py', 'text', '--input=poem.txt', '--tokenizer=char', '--name=mine', cwd=tmp_path)  # the same again
+    assert (folder / 'meta.pkl').read_bytes() == meta and len(tokens(folder / 'train.bin')) == 1980
 
 # Runs prepare.py as if another prepare.py finished a prep (the files of the folder argv[1]) in the folder just
 # before this one holds it (the link of its run.lock), after its first look found none.

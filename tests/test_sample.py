@@ -126,11 +126,19 @@ NO_GPU = 'cuda' if not torch.cuda.is_available() else f'cuda:{torch.cuda.device_
     ('NAN_CONFIG', 'temperature=nan is not a number from 0 up: give 0 (always the likeliest token) or more'),
     ('--seed=99999999999999999999', 'seed=99999999999999999999 must be from 0 to 9223372036854775807'),
     ('SMALL_META', "does not hold the vocabulary of this 65-token model (10 tokens): pass the --meta_path of the data"),
+    # as many characters, two swapped: every id decodes, to the wrong character
+    ('SWAPPED_META', "is not the vocabulary the model was trained on (its data was prepared again since, or it is "
+                     "another dataset's): pass the --meta_path of the data the model was trained on"),
 ])
 def test_sample_bad_input(char_run, tmp_path, flag, message):
     if flag == 'SMALL_META':  # a vocabulary of 10 characters for a model of 65: its ids 10 and up have no text
         chars = 'abcdefghij'
         meta = {'vocab_size': 10, 'itos': dict(enumerate(chars)), 'stoi': {c: i for i, c in enumerate(chars)}}
+        (tmp_path / 'meta.pkl').write_bytes(pickle.dumps(meta))
+        flag = f'--meta_path={tmp_path / "meta.pkl"}'
+    if flag == 'SWAPPED_META':
+        meta = pickle.loads((char_run / 'data' / 'shakespeare_char' / 'meta.pkl').read_bytes())
+        meta['itos'][0], meta['itos'][1] = meta['itos'][1], meta['itos'][0]
         (tmp_path / 'meta.pkl').write_bytes(pickle.dumps(meta))
         flag = f'--meta_path={tmp_path / "meta.pkl"}'
     if flag == 'NAN_CONFIG':  # a value no flag can spell
