@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import launch
+from launcher import launch, start
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / 'shared' / 'data'
@@ -93,6 +93,14 @@ def run(script, *args, nproc=1, cwd, check=True, nthreads=1):
         raise AssertionError(f"{script} {' '.join(map(str, args))} on {nproc} exited {p.returncode}\n"
                              f"{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
     return p
+
+
+def begin(script, *args, cwd):
+    """Starts one of the repo's scripts on one process, forked as run() forks it, and returns at once: the process (to
+    signal or kill mid-run, as a fault; no interpreter's start-up to wait for first) and what launcher.finish() waits on
+    for the CompletedProcess, its output and exit code."""
+    started = start(str(REPO / script), list(map(str, args)), env(), cwd)
+    return started[0][0], started
 
 
 _ports_given = set()

@@ -24,8 +24,11 @@ import threading
 import time
 import traceback
 
-# what every entrypoint imports and would take a fresh interpreter seconds; none of them starts a thread on import
-PRELOAD = ['torch', 'torch._dynamo', 'torch.distributed.checkpoint', 'torch.distributed.fsdp', 'numpy']
+# what every entrypoint imports and would take a fresh interpreter seconds; none of them starts a thread on import.
+# inductor's compile_fx: deepspeed.initialize imports it in every ds_train.py process (its Muon optimizer's
+# torch.compile, at the optimizer's check), 0.7 s of CPU each time, the larger part of a forked rank's start
+PRELOAD = ['torch', 'torch._dynamo', 'torch.distributed.checkpoint', 'torch.distributed.fsdp', 'numpy',
+           'torch._inductor.compile_fx']
 _context = None
 _clean_path = None
 

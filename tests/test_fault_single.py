@@ -19,19 +19,12 @@ import pytest
 import torch
 
 from checkpoint import snapshot_dir
-from conftest import REPO, env, read_metrics, run
-from launcher import finish, launch, start
+from conftest import REPO, begin, env, read_metrics, run
+from launcher import finish, launch
 from test_fault import KIND, assert_same_run, beside, cut_short, final_weights, logged_iters, tiny, weights
 
 ONE = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=24', '--eval_interval=12',
        '--save_memory_interval=2', '--save_storage_interval=6']
-
-
-def begin(script, *args, cwd):
-    """script on one process, forked as run() forks it (no interpreter's start-up to wait for), returned at once:
-    the process, to signal or kill, and what finish() waits on for its exit code and output."""
-    started = start(str(REPO / script), list(map(str, args)), env(), cwd)
-    return started[0][0], started
 
 
 def newest_snapshot(script, folder):
