@@ -26,11 +26,11 @@ SLOWEST_FIRST = ['test_fault.py',  # 170
                  'test_interrupt.py',  # 55 with Ctrl-C in every entrypoint, prepare.py and bench.py
                  'test_fault_write.py',  # 144
                  'test_ds.py',  # 123
-                 'test_fault_single.py',  # 117
                  'test_slurm.py',  # 109
                  'test_interop.py',  # 76
                  'test_saved_state.py',  # 89 with the shared runs' setup, on a busy machine (load 6)
                  'test_gpu_check.py',  # 80 with other jobs on the 2 cores (36 s of CPU)
+                 'test_fault_single.py',  # 67 with its killed and signalled runs forked (117-180 in fresh interpreters)
                  'test_hellaswag.py',  # 64
                  'test_fault_resize.py',  # 55
                  'test_compat.py',  # 42
