@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import launch
+from launcher import launch, start
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / 'shared' / 'data'
@@ -26,11 +26,11 @@ SLOWEST_FIRST = ['test_fault.py',  # 170
                  'test_interrupt.py',  # 55 with Ctrl-C in every entrypoint, prepare.py and bench.py
                  'test_fault_write.py',  # 144
                  'test_ds.py',  # 123
-                 'test_fault_single.py',  # 117
                  'test_slurm.py',  # 109
                  'test_interop.py',  # 76
                  'test_saved_state.py',  # 89 with the shared runs' setup, on a busy machine (load 6)
                  'test_gpu_check.py',  # 80 with other jobs on the 2 cores (36 s of CPU)
+                 'test_fault_single.py',  # 67 with its killed and signalled runs forked (117-180 in fresh interpreters)
                  'test_hellaswag.py',  # 64
                  'test_fault_resize.py',  # 55
                  'test_compat.py',  # 42
@@ -93,6 +93,14 @@ def run(script, *args, nproc=1, cwd, check=True, nthreads=1):
         raise AssertionError(f"{script} {' '.join(map(str, args))} on {nproc} exited {p.returncode}\n"
                              f"{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
     return p
+
+
+def begin(script, *args, cwd):
+    """Starts one of the repo's scripts on one process, forked as run() forks it, and returns at once: the process (to
+    signal or kill mid-run, as a fault; no interpreter's start-up to wait for first) and what launcher.finish() waits on
+    for the CompletedProcess, its output and exit code."""
+    started = start(str(REPO / script), list(map(str, args)), env(), cwd)
+    return started[0][0], started
 
 
 _ports_given = set()

@@ -16,6 +16,7 @@ import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,8 +24,11 @@ import threading
 import time
 import traceback
 
-# what every entrypoint imports and would take a fresh interpreter seconds; none of them starts a thread on import
-PRELOAD = ['torch', 'torch._dynamo', 'torch.distributed.checkpoint', 'torch.distributed.fsdp', 'numpy']
+# what every entrypoint imports and would take a fresh interpreter seconds; none of them starts a thread on import.
+# inductor's compile_fx: deepspeed.initialize imports it in every ds_train.py process (its Muon optimizer's
+# torch.compile, at the optimizer's check), 0.7 s of CPU each time, the larger part of a forked rank's start
+PRELOAD = ['torch', 'torch._dynamo', 'torch.distributed.checkpoint', 'torch.distributed.fsdp', 'numpy',
+           'torch._inductor.compile_fx']
 _context = None
 _clean_path = None
 
@@ -79,26 +83,34 @@ def _child(script, args, env, cwd, out, err, path):
     os._exit(code)
 
 
-def launch(script, args, env, cwd, nproc=1, timeout=600):
-    """Runs script with args on nproc ranks; a CompletedProcess with both streams (every rank's) and the exit code
-    (the process's own for one rank; 0 or 1 for several, as torchrun's)."""
+def start(script, args, env, cwd, nproc=1):
+    """Starts script with args on nproc ranks and returns at once: (the ranks' processes, what finish() needs). A
+    test that signals or kills a rank (its .pid) mid-run, as a fault, saves a fresh interpreter's start-up."""
     import torch.distributed as dist  # the agents' store; the test process has imported torch already
     context = _start_server(env)
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = os.path.join(tmp, 'out'), os.path.join(tmp, 'err')
-        open(out, 'w').close()
-        open(err, 'w').close()
-        store, envs = None, [env]
-        if nproc > 1:
-            store = dist.TCPStore('127.0.0.1', 0, nproc, is_master=True, wait_for_workers=False)
-            common = dict(env, MASTER_ADDR='127.0.0.1', MASTER_PORT=str(store.port), WORLD_SIZE=str(nproc),
-                          LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc), GROUP_RANK='0', GROUP_WORLD_SIZE='1',
-                          ROLE_NAME='default', TORCHELASTIC_USE_AGENT_STORE='True', TORCHELASTIC_RESTART_COUNT='0',
-                          TORCHELASTIC_MAX_RESTARTS='0', TORCHELASTIC_RUN_ID='none')
-            envs = [dict(common, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r)) for r in range(nproc)]
-        procs = [context.Process(target=_child, args=(script, args, e, str(cwd), out, err, _clean_path)) for e in envs]
-        for p in procs:
-            p.start()
+    tmp = tempfile.mkdtemp(prefix='launch-')
+    out, err = os.path.join(tmp, 'out'), os.path.join(tmp, 'err')
+    open(out, 'w').close()
+    open(err, 'w').close()
+    store, envs = None, [env]
+    if nproc > 1:
+        store = dist.TCPStore('127.0.0.1', 0, nproc, is_master=True, wait_for_workers=False)
+        common = dict(env, MASTER_ADDR='127.0.0.1', MASTER_PORT=str(store.port), WORLD_SIZE=str(nproc),
+                      LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc), GROUP_RANK='0', GROUP_WORLD_SIZE='1',
+                      ROLE_NAME='default', TORCHELASTIC_USE_AGENT_STORE='True', TORCHELASTIC_RESTART_COUNT='0',
+                      TORCHELASTIC_MAX_RESTARTS='0', TORCHELASTIC_RUN_ID='none')
+        envs = [dict(common, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r)) for r in range(nproc)]
+    procs = [context.Process(target=_child, args=(script, args, e, str(cwd), out, err, _clean_path)) for e in envs]
+    for p in procs:
+        p.start()
+    return procs, (script, args, tmp, store)
+
+
+def finish(started, timeout=600):
+    """Waits for the ranks that start() returned; a CompletedProcess with both streams (every rank's) and the exit
+    code (the process's own for one rank; 0 or 1 for several, as torchrun's)."""
+    procs, (script, args, tmp, _) = started
+    try:
         deadline, kill_at = time.time() + timeout, None
         while any(p.exitcode is None for p in procs):
             multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=1)
@@ -115,8 +127,14 @@ def launch(script, args, env, cwd, nproc=1, timeout=600):
             if kill_at is not None and now > kill_at:
                 for p in procs:
                     p.kill()
-        with open(out) as f, open(err) as g:
+        with open(os.path.join(tmp, 'out')) as f, open(os.path.join(tmp, 'err')) as g:
             stdout, stderr = f.read(), g.read()
-        del store
-    code = procs[0].exitcode if nproc == 1 else int(any(p.exitcode != 0 for p in procs))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    code = procs[0].exitcode if len(procs) == 1 else int(any(p.exitcode != 0 for p in procs))
     return subprocess.CompletedProcess([script, *args], code, stdout, stderr)
+
+
+def launch(script, args, env, cwd, nproc=1, timeout=600):
+    """Runs script with args on nproc ranks to its end: finish()'s CompletedProcess."""
+    return finish(start(script, args, env, cwd, nproc), timeout)

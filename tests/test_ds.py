@@ -111,6 +111,11 @@ def stages(tmp_path_factory, data_dir, ref):
     (tmp / 'ds.json').write_text(json.dumps({'steps_per_print': 1000, 'wall_clock_breakdown': False,
                                              'gradient_predivide_factor': 1,
                                              'zero_optimization': {'overlap_comm': False}}))
+    # deterministic mode fills what torch.empty returns (torch's fill_uninitialized_memory), and stage 2's buckets
+    # hold 5e8 elements by default: 2 GB a rank to fill, 54 s of a 13 s run. Buckets of 1e6 still take the model's
+    # 30k parameters whole, one bucket as before: the same reductions, the same losses bit for bit
+    (tmp / 'buckets.json').write_text(json.dumps({'zero_optimization': {'reduce_bucket_size': 10**6,
+                                                                        'allgather_bucket_size': 10**6}}))
 
     def one(stage):
         args = (f'--zero_stage={stage}', '--max_iters=10', *([f'--ds_config={tmp / "ds.json"}'] if stage == 3 else []))
@@ -119,10 +124,10 @@ def stages(tmp_path_factory, data_dir, ref):
         if stage == 1:
             return deepspeed_launch(tmp, data_dir, f'zero{stage}', *args)
         return launch('ds_train.py', tmp, data_dir, f'zero{stage}', *args,
-                      *(['--deterministic=True', '--dropout=0.1'] if stage == 2 else []), nproc=2)
-    # the four runs at once: two start fresh interpreters under their launchers, and stage 2's deterministic mode
-    # spends its time filling DeepSpeed's buckets (torch fills what torch.empty returns there): one after another,
-    # they were 48 s of this file's 74 on an idle machine
+                      *(['--deterministic=True', '--dropout=0.1', f'--ds_config={tmp / "buckets.json"}']
+                        if stage == 2 else []), nproc=2)
+    # the four runs at once: two start fresh interpreters under their launchers, which mostly wait: one after
+    # another, they were 48 s of this file's 74 on an idle machine
     with ThreadPoolExecutor(4) as pool:
         runs = list(pool.map(one, (0, 1, 2, 3)))
     for stage, p in enumerate(runs):

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,15 @@ def tiny(data_dir, out, *extra):
     return [*TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}', *extra]
 
 
+def beside(shared_run, script, *args, nproc=2):
+    """The uninterrupted reference, shared_run(script, *args, nproc=nproc), made in a thread beside the test's own run
+    (a launcher's fresh interpreters take seconds to start): a future of its out_dir."""
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(shared_run, script, *args, nproc=nproc)
+    pool.shutdown(wait=False)
+    return future
+
+
 def cut_short(path):
     """Truncates a file to a third, as a crash or a full disk would leave it."""
     path.write_bytes(path.read_bytes()[:path.stat().st_size // 3])
@@ -160,10 +170,11 @@ KILL_ARGS = {'train.py': [], 'fsdp_train.py': [], 'pp_train.py': ['--pp_size=2']
 def test_sigkilled_workers_resume_from_their_memory_snapshots_and_finish_the_same(tmp_path, data_dir, shared_run,
                                                                                    script):
     args = [*KILLED, *KILL_ARGS[script]]
-    ref = shared_run(script, *args, nproc=2)
+    ref = beside(shared_run, script, *args)
     # rank 0 past iter 7 (between snapshots), then rank 1 of the restarted group past iter 13
     out, killed_at = run_with_kills(elastic(script, *tiny(data_dir, tmp_path / 'ft', *args)), tmp_path / 'ft',
                                     [7, 13], cwd=tmp_path)
+    ref = ref.result()
     # the node's snapshot (train.py, ds_train.py) or each rank's of its own shards, stage or replica (fsdp, pp, decent)
     resumed = [int(m) for m in re.findall(r'resuming from \S+/nanogpt-\w+/\S+ at iter (\d+)', out)]
     assert len(resumed) == len(killed_at), out[-5000:]
@@ -178,7 +189,7 @@ def test_sigkilled_workers_resume_from_their_memory_snapshots_and_finish_the_sam
 def test_sigterm_saves_and_exits_cleanly_then_resumes_exactly(tmp_path, data_dir, shared_run, script):
     # pp_train.py as a pipeline of 2 ranks: the stop is agreed across its stages, each stage's state and RNG come back
     args = [*KILLED, *KILL_ARGS[script]]
-    ref = shared_run(script, *args, nproc=2)
+    ref = beside(shared_run, script, *args)
     out_dir = tmp_path / 'ft'
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
            str(REPO / script), *tiny(data_dir, out_dir, *args)]
@@ -197,6 +208,7 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes_exactly(tmp_path, data_dir
     assert f'{script}", line' not in out, out[-3000:]  # no worker failed (torchrun reports its own signal)
     p = run(script, *tiny(data_dir, out_dir, *args), nproc=2, cwd=tmp_path)
     assert f'at iter {stopped}' in p.stdout
+    ref = ref.result()
     assert read_metrics(out_dir)[0] == read_metrics(ref)[0]  # bit for bit
     assert same_weights(final_weights(script, out_dir), final_weights(script, ref))
 
@@ -243,9 +255,10 @@ def test_ds_memory_snapshots_of_two_nodes_with_a_dev_shm_each_resume_a_sigkilled
     # needs one too. Restarting the group also has to work when the first node's agent restarts its worker for the
     # new member, which torchrun does not count as a restart. The reference: the same 2 ranks on one node.
     args = [*KILLED, *KILL_ARGS['ds_train.py']]
-    ref = shared_run('ds_train.py', *args, nproc=2)
+    ref = beside(shared_run, 'ds_train.py', *args)
     out, killed_at = two_nodes_with_a_dev_shm_each('ds_train.py', tiny(data_dir, tmp_path / 'ft', *args),
                                                    tmp_path / 'ft', kill_after=9)
+    ref = ref.result()
     resumed = [int(m) for m in re.findall(r'resuming from /dev/shm/nanogpt-\w+/step-\d+ at iter (\d+)', out)]
     # from a memory snapshot before the kill (at 9 or later): on a busy machine the newest both nodes hold may be
     # a few steps back, where a write was still in flight or failed with its peer
@@ -256,7 +269,7 @@ def test_ds_memory_snapshots_of_two_nodes_with_a_dev_shm_each_resume_a_sigkilled
 def test_dlrover_run_restarts_sigkilled_workers_and_train_py_finishes_bit_exact(tmp_path, data_dir, shared_run):
     # dlrover-run in place of torchrun, standalone (its job master on this node): it gives the workers no agent
     # store, and a new MASTER_PORT at each restart
-    ref_dir = shared_run('train.py', *KILLED, nproc=2)
+    ref_dir = beside(shared_run, 'train.py', *KILLED)
     # the workers' flags as DLRover's nanoGPT example writes them: argparse's space-separated values, the data's
     # folder as --data_dir, and --epochs (one pass over train.bin is 3,922 steps here: max_iters=60 ends the run);
     # bare --decay_lr, since DLRover's default (taken here for what its flags leave out) is a constant rate
@@ -274,6 +287,7 @@ def test_dlrover_run_restarts_sigkilled_workers_and_train_py_finishes_bit_exact(
     resumed = [int(m) for m in re.findall(r'resuming from \S+/nanogpt-\w+/ckpt\.pt at iter (\d+)', out)]
     assert len(resumed) == len(killed_at), out[-5000:]
     assert_resumed_near(killed_at, resumed)
+    ref_dir = ref_dir.result()
     (ref, ref_evals), (ft, ft_evals) = read_metrics(ref_dir), read_metrics(tmp_path / 'ft')
     assert ft == ref and [e['val_loss'] for e in ft_evals] == [e['val_loss'] for e in ref_evals]
     assert same_weights(weights(tmp_path / 'ft' / 'ckpt.pt'), weights(ref_dir / 'ckpt.pt'))

@@ -6,6 +6,7 @@ old one; non-finite losses skip the step, and several in a row stop the run. One
 old run of the third."""
 
 import math
+import os
 import re
 import shutil
 import signal
@@ -18,9 +19,9 @@ import pytest
 import torch
 
 from checkpoint import snapshot_dir
-from conftest import REPO, env, one_line_error, read_metrics, run
-from launcher import launch
-from test_fault import KIND, assert_same_run, cut_short, final_weights, logged_iters, tiny, weights
+from conftest import REPO, begin, env, one_line_error, read_metrics, run
+from launcher import finish, launch
+from test_fault import KIND, assert_same_run, beside, cut_short, final_weights, logged_iters, tiny, weights
 
 ONE = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=24', '--eval_interval=12',
        '--save_memory_interval=2', '--save_storage_interval=6']
@@ -42,18 +43,17 @@ def newest_snapshot(script, folder):
 
 @pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'pp_train.py', 'ds_train.py', 'decent_train.py'])
 def test_a_truncated_newest_memory_snapshot_falls_back_to_the_one_before(tmp_path, data_dir, shared_run, script):
-    ref_dir = shared_run(script, *ONE)
+    ref_dir = beside(shared_run, script, *ONE, nproc=1)
     out_dir = tmp_path / 'ft'
-    p = subprocess.Popen([sys.executable, str(REPO / script), *tiny(data_dir, out_dir, *ONE)], cwd=tmp_path,
-                         env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p, started = begin(script, *tiny(data_dir, out_dir, *ONE), cwd=tmp_path)
     stored = out_dir / ('ckpt.pt' if script == 'train.py' else f'{KIND[script]}/latest')
     try:  # killed past its first storage checkpoint (iter 6), with snapshots every 2 steps
         while not (stored.exists() and logged_iters(out_dir) and logged_iters(out_dir)[-1] >= 9):
-            assert p.poll() is None
+            assert p.exitcode is None
             time.sleep(0.005)
     finally:
         p.kill()
-        p.wait()
+        finish(started)
     shm = Path(snapshot_dir((out_dir / 'run_id').read_text().strip()))
     damaged, file, held = newest_snapshot(script, shm)
     cut_short(file)
@@ -63,7 +63,7 @@ def test_a_truncated_newest_memory_snapshot_falls_back_to_the_one_before(tmp_pat
     # the snapshot before it; train.py's node keeps one, so its storage checkpoint (iter 6, or of the same iter); and
     # where a busy machine wrote no snapshot past the storage checkpoint's iter 6, that checkpoint
     assert 6 <= start < held or (script == 'train.py' or held == 6) and start == held, (start, held)
-    assert_same_run(ref_dir, out_dir, script, exact=script != 'ds_train.py')
+    assert_same_run(ref_dir.result(), out_dir, script, exact=script != 'ds_train.py')
     assert not shm.exists()  # the finished run freed its snapshots, the damaged one too
 
 
@@ -72,14 +72,14 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes_on_the_same_curve(tmp_path
     # one process, which the signal reaches straight (train.py's and pp_train.py's tests have torchrun pass it on)
     ref_dir = shared_run(script, *ONE)
     out_dir = tmp_path / 'ft'
-    p = subprocess.Popen([sys.executable, str(REPO / script), *tiny(data_dir, out_dir, *ONE)], cwd=tmp_path,
-                         env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p, started = begin(script, *tiny(data_dir, out_dir, *ONE), cwd=tmp_path)
     while not (logged_iters(out_dir) and logged_iters(out_dir)[-1] >= 6):
-        assert p.poll() is None
+        assert p.exitcode is None
         time.sleep(0.005)
-    p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 0 and 'Traceback' not in err and 'error' not in err, err[-3000:]
+    os.kill(p.pid, signal.SIGTERM)
+    done = finish(started, timeout=120)
+    out, err = done.stdout, done.stderr
+    assert done.returncode == 0 and 'Traceback' not in err and 'error' not in err, err[-3000:]
     stopped = int(re.search(r'SIGTERM: saving a checkpoint at iter (\d+) and exiting', out)[1])
     assert 6 < stopped < 24, out[-3000:]
     assert (out_dir / KIND[script] / 'latest').read_text() == f'step-{stopped:08d}'
@@ -94,14 +94,13 @@ def test_a_run_started_afresh_over_an_old_run_and_killed_before_its_first_save_n
     args = ['--gradient_accumulation_steps=1', '--eval_interval=4']
     shutil.copytree(shared_run(script, *ONE), tmp_path / 'run')  # the old run, saved at 24
     (tmp_path / 'run' / 'metrics.jsonl').unlink()
-    fresh = subprocess.Popen([sys.executable, str(REPO / script), *tiny(data_dir, tmp_path / 'run', *args),
-                              '--max_iters=1000', '--eval_interval=1000', '--auto_resume=False'],
-                             cwd=tmp_path, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    fresh, started = begin(script, *tiny(data_dir, tmp_path / 'run', *args), '--max_iters=1000',
+                           '--eval_interval=1000', '--auto_resume=False', cwd=tmp_path)
     while not (logged_iters(tmp_path / 'run') and logged_iters(tmp_path / 'run')[-1] >= 1):
-        assert fresh.poll() is None
+        assert fresh.exitcode is None
         time.sleep(0.005)
     fresh.kill()
-    fresh.wait()
+    assert finish(started).returncode == -signal.SIGKILL
     p = run(script, *tiny(data_dir, tmp_path / 'run', *args, '--max_iters=2'), cwd=tmp_path)
     assert 'auto-resume' not in p.stdout and 'resuming from' not in p.stdout, p.stdout[-3000:]
     assert logged_iters(tmp_path / 'run') == [0, 1]
@@ -150,7 +149,7 @@ def run_with_nans(tmp_path, nan_steps, *args, script='train.py', nproc=1, launch
     wrapper.write_text(NAN_WRAPPER)
     environ = {**env(), 'REPO': str(REPO), 'NAN_STEPS': nan_steps, 'OMP_NUM_THREADS': '1',
                'POISON_STEP': str(poison_step)}
-    if nproc > 1:  # the ranks as tests/launcher.py starts them, each with the wrapper
+    if not launcher:  # the ranks as tests/launcher.py starts them, each with the wrapper
         return launch(str(wrapper), [str(REPO / script), *map(str, args)], environ, tmp_path, nproc=nproc)
     return subprocess.run([sys.executable, *launcher, str(wrapper), str(REPO / script), *args], cwd=tmp_path,
                           text=True, env=environ, capture_output=True, timeout=300)

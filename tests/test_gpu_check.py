@@ -11,10 +11,38 @@ import pytest
 from conftest import REPO, SHAKESPEARE, env
 
 
-def test_gpu_check_dry_run_passes_every_part_and_prints_the_table(tmp_path):
-    p = subprocess.run([sys.executable, str(REPO / 'tests' / 'gpu_check.py'), '--dry_run', '--entrypoints=train.py',
-                        f'--input={SHAKESPEARE}', f'--out={tmp_path / "out"}'], cwd=tmp_path, env=env(),
-                       capture_output=True, text=True, timeout=600)
+def gpu_check(tmp_path, *args):
+    """tests/gpu_check.py --dry_run with args, started at once in tmp_path (its --out in tmp_path/out): a Popen."""
+    return subprocess.Popen([sys.executable, str(REPO / 'tests' / 'gpu_check.py'), '--dry_run', *args,
+                             f'--input={SHAKESPEARE}', f'--out={tmp_path / "out"}'], cwd=tmp_path, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished(popen, timeout=600):
+    try:
+        stdout, stderr = popen.communicate(timeout=timeout)
+    finally:
+        popen.kill()
+    return subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
+
+
+@pytest.fixture(scope='module')
+def dry_runs(tmp_path_factory):
+    """The two dry runs that take long, both started before either is waited for: each runs one process at a time
+    (part A two, --jobs), on a CPU the other leaves half idle. {name: (its folder, its Popen)}."""
+    runs = {'all': ['--entrypoints=train.py'],
+            'only': ['--entrypoints=train.py', '--parts=AB', '--only=zero_stage=3,Verdict']}
+    folders = {name: tmp_path_factory.mktemp(f'gpu_check-{name}') for name in runs}
+    started = {name: (folders[name], gpu_check(folders[name], *args)) for name, args in runs.items()}
+    yield started
+    for _, popen in started.values():  # a test that failed early, or was not selected, leaves its run going
+        popen.kill()
+        popen.wait()
+
+
+def test_gpu_check_dry_run_passes_every_part_and_prints_the_table(dry_runs):
+    tmp_path, popen = dry_runs['all']
+    p = finished(popen)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = json.loads((tmp_path / 'out' / 'table.json').read_text())
     checks = {what: (ok, figure) for part, what, ok, figure in rows}
@@ -98,13 +126,11 @@ def test_a_run_out_of_time_is_stopped_with_the_workers_torchrun_started_in_sessi
         p.kill()
 
 
-def test_gpu_check_runs_only_the_checks_named(tmp_path):
+def test_gpu_check_runs_only_the_checks_named(dry_runs):
     # a later GPU call runs what an earlier one did not reach, and nothing it did: here part B's verdict timing alone
     # (part A's ZeRO-3 check is of ds_train.py, which --entrypoints leaves out)
-    p = subprocess.run([sys.executable, str(REPO / 'tests' / 'gpu_check.py'), '--dry_run', '--entrypoints=train.py',
-                        '--parts=AB', '--only=zero_stage=3,Verdict', f'--input={SHAKESPEARE}',
-                        f'--out={tmp_path / "out"}'], cwd=tmp_path, env=env(), capture_output=True, text=True,
-                       timeout=600)
+    tmp_path, popen = dry_runs['only']
+    p = finished(popen)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = json.loads((tmp_path / 'out' / 'table.json').read_text())
     assert [(part, what, ok) for part, what, ok, _ in rows] == [('B', 'verdict a step late vs every step', True)]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, TINY, env, one_line_error, run
+from launcher import launch
 from test_untrusted import Payload
 
 os.environ.update(TIKTOKEN_CACHE_DIR=env()['TIKTOKEN_CACHE_DIR'], HF_HUB_OFFLINE='1')
@@ -203,8 +204,7 @@ def test_two_fsdp_ranks_give_the_counts_of_one(setup):
     tmp, data, examples, models = setup
     script = tmp / 'fsdp_eval.py'
     script.write_text(FSDP_SCRIPT.format(repo=str(REPO), ckpt=str(tmp / 'bias'), data=str(data), block=BLOCK))
-    p = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                        str(script)], cwd=tmp, env=env(), capture_output=True, text=True, timeout=180)
+    p = launch(str(script), [], env(), tmp, nproc=2, timeout=180)  # forked, as torchrun starts its ranks
     assert p.returncode == 0, p.stderr[-3000:]
     lines = [json.loads(line) for line in p.stdout.splitlines() if line.startswith('[')]
     assert len(lines) == 2 and lines[0] == lines[1]  # both ranks hold the all-reduced counts

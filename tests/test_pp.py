@@ -7,17 +7,16 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from conftest import REPO, TINY, env, one_line_error, read_metrics, run
+from launcher import finish, start
 from model import GPT, GPTConfig
 from pipeline import Part, stage_memory
-from test_fault import logged_iters, workers
+from test_fault import logged_iters
 
 # 8 blocks, so that pp 4 with two stages per rank has one block a stage; the global batch of test_fsdp.py
 BASE = ['--n_layer=8', '--gradient_accumulation_steps=4', '--eval_interval=4', '--always_save_checkpoint=True']
@@ -159,18 +158,19 @@ def test_a_crashed_runs_snapshots_at_another_layout_are_refused_not_stranded(tmp
     out = tmp_path / 'run'
     args = [*TINY, *BASE, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}', '--eval_interval=1000',
             '--save_memory_interval=2', '--max_iters=100000']
-    p = subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                          str(REPO / 'pp_train.py'), *args, '--pp_size=2'], cwd=tmp_path, env=env(),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # its 2 ranks forked as torchrun starts them (launcher.py), and the other one stopped as torchrun stops it
+    started = start(str(REPO / 'pp_train.py'), [*args, '--pp_size=2'], env(), tmp_path, nproc=2)
+    ranks = started[0]
     try:
         deadline = time.time() + 120
-        while not (logged_iters(out) and logged_iters(out)[-1] >= 5 and len(workers(p.pid)) == 2):
-            assert p.poll() is None and time.time() < deadline
+        while not (logged_iters(out) and logged_iters(out)[-1] >= 5):
+            assert all(rank.exitcode is None for rank in ranks) and time.time() < deadline
             time.sleep(0.01)
-        os.kill(workers(p.pid)[0], signal.SIGKILL)
-        p.wait(timeout=60)
+        os.kill(ranks[0].pid, signal.SIGKILL)
+        finish(started, timeout=60)
     finally:
-        p.kill()
+        for rank in ranks:
+            rank.kill()
     before = {f: f.read_bytes() for f in out.rglob('*') if f.is_file() and f.name != 'run.lock'}
     assert not (out / 'dcp').exists()
     bounded = [a for a in args if 'max_iters' not in a] + ['--max_iters=40']

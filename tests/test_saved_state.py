@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TINY, env, one_line_error, read_metrics, run
+from conftest import REPO, TINY, begin, env, one_line_error, read_metrics, run
+from launcher import finish
 
 ARGS = ['--gradient_accumulation_steps=1', '--max_iters=10', '--eval_interval=5']
 
@@ -395,16 +396,14 @@ def test_a_run_resuming_its_own_snapshot_keeps_the_copys_beside_it_in_out_dir(tm
     a, b = tmp_path / 'a', tmp_path / 'b'
     snapshots = copies(shared_run('fsdp_train.py', *ARGS), a, b)
     mine, theirs = snapshots / 'rank-0-of-1x1.pt', snapshots / 'rank-0-of-1x1.prev.pt'
-    killed = subprocess.Popen([sys.executable, str(REPO / 'fsdp_train.py'), *TINY,
-                               f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={a}', *ARGS,
-                               '--max_iters=100000', '--save_memory_interval=1'], cwd=tmp_path, env=env(),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    killed, started = begin('fsdp_train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={a}',
+                            *ARGS, '--max_iters=100000', '--save_memory_interval=1', cwd=tmp_path)
     try:
         while not theirs.exists():
-            assert killed.poll() is None
+            assert killed.exitcode is None
             time.sleep(0.01)
         killed.kill()
-        killed.wait()
+        finish(started)
         state = torch.load(theirs, weights_only=True)  # A's snapshot before its newest, made B's
         torch.save({**state, 'out_dir': str(b), 'out_dir_ino': b.stat().st_ino}, theirs)
         before, newest = files(snapshots), iter_of(mine)
@@ -415,8 +414,7 @@ def test_a_run_resuming_its_own_snapshot_keeps_the_copys_beside_it_in_out_dir(tm
         assert files(kept_as) == {theirs.name: before[theirs.name]}  # B's, as it was; A's own stayed for A
         assert not snapshots.exists()  # A's end freed its own
     finally:
-        if killed.poll() is None:
-            killed.kill()
+        killed.kill()
         shutil.rmtree(snapshots, ignore_errors=True)
 
 
@@ -443,22 +441,20 @@ def test_a_copy_started_beside_its_running_original_leaves_the_originals_snapsho
     # out_dir, then each replaced the other's, and B's end removed the folder with A's newest state in it
     a, b = tmp_path / 'a', tmp_path / 'b'
     snapshots = copies(shared_run('train.py', *ARGS), a, b)
-    running = subprocess.Popen([sys.executable, str(REPO / 'train.py'), *TINY,
-                                f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={a}', *ARGS,
-                                '--max_iters=100000', '--save_memory_interval=1'], cwd=tmp_path, env=env(),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    running, started = begin('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={a}', *ARGS,
+                             '--max_iters=100000', '--save_memory_interval=1', cwd=tmp_path)
     try:
         while not (snapshots / 'ckpt.pt').exists():
-            assert running.poll() is None
+            assert running.exitcode is None
             time.sleep(0.01)
         p = start(tmp_path, data_dir, b, '--max_iters=14', '--save_memory_interval=1')
         assert f'{snapshots} is in use by a run of a copy of this run' in p.stdout, p.stdout[-2000:]
         assert 'this run takes no memory snapshots of its own while that run lasts' in p.stdout
-        assert running.poll() is None and not list(b.glob('snapshots.*'))
+        assert running.exitcode is None and not list(b.glob('snapshots.*'))
         assert torch.load(snapshots / 'ckpt.pt', weights_only=True)['out_dir'] == str(a)  # A's, and A's only
     finally:
         running.kill()
-        running.wait()
+        finish(started)
         shutil.rmtree(snapshots, ignore_errors=True)
 
 
@@ -539,18 +535,16 @@ def test_a_deepspeed_run_resuming_its_own_snapshot_keeps_the_copys_newer_one(tmp
 def test_a_run_started_afresh_keeps_the_killed_earlier_runs_snapshots_in_out_dir_and_frees_the_ram(tmp_path,
                                                                                                    data_dir):
     out = tmp_path / 'run'
-    earlier = subprocess.Popen([sys.executable, str(REPO / 'train.py'), *TINY,
-                                f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}',
-                                '--gradient_accumulation_steps=1', '--max_iters=100000',
-                                '--eval_interval=100000', '--save_memory_interval=1'], cwd=tmp_path, env=env(),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    earlier, started = begin('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}',
+                             '--gradient_accumulation_steps=1', '--max_iters=100000', '--eval_interval=100000',
+                             '--save_memory_interval=1', cwd=tmp_path)
     run_id = None
     while run_id is None or not list(Path(f'/dev/shm/nanogpt-{run_id}').glob('*.pt')):
-        assert earlier.poll() is None
+        assert earlier.exitcode is None
         run_id = (out / 'run_id').read_text().strip() if (out / 'run_id').exists() else None
         time.sleep(0.01)
     earlier.kill()
-    earlier.wait()
+    finish(started)
     snapshots = Path(f'/dev/shm/nanogpt-{run_id}')
     before, config = files(snapshots), (out / 'config.json').read_bytes()
     p = start(tmp_path, data_dir, out, '--max_iters=2', '--auto_resume=False')

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -252,8 +253,9 @@ def test_a_failing_job_is_reported_failed_with_the_error_in_its_log(cluster, tmp
     assert error in open(info['StdOut']).read(), job_logs(info)
 
 
-@pytest.mark.parametrize('sig', ['USR1', 'TERM'], ids=['time-limit-warning', 'preemption'])
-def test_a_signalled_job_is_requeued_and_resumes_from_its_checkpoint(cluster, tmp_path, data_dir, sig):
+def signalled(cluster, tmp_path, data_dir, sig):
+    """A one-node job of train.py sent sig once it has saved its first checkpoint, released from the queue when SLURM
+    has requeued it, and waited for: its final info."""
     # long enough (seconds) that the signal lands between the first checkpoint, at iter 100, and the end
     out = tmp_path / 'out'
     job = cluster.sbatch(tmp_path, 'train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}',
@@ -269,7 +271,23 @@ def test_a_signalled_job_is_requeued_and_resumes_from_its_checkpoint(cluster, tm
     # SLURM holds a requeued job for two minutes; release it in 3 s. Not at once: slurmd refuses a credential made in
     # the second its old run was killed in ('Job credential revoked'), and slurmctld then fails the job
     subprocess.run(['scontrol', 'update', f'JobId={job}', 'StartTime=now+3'], env=cluster.env, check=True)
-    info = cluster.wait_job(job)
+    return job, cluster.wait_job(job)
+
+
+@pytest.fixture(scope='module')
+def signalled_jobs(cluster, tmp_path_factory, data_dir):
+    """The jobs of both signals at once, one on each node (each mostly waits: for its checkpoint, its requeue, its
+    release): {sig: (its folder, job id, final info)}."""
+    folders = {sig: tmp_path_factory.mktemp(f'signalled-{sig}') for sig in ('USR1', 'TERM')}
+    with ThreadPoolExecutor(2) as pool:
+        jobs = {sig: pool.submit(signalled, cluster, folder, data_dir, sig) for sig, folder in folders.items()}
+    return {sig: (folders[sig], *job.result()) for sig, job in jobs.items()}
+
+
+@pytest.mark.parametrize('sig', ['USR1', 'TERM'], ids=['time-limit-warning', 'preemption'])
+def test_a_signalled_job_is_requeued_and_resumes_from_its_checkpoint(signalled_jobs, sig):
+    tmp_path, job, info = signalled_jobs[sig]
+    out = tmp_path / 'out'
     assert info['JobState'] == 'COMPLETED' and info['Restarts'] == '1', job_logs(info)
     batch_log = open(info['StdOut']).read()
     assert f'SIG{sig}: requeueing job {job}' in batch_log, batch_log
