@@ -256,14 +256,20 @@ def test_ds_memory_snapshots_of_two_nodes_with_a_dev_shm_each_resume_a_sigkilled
     # new member, which torchrun does not count as a restart. The reference: the same 2 ranks on one node.
     args = [*KILLED, *KILL_ARGS['ds_train.py']]
     ref = beside(shared_run, 'ds_train.py', *args)
-    out, killed_at = two_nodes_with_a_dev_shm_each('ds_train.py', tiny(data_dir, tmp_path / 'ft', *args),
-                                                   tmp_path / 'ft', kill_after=9)
+    for attempt in range(2):
+        ft = tmp_path / f'ft{attempt}'
+        out, killed_at = two_nodes_with_a_dev_shm_each('ds_train.py', tiny(data_dir, ft, *args), ft, kill_after=9)
+        # a poller held up on a busy machine may kill it only once the storage save at the eval of iter 30 is
+        # written, which a restart rightly takes over any snapshot: that kill proves nothing here, so once more
+        if killed_at < 28:
+            break
+    assert killed_at < 28, f'both kills came after iter 28 (the last at {killed_at}): the machine is too busy'
     ref = ref.result()
     resumed = [int(m) for m in re.findall(r'resuming from /dev/shm/nanogpt-\w+/step-\d+ at iter (\d+)', out)]
     # from a memory snapshot before the kill (at 9 or later): on a busy machine the newest both nodes hold may be
     # a few steps back, where a write was still in flight or failed with its peer
     assert len(resumed) == 1 and 0 < resumed[0] <= killed_at + 1, (killed_at, out[-5000:])
-    assert_same_run(ref, tmp_path / 'ft', 'ds_train.py')
+    assert_same_run(ref, ft, 'ds_train.py')
 
 
 def test_dlrover_run_restarts_sigkilled_workers_and_train_py_finishes_bit_exact(tmp_path, data_dir, shared_run):
