@@ -1171,6 +1171,7 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
             warnings.filterwarnings('ignore', 'Detected pickle protocol', UserWarning)
             model, checkpoint = load_checkpoint(path, dropout=dropout)
     except FileNotFoundError as e:
+        shards_snapshot_or_exit(path)
         folder = path if os.path.isdir(path) else find_checkpoint(path)  # or the one a latest or best file names
         run, kind = os.path.split(os.path.dirname(os.path.normpath(folder)))
         if os.path.isdir(folder) and kind in ('ds', 'decent'):  # their step folders: ZeRO's shards, or the replicas
@@ -1199,6 +1200,7 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
                      "resume the run (it starts from them) until it saves one")
         sys.exit(f"error: {e}: {fix}")
     except Exception as e:
+        shards_snapshot_or_exit(path)
         try:
             path = getattr(e, 'checkpoint_path', None) or find_checkpoint(path)
         except ValueError as bad:  # a latest or best file that names no step folder: the run's state is all there
@@ -1215,6 +1217,26 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
                  f"checkpoint folder (dcp/step-N)")
     finite_or_exit(model, path)
     return model, checkpoint
+
+
+def shards_snapshot_or_exit(path):
+    """A one-line error where path is (or lies in) the memory snapshot of an fsdp_train.py, pp_train.py or
+    ds_train.py run: each rank's own shards, in that run's layout, which only the run reads back as it resumes.
+    train.py's, a whole ckpt.pt, is read as it is; decent_train.py's, one replica, with a note."""
+    if not (is_snapshot(path) and os.path.exists(path)):
+        return
+    shm = os.path.dirname(snapshot_dir(''))
+    parts = os.path.relpath(os.path.abspath(path), shm).split(os.sep)
+    root = os.path.join(shm, parts[0])  # /dev/shm/nanogpt-RUN_ID
+    names = parts[1:] + (sorted(os.listdir(root)) if os.path.isdir(root) else [])  # the path's own names first
+    scripts = {r'rank-\d+-of-\d+x\d+pp(\.prev\d*)?\.pt': 'pp_train.py',
+               r'rank-\d+-of-\d+x\d+(\.prev\d*)?\.pt': 'fsdp_train.py', r'latest|best|(best-)?step-\d+': 'ds_train.py'}
+    script = next((s for n in names for pattern, s in scripts.items() if re.fullmatch(pattern, n)), None)
+    if script:
+        run_id = os.path.basename(root)[len('nanogpt-'):]
+        sys.exit(f"error: {path} is {script}'s memory snapshot of a run, its ranks' own shards, which only that run "
+                 f"reads back as it resumes: resume the run (the out_dir whose run_id file holds {run_id}) until it "
+                 f"saves, then give its out_dir")
 
 
 def finite_or_exit(model, path):

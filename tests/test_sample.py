@@ -203,3 +203,31 @@ def test_a_run_killed_before_its_first_save_names_its_memory_snapshots(char_run,
         assert sorted(os.listdir(out)) == ['run_id'] and not (tmp_path / 'hf').exists()
     finally:
         shutil.rmtree(shm)
+
+
+def test_a_sharded_memory_snapshot_given_to_a_tool_says_whose_it_is(tmp_path):
+    """fsdp_train.py's, pp_train.py's and ds_train.py's memory snapshots (left in /dev/shm by a killed run) hold each
+    rank's own shards, which only that run reads back: given to a tool, the error says so and names what to give,
+    rather than that it is no model checkpoint (KeyError, IndexError) or no run folder."""
+    run_id = f'test-{uuid.uuid4().hex}'
+    shm = Path(snapshot_dir(run_id))
+    (shm / 'step-00000010').mkdir(parents=True)
+    try:
+        (shm / 'latest').write_text('step-00000010')
+        torch.save({'iter_num': 10}, shm / 'step-00000010' / 'mp_rank_00_model_states.pt')
+        for name in ('rank-0-of-1x2.pt', 'rank-0-of-1x2pp.pt'):
+            torch.save({'shards': {}, 'iter_num': 10, 'model_args': {}}, shm / name)
+        fix = f"which only that run reads back as it resumes: resume the run (the out_dir whose run_id file holds " \
+            f"{run_id}) until it saves, then give its out_dir"
+        for tool, path, script in (('sample.py', shm / 'latest', 'ds_train.py'),
+                                   ('export_hf.py', shm / 'step-00000010', 'ds_train.py'),
+                                   ('sample.py', shm / 'rank-0-of-1x2.pt', 'fsdp_train.py'),
+                                   ('export_hf.py', shm / 'rank-0-of-1x2pp.pt', 'pp_train.py')):
+            flag = f'--out_dir={path}' if tool == 'sample.py' else f'--ckpt={path}'
+            p = run(tool, flag, f'--out={tmp_path / "hf"}' if tool == 'export_hf.py' else '--device=cpu',
+                    cwd=tmp_path, check=False)
+            assert one_line_error(p) == f"error: {path} is {script}'s memory snapshot of a run, its ranks' own " \
+                f"shards, {fix}"
+        assert not (tmp_path / 'hf').exists()
+    finally:
+        shutil.rmtree(shm)
