@@ -15,6 +15,7 @@ sudo python bench_network.py --modes=diloco-40,diloco-40-4,diloco-40-4-2 --rates
                                                      # fragments (then with 2 steps of overlap): a quarter of the peak
 """
 
+import itertools
 import json
 import os
 import statistics
@@ -258,8 +259,14 @@ def bits_per_second(rate):
 
 
 if __name__ == '__main__':
-    run_dir = os.path.join(out_dir, time.strftime('%Y%m%d-%H%M%S'))  # each invocation's runs in a folder of its own
-    os.makedirs(run_dir)
+    # each invocation's runs in a new folder of its own, named by the time: one started in the same second gets -2
+    run_dir = base = os.path.join(out_dir, time.strftime('%Y%m%d-%H%M%S'))
+    for n in itertools.count(2):
+        try:
+            os.makedirs(run_dir)  # never an existing folder, which may hold another invocation's runs
+            break
+        except FileExistsError:
+            run_dir = f'{base}-{n}'
     torch.set_num_threads(1)
     print(f"runs in {run_dir}; {os.cpu_count()} cores, torch {torch.__version__}", flush=True)
     print(f"straggler: the last node's link {straggler}x slower" if straggler > 1 else "no straggler", flush=True)

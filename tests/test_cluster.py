@@ -137,3 +137,23 @@ def test_bench_network_measures_bytes_as_designed_and_the_time_to_a_loss(tmp_pat
     r = json.loads(max(tmp_path.glob('*/results.jsonl'), key=os.path.getmtime).read_text())
     assert r['reached_at'] in range(4, 61, 4) and r['train_seconds'] > 0, r
     assert r['last_eval'][1] <= 4.0 and r['last_eval'][0] == r['reached_at'], r
+
+
+def test_bench_network_started_twice_in_a_second_keeps_each_ones_runs_apart(tmp_path, data_dir):
+    """bench_network.py names each invocation's folder by the time: one started in the same second as another (here
+    the next seconds' folders are taken already, each holding a file of its own) gets a new folder beside them, and
+    never writes into one that is there. The mode asked for needs 2 ranks a node, so nothing runs."""
+    now = time.time()
+    taken = [tmp_path / time.strftime('%Y%m%d-%H%M%S', time.localtime(now + s)) for s in range(30)]
+    for folder in taken:
+        folder.mkdir(exist_ok=True)
+        (folder / 'results.jsonl').write_text('theirs\n')
+    p = subprocess.run([sys.executable, str(REPO / 'bench_network.py'), '--modes=alternating-exp-ring', '--nodes=2',
+                        '--rates=100mbit', f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path}'],
+                       cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    new = set(tmp_path.iterdir()) - set(taken)
+    assert len(new) == 1, new
+    new = new.pop()
+    assert new.name.rsplit('-', 1)[0] in {f.name for f in taken} and (new / 'results.jsonl').read_text() == '', new
+    assert all((folder / 'results.jsonl').read_text() == 'theirs\n' for folder in taken)
