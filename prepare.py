@@ -470,10 +470,10 @@ def prepare_hellaswag(out_dir):
     try:
         if input:
             n = len(load_examples(input))
-            os.makedirs(out_dir, exist_ok=True)
+            make_out_dir(out_dir)
             shutil.copyfile(input, path + '.tmp')
         else:
-            os.makedirs(out_dir, exist_ok=True)
+            make_out_dir(out_dir)  # a failed download removes the folders it made
             download(HELLASWAG_URL, path + '.tmp')
             n = len(load_examples(path + '.tmp'))
         os.replace(path + '.tmp', path)

@@ -177,13 +177,14 @@ def test_bad_text_settings_leave_no_folder(tmp_path, args, message):
     assert [p.name for p in tmp_path.iterdir()] == ['poem.txt']
 
 
-def test_failed_download_removes_the_folders_it_made(tmp_path):
+@pytest.mark.parametrize('dataset', ['shakespeare_char', 'hellaswag'])
+def test_failed_download_removes_the_folders_it_made(tmp_path, dataset):
     # a proxy on a closed port fails the download at once, online or not
     e = dict(env(), HTTPS_PROXY='http://127.0.0.1:9', HTTP_PROXY='http://127.0.0.1:9')
-    p = subprocess.run([sys.executable, str(REPO / 'prepare.py'), 'shakespeare_char', '--out_root=new/data'],
+    p = subprocess.run([sys.executable, str(REPO / 'prepare.py'), dataset, '--out_root=new/data'],
                        cwd=tmp_path, env=e, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and p.stderr.startswith('error: could not download ') and '--input=FILE' in p.stderr
-    assert not any(tmp_path.iterdir())  # new/, new/data/ and new/data/shakespeare_char/ were made for input.txt
+    assert not any(tmp_path.iterdir())  # new/, new/data/ and new/data/DATASET/ were made for the download
 
 
 def test_a_download_that_does_not_fit_is_one_line_and_leaves_no_partial_file(small_disk, monkeypatch):
