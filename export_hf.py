@@ -10,6 +10,7 @@ python -c "from transformers import pipeline; print(pipeline('text-generation', 
 
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -18,6 +19,7 @@ import torch
 
 from checkpoint import checkpoint_or_exit, reason
 from configurator import configure, quiet_interrupt
+from runlock import abandoned, let_go, try_hold
 
 quiet_interrupt()  # Ctrl-C: one line, no traceback
 
@@ -56,6 +58,22 @@ def hf_state_dict(model, vocab_size):
             v = v[:vocab_size]
         out[k] = v.contiguous().clone()
     return out
+
+
+def remove_dead_exports(parent, name):
+    """Removes the folders in parent that an export to name was writing when it was killed: only those named as
+    mkdtemp names ours, and held by an export that is gone (runlock). Those that nobody holds are named in a note."""
+    for leftover in sorted(os.listdir(parent)):
+        path = os.path.join(parent, leftover)
+        if not re.fullmatch(rf'\.{re.escape(name)}\.[a-z0-9_]{{8}}\.tmp', leftover) or os.path.islink(path) \
+                or not os.path.isdir(path):
+            continue
+        if abandoned(path):
+            shutil.rmtree(path, ignore_errors=True)
+            print(f"removed {path}, what an export to {name} wrote before it was killed")
+        else:
+            print(f"note: {path} is another export's to {name}, running or killed: remove it once none runs",
+                  file=sys.stderr)
 
 
 def main():
@@ -97,7 +115,10 @@ def main():
             'tokenizer_class': 'GPT2Tokenizer', 'model_max_length': cfg.block_size, 'bos_token': '<|endoftext|>',
             'eos_token': '<|endoftext|>', 'unk_token': '<|endoftext|>'}).encode()
     # a folder of our own beside out, never one whose name a user may have taken (out.tmp): only it is removed
-    tmp = tempfile.mkdtemp(prefix=f'.{os.path.basename(os.path.abspath(out))}.', suffix='.tmp', dir=parent)
+    name = os.path.basename(os.path.abspath(out))
+    remove_dead_exports(parent, name)
+    tmp = tempfile.mkdtemp(prefix=f'.{name}.', suffix='.tmp', dir=parent)
+    try_hold(tmp, 'export_hf.py')  # until it is complete: a later export removes it where this one is killed
     umask = os.umask(0o22)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would otherwise become out's
@@ -106,6 +127,7 @@ def main():
         for name, data in files.items():
             with open(os.path.join(tmp, name), 'wb') as f:
                 f.write(data)
+        let_go(tmp)  # the hold is no part of the export (unheld, a later export leaves it be)
         if os.path.exists(out):  # made while we wrote: never replaced
             raise FileExistsError(f"{out} appeared meanwhile")
         os.replace(tmp, out)  # the folder appears only when complete

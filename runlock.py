@@ -132,6 +132,22 @@ def _take(folder, what):
 _held = {}  # folder -> its release
 
 
+def abandoned(folder):
+    """Whether folder holds a hold whose holder is gone, as _take sees it: a process of this host that has ended,
+    or one of another host that has not touched it for STALE_S. False where it holds none: a folder that nobody
+    holds may be anyone's, or a process's that has not taken its hold yet or has let it go."""
+    path = os.path.join(folder, HOLD)
+    holder = _read_hold(path)
+    host, pid = holder.get('host'), holder.get('pid')
+    try:
+        age = time.time() - os.stat(path).st_mtime
+    except FileNotFoundError:
+        return False
+    if host == socket.gethostname():
+        return isinstance(pid, int) and not _alive(pid)
+    return bool(host) and age > STALE_S
+
+
 def let_go(folder):
     """Releases the hold on folder now, rather than at exit (prepare.py, before it removes the folders it made)."""
     if folder in _held:

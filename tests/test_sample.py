@@ -1,6 +1,11 @@
+import json
 import os
 import pickle
 import shutil
+import socket
+import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -8,7 +13,7 @@ import pytest
 import torch
 
 from checkpoint import snapshot_dir
-from conftest import TINY, one_line_error, run
+from conftest import REPO, TINY, env, one_line_error, run
 
 
 @pytest.fixture(scope='module')
@@ -176,6 +181,39 @@ def test_export_hf_bad_input(char_run, tmp_path):
         p = run('export_hf.py', f'--ckpt={char_run}', f'--out={out}', cwd=tmp_path, check=False)
         assert message in one_line_error(p)
     assert sorted(f.name for f in tmp_path.iterdir()) == ['file']
+
+
+def test_export_hf_removes_what_a_killed_export_to_its_out_left_and_nothing_else(char_run, tmp_path):
+    """A SIGKILLed export_hf.py leaves its unfinished .NAME.XXXXXXXX.tmp/ beside --out, held (runlock) by a process
+    that is gone: the next export to that --out removes it. One held by a live process, one nobody holds (an export
+    just starting, or one of before the holds) and those of another name or of a user's name stay, named in a note
+    where they look like an export's to this --out."""
+    # an export killed while it writes (its save made to wait, so that the kill comes mid-write)
+    stalled = "import sys, time, runpy, transformers; transformers.GPT2LMHeadModel.save_pretrained = lambda *a, **k: " \
+        f"time.sleep(600); sys.argv = ['export_hf.py', '--ckpt={char_run}', '--out=hf']; sys.path.insert(0, " \
+        f"'{REPO}'); runpy.run_path('{REPO / 'export_hf.py'}', run_name='__main__')"
+    killed = subprocess.Popen([sys.executable, '-c', stalled], cwd=tmp_path, env=env(), stdout=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob('.hf.*.tmp/run.lock')) and killed.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    killed.kill()
+    killed.wait()
+    left, = tmp_path.glob('.hf.*.tmp')
+    folders = {left.name: None, '.hf.l1ve0000.tmp': os.getpid(), '.hf.n0h0ld00.tmp': None,
+               '.other.k1ll3d_0.tmp': killed.pid, '.hf.mine.tmp': killed.pid}
+    for name, pid in list(folders.items())[1:]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / 'model.safetensors').write_bytes(b'half')
+        if pid:
+            (tmp_path / name / 'run.lock').write_text(json.dumps({'host': socket.gethostname(), 'pid': pid}))
+    p = run('export_hf.py', f'--ckpt={char_run}', f'--out={tmp_path / "hf"}', cwd=tmp_path)
+    assert f"removed {left}, what an export to hf wrote before it was killed" in p.stdout
+    assert sorted(f.name for f in tmp_path.iterdir()) == sorted(['hf', *list(folders)[1:]])
+    assert all((tmp_path / name / 'model.safetensors').read_bytes() == b'half' for name in list(folders)[1:])
+    notes = [line for line in p.stderr.splitlines() if line.startswith('note: ')]
+    assert notes == [f"note: {tmp_path / name} is another export's to hf, running or killed: remove it once none runs"
+                     for name in ('.hf.l1ve0000.tmp', '.hf.n0h0ld00.tmp')], p.stderr
+    assert sorted(os.listdir(tmp_path / 'hf')) == ['config.json', 'generation_config.json', 'model.safetensors']
 
 
 def test_a_run_killed_before_its_first_save_names_its_memory_snapshots(char_run, tmp_path, data_dir):
