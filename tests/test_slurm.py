@@ -304,6 +304,19 @@ def test_a_signalled_job_is_requeued_and_resumes_from_its_checkpoint(signalled_j
     assert sorted(losses) == list(range(1000))  # the steps after the checkpoint were logged again, once
 
 
+def test_a_job_its_user_cancels_stays_cancelled(cluster, tmp_path):
+    # scancel sends the batch shell SIGTERM, as a preemption does: the script must not requeue a job that is ending
+    (tmp_path / 'train.py').write_text('import time\nprint("started", flush=True)\ntime.sleep(600)\n')
+    job = cluster.sbatch(tmp_path, tmp_path / 'train.py', nodes=1, nproc=1)
+    logs = tmp_path / 'logs' / f'gpt-train-{job}'
+    cluster.wait_for(lambda: any('started' in p.read_text() for p in logs.glob('*.log')), 120, 'the job to start')
+    subprocess.run(['scancel', job], env=cluster.env, check=True)
+    cluster.wait_for(lambda: cluster.job(job)['JobState'] not in ('RUNNING', 'COMPLETING'), 60, 'the job to end')
+    info = cluster.job(job)
+    assert info['JobState'] == 'CANCELLED' and info['Restarts'] == '0', job_logs(info)
+    assert 'not requeueing it' in open(info['StdOut']).read(), job_logs(info)
+
+
 @pytest.mark.parametrize('args, right', [
     # Decent-DP's scripts take torchrun's path first; here the script starts torchrun itself
     (['/usr/bin/torchrun', 'config/gpt2-small.toml'], 'slurm/torchrun.sbatch train.py config/gpt2-small.toml'),
