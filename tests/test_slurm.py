@@ -341,6 +341,16 @@ def test_nodes_of_different_sizes_get_a_cpu_count_that_each_has(tmp_path):
         'wrote to logs/gpt-train-7/' and p.stderr == '', (p.stdout, p.stderr)
 
 
+@pytest.mark.parametrize('nproc', ['eight', '0', '8,8'])
+def test_a_bad_process_count_is_refused_in_one_line_before_any_slurm_call(tmp_path, nproc):
+    (tmp_path / 'train.py').write_text('')
+    p = subprocess.run(['bash', str(SBATCH), 'train.py'], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, 'NPROC_PER_NODE': nproc})
+    assert p.returncode == 1 and p.stderr == '' and len(p.stdout.splitlines()) == 1, (p.stdout, p.stderr)
+    assert p.stdout.startswith(f"error: '{nproc}' processes per node") and 'NPROC_PER_NODE' in p.stdout, p.stdout
+    assert sorted(f.name for f in tmp_path.iterdir()) == ['train.py']  # no logs folder made
+
+
 @pytest.mark.parametrize('args, right', [
     # Decent-DP's scripts take torchrun's path first; here the script starts torchrun itself
     (['/usr/bin/torchrun', 'config/gpt2-small.toml'], 'slurm/torchrun.sbatch train.py config/gpt2-small.toml'),
