@@ -304,6 +304,53 @@ def test_a_signalled_job_is_requeued_and_resumes_from_its_checkpoint(signalled_j
     assert sorted(losses) == list(range(1000))  # the steps after the checkpoint were logged again, once
 
 
+def test_a_job_its_user_cancels_stays_cancelled(cluster, tmp_path):
+    # scancel sends the batch shell SIGTERM, as a preemption does: the script must not requeue a job that is ending
+    (tmp_path / 'train.py').write_text('import time\nprint("started", flush=True)\ntime.sleep(600)\n')
+    job = cluster.sbatch(tmp_path, tmp_path / 'train.py', nodes=1, nproc=1)
+    logs = tmp_path / 'logs' / f'gpt-train-{job}'
+    cluster.wait_for(lambda: any('started' in p.read_text() for p in logs.glob('*.log')), 120, 'the job to start')
+    subprocess.run(['scancel', job], env=cluster.env, check=True)
+    cluster.wait_for(lambda: cluster.job(job)['JobState'] not in ('RUNNING', 'COMPLETING'), 60, 'the job to end')
+    info = cluster.job(job)
+    assert info['JobState'] == 'CANCELLED' and info['Restarts'] == '0', job_logs(info)
+    assert 'not requeueing it' in open(info['StdOut']).read(), job_logs(info)
+
+
+def test_nodes_of_different_sizes_get_a_cpu_count_that_each_has(tmp_path):
+    # srun refuses a step that asks any node for more CPUs than it has ("More processors requested than permitted",
+    # seen on this SLURM with nodes of 2 and 1 CPUs); stand-ins for srun and scontrol show the step the script asks for
+    bin_ = tmp_path / 'bin'
+    bin_.mkdir()
+    (bin_ / 'scontrol').write_text('#!/bin/sh\nprintf "gpu01\\ngpu02\\n"\n')
+    (bin_ / 'srun').write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/srun-args\n'
+                               'echo "srun: error: Unable to create step for job 7"; exit 1\n')
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    (tmp_path / 'train.py').write_text('')
+    slurm = {'SLURM_JOB_ID': '7', 'SLURM_JOB_NAME': 'gpt-train', 'SLURM_JOB_NODELIST': 'gpu[01-02]',
+             'SLURM_NNODES': '2', 'SLURM_CPUS_ON_NODE': '72', 'SLURM_JOB_CPUS_PER_NODE': '72(x2),36',
+             'SLURM_GPUS_ON_NODE': '8'}
+    p = subprocess.run(['bash', str(SBATCH), 'train.py'], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={'PATH': f"{bin_}:/usr/bin:/bin", **slurm})
+    args = (tmp_path / 'srun-args').read_text().split()
+    assert '--cpus-per-task=36' in args and '--nproc-per-node=8' in args, args
+    assert '--rdzv-endpoint=gpu01:29507' in args, args
+    # no logs were written: one line that says so, not grep's and tail's complaints about a missing file
+    assert p.returncode == 1 and p.stdout.splitlines()[-1] == 'error: srun exited with status 1 before any node ' \
+        'wrote to logs/gpt-train-7/' and p.stderr == '', (p.stdout, p.stderr)
+
+
+@pytest.mark.parametrize('nproc', ['eight', '0', '8,8'])
+def test_a_bad_process_count_is_refused_in_one_line_before_any_slurm_call(tmp_path, nproc):
+    (tmp_path / 'train.py').write_text('')
+    p = subprocess.run(['bash', str(SBATCH), 'train.py'], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, 'NPROC_PER_NODE': nproc})
+    assert p.returncode == 1 and p.stderr == '' and len(p.stdout.splitlines()) == 1, (p.stdout, p.stderr)
+    assert p.stdout.startswith(f"error: '{nproc}' processes per node") and 'NPROC_PER_NODE' in p.stdout, p.stdout
+    assert sorted(f.name for f in tmp_path.iterdir()) == ['train.py']  # no logs folder made
+
+
 @pytest.mark.parametrize('args, right', [
     # Decent-DP's scripts take torchrun's path first; here the script starts torchrun itself
     (['/usr/bin/torchrun', 'config/gpt2-small.toml'], 'slurm/torchrun.sbatch train.py config/gpt2-small.toml'),
