@@ -117,8 +117,9 @@ if tp_size < 1 or world_size % tp_size != 0:
 # the mesh is (dp, tp) with tp innermost, so a tp group is tp_size consecutive ranks (the GPUs of one node); the
 # ranks of a tp group read the same batches and draw the same dropout masks
 dp_rank, dp_size = rank // tp_size, world_size // tp_size
-mesh = init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=('dp', 'tp'))
+# before the mesh: a rank that exits while another is still making the mesh's groups cuts those short (a traceback)
 accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)  # micro-steps on this rank
+mesh = init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=('dp', 'tp'))
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
 torch.manual_seed(seed)  # every rank builds the same initial model
 if device_type == 'cuda':
