@@ -109,6 +109,7 @@ vocab_size = 50304
 if real_data and random_data and 'random_data' in given:
     sys.exit("error: real_data=True and random_data=True: choose one")
 if real_data or not random_data:
+    config.update(real_data=True, random_data=False)  # the JSON line reports the data timed, either way it was asked
     paths, counts = find_bins(dataset, block_size)  # whole uint16 tokens, enough of them, readable
     path, n_tokens = paths['train'], counts['train']
     meta = os.path.join(data_dir(dataset), 'meta.pkl')

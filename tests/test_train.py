@@ -155,4 +155,5 @@ def test_bench_times_steps(tmp_path, data_dir):
     p = run('bench.py', '--device=cpu', '--compile=False', '--n_layer=2', '--n_head=2', '--n_embd=32',
             '--real_data=True', f'--dataset={data_dir / "shakespeare_char"}', '--block_size=32', '--batch_size=4',
             '--warmup=1', '--iters=2', cwd=tmp_path)
-    assert json.loads(p.stdout.strip().splitlines()[-1])['params'] > 0
+    row = json.loads(p.stdout.strip().splitlines()[-1])
+    assert row['params'] > 0 and row['real_data'] and not row['random_data']  # the row says what data it timed
