@@ -143,11 +143,12 @@ try:
     rounds = [] if diloco_steps else mixing_rounds(topology, world_size, local_world_size)  # DiLoCo mixes nothing
 except ValueError as e:
     sys.exit(f"error: {e}")
+# before the groups: a rank that exits while another is still making a group cuts that short (a traceback)
+accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)  # micro-steps on this rank
 # the background writers of storage checkpoints agree over a group of their own: collectives of two threads on
 # one group would interleave
 checkpoint_group = dist.new_group(backend='gloo')
 mixing_groups = make_mixing_groups(rounds, rank)  # per round: (this rank's group, its size), or None
-accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)  # micro-steps on this rank
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
 torch.manual_seed(seed)  # every rank builds the same initial model
 if device_type == 'cuda':

@@ -146,10 +146,11 @@ master_process = rank == 0  # does all the logging and checkpoint writing
 dp_rank, dp_size = rank, world_size  # every rank is a data-parallel rank: ZeRO shards over all of them
 if device_type == 'cpu':
     remove_shm_buffer_name(rank)
+# before the groups: a rank that exits while another is still making a group cuts that short (a traceback)
+accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)  # micro-steps on this rank
 # the threads that write checkpoints agree in collectives of their own that they are complete, one group a kind
 # (memory, storage) so that two threads' collectives never meet
 checkpoint_groups = {to: dist.new_group(backend='gloo') for to in ('memory', 'storage')}
-accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)  # micro-steps on this rank
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
 torch.manual_seed(seed)  # every rank builds the same initial model
 if device_type == 'cuda':

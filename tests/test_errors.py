@@ -146,7 +146,7 @@ def test_resume_takes_the_shape_from_the_checkpoint(tmp_path, data_dir, ckpt_run
     assert c['iter_num'] == 3 and c['config']['block_size'] == 32 and c['config']['n_layer'] == 2
 
 
-@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py'])
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py'])
 def test_batch_that_does_not_divide_across_ranks(tmp_path, data_dir, script):
     # under torchrun (nthreads=None): the forked ranks of run() start too much in step to show the race below
     p = run(script, *TINY, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out',
@@ -155,7 +155,7 @@ def test_batch_that_does_not_divide_across_ranks(tmp_path, data_dir, script):
     assert 'gradient_accumulation_steps=3 does not divide across 2 data-parallel ranks' in msg
     assert 'multiple of 2' in msg
     # each rank stops at the check with its line, none with a traceback in a collective that the other's exit cut
-    # short (fsdp_train.py's mesh was made first)
+    # short (fsdp_train.py's mesh, ds_train.py's and decent_train.py's groups were made first)
     errors = [line for line in p.stderr.splitlines() if line.startswith('error: ')]
     assert len(errors) == 2 and '[rank' not in p.stderr, p.stderr[-3000:]
     assert not (tmp_path / 'out').exists()
