@@ -22,6 +22,7 @@ import pathlib
 import pickle
 import re
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -274,13 +275,26 @@ def atomic_save(obj, path, keep=1, best=None):
             except BaseException as e:
                 errors.append(e)
                 raise
+        # a Ctrl-C may be raised as write is entered, before its try, and torch.save leaves only its "unexpected
+        # pos": the default handler's KeyboardInterrupt is recorded (a handler runs in the main thread alone)
+        handler = signal.getsignal(signal.SIGINT)
+        hooked = threading.current_thread() is threading.main_thread() and handler is signal.default_int_handler
+
+        def interrupted(signum, frame):
+            errors.append(KeyboardInterrupt())
+            raise errors[-1]
         try:
+            if hooked:
+                signal.signal(signal.SIGINT, interrupted)
             torch.save(obj, SimpleNamespace(write=write, flush=f.flush))
             f.flush()
             os.fsync(f.fileno())
         except BaseException as e:
             os.remove(path + '.tmp')
             raise (errors[0] if errors else e) from None
+        finally:
+            if hooked:
+                signal.signal(signal.SIGINT, handler)
     # a save that crashed between linking ckpt.pt as ckpt.prev.pt and replacing it has moved the versions down already
     moved = os.path.exists(path) and os.path.exists(previous(path)) and os.path.samefile(path, previous(path))
     try:
@@ -291,7 +305,8 @@ def atomic_save(obj, path, keep=1, best=None):
                 (same_file if n == 1 else os.replace)(previous(path, n - 1), previous(path, n))
         os.replace(path + '.tmp', path)
     except BaseException:
-        os.remove(path + '.tmp')  # a copy in place of a link that did not fit: the space goes back, path is whole
+        if os.path.exists(path + '.tmp'):  # a Ctrl-C may come once it is renamed
+            os.remove(path + '.tmp')  # a copy in place of a link that did not fit: the space goes back, path is whole
         raise
     if best:
         same_file(path, best)
