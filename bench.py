@@ -99,8 +99,7 @@ ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torc
 ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
 torch.manual_seed(seed)
 if device_type == 'cuda':
-    torch.backends.cuda.matmul.fp32_precision = 'tf32'
-    torch.backends.cudnn.conv.fp32_precision = 'tf32'
+    torch.set_float32_matmul_precision('high')  # TF32 matmuls (the API that inductor's max-autotune reads)
 for name, switch in SDPA.items():  # before compiling: the compiled graph keeps the kernel chosen when it is traced
     if sdpa != 'auto':
         getattr(torch.backends.cuda, switch)(name == sdpa)

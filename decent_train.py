@@ -152,8 +152,7 @@ mixing_groups = make_mixing_groups(rounds, rank)  # per round: (this rank's grou
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
 torch.manual_seed(seed)  # every rank builds the same initial model
 if device_type == 'cuda':
-    torch.backends.cuda.matmul.fp32_precision = 'tf32'
-    torch.backends.cudnn.conv.fp32_precision = 'tf32'
+    torch.set_float32_matmul_precision('high')  # TF32 matmuls (the API that inductor's max-autotune reads)
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
 ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
 

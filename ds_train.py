@@ -154,8 +154,7 @@ checkpoint_groups = {to: dist.new_group(backend='gloo') for to in ('memory', 'st
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
 torch.manual_seed(seed)  # every rank builds the same initial model
 if device_type == 'cuda':
-    torch.backends.cuda.matmul.fp32_precision = 'tf32'
-    torch.backends.cudnn.conv.fp32_precision = 'tf32'
+    torch.set_float32_matmul_precision('high')  # TF32 matmuls (the API that inductor's max-autotune reads)
 ctx = nullcontext()  # no autocast: DeepSpeed's bf16 and fp16 modes cast the model, with fp32 master weights
 
 

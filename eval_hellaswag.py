@@ -83,7 +83,7 @@ if world_size > 1:
         torch.cuda.set_device(device)
     dist.init_process_group('nccl' if device_type == 'cuda' else 'gloo')
 if device_type == 'cuda':
-    torch.backends.cuda.matmul.fp32_precision = 'tf32'
+    torch.set_float32_matmul_precision('high')  # TF32 matmuls (the API that inductor's max-autotune reads)
 model.to(device)
 if rank == 0:
     print(f"{name}: {model.get_num_params() / 1e6:.2f}M parameters, {dtype} on {device}")

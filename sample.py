@@ -65,7 +65,7 @@ ptdtype = dtypes[dtype]
 ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
 torch.manual_seed(seed)
 if device_type == 'cuda':
-    torch.backends.cuda.matmul.fp32_precision = 'tf32'
+    torch.set_float32_matmul_precision('high')  # TF32 matmuls (the API that inductor's max-autotune reads)
 
 # model
 dataset, trained_on = None, None

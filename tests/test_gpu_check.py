@@ -2,6 +2,7 @@
 tiny sizes (--dry_run), so that its own logic is proven before a GPU run relies on it. One entrypoint here: the
 others go through the same lines of the script, and each has its own tests in this suite."""
 
+import itertools
 import json
 import subprocess
 import sys
@@ -134,3 +135,22 @@ def test_gpu_check_runs_only_the_checks_named(dry_runs):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = json.loads((tmp_path / 'out' / 'table.json').read_text())
     assert [(part, what, ok) for part, what, ok, _ in rows] == [('B', 'verdict a step late vs every step', True)]
+
+
+SCRIPTS = ['train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py', 'pp_train.py', 'bench.py', 'sample.py',
+           'eval_hellaswag.py']
+
+
+@pytest.mark.parametrize('script', SCRIPTS)
+def test_the_matmul_precision_a_script_sets_on_cuda_is_one_max_autotune_can_read(script):
+    # inductor's max-autotune asks torch.get_float32_matmul_precision(), which raises once torch.backends' newer
+    # fp32_precision settings were used (an H100 run of bench.py --compile_mode=max-autotune-no-cudagraphs died so).
+    # The lines each script runs on CUDA alone are run here, on CPU, and then the getter.
+    lines = (REPO / script).read_text().splitlines()
+    start = lines.index("if device_type == 'cuda':") + 1
+    block = [line.strip() for line in itertools.takewhile(lambda line: line.startswith('    '), lines[start:])]
+    assert any('precision' in line for line in block), f"{script}: no matmul precision set under device_type == 'cuda'"
+    code = '\n'.join(['import torch'] + block + ['print(torch.get_float32_matmul_precision())'])
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env())
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == 'high'
