@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      get_state_dict, set_optimizer_state_dict, set_state_dict)
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils._pytree import tree_flatten_with_path, tree_map_only
 
 from checkpoint import (atomic_save, dcp_load, in_background, note_failure, point_latest, print0, same_step,
@@ -32,15 +32,21 @@ def check_tp_size(config, tp_size):
 
 def total_norm(grads):
     """The global norm of sharded gradients: it adds every rank's shards. Under tensor parallelism the blocks'
-    matrices live on the 2-D mesh and the rest on dp alone, so the squares are summed per mesh (a DTensor's sum
-    reduces over its own mesh) before the whole is added up."""
-    by_mesh = {}
+    matrices live on the 2-D mesh and the rest on dp alone, so the squares are summed per mesh and placements, over
+    the mesh's dimensions that split them, before the whole is added up. The sums are of each rank's own pieces, in
+    foreach kernels, not a DTensor op per gradient: those cost the host more than the GPU's whole step (an H100)."""
+    by_layout = {}
     for g in grads:
-        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+        layout = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+        by_layout.setdefault(layout, []).append(g.to_local() if isinstance(g, DTensor) else g)
     total_sq = 0.0
-    for gs in by_mesh.values():
-        sq = torch.stack([g.float().pow(2).sum() for g in gs]).sum()
-        total_sq = total_sq + (sq.full_tensor() if isinstance(sq, DTensor) else sq)
+    for layout, gs in by_layout.items():
+        sq = torch.stack(torch._foreach_norm([g.float() for g in gs])).pow(2).sum()
+        if layout is not None:  # a sum over the dimensions that shard (or leave partial), none over those that copy
+            mesh, placements = layout
+            sq = DTensor.from_local(sq, mesh, [Replicate() if p.is_replicate() else Partial() for p in placements],
+                                    run_check=False).full_tensor()
+        total_sq = total_sq + sq
     return total_sq.sqrt()
 
 
@@ -49,8 +55,12 @@ def clip_grad_norm(parameters, max_norm):
     grads = [p.grad for p in parameters if p.grad is not None]
     norm = total_norm(grads)
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    pieces = {}
     for g in grads:
-        g.mul_(scale.to(g.device))
+        piece = g.to_local() if isinstance(g, DTensor) else g
+        pieces.setdefault(piece.device, []).append(piece)
+    for where, same in pieces.items():
+        torch._foreach_mul_(same, scale.to(where))
     return norm
 
 
