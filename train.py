@@ -58,6 +58,9 @@ n_head = 12
 n_embd = 768
 dropout = 0.0  # 0 for pretraining, try 0.1+ for finetuning
 bias = False
+# under bf16 autocast, the residual stream in bf16 (not float32): half the bytes each layer norm and residual add
+# move, as FSDP's and DeepSpeed's bf16 parameters have it; other numerics, the same parameters (docs/speed.md)
+autocast_residual = False
 # AdamW
 learning_rate = 6e-4
 max_iters = 600000
@@ -93,6 +96,9 @@ if dtype == 'auto':
     # real bf16 only: emulated bf16 on older GPUs (V100, T4) is slower than fp16 with a loss scaler
     dtype = ('bfloat16' if torch.cuda.is_bf16_supported(including_emulation=False) else 'float16') \
         if device_type == 'cuda' else 'float32'
+if autocast_residual and dtype != 'bfloat16':
+    sys.exit(f"error: autocast_residual=True needs dtype=bfloat16 (here {dtype}): float16's range is too narrow for "
+             f"the residual stream, float32 has no autocast")
 if dtype not in ('float32', 'bfloat16', 'float16'):
     sys.exit(f"error: dtype={dtype!r} is not one of auto, float32, bfloat16, float16")
 if backend == 'auto':
@@ -170,6 +176,7 @@ check_fits(model_args, device)  # a shape too big for this machine is refused be
 model, checkpoint = create_model(resume_path, lambda path: torch.load(path, map_location='cpu', weights_only=True),
                                  init_from, model_args, config, given)
 block_size = model_args['block_size']
+model.config.autocast_residual = autocast_residual  # how the step computes: not in model_args, nor checkpoints
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []
 iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_loss'])) if checkpoint else (0, 1e9)

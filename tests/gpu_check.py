@@ -443,11 +443,13 @@ def part_b():
     # 30 x 16 of it (GPT-2's vocabulary, 15,360 tokens a step) took a minute of CPU and proves no more of this script
     bigger = ['--batch_size=8', '--gradient_accumulation_steps=1'] if dry else \
         ['--batch_size=30', '--gradient_accumulation_steps=16']
-    for extra in ([], bigger):
+    # and the bf16 residual stream, the lever that paid in part L (bench.py), in train.py's own step
+    residual = bigger + ['--autocast_residual=True'] + (['--dtype=bfloat16'] if dry else [])
+    for extra in ([], bigger, residual):
         what = ''.join(' ' + a for a in extra)
         if not wanted('train.py config/train_gpt2.py' + what):
             continue
-        name = 'train-gpt2' + (f"-b{extra[0].split('=')[1]}" if extra else '')
+        name = 'train-gpt2' + (f"-b{extra[0].split('=')[1]}" if extra else '') + ('-bf16' if extra == residual else '')
         tiny = SYSTEM + MODEL[:5] + ['--gradient_accumulation_steps=2'] if dry else []
         code, _, secs = run(name, [
             sys.executable, os.path.join(REPO, 'train.py'), os.path.join(REPO, 'config', 'train_gpt2.py'),

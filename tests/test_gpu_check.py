@@ -52,6 +52,8 @@ def test_gpu_check_dry_run_passes_every_part_and_prints_the_table(dry_runs):
     # part B's profile says where the device's time went, and train.py's own log for config/train_gpt2.py was read
     assert checks['profile at batch 2'][1].startswith('busy ') and 'matmul ' in checks['profile at batch 2'][1]
     assert checks['train.py config/train_gpt2.py'][1].endswith(' tok/s')
+    bf16 = ' --batch_size=8 --gradient_accumulation_steps=1 --autocast_residual=True --dtype=bfloat16'
+    assert checks['train.py config/train_gpt2.py' + bf16][1].endswith(' tok/s')
     # part C's memory: the run's peak (on CPU the process's) beside model_size.py's estimate for the mode
     assert 'MiB (model_size.py: ' in checks['train.py speed'][1] and '; peak ' in checks['train.py speed'][1]
     # part L's levers ran against the plain step and trained to its loss (fp32 on CPU: to rounding)
