@@ -58,8 +58,9 @@ p.add_argument('--deadline', type=float, default=0, help='seconds from the start
                'by which every run is stopped; its checks are rows "not reached". 0: none')
 p.add_argument('--jobs', type=int, default=0, help="part A's runs at a time (0: 12 on a GPU, 2 dry)")
 p.add_argument('--batch', type=int, default=0, help="part L's micro-batch (0: part B's fastest, else 16)")
-p.add_argument('--only', default='', help="of parts A and B, only the checks whose names (the table's) hold one of "
-               "these comma-separated words, as 'zero_stage=3,SIGKILL,verdict': what an earlier call did not reach")
+p.add_argument('--only', default='', help="of parts A, B and L, only the checks whose names (the table's) hold one "
+               "of these comma-separated words, as 'zero_stage=3,SIGKILL,verdict': what an earlier call did not reach "
+               "(part L times its plain step still, twice)")
 args = p.parse_args()
 dry = args.dry_run
 plan = []  # [(part, its seconds or 0)], from 'ABLC' or 'A:250,B:320'
@@ -481,7 +482,7 @@ def part_l():
         row('L', what, r and abs(r['loss'] - base['loss']) <= 0.05 * abs(base['loss']),
             f"{speed(r)}, {base['ms'] / r['ms']:.3f}x; loss {r['loss']:.4f} vs {base['loss']:.4f}" if r else failed)
         return r
-    for what, extra in levers:
+    for what, extra in [lever for lever in levers if wanted(lever[0])]:
         r = measure(what, extra, f"lever-{what.replace('=', '-')}")
         if r and base['ms'] / r['ms'] > 1.01:
             paid.append((what, extra))
@@ -492,7 +493,7 @@ def part_l():
     again, failed = bench('lever-plain-again', [f'--batch_size={batch}'])
     row('L', 'plain step again (the spread)', again,
         f"{speed(again)}, {base['ms'] / again['ms']:.3f}x the first" if again else failed)
-    if not dry:  # last: its autotuning takes minutes
+    if not dry and wanted('compile_mode=max-autotune-no-cudagraphs'):  # last: its autotuning takes minutes
         measure('compile_mode=max-autotune-no-cudagraphs', ['--compile_mode=max-autotune-no-cudagraphs'],
                 'lever-max-autotune')
 

@@ -32,7 +32,7 @@ def dry_runs(tmp_path_factory):
     """The two dry runs that take long, both started before either is waited for: each runs one process at a time
     (part A two, --jobs), on a CPU the other leaves half idle. {name: (its folder, its Popen)}."""
     runs = {'all': ['--entrypoints=train.py'],
-            'only': ['--entrypoints=train.py', '--parts=AB', '--only=zero_stage=3,Verdict']}
+            'only': ['--entrypoints=train.py', '--parts=ABL', '--only=zero_stage=3,Verdict,fused_qkv']}
     folders = {name: tmp_path_factory.mktemp(f'gpu_check-{name}') for name in runs}
     started = {name: (folders[name], gpu_check(folders[name], *args)) for name, args in runs.items()}
     yield started
@@ -131,12 +131,15 @@ def test_a_run_out_of_time_is_stopped_with_the_workers_torchrun_started_in_sessi
 
 def test_gpu_check_runs_only_the_checks_named(dry_runs):
     # a later GPU call runs what an earlier one did not reach, and nothing it did: here part B's verdict timing alone
-    # (part A's ZeRO-3 check is of ds_train.py, which --entrypoints leaves out)
+    # (part A's ZeRO-3 check is of ds_train.py, which --entrypoints leaves out), and of part L's levers one, against
+    # the plain step timed before and after it
     tmp_path, popen = dry_runs['only']
     p = finished(popen)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = json.loads((tmp_path / 'out' / 'table.json').read_text())
-    assert [(part, what, ok) for part, what, ok, _ in rows] == [('B', 'verdict a step late vs every step', True)]
+    assert [(part, what, ok) for part, what, ok, _ in rows] == [
+        ('B', 'verdict a step late vs every step', True), ('L', 'plain step, batch 2', True), ('L', 'fused_qkv', True),
+        ('L', 'plain step again (the spread)', True)]
 
 
 SCRIPTS = ['train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py', 'pp_train.py', 'bench.py', 'sample.py',
