@@ -159,3 +159,11 @@ def test_the_matmul_precision_a_script_sets_on_cuda_is_one_max_autotune_can_read
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env())
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == 'high'
+
+
+def test_host_time_prints_each_parts_host_time_plain_and_under_fsdp():
+    r = subprocess.run([sys.executable, str(REPO / 'tests' / 'host_time.py'), '--n_layer=2', '--iters=3'],
+                       capture_output=True, text=True, env=env(), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {line.split()[0]: [float(ms) for ms in line.split()[1:]] for line in r.stdout.splitlines()[2:]}
+    assert list(rows) == ['plain', 'fsdp'] and all(len(ms) == 3 and all(t > 0 for t in ms) for ms in rows.values())
