@@ -554,9 +554,6 @@ def part_c():
     # the modes side by side at one batch: GPT-2 124M (T=1024) on a GPU, the tiny model on CPU
     model = MODEL if dry else ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024',
                                '--batch_size=12', '--eval_iters=1', '--deterministic=False']
-    # enough steps after the 5th for the host profile's samples at 50 Hz: train.py's 26 ms steps on an H100 about 120,
-    # the tiny model's 2 ms on CPU about 50
-    steps = 500 if dry else 100
     base_ms = None
     # model_size.py's estimate of each mode's memory on one rank: parameters, gradients, optimizer, activations
     size = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=4', '--dtype=float32'] if dry \
@@ -569,6 +566,9 @@ def part_c():
                                       ('decent_train.py', [], 0.9, 'DDP')):
         if script not in chosen:
             continue
+        # enough steps after the 5th for the host profile's samples at 50 Hz: train.py's 26 ms steps on an H100 about
+        # 120, the tiny model's 2 ms on CPU about 50 (ZeRO-2's take 0.8 s there: DeepSpeed allocates a 2 GB bucket each)
+        steps = 100 if not dry else 500 if script != 'ds_train.py' else 8
         name = f'speed-{script[:-3]}'
         done = threading.Event()
         with ThreadPoolExecutor(1) as pool:  # the profile beside the run

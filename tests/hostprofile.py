@@ -23,8 +23,8 @@ def summary(raw, busy_raw, script):
     raw holds every sample (py-spy --idle), busy_raw the busy ones: py-spy's raw format does not mark a sample idle,
     so a second py-spy beside the first counts them. A frame's share is inclusive (the samples it is anywhere in):
     the loop's lines ('train.py:340', where a wait for the device shows, inside a call of C) and the functions under
-    them ('backward (torch/_tensor.py)'). A frame in the same stacks as one before it, a wrapper on the same path
-    (module.__call__ and forward), adds nothing and is left out."""
+    them ('backward (torch/_tensor.py)'). Of functions in the same stacks, a chain of calls (module.__call__,
+    _call_impl, forward), only the innermost is kept: it says the most."""
     stacks = main_thread(raw)
     loop = re.compile(rf'<module> \((?:.*/)?({re.escape(script)}:\d+)\)')
     where = collections.defaultdict(set)  # frame: the stacks it is in
@@ -34,11 +34,14 @@ def summary(raw, busy_raw, script):
         if at:  # else outside the loop's lines: start-up, the end, a stack torn (--nonblocking reads as it runs)
             for frame in [loop.fullmatch(frames[at[-1]])[1]] + frames[at[-1] + 1:]:
                 where[re.sub(r':\d+\)$', ')', frame)].add(stack)
-    total = sum(stacks.values())
+    total, count = sum(stacks.values()), {frame: sum(stacks[s] for s in where[frame]) for frame in where}
     top, seen = [], set()
-    for frame in sorted(where, key=lambda f: -sum(stacks[s] for s in where[f])):  # the outer first among equals
-        if frozenset(where[frame]) not in seen:
+    # most samples first, a line before a function in as many; where is in the order frames were met, outer first
+    for frame in sorted(reversed(where), key=lambda f: (-count[f], ' (' in f)):
+        if ' (' in frame:  # a function
+            if frozenset(where[frame]) in seen:
+                continue
             seen.add(frozenset(where[frame]))
-            top.append((frame, sum(stacks[s] for s in where[frame]) / total))
+        top.append((frame, count[frame] / total))
     # the two py-spys' samples differ by chance: a thread never idle could read above 100% busy
     return total, min(1, sum(main_thread(busy_raw).values()) / total) if total else 0, top
