@@ -1,7 +1,8 @@
 #!/bin/bash
 # Makes what tests/gpu_check.py needs on a lent GPU machine and cannot fetch there, in two folders that git ignores
 # and the device call carries: .whl/ (DeepSpeed and the packages it needs that the machine's image lacks, for its
-# Python 3.12) and .gpu/input.txt (tiny Shakespeare). Run it here, in the repo, with the package registry at hand:
+# Python 3.12, and py-spy for part C's host profiles) and .gpu/input.txt (tiny Shakespeare). Run it here, in the
+# repo, with the package registry at hand:
 #   bash tests/gpu_carry.sh [path to tiny Shakespeare's input.txt]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,4 +21,7 @@ rm -rf .whl/src
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
     hjson==3.1.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
+# py-spy: one binary, for any Python (a py2.py3 wheel)
+python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 \
+    -d .whl py-spy==0.4.2
 du -sh .whl .gpu

@@ -4,8 +4,8 @@ the GPU"). A lent GPU machine gives a session 15 minutes in all, its start inclu
 one command runs parts A and B, each within its own seconds, then L and C until its deadline, and a later session's
 runs what it did not reach.
 
-On a GPU machine (the device tool's; DeepSpeed travels as wheels in .whl/, tiny Shakespeare as .gpu/input.txt, both
-made by tests/gpu_carry.sh; docs/speed.md has the calls):
+On a GPU machine (the device tool's; DeepSpeed and py-spy travel as wheels in .whl/, tiny Shakespeare as
+.gpu/input.txt, both made by tests/gpu_carry.sh; docs/speed.md has the calls):
     python tests/gpu_check.py --parts=A:250,B:300,L,C --deadline=570 --input=.gpu/input.txt --wheels=.whl --out=$OUT
 On CPU, at tiny sizes, so that its own logic is proven before a GPU run relies on it (tests/test_gpu_check.py):
     python tests/gpu_check.py --dry_run --input=../shared/data/tinyshakespeare/input.txt
@@ -22,14 +22,15 @@ L: the levers, one at a time against the plain step at one batch, side by side: 
    time, a bf16 residual stream, SDPA's cuDNN and flash kernels, one fused QKV matmul, those that paid together,
    and a compile mode; the plain step timed again last, for the spread. Each must also train to the plain step's
    loss.
-C: tok/s of fsdp_train.py, ds_train.py (ZeRO-2) and decent_train.py against train.py at the same batch, and each
-   one's peak GPU memory.
+C: tok/s of fsdp_train.py, ds_train.py (ZeRO-2) and decent_train.py against train.py at the same batch, each one's
+   peak GPU memory, and where its host's time goes (py-spy on its worker as it runs).
 Each check is a row: what, ok or FAIL, the figure. The exit status is 1 where a check failed or was not reached.
 """
 
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -39,7 +40,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from proctree import stop  # tests/, beside this script
+from hostprofile import summary  # tests/, beside this script, as proctree
+from proctree import stop, under
 
 BEGAN = time.time()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +51,7 @@ p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
 p.add_argument('--dry_run', action='store_true', help='CPU, gloo, fp32, no compile, a tiny model, a few steps')
 p.add_argument('--input', default=os.path.join(REPO, 'data', 'shakespeare_char', 'input.txt'),
                help="tiny Shakespeare's input.txt")
-p.add_argument('--wheels', default='', help='a folder of wheels to install first where DeepSpeed is missing')
+p.add_argument('--wheels', default='', help='a folder of wheels to install first where DeepSpeed or py-spy is missing')
 p.add_argument('--out', default='', help='where logs and the table go (default: a temporary folder)')
 p.add_argument('--parts', default='ABLC', help='which parts to run, in this order, each with its own seconds if '
                'given (A:250,B:320): a part stops its runs when its seconds are up, and the next part begins')
@@ -87,15 +89,24 @@ lock = threading.Lock()  # part A's runs report from threads
 env = dict(os.environ, PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1' if dry else os.environ.get('OMP_NUM_THREADS', '8'))
 env['PYTHONPATH'] = os.pathsep.join(filter(None, [REPO, env.get('PYTHONPATH')]))
 
+# py-spy, for part C's host profiles: beside this Python, where pip puts it, or on PATH
+spy_path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get('PATH', '')])
 if args.wheels and os.path.isdir(args.wheels):
+    # of the wheels, those of what the machine lacks: DeepSpeed and the packages it needs, py-spy (part C's profiles)
+    spy = [w for w in os.listdir(args.wheels) if w.startswith('py_spy-')]
     try:
         import deepspeed  # noqa: F401
+        wheels = []
     except ImportError:
+        wheels = [w for w in os.listdir(args.wheels) if w not in spy]
+    wheels += [] if shutil.which('py-spy', path=spy_path) else spy
+    if wheels:
         site = os.path.join(work, 'site')
         subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '--no-index', '--no-deps', '--no-compile',
-                        '--target', site] + [os.path.join(args.wheels, w) for w in os.listdir(args.wheels)],
-                       check=True)
+                        '--target', site] + [os.path.join(args.wheels, w) for w in wheels], check=True)
         env['PYTHONPATH'] = os.pathsep.join([site, env['PYTHONPATH']])
+        spy_path = os.pathsep.join([os.path.join(site, 'bin'), spy_path])  # --target puts scripts in bin/
+PY_SPY = shutil.which('py-spy', path=spy_path)
 
 # the settings of every run: the baby GPT on a GPU, a tiny model on CPU
 if dry:
@@ -199,8 +210,8 @@ def metrics(out_dir):
     path = os.path.join(work, out_dir, 'metrics.jsonl')
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    with open(path) as f:  # a row without its newline is still being written (host_profile reads as the run goes)
+        return [json.loads(line) for line in f if line.strip() and line.endswith('\n')]
 
 
 def row(part, what, ok, figure=''):
@@ -498,11 +509,54 @@ def part_l():
                 'lever-max-autotune')
 
 
+def host_profile(name, script, steps, done):
+    """Where the host's time goes in a run of part C: py-spy on its worker from its 5th logged step (compiled, warm)
+    to its last, at 50 Hz, without pausing it (--nonblocking), the raw stacks in the logs (host-train.txt for
+    train.py) and their top 30 beside (host-train.log); returns the figure for its row. done: set once the run ended."""
+    if not PY_SPY:
+        return '; no host profile (no py-spy: tests/gpu_carry.sh carries its wheel to --wheels)'
+    while not done.is_set() and not any(r['iter'] >= 5 and 'ms' in r for r in metrics(name)):
+        time.sleep(0.05)
+    # torchrun's child, the worker: the process under this one with the run's out_dir, that is not torchrun
+    workers = []
+    for pid in under(os.getpid()):
+        try:
+            with open(f'/proc/{pid}/cmdline') as f:
+                cmd = f.read().split('\0')
+        except OSError:  # gone since
+            continue
+        if f'--out_dir={name}' in cmd and 'torch.distributed.run' not in cmd:
+            workers.append(pid)
+    if done.is_set() or not workers:
+        return '; no host profile (the run ended before its 5th step)'
+    # py-spy's raw format does not mark a sample idle: a second py-spy, without --idle, counts the busy ones
+    raw = {idle: os.path.join(logs, f"host-{script[:-3]}{'' if idle else '-busy'}.txt") for idle in (True, False)}
+    spies = [subprocess.Popen([PY_SPY, 'record', '--pid', str(workers[0]), '--nonblocking', '--threads', '--rate=50',
+                               '--duration=600', '--format=raw', f'--output={path}'] + ['--idle'] * idle,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for idle, path in raw.items()]
+    while not done.is_set() and not any(r['iter'] >= steps - 1 and 'ms' in r for r in metrics(name)):
+        time.sleep(0.05)
+    for spy in spies:  # it writes what it has, as where the worker exited (not the final eval and shutdown then)
+        spy.send_signal(signal.SIGINT)
+    said = [spy.communicate(timeout=60)[0].strip().splitlines() for spy in spies]
+    if any(spy.returncode for spy in spies) or not all(map(os.path.isfile, raw.values())):
+        return f"; no host profile (py-spy: {next((s[-1] for s in said if s), 'no output')[:100]})"
+    total, busy, top = summary(raw[True], raw[False], script)
+    if not total:
+        return '; no host profile (no samples of the main thread)'
+    with open(os.path.join(logs, f'host-{script[:-3]}.log'), 'w') as f:
+        f.write(f"{total} samples of the main thread, {busy:.0%} busy, {1 - busy:.0%} idle; the loop's lines and the "
+                f"functions under them, by the share of the samples they are in:\n")
+        f.writelines(f'{share:6.1%}  {frame}\n' for frame, share in top[:30])
+    return f"; host {busy:.0%} busy, {total} samples: " + ', '.join(
+        f"{re.sub(r'[(].*/', '(', frame)} {share:.0%}" for frame, share in top[:8])  # file names without folders
+
+
 def part_c():
     # the modes side by side at one batch: GPT-2 124M (T=1024) on a GPU, the tiny model on CPU
     model = MODEL if dry else ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024',
                                '--batch_size=12', '--eval_iters=1', '--deterministic=False']
-    steps = STEPS if dry else 40
     base_ms = None
     # model_size.py's estimate of each mode's memory on one rank: parameters, gradients, optimizer, activations
     size = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=4', '--dtype=float32'] if dry \
@@ -515,10 +569,23 @@ def part_c():
                                       ('decent_train.py', [], 0.9, 'DDP')):
         if script not in chosen:
             continue
+        # enough steps after the 5th for the host profile's samples at 50 Hz: train.py's 26 ms steps on an H100 about
+        # 120, the tiny model's 2 ms on CPU about 50 (ZeRO-2's take 0.8 s there: DeepSpeed allocates a 2 GB bucket each)
+        steps = 100 if not dry else 500 if script != 'ds_train.py' else 8
         name = f'speed-{script[:-3]}'
-        code, text, secs = run(name, wrapped('peak', torchrun(script, extra + model + [
-            f'--out_dir={name}', f'--max_iters={steps}', f'--eval_interval={steps * 10}',
-            '--always_save_checkpoint=False']), script))
+        done = threading.Event()
+        with ThreadPoolExecutor(1) as pool:  # the profile beside the run
+            profile = pool.submit(host_profile, name, script, steps, done)
+            try:
+                code, text, secs = run(name, wrapped('peak', torchrun(script, extra + model + [
+                    f'--out_dir={name}', f'--max_iters={steps}', f'--eval_interval={steps * 10}',
+                    '--always_save_checkpoint=False']), script))
+            finally:  # else the profile would wait for the run's steps for ever
+                done.set()
+        try:
+            host = profile.result()
+        except (OSError, subprocess.SubprocessError) as e:  # a py-spy that would not start or end: not the run's fault
+            host = f'; no host profile ({e})'
         ms = mean_ms(name)
         base_ms = base_ms or ms
         ratio = base_ms / ms if ms and base_ms else None
@@ -526,8 +593,8 @@ def part_c():
         memory = (f"; peak {peak[0] / 2**20:,.1f} MiB" if peak else '') + \
             (f" (model_size.py: {sum(estimate[mode].values()) / 2**20:,.1f} MiB)" if mode in estimate else '')
         row('C', f'{script} speed', code == 0 and ms is not None and (dry or goal is None or ratio >= goal),
-            f"{ms:.1f} ms/iter, {ratio:.2f}x train.py" + (f" (goal {goal}x)" if goal else '') + memory if ms else
-            exited(code, secs))
+            f"{ms:.1f} ms/iter, {ratio:.2f}x train.py" + (f" (goal {goal}x)" if goal else '') + memory + host if ms
+            else exited(code, secs))
 
 
 for part, seconds in plan:

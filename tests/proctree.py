@@ -1,7 +1,25 @@
-"""Stops a process and every process under it, wherever their sessions are."""
+"""Finds and stops the processes under a process, wherever their sessions are."""
 
 import os
 import signal
+
+
+def under(pid):
+    """pid and the processes under it (its children, theirs, ...), from /proc: torchrun's workers too, which run in
+    sessions of their own."""
+    children = {}
+    for entry in filter(str.isdigit, os.listdir('/proc')):
+        try:
+            with open(f'/proc/{entry}/stat') as f:
+                ppid = int(f.read().rsplit(')', 1)[1].split()[1])  # the name in () may hold spaces
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    tree, i = [pid], 0
+    while i < len(tree):
+        tree += children.get(tree[i], [])
+        i += 1
+    return tree
 
 
 def stop(pid):
@@ -11,19 +29,7 @@ def stop(pid):
     starts a process between the look and the kill."""
     seen = []
     while True:
-        children = {}
-        for entry in filter(str.isdigit, os.listdir('/proc')):
-            try:
-                with open(f'/proc/{entry}/stat') as f:
-                    ppid = int(f.read().rsplit(')', 1)[1].split()[1])  # the name in () may hold spaces
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-        tree, i = [pid], 0
-        while i < len(tree):
-            tree += children.get(tree[i], [])
-            i += 1
-        new = [p for p in tree if p not in seen]
+        new = [p for p in under(pid) if p not in seen]
         if not new:
             break
         for p in new:

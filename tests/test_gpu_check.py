@@ -4,8 +4,10 @@ others go through the same lines of the script, and each has its own tests in th
 
 import itertools
 import json
+import re
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -56,6 +58,11 @@ def test_gpu_check_dry_run_passes_every_part_and_prints_the_table(dry_runs):
     assert checks['train.py config/train_gpt2.py' + bf16][1].endswith(' tok/s')
     # part C's memory: the run's peak (on CPU the process's) beside model_size.py's estimate for the mode
     assert 'MiB (model_size.py: ' in checks['train.py speed'][1] and '; peak ' in checks['train.py speed'][1]
+    # part C's host profile: py-spy on the worker as it ran, its main thread's busy share and the loop's frames
+    host = checks['train.py speed'][1].split('; host ')[1]
+    assert re.fullmatch(r'\d+% busy, \d+ samples: .+ \d+%', host) and re.search(r'train\.py:\d+ \d+%', host), host
+    with tarfile.open(tmp_path / 'out' / 'logs-ABLC.tar.gz') as logs:
+        assert {'./host-train.txt', './host-train-busy.txt', './host-train.log'} <= set(logs.getnames())
     # part L's levers ran against the plain step and trained to its loss (fp32 on CPU: to rounding)
     for lever in ('fused_qkv', 'loss_rows', 'autocast_residual'):
         loss, plain = (float(x) for x in checks[lever][1].split('loss ')[1].split(' vs '))
@@ -140,6 +147,28 @@ def test_gpu_check_runs_only_the_checks_named(dry_runs):
     assert [(part, what, ok) for part, what, ok, _ in rows] == [
         ('B', 'verdict a step late vs every step', True), ('L', 'plain step, batch 2', True), ('L', 'fused_qkv', True),
         ('L', 'plain step again (the spread)', True)]
+
+
+def test_host_profile_counts_the_main_threads_samples_in_the_loops_lines_and_functions_each_once(tmp_path):
+    sys.path.insert(0, str(REPO / 'tests'))
+    from hostprofile import summary
+    # py-spy record --threads -f raw: a stack a line, the thread first, the count last; the script run by a wrapper
+    loop = 'thread (7): MainThread;<module> (peak_wrapper.py:5);run_path (<frozen runpy>:291);<module> (train.py:'
+    (tmp_path / 'all.txt').write_text(
+        f"{loop}340);backward (torch/_tensor.py:623);backward (torch/_tensor.py:600) 4\n"  # in it twice: once
+        f"{loop}340);backward (torch/_tensor.py:623);post_backward (fsdp/_fsdp_param_group.py:400) 2\n"
+        f"{loop}363) 3\n"  # .item() waits for the device: C under the loop's line
+        f"{loop}336);_call_impl (torch/nn/modules/module.py:1789);forward (model.py:192) 1\n"
+        "thread (7): MainThread;named_modules (torch/nn/modules/module.py:2881) 1\n"  # torn: in no line of the loop
+        "thread (9): Thread-1 (beat);run (threading.py:982);beat (runlock.py:109) 40\n")  # not the main thread
+    (tmp_path / 'busy.txt').write_text(f"{loop}340);backward (torch/_tensor.py:623) 8\n"
+                                       "thread (9): Thread-1 (beat);beat (runlock.py:109) 40\n")
+    total, busy, top = summary(tmp_path / 'all.txt', tmp_path / 'busy.txt', 'train.py')
+    assert total == 11 and busy == 8 / 11
+    # backward twice in a stack counts once; of _call_impl and forward, in the same stacks, the inner one is kept
+    assert top == [('train.py:340', 6 / 11), ('backward (torch/_tensor.py)', 6 / 11), ('train.py:363', 3 / 11),
+                   ('post_backward (fsdp/_fsdp_param_group.py)', 2 / 11), ('train.py:336', 1 / 11),
+                   ('forward (model.py)', 1 / 11)]
 
 
 SCRIPTS = ['train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py', 'pp_train.py', 'bench.py', 'sample.py',
