@@ -23,7 +23,8 @@ L: the levers, one at a time against the plain step at one batch, side by side: 
    and a compile mode; the plain step timed again last, for the spread. Each must also train to the plain step's
    loss.
 C: tok/s of fsdp_train.py, ds_train.py (ZeRO-2) and decent_train.py against train.py at the same batch, each one's
-   peak GPU memory, and where its host's time goes (py-spy on its worker as it runs).
+   peak GPU memory, and where its host's time goes (py-spy on its worker as it runs); and tests/host_time.py, the
+   host's time per part of a step, plain against FSDP2.
 Each check is a row: what, ok or FAIL, the figure. The exit status is 1 where a check failed or was not reached.
 """
 
@@ -595,6 +596,13 @@ def part_c():
         row('C', f'{script} speed', code == 0 and ms is not None and (dry or goal is None or ratio >= goal),
             f"{ms:.1f} ms/iter, {ratio:.2f}x train.py" + (f" (goal {goal}x)" if goal else '') + memory + host if ms
             else exited(code, secs))
+    # the host's time for each part of a step, plain against FSDP2, on a model too small to compute much
+    code, text, secs = run('host-time', [sys.executable, os.path.join(REPO, 'tests', 'host_time.py')] +
+                           (['--n_layer=2', '--iters=3'] if dry else ['--device=cuda']))
+    rows = {line.split()[0]: line.split()[1:] for line in text.splitlines() if line.startswith(('plain', 'fsdp'))}
+    row('C', 'host ms per part, plain vs FSDP2', code == 0 and len(rows) == 2, ', '.join(
+        f"{part} {plain} vs {fsdp}" for part, plain, fsdp in zip(('fwd+bwd', 'AdamW', 'clip'), *rows.values()))
+        if code == 0 and len(rows) == 2 else exited(code, secs))
 
 
 for part, seconds in plan:

@@ -58,6 +58,8 @@ def test_gpu_check_dry_run_passes_every_part_and_prints_the_table(dry_runs):
     assert checks['train.py config/train_gpt2.py' + bf16][1].endswith(' tok/s')
     # part C's memory: the run's peak (on CPU the process's) beside model_size.py's estimate for the mode
     assert 'MiB (model_size.py: ' in checks['train.py speed'][1] and '; peak ' in checks['train.py speed'][1]
+    assert re.fullmatch(r'fwd\+bwd [\d.]+ vs [\d.]+, AdamW [\d.]+ vs [\d.]+, clip [\d.]+ vs [\d.]+',
+                        checks['host ms per part, plain vs FSDP2'][1])
     # part C's host profile: py-spy on the worker as it ran, its main thread's busy share and the loop's frames
     host = checks['train.py speed'][1].split('; host ')[1]
     assert re.fullmatch(r'\d+% busy, \d+ samples: .+ \d+%', host) and re.search(r'train\.py:\d+ \d+%', host), host
