@@ -82,6 +82,15 @@ def add_config_file(ds_cfg, path):
         sys.exit(f"error: {path} {'; it '.join(problems)}")
 
 
+def bucket_sizes(zero, n_params):
+    """ZeRO's buckets hold 5e8 elements unless a config says otherwise, allocated anew every step (a CPU feels it,
+    and deterministic mode fills them: 0.49 s a step of a tiny model): a bucket of the model's size takes all its
+    gradients, the one bucket of the default, the same sums. A user's size stays; "auto" takes this one."""
+    for key in ('reduce_bucket_size', 'allgather_bucket_size'):
+        if zero.get(key, 'auto') == 'auto':
+            zero[key] = min(int(5e8), n_params)
+
+
 # a generated setting -> the flag of ds_train.py that sets it (value -> the flag's value)
 FLAGS = {'zero_optimization.stage': ('zero_stage', lambda v: v), 'gradient_clipping': ('grad_clip', lambda v: v),
          'train_micro_batch_size_per_gpu': ('batch_size', lambda v: v),

@@ -108,9 +108,9 @@ try:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-    from ds_state import (ZERO3_COMPILED, DeferredWrites, add_config_file, check_offload, checkpoint_iter_at,
-                          engine_folders, engine_state, copy_recovery_scripts, gather_state, guard_step, load_state,
-                          offload, remove_shm_buffer_name, state_bytes)
+    from ds_state import (ZERO3_COMPILED, DeferredWrites, add_config_file, bucket_sizes, check_offload,
+                          checkpoint_iter_at, engine_folders, engine_state, copy_recovery_scripts, gather_state,
+                          guard_step, load_state, offload, remove_shm_buffer_name, state_bytes)
 except ImportError as e:
     sys.exit(f"error: ds_train.py needs DeepSpeed ({e}): pip install deepspeed==0.19.8")
 # DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates, and torch says so at each call
@@ -290,6 +290,7 @@ ds_cfg = {
 }
 if ds_config:  # a user's settings, added where they contradict none of ours
     add_config_file(ds_cfg, ds_config)
+bucket_sizes(ds_cfg['zero_optimization'], sum(p.numel() for p in model.parameters()))  # the model's, not 5e8
 try:
     model, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_cfg)
 except ValueError as e:  # pydantic's errors about ds_config's settings among them: the class, the field, the reason

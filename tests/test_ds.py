@@ -111,11 +111,6 @@ def stages(tmp_path_factory, data_dir, ref):
     (tmp / 'ds.json').write_text(json.dumps({'steps_per_print': 1000, 'wall_clock_breakdown': False,
                                              'gradient_predivide_factor': 1,
                                              'zero_optimization': {'overlap_comm': False}}))
-    # deterministic mode fills what torch.empty returns (torch's fill_uninitialized_memory), and stage 2's buckets
-    # hold 5e8 elements by default: 2 GB a rank to fill, 54 s of a 13 s run. Buckets of 1e6 still take the model's
-    # 30k parameters whole, one bucket as before: the same reductions, the same losses bit for bit
-    (tmp / 'buckets.json').write_text(json.dumps({'zero_optimization': {'reduce_bucket_size': 10**6,
-                                                                        'allgather_bucket_size': 10**6}}))
 
     def one(stage):
         args = (f'--zero_stage={stage}', '--max_iters=10', *([f'--ds_config={tmp / "ds.json"}'] if stage == 3 else []))
@@ -124,8 +119,7 @@ def stages(tmp_path_factory, data_dir, ref):
         if stage == 1:
             return deepspeed_launch(tmp, data_dir, f'zero{stage}', *args)
         return launch('ds_train.py', tmp, data_dir, f'zero{stage}', *args,
-                      *(['--deterministic=True', '--dropout=0.1', f'--ds_config={tmp / "buckets.json"}']
-                        if stage == 2 else []), nproc=2)
+                      *(['--deterministic=True', '--dropout=0.1'] if stage == 2 else []), nproc=2)
     # the four runs at once: two start fresh interpreters under their launchers, which mostly wait: one after
     # another, they were 48 s of this file's 74 on an idle machine
     with ThreadPoolExecutor(4) as pool:
@@ -150,6 +144,18 @@ def test_zero_stages_on_two_ranks_match_train_py_on_one(ref, stages):
         assert (out / 'ds' / 'latest').read_text() == 'step-00000010'
         # older ones removed, but the one before: a fallback should the newest turn out damaged
     assert sorted(p.name for p in (out / 'ds').glob('step-*')) == ['step-00000005', 'step-00000010']
+
+
+def test_zero_buckets_are_the_models_size_unless_a_config_sets_them():
+    # stage 2 above runs in deterministic mode, which fills each bucket DeepSpeed allocates every step: at its default
+    # of 5e8 elements that was 0.49 s a step of a tiny model; a bucket of the model's size is the same one bucket
+    from ds_state import bucket_sizes
+    zero = {'stage': 2, 'allgather_bucket_size': 'auto'}
+    bucket_sizes(zero, 30_000)
+    assert zero == {'stage': 2, 'reduce_bucket_size': 30_000, 'allgather_bucket_size': 30_000}
+    zero = {'reduce_bucket_size': 10**6}  # a user's, from --ds_config
+    bucket_sizes(zero, 10**10)
+    assert zero == {'reduce_bucket_size': 10**6, 'allgather_bucket_size': 5 * 10**8}
 
 
 def test_per_rank_optimizer_state_at_stage_1_and_up_is_at_most_0_6_of_stage_0(stages):
