@@ -571,8 +571,8 @@ def part_c():
         if script not in chosen:
             continue
         # enough steps after the 5th for the host profile's samples at 50 Hz: train.py's 26 ms steps on an H100 about
-        # 120, the tiny model's 2 ms on CPU about 50 (ZeRO-2's take 0.8 s there: DeepSpeed allocates a 2 GB bucket each)
-        steps = 100 if not dry else 500 if script != 'ds_train.py' else 8
+        # 120, the tiny model's 2 ms on CPU about 50
+        steps = 500 if dry else 100
         name = f'speed-{script[:-3]}'
         done = threading.Event()
         with ThreadPoolExecutor(1) as pool:  # the profile beside the run
