@@ -50,6 +50,7 @@ device = 'auto'
 dtype = 'auto'
 compile = True
 compile_mode = 'default'  # torch.compile's mode: 'default', 'reduce-overhead', 'max-autotune-no-cudagraphs', ...
+coordinate_descent = False  # inductor tunes each generated kernel's block sizes by coordinate descent (slower compile)
 sdpa = 'auto'  # attention's kernel: 'auto' (PyTorch's choice), or only 'cudnn', 'flash', 'efficient' or 'math'
 fused_qkv = False  # the levers of model.GPTConfig, which training leaves off until they are measured here
 loss_rows = 0
@@ -138,6 +139,7 @@ gpt = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_laye
                     autocast_residual=autocast_residual)).to(device)
 optimizer = gpt.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
+torch._inductor.config.coordinate_descent_tuning = coordinate_descent
 try:
     net = torch.compile(gpt, mode=compile_mode) if compile else gpt
 except RuntimeError as e:  # a mode it does not know
