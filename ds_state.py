@@ -85,10 +85,11 @@ def add_config_file(ds_cfg, path):
 def bucket_sizes(zero, n_params):
     """ZeRO's buckets hold 5e8 elements unless a config says otherwise, allocated anew every step (a CPU feels it,
     and deterministic mode fills them: 0.49 s a step of a tiny model): a bucket of the model's size takes all its
-    gradients, the one bucket of the default, the same sums. A user's size stays; "auto" takes this one."""
+    gradients, the one bucket of the default, the same sums. A user's size stays; "auto" takes this one, rounded up
+    to an even count: stages 1 and 2 assert that the all-gather's is even (n_embd=33 made it odd: a traceback)."""
     for key in ('reduce_bucket_size', 'allgather_bucket_size'):
         if zero.get(key, 'auto') == 'auto':
-            zero[key] = min(int(5e8), n_params)
+            zero[key] = min(int(5e8), n_params + n_params % 2)
 
 
 # a generated setting -> the flag of ds_train.py that sets it (value -> the flag's value)

@@ -156,6 +156,9 @@ def test_zero_buckets_are_the_models_size_unless_a_config_sets_them():
     zero = {'reduce_bucket_size': 10**6}  # a user's, from --ds_config
     bucket_sizes(zero, 10**10)
     assert zero == {'reduce_bucket_size': 10**6, 'allgather_bucket_size': 5 * 10**8}
+    zero = {}  # an odd count (n_embd=33): stages 1 and 2 assert that the all-gather's bucket is even
+    bucket_sizes(zero, 1_687_389)
+    assert zero == {'reduce_bucket_size': 1_687_390, 'allgather_bucket_size': 1_687_390}
 
 
 def test_per_rank_optimizer_state_at_stage_1_and_up_is_at_most_0_6_of_stage_0(stages):
