@@ -44,8 +44,9 @@ def total_norm(grads):
         sq = torch.stack(torch._foreach_norm([g.float() for g in gs])).pow(2).sum()
         if layout is not None:  # a sum over the dimensions that shard (or leave partial), none over those that copy
             mesh, placements = layout
-            sq = DTensor.from_local(sq, mesh, [Replicate() if p.is_replicate() else Partial() for p in placements],
-                                    run_check=False).full_tensor()
+            # on the mesh's device: CPU-offloaded gradients' sums too, which nccl would not take from the CPU
+            sq = DTensor.from_local(sq.to(mesh.device_type), mesh, [Replicate() if p.is_replicate() else Partial()
+                                                                    for p in placements], run_check=False).full_tensor()
         total_sq = total_sq + sq
     return total_sq.sqrt()
 

@@ -541,7 +541,11 @@ def host_profile(name, script, steps, done):
         time.sleep(0.05)
     for spy in spies:  # it writes what it has, as where the worker exited (not the final eval and shutdown then)
         spy.send_signal(signal.SIGINT)
-    said = [spy.communicate(timeout=60)[0].strip().splitlines() for spy in spies]
+    try:  # it ends in a fraction of a second: one that hangs must not hold the call past its deadline
+        said = [spy.communicate(timeout=10)[0].strip().splitlines() for spy in spies]
+    finally:
+        for spy in spies:
+            spy.kill()
     if any(spy.returncode for spy in spies) or not all(map(os.path.isfile, raw.values())):
         return f"; no host profile (py-spy: {next((s[-1] for s in said if s), 'no output')[:100]})"
     total, busy, top = summary(raw[True], raw[False], script)
