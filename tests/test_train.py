@@ -169,6 +169,7 @@ def test_bench_times_steps(tmp_path, data_dir):
     assert row['ms'] > 0 and row['mfu'] is None and row['params'] > 0
     p = run('bench.py', '--device=cpu', '--compile=False', '--n_layer=2', '--n_head=2', '--n_embd=32',
             '--real_data=True', f'--dataset={data_dir / "shakespeare_char"}', '--block_size=32', '--batch_size=4',
-            '--warmup=1', '--iters=2', cwd=tmp_path)
+            '--warmup=1', '--iters=2', '--coordinate_descent=True', cwd=tmp_path)
     row = json.loads(p.stdout.strip().splitlines()[-1])
     assert row['params'] > 0 and row['real_data'] and not row['random_data']  # the row says what data it timed
+    assert row['coordinate_descent'] is True  # a lever it takes (what it does to the kernels is a GPU matter)
