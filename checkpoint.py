@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from data import data_dir, meta_vocab, vocabulary
 from model import GPT, GPTConfig
-from runlock import HOLD, try_hold
+from runlock import HOLD, let_go, try_hold
 
 
 def find_checkpoint(path):
@@ -1091,13 +1091,20 @@ def keep_earlier_snapshots(out_dir, run_id, whose='before', theirs=None):
     folder = snapshot_dir(run_id)
     if int(os.environ.get('LOCAL_RANK', 0)) != 0 or not os.path.isdir(folder) or theirs == []:
         return True
+    # the earlier run may be live still, in a copy of out_dir (the same run id): they are its newest state, its own
+    busy = try_hold(folder, "a run of a copy of this run's folder") if whose == 'before' else None
+    if busy:
+        print(f"note: {busy}: its memory snapshots there are left to it (this run starts afresh under a new id)",
+              flush=True)
+        return False
     kept_as = base = os.path.join(out_dir, f"snapshots.{whose}-{run_id}-{socket.gethostname()}")
     n = 1
     # a copy's are kept each time they are passed over, beside any .tmp that a crash mid-copy left (not ours to remove)
     while whose == 'copy' and (os.path.lexists(kept_as) or os.path.lexists(kept_as + '.tmp')):
         n += 1
         kept_as = f'{base}.{n}'
-    others = None if theirs is None else lambda d, names: [n for n in names if d == folder and n not in theirs]
+    # the hold on the folder is no snapshot (a dead run's, or this run's, taken above)
+    others = lambda d, names: [n for n in names if d == folder and (n == HOLD or theirs and n not in theirs)]
     try:
         if os.path.lexists(kept_as) or os.path.lexists(kept_as + '.tmp'):  # not ours to replace or remove
             raise FileExistsError(f"{kept_as} or its .tmp is there already")
@@ -1120,6 +1127,7 @@ def keep_earlier_snapshots(out_dir, run_id, whose='before', theirs=None):
         path = os.path.join(folder, name)
         shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
     if theirs is None:
+        let_go(folder)
         shutil.rmtree(folder, ignore_errors=True)
     print(f"the {'copy' if whose == 'copy' else 'earlier run'}'s memory snapshots moved from {folder} (RAM) to "
           f"{kept_as}", flush=True)

@@ -458,6 +458,30 @@ def test_a_copy_started_beside_its_running_original_leaves_the_originals_snapsho
         shutil.rmtree(snapshots, ignore_errors=True)
 
 
+def test_a_copy_started_afresh_beside_its_running_original_leaves_the_originals_snapshots_in_ram(tmp_path, data_dir,
+                                                                                                 shared_run):
+    # B, a copy of the running A, started with --auto_resume=False: it took A's live snapshot folder for an earlier
+    # run's, moved it into B/snapshots.before-*, and removed it from RAM while A still wrote there
+    a, b = tmp_path / 'a', tmp_path / 'b'
+    snapshots = copies(shared_run('train.py', *ARGS), a, b)
+    running, started = begin('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={a}', *ARGS,
+                             '--max_iters=100000', '--save_memory_interval=1', cwd=tmp_path)
+    try:
+        while not (snapshots / 'ckpt.pt').exists():
+            assert running.exitcode is None
+            time.sleep(0.01)
+        p = start(tmp_path, data_dir, b, '--max_iters=4', '--auto_resume=False', '--save_memory_interval=1')
+        assert f'{snapshots} is in use by a run of a copy of this run' in p.stdout, p.stdout[-2000:]
+        assert running.exitcode is None and not list(b.glob('snapshots.*')) and not list(b.glob('*/snapshots.*'))
+        assert (snapshots / 'ckpt.pt').exists() and (snapshots / 'run.lock').exists()
+        assert torch.load(snapshots / 'ckpt.pt', weights_only=True)['out_dir'] == str(a)  # A's, and A's only
+        assert (b / 'run_id').read_text() != (a / 'run_id').read_text()  # B is a new run, with its own snapshots
+    finally:
+        running.kill()
+        finish(started)
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
 def test_a_copy_run_with_a_relative_out_dir_from_its_own_folder_never_resumes_the_originals_snapshot(tmp_path,
                                                                                                     data_dir,
                                                                                                     shared_run):
@@ -553,6 +577,7 @@ def test_a_run_started_afresh_keeps_the_killed_earlier_runs_snapshots_in_out_dir
     # they are the run's only saved state, so they join its config.json and log in before-RUN_ID/
     kept_as = out / f'before-{run_id}'
     assert f"{out} holds an earlier run's saved states: kept, as they were, in {kept_as}" in p.stdout
+    before.pop('run.lock')  # the killed run's hold on the folder, which the new run took over: no saved state
     assert not snapshots.exists() and files(kept_as / name) == before and before
     assert (kept_as / 'config.json').read_bytes() == config and (kept_as / 'run_id').read_text().strip() == run_id
     assert (out / 'run_id').read_text().strip() != run_id
