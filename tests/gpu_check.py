@@ -141,15 +141,48 @@ distributed.agree = agree_and_wait
 atexit.register(lambda: print('peak memory:', torch.cuda.max_memory_allocated() if torch.cuda.is_initialized()
                               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, flush=True))
 """,
+    # what the device did in optimizer steps 20 to 30 (a global hook counts them, in every mode): its busy time and
+    # kernels a step, and the kernels that took most, from a profiler trace read at the end (reading it takes
+    # seconds, which the host profile would count); beside the run's own ms/iter (untraced steps), the share of a
+    # step the GPU worked. On CPU (a dry run) the ops, the host's time in them
+    'trace': """import atexit, json, torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.profiler import DeviceType, ProfilerActivity, profile
+_traced = {'steps': 0, 'cuda': False}
+def _trace(optimizer, args, kwargs, first=20, last=30):
+    _traced['steps'] += 1
+    cuda = _traced['cuda'] = torch.cuda.is_initialized()
+    if _traced['steps'] in (first, last) and cuda:
+        torch.cuda.synchronize()  # the trace holds the steps' own kernels, all of them
+    if _traced['steps'] == first:
+        _traced['prof'] = profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda)
+        _traced['prof'].__enter__()
+    elif _traced['steps'] == last and 'prof' in _traced:
+        _traced['prof'].__exit__(None, None, None)
+        _traced['done'] = last - first
+def _report():
+    if 'done' not in _traced:
+        return
+    prof, n, cuda = _traced['prof'], _traced['done'], _traced['cuda']
+    rows = [e for e in prof.key_averages() if (e.device_type == DeviceType.CUDA) == cuda]
+    if not cuda:  # each op once: the time in it, not in the ops it calls
+        rows = [e for e in rows if e.key.startswith('aten::')]
+    us = lambda e: e.self_device_time_total if cuda else e.self_cpu_time_total
+    top = sorted(rows, key=us, reverse=True)[:6]
+    print('trace: ' + json.dumps({'device': 'cuda' if cuda else 'cpu', 'busy_ms': sum(map(us, rows)) / 1e3 / n,
+          'kernels': sum(e.count for e in rows) / n, 'top': [[e.key[:60], us(e) / 1e3 / n] for e in top]}), flush=True)
+register_optimizer_step_post_hook(_trace)
+atexit.register(_report)
+""",
 }
 
 
 def wrapped(how, cmd, script):
-    """cmd, a torchrun command of script, with the worker started through the wrapper `how`."""
+    """cmd, a torchrun command of script, with the worker started through the wrappers named in `how` (a+b)."""
     path = os.path.join(work, f'{how}_wrapper.py')
     with open(path, 'w') as f:
-        f.write('import runpy, sys\n' + WRAPPERS[how] + "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], "
-                "run_name='__main__')\n")
+        f.write('import runpy, sys\n' + ''.join(WRAPPERS[w] for w in how.split('+')) +
+                "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
     at = cmd.index(os.path.join(REPO, script))
     return cmd[:at] + [path] + cmd[at:]
 
@@ -559,6 +592,19 @@ def host_profile(name, script, steps, done):
         f"{re.sub(r'[(].*/', '(', frame)} {share:.0%}" for frame, share in top[:8])  # file names without folders
 
 
+def traced(text, ms):
+    """The figure of a run's trace line (the 'trace' wrapper): how much of its step (ms, untraced) the device
+    worked, in how many kernels, and the kernels that took most."""
+    lines = [line for line in text.splitlines() if line.startswith('trace: ')]
+    if not lines:
+        return '; no trace (the run ended before its 30th step)'
+    t = json.loads(lines[-1][len('trace: '):])
+    what = 'GPU busy' if t['device'] == 'cuda' else 'in ops'
+    return (f"; {what} {t['busy_ms']:.1f} ms a step ({t['busy_ms'] / ms:.0%}), {t['kernels']:.0f} "
+            f"{'kernels' if t['device'] == 'cuda' else 'ops'} a step, most: " +
+            ', '.join(f"{name} {t_ms:.1f}" for name, t_ms in t['top'][:4]))
+
+
 def part_c():
     # the modes side by side at one batch: GPT-2 124M (T=1024) on a GPU, the tiny model on CPU
     model = MODEL if dry else ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024',
@@ -583,7 +629,7 @@ def part_c():
         with ThreadPoolExecutor(1) as pool:  # the profile beside the run
             profile = pool.submit(host_profile, name, script, steps, done)
             try:
-                code, text, secs = run(name, wrapped('peak', torchrun(script, extra + model + [
+                code, text, secs = run(name, wrapped('peak+trace', torchrun(script, extra + model + [
                     f'--out_dir={name}', f'--max_iters={steps}', f'--eval_interval={steps * 10}',
                     '--always_save_checkpoint=False']), script))
             finally:  # else the profile would wait for the run's steps for ever
@@ -599,8 +645,8 @@ def part_c():
         memory = (f"; peak {peak[0] / 2**20:,.1f} MiB" if peak else '') + \
             (f" (model_size.py: {sum(estimate[mode].values()) / 2**20:,.1f} MiB)" if mode in estimate else '')
         row('C', f'{script} speed', code == 0 and ms is not None and (dry or goal is None or ratio >= goal),
-            f"{ms:.1f} ms/iter, {ratio:.2f}x train.py" + (f" (goal {goal}x)" if goal else '') + memory + host if ms
-            else exited(code, secs))
+            f"{ms:.1f} ms/iter, {ratio:.2f}x train.py" + (f" (goal {goal}x)" if goal else '') + memory +
+            traced(text, ms) + host if ms else exited(code, secs))
     # the host's time for each part of a step, plain against FSDP2, on a model too small to compute much
     code, text, secs = run('host-time', [sys.executable, os.path.join(REPO, 'tests', 'host_time.py')] +
                            (['--n_layer=2', '--iters=3'] if dry else ['--device=cuda']))

@@ -60,6 +60,10 @@ def test_gpu_check_dry_run_passes_every_part_and_prints_the_table(dry_runs):
     assert 'MiB (model_size.py: ' in checks['train.py speed'][1] and '; peak ' in checks['train.py speed'][1]
     assert re.fullmatch(r'fwd\+bwd [\d.]+ vs [\d.]+, AdamW [\d.]+ vs [\d.]+, clip [\d.]+ vs [\d.]+',
                         checks['host ms per part, plain vs FSDP2'][1])
+    # part C's trace of optimizer steps 20 to 30 (the device's share of the step, on CPU the ops'), before the host's
+    trace = re.search(r'; in ops ([\d.]+) ms a step \((\d+)%\), (\d+) ops a step, most: (.+); host ',
+                      checks['train.py speed'][1])
+    assert trace and float(trace[1]) > 0 and int(trace[3]) > 50 and 'aten::' in trace[4], checks['train.py speed']
     # part C's host profile: py-spy on the worker as it ran, its main thread's busy share and the loop's frames
     host = checks['train.py speed'][1].split('; host ')[1]
     assert re.fullmatch(r'\d+% busy, \d+ samples: .+ \d+%', host) and re.search(r'train\.py:\d+ \d+%', host), host
