@@ -435,10 +435,13 @@ def test_a_copys_snapshot_of_another_layout_is_passed_over_and_kept(tmp_path, da
         shutil.rmtree(snapshots, ignore_errors=True)
 
 
+@pytest.mark.parametrize('afresh', [False, True])
 def test_a_copy_started_beside_its_running_original_leaves_the_originals_snapshots_alone(tmp_path, data_dir,
-                                                                                        shared_run):
+                                                                                        shared_run, afresh):
     # A and its copy B at once on one node, one snapshot folder in RAM: B moved A's live snapshots into its own
-    # out_dir, then each replaced the other's, and B's end removed the folder with A's newest state in it
+    # out_dir, then each replaced the other's, and B's end removed the folder with A's newest state in it. B started
+    # afresh (--auto_resume=False) took that folder for an earlier run's, moved it into B/snapshots.before-* and
+    # removed it from RAM while A still wrote there
     a, b = tmp_path / 'a', tmp_path / 'b'
     snapshots = copies(shared_run('train.py', *ARGS), a, b)
     running, started = begin('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={a}', *ARGS,
@@ -447,35 +450,16 @@ def test_a_copy_started_beside_its_running_original_leaves_the_originals_snapsho
         while not (snapshots / 'ckpt.pt').exists():
             assert running.exitcode is None
             time.sleep(0.01)
-        p = start(tmp_path, data_dir, b, '--max_iters=14', '--save_memory_interval=1')
+        p = start(tmp_path, data_dir, b, '--max_iters=14', '--save_memory_interval=1',
+                  *['--auto_resume=False'] * afresh)
         assert f'{snapshots} is in use by a run of a copy of this run' in p.stdout, p.stdout[-2000:]
-        assert 'this run takes no memory snapshots of its own while that run lasts' in p.stdout
-        assert running.exitcode is None and not list(b.glob('snapshots.*'))
-        assert torch.load(snapshots / 'ckpt.pt', weights_only=True)['out_dir'] == str(a)  # A's, and A's only
-    finally:
-        running.kill()
-        finish(started)
-        shutil.rmtree(snapshots, ignore_errors=True)
-
-
-def test_a_copy_started_afresh_beside_its_running_original_leaves_the_originals_snapshots_in_ram(tmp_path, data_dir,
-                                                                                                 shared_run):
-    # B, a copy of the running A, started with --auto_resume=False: it took A's live snapshot folder for an earlier
-    # run's, moved it into B/snapshots.before-*, and removed it from RAM while A still wrote there
-    a, b = tmp_path / 'a', tmp_path / 'b'
-    snapshots = copies(shared_run('train.py', *ARGS), a, b)
-    running, started = begin('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={a}', *ARGS,
-                             '--max_iters=100000', '--save_memory_interval=1', cwd=tmp_path)
-    try:
-        while not (snapshots / 'ckpt.pt').exists():
-            assert running.exitcode is None
-            time.sleep(0.01)
-        p = start(tmp_path, data_dir, b, '--max_iters=4', '--auto_resume=False', '--save_memory_interval=1')
-        assert f'{snapshots} is in use by a run of a copy of this run' in p.stdout, p.stdout[-2000:]
+        if afresh:  # a new run, under an id and with snapshots of its own
+            assert (b / 'run_id').read_text() != (a / 'run_id').read_text()
+        else:
+            assert 'this run takes no memory snapshots of its own while that run lasts' in p.stdout
         assert running.exitcode is None and not list(b.glob('snapshots.*')) and not list(b.glob('*/snapshots.*'))
-        assert (snapshots / 'ckpt.pt').exists() and (snapshots / 'run.lock').exists()
         assert torch.load(snapshots / 'ckpt.pt', weights_only=True)['out_dir'] == str(a)  # A's, and A's only
-        assert (b / 'run_id').read_text() != (a / 'run_id').read_text()  # B is a new run, with its own snapshots
+        assert (snapshots / 'run.lock').exists()  # A's hold, still
     finally:
         running.kill()
         finish(started)
