@@ -141,15 +141,15 @@ distributed.agree = agree_and_wait
 atexit.register(lambda: print('peak memory:', torch.cuda.max_memory_allocated() if torch.cuda.is_initialized()
                               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, flush=True))
 """,
-    # what the device did in optimizer steps 20 to 30 (a global hook counts them, in every mode): its busy time and
-    # kernels a step, and the kernels that took most, from a profiler trace read at the end (reading it takes
-    # seconds, which the host profile would count); beside the run's own ms/iter (untraced steps), the share of a
-    # step the GPU worked. On CPU (a dry run) the ops, the host's time in them
+    # what the device did in steps 20 to 30 (counted by their backward, one a step in part C, in every mode: an
+    # optimizer can step more than once a step, DeepSpeed's once a parameter group): its busy time and kernels a
+    # step, and the kernels that took most, from a profiler trace read at the end (reading it takes seconds, which
+    # the host profile would count); beside the run's own ms/iter (untraced steps), the share of a step the GPU
+    # worked. On CPU (a dry run) the ops, the host's time in them
     'trace': """import atexit, json, torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.profiler import DeviceType, ProfilerActivity, profile
 _traced = {'steps': 0, 'cuda': False}
-def _trace(optimizer, args, kwargs, first=20, last=30):
+def _trace(first=20, last=30):
     _traced['steps'] += 1
     cuda = _traced['cuda'] = torch.cuda.is_initialized()
     if _traced['steps'] in (first, last) and cuda:
@@ -160,6 +160,11 @@ def _trace(optimizer, args, kwargs, first=20, last=30):
     elif _traced['steps'] == last and 'prof' in _traced:
         _traced['prof'].__exit__(None, None, None)
         _traced['done'] = last - first
+_backward = torch.Tensor.backward
+def _counted(self, *args, **kwargs):
+    _trace()
+    return _backward(self, *args, **kwargs)
+torch.Tensor.backward = _counted
 def _report():
     if 'done' not in _traced:
         return
@@ -171,7 +176,6 @@ def _report():
     top = sorted(rows, key=us, reverse=True)[:6]
     print('trace: ' + json.dumps({'device': 'cuda' if cuda else 'cpu', 'busy_ms': sum(map(us, rows)) / 1e3 / n,
           'kernels': sum(e.count for e in rows) / n, 'top': [[e.key[:60], us(e) / 1e3 / n] for e in top]}), flush=True)
-register_optimizer_step_post_hook(_trace)
 atexit.register(_report)
 """,
 }
