@@ -25,7 +25,7 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
                              safe_set_full_optimizer_state)
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from checkpoint import checkpoint_iter, is_snapshot, reason, step_folders
+from checkpoint import checkpoint_iter, is_snapshot, reason, saved_for, step_folders
 
 # the classes that DeepSpeed 0.19.8 pickles into its checkpoints besides tensors and containers
 DS_SAFE_GLOBALS = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
@@ -268,15 +268,17 @@ def engine_state(path):
 
 def checkpoint_iter_at(path, run_id, layout, foreign, ds_dir):
     """The iteration of an engine checkpoint folder, None where another run or another layout (world size, ZeRO
-    stage: the shards resume only at the one that cut them) wrote it, those in ds_dir noted in foreign; or a
-    ckpt.pt's, as checkpoint_iter reads it."""
+    stage: the shards resume only at the one that cut them) wrote it, those in ds_dir and the run's own memory
+    snapshots noted in foreign (a copy's snapshots are find_resume's to keep); or a ckpt.pt's, as checkpoint_iter
+    reads it."""
     if not os.path.isdir(path):
         return checkpoint_iter(path, run_id)
     ours = engine_state(path)
     if run_id is not None and ours.get('run_id', run_id) != run_id:
         return None
     if (ours['world_size'], ours['config']['zero_stage']) != layout:
-        if path.startswith(ds_dir):
+        if path.startswith(ds_dir) or is_snapshot(path) and \
+                saved_for(path, os.path.dirname(ds_dir), ours.get('run_id'), engine_state, say=False):
             foreign.append((path, ours['world_size'], ours['config']['zero_stage']))
         return None
     return int(ours['iter_num'])

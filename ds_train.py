@@ -217,14 +217,15 @@ newer = [f for f in foreign if resume_from is not None and int(os.path.basename(
 if newer:
     sys.exit(f"error: the run's newest state, {newer[0][0]}, was written by {newer[0][1]} ranks at zero_stage="
              f"{newer[0][2]}, and ZeRO's shards resume only so: use {newer[0][1]} ranks and --zero_stage={newer[0][2]} "
-             f"(its next save with --save_consolidated=True writes a {ckpt_path} that any layout resumes)")
+             f"until it saves a checkpoint with --save_consolidated=True (SIGTERM saves one): any layout resumes its "
+             f"{ckpt_path}")
 elif foreign and resume_path in kept(ckpt_path):
     print0(f"{foreign[0][0]} was written by {foreign[0][1]} ranks at zero_stage={foreign[0][2]}, not {world_size} at "
            f"{zero_stage}: continuing from the consolidated {resume_path} instead")
 elif foreign and resume_from is None:
     sys.exit(f"error: {foreign[0][0]} was written by {foreign[0][1]} ranks at zero_stage={foreign[0][2]}, and ZeRO's "
-             f"shards resume only so; with no consolidated {ckpt_path} beside it (save_consolidated=False) use "
-             f"{foreign[0][1]} ranks and --zero_stage={foreign[0][2]}")
+             f"shards resume only so; with no consolidated {ckpt_path} to go on from (save_consolidated=False, or "
+             f"none saved yet) use {foreign[0][1]} ranks and --zero_stage={foreign[0][2]}")
 
 # -----------------------------------------------------------------------------
 # model
