@@ -266,22 +266,36 @@ def engine_state(path):
         return torch.load(os.path.join(path, states), map_location='cpu', weights_only=True, mmap=True)
 
 
+OFFLOADS = ('offload_optimizer', 'offload_params')
+
+
 def checkpoint_iter_at(path, run_id, layout, foreign, ds_dir):
-    """The iteration of an engine checkpoint folder, None where another run or another layout (world size, ZeRO
-    stage: the shards resume only at the one that cut them) wrote it, those in ds_dir and the run's own memory
-    snapshots noted in foreign (a copy's snapshots are find_resume's to keep); or a ckpt.pt's, as checkpoint_iter
-    reads it."""
+    """The iteration of an engine checkpoint folder, None where another run or another layout wrote it (layout:
+    world_size, zero_stage and the offloads; the shards resume only at the one that cut them, and DeepSpeed's CPU
+    Adam fails on a state saved without it), those in ds_dir and the run's own memory snapshots noted in foreign as
+    (path, world size, their layout) (a copy's snapshots are find_resume's to keep); or a ckpt.pt's, as
+    checkpoint_iter reads it."""
     if not os.path.isdir(path):
         return checkpoint_iter(path, run_id)
     ours = engine_state(path)
     if run_id is not None and ours.get('run_id', run_id) != run_id:
         return None
-    if (ours['world_size'], ours['config']['zero_stage']) != layout:
+    theirs = {'world_size': ours['world_size'], 'zero_stage': ours['config']['zero_stage'],
+              **{k: ours['config'].get(k, 'none') for k in OFFLOADS}}
+    kind = lambda v: 'nvme' if isinstance(v, str) and v not in ('none', 'cpu') else v  # an NVMe folder as any other
+    if any(kind(theirs[k]) != kind(layout[k]) for k in layout):
         if path.startswith(ds_dir) or is_snapshot(path) and \
                 saved_for(path, os.path.dirname(ds_dir), ours.get('run_id'), engine_state, say=False):
-            foreign.append((path, ours['world_size'], ours['config']['zero_stage']))
+            foreign.append((path, ours['world_size'], theirs))
         return None
     return int(ours['iter_num'])
+
+
+def layout_words(layout, ours):
+    """A layout as the messages name it, and as the flags that give it: `zero_stage=2, offload_optimizer=cpu` and
+    `--zero_stage=2 --offload_optimizer=cpu`, the offloads only where this layout or ours has one."""
+    keys = ['zero_stage'] + [k for k in OFFLOADS if 'none' not in (layout[k], ours[k]) or layout[k] != ours[k]]
+    return ', '.join(f'{k}={layout[k]}' for k in keys), ' '.join(f'--{k}={layout[k]}' for k in keys)
 
 
 def engine_folders(folder):
