@@ -644,6 +644,29 @@ def other_layouts(folder, names, mine=lambda path: True):
     return *newest_loadable(runs), len(runs) < len(theirs)
 
 
+def others_snapshot(folder, script, mine=lambda path: True):
+    """(iter_num, path, writer) of the newest snapshot in a run's snapshot folder that another entrypoint than
+    script wrote, in a form that script does not read and other_layouts does not see: train.py's ckpt.pt,
+    ds_train.py's step folder (the one its latest names), and, for those two, the others' rank-R-of-LAYOUT.pt files.
+    (None, None, None) where there is none; damaged ones, and those that mine (saved_for) says a copy of the run's
+    folder saved, are passed over."""
+    found = []
+    if not os.path.isdir(folder):
+        return None, None, None
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        try:
+            if name == 'ckpt.pt' and script != 'train.py' or script in ('train.py', 'ds_train.py') and \
+                    re.fullmatch(r'rank-\d+-of-.+\.pt', name):
+                found.append((checkpoint_iter(path), path, writer_of(path)))
+            elif name == 'latest' and script != 'ds_train.py' and read_name(path) is not None:
+                found.append((int(read_name(path)[5:]), os.path.join(folder, read_name(path)), 'ds_train.py'))
+        except Exception:
+            continue  # damaged, or a name that is no step folder's
+    found = [f for f in found if f[0] is not None and mine(f[1])]
+    return max(found, key=lambda f: f[0], default=(None, None, None))
+
+
 def checkpoint_iter(path, run_id=None):
     """The iteration of the checkpoint at path, or None while it is incomplete, or, given a run_id, where another run
     wrote it (one that a run started afresh over its out_dir left there); raises where it is damaged. A file
@@ -871,6 +894,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     reads a snapshot folder's own state (saved_for)."""
     rank = dist.get_rank()
     run_id, held, disk, damaged, others, wrong, foreign = None, {}, (None, None), [], None, None, (None, None)
+    other = (None, None, None)  # the newest snapshot of another entrypoint, which this one does not read
     passed = False  # a snapshot of a copy of this run's folder lies in the run's snapshot folder
     theirs = []  # the names of those in it, on the node's first rank
     busy = None  # where a live run of a copy of this run's folder holds that folder: who
@@ -896,6 +920,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         # another layout's, which this one cannot read: a copy's are passed over and kept, as those of this layout
         foreign = other_layouts(folder, [] if callable(snapshots) else snapshots,
                                 lambda path: saved_for(path, out_dir, run_id, state_of))
+        other = others_snapshot(folder, script, lambda path: saved_for(path, out_dir, run_id, state_of, say=False))
         if first and os.path.isdir(folder) and not busy:
             # all of them, those that the listing above leaves out too (a DeepSpeed step folder past its latest)
             theirs = [n for n in sorted(os.listdir(folder))
@@ -915,8 +940,8 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                 disk = found
     views = [None] * dist.get_world_size()
     dist.all_gather_object(views, (run_id, held, tuple(disk), damaged, uuid.uuid4().hex, others, wrong, foreign[:2],
-                                  passed, busy))
-    run_id, _, (disk_iter, disk_path), _, new_id, others, wrong, _, _, _ = views[0]
+                                  passed, busy, other))
+    run_id, _, (disk_iter, disk_path), _, new_id, others, wrong, _, _, _, _ = views[0]
     if wrong:
         sys.exit(f"error: {wrong}: move it out of {out_dir} (nothing was changed)")
     damaged = [d for v in views for d in v[3]]
@@ -936,6 +961,12 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                  f"only that layout reads: resume with the layout in its name and let it save a checkpoint to "
                  f"{out_dir} (SIGTERM does) before changing it, or start afresh with --auto_resume=False (the "
                  f"snapshots are then kept in {out_dir})")
+    it, path, writer = max((v[10] for v in views), key=lambda v: -1 if v[0] is None else v[0])
+    if it is not None and (resume_from is None or resume_from[0] < it):
+        sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of {writer}, which "
+                 f"{script} does not read: continue the run with `{writer} --out_dir={out_dir}` (under torchrun as "
+                 f"before) and let it save a checkpoint to {out_dir} (SIGTERM does) before switching, or start "
+                 f"afresh with --auto_resume=False (the snapshots are then kept in {out_dir})")
     if others and (resume_from is None or resume_from[0] < others[0]) and (wanted or not eval_only):
         it, folder, writer = others
         sys.exit(f"error: {out_dir} holds a run of {writer}, whose newest state ({folder}, iter {it}) "

@@ -567,6 +567,27 @@ def test_a_deepspeed_run_at_another_layout_never_goes_on_past_its_newer_memory_s
         shutil.rmtree(snapshots, ignore_errors=True)
 
 
+def test_another_entrypoint_never_goes_on_past_the_runs_newer_memory_snapshot(tmp_path, data_dir, shared_run):
+    # train.py killed with its snapshot at 15 and its ckpt.pt at 10: fsdp_train.py, started over the run, went on
+    # from the ckpt.pt at 10 without a word, and its end removed the snapshot with the steps since
+    from checkpoint import where_saved
+    run_dir = tmp_path / 'run'
+    shutil.copytree(shared_run('train.py', *ARGS), run_dir)
+    snapshots = Path('/dev/shm') / f"nanogpt-{(run_dir / 'run_id').read_text().strip()}"
+    try:
+        snapshots.mkdir()
+        state = torch.load(run_dir / 'ckpt.pt', weights_only=True)
+        torch.save({**state, **where_saved(run_dir), 'iter_num': 15}, snapshots / 'ckpt.pt')
+        before = files(run_dir), files(snapshots)
+        error = one_line_error(start(tmp_path, data_dir, run_dir, '--max_iters=12', script='fsdp_train.py',
+                                     check=False))
+        assert f"newest state (iter 15) is the memory snapshot {snapshots / 'ckpt.pt'} of train.py" in error \
+            and f'continue the run with `train.py --out_dir={run_dir}`' in error, error
+        assert (files(run_dir), files(snapshots)) == before
+    finally:
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
 def test_a_deepspeed_run_resuming_its_own_snapshot_keeps_the_copys_newer_one(tmp_path, data_dir, shared_run):
     # A's snapshot at 12 (latest names it) beside its copy B's at 15, which the listing up to latest leaves out:
     # A's snapshot at 15 removed B's folder to write its own there
