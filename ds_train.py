@@ -204,7 +204,7 @@ best_path = os.path.join(out_dir, 'best.pt')  # the consolidated state of the be
 ds_dir = os.path.join(out_dir, 'ds')  # the engine's checkpoints, a folder per step
 foreign = []  # engine checkpoints in ds_dir or memory of another layout: (path, world size, their layout)
 layout = dict(world_size=world_size, zero_stage=zero_stage, offload_optimizer=offload_optimizer,
-              offload_params=offload_params)
+              offload_params=offload_params, dtype=dtype)
 engine_iter = lambda path, run_id=None: checkpoint_iter_at(path, run_id, layout, foreign, ds_dir)
 if not eval_only:  # an eval writes nothing: it neither holds out_dir nor waits for whoever does
     hold(out_dir)  # one run at a time in out_dir, for the run's lifetime

@@ -567,6 +567,17 @@ def test_a_deepspeed_run_at_another_layout_never_goes_on_past_its_newer_memory_s
         shutil.rmtree(snapshots, ignore_errors=True)
 
 
+def test_a_deepspeed_run_resumed_in_another_dtype_goes_on_from_its_export(tmp_path, data_dir, shared_run):
+    # DeepSpeed's bf16 optimizer looked for files of its own in the folder saved in fp32, and the run stopped calling
+    # that good checkpoint corrupt ("move it aside"): the dtype is part of the layout that ZeRO's shards resume at
+    run_dir = tmp_path / 'run'
+    shutil.copytree(shared_run('ds_train.py', *ARGS), run_dir)
+    p = start(tmp_path, data_dir, run_dir, '--max_iters=12', '--dtype=bfloat16', script='ds_train.py')
+    assert 'was written by 1 ranks at zero_stage=2, dtype=float32, not 1 at zero_stage=2, dtype=bfloat16: ' \
+           f"continuing from the consolidated {run_dir / 'ckpt.pt'}" in p.stdout, p.stdout[-3000:]
+    assert iter_of(run_dir / 'ckpt.pt') == 12
+
+
 def test_another_entrypoint_never_goes_on_past_the_runs_newer_memory_snapshot(tmp_path, data_dir, shared_run):
     # train.py killed with its snapshot at 15 and its ckpt.pt at 10: fsdp_train.py, started over the run, went on
     # from the ckpt.pt at 10 without a word, and its end removed the snapshot with the steps since
