@@ -655,14 +655,15 @@ def others_snapshot(folder, script, mine=lambda path: True):
         return None, None, None
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
+        newest = read_name(path) if name == 'latest' and script != 'ds_train.py' else None
         try:
             if name == 'ckpt.pt' and script != 'train.py' or script in ('train.py', 'ds_train.py') and \
                     re.fullmatch(r'rank-\d+-of-.+\.pt', name):
                 found.append((checkpoint_iter(path), path, writer_of(path)))
-            elif name == 'latest' and script != 'ds_train.py' and read_name(path) is not None:
-                found.append((int(read_name(path)[5:]), os.path.join(folder, read_name(path)), 'ds_train.py'))
+            elif re.fullmatch(r'step-\d{1,12}', newest or '') and os.path.isdir(os.path.join(folder, newest)):
+                found.append((int(newest[5:]), os.path.join(folder, newest), 'ds_train.py'))
         except Exception:
-            continue  # damaged, or a name that is no step folder's
+            continue  # damaged
     found = [f for f in found if f[0] is not None and mine(f[1])]
     return max(found, key=lambda f: f[0], default=(None, None, None))
 
@@ -961,17 +962,17 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                  f"only that layout reads: resume with the layout in its name and let it save a checkpoint to "
                  f"{out_dir} (SIGTERM does) before changing it, or start afresh with --auto_resume=False (the "
                  f"snapshots are then kept in {out_dir})")
+    if others and (resume_from is None or resume_from[0] < others[0]) and (wanted or not eval_only):
+        it, folder, writer = others
+        sys.exit(f"error: {out_dir} holds a run of {writer}, whose newest state ({folder}, iter {it}) "
+                 f"{script} cannot resume: continue it with `{writer} --out_dir={out_dir}` (under torchrun as "
+                 f"before), or start a new run from its weights with --init_from={out_dir} and another --out_dir")
     it, path, writer = max((v[10] for v in views), key=lambda v: -1 if v[0] is None else v[0])
     if it is not None and (resume_from is None or resume_from[0] < it):
         sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of {writer}, which "
                  f"{script} does not read: continue the run with `{writer} --out_dir={out_dir}` (under torchrun as "
                  f"before) and let it save a checkpoint to {out_dir} (SIGTERM does) before switching, or start "
                  f"afresh with --auto_resume=False (the snapshots are then kept in {out_dir})")
-    if others and (resume_from is None or resume_from[0] < others[0]) and (wanted or not eval_only):
-        it, folder, writer = others
-        sys.exit(f"error: {out_dir} holds a run of {writer}, whose newest state ({folder}, iter {it}) "
-                 f"{script} cannot resume: continue it with `{writer} --out_dir={out_dir}` (under torchrun as "
-                 f"before), or start a new run from its weights with --init_from={out_dir} and another --out_dir")
     if resume_from is None and damaged:
         path, why = damaged[0]
         sys.exit(f"error: checkpoint {path} is corrupt or not a training checkpoint ({why}): move it aside (mv, to a "
