@@ -630,16 +630,18 @@ def newest_loadable(paths, run_id=None, or_any=False, iter_of=None):
     return (*best, skipped)
 
 
-def other_layouts(folder, names, mine=lambda path: True):
+def other_layouts(folder, names, mine=lambda path: True, script=None):
     """(iter_num, path, damaged, passed) of the newest loadable snapshot in a run's snapshot folder that another
     layout of ranks wrote (rank-R-of-LAYOUT.pt, where LAYOUT differs from that of names, this rank's), as
     newest_loadable gives it: (None, None, [], passed) where there is none; the damaged are passed over, and those
-    that mine (saved_for) says a copy of the run's folder saved, which passed says are there."""
+    that mine (saved_for) says a copy of the run's folder saved, which passed says are there. Only script's: another
+    entrypoint's are others_snapshot's, whose error names that entrypoint (no layout of this one reads them)."""
     layout = lambda name: (m := re.fullmatch(r'rank-\d+-of-(.+?)(\.prev\d*)?\.pt', name)) and m.group(1)
     ours = {layout(n) for n in names}
     if None in ours or not ours or not os.path.isdir(folder):
         return None, None, [], False
     theirs = sorted(os.path.join(folder, n) for n in os.listdir(folder) if layout(n) not in ours | {None})
+    theirs = [p for p in theirs if script is None or wrote(p, script)]
     runs = [p for p in theirs if mine(p)]
     return *newest_loadable(runs), len(runs) < len(theirs)
 
@@ -647,7 +649,7 @@ def other_layouts(folder, names, mine=lambda path: True):
 def others_snapshot(folder, script, mine=lambda path: True):
     """(iter_num, path, writer) of the newest snapshot in a run's snapshot folder that another entrypoint than
     script wrote, in a form that script does not read and other_layouts does not see: train.py's ckpt.pt,
-    ds_train.py's step folder (the one its latest names), and, for those two, the others' rank-R-of-LAYOUT.pt files.
+    ds_train.py's step folder (the one its latest names), and the others' rank-R-of-LAYOUT.pt files.
     (None, None, None) where there is none; damaged ones, and those that mine (saved_for) says a copy of the run's
     folder saved, are passed over."""
     found = []
@@ -657,8 +659,8 @@ def others_snapshot(folder, script, mine=lambda path: True):
         path = os.path.join(folder, name)
         newest = read_name(path) if name == 'latest' and script != 'ds_train.py' else None
         try:
-            if name == 'ckpt.pt' and script != 'train.py' or script in ('train.py', 'ds_train.py') and \
-                    re.fullmatch(r'rank-\d+-of-.+\.pt', name):
+            if name == 'ckpt.pt' and script != 'train.py' or re.fullmatch(r'rank-\d+-of-.+\.pt', name) and \
+                    not wrote(path, script):
                 found.append((checkpoint_iter(path), path, writer_of(path)))
             elif re.fullmatch(r'step-\d{1,12}', newest or '') and os.path.isdir(os.path.join(folder, newest)):
                 found.append((int(newest[5:]), os.path.join(folder, newest), 'ds_train.py'))
@@ -780,6 +782,14 @@ def writer_of(path):
     """The entrypoint that wrote the checkpoint file at path, from its saved config."""
     config = torch.load(path, map_location='cpu', weights_only=True, mmap=True).get('config', {})
     return next((script for script, key in OWN_KEY.items() if key in config), 'train.py')
+
+
+def wrote(path, script):
+    """Whether script wrote the file at path (or it cannot tell: a damaged file is judged where it is loaded)."""
+    try:
+        return writer_of(path) == script
+    except Exception:
+        return True
 
 
 def others_newest(out_dir, script):
@@ -920,7 +930,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                 passed = True
         # another layout's, which this one cannot read: a copy's are passed over and kept, as those of this layout
         foreign = other_layouts(folder, [] if callable(snapshots) else snapshots,
-                                lambda path: saved_for(path, out_dir, run_id, state_of))
+                                lambda path: saved_for(path, out_dir, run_id, state_of), script)
         other = others_snapshot(folder, script, lambda path: saved_for(path, out_dir, run_id, state_of, say=False))
         if first and os.path.isdir(folder) and not busy:
             # all of them, those that the listing above leaves out too (a DeepSpeed step folder past its latest)

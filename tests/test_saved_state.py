@@ -578,9 +578,12 @@ def test_a_deepspeed_run_resumed_in_another_dtype_goes_on_from_its_export(tmp_pa
     assert iter_of(run_dir / 'ckpt.pt') == 12
 
 
-def test_another_entrypoint_never_goes_on_past_the_runs_newer_memory_snapshot(tmp_path, data_dir, shared_run):
+@pytest.mark.parametrize('writer,snapshot', [('train.py', 'ckpt.pt'), ('decent_train.py', 'rank-0-of-1.pt')])
+def test_another_entrypoint_never_goes_on_past_the_runs_newer_memory_snapshot(tmp_path, data_dir, shared_run, writer,
+                                                                              snapshot):
     # train.py killed with its snapshot at 15 and its ckpt.pt at 10: fsdp_train.py, started over the run, went on
-    # from the ckpt.pt at 10 without a word, and its end removed the snapshot with the steps since
+    # from the ckpt.pt at 10 without a word, and its end removed the snapshot with the steps since. decent_train.py's
+    # was refused, as another layout's, and the error had fsdp_train.py resume "with the layout in its name": none
     from checkpoint import where_saved
     run_dir = tmp_path / 'run'
     shutil.copytree(shared_run('train.py', *ARGS), run_dir)
@@ -588,12 +591,14 @@ def test_another_entrypoint_never_goes_on_past_the_runs_newer_memory_snapshot(tm
     try:
         snapshots.mkdir()
         state = torch.load(run_dir / 'ckpt.pt', weights_only=True)
-        torch.save({**state, **where_saved(run_dir), 'iter_num': 15}, snapshots / 'ckpt.pt')
+        if writer == 'decent_train.py':  # its key in the config names it
+            state['config'] = {**state['config'], 'topology': 'complete'}
+        torch.save({**state, **where_saved(run_dir), 'iter_num': 15}, snapshots / snapshot)
         before = files(run_dir), files(snapshots)
         error = one_line_error(start(tmp_path, data_dir, run_dir, '--max_iters=12', script='fsdp_train.py',
                                      check=False))
-        assert f"newest state (iter 15) is the memory snapshot {snapshots / 'ckpt.pt'} of train.py" in error \
-            and f'continue the run with `train.py --out_dir={run_dir}`' in error, error
+        assert f"newest state (iter 15) is the memory snapshot {snapshots / snapshot} of {writer}" in error \
+            and f'continue the run with `{writer} --out_dir={run_dir}`' in error, error
         assert (files(run_dir), files(snapshots)) == before
     finally:
         shutil.rmtree(snapshots, ignore_errors=True)
