@@ -83,7 +83,32 @@ def start(backend, device, deepspeed=False):
     # hand: the same, but the exit is non-zero (finish), since the run is not done
     signal.signal(signal.SIGTERM, lambda signum, frame: _stop_signals.append(signum))
     signal.signal(signal.SIGINT, _interrupted)
+    # `... | tee log`: the Ctrl-C ends tee too, and every print after it (the handler's first) would raise
+    # BrokenPipeError, a traceback in place of the save
+    sys.stdout, sys.stderr = (s if isinstance(s, Unread) else Unread(s) for s in (sys.stdout, sys.stderr))
     return rank, local_rank, world_size
+
+
+class Unread:
+    """A stream (stdout, stderr) whose reader may be gone: what is written after it went goes nowhere."""
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())  # its buffer's flush goes there too
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
 
 
 def _interrupted(signum, frame):

@@ -57,6 +57,22 @@ def test_ctrl_c_in_train_saves_the_step_and_exits_non_zero_with_one_line(tmp_pat
     assert f'at iter {stopped}' in p.stdout
 
 
+def test_ctrl_c_that_also_ends_the_reader_of_the_runs_output_still_saves_the_step(tmp_path, data_dir):
+    # `python train.py ... | tee log`: Ctrl-C ends tee too, and the run's first print after it (the handler's own)
+    # raised BrokenPipeError, a traceback that lost the steps since the last eval's checkpoint
+    out_dir = tmp_path / 'run'
+    p = start([str(REPO / 'train.py')], data_dir, out_dir, tmp_path)
+    while not (logged_iters(out_dir) and logged_iters(out_dir)[-1] >= 5):
+        assert p.poll() is None, p.communicate()
+        time.sleep(0.01)
+    p.stdout.close()  # the reader is gone
+    os.killpg(p.pid, signal.SIGINT)
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 130, err[-3000:]
+    assert err.strip() == "error: stopped by Ctrl-C after saving a checkpoint: rerun the same command to resume"
+    assert torch.load(out_dir / 'ckpt.pt', weights_only=True)['iter_num'] == logged_iters(out_dir)[-1] + 1
+
+
 def test_ctrl_c_on_two_ranks_saves_the_same_step_on_both_and_exits_non_zero(tmp_path, data_dir):
     out_dir = tmp_path / 'run'
     p = start(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(REPO / 'train.py')],
