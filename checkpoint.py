@@ -630,18 +630,44 @@ def newest_loadable(paths, run_id=None, or_any=False, iter_of=None):
     return (*best, skipped)
 
 
-def other_layouts(folder, names, mine=lambda path: True):
+def other_layouts(folder, names, mine=lambda path: True, script=None):
     """(iter_num, path, damaged, passed) of the newest loadable snapshot in a run's snapshot folder that another
     layout of ranks wrote (rank-R-of-LAYOUT.pt, where LAYOUT differs from that of names, this rank's), as
     newest_loadable gives it: (None, None, [], passed) where there is none; the damaged are passed over, and those
-    that mine (saved_for) says a copy of the run's folder saved, which passed says are there."""
+    that mine (saved_for) says a copy of the run's folder saved, which passed says are there. Only script's: another
+    entrypoint's are others_snapshot's, whose error names that entrypoint (no layout of this one reads them)."""
     layout = lambda name: (m := re.fullmatch(r'rank-\d+-of-(.+?)(\.prev\d*)?\.pt', name)) and m.group(1)
     ours = {layout(n) for n in names}
     if None in ours or not ours or not os.path.isdir(folder):
         return None, None, [], False
     theirs = sorted(os.path.join(folder, n) for n in os.listdir(folder) if layout(n) not in ours | {None})
+    theirs = [p for p in theirs if script is None or wrote(p, script)]
     runs = [p for p in theirs if mine(p)]
     return *newest_loadable(runs), len(runs) < len(theirs)
+
+
+def others_snapshot(folder, script, mine=lambda path: True):
+    """(iter_num, path, writer) of the newest snapshot in a run's snapshot folder that another entrypoint than
+    script wrote, in a form that script does not read and other_layouts does not see: train.py's ckpt.pt,
+    ds_train.py's step folder (the one its latest names), and the others' rank-R-of-LAYOUT.pt files.
+    (None, None, None) where there is none; damaged ones, and those that mine (saved_for) says a copy of the run's
+    folder saved, are passed over."""
+    found = []
+    if not os.path.isdir(folder):
+        return None, None, None
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        newest = read_name(path) if name == 'latest' and script != 'ds_train.py' else None
+        try:
+            if name == 'ckpt.pt' and script != 'train.py' or re.fullmatch(r'rank-\d+-of-.+\.pt', name) and \
+                    not wrote(path, script):
+                found.append((checkpoint_iter(path), path, writer_of(path)))
+            elif re.fullmatch(r'step-\d{1,12}', newest or '') and os.path.isdir(os.path.join(folder, newest)):
+                found.append((int(newest[5:]), os.path.join(folder, newest), 'ds_train.py'))
+        except Exception:
+            continue  # damaged
+    found = [f for f in found if f[0] is not None and mine(f[1])]
+    return max(found, key=lambda f: f[0], default=(None, None, None))
 
 
 def checkpoint_iter(path, run_id=None):
@@ -758,6 +784,14 @@ def writer_of(path):
     return next((script for script, key in OWN_KEY.items() if key in config), 'train.py')
 
 
+def wrote(path, script):
+    """Whether script wrote the file at path (or it cannot tell: a damaged file is judged where it is loaded)."""
+    try:
+        return writer_of(path) == script
+    except Exception:
+        return True
+
+
 def others_newest(out_dir, script):
     """(iter_num, folder, writer) of the newest complete state in out_dir that another entrypoint than script
     keeps in a folder of its own (the step folder its `latest` names), or None."""
@@ -871,6 +905,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     reads a snapshot folder's own state (saved_for)."""
     rank = dist.get_rank()
     run_id, held, disk, damaged, others, wrong, foreign = None, {}, (None, None), [], None, None, (None, None)
+    other = (None, None, None)  # the newest snapshot of another entrypoint, which this one does not read
     passed = False  # a snapshot of a copy of this run's folder lies in the run's snapshot folder
     theirs = []  # the names of those in it, on the node's first rank
     busy = None  # where a live run of a copy of this run's folder holds that folder: who
@@ -895,7 +930,8 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                 passed = True
         # another layout's, which this one cannot read: a copy's are passed over and kept, as those of this layout
         foreign = other_layouts(folder, [] if callable(snapshots) else snapshots,
-                                lambda path: saved_for(path, out_dir, run_id, state_of))
+                                lambda path: saved_for(path, out_dir, run_id, state_of), script)
+        other = others_snapshot(folder, script, lambda path: saved_for(path, out_dir, run_id, state_of, say=False))
         if first and os.path.isdir(folder) and not busy:
             # all of them, those that the listing above leaves out too (a DeepSpeed step folder past its latest)
             theirs = [n for n in sorted(os.listdir(folder))
@@ -915,8 +951,8 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                 disk = found
     views = [None] * dist.get_world_size()
     dist.all_gather_object(views, (run_id, held, tuple(disk), damaged, uuid.uuid4().hex, others, wrong, foreign[:2],
-                                  passed, busy))
-    run_id, _, (disk_iter, disk_path), _, new_id, others, wrong, _, _, _ = views[0]
+                                  passed, busy, other))
+    run_id, _, (disk_iter, disk_path), _, new_id, others, wrong, _, _, _, _ = views[0]
     if wrong:
         sys.exit(f"error: {wrong}: move it out of {out_dir} (nothing was changed)")
     damaged = [d for v in views for d in v[3]]
@@ -941,6 +977,12 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         sys.exit(f"error: {out_dir} holds a run of {writer}, whose newest state ({folder}, iter {it}) "
                  f"{script} cannot resume: continue it with `{writer} --out_dir={out_dir}` (under torchrun as "
                  f"before), or start a new run from its weights with --init_from={out_dir} and another --out_dir")
+    it, path, writer = max((v[10] for v in views), key=lambda v: -1 if v[0] is None else v[0])
+    if it is not None and (resume_from is None or resume_from[0] < it):
+        sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of {writer}, which "
+                 f"{script} does not read: continue the run with `{writer} --out_dir={out_dir}` (under torchrun as "
+                 f"before) and let it save a checkpoint to {out_dir} (SIGTERM does) before switching, or start "
+                 f"afresh with --auto_resume=False (the snapshots are then kept in {out_dir})")
     if resume_from is None and damaged:
         path, why = damaged[0]
         sys.exit(f"error: checkpoint {path} is corrupt or not a training checkpoint ({why}): move it aside (mv, to a "

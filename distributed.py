@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from checkpoint import exit_after_failed_save, save_failed
 
 _stop_signals = []
+_launcher = []  # the pid of the launcher that started this rank (torchrun's agent), whose end stops the run
 _queued = []  # the verdicts agree() left on the device for the host to read at the next step
 
 
@@ -56,6 +57,8 @@ def start(backend, device, deepspeed=False):
     """Joins the process group (or makes a group of one), tears it down at exit whatever the way out, and notes a
     SIGTERM for agree(). Returns (rank, local_rank, world_size)."""
     rank, local_rank, world_size, _ = torchrun_env()
+    if 'RANK' in os.environ:  # torchrun starts each rank in a session of its own, which its death leaves running
+        _launcher.append(os.getppid())
     device_type = torch.device(device).type
     if device_type == 'cuda':
         torch.cuda.set_device(device)
@@ -80,7 +83,32 @@ def start(backend, device, deepspeed=False):
     # hand: the same, but the exit is non-zero (finish), since the run is not done
     signal.signal(signal.SIGTERM, lambda signum, frame: _stop_signals.append(signum))
     signal.signal(signal.SIGINT, _interrupted)
+    # `... | tee log`: the Ctrl-C ends tee too, and every print after it (the handler's first) would raise
+    # BrokenPipeError, a traceback in place of the save
+    sys.stdout, sys.stderr = (s if isinstance(s, Unread) else Unread(s) for s in (sys.stdout, sys.stderr))
     return rank, local_rank, world_size
+
+
+class Unread:
+    """A stream (stdout, stderr) whose reader may be gone: what is written after it went goes nowhere."""
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())  # its buffer's flush goes there too
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
 
 
 def _interrupted(signum, frame):
@@ -98,7 +126,9 @@ def _interrupted(signum, frame):
 
 def stop_signal():
     """The name of the signal that stopped the run, for the loop's message."""
-    return 'SIGINT (Ctrl-C)' if signal.SIGINT in _stop_signals else 'SIGTERM'
+    if signal.SIGINT in _stop_signals:
+        return 'SIGINT (Ctrl-C)'
+    return 'SIGTERM' if signal.SIGTERM in _stop_signals else f'the launcher (pid {_launcher[0]}) is gone'
 
 
 def device_memory(device):
@@ -164,6 +194,10 @@ def agree(nonfinite, iter_num=None):
     ahead of the GPU)."""
     flags = torch.empty(3, device=nonfinite.device)
     flags[0] = nonfinite  # on the device; the host's flags are filled in, not copied, so nothing waits here either
+    if _launcher and os.getppid() != _launcher[0] and 'launcher' not in _stop_signals:
+        # a killed torchrun (kill -9, the OOM killer) would leave this rank training on to max_iters, holding out_dir
+        # and its device, with nothing to stop or restart it: it stops as at a SIGTERM
+        _stop_signals.append('launcher')
     flags[1] = float(bool(_stop_signals))
     flags[2] = float(save_failed())
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)

@@ -25,7 +25,7 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
                              safe_set_full_optimizer_state)
 from deepspeed.utils.tensor_fragment import fragment_address
 
-from checkpoint import checkpoint_iter, is_snapshot, reason, step_folders
+from checkpoint import checkpoint_iter, is_snapshot, reason, saved_for, step_folders
 
 # the classes that DeepSpeed 0.19.8 pickles into its checkpoints besides tensors and containers
 DS_SAFE_GLOBALS = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
@@ -266,20 +266,40 @@ def engine_state(path):
         return torch.load(os.path.join(path, states), map_location='cpu', weights_only=True, mmap=True)
 
 
+SETTINGS = ('offload_optimizer', 'offload_params', 'dtype')  # of the layout, besides the world size and stage
+
+
 def checkpoint_iter_at(path, run_id, layout, foreign, ds_dir):
-    """The iteration of an engine checkpoint folder, None where another run or another layout (world size, ZeRO
-    stage: the shards resume only at the one that cut them) wrote it, those in ds_dir noted in foreign; or a
-    ckpt.pt's, as checkpoint_iter reads it."""
+    """The iteration of an engine checkpoint folder, None where another run or another layout wrote it (layout:
+    world_size, zero_stage, the offloads and the dtype; the shards resume only at the one that cut them, DeepSpeed's
+    CPU Adam fails on a state saved without it, and its bf16 optimizer's files have names of their own), those in
+    ds_dir and the run's own memory snapshots noted in foreign as (path, world size, their layout) (a copy's
+    snapshots are find_resume's to keep); or a ckpt.pt's, as checkpoint_iter reads it."""
     if not os.path.isdir(path):
         return checkpoint_iter(path, run_id)
     ours = engine_state(path)
     if run_id is not None and ours.get('run_id', run_id) != run_id:
         return None
-    if (ours['world_size'], ours['config']['zero_stage']) != layout:
-        if path.startswith(ds_dir):
-            foreign.append((path, ours['world_size'], ours['config']['zero_stage']))
+    precision = ours.get('ds_config', {})  # the dtype as resolved (the config may say auto)
+    theirs = {'world_size': ours['world_size'], 'zero_stage': ours['config']['zero_stage'],
+              'offload_optimizer': ours['config'].get('offload_optimizer', 'none'),
+              'offload_params': ours['config'].get('offload_params', 'none'),
+              'dtype': 'bfloat16' if precision.get('bf16', {}).get('enabled') else
+              'float16' if precision.get('fp16', {}).get('enabled') else 'float32'}
+    kind = lambda k, v: 'nvme' if k.startswith('offload') and v not in ('none', 'cpu') else v  # one NVMe folder as any
+    if any(kind(k, theirs[k]) != kind(k, layout[k]) for k in layout):
+        if path.startswith(ds_dir) or is_snapshot(path) and \
+                saved_for(path, os.path.dirname(ds_dir), ours.get('run_id'), engine_state, say=False):
+            foreign.append((path, ours['world_size'], theirs))
         return None
     return int(ours['iter_num'])
+
+
+def layout_words(layout, ours):
+    """A layout as the messages name it, and as the flags that give it: `zero_stage=2, offload_optimizer=cpu` and
+    `--zero_stage=2 --offload_optimizer=cpu`, the other settings only where they differ from ours or their default."""
+    keys = ['zero_stage'] + [k for k in SETTINGS if layout[k] != ours[k] or layout[k] not in ('none', 'float32')]
+    return ', '.join(f'{k}={layout[k]}' for k in keys), ' '.join(f'--{k}={layout[k]}' for k in keys)
 
 
 def engine_folders(folder):

@@ -110,7 +110,7 @@ try:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from ds_state import (ZERO3_COMPILED, DeferredWrites, add_config_file, bucket_sizes, check_offload,
                           checkpoint_iter_at, engine_folders, engine_state, copy_recovery_scripts, gather_state,
-                          guard_step, load_state, offload, remove_shm_buffer_name, state_bytes)
+                          guard_step, layout_words, load_state, offload, remove_shm_buffer_name, state_bytes)
 except ImportError as e:
     sys.exit(f"error: ds_train.py needs DeepSpeed ({e}): pip install deepspeed==0.19.8")
 # DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates, and torch says so at each call
@@ -202,8 +202,10 @@ def draw_train_offsets():
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')  # the consolidated export (or train.py's): resumes at any layout
 best_path = os.path.join(out_dir, 'best.pt')  # the consolidated state of the best val loss so far, never pruned
 ds_dir = os.path.join(out_dir, 'ds')  # the engine's checkpoints, a folder per step
-foreign = []  # engine checkpoints in ds_dir of another world size or stage: (path, world size, stage)
-engine_iter = lambda path, run_id=None: checkpoint_iter_at(path, run_id, (world_size, zero_stage), foreign, ds_dir)
+foreign = []  # engine checkpoints in ds_dir or memory of another layout: (path, world size, their layout)
+layout = dict(world_size=world_size, zero_stage=zero_stage, offload_optimizer=offload_optimizer,
+              offload_params=offload_params, dtype=dtype)
+engine_iter = lambda path, run_id=None: checkpoint_iter_at(path, run_id, layout, foreign, ds_dir)
 if not eval_only:  # an eval writes nothing: it neither holds out_dir nor waits for whoever does
     hold(out_dir)  # one run at a time in out_dir, for the run's lifetime
 run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only, snapshots=engine_folders,
@@ -214,17 +216,20 @@ resume_path = resume_from and resume_from[1]
 # another layout's folder newer than the state resumed: continuing from the older export would prune it, or replace it
 # at its step, with a state it never held (rank 0 reads the storage; a launcher stops the others)
 newer = [f for f in foreign if resume_from is not None and int(os.path.basename(f[0])[5:]) > resume_from[0]]
+if foreign:
+    path, ranks, theirs = (newer or foreign)[0]
+    at, flags = layout_words(theirs, layout)
 if newer:
-    sys.exit(f"error: the run's newest state, {newer[0][0]}, was written by {newer[0][1]} ranks at zero_stage="
-             f"{newer[0][2]}, and ZeRO's shards resume only so: use {newer[0][1]} ranks and --zero_stage={newer[0][2]} "
-             f"(its next save with --save_consolidated=True writes a {ckpt_path} that any layout resumes)")
+    sys.exit(f"error: the run's newest state, {path}, was written by {ranks} ranks at {at}, and ZeRO's shards resume "
+             f"only so: use {ranks} ranks and {flags} until it saves a checkpoint with --save_consolidated=True "
+             f"(SIGTERM saves one): any layout resumes its {ckpt_path}")
 elif foreign and resume_path in kept(ckpt_path):
-    print0(f"{foreign[0][0]} was written by {foreign[0][1]} ranks at zero_stage={foreign[0][2]}, not {world_size} at "
-           f"{zero_stage}: continuing from the consolidated {resume_path} instead")
+    print0(f"{path} was written by {ranks} ranks at {at}, not {world_size} at {layout_words(layout, theirs)[0]}: "
+           f"continuing from the consolidated {resume_path} instead")
 elif foreign and resume_from is None:
-    sys.exit(f"error: {foreign[0][0]} was written by {foreign[0][1]} ranks at zero_stage={foreign[0][2]}, and ZeRO's "
-             f"shards resume only so; with no consolidated {ckpt_path} beside it (save_consolidated=False) use "
-             f"{foreign[0][1]} ranks and --zero_stage={foreign[0][2]}")
+    sys.exit(f"error: {path} was written by {ranks} ranks at {at}, and ZeRO's shards resume only so; with no "
+             f"consolidated {ckpt_path} to go on from (save_consolidated=False, or none saved yet) use {ranks} ranks "
+             f"and {flags}")
 
 # -----------------------------------------------------------------------------
 # model

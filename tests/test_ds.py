@@ -281,6 +281,19 @@ def test_the_run_folder_stands_for_its_export_which_samples_and_resumes_under_tr
     assert sorted(losses) == list(range(12)) and losses[11] < losses[5]
 
 
+def test_a_run_resumed_with_its_optimizer_offloaded_goes_on_from_its_export(tmp_path, data_dir, stages, cpu_adam):
+    # DeepSpeed's CPU Adam took the engine's folder that a run without offload saved, and failed at its first step
+    # (KeyError: 'bias_correction', a traceback): an offload is part of the layout that ZeRO's shards resume at
+    shutil.copytree(stages[2], tmp_path / 'run')
+    p = launch('ds_train.py', tmp_path, data_dir, 'run', '--zero_stage=2', '--offload_optimizer=cpu',
+               '--deterministic=True', '--max_iters=12', nproc=2)
+    assert 'was written by 2 ranks at zero_stage=2, offload_optimizer=none, not 2 at zero_stage=2, ' \
+           'offload_optimizer=cpu: continuing from the consolidated' in p.stdout, p.stdout[-3000:]
+    assert f"resuming from {tmp_path / 'run' / 'ckpt.pt'} at iter 10" in p.stdout
+    assert sorted(read_metrics(tmp_path / 'run')[0]) == list(range(12))
+    assert torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=True)['iter_num'] == 12
+
+
 def test_a_home_it_cannot_write_in_is_one_line_naming_torch_extensions_dir(tmp_path, data_dir):
     # DeepSpeed compiles its CPU collectives into ~/.cache/torch_extensions at start: a HOME that cannot be written
     # (a container's arbitrary user) was a traceback

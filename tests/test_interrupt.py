@@ -57,6 +57,22 @@ def test_ctrl_c_in_train_saves_the_step_and_exits_non_zero_with_one_line(tmp_pat
     assert f'at iter {stopped}' in p.stdout
 
 
+def test_ctrl_c_that_also_ends_the_reader_of_the_runs_output_still_saves_the_step(tmp_path, data_dir):
+    # `python train.py ... | tee log`: Ctrl-C ends tee too, and the run's first print after it (the handler's own)
+    # raised BrokenPipeError, a traceback that lost the steps since the last eval's checkpoint
+    out_dir = tmp_path / 'run'
+    p = start([str(REPO / 'train.py')], data_dir, out_dir, tmp_path)
+    while not (logged_iters(out_dir) and logged_iters(out_dir)[-1] >= 5):
+        assert p.poll() is None, p.communicate()
+        time.sleep(0.01)
+    p.stdout.close()  # the reader is gone
+    os.killpg(p.pid, signal.SIGINT)
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 130, err[-3000:]
+    assert err.strip() == "error: stopped by Ctrl-C after saving a checkpoint: rerun the same command to resume"
+    assert torch.load(out_dir / 'ckpt.pt', weights_only=True)['iter_num'] == logged_iters(out_dir)[-1] + 1
+
+
 def test_ctrl_c_on_two_ranks_saves_the_same_step_on_both_and_exits_non_zero(tmp_path, data_dir):
     out_dir = tmp_path / 'run'
     p = start(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(REPO / 'train.py')],
@@ -68,6 +84,33 @@ def test_ctrl_c_on_two_ranks_saves_the_same_step_on_both_and_exits_non_zero(tmp_
     assert 'error: stopped by Ctrl-C after saving a checkpoint' in err and 'train.py", line' not in err, err[-3000:]
     stopped = stopped_at(out)
     assert torch.load(out_dir / 'ckpt.pt', weights_only=True)['iter_num'] == stopped
+
+
+def test_ranks_whose_torchrun_is_killed_save_the_step_and_exit(tmp_path, data_dir):
+    # torchrun starts each rank in a session of its own: SIGKILLed (kill -9, the OOM killer), it left them training
+    # on to max_iters, holding out_dir (a restart was refused) and their devices, with nothing to stop them. One
+    # rank shows it (each rank sees its own launcher go, and agree() stops them all at one step)
+    out_dir = tmp_path / 'run'
+    p = start(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=1', str(REPO / 'train.py')],
+              data_dir, out_dir, tmp_path)
+    while not (logged_iters(out_dir) and logged_iters(out_dir)[-1] >= 3):
+        assert p.poll() is None, p.communicate()
+        time.sleep(0.01)
+    os.kill(p.pid, signal.SIGKILL)
+    try:
+        out, err = p.communicate(timeout=120)  # the ranks hold its output pipes until they exit
+    except subprocess.TimeoutExpired:
+        for pid in [int(d) for d in os.listdir('/proc') if d.isdigit()]:  # the ranks, by their own out_dir
+            try:
+                with open(f'/proc/{pid}/cmdline', 'rb') as f:
+                    if f'--out_dir={out_dir}'.encode() in f.read().split(b'\0'):
+                        os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        raise AssertionError("the ranks went on training with their torchrun gone") from None
+    stopped = int(re.search(r'the launcher \(pid \d+\) is gone: saving a checkpoint at iter (\d+)', out)[1])
+    assert torch.load(out_dir / 'ckpt.pt', weights_only=True)['iter_num'] == stopped
+    assert not (out_dir / 'run.lock').exists() and 'Traceback' not in err, err[-3000:]
 
 
 @pytest.mark.parametrize('script', ['fsdp_train.py', 'ds_train.py', 'decent_train.py', 'pp_train.py'])

@@ -520,6 +520,74 @@ def test_a_deepspeed_run_at_another_stage_never_goes_on_from_an_export_older_tha
     assert files(run_dir / 'ds') == before and iter_of(run_dir / 'ckpt.pt') == 10
 
 
+def test_a_deepspeed_run_at_another_layout_never_goes_on_past_its_newer_memory_snapshot(tmp_path, data_dir,
+                                                                                       shared_run):
+    # the engine's snapshot at 10 (ZeRO-2, 1 rank), out_dir's newest state at 5: at ZeRO-3 the run went on from the
+    # export at 5 without a word, and its end removed the snapshot with the steps since (with no export, it started
+    # afresh under a new id and left the snapshot in RAM, which nothing names any more)
+    from checkpoint import where_saved
+    from ds_state import DS_SAFE_GLOBALS  # here: it imports DeepSpeed
+    run_dir = tmp_path / 'run'
+    shutil.copytree(shared_run('ds_train.py', *ARGS), run_dir)
+    snapshots = Path('/dev/shm') / f"nanogpt-{(run_dir / 'run_id').read_text().strip()}"
+    try:
+        snapshots.mkdir()
+        shutil.move(run_dir / 'ds' / 'step-00000010', snapshots / 'step-00000010')
+        (snapshots / 'latest').write_text('step-00000010')
+        states = snapshots / 'step-00000010' / 'mp_rank_00_model_states.pt'
+        with torch.serialization.safe_globals(DS_SAFE_GLOBALS):
+            state = torch.load(states, weights_only=True)
+        state.update(where_saved(run_dir))  # saved for this folder, as the run's own snapshot is
+        torch.save(state, states)
+        (run_dir / 'ds' / 'latest').write_text('step-00000005')
+        os.replace(run_dir / 'ckpt.prev.pt', run_dir / 'ckpt.pt')  # the export of iter 5
+        before = files(snapshots)
+        error = one_line_error(start(tmp_path, data_dir, run_dir, '--max_iters=12', '--zero_stage=3',
+                                     script='ds_train.py', check=False))
+        assert f"the run's newest state, {snapshots / 'step-00000010'}, was written by 1 ranks at zero_stage=2" \
+            in error and 'use 1 ranks and --zero_stage=2' in error, error
+        assert files(snapshots) == before and iter_of(run_dir / 'ckpt.pt') == 5
+    finally:
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
+def test_a_deepspeed_run_resumed_in_another_dtype_goes_on_from_its_export(tmp_path, data_dir, shared_run):
+    # DeepSpeed's bf16 optimizer looked for files of its own in the folder saved in fp32, and the run stopped calling
+    # that good checkpoint corrupt ("move it aside"): the dtype is part of the layout that ZeRO's shards resume at
+    run_dir = tmp_path / 'run'
+    shutil.copytree(shared_run('ds_train.py', *ARGS), run_dir)
+    p = start(tmp_path, data_dir, run_dir, '--max_iters=12', '--dtype=bfloat16', script='ds_train.py')
+    assert 'was written by 1 ranks at zero_stage=2, dtype=float32, not 1 at zero_stage=2, dtype=bfloat16: ' \
+           f"continuing from the consolidated {run_dir / 'ckpt.pt'}" in p.stdout, p.stdout[-3000:]
+    assert iter_of(run_dir / 'ckpt.pt') == 12
+
+
+@pytest.mark.parametrize('writer,snapshot', [('train.py', 'ckpt.pt'), ('decent_train.py', 'rank-0-of-1.pt')])
+def test_another_entrypoint_never_goes_on_past_the_runs_newer_memory_snapshot(tmp_path, data_dir, shared_run, writer,
+                                                                              snapshot):
+    # train.py killed with its snapshot at 15 and its ckpt.pt at 10: fsdp_train.py, started over the run, went on
+    # from the ckpt.pt at 10 without a word, and its end removed the snapshot with the steps since. decent_train.py's
+    # was refused, as another layout's, and the error had fsdp_train.py resume "with the layout in its name": none
+    from checkpoint import where_saved
+    run_dir = tmp_path / 'run'
+    shutil.copytree(shared_run('train.py', *ARGS), run_dir)
+    snapshots = Path('/dev/shm') / f"nanogpt-{(run_dir / 'run_id').read_text().strip()}"
+    try:
+        snapshots.mkdir()
+        state = torch.load(run_dir / 'ckpt.pt', weights_only=True)
+        if writer == 'decent_train.py':  # its key in the config names it
+            state['config'] = {**state['config'], 'topology': 'complete'}
+        torch.save({**state, **where_saved(run_dir), 'iter_num': 15}, snapshots / snapshot)
+        before = files(run_dir), files(snapshots)
+        error = one_line_error(start(tmp_path, data_dir, run_dir, '--max_iters=12', script='fsdp_train.py',
+                                     check=False))
+        assert f"newest state (iter 15) is the memory snapshot {snapshots / snapshot} of {writer}" in error \
+            and f'continue the run with `{writer} --out_dir={run_dir}`' in error, error
+        assert (files(run_dir), files(snapshots)) == before
+    finally:
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
 def test_a_deepspeed_run_resuming_its_own_snapshot_keeps_the_copys_newer_one(tmp_path, data_dir, shared_run):
     # A's snapshot at 12 (latest names it) beside its copy B's at 15, which the listing up to latest leaves out:
     # A's snapshot at 15 removed B's folder to write its own there
