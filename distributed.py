@@ -9,6 +9,7 @@ so the entrypoints' code is the same on one process as on many.
 """
 
 import atexit
+import errno
 import os
 import signal
 import socket
@@ -83,6 +84,10 @@ def start(backend, device, deepspeed=False):
     # hand: the same, but the exit is non-zero (finish), since the run is not done
     signal.signal(signal.SIGTERM, lambda signum, frame: _stop_signals.append(signum))
     signal.signal(signal.SIGINT, _interrupted)
+    # Closing the terminal of a run started there without nohup (SIGHUP) would kill it where it stands, losing the
+    # steps since its last save: it stops as at a Ctrl-C instead. Under nohup, which ignores SIGHUP, it trains on
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, lambda signum, frame: _stop_signals.append(signum))
     # `... | tee log`: the Ctrl-C ends tee too, and every print after it (the handler's first) would raise
     # BrokenPipeError, a traceback in place of the save
     sys.stdout, sys.stderr = (s if isinstance(s, Unread) else Unread(s) for s in (sys.stdout, sys.stderr))
@@ -100,15 +105,21 @@ class Unread:
     def write(self, text):
         try:
             return self.stream.write(text)
-        except BrokenPipeError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())  # its buffer's flush goes there too
+        except OSError as e:
+            self.gone(e)
             return len(text)
 
     def flush(self):
         try:
             self.stream.flush()
-        except BrokenPipeError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+        except OSError as e:
+            self.gone(e)
+
+    def gone(self, e):
+        # a pipe with no reader (EPIPE), or a terminal that was closed (EIO): its buffer's flush goes nowhere too
+        if e.errno not in (errno.EPIPE, errno.EIO):
+            raise e
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
 
 
 def _interrupted(signum, frame):
@@ -128,6 +139,8 @@ def stop_signal():
     """The name of the signal that stopped the run, for the loop's message."""
     if signal.SIGINT in _stop_signals:
         return 'SIGINT (Ctrl-C)'
+    if signal.SIGHUP in _stop_signals:
+        return 'SIGHUP (its terminal closed)'
     return 'SIGTERM' if signal.SIGTERM in _stop_signals else f'the launcher (pid {_launcher[0]}) is gone'
 
 
@@ -283,13 +296,16 @@ def finish():
     that is done and would make torchrun restart it."""
     dist.barrier()
     dist.destroy_process_group()
-    if signal.SIGINT in _stop_signals and torchrun_env()[0] == 0:  # a run stopped by hand is not done
-        print("error: stopped by Ctrl-C after saving a checkpoint: rerun the same command to resume", file=sys.stderr)
+    # a run stopped by hand, or by its terminal's end, is not done: 128 + the signal, as a shell reports it
+    by_hand = next((s for s in (signal.SIGINT, signal.SIGHUP) if s in _stop_signals), None)
+    if by_hand and torchrun_env()[0] == 0:
+        print(f"error: stopped by {'Ctrl-C' if by_hand == signal.SIGINT else 'SIGHUP'} after saving a checkpoint: "
+              f"rerun the same command to resume", file=sys.stderr)
     atexit.unregister(_exit_failed)  # this is the way out that succeeds
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(130 if signal.SIGINT in _stop_signals else 0)
+    os._exit(128 + by_hand if by_hand else 0)
 
 
 def incarnation_store(rank, world_size):

@@ -3,6 +3,7 @@ and exits non-zero with one line (the run is not done); a second Ctrl-C leaves a
 still loads. In a tool, Ctrl-C is one line and a non-zero exit, not a traceback."""
 
 import os
+import pty
 import re
 import signal
 import subprocess
@@ -70,6 +71,34 @@ def test_ctrl_c_that_also_ends_the_reader_of_the_runs_output_still_saves_the_ste
     err = p.stderr.read()
     assert p.wait(timeout=120) == 130, err[-3000:]
     assert err.strip() == "error: stopped by Ctrl-C after saving a checkpoint: rerun the same command to resume"
+    assert torch.load(out_dir / 'ckpt.pt', weights_only=True)['iter_num'] == logged_iters(out_dir)[-1] + 1
+
+
+@pytest.mark.parametrize('nohup', [False, True])
+def test_a_closed_terminals_sighup_saves_the_step_and_under_nohup_the_run_trains_on(tmp_path, data_dir, nohup):
+    # SIGHUP, which a terminal that closes sends the runs started there, killed the run where it stood, losing the
+    # steps since its last save, and what it printed then to the closed terminal raised OSError (EIO); nohup ignores
+    # SIGHUP, and the run must train on then
+    out_dir = tmp_path / 'run'
+    terminal, its_end = pty.openpty()
+    p = subprocess.Popen([sys.executable, str(REPO / 'train.py'), *TINY, f'--dataset={data_dir / "shakespeare_char"}',
+                          f'--out_dir={out_dir}', *ARGS], cwd=tmp_path, env=env(), stdout=its_end,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN if nohup else signal.SIG_DFL))
+    os.close(its_end)
+    try:
+        while not (logged_iters(out_dir) and logged_iters(out_dir)[-1] >= 5):
+            assert p.poll() is None, p.communicate()
+            os.read(terminal, 1 << 16)  # what the terminal shows
+    finally:
+        os.close(terminal)  # closed: what the run prints now fails with EIO
+    p.send_signal(signal.SIGHUP)
+    if nohup:
+        interrupt_after(p, out_dir, logged_iters(out_dir)[-1] + 5)  # it trained on, and stops at a Ctrl-C
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == (130 if nohup else 129), err[-3000:]
+    assert err.strip() == f"error: stopped by {'Ctrl-C' if nohup else 'SIGHUP'} after saving a checkpoint: rerun the " \
+        "same command to resume"
     assert torch.load(out_dir / 'ckpt.pt', weights_only=True)['iter_num'] == logged_iters(out_dir)[-1] + 1
 
 
