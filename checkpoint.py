@@ -890,7 +890,7 @@ def saved_for(snapshot, out_dir, run_id, state_of=None, say=True):
 
 
 def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, where, iter_of=None, script=None,
-                state_of=None):
+                state_of=None, check=None):
     """(run_id, (iter_num, path) to resume from or None), the same on every rank (a collective). out_dir/run_id
     names the run; snapshots names this rank's snapshot files in the run's node-local folder (or is a function of
     the folder that lists their paths); storage is lists of paths in out_dir, which rank 0 reads (it must be
@@ -902,7 +902,8 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     (what storage was looked for). script is the entrypoint: a start that would not continue the newest state that
     another entrypoint keeps in out_dir is an error naming it (a new run over it would cut its log and, once it
     resumed there, prune its folders). eval_only with init_from=scratch evaluates the run's newest state. state_of
-    reads a snapshot folder's own state (saved_for)."""
+    reads a snapshot folder's own state (saved_for). check(resume_from) is the entrypoint's own refusal, made
+    before the start is announced."""
     rank = dist.get_rank()
     run_id, held, disk, damaged, others, wrong, foreign = None, {}, (None, None), [], None, None, (None, None)
     other = (None, None, None)  # the newest snapshot of another entrypoint, which this one does not read
@@ -1009,6 +1010,8 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         moved = [set_aside_damaged(out_dir, damaged) if rank == 0 else None]
         dist.broadcast_object_list(moved)  # renamed before any rank reads the state it resumes from
         resume_from = (resume_from[0], moved[0].get(resume_from[1], resume_from[1]))
+    if check:
+        check(resume_from)
     if eval_only and resume_from is not None:
         print0(f"eval_only: evaluating the newest state of the run in {out_dir}, {resume_from[1]} at iter "
                f"{resume_from[0]}; nothing in {out_dir} is written but its eval rows in metrics.jsonl")

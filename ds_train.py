@@ -208,28 +208,34 @@ layout = dict(world_size=world_size, zero_stage=zero_stage, offload_optimizer=of
 engine_iter = lambda path, run_id=None: checkpoint_iter_at(path, run_id, layout, foreign, ds_dir)
 if not eval_only:  # an eval writes nothing: it neither holds out_dir nor waits for whoever does
     hold(out_dir)  # one run at a time in out_dir, for the run's lifetime
+
+
+def refuse_other_layouts(resume_from):
+    """Another layout's folder newer than the state resumed: continuing from the older export would prune it, or
+    replace it at its step, with a state it never held (rank 0 reads the storage; a launcher stops the others)."""
+    resume_path = resume_from and resume_from[1]
+    newer = [f for f in foreign if resume_from is not None and int(os.path.basename(f[0])[5:]) > resume_from[0]]
+    if foreign:
+        path, ranks, theirs = (newer or foreign)[0]
+        at, flags = layout_words(theirs, layout)
+    if newer:
+        sys.exit(f"error: the run's newest state, {path}, was written by {ranks} ranks at {at}, and ZeRO's shards "
+                 f"resume only so: use {ranks} ranks and {flags} until it saves a checkpoint with "
+                 f"--save_consolidated=True (SIGTERM saves one): any layout resumes its {ckpt_path}")
+    elif foreign and resume_path in kept(ckpt_path):
+        print0(f"{path} was written by {ranks} ranks at {at}, not {world_size} at {layout_words(layout, theirs)[0]}: "
+               f"continuing from the consolidated {resume_path} instead")
+    elif foreign and resume_from is None:
+        sys.exit(f"error: {path} was written by {ranks} ranks at {at}, and ZeRO's shards resume only so; with no "
+                 f"consolidated {ckpt_path} to go on from (save_consolidated=False, or none saved yet) use {ranks} "
+                 f"ranks and {flags}")
+
+
 run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only, snapshots=engine_folders,
                                   storage=[engine_folders(ds_dir) + kept(ckpt_path)],
                                   where=f"{os.path.join(ds_dir, 'latest')} or {ckpt_path}", iter_of=engine_iter,
-                                  script='ds_train.py', state_of=engine_state)
+                                  script='ds_train.py', state_of=engine_state, check=refuse_other_layouts)
 resume_path = resume_from and resume_from[1]
-# another layout's folder newer than the state resumed: continuing from the older export would prune it, or replace it
-# at its step, with a state it never held (rank 0 reads the storage; a launcher stops the others)
-newer = [f for f in foreign if resume_from is not None and int(os.path.basename(f[0])[5:]) > resume_from[0]]
-if foreign:
-    path, ranks, theirs = (newer or foreign)[0]
-    at, flags = layout_words(theirs, layout)
-if newer:
-    sys.exit(f"error: the run's newest state, {path}, was written by {ranks} ranks at {at}, and ZeRO's shards resume "
-             f"only so: use {ranks} ranks and {flags} until it saves a checkpoint with --save_consolidated=True "
-             f"(SIGTERM saves one): any layout resumes its {ckpt_path}")
-elif foreign and resume_path in kept(ckpt_path):
-    print0(f"{path} was written by {ranks} ranks at {at}, not {world_size} at {layout_words(layout, theirs)[0]}: "
-           f"continuing from the consolidated {resume_path} instead")
-elif foreign and resume_from is None:
-    sys.exit(f"error: {path} was written by {ranks} ranks at {at}, and ZeRO's shards resume only so; with no "
-             f"consolidated {ckpt_path} to go on from (save_consolidated=False, or none saved yet) use {ranks} ranks "
-             f"and {flags}")
 
 # -----------------------------------------------------------------------------
 # model

@@ -513,10 +513,11 @@ def test_a_deepspeed_run_at_another_stage_never_goes_on_from_an_export_older_tha
     shutil.copytree(shared_run('ds_train.py', *ARGS), run_dir)
     start(tmp_path, data_dir, run_dir, '--max_iters=15', '--save_consolidated=False', script='ds_train.py')
     before = files(run_dir / 'ds')
-    error = one_line_error(start(tmp_path, data_dir, run_dir, '--max_iters=20', '--zero_stage=3',
-                                 script='ds_train.py', check=False))
+    p = start(tmp_path, data_dir, run_dir, '--max_iters=20', '--zero_stage=3', script='ds_train.py', check=False)
+    error = one_line_error(p)
     assert f"the run's newest state, {run_dir / 'ds' / 'step-00000015'}, was written by 1 ranks at zero_stage=2" \
         in error and 'use 1 ranks and --zero_stage=2' in error, error
+    assert 'auto-resume' not in p.stdout, p.stdout  # not announced as going on, then refused
     assert files(run_dir / 'ds') == before and iter_of(run_dir / 'ckpt.pt') == 10
 
 
