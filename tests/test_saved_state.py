@@ -38,11 +38,25 @@ def iter_of(path):
     return torch.load(path, map_location='cpu', weights_only=True)['iter_num']
 
 
-def copies(shared, a, b):
+def copies(shared, a, b, in_ram):
     """A run folder copied to a and a to b (cp -r, to branch an experiment), and their shared snapshot folder."""
     shutil.copytree(shared, a)
     shutil.copytree(a, b)
-    return Path('/dev/shm') / f"nanogpt-{(a / 'run_id').read_text().strip()}"
+    return in_ram(a)
+
+
+@pytest.fixture
+def in_ram():
+    """in_ram(run_dir) -> the folder in /dev/shm of the memory snapshots of run_dir's run (its run_id), which the
+    test may fill; each one named is removed at the end, however the test ends."""
+    named = []
+
+    def folder(run_dir):
+        named.append(Path('/dev/shm') / f"nanogpt-{(run_dir / 'run_id').read_text().strip()}")
+        return named[-1]
+    yield folder
+    for path in named:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
@@ -285,116 +299,104 @@ def test_a_memory_snapshot_that_cannot_be_written_is_a_warning(tmp_path, data_di
 
 
 def test_a_run_resumed_from_a_snapshot_past_a_lowered_max_iters_saves_it_before_it_frees_it(tmp_path, data_dir,
-                                                                                            shared_run):
+                                                                                            shared_run, in_ram):
     # killed at 12 with its snapshot at 12 and its checkpoint at 10, resumed with --max_iters=11: the run ended at
     # once, with no eval and so no save, and its end removed the snapshot, its newest state
     run_dir = tmp_path / 'run'
     shutil.copytree(shared_run('train.py', *ARGS), run_dir)
     start(tmp_path, data_dir, run_dir, '--max_iters=12')
-    snapshots = Path('/dev/shm') / f"nanogpt-{(run_dir / 'run_id').read_text().strip()}"
-    try:
-        snapshots.mkdir()
-        shutil.copy(run_dir / 'ckpt.pt', snapshots / 'ckpt.pt')  # its snapshot at 12
-        (run_dir / 'ckpt.prev.pt').replace(run_dir / 'ckpt.pt')  # its checkpoint at 10
-        p = start(tmp_path, data_dir, run_dir, '--max_iters=11')
-        assert f'resuming from {snapshots / "ckpt.pt"} at iter 12' in p.stdout, p.stdout[-2000:]
-        assert iter_of(run_dir / 'ckpt.pt') == 12 and iter_of(run_dir / 'ckpt.prev.pt') == 10
-    finally:
-        shutil.rmtree(snapshots, ignore_errors=True)
+    snapshots = in_ram(run_dir)
+    snapshots.mkdir()
+    shutil.copy(run_dir / 'ckpt.pt', snapshots / 'ckpt.pt')  # its snapshot at 12
+    (run_dir / 'ckpt.prev.pt').replace(run_dir / 'ckpt.pt')  # its checkpoint at 10
+    p = start(tmp_path, data_dir, run_dir, '--max_iters=11')
+    assert f'resuming from {snapshots / "ckpt.pt"} at iter 12' in p.stdout, p.stdout[-2000:]
+    assert iter_of(run_dir / 'ckpt.pt') == 12 and iter_of(run_dir / 'ckpt.prev.pt') == 10
 
 
 def test_a_copy_of_a_run_folder_never_resumes_the_others_memory_snapshot_a_moved_one_does(tmp_path, data_dir,
-                                                                                          shared_run):
+                                                                                          shared_run, in_ram):
     # the copy holds the same run_id, which names the snapshot folder in /dev/shm: run A resumed the snapshot that
     # its copy B left there (killed), a state A never trained, and its saves then pushed A's own checkpoints out
     a, b = tmp_path / 'a', tmp_path / 'b'
-    snapshots = copies(shared_run('train.py', *ARGS), a, b)
+    snapshots = copies(shared_run('train.py', *ARGS), a, b, in_ram)
     start(tmp_path, data_dir, b, '--max_iters=15', '--learning_rate=0.1')
-    try:
-        snapshots.mkdir()
-        shutil.copy(b / 'ckpt.pt', snapshots / 'ckpt.pt')  # what B's snapshot held when it was killed
-        p = start(tmp_path, data_dir, a, '--max_iters=12')
-        assert f'resuming from {a / "ckpt.pt"} at iter 10' in p.stdout, p.stdout[-2000:]
-        assert f'passing over the memory snapshot {snapshots / "ckpt.pt"}, which a run in {b} saved' in p.stdout
-        # B's snapshot, its newest state, was neither replaced by A's snapshots nor removed at A's end: kept in A
-        kept_as = a / f"snapshots.copy-{snapshots.name[len('nanogpt-'):]}-{socket.gethostname()}"
-        assert f"the copy's memory snapshots moved from {snapshots} (RAM) to {kept_as}" in p.stdout
-        assert iter_of(kept_as / 'ckpt.pt') == 15
-        # B renamed (mv b c) is B still, which resumes its own snapshot
-        b.rename(tmp_path / 'c')
-        snapshots.mkdir(exist_ok=True)  # A's finish freed it, its own in it only
-        shutil.copy(tmp_path / 'c' / 'ckpt.pt', snapshots / 'ckpt.pt')  # its snapshot at 15
-        p = start(tmp_path, data_dir, tmp_path / 'c', '--max_iters=16', '--learning_rate=0.1')
-        assert f'resuming from {snapshots / "ckpt.pt"} at iter 15' in p.stdout, p.stdout[-2000:]
-        # C deleted after its snapshot (at 16): A is not C moved (another inode), so it resumes its own state still
-        snapshots.mkdir(exist_ok=True)
-        shutil.copy(tmp_path / 'c' / 'ckpt.pt', snapshots / 'ckpt.pt')
-        shutil.rmtree(tmp_path / 'c')
-        p = start(tmp_path, data_dir, a, '--max_iters=13')
-        assert f'resuming from {a / "ckpt.pt"} at iter 12' in p.stdout, p.stdout[-2000:]
-        assert sorted(iter_of(k / 'ckpt.pt') for k in a.glob('snapshots.copy-*')) == [15, 16]  # C's kept too
-        # a copy of them cut short by a crash (its .tmp) is left as it is, and they are kept under another name
-        snapshots.mkdir(exist_ok=True)
-        torch.save({**torch.load(a / 'ckpt.pt', weights_only=True), 'out_dir': str(tmp_path / 'd'),
-                    'out_dir_ino': tmp_path.stat().st_ino}, snapshots / 'ckpt.pt')  # another copy's, D's
-        cut = a / f"{kept_as.name}.3.tmp"
-        cut.mkdir()
-        p = start(tmp_path, data_dir, a, '--max_iters=14')
-        assert f"moved from {snapshots} (RAM) to {a / kept_as.name}.4" in p.stdout, p.stdout[-2000:]
-        assert cut.is_dir() and iter_of(a / f"{kept_as.name}.4" / 'ckpt.pt') == 13
-    finally:
-        shutil.rmtree(snapshots, ignore_errors=True)
+    snapshots.mkdir()
+    shutil.copy(b / 'ckpt.pt', snapshots / 'ckpt.pt')  # what B's snapshot held when it was killed
+    p = start(tmp_path, data_dir, a, '--max_iters=12')
+    assert f'resuming from {a / "ckpt.pt"} at iter 10' in p.stdout, p.stdout[-2000:]
+    assert f'passing over the memory snapshot {snapshots / "ckpt.pt"}, which a run in {b} saved' in p.stdout
+    # B's snapshot, its newest state, was neither replaced by A's snapshots nor removed at A's end: kept in A
+    kept_as = a / f"snapshots.copy-{snapshots.name[len('nanogpt-'):]}-{socket.gethostname()}"
+    assert f"the copy's memory snapshots moved from {snapshots} (RAM) to {kept_as}" in p.stdout
+    assert iter_of(kept_as / 'ckpt.pt') == 15
+    # B renamed (mv b c) is B still, which resumes its own snapshot
+    b.rename(tmp_path / 'c')
+    snapshots.mkdir(exist_ok=True)  # A's finish freed it, its own in it only
+    shutil.copy(tmp_path / 'c' / 'ckpt.pt', snapshots / 'ckpt.pt')  # its snapshot at 15
+    p = start(tmp_path, data_dir, tmp_path / 'c', '--max_iters=16', '--learning_rate=0.1')
+    assert f'resuming from {snapshots / "ckpt.pt"} at iter 15' in p.stdout, p.stdout[-2000:]
+    # C deleted after its snapshot (at 16): A is not C moved (another inode), so it resumes its own state still
+    snapshots.mkdir(exist_ok=True)
+    shutil.copy(tmp_path / 'c' / 'ckpt.pt', snapshots / 'ckpt.pt')
+    shutil.rmtree(tmp_path / 'c')
+    p = start(tmp_path, data_dir, a, '--max_iters=13')
+    assert f'resuming from {a / "ckpt.pt"} at iter 12' in p.stdout, p.stdout[-2000:]
+    assert sorted(iter_of(k / 'ckpt.pt') for k in a.glob('snapshots.copy-*')) == [15, 16]  # C's kept too
+    # a copy of them cut short by a crash (its .tmp) is left as it is, and they are kept under another name
+    snapshots.mkdir(exist_ok=True)
+    torch.save({**torch.load(a / 'ckpt.pt', weights_only=True), 'out_dir': str(tmp_path / 'd'),
+                'out_dir_ino': tmp_path.stat().st_ino}, snapshots / 'ckpt.pt')  # another copy's, D's
+    cut = a / f"{kept_as.name}.3.tmp"
+    cut.mkdir()
+    p = start(tmp_path, data_dir, a, '--max_iters=14')
+    assert f"moved from {snapshots} (RAM) to {a / kept_as.name}.4" in p.stdout, p.stdout[-2000:]
+    assert cut.is_dir() and iter_of(a / f"{kept_as.name}.4" / 'ckpt.pt') == 13
 
 
 def test_a_copy_with_the_same_inode_number_on_another_filesystem_never_resumes_the_others_snapshot(tmp_path,
                                                                                                    data_dir,
-                                                                                                   shared_run):
+                                                                                                   shared_run, in_ram):
     # a btrfs or ZFS snapshot (or clone) of a run folder keeps its inode numbers on another device: B, such a copy of
     # A, left its snapshot at 15, which A took for its own by the inode alone
     a, b = tmp_path / 'a', tmp_path / 'b'
-    snapshots = copies(shared_run('train.py', *ARGS), a, b)
+    snapshots = copies(shared_run('train.py', *ARGS), a, b, in_ram)
     start(tmp_path, data_dir, b, '--max_iters=15', '--learning_rate=0.1')
-    try:
-        snapshots.mkdir()
-        state = torch.load(b / 'ckpt.pt', weights_only=True)
-        torch.save({**state, 'out_dir_ino': a.stat().st_ino, 'out_dir_dev': a.stat().st_dev + 1},
-                   snapshots / 'ckpt.pt')  # as B's snapshot holds them, on its filesystem
-        p = start(tmp_path, data_dir, a, '--max_iters=12')
-        assert f'resuming from {a / "ckpt.pt"} at iter 10' in p.stdout, p.stdout[-2000:]
-        assert iter_of(next(a.glob('snapshots.copy-*')) / 'ckpt.pt') == 15
-    finally:
-        shutil.rmtree(snapshots, ignore_errors=True)
+    snapshots.mkdir()
+    state = torch.load(b / 'ckpt.pt', weights_only=True)
+    torch.save({**state, 'out_dir_ino': a.stat().st_ino, 'out_dir_dev': a.stat().st_dev + 1},
+               snapshots / 'ckpt.pt')  # as B's snapshot holds them, on its filesystem
+    p = start(tmp_path, data_dir, a, '--max_iters=12')
+    assert f'resuming from {a / "ckpt.pt"} at iter 10' in p.stdout, p.stdout[-2000:]
+    assert iter_of(next(a.glob('snapshots.copy-*')) / 'ckpt.pt') == 15
 
 
 def test_a_copys_snapshots_that_do_not_fit_in_out_dir_are_left_whole_in_ram(tmp_path, data_dir, shared_run,
-                                                                           small_disk):
+                                                                           small_disk, in_ram):
     # run A's disk has no room to keep its copy B's snapshot (iter 15) that A passes over: that was a warning, and
     # then A's own snapshots replaced it in the shared folder in /dev/shm, and A's end removed the folder
     a, b = small_disk('2m') / 'a', tmp_path / 'b'
-    snapshots = copies(shared_run('train.py', *ARGS), a, b)
+    snapshots = copies(shared_run('train.py', *ARGS), a, b, in_ram)
     start(tmp_path, data_dir, b, '--max_iters=15', '--learning_rate=0.1')
-    try:
-        snapshots.mkdir()
-        shutil.copy(b / 'ckpt.pt', snapshots / 'ckpt.pt')  # what B's snapshot held when it was killed
-        before = files(snapshots)
-        fill(a.parent)
-        os.truncate(a.parent / 'filler', (a.parent / 'filler').stat().st_size - 65536)  # A's log rows fit
-        # a learning rate of 0: its evals at 10 and 12 are no better, so A saves no checkpoint either
-        p = start(tmp_path, data_dir, a, '--max_iters=12', '--save_memory_interval=1', '--learning_rate=0',
-                  '--min_lr=0', '--always_save_checkpoint=False')
-        assert f'resuming from {a / "ckpt.pt"} at iter 10' in p.stdout, p.stdout[-2000:]
-        assert f"the copy's memory snapshots stay in {snapshots}" in p.stdout and 'No space left' in p.stdout
-        assert 'this run takes no memory snapshots of its own' in p.stdout, p.stdout[-2000:]
-        assert files(snapshots) == before and not list(a.glob('snapshots.*'))
-    finally:
-        shutil.rmtree(snapshots, ignore_errors=True)
+    snapshots.mkdir()
+    shutil.copy(b / 'ckpt.pt', snapshots / 'ckpt.pt')  # what B's snapshot held when it was killed
+    before = files(snapshots)
+    fill(a.parent)
+    os.truncate(a.parent / 'filler', (a.parent / 'filler').stat().st_size - 65536)  # A's log rows fit
+    # a learning rate of 0: its evals at 10 and 12 are no better, so A saves no checkpoint either
+    p = start(tmp_path, data_dir, a, '--max_iters=12', '--save_memory_interval=1', '--learning_rate=0',
+              '--min_lr=0', '--always_save_checkpoint=False')
+    assert f'resuming from {a / "ckpt.pt"} at iter 10' in p.stdout, p.stdout[-2000:]
+    assert f"the copy's memory snapshots stay in {snapshots}" in p.stdout and 'No space left' in p.stdout
+    assert 'this run takes no memory snapshots of its own' in p.stdout, p.stdout[-2000:]
+    assert files(snapshots) == before and not list(a.glob('snapshots.*'))
 
 
-def test_a_run_resuming_its_own_snapshot_keeps_the_copys_beside_it_in_out_dir(tmp_path, data_dir, shared_run):
+def test_a_run_resuming_its_own_snapshot_keeps_the_copys_beside_it_in_out_dir(tmp_path, data_dir, shared_run, in_ram):
     # fsdp_train.py's two files a rank: A (killed) left its own newest, and its copy B's snapshot shares the folder
     # (both ran at once). A resumed from its own and kept B's in place, where A's next snapshot replaced it
     a, b = tmp_path / 'a', tmp_path / 'b'
-    snapshots = copies(shared_run('fsdp_train.py', *ARGS), a, b)
+    snapshots = copies(shared_run('fsdp_train.py', *ARGS), a, b, in_ram)
     mine, theirs = snapshots / 'rank-0-of-1x1.pt', snapshots / 'rank-0-of-1x1.prev.pt'
     killed, started = begin('fsdp_train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={a}',
                             *ARGS, '--max_iters=100000', '--save_memory_interval=1', cwd=tmp_path)
@@ -415,35 +417,31 @@ def test_a_run_resuming_its_own_snapshot_keeps_the_copys_beside_it_in_out_dir(tm
         assert not snapshots.exists()  # A's end freed its own
     finally:
         killed.kill()
-        shutil.rmtree(snapshots, ignore_errors=True)
 
 
-def test_a_copys_snapshot_of_another_layout_is_passed_over_and_kept(tmp_path, data_dir, shared_run):
+def test_a_copys_snapshot_of_another_layout_is_passed_over_and_kept(tmp_path, data_dir, shared_run, in_ram):
     # B, a copy of A's folder, killed at 2 ranks: A at 1 rank was refused, B's snapshot named as "this run's newest
     # state", and told to resume at B's layout or to start afresh
     a, b = tmp_path / 'a', tmp_path / 'b'
-    snapshots = copies(shared_run('fsdp_train.py', *ARGS), a, b)
-    try:
-        snapshots.mkdir()
-        theirs = {'iter_num': 15, 'run_id': snapshots.name[8:], 'out_dir': str(b), 'out_dir_ino': b.stat().st_ino}
-        torch.save(theirs, snapshots / 'rank-0-of-2x1.pt')  # what B's rank 0 left (its shards are not needed here)
-        before = files(snapshots)
-        p = start(tmp_path, data_dir, a, '--max_iters=12', script='fsdp_train.py')
-        assert f'resuming from {a / "dcp" / "step-00000010"} at iter 10' in p.stdout, p.stdout[-2000:]
-        assert files(next(a.glob('snapshots.copy-*'))) == before and not snapshots.exists()
-    finally:
-        shutil.rmtree(snapshots, ignore_errors=True)
+    snapshots = copies(shared_run('fsdp_train.py', *ARGS), a, b, in_ram)
+    snapshots.mkdir()
+    theirs = {'iter_num': 15, 'run_id': snapshots.name[8:], 'out_dir': str(b), 'out_dir_ino': b.stat().st_ino}
+    torch.save(theirs, snapshots / 'rank-0-of-2x1.pt')  # what B's rank 0 left (its shards are not needed here)
+    before = files(snapshots)
+    p = start(tmp_path, data_dir, a, '--max_iters=12', script='fsdp_train.py')
+    assert f'resuming from {a / "dcp" / "step-00000010"} at iter 10' in p.stdout, p.stdout[-2000:]
+    assert files(next(a.glob('snapshots.copy-*'))) == before and not snapshots.exists()
 
 
 @pytest.mark.parametrize('afresh', [False, True])
 def test_a_copy_started_beside_its_running_original_leaves_the_originals_snapshots_alone(tmp_path, data_dir,
-                                                                                        shared_run, afresh):
+                                                                                        shared_run, afresh, in_ram):
     # A and its copy B at once on one node, one snapshot folder in RAM: B moved A's live snapshots into its own
     # out_dir, then each replaced the other's, and B's end removed the folder with A's newest state in it. B started
     # afresh (--auto_resume=False) took that folder for an earlier run's, moved it into B/snapshots.before-* and
     # removed it from RAM while A still wrote there
     a, b = tmp_path / 'a', tmp_path / 'b'
-    snapshots = copies(shared_run('train.py', *ARGS), a, b)
+    snapshots = copies(shared_run('train.py', *ARGS), a, b, in_ram)
     running, started = begin('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={a}', *ARGS,
                              '--max_iters=100000', '--save_memory_interval=1', cwd=tmp_path)
     try:
@@ -463,45 +461,39 @@ def test_a_copy_started_beside_its_running_original_leaves_the_originals_snapsho
     finally:
         running.kill()
         finish(started)
-        shutil.rmtree(snapshots, ignore_errors=True)
 
 
 def test_a_copy_run_with_a_relative_out_dir_from_its_own_folder_never_resumes_the_originals_snapshot(tmp_path,
                                                                                                     data_dir,
-                                                                                                    shared_run):
+                                                                                                    shared_run, in_ram):
     # a project folder copied whole (cp -r p1 p2), each run as --out_dir=out from its own folder: the snapshot's
     # config names `out`, which from p2 is p2/out, so p2 took p1's snapshot (iter 15) for its own
     p1, p2 = tmp_path / 'p1', tmp_path / 'p2'
     shutil.copytree(shared_run('train.py', *ARGS), p1 / 'out')
     shutil.copytree(p1, p2)
     start(p1, data_dir, 'out', '--max_iters=15', '--learning_rate=0.1')
-    snapshots = Path('/dev/shm') / f"nanogpt-{(p1 / 'out' / 'run_id').read_text().strip()}"
-    try:
-        snapshots.mkdir()
-        shutil.copy(p1 / 'out' / 'ckpt.pt', snapshots / 'ckpt.pt')  # what p1's snapshot held when it was killed
-        p = start(p2, data_dir, 'out', '--max_iters=12')
-        assert 'resuming from out/ckpt.pt at iter 10' in p.stdout, p.stdout[-2000:]
-        assert iter_of(next((p2 / 'out').glob('snapshots.copy-*')) / 'ckpt.pt') == 15  # p1's, kept
-    finally:
-        shutil.rmtree(snapshots, ignore_errors=True)
+    snapshots = in_ram(p1 / 'out')
+    snapshots.mkdir()
+    shutil.copy(p1 / 'out' / 'ckpt.pt', snapshots / 'ckpt.pt')  # what p1's snapshot held when it was killed
+    p = start(p2, data_dir, 'out', '--max_iters=12')
+    assert 'resuming from out/ckpt.pt at iter 10' in p.stdout, p.stdout[-2000:]
+    assert iter_of(next((p2 / 'out').glob('snapshots.copy-*')) / 'ckpt.pt') == 15  # p1's, kept
 
 
-def test_a_copy_of_a_deepspeed_run_folder_never_resumes_the_others_memory_snapshot(tmp_path, data_dir, shared_run):
+def test_a_copy_of_a_deepspeed_run_folder_never_resumes_the_others_memory_snapshot(tmp_path, data_dir, shared_run,
+                                                                                   in_ram):
     # DeepSpeed's snapshots are folders of the engine's files, our state among them; here the run's own folder's
     # snapshot at 10 (its out_dir the shared run's), beside the copy's checkpoint at 10
     shared = shared_run('ds_train.py', *ARGS)
     copy = tmp_path / 'copy'
     shutil.copytree(shared, copy)
-    snapshots = Path('/dev/shm') / f"nanogpt-{(copy / 'run_id').read_text().strip()}"
-    try:
-        snapshots.mkdir()
-        shutil.copytree(shared / 'ds' / 'step-00000010', snapshots / 'step-00000010')
-        (snapshots / 'latest').write_text('step-00000010')
-        p = start(tmp_path, data_dir, copy, '--max_iters=12', script='ds_train.py')
-        assert f'resuming from {copy / "ds" / "step-00000010"} at iter 10' in p.stdout, p.stdout[-2000:]
-        assert f'passing over the memory snapshot {snapshots / "step-00000010"}, which a run in {shared}' in p.stdout
-    finally:
-        shutil.rmtree(snapshots, ignore_errors=True)
+    snapshots = in_ram(copy)
+    snapshots.mkdir()
+    shutil.copytree(shared / 'ds' / 'step-00000010', snapshots / 'step-00000010')
+    (snapshots / 'latest').write_text('step-00000010')
+    p = start(tmp_path, data_dir, copy, '--max_iters=12', script='ds_train.py')
+    assert f'resuming from {copy / "ds" / "step-00000010"} at iter 10' in p.stdout, p.stdout[-2000:]
+    assert f'passing over the memory snapshot {snapshots / "step-00000010"}, which a run in {shared}' in p.stdout
 
 
 def test_a_deepspeed_run_at_another_stage_never_goes_on_from_an_export_older_than_its_newest_folder(tmp_path,
@@ -522,7 +514,7 @@ def test_a_deepspeed_run_at_another_stage_never_goes_on_from_an_export_older_tha
 
 
 def test_a_deepspeed_run_at_another_layout_never_goes_on_past_its_newer_memory_snapshot(tmp_path, data_dir,
-                                                                                       shared_run):
+                                                                                       shared_run, in_ram):
     # the engine's snapshot at 10 (ZeRO-2, 1 rank), out_dir's newest state at 5: at ZeRO-3 the run went on from the
     # export at 5 without a word, and its end removed the snapshot with the steps since (with no export, it started
     # afresh under a new id and left the snapshot in RAM, which nothing names any more)
@@ -530,26 +522,23 @@ def test_a_deepspeed_run_at_another_layout_never_goes_on_past_its_newer_memory_s
     from ds_state import DS_SAFE_GLOBALS  # here: it imports DeepSpeed
     run_dir = tmp_path / 'run'
     shutil.copytree(shared_run('ds_train.py', *ARGS), run_dir)
-    snapshots = Path('/dev/shm') / f"nanogpt-{(run_dir / 'run_id').read_text().strip()}"
-    try:
-        snapshots.mkdir()
-        shutil.move(run_dir / 'ds' / 'step-00000010', snapshots / 'step-00000010')
-        (snapshots / 'latest').write_text('step-00000010')
-        states = snapshots / 'step-00000010' / 'mp_rank_00_model_states.pt'
-        with torch.serialization.safe_globals(DS_SAFE_GLOBALS):
-            state = torch.load(states, weights_only=True)
-        state.update(where_saved(run_dir))  # saved for this folder, as the run's own snapshot is
-        torch.save(state, states)
-        (run_dir / 'ds' / 'latest').write_text('step-00000005')
-        os.replace(run_dir / 'ckpt.prev.pt', run_dir / 'ckpt.pt')  # the export of iter 5
-        before = files(snapshots)
-        error = one_line_error(start(tmp_path, data_dir, run_dir, '--max_iters=12', '--zero_stage=3',
-                                     script='ds_train.py', check=False))
-        assert f"the run's newest state, {snapshots / 'step-00000010'}, was written by 1 ranks at zero_stage=2" \
-            in error and 'use 1 ranks and --zero_stage=2' in error, error
-        assert files(snapshots) == before and iter_of(run_dir / 'ckpt.pt') == 5
-    finally:
-        shutil.rmtree(snapshots, ignore_errors=True)
+    snapshots = in_ram(run_dir)
+    snapshots.mkdir()
+    shutil.move(run_dir / 'ds' / 'step-00000010', snapshots / 'step-00000010')
+    (snapshots / 'latest').write_text('step-00000010')
+    states = snapshots / 'step-00000010' / 'mp_rank_00_model_states.pt'
+    with torch.serialization.safe_globals(DS_SAFE_GLOBALS):
+        state = torch.load(states, weights_only=True)
+    state.update(where_saved(run_dir))  # saved for this folder, as the run's own snapshot is
+    torch.save(state, states)
+    (run_dir / 'ds' / 'latest').write_text('step-00000005')
+    os.replace(run_dir / 'ckpt.prev.pt', run_dir / 'ckpt.pt')  # the export of iter 5
+    before = files(snapshots)
+    error = one_line_error(start(tmp_path, data_dir, run_dir, '--max_iters=12', '--zero_stage=3',
+                                 script='ds_train.py', check=False))
+    assert f"the run's newest state, {snapshots / 'step-00000010'}, was written by 1 ranks at zero_stage=2" \
+        in error and 'use 1 ranks and --zero_stage=2' in error, error
+    assert files(snapshots) == before and iter_of(run_dir / 'ckpt.pt') == 5
 
 
 def test_a_deepspeed_run_resumed_in_another_dtype_goes_on_from_its_export(tmp_path, data_dir, shared_run):
@@ -565,48 +554,42 @@ def test_a_deepspeed_run_resumed_in_another_dtype_goes_on_from_its_export(tmp_pa
 
 @pytest.mark.parametrize('writer,snapshot', [('train.py', 'ckpt.pt'), ('decent_train.py', 'rank-0-of-1.pt')])
 def test_another_entrypoint_never_goes_on_past_the_runs_newer_memory_snapshot(tmp_path, data_dir, shared_run, writer,
-                                                                              snapshot):
+                                                                              snapshot, in_ram):
     # train.py killed with its snapshot at 15 and its ckpt.pt at 10: fsdp_train.py, started over the run, went on
     # from the ckpt.pt at 10 without a word, and its end removed the snapshot with the steps since. decent_train.py's
     # was refused, as another layout's, and the error had fsdp_train.py resume "with the layout in its name": none
     from checkpoint import where_saved
     run_dir = tmp_path / 'run'
     shutil.copytree(shared_run('train.py', *ARGS), run_dir)
-    snapshots = Path('/dev/shm') / f"nanogpt-{(run_dir / 'run_id').read_text().strip()}"
-    try:
-        snapshots.mkdir()
-        state = torch.load(run_dir / 'ckpt.pt', weights_only=True)
-        if writer == 'decent_train.py':  # its key in the config names it
-            state['config'] = {**state['config'], 'topology': 'complete'}
-        torch.save({**state, **where_saved(run_dir), 'iter_num': 15}, snapshots / snapshot)
-        before = files(run_dir), files(snapshots)
-        error = one_line_error(start(tmp_path, data_dir, run_dir, '--max_iters=12', script='fsdp_train.py',
-                                     check=False))
-        assert f"newest state (iter 15) is the memory snapshot {snapshots / snapshot} of {writer}" in error \
-            and f'continue the run with `{writer} --out_dir={run_dir}`' in error, error
-        assert (files(run_dir), files(snapshots)) == before
-    finally:
-        shutil.rmtree(snapshots, ignore_errors=True)
+    snapshots = in_ram(run_dir)
+    snapshots.mkdir()
+    state = torch.load(run_dir / 'ckpt.pt', weights_only=True)
+    if writer == 'decent_train.py':  # its key in the config names it
+        state['config'] = {**state['config'], 'topology': 'complete'}
+    torch.save({**state, **where_saved(run_dir), 'iter_num': 15}, snapshots / snapshot)
+    before = files(run_dir), files(snapshots)
+    error = one_line_error(start(tmp_path, data_dir, run_dir, '--max_iters=12', script='fsdp_train.py',
+                                 check=False))
+    assert f"newest state (iter 15) is the memory snapshot {snapshots / snapshot} of {writer}" in error \
+        and f'continue the run with `{writer} --out_dir={run_dir}`' in error, error
+    assert (files(run_dir), files(snapshots)) == before
 
 
-def test_a_deepspeed_run_resuming_its_own_snapshot_keeps_the_copys_newer_one(tmp_path, data_dir, shared_run):
+def test_a_deepspeed_run_resuming_its_own_snapshot_keeps_the_copys_newer_one(tmp_path, data_dir, shared_run, in_ram):
     # A's snapshot at 12 (latest names it) beside its copy B's at 15, which the listing up to latest leaves out:
     # A's snapshot at 15 removed B's folder to write its own there
     a, b = tmp_path / 'a', tmp_path / 'b'
-    snapshots = copies(shared_run('ds_train.py', *ARGS), a, b)
+    snapshots = copies(shared_run('ds_train.py', *ARGS), a, b, in_ram)
     start(tmp_path, data_dir, a, '--max_iters=12', script='ds_train.py')
     start(tmp_path, data_dir, b, '--max_iters=15', script='ds_train.py')
-    try:
-        snapshots.mkdir()
-        shutil.copytree(a / 'ds' / 'step-00000012', snapshots / 'step-00000012')  # A's own, where it was killed
-        shutil.copytree(b / 'ds' / 'step-00000015', snapshots / 'step-00000015')  # B's, killed as it saved latest
-        (snapshots / 'latest').write_text('step-00000012')
-        before = files(snapshots / 'step-00000015')
-        p = start(tmp_path, data_dir, a, '--max_iters=16', '--save_memory_interval=1', script='ds_train.py')
-        assert f'resuming from {snapshots / "step-00000012"} at iter 12' in p.stdout, p.stdout[-2000:]
-        assert files(next(a.glob('snapshots.copy-*')) / 'step-00000015') == before
-    finally:
-        shutil.rmtree(snapshots, ignore_errors=True)
+    snapshots.mkdir()
+    shutil.copytree(a / 'ds' / 'step-00000012', snapshots / 'step-00000012')  # A's own, where it was killed
+    shutil.copytree(b / 'ds' / 'step-00000015', snapshots / 'step-00000015')  # B's, killed as it saved latest
+    (snapshots / 'latest').write_text('step-00000012')
+    before = files(snapshots / 'step-00000015')
+    p = start(tmp_path, data_dir, a, '--max_iters=16', '--save_memory_interval=1', script='ds_train.py')
+    assert f'resuming from {snapshots / "step-00000012"} at iter 12' in p.stdout, p.stdout[-2000:]
+    assert files(next(a.glob('snapshots.copy-*')) / 'step-00000015') == before
 
 
 def test_a_run_started_afresh_keeps_the_killed_earlier_runs_snapshots_in_out_dir_and_frees_the_ram(tmp_path,
