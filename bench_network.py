@@ -11,6 +11,7 @@ sudo python bench_network.py --quick=True          # ddp and DiLoCo, 2 nodes at 
 sudo python bench_network.py --modes=ddp,diloco-50 --rates=100mbit --nodes=4
 sudo python bench_network.py --target_loss=2.3 --modes=ddp,diloco-50 --rates=100mbit --nodes=2   # time to a loss
 sudo python bench_network.py --modes=allreduce,ddp --rates=1gbit,100mbit --nodes=2,4   # the ring alone, and in DDP
+sudo python bench_network.py --modes=pp,ddp --rates=100mbit --nodes=2,4   # a pipeline, a stage a node: activations
 sudo python bench_network.py --modes=diloco-40,diloco-40-4,diloco-40-4-2 --rates=100mbit  # Streaming DiLoCo: 4
                                                      # fragments (then with 2 steps of overlap): a quarter of the peak
 """
@@ -35,7 +36,7 @@ from cluster import Cluster, namespaces_work  # noqa: E402
 quiet_interrupt()  # Ctrl-C: one line, no traceback (the cluster's namespaces are removed first)
 
 # -----------------------------------------------------------------------------
-modes = 'ddp,fsdp,zero2,zero3,complete,ring,one-peer-exp,alternating-exp-ring,diloco-10,diloco-50'
+modes = 'ddp,fsdp,zero2,zero3,pp,complete,ring,one-peer-exp,alternating-exp-ring,diloco-10,diloco-50'
 rates = '1gbit,300mbit,100mbit'  # tc's notation; above a few Gbit/s the CPU, not the cap, limits gloo here
 nodes = '2,4'
 nproc_per_node = 1  # alternating-exp-ring needs 2 or more (it is skipped otherwise)
@@ -70,7 +71,7 @@ if not os.path.exists(os.path.join(dataset, 'train.bin')):
     sys.exit(f"error: no {dataset}/train.bin: run `python prepare.py shakespeare_char` or give --dataset=FOLDER")
 
 SCRIPTS = {'ddp': ('train.py', []), 'fsdp': ('fsdp_train.py', []), 'zero2': ('ds_train.py', ['--zero_stage=2']),
-           'zero3': ('ds_train.py', ['--zero_stage=3'])}
+           'zero3': ('ds_train.py', ['--zero_stage=3']), 'pp': ('pp_train.py', [])}  # pp: one pipeline over all ranks
 SCRIPTS.update({t: ('decent_train.py', [f'--topology={t}', '--grad_clip=0.0'])
                 for t in ('complete', 'ring', 'one-peer-exp', 'alternating-exp-ring')})
 
@@ -97,14 +98,22 @@ def design_bytes(mode, sizes, n, per_node, b=4):
     world's W ranks, node by node (one hop leaves each node per ring): an all-reduce 2(W-1)/W·P·b, a reduce-scatter
     or an all-gather half that; sizes are decent_train.py's buckets (the embeddings, then each block; P in all).
     Gossip: each rank of the node in a group that spans nodes all-reduces P within it, averaged over the cycle of
-    rounds. Headers (Ethernet, IP, TCP: ~4.5% at a 1500-byte MTU) not counted. Returns the mean over steps and the
-    most in one step: DiLoCo sends a window's bytes in one step, Streaming DiLoCo a fragment's at a time."""
+    rounds. Headers (Ethernet, IP, TCP: ~4.5% at a 1500-byte MTU) not counted. Returns the mean over steps and
+    nodes, and the most node 0 sends in one step (its counters are read at every step): DiLoCo sends a window's
+    bytes in one step, Streaming DiLoCo a fragment's at a time."""
     w, n_params = n * per_node, sum(sizes)
     ring = (w - 1) / w * n_params * b  # a reduce-scatter, or an all-gather
     if mode in ('ddp', 'zero2'):
         return 2 * ring, 2 * ring  # the gradients' all-reduce; ZeRO-2: reduce-scatter of them, all-gather of params
     if mode in ('fsdp', 'zero3'):
         return 3 * ring, 3 * ring  # all-gather for the forward, again for the backward, reduce-scatter of gradients
+    if mode == 'pp':
+        # activations, not parameters: each of the step's w micro-batches crosses each of the n - 1 links between
+        # nodes (consecutive stages) forward, and its gradient back; the tied embedding's gradient is all-reduced
+        # between the first and the last stage, each sending it once. The mean over the nodes; the peak is node 0's
+        # (its counters are the ones read every step), which sends the activations forward only
+        acts, tied = w * batch_size * block_size * n_embd * b, vocab_size() * n_embd * b
+        return ((n - 1) * 2 * acts + 2 * tied) / n, acts + tied
     if mode.startswith('diloco-'):
         h, f, _ = diloco_of(mode)
         at = {}  # the parameters whose pseudo-gradients go out after a step, by its place in the window
@@ -132,6 +141,7 @@ def iters_logged(path):
 
 def entrypoint_args(mode, out, n, iters, evals):
     script, extra = script_of(mode)
+    extra = extra + [f'--pp_size={n * nproc_per_node}'] * (mode == 'pp')
     return [os.path.join(os.path.dirname(os.path.abspath(__file__)), script), *extra, f'--out_dir={out}',
             f'--dataset={os.path.abspath(dataset)}', '--device=cpu', '--compile=False', '--dtype=float32',
             f'--n_layer={n_layer}', f'--n_head={n_head}', f'--n_embd={n_embd}', f'--block_size={block_size}',
@@ -164,11 +174,14 @@ def time_to_loss(mode, rate, n):
                 load=os.getloadavg()[0])
 
 
+def vocab_size():
+    return read_meta(os.path.join(dataset, 'meta.pkl'))['vocab_size']
+
+
 def bucket_sizes():
     """The model's parameters as decent_train.py buckets them: the embeddings (and final norm), then each block."""
-    vocab_size = read_meta(os.path.join(dataset, 'meta.pkl'))['vocab_size']
-    model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, vocab_size=vocab_size,
-                          bias=False, dropout=0.0))
+    model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size,
+                          vocab_size=vocab_size(), bias=False, dropout=0.0))
     blocks = [sum(p.numel() for p in block.parameters()) for block in model.transformer.h]
     return [sum(p.numel() for p in model.parameters()) - sum(blocks), *blocks]
 

@@ -318,14 +318,18 @@ def test_a_job_its_user_cancels_stays_cancelled(cluster, tmp_path):
 
 
 def srun_args(tmp_path, nodelist, hostnames, cpus_per_node='2', node_info=''):
-    """Runs the script with stand-ins for scontrol (which lists hostnames and prints node_info for any node) and
-    srun (which notes its arguments and fails as srun does when it cannot make the step). Returns the script's
-    completed process and the arguments srun got."""
+    """Runs the script with stand-ins for scontrol (which lists hostnames and prints node_info for any node), srun
+    (which notes its arguments, runs its command as nodes 0 and 1 would, and fails as srun does when it cannot make
+    the step) and torchrun (which notes its arguments on each node). Returns the script's completed process, the
+    arguments srun got, and those torchrun got on nodes 0 and 1."""
     bin_ = tmp_path / 'bin'
     bin_.mkdir()
     (bin_ / 'scontrol').write_text(f'#!/bin/sh\n[ "$2" = hostnames ] && printf "{hostnames}" || printf "{node_info}"\n')
     (bin_ / 'srun').write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/srun-args\n'
+                               'while [ "${1#--}" != "$1" ]; do shift; done\n'  # its options, then the command
+                               'for id in 0 1; do SLURM_NODEID=$id "$@"; done\n'
                                'echo "srun: error: Unable to create step for job 7"; exit 1\n')
+    (bin_ / 'torchrun').write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/torchrun-args-$SLURM_NODEID\n')
     for f in bin_.iterdir():
         f.chmod(0o755)
     (tmp_path / 'train.py').write_text('')
@@ -334,15 +338,17 @@ def srun_args(tmp_path, nodelist, hostnames, cpus_per_node='2', node_info=''):
              'SLURM_GPUS_ON_NODE': '8'}
     p = subprocess.run(['bash', str(SBATCH), 'train.py'], cwd=tmp_path, capture_output=True, text=True, timeout=60,
                        env={'PATH': f"{bin_}:/usr/bin:/bin", **slurm})
-    return p, (tmp_path / 'srun-args').read_text().split()
+    return p, (tmp_path / 'srun-args').read_text().split(), \
+        [(tmp_path / f'torchrun-args-{i}').read_text().split() for i in range(2)]
 
 
 def test_nodes_of_different_sizes_get_a_cpu_count_that_each_has(tmp_path):
     # srun refuses a step that asks any node for more CPUs than it has ("More processors requested than permitted",
     # seen on this SLURM with nodes of 2 and 1 CPUs); stand-ins for srun and scontrol show the step the script asks for
-    p, args = srun_args(tmp_path, 'gpu[01-02]', 'gpu01\\ngpu02\\n', cpus_per_node='72(x2),36')
-    assert '--cpus-per-task=36' in args and '--nproc-per-node=8' in args, args
-    assert '--rdzv-endpoint=gpu01:29507' in args, args  # no NodeAddr to go by: the name, as SLURM gives it
+    p, args, nodes = srun_args(tmp_path, 'gpu[01-02]', 'gpu01\\ngpu02\\n', cpus_per_node='72(x2),36')
+    assert '--cpus-per-task=36' in args and all('--nproc-per-node=8' in a for a in nodes), (args, nodes)
+    assert all('--rdzv-endpoint=gpu01:29507' in a for a in nodes), nodes  # no NodeAddr to go by: SLURM's name
+    assert [a[-1] for a in nodes] == ['train.py', 'train.py'], nodes
     # no logs were written: one line that says so, not grep's and tail's complaints about a missing file
     assert p.returncode == 1 and p.stdout.splitlines()[-1] == 'error: srun exited with status 1 before any node ' \
         'wrote to logs/gpt-train-7/' and p.stderr == '', (p.stdout, p.stderr)
@@ -354,9 +360,13 @@ def test_the_rendezvous_goes_to_the_first_nodes_address_where_its_slurm_name_doe
     # a cluster whose node names are SLURM's own (NodeName=gpu01 NodeHostname=cn-17): torchrun on every node would
     # fail to find a rendezvous host named gpu01; a name that resolves (localhost here) is kept as it is
     info = f'NodeName={head} Arch=x86_64 CoresPerSocket=1\\n   NodeAddr=10.9.8.7 NodeHostName=cn-17 Version=23.11\\n'
-    p, args = srun_args(tmp_path, f'{head},gpu02', f'{head}\\ngpu02\\n', node_info=info)
-    assert f'--rdzv-endpoint={endpoint}:29507' in args, (args, p.stdout, p.stderr)
+    p, args, nodes = srun_args(tmp_path, f'{head},gpu02', f'{head}\\ngpu02\\n', node_info=info)
+    assert all(f'--rdzv-endpoint={endpoint}:29507' in a for a in nodes), (nodes, p.stdout, p.stderr)
     assert p.stderr == '', p.stderr
+    # and the first node serves the rendezvous because it is told to: torchrun would look for 10.9.8.7 among its
+    # hostname's addresses (cn-17's may be 127.0.1.1), and no node would serve it
+    assert ['--rdzv-conf=is_host=1' in a for a in nodes] == [True, False], nodes
+    assert ['--rdzv-conf=is_host=0' in a for a in nodes] == [False, True], nodes
 
 
 @pytest.mark.parametrize('nproc', ['eight', '0', '8,8'])
