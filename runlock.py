@@ -52,8 +52,9 @@ def _read_hold(path):
         return {}
 
 
-def _take(folder, what):
-    """Takes the hold on folder for this process, or returns the one-line error that refuses it."""
+def _take(folder, what, tidy=False):
+    """Takes the hold on folder for this process, or returns the one-line error that refuses it. tidy: the folder
+    is removed at the release where it is left empty, whoever made it (a snapshot folder in RAM, never out_dir)."""
     created = not os.path.isdir(folder)
     path = os.path.join(folder, HOLD)
     me = {'host': socket.gethostname(), 'pid': os.getpid(), 'since': time.strftime('%Y-%m-%d %H:%M:%S'),
@@ -118,9 +119,9 @@ def _take(folder, what):
         holder = _read_hold(path)
         if holder.get('pid') == me['pid'] and holder.get('host') == me['host']:
             os.remove(path)
-        if created:
+        if created or tidy:
             try:
-                os.rmdir(folder)  # a folder this run made and left empty (a start that failed)
+                os.rmdir(folder)  # a folder this run made and left empty (a start that failed), or a dead run's
             except OSError:
                 pass
     threading.Thread(target=beat, daemon=True, name='hold').start()
@@ -157,7 +158,7 @@ def let_go(folder):
 def try_hold(folder, what):
     """hold() for this process alone, never exiting: None where it now holds folder (or cannot write there: what
     it writes there fails alike), else where a live run holds it, the words that name that run."""
-    refusal = _take(folder, what)
+    refusal = _take(folder, what, tidy=True)
     return refusal[len('error: '):].split(': wait for')[0] if refusal and ' is in use by ' in refusal else None
 
 

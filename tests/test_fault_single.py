@@ -101,9 +101,11 @@ def test_a_run_started_afresh_over_an_old_run_and_killed_before_its_first_save_n
         time.sleep(0.005)
     fresh.kill()
     assert finish(started).returncode == -signal.SIGKILL
+    killed = Path(f"/dev/shm/nanogpt-{(tmp_path / 'run' / 'run_id').read_text().strip()}")  # its hold alone in it
     p = run(script, *tiny(data_dir, tmp_path / 'run', *args, '--max_iters=2'), cwd=tmp_path)
     assert 'auto-resume' not in p.stdout and 'resuming from' not in p.stdout, p.stdout[-3000:]
     assert logged_iters(tmp_path / 'run') == [0, 1]
+    assert not killed.exists()  # the start that took over its hold removed the folder it left empty
     kept = list((tmp_path / 'run').glob('metrics.before-*.jsonl'))  # the killed run's log, kept beside, not cut
     assert len(kept) == 1 and '"iter": 1,' in kept[0].read_text()
     p = run(script, *tiny(data_dir, tmp_path / 'run', *args, '--max_iters=2', '--init_from=resume'), cwd=tmp_path)
