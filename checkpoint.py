@@ -651,21 +651,28 @@ def others_snapshot(folder, script, mine=lambda path: True):
     script wrote, in a form that script does not read and other_layouts does not see: train.py's ckpt.pt,
     ds_train.py's step folder (the one its latest names), and the others' rank-R-of-LAYOUT.pt files.
     (None, None, None) where there is none; damaged ones, and those that mine (saved_for) says a copy of the run's
-    folder saved, are passed over."""
-    found = []
+    folder saved, are passed over. Ranks' files count at the newest step that every rank with a file here holds:
+    a rank killed mid-write holds the step before."""
+    found, ranks = [], {}  # ranks: {layout: {rank: {iter_num: path}}}
     if not os.path.isdir(folder):
         return None, None, None
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
         newest = read_name(path) if name == 'latest' and script != 'ds_train.py' else None
+        rank = re.fullmatch(r'rank-(\d+)-of-(.+?)(\.prev\d*)?\.pt', name)
         try:
-            if name == 'ckpt.pt' and script != 'train.py' or re.fullmatch(r'rank-\d+-of-.+\.pt', name) and \
-                    not wrote(path, script):
+            if name == 'ckpt.pt' and script != 'train.py':
                 found.append((checkpoint_iter(path), path, writer_of(path)))
+            elif rank and not wrote(path, script) and mine(path):
+                ranks.setdefault(rank.group(2), {}).setdefault(int(rank.group(1)), {})[checkpoint_iter(path)] = path
             elif re.fullmatch(r'step-\d{1,12}', newest or '') and os.path.isdir(os.path.join(folder, newest)):
                 found.append((int(newest[5:]), os.path.join(folder, newest), 'ds_train.py'))
         except Exception:
             continue  # damaged
+    for held in ranks.values():
+        it = max(set.intersection(*(set(its) for its in held.values())) - {None}, default=None)
+        if it is not None:
+            found.append((it, held[min(held)][it], writer_of(held[min(held)][it])))
     found = [f for f in found if f[0] is not None and mine(f[1])]
     return max(found, key=lambda f: f[0], default=(None, None, None))
 

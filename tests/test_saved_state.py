@@ -575,6 +575,24 @@ def test_another_entrypoint_never_goes_on_past_the_runs_newer_memory_snapshot(tm
     assert (files(run_dir), files(snapshots)) == before
 
 
+def test_another_entrypoints_snapshot_counts_at_the_newest_step_that_all_its_ranks_hold(tmp_path, data_dir,
+                                                                                      shared_run, in_ram):
+    # decent_train.py's two ranks, rank 1 killed as it wrote step 15: the snapshot is whole at 10 only, which the
+    # run's ckpt.pt holds too. fsdp_train.py was refused, told that the run's newest state was at 15
+    from checkpoint import where_saved
+    run_dir = tmp_path / 'run'
+    shutil.copytree(shared_run('train.py', *ARGS), run_dir)
+    snapshots = in_ram(run_dir)
+    snapshots.mkdir()
+    state = torch.load(run_dir / 'ckpt.pt', weights_only=True)
+    state = {**state, **where_saved(run_dir), 'config': {**state['config'], 'topology': 'complete'}}
+    for name, it in [('rank-0-of-2.pt', 15), ('rank-0-of-2.prev.pt', 10), ('rank-1-of-2.pt', 10),
+                     ('rank-1-of-2.prev.pt', 5)]:
+        torch.save({**state, 'iter_num': it}, snapshots / name)
+    p = start(tmp_path, data_dir, run_dir, '--max_iters=12', script='fsdp_train.py')
+    assert f'resuming from {run_dir / "ckpt.pt"} at iter 10' in p.stdout, p.stdout[-3000:]
+
+
 def test_a_deepspeed_run_resuming_its_own_snapshot_keeps_the_copys_newer_one(tmp_path, data_dir, shared_run, in_ram):
     # A's snapshot at 12 (latest names it) beside its copy B's at 15, which the listing up to latest leaves out:
     # A's snapshot at 15 removed B's folder to write its own there
