@@ -890,7 +890,7 @@ def saved_for(snapshot, out_dir, run_id, state_of=None, say=True):
 
 
 def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, where, iter_of=None, script=None,
-                state_of=None):
+                state_of=None, whole=None):
     """(run_id, (iter_num, path) to resume from or None), the same on every rank (a collective). out_dir/run_id
     names the run; snapshots names this rank's snapshot files in the run's node-local folder (or is a function of
     the folder that lists their paths); storage is lists of paths in out_dir, which rank 0 reads (it must be
@@ -902,7 +902,9 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     (what storage was looked for). script is the entrypoint: a start that would not continue the newest state that
     another entrypoint keeps in out_dir is an error naming it (a new run over it would cut its log and, once it
     resumed there, prune its folders). eval_only with init_from=scratch evaluates the run's newest state. state_of
-    reads a snapshot folder's own state (saved_for)."""
+    reads a snapshot folder's own state (saved_for). whole: where a node's snapshot is the whole state (train.py's),
+    (the path in out_dir, the versions kept there): the newest that a node holds, where not every rank does (a node
+    replaced, the job back on other nodes, a write cut short on one), is saved there, and every rank resumes it."""
     rank = dist.get_rank()
     run_id, held, disk, damaged, others, wrong, foreign = None, {}, (None, None), [], None, None, (None, None)
     other = (None, None, None)  # the newest snapshot of another entrypoint, which this one does not read
@@ -964,6 +966,11 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         run_id, resume_from = run_id or new_id, (disk_iter, disk_path)
     else:
         run_id, resume_from = new_id, None  # a fresh run gets a new id
+    # (iter, -rank) of the newest whole snapshot that a node holds (rank: the first that holds it)
+    newest = max(((it, -r) for r, v in enumerate(views) if v[0] == views[0][0] for it in v[1]), default=None)
+    promote = whole and wanted and not eval_only and newest and (resume_from is None or newest[0] > resume_from[0])
+    if promote:
+        run_id, resume_from = views[0][0], (newest[0], whole[0])
     # the run's newest state in snapshots of another layout, which this one cannot read: starting without it (afresh,
     # under a new run id) would strand them in /dev/shm, so the layout that wrote them has to save it first
     it, path = max((v[7] for v in views if v[7][0] is not None), default=(None, None))
@@ -1009,6 +1016,32 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         moved = [set_aside_damaged(out_dir, damaged) if rank == 0 else None]
         dist.broadcast_object_list(moved)  # renamed before any rank reads the state it resumes from
         resume_from = (resume_from[0], moved[0].get(resume_from[1], resume_from[1]))
+    if promote:
+        why = [None]
+        if rank == -newest[1]:
+            try:
+                atomic_save(torch.load(held[newest[0]], map_location='cpu', weights_only=True), whole[0], whole[1])
+                print(f"the memory snapshot {held[newest[0]]} on {socket.gethostname()} (iter {newest[0]}) is the "
+                      f"run's newest state, which not every node holds: saved as {whole[0]}, which every rank "
+                      f"resumes from", flush=True)
+            except Exception as e:
+                why = [f"error: the run's newest state, the memory snapshot {held[newest[0]]} on "
+                       f"{socket.gethostname()} (iter {newest[0]}), which not every node holds, could not be saved "
+                       f"as {whole[0]} ({reason(e)}): free space there and restart"]
+        dist.broadcast_object_list(why, src=-newest[1])
+        if why[0]:
+            sys.exit(why[0])
+    # a job back on other nodes than those that took its snapshots (a node replaced, fewer nodes, another order):
+    # those of this node newer than the state resumed from out_dir are no rank's to read, and this run's own would
+    # replace them (the rest of that state may lie on a node outside the job): kept in out_dir first
+    if wanted and not eval_only and resume_from is not None and not is_snapshot(resume_from[1]) \
+            and not holds_a_copys_snapshots():
+        mine = lambda path: saved_for(path, out_dir, run_id, state_of, say=False)
+        kept = [None] * dist.get_world_size()
+        newer = passed_over(snapshot_dir(run_id), resume_from[0], mine) if first else []
+        dist.all_gather_object(kept, keep_earlier_snapshots(out_dir, run_id, 'newer', newer))
+        if not all(kept):
+            _copy_in_ram.append(snapshot_dir(run_id))
     if eval_only and resume_from is not None:
         print0(f"eval_only: evaluating the newest state of the run in {out_dir}, {resume_from[1]} at iter "
                f"{resume_from[0]}; nothing in {out_dir} is written but its eval rows in metrics.jsonl")
@@ -1018,7 +1051,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         print0(f"auto-resume: {out_dir} holds this run's state at iter {resume_from[0]}, so the run continues "
                f"(--auto_resume=False starts afresh)")
     if resume_from is None and not eval_only:  # a new run: what earlier runs saved here is kept, out of its way
-        if not wanted and earlier:
+        if earlier:  # also where it was asked to resume: those of its nodes that no rank could resume
             keep_earlier_snapshots(out_dir, earlier)
             dist.barrier()  # every node's are in out_dir before rank 0 moves them in with the run's other states
         kept = [keep_earlier_run(out_dir, earlier) if rank == 0 else None]
@@ -1028,6 +1061,26 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     if first and not eval_only and not holds_a_copys_snapshots():
         try_hold(snapshot_dir(run_id), "a run of a copy of this run's folder")  # a new run's (held above otherwise)
     return run_id, resume_from
+
+
+def passed_over(folder, than, mine):
+    """The names in a run's snapshot folder of the snapshots newer than iteration `than` that mine (saved_for) says
+    are this run's, with ds_train.py's latest where one of its step folders is among them (up to latest: those past
+    it were cut short); damaged ones are left out."""
+    latest = read_name(os.path.join(folder, 'latest'))
+    names = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        path = os.path.join(folder, name)
+        try:
+            if re.fullmatch(r'step-\d{1,12}', name):
+                it = int(name[5:]) if latest and name <= latest else None
+            else:
+                it = checkpoint_iter(path) if name.endswith('.pt') else None
+        except Exception:
+            continue
+        if it is not None and it > than and mine(path):
+            names.append(name)
+    return names + ['latest'] * any(n.startswith('step-') for n in names)
 
 
 def set_aside_damaged(out_dir, damaged):
@@ -1128,21 +1181,31 @@ def keep_earlier_snapshots(out_dir, run_id, whose='before', theirs=None):
     on this node could never be resumed again, and would hold its RAM until a reboot: they move into out_dir
     (snapshots.before-RUN_ID-HOST/), where nothing of them is lost. Where they do not fit, they stay, with a
     warning. whose='copy': those of a copy of out_dir (the same run_id), kept as snapshots.copy-RUN_ID-HOST/;
-    theirs, if given, names the folder's entries that are the copy's (the rest, this run's own, stay). Returns False
-    where they stay: the folder then holds what this run must neither replace nor remove."""
+    theirs, if given, names the folder's entries that are the copy's (the rest, this run's own, stay). whose='newer':
+    theirs names this run's own that are newer than the state it resumes from out_dir, which no rank reads (the job
+    came back on other nodes), kept as snapshots.newer-RUN_ID-HOST/. Returns False where they stay: the folder then
+    holds what this run must neither replace nor remove."""
     folder = snapshot_dir(run_id)
     if int(os.environ.get('LOCAL_RANK', 0)) != 0 or not os.path.isdir(folder) or theirs == []:
         return True
+    what = {'before': "the earlier run's memory snapshots", 'copy': "the copy's memory snapshots",
+            'newer': "this node's memory snapshots newer than the state that every rank resumes (the job came back "
+                     "on other nodes, or in another order)"}[whose]
     # the earlier run may be live still, in a copy of out_dir (the same run id): they are its newest state, its own
     busy = try_hold(folder, "a run of a copy of this run's folder") if whose == 'before' else None
     if busy:
         print(f"note: {busy}: its memory snapshots there are left to it (this run starts afresh under a new id)",
               flush=True)
         return False
+    if theirs is None and not set(os.listdir(folder)) - {HOLD}:  # a hold alone (a fresh node's): nothing to keep
+        let_go(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        return True
     kept_as = base = os.path.join(out_dir, f"snapshots.{whose}-{run_id}-{socket.gethostname()}")
     n = 1
-    # a copy's are kept each time they are passed over, beside any .tmp that a crash mid-copy left (not ours to remove)
-    while whose == 'copy' and (os.path.lexists(kept_as) or os.path.lexists(kept_as + '.tmp')):
+    # a copy's (or newer ones) are kept each time they are passed over, beside any .tmp that a crash mid-copy left (not
+    # ours to remove)
+    while whose != 'before' and (os.path.lexists(kept_as) or os.path.lexists(kept_as + '.tmp')):
         n += 1
         kept_as = f'{base}.{n}'
     # the hold on the folder is no snapshot (a dead run's, or this run's, taken above)
@@ -1159,10 +1222,9 @@ def keep_earlier_snapshots(out_dir, run_id, whose='before', theirs=None):
     except OSError as e:
         # copytree gathers its files' errors into one list: the first says why (a full disk)
         why = e.args[0][0][2] if isinstance(e, shutil.Error) and e.args and e.args[0] else reason(e)
-        print(f"warning: the {'copy' if whose == 'copy' else 'earlier run'}'s memory snapshots stay in {folder}, "
-              f"holding RAM: they could not be kept in {out_dir} ({why}); " +
+        print(f"warning: {what} stay in {folder}, holding RAM: they could not be kept in {out_dir} ({why}); " +
               ("this run takes no memory snapshots of its own, which would replace them, and leaves them there at "
-               "its end: free space and restart the run to keep them there, or " if whose == 'copy' else "") +
+               "its end: free space and restart the run to keep them there, or " if whose != 'before' else "") +
               "delete the folder once they are not wanted", flush=True)
         return False
     for name in theirs or []:
@@ -1171,8 +1233,8 @@ def keep_earlier_snapshots(out_dir, run_id, whose='before', theirs=None):
     if theirs is None:
         let_go(folder)
         shutil.rmtree(folder, ignore_errors=True)
-    print(f"the {'copy' if whose == 'copy' else 'earlier run'}'s memory snapshots moved from {folder} (RAM) to "
-          f"{kept_as}", flush=True)
+    print(f"{what} moved from {folder} (RAM) to {kept_as}" + (": to go on from them, the job needs the nodes that "
+          f"took them, in their order, with them back in {folder}" if whose == 'newer' else ""), flush=True)
     return True
 
 

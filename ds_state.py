@@ -302,14 +302,18 @@ def layout_words(layout, ours):
     return ', '.join(f'{k}={layout[k]}' for k in keys), ' '.join(f'--{k}={layout[k]}' for k in keys)
 
 
-def engine_folders(folder):
-    """The step folders of an engine's checkpoints up to the one latest names: those after it were cut short."""
+def engine_folders(folder, rank=None):
+    """The step folders of an engine's checkpoints up to the one latest names: those after it were cut short. With
+    rank, only those that hold that rank's ZeRO shards: a node's memory snapshots hold its own ranks' alone, and a
+    job back on its nodes in another order (a requeue) has other ranks there, whose shards it must not take."""
     latest = os.path.join(folder, 'latest')
     if not os.path.exists(latest):
         return []
     with open(latest) as f:
         newest = f.read().strip()
-    return [path for path in step_folders(folder) if os.path.basename(path) <= newest]
+    shards = lambda path, r='': [n for n in os.listdir(path) if f'zero_pp_rank_{r}' in n]
+    return [path for path in step_folders(folder) if os.path.basename(path) <= newest
+            and (rank is None or not shards(path) or shards(path, f'{rank}_'))]
 
 
 def guard_step(optimizer):

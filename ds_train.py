@@ -208,7 +208,8 @@ layout = dict(world_size=world_size, zero_stage=zero_stage, offload_optimizer=of
 engine_iter = lambda path, run_id=None: checkpoint_iter_at(path, run_id, layout, foreign, ds_dir)
 if not eval_only:  # an eval writes nothing: it neither holds out_dir nor waits for whoever does
     hold(out_dir)  # one run at a time in out_dir, for the run's lifetime
-run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only, snapshots=engine_folders,
+run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only,
+                                  snapshots=lambda folder: engine_folders(folder, rank),
                                   storage=[engine_folders(ds_dir) + kept(ckpt_path)],
                                   where=f"{os.path.join(ds_dir, 'latest')} or {ckpt_path}", iter_of=engine_iter,
                                   script='ds_train.py', state_of=engine_state)

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from conftest import REPO, TINY, env, free_port, one_line_error, read_metrics, run
+from launcher import finish, start
 
 
 def elastic(script, *args, nproc=2, max_restarts=3):
@@ -270,6 +271,51 @@ def test_ds_memory_snapshots_of_two_nodes_with_a_dev_shm_each_resume_a_sigkilled
     # a few steps back, where a write was still in flight or failed with its peer
     assert len(resumed) == 1 and 0 < resumed[0] <= killed_at + 1, (killed_at, out[-5000:])
     assert_same_run(ref, ft, 'ds_train.py')
+
+
+def nodes_of_one_rank(script, args, shms, cwd, kill_after=None):
+    """A job of nodes of one rank each, rank r on the node whose /dev/shm is the folder shms[r] (own_shm.py: a test
+    sets what each node's memory holds, and which node each rank lands on), forked as torchrun starts its workers,
+    under one SLURM job id (a requeue takes over its holds). With kill_after, every rank is SIGKILLed (the job lost
+    with its nodes) once that iteration is logged. The CompletedProcess (exit 1 after a kill)."""
+    out_dir = Path(next(a for a in args if a.startswith('--out_dir='))[len('--out_dir='):])
+    job = dict(env(), GLOO_SOCKET_IFNAME='lo', SLURM_JOB_ID='4242',
+               **{f'NODE_SHM_{r}': str(shm) for r, shm in enumerate(shms)})
+    started = start(str(REPO / 'tests' / 'own_shm.py'), [str(REPO / script), *map(str, args)], job, cwd,
+                    nproc=len(shms))
+    while kill_after is not None and not (logged_iters(out_dir) and logged_iters(out_dir)[-1] >= kill_after):
+        assert all(rank.exitcode is None for rank in started[0]), finish(started)
+        time.sleep(0.005)
+    for rank in started[0] if kill_after is not None else []:
+        os.kill(rank.pid, signal.SIGKILL)
+    return finish(started, timeout=300)
+
+
+def snapshots_of(shm):
+    """{name: iter_num} of the memory snapshot files in a node's /dev/shm (shm), or of its step folders."""
+    found = {}
+    for path in Path(shm).glob('nanogpt-*/*'):
+        if path.name.endswith('.pt') or path.name.startswith('step-'):
+            state = torch.load(path if path.is_file() else next(path.glob('mp_rank_*')), weights_only=True, mmap=True)
+            found[path.name] = state['iter_num']
+    return found
+
+
+# A job of two nodes killed with its snapshots, and requeued on a fresh node and one of its own, the fresh one
+# first: train.py took its newest state for lost (neither node's snapshot counts unless both hold it) and, with no
+# checkpoint in out_dir, started afresh under a new run id, stranding the snapshot in RAM
+def test_train_py_requeued_on_a_fresh_node_resumes_the_other_nodes_whole_snapshot(tmp_path, data_dir, shared_run):
+    args = ['--gradient_accumulation_steps=2', '--eval_interval=1000', '--save_memory_interval=4']
+    ref = beside(shared_run, 'train.py', *args, '--max_iters=12', nproc=2)
+    out, a, fresh = tmp_path / 'out', tmp_path / 'a', tmp_path / 'fresh'
+    a.mkdir(), fresh.mkdir(), (tmp_path / 'b').mkdir()
+    nodes_of_one_rank('train.py', tiny(data_dir, out, *args, '--max_iters=100000'), [a, tmp_path / 'b'], tmp_path,
+                      kill_after=9)
+    run_id, at = (out / 'run_id').read_text(), snapshots_of(a)['ckpt.pt']
+    p = nodes_of_one_rank('train.py', tiny(data_dir, out, *args, '--max_iters=12'), [fresh, a], tmp_path)
+    assert p.returncode == 0 and f"resuming from {out / 'ckpt.pt'} at iter {at}" in p.stdout, p.stdout[-3000:]
+    assert (out / 'run_id').read_text() == run_id
+    assert_same_run(ref.result(), out, 'train.py', exact=True)
 
 
 def test_dlrover_run_restarts_sigkilled_workers_and_train_py_finishes_bit_exact(tmp_path, data_dir, shared_run):
