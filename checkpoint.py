@@ -1031,17 +1031,6 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         dist.broadcast_object_list(why, src=-newest[1])
         if why[0]:
             sys.exit(why[0])
-    # a job back on other nodes than those that took its snapshots (a node replaced, fewer nodes, another order):
-    # those of this node newer than the state resumed from out_dir are no rank's to read, and this run's own would
-    # replace them (the rest of that state may lie on a node outside the job): kept in out_dir first
-    if wanted and not eval_only and resume_from is not None and not is_snapshot(resume_from[1]) \
-            and not holds_a_copys_snapshots():
-        mine = lambda path: saved_for(path, out_dir, run_id, state_of, say=False)
-        kept = [None] * dist.get_world_size()
-        newer = passed_over(snapshot_dir(run_id), resume_from[0], mine) if first else []
-        dist.all_gather_object(kept, keep_earlier_snapshots(out_dir, run_id, 'newer', newer))
-        if not all(kept):
-            _copy_in_ram.append(snapshot_dir(run_id))
     if eval_only and resume_from is not None:
         print0(f"eval_only: evaluating the newest state of the run in {out_dir}, {resume_from[1]} at iter "
                f"{resume_from[0]}; nothing in {out_dir} is written but its eval rows in metrics.jsonl")
@@ -1061,26 +1050,6 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     if first and not eval_only and not holds_a_copys_snapshots():
         try_hold(snapshot_dir(run_id), "a run of a copy of this run's folder")  # a new run's (held above otherwise)
     return run_id, resume_from
-
-
-def passed_over(folder, than, mine):
-    """The names in a run's snapshot folder of the snapshots newer than iteration `than` that mine (saved_for) says
-    are this run's, with ds_train.py's latest where one of its step folders is among them (up to latest: those past
-    it were cut short); damaged ones are left out."""
-    latest = read_name(os.path.join(folder, 'latest'))
-    names = []
-    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        path = os.path.join(folder, name)
-        try:
-            if re.fullmatch(r'step-\d{1,12}', name):
-                it = int(name[5:]) if latest and name <= latest else None
-            else:
-                it = checkpoint_iter(path) if name.endswith('.pt') else None
-        except Exception:
-            continue
-        if it is not None and it > than and mine(path):
-            names.append(name)
-    return names + ['latest'] * any(n.startswith('step-') for n in names)
 
 
 def set_aside_damaged(out_dir, damaged):
@@ -1181,16 +1150,11 @@ def keep_earlier_snapshots(out_dir, run_id, whose='before', theirs=None):
     on this node could never be resumed again, and would hold its RAM until a reboot: they move into out_dir
     (snapshots.before-RUN_ID-HOST/), where nothing of them is lost. Where they do not fit, they stay, with a
     warning. whose='copy': those of a copy of out_dir (the same run_id), kept as snapshots.copy-RUN_ID-HOST/;
-    theirs, if given, names the folder's entries that are the copy's (the rest, this run's own, stay). whose='newer':
-    theirs names this run's own that are newer than the state it resumes from out_dir, which no rank reads (the job
-    came back on other nodes), kept as snapshots.newer-RUN_ID-HOST/. Returns False where they stay: the folder then
-    holds what this run must neither replace nor remove."""
+    theirs, if given, names the folder's entries that are the copy's (the rest, this run's own, stay). Returns False
+    where they stay: the folder then holds what this run must neither replace nor remove."""
     folder = snapshot_dir(run_id)
     if int(os.environ.get('LOCAL_RANK', 0)) != 0 or not os.path.isdir(folder) or theirs == []:
         return True
-    what = {'before': "the earlier run's memory snapshots", 'copy': "the copy's memory snapshots",
-            'newer': "this node's memory snapshots newer than the state that every rank resumes (the job came back "
-                     "on other nodes, or in another order)"}[whose]
     # the earlier run may be live still, in a copy of out_dir (the same run id): they are its newest state, its own
     busy = try_hold(folder, "a run of a copy of this run's folder") if whose == 'before' else None
     if busy:
@@ -1203,9 +1167,8 @@ def keep_earlier_snapshots(out_dir, run_id, whose='before', theirs=None):
         return True
     kept_as = base = os.path.join(out_dir, f"snapshots.{whose}-{run_id}-{socket.gethostname()}")
     n = 1
-    # a copy's (or newer ones) are kept each time they are passed over, beside any .tmp that a crash mid-copy left (not
-    # ours to remove)
-    while whose != 'before' and (os.path.lexists(kept_as) or os.path.lexists(kept_as + '.tmp')):
+    # a copy's are kept each time they are passed over, beside any .tmp that a crash mid-copy left (not ours to remove)
+    while whose == 'copy' and (os.path.lexists(kept_as) or os.path.lexists(kept_as + '.tmp')):
         n += 1
         kept_as = f'{base}.{n}'
     # the hold on the folder is no snapshot (a dead run's, or this run's, taken above)
@@ -1222,9 +1185,10 @@ def keep_earlier_snapshots(out_dir, run_id, whose='before', theirs=None):
     except OSError as e:
         # copytree gathers its files' errors into one list: the first says why (a full disk)
         why = e.args[0][0][2] if isinstance(e, shutil.Error) and e.args and e.args[0] else reason(e)
-        print(f"warning: {what} stay in {folder}, holding RAM: they could not be kept in {out_dir} ({why}); " +
+        print(f"warning: the {'copy' if whose == 'copy' else 'earlier run'}'s memory snapshots stay in {folder}, "
+              f"holding RAM: they could not be kept in {out_dir} ({why}); " +
               ("this run takes no memory snapshots of its own, which would replace them, and leaves them there at "
-               "its end: free space and restart the run to keep them there, or " if whose != 'before' else "") +
+               "its end: free space and restart the run to keep them there, or " if whose == 'copy' else "") +
               "delete the folder once they are not wanted", flush=True)
         return False
     for name in theirs or []:
@@ -1233,8 +1197,8 @@ def keep_earlier_snapshots(out_dir, run_id, whose='before', theirs=None):
     if theirs is None:
         let_go(folder)
         shutil.rmtree(folder, ignore_errors=True)
-    print(f"{what} moved from {folder} (RAM) to {kept_as}" + (": to go on from them, the job needs the nodes that "
-          f"took them, in their order, with them back in {folder}" if whose == 'newer' else ""), flush=True)
+    print(f"the {'copy' if whose == 'copy' else 'earlier run'}'s memory snapshots moved from {folder} (RAM) to "
+          f"{kept_as}", flush=True)
     return True
 
 

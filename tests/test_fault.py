@@ -291,11 +291,12 @@ def nodes_of_one_rank(script, args, shms, cwd, kill_after=None):
     return finish(started, timeout=300)
 
 
-def snapshots_of(shm):
-    """{name: iter_num} of the memory snapshot files in a node's /dev/shm (shm), or of its step folders."""
-    found = {}
-    for path in Path(shm).glob('nanogpt-*/*'):
-        if path.name.endswith('.pt') or path.name.startswith('step-'):
+def snapshots_of(folder):
+    """{name: iter_num} of the memory snapshot files (or step folders) in a run's snapshot folder."""
+    found, latest = {}, Path(folder) / 'latest'
+    for path in Path(folder).glob('*'):
+        # ds_train.py's step folders up to the one latest names (one past it was cut short by the kill)
+        if path.name.endswith('.pt') or path.name.startswith('step-') and path.name <= latest.read_text():
             state = torch.load(path if path.is_file() else next(path.glob('mp_rank_*')), weights_only=True, mmap=True)
             found[path.name] = state['iter_num']
     return found
@@ -308,14 +309,39 @@ def test_train_py_requeued_on_a_fresh_node_resumes_the_other_nodes_whole_snapsho
     args = ['--gradient_accumulation_steps=2', '--eval_interval=1000', '--save_memory_interval=4']
     ref = beside(shared_run, 'train.py', *args, '--max_iters=12', nproc=2)
     out, a, fresh = tmp_path / 'out', tmp_path / 'a', tmp_path / 'fresh'
-    a.mkdir(), fresh.mkdir(), (tmp_path / 'b').mkdir()
+    for node in (a, fresh, tmp_path / 'b'):
+        node.mkdir()
     nodes_of_one_rank('train.py', tiny(data_dir, out, *args, '--max_iters=100000'), [a, tmp_path / 'b'], tmp_path,
                       kill_after=9)
-    run_id, at = (out / 'run_id').read_text(), snapshots_of(a)['ckpt.pt']
+    run_id = (out / 'run_id').read_text()
+    at = snapshots_of(a / f'nanogpt-{run_id}')['ckpt.pt']
     p = nodes_of_one_rank('train.py', tiny(data_dir, out, *args, '--max_iters=12'), [fresh, a], tmp_path)
     assert p.returncode == 0 and f"resuming from {out / 'ckpt.pt'} at iter {at}" in p.stdout, p.stdout[-3000:]
     assert (out / 'run_id').read_text() == run_id
     assert_same_run(ref.result(), out, 'train.py', exact=True)
+
+
+# A job killed with its snapshots and no checkpoint yet, requeued with its two nodes in the other order, where no
+# rank finds its own snapshot: ds_train.py's ranks each took the other's step folder and failed, calling it corrupt
+# ("move it aside"), and both entrypoints started afresh under a new run id with the run's snapshots stranded in RAM
+@pytest.mark.parametrize('script', ['fsdp_train.py', 'ds_train.py'])
+def test_a_job_requeued_with_its_nodes_in_another_order_starts_afresh_keeping_its_snapshots(tmp_path, data_dir,
+                                                                                           shared_run, script):
+    args = ['--gradient_accumulation_steps=2', '--eval_interval=1000', '--save_memory_interval=4']
+    ref = beside(shared_run, script, *args, '--max_iters=12', nproc=2)
+    out, a, b = tmp_path / 'out', tmp_path / 'a', tmp_path / 'b'
+    for node in (a, b):
+        node.mkdir()
+    nodes_of_one_rank(script, tiny(data_dir, out, *args, '--max_iters=100000'), [a, b], tmp_path, kill_after=9)
+    run_id = (out / 'run_id').read_text()
+    held = {node.name: snapshots_of(node / f'nanogpt-{run_id}') for node in (a, b)}
+    p = nodes_of_one_rank(script, tiny(data_dir, out, *args, '--max_iters=12'), [b, a], tmp_path)
+    assert p.returncode == 0 and 'resuming' not in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+    assert (out / 'run_id').read_text() != run_id
+    for node in held:  # kept as they were, with the earlier run's log, and their RAM freed
+        assert snapshots_of(out / f'before-{run_id}' / f'snapshots.before-{run_id}-{node}') == held[node]
+        assert not (tmp_path / node / f'nanogpt-{run_id}').exists()
+    assert_same_run(ref.result(), out, script, exact=script != 'ds_train.py')
 
 
 def test_dlrover_run_restarts_sigkilled_workers_and_train_py_finishes_bit_exact(tmp_path, data_dir, shared_run):
