@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import launcher
 from conftest import REPO, TINY, env, free_port, one_line_error, read_metrics, run
-from launcher import finish, start
 
 
 def elastic(script, *args, nproc=2, max_restarts=3):
@@ -281,14 +281,14 @@ def nodes_of_one_rank(script, args, shms, cwd, kill_after=None):
     out_dir = Path(next(a for a in args if a.startswith('--out_dir='))[len('--out_dir='):])
     job = dict(env(), GLOO_SOCKET_IFNAME='lo', SLURM_JOB_ID='4242',
                **{f'NODE_SHM_{r}': str(shm) for r, shm in enumerate(shms)})
-    started = start(str(REPO / 'tests' / 'own_shm.py'), [str(REPO / script), *map(str, args)], job, cwd,
+    started = launcher.start(str(REPO / 'tests' / 'own_shm.py'), [str(REPO / script), *map(str, args)], job, cwd,
                     nproc=len(shms))
     while kill_after is not None and not (logged_iters(out_dir) and logged_iters(out_dir)[-1] >= kill_after):
-        assert all(rank.exitcode is None for rank in started[0]), finish(started)
+        assert all(rank.exitcode is None for rank in started[0]), launcher.finish(started)
         time.sleep(0.005)
     for rank in started[0] if kill_after is not None else []:
         os.kill(rank.pid, signal.SIGKILL)
-    return finish(started, timeout=300)
+    return launcher.finish(started, timeout=300)
 
 
 def snapshots_of(folder):
