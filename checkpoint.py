@@ -1040,7 +1040,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         print0(f"auto-resume: {out_dir} holds this run's state at iter {resume_from[0]}, so the run continues "
                f"(--auto_resume=False starts afresh)")
     if resume_from is None and not eval_only:  # a new run: what earlier runs saved here is kept, out of its way
-        if earlier:  # also where it was asked to resume: those of its nodes that no rank could resume
+        if not wanted and earlier:
             keep_earlier_snapshots(out_dir, earlier)
             dist.barrier()  # every node's are in out_dir before rank 0 moves them in with the run's other states
         kept = [keep_earlier_run(out_dir, earlier) if rank == 0 else None]
@@ -1161,10 +1161,6 @@ def keep_earlier_snapshots(out_dir, run_id, whose='before', theirs=None):
         print(f"note: {busy}: its memory snapshots there are left to it (this run starts afresh under a new id)",
               flush=True)
         return False
-    if theirs is None and not set(os.listdir(folder)) - {HOLD}:  # a hold alone (a fresh node's): nothing to keep
-        let_go(folder)
-        shutil.rmtree(folder, ignore_errors=True)
-        return True
     kept_as = base = os.path.join(out_dir, f"snapshots.{whose}-{run_id}-{socket.gethostname()}")
     n = 1
     # a copy's are kept each time they are passed over, beside any .tmp that a crash mid-copy left (not ours to remove)

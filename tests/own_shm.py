@@ -12,12 +12,12 @@ import sys
 libc = ctypes.CDLL(None, use_errno=True)
 if libc.unshare(0x00020000 | 0x04000000) != 0:  # CLONE_NEWNS | CLONE_NEWUTS
     raise OSError(ctypes.get_errno(), 'unshare')
-shm = os.environ[f"NODE_SHM_{os.environ['RANK']}"]
+shm = os.environ[f"NODE_SHM_{os.environ.get('RANK', '0')}"]
 host = os.path.basename(shm).encode()  # the node's name: its memory's folder
 libc.sethostname(host, len(host))
 subprocess.run(['mount', '--make-rprivate', '/'], check=True)  # the bind mount below stays in this namespace
 subprocess.run(['mount', '--bind', shm, '/dev/shm'], check=True)
-os.environ.update(LOCAL_RANK='0', LOCAL_WORLD_SIZE='1', GROUP_RANK=os.environ['RANK'])  # the node's first rank
+os.environ.update(LOCAL_RANK='0', LOCAL_WORLD_SIZE='1', GROUP_RANK=os.environ.get('RANK', '0'))  # the node's first rank
 sys.argv = sys.argv[1:]
 sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
 runpy.run_path(sys.argv[0], run_name='__main__')
