@@ -1020,7 +1020,9 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         why = [None]
         if rank == -newest[1]:
             try:
-                atomic_save(torch.load(held[newest[0]], map_location='cpu', weights_only=True), whole[0], whole[1])
+                # mmap: its tensors are read from the file (in RAM already) as they are written, never held twice
+                state = torch.load(held[newest[0]], map_location='cpu', weights_only=True, mmap=True)
+                atomic_save(state, whole[0], whole[1])
                 print(f"the memory snapshot {held[newest[0]]} on {socket.gethostname()} (iter {newest[0]}) is the "
                       f"run's newest state, which not every node holds: saved as {whole[0]}, which every rank "
                       f"resumes from", flush=True)
