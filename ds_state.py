@@ -269,12 +269,14 @@ def engine_state(path):
 SETTINGS = ('offload_optimizer', 'offload_params', 'dtype')  # of the layout, besides the world size and stage
 
 
-def checkpoint_iter_at(path, run_id, layout, foreign, ds_dir):
+def checkpoint_iter_at(path, run_id, layout, foreign, ds_dir, rank=None):
     """The iteration of an engine checkpoint folder, None where another run or another layout wrote it (layout:
     world_size, zero_stage, the offloads and the dtype; the shards resume only at the one that cut them, DeepSpeed's
     CPU Adam fails on a state saved without it, and its bf16 optimizer's files have names of their own), those in
     ds_dir and the run's own memory snapshots noted in foreign as (path, world size, their layout) (a copy's
-    snapshots are find_resume's to keep); or a ckpt.pt's, as checkpoint_iter reads it."""
+    snapshots are find_resume's to keep); or a ckpt.pt's, as checkpoint_iter reads it. With rank, None too for a
+    memory snapshot that lacks that rank's ZeRO shards: a node's holds its own ranks' alone, and a job back on its
+    nodes in another order (a requeue) has other ranks there."""
     if not os.path.isdir(path):
         return checkpoint_iter(path, run_id)
     ours = engine_state(path)
@@ -292,6 +294,9 @@ def checkpoint_iter_at(path, run_id, layout, foreign, ds_dir):
                 saved_for(path, os.path.dirname(ds_dir), ours.get('run_id'), engine_state, say=False):
             foreign.append((path, ours['world_size'], theirs))
         return None
+    shards = lambda r='': [n for n in os.listdir(path) if f'zero_pp_rank_{r}' in n]
+    if rank is not None and is_snapshot(path) and shards() and not shards(f'{rank}_'):
+        return None
     return int(ours['iter_num'])
 
 
@@ -302,18 +307,14 @@ def layout_words(layout, ours):
     return ', '.join(f'{k}={layout[k]}' for k in keys), ' '.join(f'--{k}={layout[k]}' for k in keys)
 
 
-def engine_folders(folder, rank=None):
-    """The step folders of an engine's checkpoints up to the one latest names: those after it were cut short. With
-    rank, only those that hold that rank's ZeRO shards: a node's memory snapshots hold its own ranks' alone, and a
-    job back on its nodes in another order (a requeue) has other ranks there, whose shards it must not take."""
+def engine_folders(folder):
+    """The step folders of an engine's checkpoints up to the one latest names: those after it were cut short."""
     latest = os.path.join(folder, 'latest')
     if not os.path.exists(latest):
         return []
     with open(latest) as f:
         newest = f.read().strip()
-    shards = lambda path, r='': [n for n in os.listdir(path) if f'zero_pp_rank_{r}' in n]
-    return [path for path in step_folders(folder) if os.path.basename(path) <= newest
-            and (rank is None or not shards(path) or shards(path, f'{rank}_'))]
+    return [path for path in step_folders(folder) if os.path.basename(path) <= newest]
 
 
 def guard_step(optimizer):

@@ -205,11 +205,10 @@ ds_dir = os.path.join(out_dir, 'ds')  # the engine's checkpoints, a folder per s
 foreign = []  # engine checkpoints in ds_dir or memory of another layout: (path, world size, their layout)
 layout = dict(world_size=world_size, zero_stage=zero_stage, offload_optimizer=offload_optimizer,
               offload_params=offload_params, dtype=dtype)
-engine_iter = lambda path, run_id=None: checkpoint_iter_at(path, run_id, layout, foreign, ds_dir)
+engine_iter = lambda path, run_id=None: checkpoint_iter_at(path, run_id, layout, foreign, ds_dir, rank)
 if not eval_only:  # an eval writes nothing: it neither holds out_dir nor waits for whoever does
     hold(out_dir)  # one run at a time in out_dir, for the run's lifetime
-run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only,
-                                  snapshots=lambda folder: engine_folders(folder, rank),
+run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only, snapshots=engine_folders,
                                   storage=[engine_folders(ds_dir) + kept(ckpt_path)],
                                   where=f"{os.path.join(ds_dir, 'latest')} or {ckpt_path}", iter_of=engine_iter,
                                   script='ds_train.py', state_of=engine_state)
