@@ -332,7 +332,9 @@ def test_ds_job_requeued_with_its_nodes_in_another_order_goes_on_from_its_checkp
         node.mkdir()
     nodes_of_one_rank('ds_train.py', tiny(data_dir, out, *args, '--max_iters=6'), [a, b], tmp_path)
     nodes_of_one_rank('ds_train.py', tiny(data_dir, out, *args, '--max_iters=100000'), [a, b], tmp_path,
-                      kill_after=9)
+                      kill_after=11)
+    run_id = (out / 'run_id').read_text()
+    assert all(snapshots_of(node / f'nanogpt-{run_id}') for node in (a, b))  # each node's, past the checkpoint
     p = nodes_of_one_rank('ds_train.py', tiny(data_dir, out, *args, '--max_iters=12'), [b, a], tmp_path)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert f"resuming from {out / 'ds' / 'step-00000006'} at iter 6" in p.stdout, p.stdout[-3000:]
