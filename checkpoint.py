@@ -17,6 +17,7 @@ What goes into a checkpoint, and loading the optimizer, RNG and data position, s
 import functools
 import io
 import json
+import math
 import os
 import pathlib
 import pickle
@@ -631,19 +632,21 @@ def newest_loadable(paths, run_id=None, or_any=False, iter_of=None):
 
 
 def other_layouts(folder, names, mine=lambda path: True, script=None):
-    """(iter_num, path, damaged, passed) of the newest loadable snapshot in a run's snapshot folder that another
-    layout of ranks wrote (rank-R-of-LAYOUT.pt, where LAYOUT differs from that of names, this rank's), as
-    newest_loadable gives it: (None, None, [], passed) where there is none; the damaged are passed over, and those
-    that mine (saved_for) says a copy of the run's folder saved, which passed says are there. Only script's: another
-    entrypoint's are others_snapshot's, whose error names that entrypoint (no layout of this one reads them)."""
-    layout = lambda name: (m := re.fullmatch(r'rank-\d+-of-(.+?)(\.prev\d*)?\.pt', name)) and m.group(1)
+    """(found, passed): the loadable snapshots in a run's snapshot folder that another layout of ranks wrote
+    (rank-R-of-LAYOUT.pt, where LAYOUT differs from that of names, this rank's), as (iter_num, path, LAYOUT, R); the
+    damaged are passed over, and those that mine (saved_for) says a copy of the run's folder saved, which passed says
+    are there. Only script's: another entrypoint's are others_snapshot's, whose error names that entrypoint (no
+    layout of this one reads them)."""
+    named = lambda name: re.fullmatch(r'rank-(\d+)-of-(.+?)(\.prev\d*)?\.pt', name)
+    layout = lambda name: (m := named(name)) and m.group(2)
     ours = {layout(n) for n in names}
     if None in ours or not ours or not os.path.isdir(folder):
-        return None, None, [], False
+        return [], False
     theirs = sorted(os.path.join(folder, n) for n in os.listdir(folder) if layout(n) not in ours | {None})
     theirs = [p for p in theirs if script is None or wrote(p, script)]
     runs = [p for p in theirs if mine(p)]
-    return *newest_loadable(runs), len(runs) < len(theirs)
+    found = [(newest_loadable([p])[0], p, *named(os.path.basename(p)).group(2, 1)) for p in runs]
+    return [(it, p, layout, int(r)) for it, p, layout, r in found if it is not None], len(runs) < len(theirs)
 
 
 def others_snapshot(folder, script, mine=lambda path: True):
@@ -906,7 +909,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     (the path in out_dir, the versions kept there): the newest that a node holds, where not every rank does (a node
     replaced, the job back on other nodes, a write cut short on one), is saved there, and every rank resumes it."""
     rank = dist.get_rank()
-    run_id, held, disk, damaged, others, wrong, foreign = None, {}, (None, None), [], None, None, (None, None)
+    run_id, held, disk, damaged, others, wrong, foreign = None, {}, (None, None), [], None, None, ([], False)
     other = (None, None, None)  # the newest snapshot of another entrypoint, which this one does not read
     passed = False  # a snapshot of a copy of this run's folder lies in the run's snapshot folder
     theirs = []  # the names of those in it, on the node's first rank
@@ -938,7 +941,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
             # all of them, those that the listing above leaves out too (a DeepSpeed step folder past its latest)
             theirs = [n for n in sorted(os.listdir(folder))
                       if not saved_for(os.path.join(folder, n), out_dir, run_id, state_of, say=False)]
-        passed = passed or foreign[3] or bool(theirs)
+        passed = passed or foreign[1] or bool(theirs)
     if rank == 0:
         wrong = misplaced(out_dir, storage)
         others = others_newest(out_dir, script)
@@ -952,7 +955,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
             if disk[0] is None or found[0] > disk[0] and os.path.isfile(found[1]) and writer_of(found[1]) != script:
                 disk = found
     views = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (run_id, held, tuple(disk), damaged, uuid.uuid4().hex, others, wrong, foreign[:2],
+    dist.all_gather_object(views, (run_id, held, tuple(disk), damaged, uuid.uuid4().hex, others, wrong, foreign[0],
                                   passed, busy, other))
     run_id, _, (disk_iter, disk_path), _, new_id, others, wrong, _, _, _, _ = views[0]
     if wrong:
@@ -972,8 +975,18 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     if promote:
         run_id, resume_from = views[0][0], (newest[0], whole[0])
     # the run's newest state in snapshots of another layout, which this one cannot read: starting without it (afresh,
-    # under a new run id) would strand them in /dev/shm, so the layout that wrote them has to save it first
-    it, path = max((v[7] for v in views if v[7][0] is not None), default=(None, None))
+    # under a new run id) would strand them in /dev/shm, so the layout that wrote them has to save it first. Only
+    # where this job's nodes hold it for every rank of that layout: one that lacks a node's ranks (a node lost, the
+    # job back on fewer nodes) no layout resumes here
+    found = {f for v in views for f in v[7]}
+    ranks = lambda it, layout: {f[3] for f in found if f[0] == it and f[2] == layout}
+    it, path = max(((it, path) for it, path, layout, _ in found
+                    if ranks(it, layout) == set(range(math.prod(map(int, re.findall(r'\d+', layout)))))),
+                   default=(None, None))
+    part = max(found, default=None)
+    if part and (resume_from is None or resume_from[0] < part[0]) and (it is None or it < part[0]):
+        print0(f"note: the memory snapshot {part[1]} (iter {part[0]}) of another layout lacks the ranks of nodes "
+               f"that are not in this job (a node lost, or the job back on fewer nodes): no layout resumes it here")
     if it is not None and (resume_from is None or resume_from[0] < it):
         sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of another layout, which "
                  f"only that layout reads: resume with the layout in its name and let it save a checkpoint to "
