@@ -110,7 +110,8 @@ try:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from ds_state import (ZERO3_COMPILED, DeferredWrites, add_config_file, bucket_sizes, check_offload,
                           checkpoint_iter_at, engine_folders, engine_state, copy_recovery_scripts, gather_state,
-                          guard_step, layout_words, load_state, offload, remove_shm_buffer_name, state_bytes)
+                          guard_step, layout_words, load_state, offload, on_this_job, remove_shm_buffer_name,
+                          state_bytes)
 except ImportError as e:
     sys.exit(f"error: ds_train.py needs DeepSpeed ({e}): pip install deepspeed==0.19.8")
 # DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates, and torch says so at each call
@@ -213,6 +214,7 @@ run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only, sn
                                   where=f"{os.path.join(ds_dir, 'latest')} or {ckpt_path}", iter_of=engine_iter,
                                   script='ds_train.py', state_of=engine_state)
 resume_path = resume_from and resume_from[1]
+foreign[:] = on_this_job(foreign)  # a node's snapshot of another layout counts where the job holds all its shards
 # another layout's folder newer than the state resumed: continuing from the older export would prune it, or replace it
 # at its step, with a state it never held (rank 0 reads the storage; a launcher stops the others)
 newer = [f for f in foreign if resume_from is not None and int(os.path.basename(f[0])[5:]) > resume_from[0]]

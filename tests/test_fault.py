@@ -343,24 +343,24 @@ def test_ds_job_requeued_with_its_nodes_in_another_order_goes_on_from_its_checkp
 
 # An elastic job of two nodes with a checkpoint at 6 and its snapshots past it, back on one node after the other was
 # lost: the node's half of the snapshots (rank 0's of two) was taken for the run's newest state, of another layout,
-# and the start refused ("resume with the layout in its name"), which no layout could do without the lost node
-def test_fsdp_job_back_on_fewer_nodes_goes_on_from_its_checkpoint(tmp_path, data_dir, shared_run):
+# and the start refused ("resume with the layout in its name", "use 2 ranks"), which no layout could do without the
+# lost node. It goes on from the checkpoint, resharded (ds_train.py: its consolidated export)
+@pytest.mark.parametrize('script, resumed', [('fsdp_train.py', 'dcp/step-00000006'), ('ds_train.py', 'ckpt.pt')])
+def test_a_job_back_on_fewer_nodes_goes_on_from_its_checkpoint(tmp_path, data_dir, shared_run, script, resumed):
     args = ['--gradient_accumulation_steps=2', '--eval_interval=1000', '--save_memory_interval=4']
-    ref = beside(shared_run, 'fsdp_train.py', *args, '--max_iters=12', nproc=2)
+    ref = beside(shared_run, script, *args, '--max_iters=12', nproc=2)
     out, a, b = tmp_path / 'out', tmp_path / 'a', tmp_path / 'b'
     for node in (a, b):
         node.mkdir()
-    nodes_of_one_rank('fsdp_train.py', tiny(data_dir, out, *args, '--max_iters=6'), [a, b], tmp_path)
-    nodes_of_one_rank('fsdp_train.py', tiny(data_dir, out, *args, '--max_iters=100000'), [a, b], tmp_path,
-                      kill_after=11)
+    nodes_of_one_rank(script, tiny(data_dir, out, *args, '--max_iters=6'), [a, b], tmp_path)
+    nodes_of_one_rank(script, tiny(data_dir, out, *args, '--max_iters=100000'), [a, b], tmp_path, kill_after=11)
     run_id = (out / 'run_id').read_text()
-    half = max(snapshots_of(a / f'nanogpt-{run_id}').values())
-    assert half > 6
-    p = nodes_of_one_rank('fsdp_train.py', tiny(data_dir, out, *args, '--max_iters=12'), [a], tmp_path)
+    assert max(snapshots_of(a / f'nanogpt-{run_id}').values()) > 6  # the node's half, past the checkpoint
+    p = nodes_of_one_rank(script, tiny(data_dir, out, *args, '--max_iters=12'), [a], tmp_path)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert f"(iter {half}) of another layout lacks the ranks of nodes that are not in this job" in p.stdout
-    assert f"resuming from {out / 'dcp' / 'step-00000006'} at iter 6" in p.stdout, p.stdout[-3000:]
-    assert_same_run(ref.result(), out, 'fsdp_train.py')
+    assert "not in this job (a node lost, or the job back on fewer nodes): no layout resumes it here" in p.stdout
+    assert f"resuming from {out / resumed} at iter 6" in p.stdout, p.stdout[-3000:]
+    assert_same_run(ref.result(), out, script)
 
 
 def test_dlrover_run_restarts_sigkilled_workers_and_train_py_finishes_bit_exact(tmp_path, data_dir, shared_run):
