@@ -17,6 +17,7 @@ What goes into a checkpoint, and loading the optimizer, RNG and data position, s
 import functools
 import io
 import json
+import math
 import os
 import pathlib
 import pickle
@@ -631,19 +632,21 @@ def newest_loadable(paths, run_id=None, or_any=False, iter_of=None):
 
 
 def other_layouts(folder, names, mine=lambda path: True, script=None):
-    """(iter_num, path, damaged, passed) of the newest loadable snapshot in a run's snapshot folder that another
-    layout of ranks wrote (rank-R-of-LAYOUT.pt, where LAYOUT differs from that of names, this rank's), as
-    newest_loadable gives it: (None, None, [], passed) where there is none; the damaged are passed over, and those
-    that mine (saved_for) says a copy of the run's folder saved, which passed says are there. Only script's: another
-    entrypoint's are others_snapshot's, whose error names that entrypoint (no layout of this one reads them)."""
-    layout = lambda name: (m := re.fullmatch(r'rank-\d+-of-(.+?)(\.prev\d*)?\.pt', name)) and m.group(1)
+    """(found, passed): the loadable snapshots in a run's snapshot folder that another layout of ranks wrote
+    (rank-R-of-LAYOUT.pt, where LAYOUT differs from that of names, this rank's), as (iter_num, path, LAYOUT, R); the
+    damaged are passed over, and those that mine (saved_for) says a copy of the run's folder saved, which passed says
+    are there. Only script's: another entrypoint's are others_snapshot's, whose error names that entrypoint (no
+    layout of this one reads them)."""
+    named = lambda name: re.fullmatch(r'rank-(\d+)-of-(.+?)(\.prev\d*)?\.pt', name)
+    layout = lambda name: (m := named(name)) and m.group(2)
     ours = {layout(n) for n in names}
     if None in ours or not ours or not os.path.isdir(folder):
-        return None, None, [], False
+        return [], False
     theirs = sorted(os.path.join(folder, n) for n in os.listdir(folder) if layout(n) not in ours | {None})
     theirs = [p for p in theirs if script is None or wrote(p, script)]
     runs = [p for p in theirs if mine(p)]
-    return *newest_loadable(runs), len(runs) < len(theirs)
+    found = [(newest_loadable([p])[0], p, *named(os.path.basename(p)).group(2, 1)) for p in runs]
+    return [(it, p, layout, int(r)) for it, p, layout, r in found if it is not None], len(runs) < len(theirs)
 
 
 def others_snapshot(folder, script, mine=lambda path: True):
@@ -897,7 +900,7 @@ def saved_for(snapshot, out_dir, run_id, state_of=None, say=True):
 
 
 def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, where, iter_of=None, script=None,
-                state_of=None, check=None):
+                state_of=None, whole=None, check=None):
     """(run_id, (iter_num, path) to resume from or None), the same on every rank (a collective). out_dir/run_id
     names the run; snapshots names this rank's snapshot files in the run's node-local folder (or is a function of
     the folder that lists their paths); storage is lists of paths in out_dir, which rank 0 reads (it must be
@@ -909,10 +912,12 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     (what storage was looked for). script is the entrypoint: a start that would not continue the newest state that
     another entrypoint keeps in out_dir is an error naming it (a new run over it would cut its log and, once it
     resumed there, prune its folders). eval_only with init_from=scratch evaluates the run's newest state. state_of
-    reads a snapshot folder's own state (saved_for). check(resume_from) is the entrypoint's own refusal, made
-    before the start is announced."""
+    reads a snapshot folder's own state (saved_for). whole: where a node's snapshot is the whole state (train.py's),
+    (the path in out_dir, the versions kept there): the newest that a node holds, where not every rank does (a node
+    replaced, the job back on other nodes, a write cut short on one), is saved there, and every rank resumes it.
+    check(resume_from) is the entrypoint's own refusal, made before the start is announced."""
     rank = dist.get_rank()
-    run_id, held, disk, damaged, others, wrong, foreign = None, {}, (None, None), [], None, None, (None, None)
+    run_id, held, disk, damaged, others, wrong, foreign = None, {}, (None, None), [], None, None, ([], False)
     other = (None, None, None)  # the newest snapshot of another entrypoint, which this one does not read
     passed = False  # a snapshot of a copy of this run's folder lies in the run's snapshot folder
     theirs = []  # the names of those in it, on the node's first rank
@@ -944,7 +949,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
             # all of them, those that the listing above leaves out too (a DeepSpeed step folder past its latest)
             theirs = [n for n in sorted(os.listdir(folder))
                       if not saved_for(os.path.join(folder, n), out_dir, run_id, state_of, say=False)]
-        passed = passed or foreign[3] or bool(theirs)
+        passed = passed or foreign[1] or bool(theirs)
     if rank == 0:
         wrong = misplaced(out_dir, storage)
         others = others_newest(out_dir, script)
@@ -958,7 +963,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
             if disk[0] is None or found[0] > disk[0] and os.path.isfile(found[1]) and writer_of(found[1]) != script:
                 disk = found
     views = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (run_id, held, tuple(disk), damaged, uuid.uuid4().hex, others, wrong, foreign[:2],
+    dist.all_gather_object(views, (run_id, held, tuple(disk), damaged, uuid.uuid4().hex, others, wrong, foreign[0],
                                   passed, busy, other))
     run_id, _, (disk_iter, disk_path), _, new_id, others, wrong, _, _, _, _ = views[0]
     if wrong:
@@ -972,9 +977,24 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         run_id, resume_from = run_id or new_id, (disk_iter, disk_path)
     else:
         run_id, resume_from = new_id, None  # a fresh run gets a new id
+    # (iter, -rank) of the newest whole snapshot that a node holds (rank: the first that holds it)
+    newest = max(((it, -r) for r, v in enumerate(views) if v[0] == views[0][0] for it in v[1]), default=None)
+    promote = whole and wanted and not eval_only and newest and (resume_from is None or newest[0] > resume_from[0])
+    if promote:
+        run_id, resume_from = views[0][0], (newest[0], whole[0])
     # the run's newest state in snapshots of another layout, which this one cannot read: starting without it (afresh,
-    # under a new run id) would strand them in /dev/shm, so the layout that wrote them has to save it first
-    it, path = max((v[7] for v in views if v[7][0] is not None), default=(None, None))
+    # under a new run id) would strand them in /dev/shm, so the layout that wrote them has to save it first. Only
+    # where this job's nodes hold it for every rank of that layout: one that lacks a node's ranks (a node lost, the
+    # job back on fewer nodes) no layout resumes here
+    found = {f for v in views for f in v[7]}
+    ranks = lambda it, layout: {f[3] for f in found if f[0] == it and f[2] == layout}
+    it, path = max(((it, path) for it, path, layout, _ in found
+                    if ranks(it, layout) == set(range(math.prod(map(int, re.findall(r'\d+', layout)))))),
+                   default=(None, None))
+    part = max(found, default=None)
+    if part and (resume_from is None or resume_from[0] < part[0]) and (it is None or it < part[0]):
+        print0(f"note: the memory snapshot {part[1]} (iter {part[0]}) of another layout lacks the ranks of nodes "
+               f"that are not in this job (a node lost, or the job back on fewer nodes): no layout resumes it here")
     if it is not None and (resume_from is None or resume_from[0] < it):
         sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of another layout, which "
                  f"only that layout reads: resume with the layout in its name and let it save a checkpoint to "
@@ -1019,6 +1039,23 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         resume_from = (resume_from[0], moved[0].get(resume_from[1], resume_from[1]))
     if check:
         check(resume_from)
+    if promote:
+        why = [None]
+        if rank == -newest[1]:
+            try:
+                # mmap: its tensors are read from the file (in RAM already) as they are written, never held twice
+                state = torch.load(held[newest[0]], map_location='cpu', weights_only=True, mmap=True)
+                atomic_save(state, whole[0], whole[1])
+                print(f"the memory snapshot {held[newest[0]]} on {socket.gethostname()} (iter {newest[0]}) is the "
+                      f"run's newest state, which not every node holds: saved as {whole[0]}, which every rank "
+                      f"resumes from", flush=True)
+            except Exception as e:
+                why = [f"error: the run's newest state, the memory snapshot {held[newest[0]]} on "
+                       f"{socket.gethostname()} (iter {newest[0]}), which not every node holds, could not be saved "
+                       f"as {whole[0]} ({reason(e)}): free space there and restart"]
+        dist.broadcast_object_list(why, src=-newest[1])
+        if why[0]:
+            sys.exit(why[0])
     if eval_only and resume_from is not None:
         print0(f"eval_only: evaluating the newest state of the run in {out_dir}, {resume_from[1]} at iter "
                f"{resume_from[0]}; nothing in {out_dir} is written but its eval rows in metrics.jsonl")

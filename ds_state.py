@@ -9,6 +9,7 @@ resumes at any world size and stage), and what each rank holds in memory.
 import filecmp
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -269,12 +270,14 @@ def engine_state(path):
 SETTINGS = ('offload_optimizer', 'offload_params', 'dtype')  # of the layout, besides the world size and stage
 
 
-def checkpoint_iter_at(path, run_id, layout, foreign, ds_dir):
+def checkpoint_iter_at(path, run_id, layout, foreign, ds_dir, rank=None):
     """The iteration of an engine checkpoint folder, None where another run or another layout wrote it (layout:
     world_size, zero_stage, the offloads and the dtype; the shards resume only at the one that cut them, DeepSpeed's
     CPU Adam fails on a state saved without it, and its bf16 optimizer's files have names of their own), those in
     ds_dir and the run's own memory snapshots noted in foreign as (path, world size, their layout) (a copy's
-    snapshots are find_resume's to keep); or a ckpt.pt's, as checkpoint_iter reads it."""
+    snapshots are find_resume's to keep); or a ckpt.pt's, as checkpoint_iter reads it. With rank, None too for a
+    memory snapshot that lacks that rank's ZeRO shards: a node's holds its own ranks' alone, and a job back on its
+    nodes in another order (a requeue) has other ranks there."""
     if not os.path.isdir(path):
         return checkpoint_iter(path, run_id)
     ours = engine_state(path)
@@ -292,7 +295,29 @@ def checkpoint_iter_at(path, run_id, layout, foreign, ds_dir):
                 saved_for(path, os.path.dirname(ds_dir), ours.get('run_id'), engine_state, say=False):
             foreign.append((path, ours['world_size'], theirs))
         return None
+    shards = lambda r='': [n for n in os.listdir(path) if f'zero_pp_rank_{r}' in n]
+    if rank is not None and is_snapshot(path) and shards() and not shards(f'{rank}_'):
+        return None
     return int(ours['iter_num'])
+
+
+def on_this_job(foreign):
+    """foreign (checkpoint_iter_at's) less the memory snapshots that this job's nodes do not hold for every rank of
+    their layout: a node's holds its own ranks' ZeRO shards alone, so after a node was lost (the job back on fewer
+    nodes) no layout resumes them here, and the node's first rank says so. A collective."""
+    shards = lambda path: {int(m[1]) for n in os.listdir(path) if (m := re.search(r'zero_pp_rank_(\d+)_', n))}
+    key = lambda path, ranks, theirs: (os.path.basename(path), ranks, tuple(sorted(theirs.items())))
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, [(key(*f), shards(f[0])) for f in foreign if is_snapshot(f[0])])
+    held = {}
+    for at, ranks in (f for v in views for f in v):
+        held.setdefault(at, set()).update(ranks)
+    part = [f for f in foreign if is_snapshot(f[0]) and shards(f[0]) and held[key(*f)] != set(range(f[1]))]
+    if part and int(os.environ.get('LOCAL_RANK', 0)) == 0:
+        path, ranks, _ = max(part, key=lambda f: f[0])
+        print(f"note: the memory snapshot {path} of {ranks} ranks lacks the shards of nodes that are not in this job "
+              f"(a node lost, or the job back on fewer nodes): no layout resumes it here", flush=True)
+    return [f for f in foreign if f not in part]
 
 
 def layout_words(layout, ours):

@@ -110,7 +110,8 @@ try:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from ds_state import (ZERO3_COMPILED, DeferredWrites, add_config_file, bucket_sizes, check_offload,
                           checkpoint_iter_at, engine_folders, engine_state, copy_recovery_scripts, gather_state,
-                          guard_step, layout_words, load_state, offload, remove_shm_buffer_name, state_bytes)
+                          guard_step, layout_words, load_state, offload, on_this_job, remove_shm_buffer_name,
+                          state_bytes)
 except ImportError as e:
     sys.exit(f"error: ds_train.py needs DeepSpeed ({e}): pip install deepspeed==0.19.8")
 # DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates, and torch says so at each call
@@ -205,7 +206,7 @@ ds_dir = os.path.join(out_dir, 'ds')  # the engine's checkpoints, a folder per s
 foreign = []  # engine checkpoints in ds_dir or memory of another layout: (path, world size, their layout)
 layout = dict(world_size=world_size, zero_stage=zero_stage, offload_optimizer=offload_optimizer,
               offload_params=offload_params, dtype=dtype)
-engine_iter = lambda path, run_id=None: checkpoint_iter_at(path, run_id, layout, foreign, ds_dir)
+engine_iter = lambda path, run_id=None: checkpoint_iter_at(path, run_id, layout, foreign, ds_dir, rank)
 if not eval_only:  # an eval writes nothing: it neither holds out_dir nor waits for whoever does
     hold(out_dir)  # one run at a time in out_dir, for the run's lifetime
 
@@ -213,6 +214,7 @@ if not eval_only:  # an eval writes nothing: it neither holds out_dir nor waits 
 def refuse_other_layouts(resume_from):
     """Another layout's folder newer than the state resumed: continuing from the older export would prune it, or
     replace it at its step, with a state it never held (rank 0 reads the storage; a launcher stops the others)."""
+    foreign[:] = on_this_job(foreign)  # a node's snapshot of another layout counts where the job holds all its shards
     resume_path = resume_from and resume_from[1]
     newer = [f for f in foreign if resume_from is not None and int(os.path.basename(f[0])[5:]) > resume_from[0]]
     if foreign:

@@ -161,7 +161,8 @@ if not eval_only:  # an eval writes nothing: it neither holds out_dir nor waits 
     hold(out_dir)  # one run at a time in out_dir, for the run's lifetime
 run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only,
                                   snapshots=['ckpt.pt'],
-                                  storage=[kept(ckpt_path)], where=ckpt_path, script='train.py')
+                                  storage=[kept(ckpt_path)], where=ckpt_path, script='train.py',
+                                  whole=(ckpt_path, keep_checkpoints))  # a node's snapshot holds every rank's state
 snapshot_path = os.path.join(snapshot_dir(run_id), 'ckpt.pt')
 resume_path = resume_from and resume_from[1]
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import launcher
 from conftest import REPO, TINY, env, free_port, one_line_error, read_metrics, run
 
 
@@ -270,6 +271,96 @@ def test_ds_memory_snapshots_of_two_nodes_with_a_dev_shm_each_resume_a_sigkilled
     # a few steps back, where a write was still in flight or failed with its peer
     assert len(resumed) == 1 and 0 < resumed[0] <= killed_at + 1, (killed_at, out[-5000:])
     assert_same_run(ref, ft, 'ds_train.py')
+
+
+def nodes_of_one_rank(script, args, shms, cwd, kill_after=None):
+    """A job of nodes of one rank each, rank r on the node whose /dev/shm is the folder shms[r] (own_shm.py: a test
+    sets what each node's memory holds, and which node each rank lands on), forked as torchrun starts its workers,
+    under one SLURM job id (a requeue takes over its holds). With kill_after, every rank is SIGKILLed (the job lost
+    with its nodes) once that iteration is logged. The CompletedProcess (exit 1 after a kill)."""
+    out_dir = Path(next(a for a in args if a.startswith('--out_dir='))[len('--out_dir='):])
+    job = dict(env(), GLOO_SOCKET_IFNAME='lo', SLURM_JOB_ID='4242',
+               **{f'NODE_SHM_{r}': str(shm) for r, shm in enumerate(shms)})
+    started = launcher.start(str(REPO / 'tests' / 'own_shm.py'), [str(REPO / script), *map(str, args)], job, cwd,
+                    nproc=len(shms))
+    while kill_after is not None and not (logged_iters(out_dir) and logged_iters(out_dir)[-1] >= kill_after):
+        assert all(rank.exitcode is None for rank in started[0]), launcher.finish(started)
+        time.sleep(0.005)
+    for rank in started[0] if kill_after is not None else []:
+        os.kill(rank.pid, signal.SIGKILL)
+    return launcher.finish(started, timeout=300)
+
+
+def snapshots_of(folder):
+    """{name: iter_num} of the memory snapshot files (or step folders) in a run's snapshot folder."""
+    found, latest = {}, Path(folder) / 'latest'
+    for path in Path(folder).glob('*'):
+        # ds_train.py's step folders up to the one latest names (one past it was cut short by the kill)
+        if path.name.endswith('.pt') or path.name.startswith('step-') and path.name <= latest.read_text():
+            state = torch.load(path if path.is_file() else next(path.glob('mp_rank_*')), weights_only=True, mmap=True)
+            found[path.name] = state['iter_num']
+    return found
+
+
+# A job of two nodes killed with its snapshots, and requeued on a fresh node and one of its own, the fresh one
+# first: train.py took its newest state for lost (neither node's snapshot counts unless both hold it) and, with no
+# checkpoint in out_dir, started afresh under a new run id, stranding the snapshot in RAM
+def test_train_py_requeued_on_a_fresh_node_resumes_the_other_nodes_whole_snapshot(tmp_path, data_dir, shared_run):
+    args = ['--gradient_accumulation_steps=2', '--eval_interval=1000', '--save_memory_interval=4']
+    ref = beside(shared_run, 'train.py', *args, '--max_iters=12', nproc=2)
+    out, a, fresh = tmp_path / 'out', tmp_path / 'a', tmp_path / 'fresh'
+    for node in (a, fresh, tmp_path / 'b'):
+        node.mkdir()
+    nodes_of_one_rank('train.py', tiny(data_dir, out, *args, '--max_iters=100000'), [a, tmp_path / 'b'], tmp_path,
+                      kill_after=9)
+    run_id = (out / 'run_id').read_text()
+    at = snapshots_of(a / f'nanogpt-{run_id}')['ckpt.pt']
+    p = nodes_of_one_rank('train.py', tiny(data_dir, out, *args, '--max_iters=12'), [fresh, a], tmp_path)
+    assert p.returncode == 0 and f"resuming from {out / 'ckpt.pt'} at iter {at}" in p.stdout, p.stdout[-3000:]
+    assert (out / 'run_id').read_text() == run_id
+    assert_same_run(ref.result(), out, 'train.py', exact=True)
+
+
+# A job with a checkpoint at 6 and its snapshots past it, killed and requeued with its two nodes in the other order,
+# where no rank finds its own shards in its node's snapshots: each rank took the other's step folder there and
+# failed, calling it corrupt ("move it aside")
+def test_ds_job_requeued_with_its_nodes_in_another_order_goes_on_from_its_checkpoint(tmp_path, data_dir, shared_run):
+    args = ['--gradient_accumulation_steps=2', '--eval_interval=1000', '--save_memory_interval=4']
+    ref = beside(shared_run, 'ds_train.py', *args, '--max_iters=12', nproc=2)
+    out, a, b = tmp_path / 'out', tmp_path / 'a', tmp_path / 'b'
+    for node in (a, b):
+        node.mkdir()
+    nodes_of_one_rank('ds_train.py', tiny(data_dir, out, *args, '--max_iters=6'), [a, b], tmp_path)
+    nodes_of_one_rank('ds_train.py', tiny(data_dir, out, *args, '--max_iters=100000'), [a, b], tmp_path,
+                      kill_after=11)
+    run_id = (out / 'run_id').read_text()
+    assert all(snapshots_of(node / f'nanogpt-{run_id}') for node in (a, b))  # each node's, past the checkpoint
+    p = nodes_of_one_rank('ds_train.py', tiny(data_dir, out, *args, '--max_iters=12'), [b, a], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"resuming from {out / 'ds' / 'step-00000006'} at iter 6" in p.stdout, p.stdout[-3000:]
+    assert_same_run(ref.result(), out, 'ds_train.py')
+
+
+# An elastic job of two nodes with a checkpoint at 6 and its snapshots past it, back on one node after the other was
+# lost: the node's half of the snapshots (rank 0's of two) was taken for the run's newest state, of another layout,
+# and the start refused ("resume with the layout in its name", "use 2 ranks"), which no layout could do without the
+# lost node. It goes on from the checkpoint, resharded (ds_train.py: its consolidated export)
+@pytest.mark.parametrize('script, resumed', [('fsdp_train.py', 'dcp/step-00000006'), ('ds_train.py', 'ckpt.pt')])
+def test_a_job_back_on_fewer_nodes_goes_on_from_its_checkpoint(tmp_path, data_dir, shared_run, script, resumed):
+    args = ['--gradient_accumulation_steps=2', '--eval_interval=1000', '--save_memory_interval=4']
+    ref = beside(shared_run, script, *args, '--max_iters=12', nproc=2)
+    out, a, b = tmp_path / 'out', tmp_path / 'a', tmp_path / 'b'
+    for node in (a, b):
+        node.mkdir()
+    nodes_of_one_rank(script, tiny(data_dir, out, *args, '--max_iters=6'), [a, b], tmp_path)
+    nodes_of_one_rank(script, tiny(data_dir, out, *args, '--max_iters=100000'), [a, b], tmp_path, kill_after=11)
+    run_id = (out / 'run_id').read_text()
+    assert max(snapshots_of(a / f'nanogpt-{run_id}').values()) > 6  # the node's half, past the checkpoint
+    p = nodes_of_one_rank(script, tiny(data_dir, out, *args, '--max_iters=12'), [a], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "not in this job (a node lost, or the job back on fewer nodes): no layout resumes it here" in p.stdout
+    assert f"resuming from {out / resumed} at iter 6" in p.stdout, p.stdout[-3000:]
+    assert_same_run(ref.result(), out, script)
 
 
 def test_dlrover_run_restarts_sigkilled_workers_and_train_py_finishes_bit_exact(tmp_path, data_dir, shared_run):
