@@ -552,12 +552,17 @@ def test_a_deepspeed_run_resumed_in_another_dtype_goes_on_from_its_export(tmp_pa
     assert iter_of(run_dir / 'ckpt.pt') == 12
 
 
-@pytest.mark.parametrize('writer,snapshot', [('train.py', 'ckpt.pt'), ('decent_train.py', 'rank-0-of-1.pt')])
+@pytest.mark.parametrize('writer,saved', [
+    ('train.py', {'ckpt.pt': 15}), ('decent_train.py', {'rank-0-of-1.pt': 15}),
+    # two ranks, rank 1 killed as it wrote step 15: whole at 10 only, which the run's ckpt.pt holds too
+    ('decent_train.py', {'rank-0-of-2.pt': 15, 'rank-0-of-2.prev.pt': 10, 'rank-1-of-2.pt': 10,
+                         'rank-1-of-2.prev.pt': 5})], ids=['train.py', 'decent_train.py', 'decent_train.py-cut'])
 def test_another_entrypoint_never_goes_on_past_the_runs_newer_memory_snapshot(tmp_path, data_dir, shared_run, writer,
-                                                                              snapshot, in_ram):
+                                                                              saved, in_ram):
     # train.py killed with its snapshot at 15 and its ckpt.pt at 10: fsdp_train.py, started over the run, went on
     # from the ckpt.pt at 10 without a word, and its end removed the snapshot with the steps since. decent_train.py's
-    # was refused, as another layout's, and the error had fsdp_train.py resume "with the layout in its name": none
+    # was refused, as another layout's, and the error had fsdp_train.py resume "with the layout in its name": none.
+    # A snapshot of several ranks counts at the newest step that they all hold: the cut one was refused as at 15
     from checkpoint import where_saved
     run_dir = tmp_path / 'run'
     shutil.copytree(shared_run('train.py', *ARGS), run_dir)
@@ -566,31 +571,17 @@ def test_another_entrypoint_never_goes_on_past_the_runs_newer_memory_snapshot(tm
     state = torch.load(run_dir / 'ckpt.pt', weights_only=True)
     if writer == 'decent_train.py':  # its key in the config names it
         state['config'] = {**state['config'], 'topology': 'complete'}
-    torch.save({**state, **where_saved(run_dir), 'iter_num': 15}, snapshots / snapshot)
+    for name, it in saved.items():
+        torch.save({**state, **where_saved(run_dir), 'iter_num': it}, snapshots / name)
     before = files(run_dir), files(snapshots)
-    error = one_line_error(start(tmp_path, data_dir, run_dir, '--max_iters=12', script='fsdp_train.py',
-                                 check=False))
+    p = start(tmp_path, data_dir, run_dir, '--max_iters=12', script='fsdp_train.py', check=False)
+    if len(saved) > 1:
+        assert f'resuming from {run_dir / "ckpt.pt"} at iter 10' in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+        return
+    error, snapshot = one_line_error(p), next(iter(saved))
     assert f"newest state (iter 15) is the memory snapshot {snapshots / snapshot} of {writer}" in error \
         and f'continue the run with `{writer} --out_dir={run_dir}`' in error, error
     assert (files(run_dir), files(snapshots)) == before
-
-
-def test_another_entrypoints_snapshot_counts_at_the_newest_step_that_all_its_ranks_hold(tmp_path, data_dir,
-                                                                                      shared_run, in_ram):
-    # decent_train.py's two ranks, rank 1 killed as it wrote step 15: the snapshot is whole at 10 only, which the
-    # run's ckpt.pt holds too. fsdp_train.py was refused, told that the run's newest state was at 15
-    from checkpoint import where_saved
-    run_dir = tmp_path / 'run'
-    shutil.copytree(shared_run('train.py', *ARGS), run_dir)
-    snapshots = in_ram(run_dir)
-    snapshots.mkdir()
-    state = torch.load(run_dir / 'ckpt.pt', weights_only=True)
-    state = {**state, **where_saved(run_dir), 'config': {**state['config'], 'topology': 'complete'}}
-    for name, it in [('rank-0-of-2.pt', 15), ('rank-0-of-2.prev.pt', 10), ('rank-1-of-2.pt', 10),
-                     ('rank-1-of-2.prev.pt', 5)]:
-        torch.save({**state, 'iter_num': it}, snapshots / name)
-    p = start(tmp_path, data_dir, run_dir, '--max_iters=12', script='fsdp_train.py')
-    assert f'resuming from {run_dir / "ckpt.pt"} at iter 10' in p.stdout, p.stdout[-3000:]
 
 
 def test_a_deepspeed_run_resuming_its_own_snapshot_keeps_the_copys_newer_one(tmp_path, data_dir, shared_run, in_ram):
