@@ -1065,7 +1065,10 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         print0(f"auto-resume: {out_dir} holds this run's state at iter {resume_from[0]}, so the run continues "
                f"(--auto_resume=False starts afresh)")
     if resume_from is None and not eval_only:  # a new run: what earlier runs saved here is kept, out of its way
-        if not wanted and earlier:
+        # a run asked to resume that finds nothing it can read (a lost node's half of a sharded snapshot, and no
+        # checkpoint) starts afresh too, under a new id: what the old id's folder holds is kept likewise, not left
+        # holding RAM (a live copy's, or a copy's that did not fit, stays)
+        if earlier and (not wanted or not holds_a_copys_snapshots()):
             keep_earlier_snapshots(out_dir, earlier)
             dist.barrier()  # every node's are in out_dir before rank 0 moves them in with the run's other states
         kept = [keep_earlier_run(out_dir, earlier) if rank == 0 else None]
@@ -1186,6 +1189,8 @@ def keep_earlier_snapshots(out_dir, run_id, whose='before', theirs=None):
         print(f"note: {busy}: its memory snapshots there are left to it (this run starts afresh under a new id)",
               flush=True)
         return False
+    if not set(os.listdir(folder)) - {HOLD}:  # a run killed before its first snapshot: its hold, now this run's,
+        return True  # goes with the folder at this run's end
     kept_as = base = os.path.join(out_dir, f"snapshots.{whose}-{run_id}-{socket.gethostname()}")
     n = 1
     # a copy's are kept each time they are passed over, beside any .tmp that a crash mid-copy left (not ours to remove)
