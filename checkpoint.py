@@ -631,21 +631,23 @@ def newest_loadable(paths, run_id=None, or_any=False, iter_of=None):
     return (*best, skipped)
 
 
+RANK_FILE = re.compile(r'rank-(\d+)-of-(.+?)(\.prev\d*)?\.pt')  # a rank's snapshot: its rank, its layout, its version
+
+
 def other_layouts(folder, names, mine=lambda path: True, script=None):
     """(found, passed): the loadable snapshots in a run's snapshot folder that another layout of ranks wrote
     (rank-R-of-LAYOUT.pt, where LAYOUT differs from that of names, this rank's), as (iter_num, path, LAYOUT, R); the
     damaged are passed over, and those that mine (saved_for) says a copy of the run's folder saved, which passed says
     are there. Only script's: another entrypoint's are others_snapshot's, whose error names that entrypoint (no
     layout of this one reads them)."""
-    named = lambda name: re.fullmatch(r'rank-(\d+)-of-(.+?)(\.prev\d*)?\.pt', name)
-    layout = lambda name: (m := named(name)) and m.group(2)
+    layout = lambda name: (m := RANK_FILE.fullmatch(name)) and m.group(2)
     ours = {layout(n) for n in names}
     if None in ours or not ours or not os.path.isdir(folder):
         return [], False
     theirs = sorted(os.path.join(folder, n) for n in os.listdir(folder) if layout(n) not in ours | {None})
     theirs = [p for p in theirs if script is None or wrote(p, script)]
     runs = [p for p in theirs if mine(p)]
-    found = [(newest_loadable([p])[0], p, *named(os.path.basename(p)).group(2, 1)) for p in runs]
+    found = [(newest_loadable([p])[0], p, *RANK_FILE.fullmatch(os.path.basename(p)).group(2, 1)) for p in runs]
     return [(it, p, layout, int(r)) for it, p, layout, r in found if it is not None], len(runs) < len(theirs)
 
 
@@ -662,7 +664,7 @@ def others_snapshot(folder, script, mine=lambda path: True):
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
         newest = read_name(path) if name == 'latest' and script != 'ds_train.py' else None
-        rank = re.fullmatch(r'rank-(\d+)-of-(.+?)(\.prev\d*)?\.pt', name)
+        rank = RANK_FILE.fullmatch(name)
         try:
             if name == 'ckpt.pt' and script != 'train.py':
                 found.append((checkpoint_iter(path), path, writer_of(path)))
