@@ -363,23 +363,27 @@ def test_a_job_back_on_fewer_nodes_goes_on_from_its_checkpoint(tmp_path, data_di
     assert_same_run(ref.result(), out, script)
 
 
-# The same without a checkpoint: the job starts afresh, under a new run id, and the node's half of the snapshots was
-# left in its RAM under the old one, which nothing names any more (a model's shards, for as long as the node runs)
-def test_a_job_back_on_fewer_nodes_with_no_checkpoint_keeps_the_nodes_snapshots_in_out_dir(tmp_path, data_dir):
+# The same without a checkpoint, back on one node or on both in the other order (each rank's snapshot then on the
+# other's node): the job starts afresh, under a new run id, and the nodes' snapshots were left in their RAM under the
+# old one, which nothing names any more (a model's shards, for as long as the node runs)
+@pytest.mark.parametrize('back', ['a', 'ba'])
+def test_a_job_back_on_other_nodes_with_no_checkpoint_keeps_the_nodes_snapshots_in_out_dir(tmp_path, data_dir, back):
     args = ['--gradient_accumulation_steps=2', '--eval_interval=1000', '--save_memory_interval=4']
-    out, a, b = tmp_path / 'out', tmp_path / 'a', tmp_path / 'b'
-    for node in (a, b):
-        node.mkdir()
-    nodes_of_one_rank('fsdp_train.py', tiny(data_dir, out, *args, '--max_iters=100000'), [a, b], tmp_path,
-                      kill_after=5)
+    out = tmp_path / 'out'
+    for node in 'ab':
+        (tmp_path / node).mkdir()
+    nodes_of_one_rank('fsdp_train.py', tiny(data_dir, out, *args, '--max_iters=100000'),
+                      [tmp_path / 'a', tmp_path / 'b'], tmp_path, kill_after=5)
     run_id = (out / 'run_id').read_text().strip()
-    half = snapshots_of(a / f'nanogpt-{run_id}')
-    assert half and not (out / 'dcp').exists()
-    p = nodes_of_one_rank('fsdp_train.py', tiny(data_dir, out, *args, '--max_iters=2'), [a], tmp_path)
+    held = {node: snapshots_of(tmp_path / node / f'nanogpt-{run_id}') for node in back}
+    assert all(held.values()) and not (out / 'dcp').exists()
+    p = nodes_of_one_rank('fsdp_train.py', tiny(data_dir, out, *args, '--max_iters=2'),
+                          [tmp_path / node for node in back], tmp_path)
     assert p.returncode == 0 and 'resuming from' not in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
     assert (out / 'run_id').read_text().strip() != run_id  # a new run
-    assert not (a / f'nanogpt-{run_id}').exists()
-    assert snapshots_of(out / f'before-{run_id}' / f'snapshots.before-{run_id}-a') == half
+    for node, snapshots in held.items():
+        assert not (tmp_path / node / f'nanogpt-{run_id}').exists()
+        assert snapshots_of(out / f'before-{run_id}' / f'snapshots.before-{run_id}-{node}') == snapshots
 
 
 def test_dlrover_run_restarts_sigkilled_workers_and_train_py_finishes_bit_exact(tmp_path, data_dir, shared_run):
