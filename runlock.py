@@ -54,7 +54,8 @@ def _read_hold(path):
 
 def _take(folder, what, tidy=False):
     """Takes the hold on folder for this process, or returns the one-line error that refuses it. tidy: the folder
-    is removed at the release where it is left empty, whoever made it (a snapshot folder in RAM, never out_dir)."""
+    is removed at the release where it is left empty, whoever made it (try_hold's: a snapshot folder in RAM, or
+    export_hf.py's own temporary folder; never out_dir, which hold() takes)."""
     created = not os.path.isdir(folder)
     path = os.path.join(folder, HOLD)
     me = {'host': socket.gethostname(), 'pid': os.getpid(), 'since': time.strftime('%Y-%m-%d %H:%M:%S'),
