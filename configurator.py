@@ -294,6 +294,7 @@ STEPS = {  # the counts of the loop and of its saves: key -> the least it may be
     'batch_size': 1, 'gradient_accumulation_steps': 1, 'eval_interval': 1, 'eval_iters': 1, 'log_interval': 1,
     'max_iters': 0, 'warmup_iters': 0, 'lr_decay_iters': 0, 'min_lr': 0, 'save_memory_interval': 0,
     'save_storage_interval': 0, 'max_nonfinite_steps': 1, 'keep_checkpoints': 1, 'stages_per_rank': 1,
+    'blocks_per_unit': 1,
 }
 
 

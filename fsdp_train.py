@@ -93,6 +93,7 @@ keep_checkpoints = 2  # the newest states kept in out_dir (fallbacks of a damage
 # parallelism
 tp_size = 1  # tensor-parallel ranks per group (within a node, ideally); the world size / tp_size ranks shard FSDP
 reshard_after_forward = True  # free each block's gathered parameters after its forward (ZeRO-3); False: ZeRO-2-like
+blocks_per_unit = 1  # blocks gathered and reduced together: fewer units, less of FSDP's host time per step, more memory
 cpu_offload = False  # keep parameters, gradients and optimizer state in CPU memory between uses
 activation_checkpointing = False  # recompute each block's activations in backward instead of storing them
 save_consolidated = False  # with each checkpoint also write out_dir/ckpt.pt in train.py's format (gathered on rank 0)
@@ -201,7 +202,8 @@ print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
 model.to(device)
 torch.manual_seed(seed + dp_rank)  # and then draws its own dropout masks
 raw_model = model  # the module itself, sharded in place below: its config and MFU
-# FSDP over dp: each block is a unit (gathered for its forward and backward only), the root holds the rest
+# FSDP over dp: each block (or blocks_per_unit of them) is a unit, gathered for its forward and backward only; the
+# root holds the rest
 fsdp = dict(mesh=mesh['dp'], reshard_after_forward=reshard_after_forward,
             mp_policy=MixedPrecisionPolicy(param_dtype=ptdtype, reduce_dtype=torch.float32),
             offload_policy=CPUOffloadPolicy(pin_memory=(device_type == 'cuda')) if cpu_offload else OffloadPolicy())
@@ -216,8 +218,11 @@ for block in model.transformer.h:
         checkpoint_activations(block)
     if compile:
         block.compile()  # in place, so parameter names (and checkpoints) stay the same
-    fully_shard(block, **fsdp)  # then FSDP
+blocks = list(model.transformer.h)
+for i in range(0, len(blocks), blocks_per_unit):  # then FSDP: a unit's hooks and collectives cost the host the
+    fully_shard(blocks[i:i + blocks_per_unit], **fsdp)  # same, few parameters or many (a small model waits on them)
 fully_shard(model, **fsdp)
+print0(f"FSDP units: {-(-len(blocks) // blocks_per_unit)} of up to {blocks_per_unit} blocks, and the root")
 
 # -----------------------------------------------------------------------------
 # optimizer, over the sharded parameters (in CPU memory with cpu_offload)

@@ -60,10 +60,11 @@ p.add_argument('--entrypoints', default=','.join(ENTRYPOINTS), help='which entry
 p.add_argument('--deadline', type=float, default=0, help='seconds from the start after which no run begins, and '
                'by which every run is stopped; its checks are rows "not reached". 0: none')
 p.add_argument('--jobs', type=int, default=0, help="part A's runs at a time (0: 12 on a GPU, 2 dry)")
-p.add_argument('--batch', type=int, default=0, help="part L's micro-batch (0: part B's fastest, else 16)")
-p.add_argument('--only', default='', help="of parts A, B and L, only the checks whose names (the table's) hold one "
-               "of these comma-separated words, as 'zero_stage=3,SIGKILL,verdict': what an earlier call did not reach "
-               "(part L times its plain step still, twice)")
+p.add_argument('--batch', type=int, default=0, help="the micro-batch of parts L (0: part B's fastest, else 16) and C "
+               "(0: 12, nanoGPT's)")
+p.add_argument('--only', default='', help="only the checks whose names (the table's) hold one of these "
+               "comma-separated words, as 'zero_stage=3,SIGKILL,verdict': what an earlier call did not reach (part L "
+               "times its plain step still, twice, and part C train.py's)")
 args = p.parse_args()
 dry = args.dry_run
 plan = []  # [(part, its seconds or 0)], from 'ABLC' or 'A:250,B:320'
@@ -169,7 +170,10 @@ def _report():
     if 'done' not in _traced:
         return
     prof, n, cuda = _traced['prof'], _traced['done'], _traced['cuda']
-    rows = [e for e in prof.key_averages() if (e.device_type == DeviceType.CUDA) == cuda]
+    # not the ranges that record_function marks on the GPU (the optimizer's step, FSDP's unshard...): each spans kernels
+    # that are counted already, and FSDP's many would count its kernels twice
+    rows = [e for e in prof.key_averages() if (e.device_type == DeviceType.CUDA) == cuda
+            and not getattr(e, 'is_user_annotation', False)]
     if not cuda:  # each op once: the time in it, not in the ops it calls
         rows = [e for e in rows if e.key.startswith('aten::')]
     us = lambda e: e.self_device_time_total if cuda else e.self_cpu_time_total
@@ -569,7 +573,8 @@ def host_profile(name, script, steps, done):
     if done.is_set() or not workers:
         return '; no host profile (the run ended before its 5th step)'
     # py-spy's raw format does not mark a sample idle: a second py-spy, without --idle, counts the busy ones
-    raw = {idle: os.path.join(logs, f"host-{script[:-3]}{'' if idle else '-busy'}.txt") for idle in (True, False)}
+    label = name[len('speed-'):]  # the script's name, and its lever's
+    raw = {idle: os.path.join(logs, f"host-{label}{'' if idle else '-busy'}.txt") for idle in (True, False)}
     spies = [subprocess.Popen([PY_SPY, 'record', '--pid', str(workers[0]), '--nonblocking', '--threads', '--rate=50',
                                '--duration=600', '--format=raw', f'--output={path}'] + ['--idle'] * idle,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -588,7 +593,7 @@ def host_profile(name, script, steps, done):
     total, busy, top = summary(raw[True], raw[False], script)
     if not total:
         return '; no host profile (no samples of the main thread)'
-    with open(os.path.join(logs, f'host-{script[:-3]}.log'), 'w') as f:
+    with open(os.path.join(logs, f'host-{label}.log'), 'w') as f:
         f.write(f"{total} samples of the main thread, {busy:.0%} busy, {1 - busy:.0%} idle; the loop's lines and the "
                 f"functions under them, by the share of the samples they are in:\n")
         f.writelines(f'{share:6.1%}  {frame}\n' for frame, share in top[:30])
@@ -611,29 +616,43 @@ def traced(text, ms):
 
 def part_c():
     # the modes side by side at one batch: GPT-2 124M (T=1024) on a GPU, the tiny model on CPU
-    model = MODEL if dry else ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024',
-                               '--batch_size=12', '--eval_iters=1', '--deterministic=False']
+    batch = [f'--batch_size={args.batch or (4 if dry else 12)}']
+    model = MODEL + batch if dry else ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024',
+                                       '--eval_iters=1', '--deterministic=False'] + batch
     base_ms = None
     # model_size.py's estimate of each mode's memory on one rank: parameters, gradients, optimizer, activations
-    size = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=4', '--dtype=float32'] if dry \
-        else ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024', '--batch_size=12']
+    size = (['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--dtype=float32'] if dry
+            else ['--n_layer=12', '--n_head=12', '--n_embd=768', '--block_size=1024']) + batch
     code, text, _ = run('model_size', [sys.executable, os.path.join(REPO, 'model_size.py'), '--world_size=1',
                                        '--vocab_size=65'] + size)
     estimate = json.loads(text.strip().splitlines()[-1]) if code == 0 else {}
-    for script, extra, goal, mode in (('train.py', [], None, 'DDP'), ('fsdp_train.py', [], 0.9, 'ZeRO-3 / FSDP'),
-                                      ('ds_train.py', ['--zero_stage=2'], 0.85, 'ZeRO-2'),
-                                      ('decent_train.py', [], 0.9, 'DDP')):
-        if script not in chosen:
+    # the modes, then the levers of their host's time, each timed against train.py and the mode as it is: FSDP's
+    # units of several blocks, and its blocks kept gathered from forward to backward; DeepSpeed without its overflow
+    # check of each gradient (a measurement only: bf16 steps then go unchecked, and ds_train.py never runs so)
+    no_check = os.path.join(work, 'no_overflow_check.json')
+    with open(no_check, 'w') as f:
+        json.dump({'bf16': {'check_grad_overflow': False}}, f)
+    fsdp, ds = ('fsdp_train.py', [], 0.9, 'ZeRO-3 / FSDP'), ('ds_train.py', ['--zero_stage=2'], 0.85, 'ZeRO-2')
+    runs = [(('train.py', [], None, 'DDP'), '', []), (fsdp, '', []), (ds, '', []),
+            (('decent_train.py', [], 0.9, 'DDP'), '', []),
+            (fsdp, 'blocks_per_unit=4', ['--blocks_per_unit=4']),
+            (fsdp, 'blocks_per_unit=12', ['--blocks_per_unit=12']),
+            (fsdp, 'reshard_after_forward=False', ['--reshard_after_forward=False']),
+            (ds, "DeepSpeed's overflow check off", [f'--ds_config={no_check}'])]
+    plain = {}  # script -> its ms as it is
+    for (script, extra, goal, mode), lever, flags in runs:
+        what = f'{script} speed' + (f', {lever}' if lever else '')
+        if script not in chosen or script != 'train.py' and not wanted(what):  # train.py: the others' base
             continue
         # enough steps after the 5th for the host profile's samples at 50 Hz: train.py's 26 ms steps on an H100 about
         # 120, the tiny model's 2 ms on CPU about 50
         steps = 500 if dry else 100
-        name = f'speed-{script[:-3]}'
+        name = f'speed-{script[:-3]}' + (f"-{re.sub('[^A-Za-z0-9_=]+', '-', lever).strip('-')}" if lever else '')
         done = threading.Event()
         with ThreadPoolExecutor(1) as pool:  # the profile beside the run
             profile = pool.submit(host_profile, name, script, steps, done)
             try:
-                code, text, secs = run(name, wrapped('peak+trace', torchrun(script, extra + model + [
+                code, text, secs = run(name, wrapped('peak+trace', torchrun(script, extra + model + flags + [
                     f'--out_dir={name}', f'--max_iters={steps}', f'--eval_interval={steps * 10}',
                     '--always_save_checkpoint=False']), script))
             finally:  # else the profile would wait for the run's steps for ever
@@ -644,13 +663,16 @@ def part_c():
             host = f'; no host profile ({e})'
         ms = mean_ms(name)
         base_ms = base_ms or ms
+        plain[script] = plain.get(script) or (None if lever else ms)
         ratio = base_ms / ms if ms and base_ms else None
         peak = [int(line.split()[-1]) for line in text.splitlines() if line.startswith('peak memory: ')]
         memory = (f"; peak {peak[0] / 2**20:,.1f} MiB" if peak else '') + \
             (f" (model_size.py: {sum(estimate[mode].values()) / 2**20:,.1f} MiB)" if mode in estimate else '')
-        row('C', f'{script} speed', code == 0 and ms is not None and (dry or goal is None or ratio >= goal),
-            f"{ms:.1f} ms/iter, {ratio:.2f}x train.py" + (f" (goal {goal}x)" if goal else '') + memory +
-            traced(text, ms) + host if ms else exited(code, secs))
+        against = (f", {plain[script] / ms:.2f}x {script} as it is" if plain.get(script) else '') if lever else \
+            (f" (goal {goal}x)" if goal else '')
+        row('C', what, code == 0 and ms is not None and (dry or lever or goal is None or ratio >= goal),
+            f"{ms:.1f} ms/iter, {ratio:.2f}x train.py" + against + memory + traced(text, ms) + host if ms else
+            exited(code, secs))
     # the host's time for each part of a step, plain against FSDP2, on a model too small to compute much
     code, text, secs = run('host-time', [sys.executable, os.path.join(REPO, 'tests', 'host_time.py')] +
                            (['--n_layer=2', '--iters=3'] if dry else ['--device=cuda']))

@@ -103,6 +103,17 @@ def test_resume_at_another_world_size_and_mesh(tmp_path, data_dir, ref, shared_r
     assert_same_curve(ref[1], read_metrics(tmp_path / 'run')[0], range(10))
 
 
+def test_blocks_grouped_into_fewer_units_give_the_same_curve_and_resume_a_run_of_one_block_a_unit(
+        tmp_path, data_dir, ref, shared_run):
+    # both of TINY's blocks in one unit, from a first half saved with a unit a block: the units are FSDP's
+    # grouping of the same parameters, so the checkpoint and the curve are the same
+    shutil.copytree(first_half(shared_run, 2, 1), tmp_path / 'run')
+    log = launch('fsdp_train.py', tmp_path, data_dir, 'run', '--max_iters=10', '--blocks_per_unit=2',
+                 '--init_from=resume', nproc=2)
+    assert 'FSDP units: 1 of up to 2 blocks, and the root' in log.stdout
+    assert_same_curve(ref[1], read_metrics(tmp_path / 'run')[0], range(10))
+
+
 def test_train_checkpoint_into_fsdp_and_its_export_back_to_train_and_sample(tmp_path, data_dir, ref):
     # train.py writes ckpt.pt at step 5, fsdp_train.py continues it on 2 ranks (the data stream too), exports it
     launch('train.py', tmp_path, data_dir, 'run', '--max_iters=5')
