@@ -594,8 +594,9 @@ def host_profile(name, script, steps, done):
     if not total:
         return '; no host profile (no samples of the main thread)'
     with open(os.path.join(logs, f'host-{label}.log'), 'w') as f:
-        f.write(f"{total} samples of the main thread, {busy:.0%} busy, {1 - busy:.0%} idle; the loop's lines and the "
-                f"functions under them, by the share of the samples they are in:\n")
+        f.write(f"{total} samples of the main thread, the host {busy:.0%} busy (it or the autograd engine's thread), "
+                f"{1 - busy:.0%} idle; the loop's lines and the functions under them, by the share of the samples they "
+                f"are in:\n")
         f.writelines(f'{share:6.1%}  {frame}\n' for frame, share in top[:30])
     return f"; host {busy:.0%} busy, {total} samples: " + ', '.join(
         f"{re.sub(r'[(].*/', '(', frame)} {share:.0%}" for frame, share in top[:8])  # file names without folders

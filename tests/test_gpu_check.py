@@ -155,7 +155,8 @@ def test_gpu_check_runs_only_the_checks_named(dry_runs):
         ('L', 'plain step again (the spread)', True)]
 
 
-def test_host_profile_counts_the_main_threads_samples_in_the_loops_lines_and_functions_each_once(tmp_path):
+def test_host_profile_counts_the_main_and_autograd_threads_samples_in_the_loops_lines_and_functions_each_once(
+        tmp_path):
     sys.path.insert(0, str(REPO / 'tests'))
     from hostprofile import summary
     # py-spy record --threads -f raw: a stack a line, the thread first, the count last; the script run by a wrapper
@@ -166,14 +167,21 @@ def test_host_profile_counts_the_main_threads_samples_in_the_loops_lines_and_fun
         f"{loop}363) 3\n"  # .item() waits for the device: C under the loop's line
         f"{loop}336);_call_impl (torch/nn/modules/module.py:1789);forward (model.py:192) 1\n"
         "thread (7): MainThread;named_modules (torch/nn/modules/module.py:2881) 1\n"  # torn: in no line of the loop
-        "thread (9): Thread-1 (beat);run (threading.py:982);beat (runlock.py:109) 40\n")  # not the main thread
-    (tmp_path / 'busy.txt').write_text(f"{loop}340);backward (torch/_tensor.py:623) 8\n"
-                                       "thread (9): Thread-1 (beat);beat (runlock.py:109) 40\n")
+        "thread (9): Thread-1 (beat);run (threading.py:982);beat (runlock.py:109) 40\n"  # Python's: not the host's
+        # the autograd engine's thread (started in C++: no name), working while the main thread waits in backward
+        "thread (11);apply (torch/autograd/function.py:317);post_backward (fsdp/_fsdp_param_group.py:400) 3\n"
+        "thread (11) 5\n")  # idle: no frames
+    (tmp_path / 'busy.txt').write_text(
+        f"{loop}340);backward (torch/_tensor.py:623) 5\n"
+        "thread (9): Thread-1 (beat);beat (runlock.py:109) 40\n"
+        "thread (11);apply (torch/autograd/function.py:317);post_backward (fsdp/_fsdp_param_group.py:400) 3\n")
     total, busy, top = summary(tmp_path / 'all.txt', tmp_path / 'busy.txt', 'train.py')
-    assert total == 11 and busy == 8 / 11
-    # backward twice in a stack counts once; of _call_impl and forward, in the same stacks, the inner one is kept
-    assert top == [('train.py:340', 6 / 11), ('backward (torch/_tensor.py)', 6 / 11), ('train.py:363', 3 / 11),
-                   ('post_backward (fsdp/_fsdp_param_group.py)', 2 / 11), ('train.py:336', 1 / 11),
+    assert total == 11 and busy == (5 + 3) / 11  # the main thread's samples, busy in it or in the engine's
+    # backward twice in a stack counts once; of _call_impl and forward, in the same stacks, the inner one is kept;
+    # the engine's frames count where they are
+    assert top == [('train.py:340', 6 / 11), ('backward (torch/_tensor.py)', 6 / 11),
+                   ('post_backward (fsdp/_fsdp_param_group.py)', 5 / 11), ('train.py:363', 3 / 11),
+                   ('apply (torch/autograd/function.py)', 3 / 11), ('train.py:336', 1 / 11),
                    ('forward (model.py)', 1 / 11)]
 
 
