@@ -97,6 +97,7 @@ zero_stage = 2  # 0: data parallel; 1: optimizer state sharded; 2: and gradients
 offload_optimizer = 'none'  # 'none', 'cpu' (optimizer state and step in CPU memory) or an NVMe folder (stage 3)
 offload_params = 'none'  # 'none', 'cpu' or an NVMe folder: parameters between uses (stage 3)
 ds_config = ''  # a DeepSpeed config JSON file whose entries are added to the generated config (never contradict it)
+overflow_by_norm = False  # ZeRO 1-2 in bf16/fp16: a non-finite gradient found by the global norm alone (a lever)
 save_consolidated = True  # with each checkpoint also write out_dir/ckpt.pt in train.py's format (gathered on rank 0)
 # -----------------------------------------------------------------------------
 # the deepspeed launcher adds --local_rank=K, which says what LOCAL_RANK in the environment says
@@ -110,8 +111,8 @@ try:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from ds_state import (ZERO3_COMPILED, DeferredWrites, add_config_file, bucket_sizes, check_offload,
                           checkpoint_iter_at, engine_folders, engine_state, copy_recovery_scripts, gather_state,
-                          guard_step, layout_words, load_state, offload, on_this_job, remove_shm_buffer_name,
-                          state_bytes)
+                          guard_step, layout_words, load_state, offload, on_this_job, overflow_by_norm_alone,
+                          remove_shm_buffer_name, state_bytes)
 except ImportError as e:
     sys.exit(f"error: ds_train.py needs DeepSpeed ({e}): pip install deepspeed==0.19.8")
 # DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates, and torch says so at each call
@@ -135,6 +136,10 @@ if zero_stage not in (0, 1, 2, 3):
     sys.exit(f"error: zero_stage={zero_stage} is not one of 0 (data parallel), 1 (optimizer state sharded), "
              f"2 (and gradients), 3 (and parameters)")
 check_offload(offload_optimizer, offload_params, zero_stage)
+if overflow_by_norm and (zero_stage not in (1, 2) or dtype == 'float32' or offload_optimizer != 'none'):
+    sys.exit(f"error: overflow_by_norm=True is for ZeRO stages 1 and 2 in bfloat16 or float16 without an offloaded "
+             f"optimizer (the others check no gradient one by one), not zero_stage={zero_stage}, dtype={dtype}, "
+             f"offload_optimizer={offload_optimizer}: drop it")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
 rank, local_rank, world_size = start(backend, device, deepspeed=True)
@@ -304,6 +309,9 @@ ds_cfg = {
 if ds_config:  # a user's settings, added where they contradict none of ours
     add_config_file(ds_cfg, ds_config)
 bucket_sizes(ds_cfg['zero_optimization'], sum(p.numel() for p in model.parameters()))  # the model's, not 5e8
+if overflow_by_norm and not ds_cfg['zero_optimization'].get('compute_grad_norm', True):
+    sys.exit(f"error: overflow_by_norm=True finds a non-finite gradient by the global norm, which {ds_config} turns "
+             f"off (compute_grad_norm): drop one of them")
 try:
     model, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_cfg)
 except ValueError as e:  # pydantic's errors about ds_config's settings among them: the class, the field, the reason
@@ -311,6 +319,9 @@ except ValueError as e:  # pydantic's errors about ds_config's settings among th
     sys.exit(f"error: DeepSpeed rejects the config ({why}){f': check {ds_config}' if ds_config else ''}")
 if zero_stage == 0 and dtype == 'float32':
     guard_step(model.optimizer)  # DeepSpeed steps our AdamW unchecked here: a non-finite step is skipped as ZeRO's are
+if overflow_by_norm:  # a lever of the host's time, off until a GPU run shows it pays
+    overflow_by_norm_alone(model.optimizer)
+    print0("a non-finite gradient is found by the global norm alone")
 model.checkpoint_engine = DeferredWrites()  # its saves are ours to write in the background
 model._copy_recovery_script = copy_recovery_scripts  # once, whole or not at all, beside storage only
 

@@ -628,18 +628,15 @@ def part_c():
                                        '--vocab_size=65'] + size)
     estimate = json.loads(text.strip().splitlines()[-1]) if code == 0 else {}
     # the modes, then the levers of their host's time, each timed against train.py and the mode as it is: FSDP's
-    # units of several blocks, and its blocks kept gathered from forward to backward; DeepSpeed without its overflow
-    # check of each gradient (a measurement only: bf16 steps then go unchecked, and ds_train.py never runs so)
-    no_check = os.path.join(work, 'no_overflow_check.json')
-    with open(no_check, 'w') as f:
-        json.dump({'bf16': {'check_grad_overflow': False}}, f)
+    # units of several blocks, and its blocks kept gathered from forward to backward; DeepSpeed's check of each
+    # gradient left to the global norm (in bf16 in a dry run too: fp32 has no such check)
     fsdp, ds = ('fsdp_train.py', [], 0.9, 'ZeRO-3 / FSDP'), ('ds_train.py', ['--zero_stage=2'], 0.85, 'ZeRO-2')
     runs = [(('train.py', [], None, 'DDP'), '', []), (fsdp, '', []), (ds, '', []),
             (('decent_train.py', [], 0.9, 'DDP'), '', []),
             (fsdp, 'blocks_per_unit=4', ['--blocks_per_unit=4']),
             (fsdp, 'blocks_per_unit=12', ['--blocks_per_unit=12']),
             (fsdp, 'reshard_after_forward=False', ['--reshard_after_forward=False']),
-            (ds, "DeepSpeed's overflow check off", [f'--ds_config={no_check}'])]
+            (ds, 'overflow_by_norm=True', ['--overflow_by_norm=True'] + ['--dtype=bfloat16'] * dry)]
     plain = {}  # script -> its ms as it is
     for (script, extra, goal, mode), lever, flags in runs:
         what = f'{script} speed' + (f', {lever}' if lever else '')
