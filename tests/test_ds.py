@@ -205,6 +205,10 @@ def test_bad_input(tmp_path, data_dir, stages):
     def fails(*args):
         return one_line_error(launch('ds_train.py', tmp_path, data_dir, 'bad', *args, check=False))
     assert 'zero_stage=4 is not one of 0' in fails('--zero_stage=4')
+    assert 'overflow_by_norm=True is for ZeRO stages 1 and 2 in bfloat16 or float16' in fails('--overflow_by_norm=True')
+    (tmp_path / 'no_norm.json').write_text(json.dumps({'zero_optimization': {'compute_grad_norm': False}}))
+    assert 'turns off (compute_grad_norm): drop one' in fails('--overflow_by_norm=True', '--dtype=bfloat16',
+                                                            f'--ds_config={tmp_path / "no_norm.json"}')
     # DLRover's ds_config.json's settings (its batch for 16 ranks), and two mistakes: every one refused in one line,
     # with the flags that make ours the file's. DeepSpeed itself would ignore the misspelt key, and fail on the
     # string only at the first step, after an eval
