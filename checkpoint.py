@@ -1334,8 +1334,48 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
                      f"or restore a good copy")
         sys.exit(f"error: {path} is not a model checkpoint ({reason(e)}): give a ckpt.pt, a run folder or a sharded "
                  f"checkpoint folder (dcp/step-N)")
+    model, checkpoint, path = newer_snapshot(path, model, checkpoint, dropout)
     finite_or_exit(model, path)
     return model, checkpoint
+
+
+def newer_snapshot(path, model, checkpoint, dropout):
+    """(model, checkpoint, path) of a run folder's newest state where its run was killed after its newest checkpoint
+    (checkpoint) and left a newer memory snapshot on this node: train.py's, a whole ckpt.pt, is read in its place
+    (in one process: the ranks of a run on several nodes would each read their own node's); the others' hold each
+    rank's shards or one replica, which only the run reads back, and a warning says that the checkpoint read is the
+    older state. A copy's snapshots are not this folder's (saved_for). Anything else is returned as it is."""
+    run_id, saved = os.path.join(path, 'run_id'), checkpoint.get('iter_num')
+    if not (os.path.isfile(run_id) and isinstance(saved, int)) or os.path.exists(os.path.join(path, 'extra.pt')):
+        return model, checkpoint, path  # a file, a step folder, RUN/best (the best, not the newest)
+    try:
+        with open(run_id, encoding='utf-8') as f:
+            run_id = f.read(200).strip()
+    except (OSError, UnicodeDecodeError):
+        return model, checkpoint, path
+    if not RUN_ID.fullmatch(run_id):
+        return model, checkpoint, path
+    # ds_train.py's snapshot is a step folder: its model states say which folder it was saved for
+    engine = lambda folder: torch.load(os.path.join(folder, 'mp_rank_00_model_states.pt'), map_location='cpu',
+                                       weights_only=True, mmap=True)
+    it, snapshot, writer = others_snapshot(snapshot_dir(run_id), None,
+                                           lambda p: saved_for(p, path, run_id, engine, say=False))
+    if it is None or it <= saved:
+        return model, checkpoint, path
+    read = find_checkpoint(path)
+    if os.path.basename(snapshot) == 'ckpt.pt' and int(os.environ.get('WORLD_SIZE', 1)) == 1:
+        try:
+            newer = _load(snapshot, dropout)
+            print(f"note: reading the run's memory snapshot {snapshot} (iter {it}), newer than {read} (iter {saved}): "
+                  f"the run's newest state, which it has not saved since", file=sys.stderr, flush=True)
+            return *newer, snapshot
+        except Exception as e:
+            print(f"warning: the run's memory snapshot {snapshot} (iter {it}) is damaged ({reason(e)})",
+                  file=sys.stderr, flush=True)
+    print(f"warning: reading {read} (iter {saved}), an older state than the run's memory snapshot {snapshot} (iter "
+          f"{it}), which only the run reads back: continue it with `{writer} --out_dir={path}` until it saves, "
+          f"for its newest", file=sys.stderr, flush=True)
+    return model, checkpoint, path
 
 
 def shards_snapshot_or_exit(path):

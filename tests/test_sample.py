@@ -269,3 +269,48 @@ def test_a_sharded_memory_snapshot_given_to_a_tool_says_whose_it_is(tmp_path):
         assert not (tmp_path / 'hf').exists()
     finally:
         shutil.rmtree(shm)
+
+
+def test_a_run_killed_after_its_last_save_is_read_at_its_newer_memory_snapshot(char_run, tmp_path):
+    """A run killed past its last checkpoint left a newer memory snapshot in /dev/shm: the tools read that state
+    (train.py's, a whole ckpt.pt), or warn that the checkpoint they read is older (another entrypoint's, its ranks'
+    own shards), rather than an older state without a word. A copy of the run's folder, whose run_id names the same
+    snapshots, reads its own checkpoint. Nothing in either folder is changed."""
+    from checkpoint import where_saved
+    out, copy = tmp_path / 'killed', tmp_path / 'copy'
+    shutil.copytree(char_run, out, symlinks=True)
+    run_id = f'test-{uuid.uuid4().hex}'
+    (out / 'run_id').write_text(run_id)
+    shutil.copytree(out, copy, symlinks=True)
+    shm = Path(snapshot_dir(run_id))
+    shm.mkdir()
+    try:
+        state = torch.load(out / 'ckpt.pt', weights_only=True)
+        newer = {**state, 'model': {k: v * 1.5 for k, v in state['model'].items()}, **where_saved(out),
+                 'iter_num': state['iter_num'] + 5}
+        torch.save(newer, shm / 'ckpt.pt')
+        before = sorted((f, f.stat().st_mtime_ns) for f in [*out.rglob('*'), *shm.rglob('*')])
+
+        def sample(path, flag='--out_dir'):  # run in char_run, where data/shakespeare_char/meta.pkl is
+            return run('sample.py', f'{flag}={path}', '--device=cpu', '--num_samples=1', '--max_new_tokens=40',
+                       cwd=char_run)
+        p, snapshot, older = sample(out), sample(shm / 'ckpt.pt', '--init_from'), sample(out / 'ckpt.pt', '--init_from')
+        assert p.stdout == snapshot.stdout != older.stdout, (p.stderr, older.stdout)
+        assert p.stderr == f"note: reading the run's memory snapshot {shm / 'ckpt.pt'} (iter {newer['iter_num']}), " \
+            f"newer than {out / 'ckpt.pt'} (iter {state['iter_num']}): the run's newest state, which it has not saved " \
+            f"since\n"
+        mirror = sample(copy)  # the snapshot was saved for the other folder
+        assert mirror.stdout == older.stdout and mirror.stderr == ''
+        # fsdp_train.py's snapshot holds its ranks' shards: the older checkpoint is read, and the warning says so
+        (shm / 'ckpt.pt').unlink()
+        torch.save({**newer, 'config': {**state['config'], 'tp_size': 1}}, shm / 'rank-0-of-1x1.pt')
+        before = [b for b in before if b[0].parent != shm] + [(shm / 'rank-0-of-1x1.pt',
+                                                                (shm / 'rank-0-of-1x1.pt').stat().st_mtime_ns)]
+        p = sample(out)
+        assert p.stdout == older.stdout
+        assert p.stderr == f"warning: reading {out / 'ckpt.pt'} (iter {state['iter_num']}), an older state than the " \
+            f"run's memory snapshot {shm / 'rank-0-of-1x1.pt'} (iter {newer['iter_num']}), which only the run reads " \
+            f"back: continue it with `fsdp_train.py --out_dir={out}` until it saves, for its newest\n"
+        assert sorted((f, f.stat().st_mtime_ns) for f in [*out.rglob('*'), *shm.rglob('*')]) == sorted(before)
+    finally:
+        shutil.rmtree(shm)
