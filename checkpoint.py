@@ -1334,47 +1334,54 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
                      f"or restore a good copy")
         sys.exit(f"error: {path} is not a model checkpoint ({reason(e)}): give a ckpt.pt, a run folder or a sharded "
                  f"checkpoint folder (dcp/step-N)")
-    model, checkpoint, path = newer_snapshot(path, model, checkpoint, dropout)
+    model, checkpoint, path = newer_state(path, model, checkpoint, dropout)
     finite_or_exit(model, path)
     return model, checkpoint
 
 
-def newer_snapshot(path, model, checkpoint, dropout):
-    """(model, checkpoint, path) of a run folder's newest state where its run was killed after its newest checkpoint
-    (checkpoint) and left a newer memory snapshot on this node: train.py's, a whole ckpt.pt, is read in its place
-    (in one process: the ranks of a run on several nodes would each read their own node's); the others' hold each
-    rank's shards or one replica, which only the run reads back, and a warning says that the checkpoint read is the
-    older state. A copy's snapshots are not this folder's (saved_for). Anything else is returned as it is."""
-    run_id, saved = os.path.join(path, 'run_id'), checkpoint.get('iter_num')
-    if not (os.path.isfile(run_id) and isinstance(saved, int)) or os.path.exists(os.path.join(path, 'extra.pt')):
-        return model, checkpoint, path  # a file, a step folder, RUN/best (the best, not the newest)
-    try:
-        with open(run_id, encoding='utf-8') as f:
-            run_id = f.read(200).strip()
-    except (OSError, UnicodeDecodeError):
+def newer_state(path, model, checkpoint, dropout):
+    """(model, checkpoint, path) of a run folder's newest state (or RUN/best's best) where the checkpoint read
+    (checkpoint) is not it. A run killed after its last checkpoint left a newer memory snapshot on this node:
+    train.py's, a whole ckpt.pt, is read in its place (in one process: the ranks of a run on several nodes would each
+    read their own node's). ds_train.py's step folders newer than its ckpt.pt (save_consolidated=False since), and
+    the other snapshots (ranks' shards, or one replica) are read back by their run alone: a warning says that the
+    state read is older, and how to have the newest. A copy's snapshots are not this folder's (saved_for)."""
+    run, best = (path, False) if os.path.isdir(path) else (os.path.dirname(os.path.normpath(path)), True)
+    saved, read = checkpoint.get('iter_num'), find_checkpoint(path)
+    if not isinstance(saved, int) or os.path.exists(os.path.join(path, 'extra.pt')) or \
+            best and os.path.basename(os.path.normpath(path)) != 'best' or not os.path.isdir(run or '.'):
+        return model, checkpoint, path  # a file or a step folder: the state it names
+    newer = []  # (iter_num, path, writer, what it is, how to have it)
+    for kind in ('ds', 'decent'):  # their step folders, beside the ckpt.pt (best.pt) that holds their whole model
+        name = read_name(os.path.join(run, kind, 'best' if best else 'latest')) or ''
+        if re.fullmatch(r'(best-)?step-\d{1,12}', name) and os.path.isdir(os.path.join(run, kind, name)):
+            fix = "--save_consolidated=True until it saves" if kind == 'ds' else "until it saves"
+            newer.append((int(name.split('-')[-1]), os.path.join(run, kind, name), f'{kind}_train.py',
+                          'its step folder', fix))
+    run_id = read_name(os.path.join(run, 'run_id')) or ''
+    if not best and RUN_ID.fullmatch(run_id):
+        # ds_train.py's snapshot is a step folder: its model states say which folder it was saved for
+        engine = lambda folder: torch.load(os.path.join(folder, 'mp_rank_00_model_states.pt'), map_location='cpu',
+                                           weights_only=True, mmap=True)
+        it, snapshot, writer = others_snapshot(snapshot_dir(run_id), None,
+                                               lambda p: saved_for(p, run, run_id, engine, say=False))
+        if it is not None:
+            newer.append((it, snapshot, writer, "the run's memory snapshot", "until it saves"))
+    it, state, writer, what, fix = max(newer, key=lambda n: n[0], default=(-1, None, None, None, None))
+    if it <= saved:
         return model, checkpoint, path
-    if not RUN_ID.fullmatch(run_id):
-        return model, checkpoint, path
-    # ds_train.py's snapshot is a step folder: its model states say which folder it was saved for
-    engine = lambda folder: torch.load(os.path.join(folder, 'mp_rank_00_model_states.pt'), map_location='cpu',
-                                       weights_only=True, mmap=True)
-    it, snapshot, writer = others_snapshot(snapshot_dir(run_id), None,
-                                           lambda p: saved_for(p, path, run_id, engine, say=False))
-    if it is None or it <= saved:
-        return model, checkpoint, path
-    read = find_checkpoint(path)
-    if os.path.basename(snapshot) == 'ckpt.pt' and int(os.environ.get('WORLD_SIZE', 1)) == 1:
+    if os.path.basename(state) == 'ckpt.pt' and int(os.environ.get('WORLD_SIZE', 1)) == 1:  # train.py's snapshot
         try:
-            newer = _load(snapshot, dropout)
-            print(f"note: reading the run's memory snapshot {snapshot} (iter {it}), newer than {read} (iter {saved}): "
+            whole = _load(state, dropout)
+            print(f"note: reading the run's memory snapshot {state} (iter {it}), newer than {read} (iter {saved}): "
                   f"the run's newest state, which it has not saved since", file=sys.stderr, flush=True)
-            return *newer, snapshot
+            return *whole, state
         except Exception as e:
-            print(f"warning: the run's memory snapshot {snapshot} (iter {it}) is damaged ({reason(e)})",
+            print(f"warning: the run's memory snapshot {state} (iter {it}) is damaged ({reason(e)})",
                   file=sys.stderr, flush=True)
-    print(f"warning: reading {read} (iter {saved}), an older state than the run's memory snapshot {snapshot} (iter "
-          f"{it}), which only the run reads back: continue it with `{writer} --out_dir={path}` until it saves, "
-          f"for its newest", file=sys.stderr, flush=True)
+    print(f"warning: reading {read} (iter {saved}), an older state than {what} {state} (iter {it}), which only "
+          f"{writer} reads back: continue it with `{writer} --out_dir={run}` {fix}, for that state", file=sys.stderr,
+          flush=True)
     return model, checkpoint, path
 
 

@@ -309,8 +309,26 @@ def test_a_run_killed_after_its_last_save_is_read_at_its_newer_memory_snapshot(c
         p = sample(out)
         assert p.stdout == older.stdout
         assert p.stderr == f"warning: reading {out / 'ckpt.pt'} (iter {state['iter_num']}), an older state than the " \
-            f"run's memory snapshot {shm / 'rank-0-of-1x1.pt'} (iter {newer['iter_num']}), which only the run reads " \
-            f"back: continue it with `fsdp_train.py --out_dir={out}` until it saves, for its newest\n"
+            f"run's memory snapshot {shm / 'rank-0-of-1x1.pt'} (iter {newer['iter_num']}), which only fsdp_train.py " \
+            f"reads back: continue it with `fsdp_train.py --out_dir={out}` until it saves, for that state\n"
         assert sorted((f, f.stat().st_mtime_ns) for f in [*out.rglob('*'), *shm.rglob('*')]) == sorted(before)
     finally:
         shutil.rmtree(shm)
+
+
+def test_a_deepspeed_run_saved_since_its_export_says_that_what_the_tool_reads_is_older(char_run, tmp_path):
+    """A ds_train.py run continued with save_consolidated=False holds step folders newer than its ckpt.pt and best.pt,
+    which only ds_train.py reads: a tool reads the export, and says that it is older and how to have the newest,
+    rather than an older state without a word."""
+    out = tmp_path / 'run'
+    shutil.copytree(char_run, out, symlinks=True)
+    saved = torch.load(out / 'ckpt.pt', weights_only=True, mmap=True)['iter_num']
+    for name, pointer in ((f'step-{saved + 10:08d}', 'latest'), (f'best-step-{saved + 10:08d}', 'best')):
+        (out / 'ds' / name).mkdir(parents=True)
+        (out / 'ds' / pointer).write_text(name)
+    for path, read, newer in ((out, 'ckpt.pt', 'latest'), (out / 'best', 'best.pt', 'best')):
+        p = run('sample.py', f'--init_from={path}', '--device=cpu', '--num_samples=1', '--max_new_tokens=5',
+                cwd=char_run)
+        assert p.stderr == f"warning: reading {out / read} (iter {saved}), an older state than its step folder " \
+            f"{out / 'ds' / (out / 'ds' / newer).read_text()} (iter {saved + 10}), which only ds_train.py reads back: " \
+            f"continue it with `ds_train.py --out_dir={out}` --save_consolidated=True until it saves, for that state\n"
