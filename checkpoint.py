@@ -61,11 +61,17 @@ def find_checkpoint(path):
         return best_pt if _saved_iter(best_pt) >= int(name[10:]) else os.path.join(run, 'dcp', name)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, 'extra.pt')):
         latest = os.path.join(path, 'dcp', 'latest')
-        if os.path.exists(latest):
-            name = _named(latest, r'step-\d+', 'step-N')
+        # a step folder is complete once it holds .metadata, which DCP writes last: one newer than latest names (the
+        # run killed before it pointed latest at it, or at any) is the run's newest, which its resume takes too
+        done = next((f for f in step_folders(os.path.join(path, 'dcp'))
+                     if re.fullmatch(r'step-\d+', os.path.basename(f)) and os.path.isfile(os.path.join(f, '.metadata'))),
+                    None)
+        if os.path.exists(latest) or done:
+            named = os.path.join(path, 'dcp', _named(latest, r'step-\d+', 'step-N')) if os.path.exists(latest) else done
+            step = max(filter(None, (named, done)), key=lambda f: int(os.path.basename(f)[5:]))
             # the newer of it and ckpt.pt, which is newer where train.py continued the run from its export
             ckpt = os.path.join(path, 'ckpt.pt')
-            return ckpt if _saved_iter(ckpt) > int(name[5:]) else os.path.join(path, 'dcp', name)
+            return ckpt if _saved_iter(ckpt) > int(os.path.basename(step)[5:]) else step
         return os.path.join(path, 'ckpt.pt')
     return path
 
