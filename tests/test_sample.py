@@ -177,10 +177,14 @@ def test_export_hf_bad_input(char_run, tmp_path):
     (tmp_path / 'file').write_text('not a folder')
     for out, message in ((tmp_path / 'file' / 'hf', f"cannot write {tmp_path / 'file' / 'hf'}: {tmp_path / 'file'} "
                           "is not a writable folder; give --out=PATH in one"),
-                         (tmp_path / 'file', f"{tmp_path / 'file'} exists: give a new folder with --out=PATH")):
+                         (tmp_path / 'file', f"{tmp_path / 'file'} exists: give a new folder with --out=PATH"),
+                         # a link to a folder not made yet is the user's name too: it said "cannot write" at the end
+                         (tmp_path / 'link', f"{tmp_path / 'link'} exists: give a new folder with --out=PATH")):
+        (tmp_path / 'link').unlink(missing_ok=True)
+        (tmp_path / 'link').symlink_to(tmp_path / 'later')
         p = run('export_hf.py', f'--ckpt={char_run}', f'--out={out}', cwd=tmp_path, check=False)
         assert message in one_line_error(p)
-    assert sorted(f.name for f in tmp_path.iterdir()) == ['file']
+    assert sorted(f.name for f in tmp_path.iterdir()) == ['file', 'link']
 
 
 def test_export_hf_removes_what_a_killed_export_to_its_out_left_and_nothing_else(char_run, tmp_path):
