@@ -1379,12 +1379,15 @@ def newer_state(path, model, checkpoint, dropout):
     if os.path.basename(state) == 'ckpt.pt' and int(os.environ.get('WORLD_SIZE', 1)) == 1:  # train.py's snapshot
         try:
             whole = _load(state, dropout)
-            print(f"note: reading the run's memory snapshot {state} (iter {it}), newer than {read} (iter {saved}): "
-                  f"the run's newest state, which it has not saved since", file=sys.stderr, flush=True)
-            return *whole, state
-        except Exception as e:
-            print(f"warning: the run's memory snapshot {state} (iter {it}) is damaged ({reason(e)})",
-                  file=sys.stderr, flush=True)
+            if not all(torch.isfinite(p).all() for p in whole[0].parameters()):
+                raise ValueError("its weights hold inf or nan")
+        except Exception as e:  # cut short, or spoilt: the checkpoint is the newest good state
+            print(f"warning: reading {read} (iter {saved}): the run's newer memory snapshot {state} (iter {it}) does "
+                  f"not load ({reason(e)})", file=sys.stderr, flush=True)
+            return model, checkpoint, path
+        print(f"note: reading the run's memory snapshot {state} (iter {it}), newer than {read} (iter {saved}): "
+              f"the run's newest state, which it has not saved since", file=sys.stderr, flush=True)
+        return *whole, state
     print(f"warning: reading {read} (iter {saved}), an older state than {what} {state} (iter {it}), which only "
           f"{writer} reads back: continue it with `{writer} --out_dir={run}` {fix}, for that state", file=sys.stderr,
           flush=True)

@@ -305,6 +305,12 @@ def test_a_run_killed_after_its_last_save_is_read_at_its_newer_memory_snapshot(c
             f"since\n"
         mirror = sample(copy)  # the snapshot was saved for the other folder
         assert mirror.stdout == older.stdout and mirror.stderr == ''
+        # a snapshot whose weights a step spoilt is passed over for the good checkpoint, not refused as the run's
+        torch.save({**newer, 'model': {k: v * float('nan') for k, v in state['model'].items()}}, shm / 'ckpt.pt')
+        p = sample(out)
+        assert p.stdout == older.stdout and p.stderr == f"warning: reading {out / 'ckpt.pt'} (iter " \
+            f"{state['iter_num']}): the run's newer memory snapshot {shm / 'ckpt.pt'} (iter {newer['iter_num']}) " \
+            f"does not load (ValueError: its weights hold inf or nan)\n"
         # fsdp_train.py's snapshot holds its ranks' shards: the older checkpoint is read, and the warning says so
         (shm / 'ckpt.pt').unlink()
         torch.save({**newer, 'config': {**state['config'], 'tp_size': 1}}, shm / 'rank-0-of-1x1.pt')
