@@ -63,9 +63,8 @@ def find_checkpoint(path):
         latest = os.path.join(path, 'dcp', 'latest')
         # a step folder is complete once it holds .metadata, which DCP writes last: one newer than latest names (the
         # run killed before it pointed latest at it, or at any) is the run's newest, which its resume takes too
-        done = next((f for f in step_folders(os.path.join(path, 'dcp'))
-                     if re.fullmatch(r'step-\d+', os.path.basename(f)) and os.path.isfile(os.path.join(f, '.metadata'))),
-                    None)
+        done = next((f for f in step_folders(os.path.join(path, 'dcp')) if os.path.isfile(os.path.join(f, '.metadata'))
+                     and re.fullmatch(r'step-\d+', os.path.basename(f))), None)
         if os.path.exists(latest) or done:
             named = os.path.join(path, 'dcp', _named(latest, r'step-\d+', 'step-N')) if os.path.exists(latest) else done
             step = max(filter(None, (named, done)), key=lambda f: int(os.path.basename(f)[5:]))

@@ -301,8 +301,8 @@ def test_a_run_killed_after_its_last_save_is_read_at_its_newer_memory_snapshot(c
         p, snapshot, older = sample(out), sample(shm / 'ckpt.pt', '--init_from'), sample(out / 'ckpt.pt', '--init_from')
         assert p.stdout == snapshot.stdout != older.stdout, (p.stderr, older.stdout)
         assert p.stderr == f"note: reading the run's memory snapshot {shm / 'ckpt.pt'} (iter {newer['iter_num']}), " \
-            f"newer than {out / 'ckpt.pt'} (iter {state['iter_num']}): the run's newest state, which it has not saved " \
-            f"since\n"
+            f"newer than {out / 'ckpt.pt'} (iter {state['iter_num']}): the run's newest state, which it has not " \
+            f"saved since\n"
         mirror = sample(copy)  # the snapshot was saved for the other folder
         assert mirror.stdout == older.stdout and mirror.stderr == ''
         # a snapshot whose weights a step spoilt is passed over for the good checkpoint, not refused as the run's
@@ -339,6 +339,7 @@ def test_a_deepspeed_run_saved_since_its_export_says_that_what_the_tool_reads_is
     for path, read, newer in ((out, 'ckpt.pt', 'latest'), (out / 'best', 'best.pt', 'best')):
         p = run('sample.py', f'--init_from={path}', '--device=cpu', '--num_samples=1', '--max_new_tokens=5',
                 cwd=char_run)
+        step = out / 'ds' / (out / 'ds' / newer).read_text()
         assert p.stderr == f"warning: reading {out / read} (iter {saved}), an older state than its step folder " \
-            f"{out / 'ds' / (out / 'ds' / newer).read_text()} (iter {saved + 10}), which only ds_train.py reads back: " \
-            f"continue it with `ds_train.py --out_dir={out}` --save_consolidated=True until it saves, for that state\n"
+            f"{step} (iter {saved + 10}), which only ds_train.py reads back: continue it with `ds_train.py " \
+            f"--out_dir={out}` --save_consolidated=True until it saves, for that state\n"
