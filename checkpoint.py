@@ -61,11 +61,16 @@ def find_checkpoint(path):
         return best_pt if _saved_iter(best_pt) >= int(name[10:]) else os.path.join(run, 'dcp', name)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, 'extra.pt')):
         latest = os.path.join(path, 'dcp', 'latest')
-        if os.path.exists(latest):
-            name = _named(latest, r'step-\d+', 'step-N')
+        # a step folder is complete once it holds .metadata, which DCP writes last: one newer than latest names (the
+        # run killed before it pointed latest at it, or at any) is the run's newest, which its resume takes too
+        done = next((f for f in step_folders(os.path.join(path, 'dcp')) if os.path.isfile(os.path.join(f, '.metadata'))
+                     and re.fullmatch(r'step-\d+', os.path.basename(f))), None)
+        if os.path.exists(latest) or done:
+            named = os.path.join(path, 'dcp', _named(latest, r'step-\d+', 'step-N')) if os.path.exists(latest) else done
+            step = max(filter(None, (named, done)), key=lambda f: int(os.path.basename(f)[5:]))
             # the newer of it and ckpt.pt, which is newer where train.py continued the run from its export
             ckpt = os.path.join(path, 'ckpt.pt')
-            return ckpt if _saved_iter(ckpt) > int(name[5:]) else os.path.join(path, 'dcp', name)
+            return ckpt if _saved_iter(ckpt) > int(os.path.basename(step)[5:]) else step
         return os.path.join(path, 'ckpt.pt')
     return path
 
@@ -1334,8 +1339,58 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
                      f"or restore a good copy")
         sys.exit(f"error: {path} is not a model checkpoint ({reason(e)}): give a ckpt.pt, a run folder or a sharded "
                  f"checkpoint folder (dcp/step-N)")
+    model, checkpoint, path = newer_state(path, model, checkpoint, dropout)
     finite_or_exit(model, path)
     return model, checkpoint
+
+
+def newer_state(path, model, checkpoint, dropout):
+    """(model, checkpoint, path) of a run folder's newest state (or RUN/best's best) where the checkpoint read
+    (checkpoint) is not it. A run killed after its last checkpoint left a newer memory snapshot on this node:
+    train.py's, a whole ckpt.pt, is read in its place (in one process: the ranks of a run on several nodes would each
+    read their own node's). ds_train.py's step folders newer than its ckpt.pt (save_consolidated=False since), and
+    the other snapshots (ranks' shards, or one replica) are read back by their run alone: a warning says that the
+    state read is older, and how to have the newest. A copy's snapshots are not this folder's (saved_for)."""
+    run, best = (path, False) if os.path.isdir(path) else (os.path.dirname(os.path.normpath(path)), True)
+    saved, read = checkpoint.get('iter_num'), find_checkpoint(path)
+    if not isinstance(saved, int) or os.path.exists(os.path.join(path, 'extra.pt')) or \
+            best and os.path.basename(os.path.normpath(path)) != 'best' or not os.path.isdir(run or '.'):
+        return model, checkpoint, path  # a file or a step folder: the state it names
+    newer = []  # (iter_num, path, writer, what it is, how to have it)
+    for kind in ('ds', 'decent'):  # their step folders, beside the ckpt.pt (best.pt) that holds their whole model
+        name = read_name(os.path.join(run, kind, 'best' if best else 'latest')) or ''
+        if re.fullmatch(r'(best-)?step-\d{1,12}', name) and os.path.isdir(os.path.join(run, kind, name)):
+            fix = "--save_consolidated=True until it saves" if kind == 'ds' else "until it saves"
+            newer.append((int(name.split('-')[-1]), os.path.join(run, kind, name), f'{kind}_train.py',
+                          'its step folder', fix))
+    run_id = read_name(os.path.join(run, 'run_id')) or ''
+    if not best and RUN_ID.fullmatch(run_id):
+        # ds_train.py's snapshot is a step folder: its model states say which folder it was saved for
+        engine = lambda folder: torch.load(os.path.join(folder, 'mp_rank_00_model_states.pt'), map_location='cpu',
+                                           weights_only=True, mmap=True)
+        it, snapshot, writer = others_snapshot(snapshot_dir(run_id), None,
+                                               lambda p: saved_for(p, run, run_id, engine, say=False))
+        if it is not None:
+            newer.append((it, snapshot, writer, "the run's memory snapshot", "until it saves"))
+    it, state, writer, what, fix = max(newer, key=lambda n: n[0], default=(-1, None, None, None, None))
+    if it <= saved:
+        return model, checkpoint, path
+    if os.path.basename(state) == 'ckpt.pt' and int(os.environ.get('WORLD_SIZE', 1)) == 1:  # train.py's snapshot
+        try:
+            whole = _load(state, dropout)
+            if not all(torch.isfinite(p).all() for p in whole[0].parameters()):
+                raise ValueError("its weights hold inf or nan")
+        except Exception as e:  # cut short, or spoilt: the checkpoint is the newest good state
+            print(f"warning: reading {read} (iter {saved}): the run's newer memory snapshot {state} (iter {it}) does "
+                  f"not load ({reason(e)})", file=sys.stderr, flush=True)
+            return model, checkpoint, path
+        print(f"note: reading the run's memory snapshot {state} (iter {it}), newer than {read} (iter {saved}): "
+              f"the run's newest state, which it has not saved since", file=sys.stderr, flush=True)
+        return *whole, state
+    print(f"warning: reading {read} (iter {saved}), an older state than {what} {state} (iter {it}), which only "
+          f"{writer} reads back: continue it with `{writer} --out_dir={run}` {fix}, for that state", file=sys.stderr,
+          flush=True)
+    return model, checkpoint, path
 
 
 def shards_snapshot_or_exit(path):

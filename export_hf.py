@@ -77,7 +77,7 @@ def remove_dead_exports(parent, name):
 
 
 def main():
-    if os.path.exists(out):
+    if os.path.lexists(out):  # a link too, to a folder not made yet: the name is taken
         sys.exit(f"error: {out} exists: give a new folder with --out=PATH")
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
@@ -128,7 +128,7 @@ def main():
             with open(os.path.join(tmp, name), 'wb') as f:
                 f.write(data)
         let_go(tmp)  # the hold is no part of the export (unheld, a later export leaves it be)
-        if os.path.exists(out):  # made while we wrote: never replaced
+        if os.path.lexists(out):  # made while we wrote: never replaced
             raise FileExistsError(f"{out} appeared meanwhile")
         os.replace(tmp, out)  # the folder appears only when complete
     except (Exception, KeyboardInterrupt) as e:  # a full disk raises safetensors' own error, not an OSError

@@ -63,7 +63,6 @@ if dtype not in dtypes:
     sys.exit(f"error: unknown dtype={dtype!r}: use auto, {', '.join(dtypes)}")
 ptdtype = dtypes[dtype]
 ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
-torch.manual_seed(seed)
 if device_type == 'cuda':
     torch.set_float32_matmul_precision('high')  # TF32 matmuls (the API that inductor's max-autotune reads)
 
@@ -147,6 +146,7 @@ if not start_ids:
     sys.exit("error: the prompt encodes to no tokens: give a non-empty --start")
 x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]
 
+torch.manual_seed(seed)  # here, not before the model: the samples are the same however many models a read built
 with torch.no_grad(), ctx:
     for k in range(num_samples):
         y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k or None)

@@ -132,6 +132,25 @@ def test_train_checkpoint_into_fsdp_and_its_export_back_to_train_and_sample(tmp_
     assert p.stdout.count('---------------') == 2
 
 
+def test_a_tool_reads_the_newest_complete_step_folder_that_latest_does_not_name_yet(tmp_path, data_dir, shared_run):
+    # a run killed after a step folder was complete (DCP wrote its .metadata) but before latest named it resumes from
+    # that folder: a tool given the run folder said "no checkpoint at RUN/ckpt.pt" (none named yet), or read the
+    # folder before it without a word. One cut short (no .metadata) is passed over
+    from checkpoint import find_checkpoint
+    run_dir = tmp_path / 'run'
+    shutil.copytree(first_half(shared_run, 2, 1), run_dir)
+    meta = f'--meta_path={data_dir / "shakespeare_char" / "meta.pkl"}'
+    named = run('sample.py', f'--out_dir={run_dir}', meta, '--max_new_tokens=20', '--device=cpu', cwd=tmp_path)
+    (run_dir / 'dcp' / 'latest').unlink()
+    shutil.copytree(run_dir / 'dcp' / 'step-00000005', run_dir / 'dcp' / 'step-00000009')
+    (run_dir / 'dcp' / 'step-00000009' / '.metadata').unlink()
+    p = run('sample.py', f'--out_dir={run_dir}', meta, '--max_new_tokens=20', '--device=cpu', cwd=tmp_path)
+    assert p.stdout == named.stdout and p.stderr == ''
+    shutil.copytree(run_dir / 'dcp' / 'step-00000005', run_dir / 'dcp' / 'step-00000007')
+    (run_dir / 'dcp' / 'latest').write_text('step-00000005')
+    assert find_checkpoint(str(run_dir)) == str(run_dir / 'dcp' / 'step-00000007')
+
+
 def test_per_rank_state_with_two_ranks_is_at_most_0_6_of_one(shared_run, fsdp2):
     # one process without torchrun: fsdp_train.py makes its own group of one (the first half of the 1 -> 2 resume)
     one_process = first_half(shared_run, 1, 1)

@@ -101,11 +101,13 @@ def test_a_tool_reads_a_run_in_progress_whose_latest_moves_on_while_it_reads(tri
     for step in ('step-00000003', 'step-00000004'):
         shutil.copytree(trip / 'b' / 'dcp' / 'step-00000003', out / 'dcp' / step)
     (out / 'dcp' / 'latest').write_text('step-00000003')
+    (out / 'dcp' / 'step-00000004' / '.metadata').rename(out / 'metadata')  # step 4 is being written
     load, read = checkpoint._load, []
 
     def load_as_the_run_moves_on(path, dropout):
         read.append(os.path.basename(path))
-        if len(read) == 1:  # the run commits step 4 and prunes step 3 as this read begins
+        if len(read) == 1:  # the run completes and commits step 4, and prunes step 3, as this read begins
+            (out / 'metadata').rename(out / 'dcp' / 'step-00000004' / '.metadata')
             (out / 'dcp' / 'latest').write_text('step-00000004')
             shutil.rmtree(out / 'dcp' / 'step-00000003')
         return load(path, dropout)

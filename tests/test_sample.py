@@ -177,10 +177,14 @@ def test_export_hf_bad_input(char_run, tmp_path):
     (tmp_path / 'file').write_text('not a folder')
     for out, message in ((tmp_path / 'file' / 'hf', f"cannot write {tmp_path / 'file' / 'hf'}: {tmp_path / 'file'} "
                           "is not a writable folder; give --out=PATH in one"),
-                         (tmp_path / 'file', f"{tmp_path / 'file'} exists: give a new folder with --out=PATH")):
+                         (tmp_path / 'file', f"{tmp_path / 'file'} exists: give a new folder with --out=PATH"),
+                         # a link to a folder not made yet is the user's name too: it said "cannot write" at the end
+                         (tmp_path / 'link', f"{tmp_path / 'link'} exists: give a new folder with --out=PATH")):
+        (tmp_path / 'link').unlink(missing_ok=True)
+        (tmp_path / 'link').symlink_to(tmp_path / 'later')
         p = run('export_hf.py', f'--ckpt={char_run}', f'--out={out}', cwd=tmp_path, check=False)
         assert message in one_line_error(p)
-    assert sorted(f.name for f in tmp_path.iterdir()) == ['file']
+    assert sorted(f.name for f in tmp_path.iterdir()) == ['file', 'link']
 
 
 def test_export_hf_removes_what_a_killed_export_to_its_out_left_and_nothing_else(char_run, tmp_path):
@@ -269,3 +273,73 @@ def test_a_sharded_memory_snapshot_given_to_a_tool_says_whose_it_is(tmp_path):
         assert not (tmp_path / 'hf').exists()
     finally:
         shutil.rmtree(shm)
+
+
+def test_a_run_killed_after_its_last_save_is_read_at_its_newer_memory_snapshot(char_run, tmp_path):
+    """A run killed past its last checkpoint left a newer memory snapshot in /dev/shm: the tools read that state
+    (train.py's, a whole ckpt.pt), or warn that the checkpoint they read is older (another entrypoint's, its ranks'
+    own shards), rather than an older state without a word. A copy of the run's folder, whose run_id names the same
+    snapshots, reads its own checkpoint. Nothing in either folder is changed."""
+    from checkpoint import where_saved
+    out, copy = tmp_path / 'killed', tmp_path / 'copy'
+    shutil.copytree(char_run, out, symlinks=True)
+    run_id = f'test-{uuid.uuid4().hex}'
+    (out / 'run_id').write_text(run_id)
+    shutil.copytree(out, copy, symlinks=True)
+    shm = Path(snapshot_dir(run_id))
+    shm.mkdir()
+    try:
+        state = torch.load(out / 'ckpt.pt', weights_only=True)
+        newer = {**state, 'model': {k: v * 1.5 for k, v in state['model'].items()}, **where_saved(out),
+                 'iter_num': state['iter_num'] + 5}
+        torch.save(newer, shm / 'ckpt.pt')
+        before = sorted((f, f.stat().st_mtime_ns) for f in [*out.rglob('*'), *shm.rglob('*')])
+
+        def sample(path, flag='--out_dir'):  # run in char_run, where data/shakespeare_char/meta.pkl is
+            return run('sample.py', f'{flag}={path}', '--device=cpu', '--num_samples=1', '--max_new_tokens=40',
+                       cwd=char_run)
+        p, snapshot, older = sample(out), sample(shm / 'ckpt.pt', '--init_from'), sample(out / 'ckpt.pt', '--init_from')
+        assert p.stdout == snapshot.stdout != older.stdout, (p.stderr, older.stdout)
+        assert p.stderr == f"note: reading the run's memory snapshot {shm / 'ckpt.pt'} (iter {newer['iter_num']}), " \
+            f"newer than {out / 'ckpt.pt'} (iter {state['iter_num']}): the run's newest state, which it has not " \
+            f"saved since\n"
+        mirror = sample(copy)  # the snapshot was saved for the other folder
+        assert mirror.stdout == older.stdout and mirror.stderr == ''
+        # a snapshot whose weights a step spoilt is passed over for the good checkpoint, not refused as the run's
+        torch.save({**newer, 'model': {k: v * float('nan') for k, v in state['model'].items()}}, shm / 'ckpt.pt')
+        p = sample(out)
+        assert p.stdout == older.stdout and p.stderr == f"warning: reading {out / 'ckpt.pt'} (iter " \
+            f"{state['iter_num']}): the run's newer memory snapshot {shm / 'ckpt.pt'} (iter {newer['iter_num']}) " \
+            f"does not load (ValueError: its weights hold inf or nan)\n"
+        # fsdp_train.py's snapshot holds its ranks' shards: the older checkpoint is read, and the warning says so
+        (shm / 'ckpt.pt').unlink()
+        torch.save({**newer, 'config': {**state['config'], 'tp_size': 1}}, shm / 'rank-0-of-1x1.pt')
+        before = [b for b in before if b[0].parent != shm] + [(shm / 'rank-0-of-1x1.pt',
+                                                                (shm / 'rank-0-of-1x1.pt').stat().st_mtime_ns)]
+        p = sample(out)
+        assert p.stdout == older.stdout
+        assert p.stderr == f"warning: reading {out / 'ckpt.pt'} (iter {state['iter_num']}), an older state than the " \
+            f"run's memory snapshot {shm / 'rank-0-of-1x1.pt'} (iter {newer['iter_num']}), which only fsdp_train.py " \
+            f"reads back: continue it with `fsdp_train.py --out_dir={out}` until it saves, for that state\n"
+        assert sorted((f, f.stat().st_mtime_ns) for f in [*out.rglob('*'), *shm.rglob('*')]) == sorted(before)
+    finally:
+        shutil.rmtree(shm)
+
+
+def test_a_deepspeed_run_saved_since_its_export_says_that_what_the_tool_reads_is_older(char_run, tmp_path):
+    """A ds_train.py run continued with save_consolidated=False holds step folders newer than its ckpt.pt and best.pt,
+    which only ds_train.py reads: a tool reads the export, and says that it is older and how to have the newest,
+    rather than an older state without a word."""
+    out = tmp_path / 'run'
+    shutil.copytree(char_run, out, symlinks=True)
+    saved = torch.load(out / 'ckpt.pt', weights_only=True, mmap=True)['iter_num']
+    for name, pointer in ((f'step-{saved + 10:08d}', 'latest'), (f'best-step-{saved + 10:08d}', 'best')):
+        (out / 'ds' / name).mkdir(parents=True)
+        (out / 'ds' / pointer).write_text(name)
+    for path, read, newer in ((out, 'ckpt.pt', 'latest'), (out / 'best', 'best.pt', 'best')):
+        p = run('sample.py', f'--init_from={path}', '--device=cpu', '--num_samples=1', '--max_new_tokens=5',
+                cwd=char_run)
+        step = out / 'ds' / (out / 'ds' / newer).read_text()
+        assert p.stderr == f"warning: reading {out / read} (iter {saved}), an older state than its step folder " \
+            f"{step} (iter {saved + 10}), which only ds_train.py reads back: continue it with `ds_train.py " \
+            f"--out_dir={out}` --save_consolidated=True until it saves, for that state\n"
