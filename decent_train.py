@@ -32,9 +32,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import (commit, create_model, find_resume, finish_saves, kept, previous, reason, remove_snapshots,
-                        save_in_background, snapshot_dir, step_folders, upgrade_optimizer_state, wait_for_copies,
-                        wait_for_saves, where_saved)
+from checkpoint import (commit, create_model, find_resume, finish_saves, is_snapshot, kept, previous, reason,
+                        remove_snapshots, save_in_background, snapshot_dir, step_folders, upgrade_optimizer_state,
+                        wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from decent import (average_moments, average_replicas, check_diloco, global_model, make_bucket, make_mixing_groups,
@@ -303,14 +303,16 @@ if diloco_steps:  # θ_global beside the replica, bucket by bucket; each bucket'
 if checkpoint is not None:
     saved_config = checkpoint.get('config', {})
     saved_optimizer = saved_config.get('replica_optimizer', saved_config.get('optimizer', 'adamw'))  # its old name
+    # a memory snapshot's state is in no ckpt.pt yet (there may be none, or an older one): the run has to save it first
+    saved_first = f"once a resume has saved it to {out_dir} (SIGTERM does) " if is_snapshot(resume_path) else ""
     if 'optimizers' in checkpoint and saved_optimizer != replica_optimizer:
         sys.exit(f"error: {resume_path} holds the state of replica_optimizer={saved_optimizer}: resume with "
-                 f"--replica_optimizer={saved_optimizer}, or start a new run from its averaged weights with "
-                 f"--init_from={ckpt_path} and another --out_dir")
+                 f"--replica_optimizer={saved_optimizer}, or {saved_first}start a new run from its averaged weights "
+                 f"with --init_from={ckpt_path} and another --out_dir")
     if 'diloco' in checkpoint and not diloco_steps:  # a forgotten flag, most likely (a folder's, or ckpt.pt's)
         sys.exit(f"error: {resume_path} holds a DiLoCo run (diloco_steps={saved_config.get('diloco_steps')}): resume "
-                 f"with its --diloco_steps, or start a gossip run from its global model with --init_from={ckpt_path} "
-                 f"and another --out_dir")
+                 f"with its --diloco_steps, or {saved_first}start a gossip run from its global model with "
+                 f"--init_from={ckpt_path} and another --out_dir")
     try:
         if 'optimizers' in checkpoint:  # this script's: every bucket's own
             for optimizer, state in zip(optimizers, checkpoint['optimizers'], strict=True):

@@ -7,13 +7,18 @@ and export_hf.py; bad DiLoCo keys are one-line errors."""
 
 import json
 import shutil
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY, one_line_error, read_metrics, run
+from checkpoint import snapshot_dir
+from conftest import TINY, begin, one_line_error, read_metrics, run
 from decent import fragment_of
+from launcher import finish
+from test_fault import logged_iters
 
 
 def launch(tmp_path, data_dir, out, *extra, nproc=1, check=True):
@@ -140,6 +145,40 @@ def test_a_diloco_run_resumed_without_diloco_steps_is_refused_and_kept(tmp_path,
     p = launch(tmp_path, data_dir, 'run', *[a for a in ARGS if 'diloco' not in a], '--max_iters=8', check=False)
     assert 'holds a DiLoCo run (diloco_steps=3): resume with its --diloco_steps' in one_line_error(p)  # it went on
     assert {f: f.read_bytes() for f in (tmp_path / 'run').rglob('*') if f.is_file() and f.name != 'run.lock'} == before
+
+
+def test_a_diloco_memory_snapshot_resumed_without_diloco_steps_names_a_fix_that_works(tmp_path, data_dir):
+    # a run SIGKILLed with its state in memory snapshots only: the refusal named --init_from=out_dir/ckpt.pt, which no
+    # run had written yet (or, past a storage checkpoint, an older state than the snapshot's)
+    out = tmp_path / 'run'
+    args = [*TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}', *ARGS, '--eval_interval=1000',
+            '--save_memory_interval=2']
+    p, started = begin('decent_train.py', *args, '--max_iters=100000', cwd=tmp_path)
+    try:
+        while not (logged_iters(out) and logged_iters(out)[-1] >= 5):
+            assert p.exitcode is None
+            time.sleep(0.005)
+    finally:
+        p.kill()
+        finish(started)
+    shm = Path(snapshot_dir((out / 'run_id').read_text().strip()))
+    try:
+        assert not (out / 'ckpt.pt').exists() and list(shm.glob('rank-0-of-1*.pt'))
+        before = {f: f.read_bytes() for f in out.rglob('*') if f.is_file() and f.name != 'run.lock'}
+        gossip = [a for a in args if not a.startswith('--diloco')]
+        r = run('decent_train.py', *gossip, '--max_iters=8', cwd=tmp_path, check=False)
+        assert one_line_error(r).endswith(f"holds a DiLoCo run (diloco_steps=3): resume with its --diloco_steps, or "
+                                          f"once a resume has saved it to {out} (SIGTERM does) start a gossip run "
+                                          f"from its global model with --init_from={out / 'ckpt.pt'} and another "
+                                          f"--out_dir")
+        assert {f: f.read_bytes() for f in out.rglob('*') if f.is_file() and f.name != 'run.lock'} == before
+        # the fix it names: the resume saves ckpt.pt (at its end here), which starts the gossip run
+        r = run('decent_train.py', *args, '--max_iters=8', cwd=tmp_path)
+        assert 'resuming from ' + str(shm) in r.stdout and load(out / 'ckpt.pt')['iter_num'] == 8
+        elsewhere = [a for a in gossip if not a.startswith('--out_dir')] + [f'--out_dir={tmp_path / "gossip"}']
+        run('decent_train.py', *elsewhere, '--max_iters=9', f'--init_from={out / "ckpt.pt"}', cwd=tmp_path)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def test_ckpt_pt_holds_the_global_model_for_sample_and_export(tmp_path, data_dir, windows):
