@@ -261,6 +261,37 @@ def test_streaming_resume_with_an_outer_step_in_flight_repeats_the_uninterrupted
         assert all(torch.equal(x, y) for x, y in zip(a['diloco']['outer'], b['diloco']['outer']))
 
 
+def test_a_sigkilled_streaming_run_resumes_from_its_memory_snapshot_with_an_outer_step_in_flight_exactly(tmp_path,
+                                                                                                        data_dir):
+    # one rank, a snapshot every 2 steps: each holds one fragment's outer step in flight (its window ended after step
+    # 3 or 1 of the 4, it lands 1 step later), which the resume has to land on time
+    args = [*TINY, f'--dataset={data_dir / "shakespeare_char"}', *STREAMING, '--save_memory_interval=2',
+            '--eval_interval=1000']  # no checkpoint in out_dir before the kill
+    run('decent_train.py', *args, f'--out_dir={tmp_path / "full"}', '--max_iters=12', cwd=tmp_path)
+    out = tmp_path / 'ft'
+    p, started = begin('decent_train.py', *args, f'--out_dir={out}', '--max_iters=100000', cwd=tmp_path)
+    try:
+        while not (logged_iters(out) and logged_iters(out)[-1] >= 7):
+            assert p.exitcode is None
+            time.sleep(0.005)
+    finally:
+        p.kill()
+        finish(started)
+    shm = Path(snapshot_dir((out / 'run_id').read_text().strip()))
+    try:
+        held = load(shm / 'rank-0-of-1.pt')['diloco']
+        assert sum(g is not None for g in held['pending']) in (1, 2) and not (out / 'decent').exists()
+        r = run('decent_train.py', *args, f'--out_dir={out}', '--max_iters=12', cwd=tmp_path)
+        assert 'resuming from ' + str(shm) in r.stdout
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    (full, full_evals), (ft, ft_evals) = read_metrics(tmp_path / 'full'), read_metrics(out)
+    assert sorted(ft) == list(range(12)) and [ft[i] for i in range(12)] == [full[i] for i in range(12)]
+    assert ft_evals[-1]['val_loss'] == full_evals[-1]['val_loss']
+    a, b = load(tmp_path / 'full' / 'ckpt.pt'), load(out / 'ckpt.pt')
+    assert torch.equal(flat(a['model']), flat(b['model'])) and a['iter_num'] == b['iter_num'] == 12
+
+
 def test_streaming_fragments_take_turns_with_the_same_bytes_per_window(streaming, windows):
     # fp32 buckets: the embeddings and the first block make the first fragment, the second block the second
     saved = load(streaming / 'full' / 'decent' / 'step-00000008' / 'rank-0.pt')['diloco']
