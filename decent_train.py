@@ -227,6 +227,10 @@ check_fits(model_args, device)  # a shape too big for this machine is refused be
 model, checkpoint = create_model(resume_path, lambda path: read_replica(path, rank, world_size, print0), init_from,
                                  model_args, config, given)
 block_size = model_args['block_size']
+# a resumed (or --init_from) model's depth is its checkpoint's, not the config's that the fragments were checked against
+if message := check_diloco(diloco_steps, outer_optimizer, outer_learning_rate, outer_momentum, diloco_fragments,
+                            diloco_overlap, diloco_alpha, model_args['n_layer']):
+    sys.exit(f"error: {message}")
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []
 iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_loss'])) if checkpoint else (0, 1e9)

@@ -147,6 +147,18 @@ def test_a_diloco_run_resumed_without_diloco_steps_is_refused_and_kept(tmp_path,
     assert {f: f.read_bytes() for f in (tmp_path / 'run').rglob('*') if f.is_file() and f.name != 'run.lock'} == before
 
 
+def test_a_resume_without_n_layer_checks_diloco_fragments_against_the_checkpoints_depth(tmp_path, data_dir, windows):
+    # the model's depth came from the checkpoint (2 blocks), and the fragments were checked against the default
+    # n_layer=12: 5 fragments of 3 buckets went on as 3, each on a fifth of the window
+    shutil.copytree(windows / 'at4', tmp_path / 'run')
+    before = {f: f.read_bytes() for f in (tmp_path / 'run').rglob('*') if f.is_file() and f.name != 'run.lock'}
+    p = run('decent_train.py', *[a for a in TINY if a != '--n_layer=2'], f'--dataset={data_dir / "shakespeare_char"}',
+            f'--out_dir={tmp_path / "run"}', *ARGS, '--diloco_fragments=5', '--max_iters=8', cwd=tmp_path, check=False)
+    assert one_line_error(p) == ("error: diloco_fragments=5: from 1 to the 3 buckets of the model (the embeddings, "
+                                 "then each of its 2 blocks)")
+    assert {f: f.read_bytes() for f in (tmp_path / 'run').rglob('*') if f.is_file() and f.name != 'run.lock'} == before
+
+
 def test_a_diloco_memory_snapshot_resumed_without_diloco_steps_names_a_fix_that_works(tmp_path, data_dir):
     # a run SIGKILLed with its state in memory snapshots only: the refusal named --init_from=out_dir/ckpt.pt, which no
     # run had written yet (or, past a storage checkpoint, an older state than the snapshot's)
