@@ -321,6 +321,9 @@ if checkpoint is not None:
         if 'optimizers' in checkpoint:  # this script's: every bucket's own
             for optimizer, state in zip(optimizers, checkpoint['optimizers'], strict=True):
                 optimizer.load_state_dict(state)
+                if replica_optimizer == 'accumadamw':  # the config's window (grown with the ranks, say), not the
+                    for group in optimizer.param_groups:  # saved one that load_state_dict puts back
+                        group['accum_steps'] = moment_accum_steps
         elif replica_optimizer != 'sgd':
             # train.py's AdamW state, numbered over the whole model: train.py's optimizer reads it, and each
             # bucket's takes its parameters' moments from there
