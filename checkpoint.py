@@ -1451,6 +1451,15 @@ def create_model(resume_path, read, init_from, model_args, config, given):
     return model, checkpoint
 
 
+def take_settings(optimizer, weight_decay, betas, **more):
+    """The config's settings in a resumed optimizer, whose load_state_dict put the saved ones back: a resume that
+    changes weight_decay, beta1, beta2 (or decent_train.py's moment_accum_steps) takes them, as the config saved with
+    the run says. Its groups are configure_optimizers' (the decayed parameters, then the rest); a key the optimizer
+    has not (SGD's betas) stays out."""
+    for group, decay in zip(optimizer.param_groups, (weight_decay, 0.0)):
+        group.update({k: v for k, v in dict(weight_decay=decay, betas=betas, **more).items() if k in group})
+
+
 def upgrade_optimizer_state(model, osd):
     """Takes the state dict of an optimizer that configure_optimizers built, here or in nanoGPT, and returns it
     for the model: nanoGPT's fused c_attn entries are split into c_q, c_k, c_v, whose parameters it

@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import (commit, create_model, find_resume, finish_saves, is_snapshot, kept, previous, reason,
-                        remove_snapshots, save_in_background, snapshot_dir, step_folders, upgrade_optimizer_state,
-                        wait_for_copies, wait_for_saves, where_saved)
+                        remove_snapshots, save_in_background, snapshot_dir, step_folders, take_settings,
+                        upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from decent import (average_moments, average_replicas, check_diloco, global_model, make_bucket, make_mixing_groups,
@@ -321,9 +321,7 @@ if checkpoint is not None:
         if 'optimizers' in checkpoint:  # this script's: every bucket's own
             for optimizer, state in zip(optimizers, checkpoint['optimizers'], strict=True):
                 optimizer.load_state_dict(state)
-                if replica_optimizer == 'accumadamw':  # the config's window (grown with the ranks, say), not the
-                    for group in optimizer.param_groups:  # saved one that load_state_dict puts back
-                        group['accum_steps'] = moment_accum_steps
+                take_settings(optimizer, weight_decay, (beta1, beta2), accum_steps=moment_accum_steps)
         elif replica_optimizer != 'sgd':
             # train.py's AdamW state, numbered over the whole model: train.py's optimizer reads it, and each
             # bucket's takes its parameters' moments from there
