@@ -1451,13 +1451,22 @@ def create_model(resume_path, read, init_from, model_args, config, given):
     return model, checkpoint
 
 
-def take_settings(optimizer, weight_decay, betas, **more):
-    """The config's settings in a resumed optimizer, whose load_state_dict put the saved ones back: a resume that
-    changes weight_decay, beta1, beta2 (or decent_train.py's moment_accum_steps) takes them, as the config saved with
-    the run says. Its groups are configure_optimizers' (the decayed parameters, then the rest); a key the optimizer
-    has not (SGD's betas) stays out."""
-    for group, decay in zip(optimizer.param_groups, (weight_decay, 0.0)):
-        group.update({k: v for k, v in dict(weight_decay=decay, betas=betas, **more).items() if k in group})
+def take_settings(optimizer, config, given):
+    """A resumed optimizer's settings, once load_state_dict has put the saved ones back: a key in given (set by a
+    config file or a flag; config itself: every key) takes effect; one left at its default keeps the saved value,
+    which config then records, so that a resume without the run's config file neither changes the optimizer nor
+    saves a config that says otherwise. The groups are configure_optimizers' (the decayed parameters, then the
+    rest); AccumAdamW's window is moment_accum_steps."""
+    def setting(key, saved):
+        config[key] = config[key] if key in given else saved
+        return config[key]
+    groups = optimizer.param_groups
+    groups[0]['weight_decay'] = setting('weight_decay', groups[0]['weight_decay'])
+    for group in groups:
+        if 'betas' in group:
+            group['betas'] = (setting('beta1', group['betas'][0]), setting('beta2', group['betas'][1]))
+        if 'accum_steps' in group:
+            group['accum_steps'] = setting('moment_accum_steps', group['accum_steps'])
 
 
 def upgrade_optimizer_state(model, osd):

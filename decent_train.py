@@ -321,16 +321,21 @@ if checkpoint is not None:
         if 'optimizers' in checkpoint:  # this script's: every bucket's own
             for optimizer, state in zip(optimizers, checkpoint['optimizers'], strict=True):
                 optimizer.load_state_dict(state)
-                take_settings(optimizer, weight_decay, (beta1, beta2), accum_steps=moment_accum_steps)
+                take_settings(optimizer, config, given)
         elif replica_optimizer != 'sgd':
             # train.py's AdamW state, numbered over the whole model: train.py's optimizer reads it, and each
-            # bucket's takes its parameters' moments from there
+            # bucket's takes its parameters' moments from there, and its settings (config holds them then)
             adamw = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
             adamw.load_state_dict(upgrade_optimizer_state(raw_model, checkpoint['optimizer']))
+            take_settings(adamw, config, given)
             for p, state in adamw.state.items():
                 if replica_optimizer == 'accumadamw':
                     state = {**state, 'step': int(state['step'])}  # it counts in a plain int
                 bucket_of[p].optimizer.state[p] = state
+            for optimizer in optimizers:
+                take_settings(optimizer, config, config)
+        # the export's optimizer (ckpt.pt) says what the replicas' do
+        weight_decay, beta1, beta2 = config['weight_decay'], config['beta1'], config['beta2']
     except Exception as e:
         sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): move it aside (mv, to a name "
                  f"of your own) or restore a good copy")

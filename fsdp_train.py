@@ -235,7 +235,7 @@ optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta
 if checkpoint is not None:
     try:
         load_sharded_state(model, optimizer, checkpoint, resume_path, raw_model)
-        take_settings(optimizer, weight_decay, (beta1, beta2))
+        take_settings(optimizer, config, given)
     except Exception as e:
         sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): move it aside (mv, to a name "
                  f"of your own) or restore a good copy")

@@ -249,7 +249,7 @@ if checkpoint is not None:
                  f"it save a checkpoint to {out_dir} (SIGTERM does) before changing them")
     try:
         load_sharded_state(model, optimizer, checkpoint, resume_path, raw_model)
-        take_settings(optimizer, weight_decay, (beta1, beta2))
+        take_settings(optimizer, config, given)
     except Exception as e:
         sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): move it aside (mv, to a name "
                  f"of your own) or restore a good copy")

@@ -197,7 +197,7 @@ scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
 if checkpoint is not None:
     try:
         optimizer.load_state_dict(upgrade_optimizer_state(raw_model, checkpoint['optimizer']))
-        take_settings(optimizer, weight_decay, (beta1, beta2))
+        take_settings(optimizer, config, given)
     except Exception as e:
         sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): move it aside (mv, to a name "
                  f"of your own) or restore a good copy")
