@@ -1506,6 +1506,24 @@ def create_model(resume_path, read, init_from, model_args, config, given):
     return model, checkpoint
 
 
+def take_settings(optimizer, config, given):
+    """A resumed optimizer's settings, once load_state_dict has put the saved ones back: a key in given (set by a
+    config file or a flag; config itself: every key) takes effect; one left at its default keeps the saved value,
+    which config then records, so that a resume without the run's config file neither changes the optimizer nor
+    saves a config that says otherwise. The groups are configure_optimizers' (the decayed parameters, then the
+    rest); AccumAdamW's window is moment_accum_steps."""
+    def setting(key, saved):
+        config[key] = config[key] if key in given else saved
+        return config[key]
+    groups = optimizer.param_groups
+    groups[0]['weight_decay'] = setting('weight_decay', groups[0]['weight_decay'])
+    for group in groups:
+        if 'betas' in group:
+            group['betas'] = (setting('beta1', group['betas'][0]), setting('beta2', group['betas'][1]))
+        if 'accum_steps' in group:
+            group['accum_steps'] = setting('moment_accum_steps', group['accum_steps'])
+
+
 def upgrade_optimizer_state(model, osd):
     """Takes the state dict of an optimizer that configure_optimizers built, here or in nanoGPT, and returns it
     for the model: nanoGPT's fused c_attn entries are split into c_q, c_k, c_v, whose parameters it

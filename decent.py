@@ -251,8 +251,9 @@ class AccumAdamW(torch.optim.Optimizer):
                 p.addcdiv_(exp_avg, denom, value=-group['lr'] / (1 - beta1 ** t))
                 state['grad_sum'].add_(g)
                 state['grads_summed'] += 1
-                if state['grads_summed'] == group['accum_steps']:
-                    mean = state['grad_sum'].div_(group['accum_steps'])
+                # at least: a resume may lower accum_steps below the gradients that a window summed already
+                if state['grads_summed'] >= group['accum_steps']:
+                    mean = state['grad_sum'].div_(state['grads_summed'])
                     state['exp_avg'].lerp_(mean, 1 - beta1)
                     state['exp_avg_sq'].mul_(beta2).addcmul_(mean, mean, value=1 - beta2)
                     state['step'] = t

@@ -32,9 +32,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import (commit, create_model, find_resume, finish_saves, kept, previous, reason, remove_snapshots,
-                        save_in_background, snapshot_dir, step_folders, upgrade_optimizer_state, wait_for_copies,
-                        wait_for_saves, where_saved)
+from checkpoint import (commit, create_model, find_resume, finish_saves, is_snapshot, kept, previous, reason,
+                        remove_snapshots, save_in_background, snapshot_dir, step_folders, take_settings,
+                        upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from decent import (average_moments, average_replicas, check_diloco, global_model, make_bucket, make_mixing_groups,
@@ -227,6 +227,10 @@ check_fits(model_args, device)  # a shape too big for this machine is refused be
 model, checkpoint = create_model(resume_path, lambda path: read_replica(path, rank, world_size, print0), init_from,
                                  model_args, config, given)
 block_size = model_args['block_size']
+# a resumed (or --init_from) model's depth is its checkpoint's, not the config's that the fragments were checked against
+if message := check_diloco(diloco_steps, outer_optimizer, outer_learning_rate, outer_momentum, diloco_fragments,
+                            diloco_overlap, diloco_alpha, model_args['n_layer']):
+    sys.exit(f"error: {message}")
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []
 iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_loss'])) if checkpoint else (0, 1e9)
@@ -303,27 +307,35 @@ if diloco_steps:  # θ_global beside the replica, bucket by bucket; each bucket'
 if checkpoint is not None:
     saved_config = checkpoint.get('config', {})
     saved_optimizer = saved_config.get('replica_optimizer', saved_config.get('optimizer', 'adamw'))  # its old name
+    # a memory snapshot's state is in no ckpt.pt yet (there may be none, or an older one): the run has to save it first
+    saved_first = f"once a resume has saved it to {out_dir} (SIGTERM does) " if is_snapshot(resume_path) else ""
     if 'optimizers' in checkpoint and saved_optimizer != replica_optimizer:
         sys.exit(f"error: {resume_path} holds the state of replica_optimizer={saved_optimizer}: resume with "
-                 f"--replica_optimizer={saved_optimizer}, or start a new run from its averaged weights with "
-                 f"--init_from={ckpt_path} and another --out_dir")
+                 f"--replica_optimizer={saved_optimizer}, or {saved_first}start a new run from its averaged weights "
+                 f"with --init_from={ckpt_path} and another --out_dir")
     if 'diloco' in checkpoint and not diloco_steps:  # a forgotten flag, most likely (a folder's, or ckpt.pt's)
         sys.exit(f"error: {resume_path} holds a DiLoCo run (diloco_steps={saved_config.get('diloco_steps')}): resume "
-                 f"with its --diloco_steps, or start a gossip run from its global model with --init_from={ckpt_path} "
-                 f"and another --out_dir")
+                 f"with its --diloco_steps, or {saved_first}start a gossip run from its global model with "
+                 f"--init_from={ckpt_path} and another --out_dir")
     try:
         if 'optimizers' in checkpoint:  # this script's: every bucket's own
             for optimizer, state in zip(optimizers, checkpoint['optimizers'], strict=True):
                 optimizer.load_state_dict(state)
+                take_settings(optimizer, config, given)
         elif replica_optimizer != 'sgd':
             # train.py's AdamW state, numbered over the whole model: train.py's optimizer reads it, and each
-            # bucket's takes its parameters' moments from there
+            # bucket's takes its parameters' moments from there, and its settings (config holds them then)
             adamw = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
             adamw.load_state_dict(upgrade_optimizer_state(raw_model, checkpoint['optimizer']))
+            take_settings(adamw, config, given)
             for p, state in adamw.state.items():
                 if replica_optimizer == 'accumadamw':
                     state = {**state, 'step': int(state['step'])}  # it counts in a plain int
                 bucket_of[p].optimizer.state[p] = state
+            for optimizer in optimizers:
+                take_settings(optimizer, config, config)
+        # the export's optimizer (ckpt.pt) says what the replicas' do
+        weight_decay, beta1, beta2 = config['weight_decay'], config['beta1'], config['beta2']
     except Exception as e:
         sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): move it aside (mv, to a name "
                  f"of your own) or restore a good copy")

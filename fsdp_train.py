@@ -26,7 +26,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from checkpoint import (create_model, find_resume, finish_saves, kept, previous, reason, remove_snapshots,
-                        save_in_background, snapshot_dir, step_folders, wait_for_copies, wait_for_saves, where_saved)
+                        save_in_background, snapshot_dir, step_folders, take_settings, wait_for_copies, wait_for_saves,
+                        where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
@@ -234,6 +235,7 @@ optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta
 if checkpoint is not None:
     try:
         load_sharded_state(model, optimizer, checkpoint, resume_path, raw_model)
+        take_settings(optimizer, config, given)
     except Exception as e:
         sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): move it aside (mv, to a name "
                  f"of your own) or restore a good copy")

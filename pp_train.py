@@ -24,7 +24,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, previous, reason, remove_snapshots,
-                        save_in_background, snapshot_dir, step_folders, wait_for_copies, wait_for_saves, where_saved)
+                        save_in_background, snapshot_dir, step_folders, take_settings, wait_for_copies, wait_for_saves,
+                        where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
@@ -248,6 +249,7 @@ if checkpoint is not None:
                  f"it save a checkpoint to {out_dir} (SIGTERM does) before changing them")
     try:
         load_sharded_state(model, optimizer, checkpoint, resume_path, raw_model)
+        take_settings(optimizer, config, given)
     except Exception as e:
         sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): move it aside (mv, to a name "
                  f"of your own) or restore a good copy")

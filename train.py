@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import (create_model, find_resume, finish_saves, kept, reason, remove_snapshots, save_in_background,
-                        snapshot_dir, upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
+                        snapshot_dir, take_settings, upgrade_optimizer_state, wait_for_copies, wait_for_saves,
+                        where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
@@ -196,6 +197,7 @@ scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
 if checkpoint is not None:
     try:
         optimizer.load_state_dict(upgrade_optimizer_state(raw_model, checkpoint['optimizer']))
+        take_settings(optimizer, config, given)
     except Exception as e:
         sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): move it aside (mv, to a name "
                  f"of your own) or restore a good copy")

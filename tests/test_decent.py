@@ -267,6 +267,17 @@ def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path, data_dir):
     assert 'holds the state of replica_optimizer=accumadamw' in error and 'delete' not in error, error
     assert f"--init_from={tmp_path / 'split' / 'ckpt.pt'} and another --out_dir" in error, error
     assert {f: f.read_bytes() for f in (tmp_path / 'split').rglob('*') if f.is_file()} == before
+    # another --moment_accum_steps (and weight_decay, beta2) takes effect (load_state_dict put the saved 3 back): its
+    # window had summed 2 gradients at step 8, and the third goes past the new 2, so the moments take in the mean of
+    # the 3 at once
+    launch(tmp_path, data_dir, 'split', *args, '--max_iters=9', '--moment_accum_steps=2', '--weight_decay=0.5',
+           '--beta2=0.9', nproc=2)
+    saved = torch.load(tmp_path / 'split' / 'decent' / 'step-00000009' / 'rank-0.pt', weights_only=True)['optimizers']
+    at8 = torch.load(tmp_path / 'split' / 'decent' / 'step-00000008' / 'rank-0.pt', weights_only=True)['optimizers']
+    assert [(g['accum_steps'], g['weight_decay'], tuple(g['betas'])) for g in saved[1]['param_groups']] == [
+        (2, 0.5, (0.9, 0.9)), (2, 0.0, (0.9, 0.9))]
+    assert at8[0]['state'][0]['grads_summed'] == 2 and saved[0]['state'][0]['grads_summed'] == 0
+    assert saved[0]['state'][0]['step'] == at8[0]['state'][0]['step'] + 1
 
 
 def test_train_checkpoint_starts_the_replicas_and_their_average_goes_to_sample_and_train(tmp_path, data_dir,

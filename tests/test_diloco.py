@@ -7,13 +7,18 @@ and export_hf.py; bad DiLoCo keys are one-line errors."""
 
 import json
 import shutil
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY, one_line_error, read_metrics, run
+from checkpoint import snapshot_dir
+from conftest import TINY, begin, one_line_error, read_metrics, run
 from decent import fragment_of
+from launcher import finish
+from test_fault import logged_iters
 
 
 def launch(tmp_path, data_dir, out, *extra, nproc=1, check=True):
@@ -142,6 +147,52 @@ def test_a_diloco_run_resumed_without_diloco_steps_is_refused_and_kept(tmp_path,
     assert {f: f.read_bytes() for f in (tmp_path / 'run').rglob('*') if f.is_file() and f.name != 'run.lock'} == before
 
 
+def test_a_resume_without_n_layer_checks_diloco_fragments_against_the_checkpoints_depth(tmp_path, data_dir, windows):
+    # the model's depth came from the checkpoint (2 blocks), and the fragments were checked against the default
+    # n_layer=12: 5 fragments of 3 buckets went on as 3, each on a fifth of the window
+    shutil.copytree(windows / 'at4', tmp_path / 'run')
+    before = {f: f.read_bytes() for f in (tmp_path / 'run').rglob('*') if f.is_file() and f.name != 'run.lock'}
+    p = run('decent_train.py', *[a for a in TINY if a != '--n_layer=2'], f'--dataset={data_dir / "shakespeare_char"}',
+            f'--out_dir={tmp_path / "run"}', *ARGS, '--diloco_fragments=5', '--max_iters=8', cwd=tmp_path, check=False)
+    assert one_line_error(p) == ("error: diloco_fragments=5: from 1 to the 3 buckets of the model (the embeddings, "
+                                 "then each of its 2 blocks)")
+    assert {f: f.read_bytes() for f in (tmp_path / 'run').rglob('*') if f.is_file() and f.name != 'run.lock'} == before
+
+
+def test_a_diloco_memory_snapshot_resumed_without_diloco_steps_names_a_fix_that_works(tmp_path, data_dir):
+    # a run SIGKILLed with its state in memory snapshots only: the refusal named --init_from=out_dir/ckpt.pt, which no
+    # run had written yet (or, past a storage checkpoint, an older state than the snapshot's)
+    out = tmp_path / 'run'
+    args = [*TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}', *ARGS, '--eval_interval=1000',
+            '--save_memory_interval=2']
+    p, started = begin('decent_train.py', *args, '--max_iters=100000', cwd=tmp_path)
+    try:
+        while not (logged_iters(out) and logged_iters(out)[-1] >= 5):
+            assert p.exitcode is None
+            time.sleep(0.005)
+    finally:
+        p.kill()
+        finish(started)
+    shm = Path(snapshot_dir((out / 'run_id').read_text().strip()))
+    try:
+        assert not (out / 'ckpt.pt').exists() and list(shm.glob('rank-0-of-1*.pt'))
+        before = {f: f.read_bytes() for f in out.rglob('*') if f.is_file() and f.name != 'run.lock'}
+        gossip = [a for a in args if not a.startswith('--diloco')]
+        r = run('decent_train.py', *gossip, '--max_iters=8', cwd=tmp_path, check=False)
+        assert one_line_error(r).endswith(f"holds a DiLoCo run (diloco_steps=3): resume with its --diloco_steps, or "
+                                          f"once a resume has saved it to {out} (SIGTERM does) start a gossip run "
+                                          f"from its global model with --init_from={out / 'ckpt.pt'} and another "
+                                          f"--out_dir")
+        assert {f: f.read_bytes() for f in out.rglob('*') if f.is_file() and f.name != 'run.lock'} == before
+        # the fix it names: the resume saves ckpt.pt (at its end here), which starts the gossip run
+        r = run('decent_train.py', *args, '--max_iters=8', cwd=tmp_path)
+        assert 'resuming from ' + str(shm) in r.stdout and load(out / 'ckpt.pt')['iter_num'] == 8
+        elsewhere = [a for a in gossip if not a.startswith('--out_dir')] + [f'--out_dir={tmp_path / "gossip"}']
+        run('decent_train.py', *elsewhere, '--max_iters=9', f'--init_from={out / "ckpt.pt"}', cwd=tmp_path)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
 def test_ckpt_pt_holds_the_global_model_for_sample_and_export(tmp_path, data_dir, windows):
     out = windows / 'full'
     export = load(out / 'ckpt.pt')
@@ -220,6 +271,37 @@ def test_streaming_resume_with_an_outer_step_in_flight_repeats_the_uninterrupted
         a, b = load(streaming / 'full' / last), load(streaming / 'split' / last)
         assert torch.equal(flat(a['model']), flat(b['model']))
         assert all(torch.equal(x, y) for x, y in zip(a['diloco']['outer'], b['diloco']['outer']))
+
+
+def test_a_sigkilled_streaming_run_resumes_from_its_memory_snapshot_with_an_outer_step_in_flight_exactly(tmp_path,
+                                                                                                        data_dir):
+    # one rank, a snapshot every 2 steps: each holds one fragment's outer step in flight (its window ended after step
+    # 3 or 1 of the 4, it lands 1 step later), which the resume has to land on time
+    args = [*TINY, f'--dataset={data_dir / "shakespeare_char"}', *STREAMING, '--save_memory_interval=2',
+            '--eval_interval=1000']  # no checkpoint in out_dir before the kill
+    run('decent_train.py', *args, f'--out_dir={tmp_path / "full"}', '--max_iters=12', cwd=tmp_path)
+    out = tmp_path / 'ft'
+    p, started = begin('decent_train.py', *args, f'--out_dir={out}', '--max_iters=100000', cwd=tmp_path)
+    try:
+        while not (logged_iters(out) and logged_iters(out)[-1] >= 7):
+            assert p.exitcode is None
+            time.sleep(0.005)
+    finally:
+        p.kill()
+        finish(started)
+    shm = Path(snapshot_dir((out / 'run_id').read_text().strip()))
+    try:
+        held = load(shm / 'rank-0-of-1.pt')['diloco']
+        assert sum(g is not None for g in held['pending']) in (1, 2) and not (out / 'decent').exists()
+        r = run('decent_train.py', *args, f'--out_dir={out}', '--max_iters=12', cwd=tmp_path)
+        assert 'resuming from ' + str(shm) in r.stdout
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    (full, full_evals), (ft, ft_evals) = read_metrics(tmp_path / 'full'), read_metrics(out)
+    assert sorted(ft) == list(range(12)) and [ft[i] for i in range(12)] == [full[i] for i in range(12)]
+    assert ft_evals[-1]['val_loss'] == full_evals[-1]['val_loss']
+    a, b = load(tmp_path / 'full' / 'ckpt.pt'), load(out / 'ckpt.pt')
+    assert torch.equal(flat(a['model']), flat(b['model'])) and a['iter_num'] == b['iter_num'] == 12
 
 
 def test_streaming_fragments_take_turns_with_the_same_bytes_per_window(streaming, windows):

@@ -105,6 +105,11 @@ def test_pipeline_exact_resume_with_dropout(tmp_path, data_dir):
     full, split = read_metrics(tmp_path / 'full')[0], read_metrics(tmp_path / 'split')[0]
     assert sorted(split) == list(range(STEPS))
     assert [split[i] for i in range(STEPS)] == [full[i] for i in range(STEPS)]  # bit for bit
+    # another weight_decay and beta2 take effect: the sharded load had put the saved ones back
+    launch('pp_train.py', tmp_path, data_dir, 'split', *args, f'--max_iters={STEPS + 1}', '--weight_decay=0.5',
+           '--beta2=0.9', '--save_consolidated=True', nproc=2)
+    groups = torch.load(tmp_path / 'split' / 'ckpt.pt', weights_only=True)['optimizer']['param_groups']
+    assert [(g['weight_decay'], tuple(g['betas'])) for g in groups] == [(0.5, (0.9, 0.9)), (0.0, (0.9, 0.9))]
 
 
 def test_a_stages_forward_without_gradients_leaves_the_rng_as_it_was():

@@ -54,6 +54,10 @@ def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path, data_dir, nproc)
     assert split_evals[-1]['val_loss'] == full_evals[-1]['val_loss']
     w_full, w_split = weights(tmp_path / 'full' / 'ckpt.pt'), weights(tmp_path / 'split' / 'ckpt.pt')
     assert all(torch.equal(w_full[k], w_split[k]) for k in w_full)
+    if nproc == 1:  # another weight_decay and beta2 take effect: AdamW's load_state_dict had put the saved ones back
+        train(tmp_path, data_dir, 'split', *args, '--max_iters=11', '--weight_decay=0.5', '--beta2=0.9')
+        groups = torch.load(tmp_path / 'split' / 'ckpt.pt', weights_only=True)['optimizer']['param_groups']
+        assert [(g['weight_decay'], tuple(g['betas'])) for g in groups] == [(0.5, (0.9, 0.9)), (0.0, (0.9, 0.9))]
 
 
 def test_log_line_and_metrics_leave_mfu_out_on_cpu(tmp_path, data_dir):
