@@ -1506,14 +1506,15 @@ def create_model(resume_path, read, init_from, model_args, config, given):
     return model, checkpoint
 
 
-def take_settings(optimizer, config, given):
+def take_settings(optimizer, config, given, saved=None):
     """A resumed optimizer's settings, once load_state_dict has put the saved ones back: a key in given (set by a
     config file or a flag; config itself: every key) takes effect; one left at its default keeps the saved value,
     which config then records, so that a resume without the run's config file neither changes the optimizer nor
     saves a config that says otherwise. The groups are configure_optimizers' (the decayed parameters, then the
-    rest); AccumAdamW's window is moment_accum_steps."""
-    def setting(key, saved):
-        config[key] = config[key] if key in given else saved
+    rest); AccumAdamW's window is moment_accum_steps. saved: the run's saved config, where the load may have put no
+    setting back (ds_train.py's of a ckpt.pt)."""
+    def setting(key, value):
+        config[key] = config[key] if key in given else (saved or {}).get(key, value)
         return config[key]
     groups = optimizer.param_groups
     groups[0]['weight_decay'] = setting('weight_decay', groups[0]['weight_decay'])

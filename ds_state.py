@@ -407,8 +407,8 @@ def gather_state(engine, raw_model, optimizer, group_names, adamw_groups):
     step = torch.tensor(float(next(iter(optimizer.state.values()))['step']))  # every parameter takes every step
     names = [n for group in group_names for n in group]
     groups, start = [], 0
-    for g, live, group in zip(adamw_groups, optimizer.param_groups, group_names):
-        groups.append({**g, 'lr': live['lr'], 'params': list(range(start, start + len(group)))})
+    for g, live, group in zip(adamw_groups, optimizer.param_groups, group_names):  # the settings as they are now
+        groups.append({**g, **{k: live[k] for k in g if k in live}, 'params': list(range(start, start + len(group)))})
         start += len(group)
     return model_sd, {'state': {i: {'step': step, **state[n]} for i, n in enumerate(names)}, 'param_groups': groups}
 

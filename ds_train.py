@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import (commit, create_model, find_resume, finish_saves, kept, reason, remove_snapshots,
-                        save_in_background, snapshot_dir, upgrade_optimizer_state, wait_for_copies, wait_for_saves,
-                        where_saved)
+                        save_in_background, snapshot_dir, take_settings, upgrade_optimizer_state, wait_for_copies,
+                        wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
@@ -337,6 +337,7 @@ if checkpoint is not None:
     except Exception as e:
         sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): move it aside (mv, to a name "
                  f"of your own) or restore a good copy")
+    take_settings(optimizer, config, given, saved=checkpoint.get('config'))  # the engine's load put its own back
     if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
         data_gen.set_state(checkpoint['data_rng'])
     restore_rng(checkpoint.get('rng', []), print0)

@@ -172,15 +172,23 @@ def test_per_rank_optimizer_state_at_stage_1_and_up_is_at_most_0_6_of_stage_0(st
     assert mem[3]['param_bytes'] < mem[1]['param_bytes'] == mem[2]['param_bytes']
 
 
-def test_zero_stage_3_resumes_exactly(tmp_path, data_dir):
-    args = ['--zero_stage=3', '--dropout=0.1']  # the RNG state has to come back too, on every rank
+@pytest.mark.parametrize('stage', [2, 3])
+def test_a_zero_run_resumes_exactly_with_its_own_optimizer_settings_or_those_given(tmp_path, data_dir, stage):
+    args = [f'--zero_stage={stage}', '--dropout=0.1']  # the RNG state has to come back too, on every rank
+    # the run's own settings, which a resume that does not give them keeps; flags given to a resume take effect (the
+    # engine's load put the saved ones back over them) and the export says so (it said the ones the run began with)
+    settings = ['--weight_decay=0.2', '--beta2=0.9']
     with ThreadPoolExecutor(2) as pool:  # the whole run and the first half at once
         list(pool.map(lambda a: launch('ds_train.py', tmp_path, data_dir, *a, nproc=2),
-                      [('full', *args, '--max_iters=10'), ('split', *args, '--max_iters=5')]))
+                      [('full', *args, *settings, '--max_iters=10'), ('split', *args, *settings, '--max_iters=5')]))
     launch('ds_train.py', tmp_path, data_dir, 'split', *args, '--max_iters=10', '--init_from=resume', nproc=2)
     full, split = read_metrics(tmp_path / 'full')[0], read_metrics(tmp_path / 'split')[0]
     assert sorted(split) == list(range(10))
     assert [split[i] for i in range(10)] == [full[i] for i in range(10)]  # bit for bit
+    launch('ds_train.py', tmp_path, data_dir, 'split', *args, '--max_iters=11', '--weight_decay=0.5', '--beta1=0.8',
+           nproc=2)
+    groups = torch.load(tmp_path / 'split' / 'ckpt.pt', weights_only=True)['optimizer']['param_groups']
+    assert [(g['weight_decay'], tuple(g['betas'])) for g in groups] == [(0.5, (0.8, 0.9)), (0.0, (0.8, 0.9))]
 
 
 def test_compiled_zero_stage_3_compiles_each_block_once_and_matches_train_py(ref, tmp_path, data_dir, monkeypatch):
@@ -263,7 +271,8 @@ def test_zero_offload_learns_and_matches_train_py(ref, offload):
         assert_same_curve(ref[1], losses, range(10))  # DeepSpeed's CPU Adam is AdamW too
         assert_same_state(ref[0] / 'ckpt.pt', out / 'ckpt.pt')
     # A resumed CPU Adam is not the uninterrupted one bit for bit: its C++ side multiplies up beta^step in float,
-    # and takes pow(beta, step) after a restart. Exact resume is test_zero_stage_3_resumes_exactly's, in AdamW.
+    # and takes pow(beta, step) after a restart. Exact resume is
+    # test_a_zero_run_resumes_exactly_with_its_own_optimizer_settings_or_those_given's, in AdamW.
 
 
 def test_the_run_folder_stands_for_its_export_which_samples_and_resumes_under_train_py(tmp_path, data_dir, offload):
