@@ -7,18 +7,14 @@ and export_hf.py; bad DiLoCo keys are one-line errors."""
 
 import json
 import shutil
-import time
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from checkpoint import snapshot_dir
-from conftest import TINY, begin, one_line_error, read_metrics, run
+from conftest import TINY, one_line_error, read_metrics, run
 from decent import fragment_of
-from launcher import finish
-from test_fault import logged_iters
+from test_fault import killed_past
 
 
 def launch(tmp_path, data_dir, out, *extra, nproc=1, check=True):
@@ -165,15 +161,7 @@ def test_a_diloco_memory_snapshot_resumed_without_diloco_steps_names_a_fix_that_
     out = tmp_path / 'run'
     args = [*TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}', *ARGS, '--eval_interval=1000',
             '--save_memory_interval=2']
-    p, started = begin('decent_train.py', *args, '--max_iters=100000', cwd=tmp_path)
-    try:
-        while not (logged_iters(out) and logged_iters(out)[-1] >= 5):
-            assert p.exitcode is None
-            time.sleep(0.005)
-    finally:
-        p.kill()
-        finish(started)
-    shm = Path(snapshot_dir((out / 'run_id').read_text().strip()))
+    shm = killed_past('decent_train.py', *args, '--max_iters=100000', out_dir=out, iters=5, cwd=tmp_path)
     try:
         assert not (out / 'ckpt.pt').exists() and list(shm.glob('rank-0-of-1*.pt'))
         before = {f: f.read_bytes() for f in out.rglob('*') if f.is_file() and f.name != 'run.lock'}
@@ -281,15 +269,8 @@ def test_a_sigkilled_streaming_run_resumes_from_its_memory_snapshot_with_an_oute
             '--eval_interval=1000']  # no checkpoint in out_dir before the kill
     run('decent_train.py', *args, f'--out_dir={tmp_path / "full"}', '--max_iters=12', cwd=tmp_path)
     out = tmp_path / 'ft'
-    p, started = begin('decent_train.py', *args, f'--out_dir={out}', '--max_iters=100000', cwd=tmp_path)
-    try:
-        while not (logged_iters(out) and logged_iters(out)[-1] >= 7):
-            assert p.exitcode is None
-            time.sleep(0.005)
-    finally:
-        p.kill()
-        finish(started)
-    shm = Path(snapshot_dir((out / 'run_id').read_text().strip()))
+    shm = killed_past('decent_train.py', *args, f'--out_dir={out}', '--max_iters=100000', out_dir=out, iters=7,
+                      cwd=tmp_path)
     try:
         held = load(shm / 'rank-0-of-1.pt')['diloco']
         assert sum(g is not None for g in held['pending']) in (1, 2) and not (out / 'decent').exists()

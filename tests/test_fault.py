@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import launcher
-from conftest import REPO, TINY, env, free_port, one_line_error, read_metrics, run
+from checkpoint import snapshot_dir
+from conftest import REPO, TINY, begin, env, free_port, one_line_error, read_metrics, run
 
 
 def elastic(script, *args, nproc=2, max_restarts=3):
@@ -48,6 +49,20 @@ def logged_iters(out_dir):
             return [json.loads(line)['iter'] for line in f if '"loss"' in line and line.endswith('\n')]
     except (FileNotFoundError, json.JSONDecodeError):
         return []
+
+
+def killed_past(script, *args, out_dir, iters, cwd, ready=lambda: True):
+    """Starts script on one process (forked as tests/launcher.py forks it) and SIGKILLs it once it has logged
+    iteration `iters` and ready() holds; returns the run's memory snapshot folder."""
+    p, started = begin(script, *args, cwd=cwd)
+    try:
+        while not (ready() and logged_iters(out_dir) and logged_iters(out_dir)[-1] >= iters):
+            assert p.exitcode is None
+            time.sleep(0.005)
+    finally:
+        p.kill()
+        launcher.finish(started)
+    return Path(snapshot_dir((Path(out_dir) / 'run_id').read_text().strip()))
 
 
 def run_with_kills(cmd, out_dir, kill_after, cwd, timeout=300):

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import snapshot_dir
 from conftest import REPO, begin, env, one_line_error, read_metrics, run
 from launcher import finish, launch
-from test_fault import KIND, assert_same_run, beside, cut_short, final_weights, logged_iters, tiny, weights
+from test_fault import (KIND, assert_same_run, beside, cut_short, final_weights, killed_past, logged_iters, tiny,
+                        weights)
 
 ONE = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=24', '--eval_interval=12',
        '--save_memory_interval=2', '--save_storage_interval=6']
@@ -45,16 +45,10 @@ def newest_snapshot(script, folder):
 def test_a_truncated_newest_memory_snapshot_falls_back_to_the_one_before(tmp_path, data_dir, shared_run, script):
     ref_dir = beside(shared_run, script, *ONE, nproc=1)
     out_dir = tmp_path / 'ft'
-    p, started = begin(script, *tiny(data_dir, out_dir, *ONE), cwd=tmp_path)
     stored = out_dir / ('ckpt.pt' if script == 'train.py' else f'{KIND[script]}/latest')
-    try:  # killed past its first storage checkpoint (iter 6), with snapshots every 2 steps
-        while not (stored.exists() and logged_iters(out_dir) and logged_iters(out_dir)[-1] >= 9):
-            assert p.exitcode is None
-            time.sleep(0.005)
-    finally:
-        p.kill()
-        finish(started)
-    shm = Path(snapshot_dir((out_dir / 'run_id').read_text().strip()))
+    # killed past its first storage checkpoint (iter 6), with snapshots every 2 steps
+    shm = killed_past(script, *tiny(data_dir, out_dir, *ONE), out_dir=out_dir, iters=9, cwd=tmp_path,
+                      ready=stored.exists)
     damaged, file, held = newest_snapshot(script, shm)
     cut_short(file)
     p = run(script, *tiny(data_dir, out_dir, *ONE), cwd=tmp_path)
