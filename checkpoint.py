@@ -1287,9 +1287,9 @@ def pretrained_or_exit(name, dropout=0.0):
 
 
 def checkpoint_or_exit(path, fix, dropout=0.0):
-    """load_checkpoint(path) for a tool (dropout off) or init_from, or a one-line error: where there is no
-    checkpoint, naming fix; where it is damaged, saying so; where it is some other file, saying what to give
-    instead; where its weights are not finite, saying so."""
+    """(model, checkpoint, the file or folder read) for a tool (dropout off) or init_from, or a one-line error:
+    where there is no checkpoint, naming fix; where it is damaged, saying so; where it is some other file, saying
+    what to give instead; where its weights are not finite, saying so."""
     try:
         with warnings.catch_warnings():  # torch's note on a plain pickle's protocol (a meta.pkl given by mistake)
             warnings.filterwarnings('ignore', 'Detected pickle protocol', UserWarning)
@@ -1341,7 +1341,7 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
                  f"checkpoint folder (dcp/step-N)")
     model, checkpoint, path = newer_state(path, model, checkpoint, dropout)
     finite_or_exit(model, path)
-    return model, checkpoint
+    return model, checkpoint, find_checkpoint(path)
 
 
 def newer_state(path, model, checkpoint, dropout):
@@ -1490,10 +1490,10 @@ def create_model(resume_path, read, init_from, model_args, config, given):
         # any entrypoint's checkpoint, or a run folder's newest: its weights, with a new optimizer from step 0
         init_from = where_kept(init_from)
         # the tools' reader and errors: a run killed before its first save, a ds or decent step folder, ... alike
-        model, ckpt = checkpoint_or_exit(init_from, "give a ckpt.pt, a sharded checkpoint or a run folder",
-                                         model_args['dropout'])
+        model, ckpt, read = checkpoint_or_exit(init_from, "give a ckpt.pt, a sharded checkpoint or a run folder",
+                                               model_args['dropout'])
         take_shape(model_args, ckpt['model_args'], config, given)
-        print0(f"initializing from the weights of {find_checkpoint(init_from)}")
+        print0(f"initializing from the weights of {read}")
     else:
         model = GPT(GPTConfig(**model_args))
     block_size = config['block_size']

@@ -63,9 +63,8 @@ if init_from:
                  f"checkpoint of this repo with --ckpt={init_from}")
     model, name = pretrained_or_exit(init_from), init_from
 else:
-    model, _ = checkpoint_or_exit(ckpt, "give --ckpt=a run folder, a ckpt.pt or a sharded checkpoint folder, or "
-                                        "--init_from=gpt2")
-    name = find_checkpoint(ckpt)
+    model, _, name = checkpoint_or_exit(ckpt, "give --ckpt=a run folder, a ckpt.pt or a sharded checkpoint folder, or "
+                                           "--init_from=gpt2")
 examples = load_or_exit(input, model.config.vocab_size)
 if limit:
     examples = examples[:limit]

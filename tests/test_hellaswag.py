@@ -9,6 +9,7 @@ import runpy
 import shutil
 import subprocess
 import sys
+import uuid
 from contextlib import nullcontext
 
 import pytest
@@ -219,6 +220,25 @@ def test_eval_hellaswag_on_two_ranks_prints_the_counts_of_one(setup):
             cwd=tmp)
     want = f"hellaswag: 11 examples, acc {ref['acc']:.4f}, acc_norm {ref['acc_norm']:.4f}"
     assert p.stdout.strip().splitlines()[-1] == want and p.stdout.count('hellaswag:') == 1
+
+
+def test_the_first_line_names_the_state_read_a_killed_runs_newer_memory_snapshot(setup, tmp_path):
+    """A run killed past its last checkpoint is evaluated at its newer memory snapshot (train.py's, a whole
+    ckpt.pt): the line that names the model names that file, not the older checkpoint."""
+    from checkpoint import snapshot_dir, where_saved
+    tmp, data, _, _ = setup
+    out, run_id = tmp_path / 'killed', f'test-{uuid.uuid4().hex}'
+    shutil.copytree(tmp / 'bias', out)
+    (out / 'run_id').write_text(run_id)
+    shm = snapshot_dir(run_id)
+    os.mkdir(shm)
+    try:
+        state = torch.load(out / 'ckpt.pt', weights_only=True)
+        torch.save({**state, **where_saved(out), 'iter_num': 5}, os.path.join(shm, 'ckpt.pt'))
+        p = run('eval_hellaswag.py', f'--ckpt={out}', f'--input={data}', '--limit=1', '--device=cpu', cwd=tmp_path)
+        assert p.stdout.startswith(f"{os.path.join(shm, 'ckpt.pt')}: "), p.stdout
+    finally:
+        shutil.rmtree(shm)
 
 
 def test_bad_input_is_a_one_line_error(setup, tmp_path):

@@ -276,8 +276,8 @@ def test_a_sharded_memory_snapshot_given_to_a_tool_says_whose_it_is(tmp_path):
 
 
 def test_a_run_killed_after_its_last_save_is_read_at_its_newer_memory_snapshot(char_run, tmp_path):
-    """A run killed past its last checkpoint left a newer memory snapshot in /dev/shm: the tools read that state
-    (train.py's, a whole ckpt.pt), or warn that the checkpoint they read is older (another entrypoint's, its ranks'
+    """A run killed past its last checkpoint left a newer memory snapshot in /dev/shm: the tools and --init_from read
+    that state (train.py's, a whole ckpt.pt) and name it, or warn that the checkpoint they read is older (another entrypoint's, its ranks'
     own shards), rather than an older state without a word. A copy of the run's folder, whose run_id names the same
     snapshots, reads its own checkpoint. Nothing in either folder is changed."""
     from checkpoint import where_saved
@@ -303,6 +303,10 @@ def test_a_run_killed_after_its_last_save_is_read_at_its_newer_memory_snapshot(c
         assert p.stderr == f"note: reading the run's memory snapshot {shm / 'ckpt.pt'} (iter {newer['iter_num']}), " \
             f"newer than {out / 'ckpt.pt'} (iter {state['iter_num']}): the run's newest state, which it has not " \
             f"saved since\n"
+        # a new run initialized from the folder takes the same weights, and its log names the file it read
+        p = run('train.py', *TINY, '--dataset=shakespeare_char', f'--out_dir={tmp_path / "new"}', f'--init_from={out}',
+                '--max_iters=1', '--eval_interval=1', '--gradient_accumulation_steps=1', cwd=char_run)
+        assert f"initializing from the weights of {shm / 'ckpt.pt'}\n" in p.stdout
         mirror = sample(copy)  # the snapshot was saved for the other folder
         assert mirror.stdout == older.stdout and mirror.stderr == ''
         # a snapshot whose weights a step spoilt is passed over for the good checkpoint, not refused as the run's
