@@ -521,7 +521,9 @@ def part_l():
     step's two timings, and it must train to the plain step's loss (the same batch, seed and steps)."""
     batch = args.batch or parts.get('batch') or (2 if dry else 16)
     on_gpu = [] if dry else [('sdpa=cudnn', ['--sdpa=cudnn']), ('sdpa=flash', ['--sdpa=flash']),
-                             ('coordinate_descent', ['--coordinate_descent=True'])]
+                             ('coordinate_descent', ['--coordinate_descent=True']),
+                             # CUDA graphs: one launch for the step's kernels, for a step bound by its host's launches
+                             ('compile_mode=reduce-overhead', ['--compile_mode=reduce-overhead'])]
     # the likeliest to pay first (the profile's memory-bound kernels: the loss, the layer norms), should time run out
     levers = [('loss_rows', [f'--loss_rows={50 if dry else 4096}']),
               ('autocast_residual', ['--autocast_residual=True'])] + on_gpu + [('fused_qkv', ['--fused_qkv=True'])]
