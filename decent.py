@@ -53,9 +53,16 @@ def mixing_rounds(topology, world_size, local_world_size):
     raise ValueError(f"unknown topology={topology!r}: use complete, ring, one-peer-exp or alternating-exp-ring")
 
 
-
-def check_diloco(steps, optimizer, lr, momentum, fragments, overlap, alpha, n_layer):
-    """What is wrong with the DiLoCo keys, in a sentence, or None."""
+def check_optimizers(config, n_layer):
+    """What is wrong with the keys of the replicas' optimizer and DiLoCo's (config's, for a model of n_layer
+    blocks), in a sentence, or None."""
+    if config['replica_optimizer'] not in ('adamw', 'accumadamw', 'sgd'):
+        return f"unknown replica_optimizer={config['replica_optimizer']!r}: use adamw, accumadamw or sgd"
+    if config['moment_accum_steps'] < 1:
+        return f"moment_accum_steps={config['moment_accum_steps']}: AccumAdamW needs 1 step or more per moment update"
+    steps, optimizer, lr, momentum = (config[k] for k in ('diloco_steps', 'outer_optimizer', 'outer_learning_rate',
+                                                          'outer_momentum'))
+    fragments, overlap, alpha = config['diloco_fragments'], config['diloco_overlap'], config['diloco_alpha']
     if steps < 0:
         return f"diloco_steps={steps}: give the inner steps per outer step, or 0 to mix every step"
     if optimizer not in ('nesterov', 'sgd'):

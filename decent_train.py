@@ -37,7 +37,7 @@ from checkpoint import (commit, create_model, find_resume, finish_saves, is_snap
                         upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
-from decent import (average_moments, average_replicas, check_diloco, global_model, make_bucket, make_mixing_groups,
+from decent import (average_moments, average_replicas, check_optimizers, global_model, make_bucket, make_mixing_groups,
                     make_optimizer, make_outer, mixing_rounds, outer_bytes, outer_state, read_replica, restore_outer,
                     restore_replica, start_outer_step, wait_for)
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
@@ -126,12 +126,7 @@ if dtype == 'auto':
 if dtype not in ('float32', 'bfloat16'):
     sys.exit(f"error: dtype={dtype!r}: decent_train.py takes auto, float32 or bfloat16 (float16's loss scaler would "
              f"have to see every bucket's gradients before any bucket steps; use train.py for it)")
-if replica_optimizer not in ('adamw', 'accumadamw', 'sgd'):
-    sys.exit(f"error: unknown replica_optimizer={replica_optimizer!r}: use adamw, accumadamw or sgd")
-if moment_accum_steps < 1:
-    sys.exit(f"error: moment_accum_steps={moment_accum_steps}: AccumAdamW needs 1 step or more per moment update")
-if message := check_diloco(diloco_steps, outer_optimizer, outer_learning_rate, outer_momentum, diloco_fragments,
-                            diloco_overlap, diloco_alpha, n_layer):
+if message := check_optimizers(config, n_layer):
     sys.exit(f"error: {message}")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
@@ -228,8 +223,7 @@ model, checkpoint = create_model(resume_path, lambda path: read_replica(path, ra
                                  model_args, config, given)
 block_size = model_args['block_size']
 # a resumed (or --init_from) model's depth is its checkpoint's, not the config's that the fragments were checked against
-if message := check_diloco(diloco_steps, outer_optimizer, outer_learning_rate, outer_momentum, diloco_fragments,
-                            diloco_overlap, diloco_alpha, model_args['n_layer']):
+if message := check_optimizers(config, model_args['n_layer']):
     sys.exit(f"error: {message}")
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []
