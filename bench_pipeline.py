@@ -1,15 +1,19 @@
 """
-Measures the pipeline bubble of pp_train.py's schedules (torch.distributed.pipelining's GPipe, 1F1B and
-interleaved 1F1B) against theory: the idle fraction of a step, (p - 1) / (m + p - 1) for GPipe and 1F1B with p
-stages and m micro-batches, (p - 1) / (v m + p - 1) for interleaved 1F1B with v stages per rank.
+Measures the pipeline bubble of pp_train.py's schedules (torch.distributed.pipelining's GPipe, 1F1B, interleaved
+1F1B and interleaved zero bubble) against theory: the idle fraction of a step, (p - 1) / (m + p - 1) for GPipe and
+1F1B with p stages and m micro-batches, (p - 1) / (v m + p - 1) for interleaved 1F1B with v stages per rank, and
+(p - 1) / (3 v m + p - 1) for zero bubble (ZB1P: the weights' gradients fill two thirds of 1F1B's idle time, where
+a forward, an input's gradient and a weight's gradient take as long as one another; torch's plan of the schedule,
+its pipeline_order, has that many idle slots).
 
 torchrun --standalone --nproc_per_node=2 bench_pipeline.py
 torchrun --standalone --nproc_per_node=4 bench_pipeline.py --microbatches=4,8,16
 
-A stage's work is a sleep (forward 1 part, backward 2, as a transformer block's costs), so that what is measured is
-the schedule's own idle time, not the cores' contention: on a CPU shared with other jobs, or with more ranks than
-cores, the figures still hold. The bubble measured: 1 - (a rank's work, timed alone) / (the step's time); what is
-left over theory is the schedule's own overhead (sends, receives, bookkeeping).
+A stage's work is a sleep (forward 1 part, backward 2: the input's gradient 1 and a weight's 1, as a transformer
+block's costs), so that what is measured is the schedule's own idle time, not the cores' contention: on a CPU
+shared with other jobs, or with more ranks than cores, the figures still hold. The bubble measured: 1 - (a rank's
+work, timed alone) / (the step's time); what is left over theory is the schedule's own overhead (sends, receives,
+bookkeeping).
 """
 
 import os
@@ -19,7 +23,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble)
 
 from configurator import configure, quiet_interrupt
 from pipeline import nearest_taken, schedule_takes
@@ -29,7 +34,7 @@ quiet_interrupt()  # Ctrl-C: one line, no traceback
 # -----------------------------------------------------------------------------
 forward_ms = 10.0  # a rank's forward of one micro-batch (split among its stages with interleaving)
 microbatches = '1,2,4,8'  # the m to measure
-stages_per_rank = 2  # v of interleaved 1F1B
+stages_per_rank = 2  # v of the interleaved schedules
 steps = 5  # timed steps per point, after one untimed
 # -----------------------------------------------------------------------------
 configure(globals())
@@ -55,34 +60,40 @@ for m in counts:
 
 
 class Sleep(torch.autograd.Function):
+    """x, after a sleep of forward seconds; its gradient after a sleep of backward seconds."""
     @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        time.sleep(seconds)
+    def forward(ctx, x, forward, backward):
+        ctx.backward = backward
+        time.sleep(forward)
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(2 * ctx.seconds)
-        return grad, None
+        time.sleep(ctx.backward)
+        return grad, None, None
 
 
 class Stage(nn.Module):
+    """The input's and a weight's gradients on paths of their own, as a linear layer's dX = dY W^T and dW = X^T dY:
+    zero bubble computes the first in the backward and leaves the second for later. The input is scaled by a weight
+    of its own, so that the first stage has an input path too (a GPT's embeddings feed its first block), which
+    torch's zero bubble runs with the weights' (the first stage sends no gradient)."""
     def __init__(self, seconds):
         super().__init__()
-        self.seconds, self.scale = seconds, nn.Parameter(torch.ones(()))  # a parameter: outputs need gradients
+        self.seconds, self.a, self.b = seconds, nn.Parameter(torch.ones(())), nn.Parameter(torch.ones(()))
 
     def forward(self, x):
-        return Sleep.apply(x * self.scale, self.seconds)
+        return Sleep.apply(x * self.a, self.seconds, self.seconds) * Sleep.apply(self.b, 0.0, self.seconds)
 
 
 def measure(name, m, rank, p):
-    v = stages_per_rank if name == 'interleaved-1f1b' else 1
+    v = stages_per_rank if name.startswith('interleaved') else 1
     seconds = forward_ms / 1000 / v
     ids = [rank + j * p for j in range(v)]
     stages = [PipelineStage(Stage(seconds), s, p * v, torch.device('cpu')) for s in ids]
-    Schedule = {'gpipe': ScheduleGPipe, '1f1b': Schedule1F1B, 'interleaved-1f1b': ScheduleInterleaved1F1B}[name]
-    schedule = Schedule(stages if name == 'interleaved-1f1b' else stages[0], m, loss_fn=lambda out, y: out.mean())
+    Schedule = {'gpipe': ScheduleGPipe, '1f1b': Schedule1F1B, 'interleaved-1f1b': ScheduleInterleaved1F1B,
+                'interleaved-zb': ScheduleInterleavedZeroBubble}[name]
+    schedule = Schedule(stages if name.startswith('interleaved') else stages[0], m, loss_fn=lambda out, y: out.mean())
     x, y = torch.randn(m, 4), torch.randn(m, 4)
     times = []
     for i in range(steps + 1):
@@ -96,9 +107,9 @@ def measure(name, m, rank, p):
     t0 = time.perf_counter()
     for _ in range(m):
         for stage in stages:
-            stage.submod(x[:1].requires_grad_()).sum().backward()
+            stage.submod(x[:1]).sum().backward()
     work = time.perf_counter() - t0
-    return 1 - work / step, (p - 1) / (v * m + p - 1), step
+    return 1 - work / step, (p - 1) / ((3 if name == 'interleaved-zb' else 1) * v * m + p - 1), step
 
 
 dist.init_process_group('gloo')
@@ -106,7 +117,7 @@ rank = dist.get_rank()
 if rank == 0:
     print(f"{p} ranks, forward {forward_ms} ms + backward {2 * forward_ms} ms per micro-batch per rank")
     print(f"{'schedule':>17} {'m':>3} {'step ms':>8} {'bubble':>7} {'theory':>7}")
-for name in ('gpipe', '1f1b', 'interleaved-1f1b'):
+for name in ('gpipe', '1f1b', 'interleaved-1f1b', 'interleaved-zb'):
     for m in counts:
         if name != 'gpipe' and m < p:
             continue  # 1F1B needs a micro-batch for each stage to fill the pipeline before its first backward

@@ -42,7 +42,7 @@ batch_size = 12  # sequences per micro-step per rank, for the activation estimat
 dtype = 'bfloat16'  # the compute dtype: activations take 2 bytes an element in bfloat16, 4 in float32; auto: a GPU's
 activation_checkpointing = False
 pp_size = 0  # pipeline stages (pp_train.py, one per rank): 0 none shown
-stages_per_rank = 1  # interleaved-1f1b's stages per rank
+stages_per_rank = 1  # the interleaved schedules' stages per rank (pp_train.py's interleaved-1f1b, interleaved-zb)
 # -----------------------------------------------------------------------------
 
 

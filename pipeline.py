@@ -23,7 +23,7 @@ from sharded import sharded_state as stage_state
 
 
 def stage_ids(pp_rank, pp_size, stages_per_rank):
-    """The stages a rank holds, in the looped placement of the interleaved schedule: rank r holds r, r + pp, ..."""
+    """The stages a rank holds, in the looped placement of the interleaved schedules: rank r holds r, r + pp, ..."""
     return [pp_rank + j * pp_size for j in range(stages_per_rank)]
 
 
@@ -31,13 +31,14 @@ def stage_blocks(stage, n_stages, n_layer):
     """The blocks of a stage: consecutive, as even as n_layer allows (the earlier stages take one fewer)."""
     if n_layer < n_stages:
         sys.exit(f"error: {n_stages} pipeline stages need n_layer >= {n_stages} (one block each at least), not "
-                 f"{n_layer}: lower pp_size (or the stages per rank of interleaved-1f1b), or add layers")
+                 f"{n_layer}: lower pp_size (or the stages per rank of an interleaved schedule), or add layers")
     return list(range(stage * n_layer // n_stages, (stage + 1) * n_layer // n_stages))
 
 
 def schedule_takes(schedule, m, pp):
     """Whether schedule runs m micro-batches on pp ranks: GPipe any number, 1F1B pp or more (it fills the pipeline
-    before its first backward), and torch's interleaved 1F1B a multiple of its rounds besides, max(1, m // pp)."""
+    before its first backward), and torch's interleaved schedules (1F1B, zero bubble) a multiple of their rounds
+    besides, max(1, m // pp)."""
     return m >= 1 and (schedule == 'gpipe' or m >= pp and (schedule == '1f1b' or m % (m // pp) == 0))
 
 

@@ -4,6 +4,8 @@ Trains a GPT with pipeline parallelism (torch.distributed.pipelining), and data 
 4 stages, 4 GPUs: torchrun --standalone --nproc_per_node=4 pp_train.py config/train_gpt2.py --pp_size=4
 PP x DP, 2 nodes: torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HEAD:29500 \
                       pp_train.py config/train_gpt2.py --pp_size=4 --pp_schedule=interleaved-1f1b
+Zero bubble:      torchrun --standalone --nproc_per_node=4 pp_train.py config/train_gpt2.py --pp_size=4 \
+                      --pp_schedule=interleaved-zb --compile=False
 
 The global batch in tokens, the data stream and the logged loss do not depend on the world size, and a run
 resumed from its checkpoint repeats the uninterrupted run exactly (RNG and data position are saved with it).
@@ -21,7 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble)
 
 from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, previous, reason, remove_snapshots,
                         save_in_background, snapshot_dir, step_folders, take_settings, wait_for_copies, wait_for_saves,
@@ -92,8 +95,9 @@ max_nonfinite_steps = 5  # a step whose loss or gradient is not finite is skippe
 keep_checkpoints = 2  # the newest states kept in out_dir (fallbacks of a damaged one); the best by val loss besides
 # parallelism
 pp_size = 1  # ranks per pipeline, one stage each (consecutive ranks); the world size / pp_size pipelines are DP
-pp_schedule = '1f1b'  # 'gpipe' (all forwards, then all backwards), '1f1b' or 'interleaved-1f1b' (looped stages)
-stages_per_rank = 2  # interleaved-1f1b's stages on each rank (the others take one)
+pp_schedule = '1f1b'  # 'gpipe' (all forwards, then all backwards), '1f1b', 'interleaved-1f1b' (looped stages) or
+# 'interleaved-zb' (looped stages, each backward split: the weights' gradients fill the bubble; no torch.compile)
+stages_per_rank = 2  # the interleaved schedules' stages on each rank (the others take one)
 save_consolidated = False  # with each checkpoint also write out_dir/ckpt.pt in train.py's format (gathered on rank 0)
 # -----------------------------------------------------------------------------
 config, given = configure(globals())
@@ -105,8 +109,11 @@ if dtype == 'auto':
     dtype = 'bfloat16' if device_type == 'cuda' else 'float32'
 if dtype not in ('float32', 'bfloat16'):
     sys.exit(f"error: dtype={dtype!r}: pp_train.py takes auto, float32 or bfloat16 (for float16 use train.py)")
-if pp_schedule not in ('gpipe', '1f1b', 'interleaved-1f1b'):
-    sys.exit(f"error: pp_schedule={pp_schedule!r} is not one of gpipe, 1f1b, interleaved-1f1b")
+if pp_schedule not in ('gpipe', '1f1b', 'interleaved-1f1b', 'interleaved-zb'):
+    sys.exit(f"error: pp_schedule={pp_schedule!r} is not one of gpipe, 1f1b, interleaved-1f1b, interleaved-zb")
+if pp_schedule == 'interleaved-zb' and compile:  # a compiled block's backward is one node: its parts cannot be split
+    sys.exit("error: interleaved-zb computes a stage's input gradients and its weights' apart, which torch.compile'd "
+             "blocks cannot: add --compile=False, or use --pp_schedule=interleaved-1f1b")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
 # the layout is checked before any rank joins the group, from what torchrun set: every rank refuses it alike
@@ -210,9 +217,9 @@ iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_lo
 print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
 torch.manual_seed(seed + rank)  # and then draws its own dropout masks
 raw_model = model  # the whole GPT: its config, names and MFU (the other ranks' stages left on the meta device)
-# the model cut by blocks into pp_size stages (stages_per_rank each with interleaved-1f1b, placed in a loop), each
+# the model cut by blocks into pp_size stages (stages_per_rank each when interleaved, placed in a loop), each
 # under the GPT's own names; model is this rank's stages together: its state, optimizer and gradients
-n_stages = pp_size * (stages_per_rank if pp_schedule == 'interleaved-1f1b' else 1)
+n_stages = pp_size * (stages_per_rank if pp_schedule.startswith('interleaved') else 1)
 ids = stage_ids(pp_rank, pp_size, n_stages // pp_size)
 blocks = {s: stage_blocks(s, n_stages, raw_model.config.n_layer) for s in ids}
 stages = [Part(raw_model, blocks[s], s == 0, s == n_stages - 1) for s in ids]
@@ -230,9 +237,10 @@ tied = model.transformer['wte'].weight if 'wte' in model.transformer else None  
 tie_group = tie_groups[dp_rank] if pp_size > 1 and (0 in ids or n_stages - 1 in ids) else None
 pp_group = mesh['pp'].get_group()
 pipeline = [PipelineStage(stage, s, n_stages, device, group=pp_group) for stage, s in zip(stages, ids)]
-Schedule = {'gpipe': ScheduleGPipe, '1f1b': Schedule1F1B, 'interleaved-1f1b': ScheduleInterleaved1F1B}[pp_schedule]
+Schedule = {'gpipe': ScheduleGPipe, '1f1b': Schedule1F1B, 'interleaved-1f1b': ScheduleInterleaved1F1B,
+            'interleaved-zb': ScheduleInterleavedZeroBubble}[pp_schedule]
 # the schedule divides the gradients by the micro-batches, as train.py divides each micro-step's loss
-schedule = Schedule(pipeline if pp_schedule == 'interleaved-1f1b' else pipeline[0], accum_steps, loss_fn=loss_fn)
+schedule = Schedule(pipeline if pp_schedule.startswith('interleaved') else pipeline[0], accum_steps, loss_fn=loss_fn)
 
 # -----------------------------------------------------------------------------
 # optimizer, over this rank's stages
@@ -242,7 +250,7 @@ optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta
 # checkpoint load: the rest of the state, so that the run continues exactly where it stopped
 if checkpoint is not None:
     saved = checkpoint.get('config', {})
-    saved_v = saved.get('stages_per_rank', 1) if saved.get('pp_schedule') == 'interleaved-1f1b' else 1
+    saved_v = saved.get('stages_per_rank', 1) if saved.get('pp_schedule', '').startswith('interleaved') else 1
     if is_snapshot(resume_path) and saved_v != n_stages // pp_size:  # a snapshot holds only its rank's own stages
         sys.exit(f"error: the memory snapshot {resume_path} holds the stages that --pp_schedule={saved['pp_schedule']} "
                  f"--stages_per_rank={saved['stages_per_rank']} place on this rank: resume with these flags, and let "

@@ -62,8 +62,9 @@ def sizes(tmp_path_factory):
     (2, 2, 'gpipe'), (2, 2, '1f1b'), (2, 2, 'interleaved-1f1b'),
     (4, 4, 'gpipe'), (4, 4, '1f1b'), (4, 4, 'interleaved-1f1b'),
     (4, 2, 'gpipe'), (4, 2, '1f1b'), (4, 2, 'interleaved-1f1b'),
+    (2, 2, 'interleaved-zb'), (4, 2, 'interleaved-zb'),
 ], ids=['pp2-gpipe', 'pp2-1f1b', 'pp2-interleaved', 'pp4-gpipe', 'pp4-1f1b', 'pp4-interleaved',
-        'dp2xpp2-gpipe', 'dp2xpp2-1f1b', 'dp2xpp2-interleaved'])
+        'dp2xpp2-gpipe', 'dp2xpp2-1f1b', 'dp2xpp2-interleaved', 'pp2-zero-bubble', 'dp2xpp2-zero-bubble'])
 def test_pipeline_matches_single_process(tmp_path, data_dir, ref, sizes, nproc, pp, schedule):
     launch('pp_train.py', tmp_path, data_dir, 'pp', f'--max_iters={STEPS}', f'--pp_size={pp}',
            f'--pp_schedule={schedule}', '--save_consolidated=True', nproc=nproc)
@@ -92,7 +93,7 @@ def test_pipeline_matches_single_process(tmp_path, data_dir, ref, sizes, nproc, 
     with open(tmp_path / 'pp' / 'metrics.jsonl') as f:
         measured = next(row for row in map(json.loads, f) if 'rank_state_bytes' in row)['rank_state_bytes']
     assert len(measured) == nproc
-    estimate = sizes(pp, 2 if schedule == 'interleaved-1f1b' else 1)
+    estimate = sizes(pp, 2 if schedule.startswith('interleaved') else 1)
     for rank, got in enumerate(measured):  # the pipelines are consecutive ranks: pp_rank = rank % pp
         row = estimate[f'PP {pp} rank {rank % pp}']
         assert abs(got - (row['param_bytes'] + row['grad_bytes'] + row['optim_bytes'])) <= 0.01 * got, (rank, got, row)
@@ -213,7 +214,11 @@ def test_stages_per_rank_below_one_is_a_one_line_error(tmp_path, data_dir):
      "error: 1f1b does not run 1 micro-batches per pipeline (it fills the pipeline before its first backward, so it "
      "needs at least pp_size=2): set --gradient_accumulation_steps=4 (counted over the 2 pipelines), or use "
      "--pp_schedule=gpipe"),
-], ids=['interleaved-pp2', 'interleaved-dp2xpp2', '1f1b-dp2xpp2'])
+    # a traceback from torch (the backward of a compiled block cannot be split), after the group had started
+    (2, ['--pp_schedule=interleaved-zb', '--compile=True'],
+     "error: interleaved-zb computes a stage's input gradients and its weights' apart, which torch.compile'd blocks "
+     "cannot: add --compile=False, or use --pp_schedule=interleaved-1f1b"),
+], ids=['interleaved-pp2', 'interleaved-dp2xpp2', '1f1b-dp2xpp2', 'zero-bubble-compiled'])
 def test_micro_batches_a_schedule_cannot_run_are_a_one_line_error_naming_counts_it_runs(tmp_path, data_dir, nproc,
                                                                                         args, message):
     p = launch('pp_train.py', tmp_path, data_dir, 'out', '--pp_size=2', *args, nproc=nproc, check=False)

@@ -111,12 +111,14 @@ def test_bench_pipeline_refuses_bad_settings_in_one_line(tmp_path, nproc, args, 
     assert set(p.stderr.splitlines()) == {message} and p.stdout == ''  # every rank's, before anything was timed
 
 
-def test_bench_pipeline_runs_interleaved_1f1b_with_one_stage_per_rank(tmp_path):
+def test_bench_pipeline_runs_the_interleaved_schedules_with_one_stage_per_rank(tmp_path):
     # a TypeError: the interleaved schedule was handed a stage, not the list of one it takes
     p = run('bench_pipeline.py', '--forward_ms=0', '--steps=1', '--microbatches=2', '--stages_per_rank=1', nproc=2,
             cwd=tmp_path)
     rows = {line.split()[0]: line.split() for line in p.stdout.splitlines()[2:]}
-    assert sorted(rows) == ['1f1b', 'gpipe', 'interleaved-1f1b'] and rows['interleaved-1f1b'][-1] == '0.333'
+    assert sorted(rows) == ['1f1b', 'gpipe', 'interleaved-1f1b', 'interleaved-zb']
+    # the theories: 1F1B's (p - 1) / (m + p - 1), and zero bubble's third of its idle time, (p - 1) / (3m + p - 1)
+    assert rows['interleaved-1f1b'][-1] == '0.333' and rows['interleaved-zb'][-1] == '0.143'
 
 
 @pytest.fixture
