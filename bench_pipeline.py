@@ -1,10 +1,10 @@
 """
 Measures the pipeline bubble of pp_train.py's schedules (torch.distributed.pipelining's GPipe, 1F1B, interleaved
-1F1B and interleaved zero bubble) against theory: the idle fraction of a step, (p - 1) / (m + p - 1) for GPipe and
-1F1B with p stages and m micro-batches, (p - 1) / (v m + p - 1) for interleaved 1F1B with v stages per rank, and
-(p - 1) / (3 v m + p - 1) for zero bubble (ZB1P: the weights' gradients fill two thirds of 1F1B's idle time, where
-a forward, an input's gradient and a weight's gradient take as long as one another; torch's plan of the schedule,
-its pipeline_order, has that many idle slots).
+1F1B, interleaved zero bubble and ZBV) against theory: the idle fraction of a step, (p - 1) / (m + p - 1) for GPipe
+and 1F1B with p stages and m micro-batches, (p - 1) / (v m + p - 1) for interleaved 1F1B with v stages per rank,
+and for the zero-bubble schedules the idle slots of torch's own plan (its pipeline_order), where a forward, an
+input's gradient and a weight's gradient take a slot each: (p - 1) / (3 v m + p - 1) for interleaved-zb (ZB1P: the
+weights' gradients fill two thirds of interleaved 1F1B's idle time) and for zbv (v = 2) from m = 2p, more below.
 
 torchrun --standalone --nproc_per_node=2 bench_pipeline.py
 torchrun --standalone --nproc_per_node=4 bench_pipeline.py --microbatches=4,8,16
@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                          ScheduleInterleavedZeroBubble)
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from configurator import configure, quiet_interrupt
-from pipeline import nearest_taken, schedule_takes
+from pipeline import SCHEDULES, nearest_taken, placement, schedule_takes, stage_ids
 
 quiet_interrupt()  # Ctrl-C: one line, no traceback
 
@@ -87,13 +87,13 @@ class Stage(nn.Module):
 
 
 def measure(name, m, rank, p):
-    v = stages_per_rank if name.startswith('interleaved') else 1
+    v, v_shape = placement(name, stages_per_rank)
     seconds = forward_ms / 1000 / v
-    ids = [rank + j * p for j in range(v)]
+    ids = stage_ids(rank, p, v, v_shape)
     stages = [PipelineStage(Stage(seconds), s, p * v, torch.device('cpu')) for s in ids]
     Schedule = {'gpipe': ScheduleGPipe, '1f1b': Schedule1F1B, 'interleaved-1f1b': ScheduleInterleaved1F1B,
-                'interleaved-zb': ScheduleInterleavedZeroBubble}[name]
-    schedule = Schedule(stages if name.startswith('interleaved') else stages[0], m, loss_fn=lambda out, y: out.mean())
+                'interleaved-zb': ScheduleInterleavedZeroBubble, 'zbv': ScheduleZBVZeroBubble}[name]
+    schedule = Schedule(stages[0] if name in ('gpipe', '1f1b') else stages, m, loss_fn=lambda out, y: out.mean())
     x, y = torch.randn(m, 4), torch.randn(m, 4)
     times = []
     for i in range(steps + 1):
@@ -109,7 +109,11 @@ def measure(name, m, rank, p):
         for stage in stages:
             stage.submod(x[:1]).sum().backward()
     work = time.perf_counter() - t0
-    return 1 - work / step, (p - 1) / ((3 if name == 'interleaved-zb' else 1) * v * m + p - 1), step
+    theory = (p - 1) / (v * m + p - 1)
+    if name in ('interleaved-zb', 'zbv'):  # its plan: each rank's actions in slots, None where it idles
+        slots = max(map(len, schedule.pipeline_order.values()))
+        theory = 1 - sum(a is not None for a in schedule.pipeline_order[rank]) / slots
+    return 1 - work / step, theory, step
 
 
 dist.init_process_group('gloo')
@@ -117,7 +121,7 @@ rank = dist.get_rank()
 if rank == 0:
     print(f"{p} ranks, forward {forward_ms} ms + backward {2 * forward_ms} ms per micro-batch per rank")
     print(f"{'schedule':>17} {'m':>3} {'step ms':>8} {'bubble':>7} {'theory':>7}")
-for name in ('gpipe', '1f1b', 'interleaved-1f1b', 'interleaved-zb'):
+for name in SCHEDULES:
     for m in counts:
         if name != 'gpipe' and m < p:
             continue  # 1F1B needs a micro-batch for each stage to fill the pipeline before its first backward

@@ -42,6 +42,7 @@ batch_size = 12  # sequences per micro-step per rank, for the activation estimat
 dtype = 'bfloat16'  # the compute dtype: activations take 2 bytes an element in bfloat16, 4 in float32; auto: a GPU's
 activation_checkpointing = False
 pp_size = 0  # pipeline stages (pp_train.py, one per rank): 0 none shown
+pp_schedule = '1f1b'  # pp_train.py's: zbv places two stages a rank in a V (the first rank holds both ends)
 stages_per_rank = 1  # the interleaved schedules' stages per rank (pp_train.py's interleaved-1f1b, interleaved-zb)
 # -----------------------------------------------------------------------------
 
@@ -103,10 +104,15 @@ if tp_size:  # one asked for by name is shown, or refused with the reason: never
                      f"evenly; choose a tp_size that divides world_size, n_head and 4 * n_embd")
 
 if pp_size:
-    from pipeline import stage_blocks, stage_ids  # its one-line error where the stages outnumber the layers
+    from pipeline import SCHEDULES, placement, stage_blocks, stage_ids  # stage_blocks: stages > layers, one line
     if pp_size < 1 or stages_per_rank < 1:
         sys.exit(f"error: pp_size={pp_size} and stages_per_rank={stages_per_rank} must be 1 or more")
-    stage_blocks(0, pp_size * stages_per_rank, n_layer)
+    if pp_schedule not in SCHEDULES:
+        sys.exit(f"error: pp_schedule={pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
+    # pp_train.py's stages a rank for its schedule: the interleaved ones' stages_per_rank, zbv's two, one otherwise;
+    # a schedule not named keeps stages_per_rank as given
+    v, v_shape = placement(pp_schedule, stages_per_rank) if 'pp_schedule' in given else (stages_per_rank, False)
+    stage_blocks(0, pp_size * v, n_layer)
 with torch.device('meta'):  # shapes only, of one block: the others are alike, so nothing grows with n_layer
     gpt = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=1, n_head=n_head, n_embd=n_embd,
                         bias=bias))
@@ -159,15 +165,16 @@ if tp2 > 1 and W % tp2 == 0 and n_head % tp2 == 0 and (4 * n_embd) % tp2 == 0:
     rows[f'FSDP {W // tp2} x TP {tp2}'] = (4 * per_rank, 4 * per_rank, 8 * per_rank)
 act = {name: activations(int(name.split('TP ')[1]) if 'TP ' in name else 1) for name in rows}
 for r in range(pp_size):
-    # a pipeline rank holds its stages' blocks, the first also the embeddings, the last the final layer norm and a
-    # copy of the tied head; data parallel across pipelines keeps whole replicas of each stage
-    stages = stage_ids(r, pp_size, stages_per_rank)
-    blocks = sum(len(stage_blocks(i, pp_size * stages_per_rank, n_layer)) for i in stages)
+    # a pipeline rank holds its stages' blocks, the first stage's also the embeddings, the last's the final layer
+    # norm and a copy of the tied head (none where it holds both); data parallel keeps whole replicas of each stage
+    stages = stage_ids(r, pp_size, v, v_shape)
+    first, last = 0 in stages, pp_size * v - 1 in stages
+    blocks = sum(len(stage_blocks(i, pp_size * v, n_layer)) for i in stages)
     outside = {n: math.prod(shape) for n, shape in params.items() if '.h.' not in n}
     n = blocks * sum(math.prod(shape) for name, shape in params.items() if '.h.' in name)
-    n += (outside['transformer.wte.weight'] + outside['transformer.wpe.weight']) * (r == 0)
-    n += sum(v for k, v in outside.items() if k.startswith('transformer.ln_f')) * (r == pp_size - 1)
-    n += outside['transformer.wte.weight'] * (r == pp_size - 1 and r != 0)  # the head's copy of the tied weight
+    n += (outside['transformer.wte.weight'] + outside['transformer.wpe.weight']) * first
+    n += sum(k for name, k in outside.items() if name.startswith('transformer.ln_f')) * last
+    n += outside['transformer.wte.weight'] * (last and not first)  # the head's copy of the tied weight
     name = f'PP {pp_size} rank {r}'
     rows[name] = (4 * n, 4 * n, 8 * n)
     act[name] = activations(1) * blocks / n_layer  # one micro-batch's; a schedule keeps up to pp_size in flight

@@ -22,9 +22,28 @@ from sharded import optim_state_dict_by_index
 from sharded import sharded_state as stage_state
 
 
-def stage_ids(pp_rank, pp_size, stages_per_rank):
-    """The stages a rank holds, in the looped placement of the interleaved schedules: rank r holds r, r + pp, ..."""
+def stage_ids(pp_rank, pp_size, stages_per_rank, v_shape=False):
+    """The stages a rank holds: in the looped placement of the interleaved schedules rank r holds r, r + pp, ...;
+    in zbv's V, r and 2 pp - 1 - r (down the ranks and back up, so that the first rank holds both ends)."""
+    if v_shape:
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
     return [pp_rank + j * pp_size for j in range(stages_per_rank)]
+
+
+SCHEDULES = ('gpipe', '1f1b', 'interleaved-1f1b', 'interleaved-zb', 'zbv')  # pp_train.py's, torch's schedules
+
+
+def placement(schedule, stages_per_rank):
+    """(the stages on each rank, whether they lie in a V) for a schedule: zbv's two in a V, the interleaved
+    schedules' stages_per_rank in a loop, one for the others."""
+    if schedule == 'zbv':
+        return 2, True
+    return (stages_per_rank if schedule.startswith('interleaved') else 1), False
+
+
+def stage_rank(stage, pp_size, v_shape=False):
+    """The pipeline rank that holds a stage (stage_ids' inverse)."""
+    return min(stage, 2 * pp_size - 1 - stage) if v_shape else stage % pp_size
 
 
 def stage_blocks(stage, n_stages, n_layer):
@@ -36,10 +55,10 @@ def stage_blocks(stage, n_stages, n_layer):
 
 
 def schedule_takes(schedule, m, pp):
-    """Whether schedule runs m micro-batches on pp ranks: GPipe any number, 1F1B pp or more (it fills the pipeline
-    before its first backward), and torch's interleaved schedules (1F1B, zero bubble) a multiple of their rounds
-    besides, max(1, m // pp)."""
-    return m >= 1 and (schedule == 'gpipe' or m >= pp and (schedule == '1f1b' or m % (m // pp) == 0))
+    """Whether schedule runs m micro-batches on pp ranks: GPipe and ZBV any number, 1F1B pp or more (it fills the
+    pipeline before its first backward), and torch's interleaved schedules (1F1B, zero bubble) a multiple of their
+    rounds besides, max(1, m // pp)."""
+    return m >= 1 and (schedule in ('gpipe', 'zbv') or m >= pp and (schedule == '1f1b' or m % (m // pp) == 0))
 
 
 def nearest_taken(schedule, m, pp):
@@ -91,17 +110,20 @@ def loss_fn(logits, targets):
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
 
-def tied_grads_and_norm(params, tied, counts_tied, dp_group, dp_size, tie_group, pp_group):
-    """After a step's backward: averages the gradients across pipelines (one all-reduce, as DDP's last bucket
-    would), sums the tied embedding's gradient across the first and the last stage (Megatron's embedding group:
-    both copies then take the same update and stay equal), and returns the global norm, the tied one counted once
-    (by the rank for which counts_tied, the first stage's)."""
+def tied_grads_and_norm(params, tied, counts_tied, micro_batches, dp_group, dp_size, tie_group, pp_group):
+    """After a step's backward, whose gradients are summed over the micro-batches: averages them over those and
+    across pipelines (one all-reduce, as DDP's last bucket would), sums the tied embedding's gradient across the
+    first and the last stage (Megatron's embedding group: both copies then take the same update and stay equal),
+    and returns the global norm, the tied one counted once (by the rank for which counts_tied, the first stage's).
+    The average is taken here, once a parameter: torch's schedules divide each stage's gradients, which divides the
+    tied weight twice where one rank holds both stages that use it (zbv's V, or a pipeline of one rank)."""
     grads = [p.grad for p in params if p.grad is not None]
     if dp_size > 1:
         flat = _flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=dp_group)
-        for g, s in zip(grads, _unflatten_dense_tensors(flat / dp_size, grads)):
+        for g, s in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(s)
+    torch._foreach_div_(grads, micro_batches * dp_size)
     if tie_group is not None and tied.grad is not None:
         dist.all_reduce(tied.grad, group=tie_group)
     counted = [p.grad for p in params if p.grad is not None and (p is not tied or counts_tied)]
@@ -123,26 +145,26 @@ class Forward(nn.Module):
     run one after the other, each rank's activations sent point to point to the next stage's rank, and the last
     stage's logits and loss broadcast to the pipeline's ranks. A plain loop, not a schedule: evals' shapes vary."""
 
-    def __init__(self, stages, ids, n_stages, pp_ranks, pp_group, device):
+    def __init__(self, stages, ids, owners, pp_group, device):
         super().__init__()
-        self.stages, self.ids, self.n_stages = nn.ModuleList(stages), ids, n_stages
-        self.pp_ranks, self.pp_group, self.device = pp_ranks, pp_group, device
+        self.stages, self.ids, self.n_stages = nn.ModuleList(stages), ids, len(owners)
+        self.owners, self.pp_group, self.device = owners, pp_group, device  # owners: each stage's global rank
         self.config = stages[0].config
 
     def forward(self, idx, targets):
         B, T = idx.shape
-        pp, x = len(self.pp_ranks), None
-        for s in self.ids:  # in order; stage s lives on the pipeline's rank s % pp
-            if s > 0 and pp > 1:
+        x, mine = None, dist.get_rank()
+        for s in self.ids:  # in order; the neighbouring stages' ranks send and receive their activations
+            if s > 0 and self.owners[s - 1] != mine:
                 x = torch.empty(B, T, self.config.n_embd, device=self.device)
-                dist.recv(x, self.pp_ranks[(s - 1) % pp], group=self.pp_group)
+                dist.recv(x, self.owners[s - 1], group=self.pp_group)
             x = self.stages[self.ids.index(s)](idx if s == 0 else x)
-            if s < self.n_stages - 1 and pp > 1:
-                dist.send(x.float().contiguous(), self.pp_ranks[(s + 1) % pp], group=self.pp_group)
+            if s < self.n_stages - 1 and self.owners[s + 1] != mine:
+                dist.send(x.float().contiguous(), self.owners[s + 1], group=self.pp_group)
         logits = x.float() if self.n_stages - 1 in self.ids else torch.empty(B, T, self.config.vocab_size,
                                                                              device=self.device)
-        if pp > 1:
-            dist.broadcast(logits, self.pp_ranks[(self.n_stages - 1) % pp], group=self.pp_group)
+        if len(set(self.owners)) > 1:
+            dist.broadcast(logits, self.owners[-1], group=self.pp_group)
         return logits, loss_fn(logits, targets)
 
 
@@ -181,17 +203,17 @@ def save_full(part, optimizer, raw_model, extra, path, keep=1, best=None):
         print0(f"saving consolidated checkpoint to {path}")
 
 
-def stage_memory(config, pp_size, stages_per_rank=1, bytes_per_param=4 + 4 + 8):
+def stage_memory(config, pp_size, stages_per_rank=1, v_shape=False, bytes_per_param=4 + 4 + 8):
     """Per pipeline rank: the parameters its stages hold, and their bytes with a gradient and AdamW's two moments
     each (fp32: 4 + 4 + 8). The first rank holds the embeddings, the last the final layer norm and the (tied) head,
-    whose weight it keeps a copy of. Activations are left out: they depend on the schedule's micro-batches in
-    flight. A list of pp_size (params, bytes)."""
+    whose weight it keeps a copy of (in zbv's V the first holds both, and the weight once). Activations are left
+    out: they depend on the schedule's micro-batches in flight. A list of pp_size (params, bytes)."""
     with torch.device('meta'):
         gpt = GPT(config)
     out = []
     n_stages = pp_size * stages_per_rank
     for r in range(pp_size):
-        ids = stage_ids(r, pp_size, stages_per_rank)
+        ids = stage_ids(r, pp_size, stages_per_rank, v_shape)
         blocks = [b for s in ids for b in stage_blocks(s, n_stages, config.n_layer)]
         part = Part(gpt, blocks, 0 in ids, n_stages - 1 in ids)
         n = sum(p.numel() for p in part.parameters())

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                          ScheduleInterleavedZeroBubble)
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, previous, reason, remove_snapshots,
                         save_in_background, snapshot_dir, step_folders, take_settings, wait_for_copies, wait_for_saves,
@@ -35,8 +35,8 @@ from distributed import (agree, check_fits, finish, gather_rng, pick_device, res
                          skip_on_device, state_bytes, stop_signal, torchrun_env, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import saves_at_eval, skips_save
-from pipeline import (Forward, Part, clip, loss_fn, nearest_taken, save_full, schedule_takes, sharded_state,
-                      stage_blocks, stage_ids, tied_grads_and_norm)
+from pipeline import (SCHEDULES, Forward, Part, clip, loss_fn, nearest_taken, placement, save_full, schedule_takes,
+                      sharded_state, stage_blocks, stage_ids, stage_rank, tied_grads_and_norm)
 from runlock import hold
 from runlog import ends_diverged, heed, open_log
 from sharded import load_sharded_state, local_shards, read_start, save_dcp
@@ -95,8 +95,9 @@ max_nonfinite_steps = 5  # a step whose loss or gradient is not finite is skippe
 keep_checkpoints = 2  # the newest states kept in out_dir (fallbacks of a damaged one); the best by val loss besides
 # parallelism
 pp_size = 1  # ranks per pipeline, one stage each (consecutive ranks); the world size / pp_size pipelines are DP
-pp_schedule = '1f1b'  # 'gpipe' (all forwards, then all backwards), '1f1b', 'interleaved-1f1b' (looped stages) or
-# 'interleaved-zb' (looped stages, each backward split: the weights' gradients fill the bubble; no torch.compile)
+pp_schedule = '1f1b'  # 'gpipe' (all forwards, then all backwards), '1f1b', 'interleaved-1f1b' (looped stages),
+# 'interleaved-zb' (looped, each backward split: the weights' gradients fill the bubble) or 'zbv' (zero bubble on two
+# stages a rank in a V, the first rank holding both ends); the zero-bubble ones without torch.compile
 stages_per_rank = 2  # the interleaved schedules' stages on each rank (the others take one)
 save_consolidated = False  # with each checkpoint also write out_dir/ckpt.pt in train.py's format (gathered on rank 0)
 # -----------------------------------------------------------------------------
@@ -109,11 +110,12 @@ if dtype == 'auto':
     dtype = 'bfloat16' if device_type == 'cuda' else 'float32'
 if dtype not in ('float32', 'bfloat16'):
     sys.exit(f"error: dtype={dtype!r}: pp_train.py takes auto, float32 or bfloat16 (for float16 use train.py)")
-if pp_schedule not in ('gpipe', '1f1b', 'interleaved-1f1b', 'interleaved-zb'):
-    sys.exit(f"error: pp_schedule={pp_schedule!r} is not one of gpipe, 1f1b, interleaved-1f1b, interleaved-zb")
-if pp_schedule == 'interleaved-zb' and compile:  # a compiled block's backward is one node: its parts cannot be split
-    sys.exit("error: interleaved-zb computes a stage's input gradients and its weights' apart, which torch.compile'd "
-             "blocks cannot: add --compile=False, or use --pp_schedule=interleaved-1f1b")
+if pp_schedule not in SCHEDULES:
+    sys.exit(f"error: pp_schedule={pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
+if pp_schedule in ('interleaved-zb', 'zbv') and compile:  # a compiled block's backward is one node: it cannot split
+    sys.exit(f"error: {pp_schedule} computes a stage's input gradients and its weights' apart, which torch.compile'd "
+             f"blocks cannot: add --compile=False, or use --pp_schedule=interleaved-1f1b")
+v, v_shape = placement(pp_schedule, stages_per_rank)  # the stages each rank holds, and whether in a V
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
 # the layout is checked before any rank joins the group, from what torchrun set: every rank refuses it alike
@@ -137,7 +139,9 @@ master_process = rank == 0  # does all the logging and checkpoint writing
 dp_rank, pp_rank = rank // pp_size, rank % pp_size
 mesh = init_device_mesh(device_type, (dp_size, pp_size), mesh_dim_names=('dp', 'pp'))
 # Megatron's embedding group: in each pipeline the first and the last stage's ranks, which both hold the tied weight
-tie_groups = [dist.new_group([d * pp_size, d * pp_size + pp_size - 1]) for d in range(dp_size)] if pp_size > 1 else []
+# (in a V one rank holds both stages, and the weight once)
+tie_groups = [dist.new_group([d * pp_size, d * pp_size + pp_size - 1]) for d in range(dp_size)] \
+    if pp_size > 1 and not v_shape else []
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
 torch.manual_seed(seed)  # every rank builds the same initial model
 if device_type == 'cuda':
@@ -217,10 +221,10 @@ iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_lo
 print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
 torch.manual_seed(seed + rank)  # and then draws its own dropout masks
 raw_model = model  # the whole GPT: its config, names and MFU (the other ranks' stages left on the meta device)
-# the model cut by blocks into pp_size stages (stages_per_rank each when interleaved, placed in a loop), each
-# under the GPT's own names; model is this rank's stages together: its state, optimizer and gradients
-n_stages = pp_size * (stages_per_rank if pp_schedule.startswith('interleaved') else 1)
-ids = stage_ids(pp_rank, pp_size, n_stages // pp_size)
+# the model cut by blocks into pp_size stages (stages_per_rank each when interleaved, placed in a loop; two in a V
+# with zbv), each under the GPT's own names; model is this rank's stages together: its state, optimizer, gradients
+n_stages = pp_size * v
+ids = stage_ids(pp_rank, pp_size, v, v_shape)
 blocks = {s: stage_blocks(s, n_stages, raw_model.config.n_layer) for s in ids}
 stages = [Part(raw_model, blocks[s], s == 0, s == n_stages - 1) for s in ids]
 model = Part(raw_model, sum(blocks.values(), []), 0 in ids, n_stages - 1 in ids)
@@ -234,13 +238,15 @@ if compile:
     for block in model.transformer.h.values():
         block.compile()  # in place, so parameter names (and checkpoints) stay the same
 tied = model.transformer['wte'].weight if 'wte' in model.transformer else None  # one in effect
-tie_group = tie_groups[dp_rank] if pp_size > 1 and (0 in ids or n_stages - 1 in ids) else None
+tie_group = tie_groups[dp_rank] if tie_groups and (0 in ids or n_stages - 1 in ids) else None
 pp_group = mesh['pp'].get_group()
 pipeline = [PipelineStage(stage, s, n_stages, device, group=pp_group) for stage, s in zip(stages, ids)]
 Schedule = {'gpipe': ScheduleGPipe, '1f1b': Schedule1F1B, 'interleaved-1f1b': ScheduleInterleaved1F1B,
-            'interleaved-zb': ScheduleInterleavedZeroBubble}[pp_schedule]
-# the schedule divides the gradients by the micro-batches, as train.py divides each micro-step's loss
-schedule = Schedule(pipeline if pp_schedule.startswith('interleaved') else pipeline[0], accum_steps, loss_fn=loss_fn)
+            'interleaved-zb': ScheduleInterleavedZeroBubble, 'zbv': ScheduleZBVZeroBubble}[pp_schedule]
+# the gradients are summed over the micro-batches, and divided by their number after (tied_grads_and_norm), as
+# train.py divides each micro-step's loss
+schedule = Schedule(pipeline[0] if pp_schedule in ('gpipe', '1f1b') else pipeline, accum_steps, loss_fn=loss_fn,
+                    scale_grads=False)
 
 # -----------------------------------------------------------------------------
 # optimizer, over this rank's stages
@@ -250,8 +256,8 @@ optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta
 # checkpoint load: the rest of the state, so that the run continues exactly where it stopped
 if checkpoint is not None:
     saved = checkpoint.get('config', {})
-    saved_v = saved.get('stages_per_rank', 1) if saved.get('pp_schedule', '').startswith('interleaved') else 1
-    if is_snapshot(resume_path) and saved_v != n_stages // pp_size:  # a snapshot holds only its rank's own stages
+    saved_layout = placement(saved.get('pp_schedule', '1f1b'), saved.get('stages_per_rank', 1))
+    if is_snapshot(resume_path) and saved_layout != (v, v_shape):  # a snapshot holds only its rank's own stages
         sys.exit(f"error: the memory snapshot {resume_path} holds the stages that --pp_schedule={saved['pp_schedule']} "
                  f"--stages_per_rank={saved['stages_per_rank']} place on this rank: resume with these flags, and let "
                  f"it save a checkpoint to {out_dir} (SIGTERM does) before changing them")
@@ -268,7 +274,8 @@ if checkpoint is not None:
     checkpoint = None  # free the memory
 
 # evaluation runs the stages one after the other, through the pipeline's ranks
-eval_model = Forward(stages, ids, n_stages, mesh['pp'].mesh.tolist(), pp_group, device)
+eval_model = Forward(stages, ids, [mesh['pp'].mesh.tolist()[stage_rank(s, pp_size, v_shape)] for s in range(n_stages)],
+                     pp_group, device)
 
 
 def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
@@ -399,8 +406,8 @@ while True:
         schedule.step(*([X] if 0 in ids else []), **(dict(target=Y, losses=micro_losses) if n_stages - 1 in ids
                                                       else {}))
     loss_sum += sum(loss.detach().float() for loss in micro_losses) / accum_steps  # only the last stage's ranks add
-    grad_norm = tied_grads_and_norm(list(model.parameters()), tied, 0 in ids, mesh['dp'].get_group(), dp_size,
-                                    tie_group, pp_group)
+    grad_norm = tied_grads_and_norm(list(model.parameters()), tied, 0 in ids, accum_steps, mesh['dp'].get_group(),
+                                    dp_size, tie_group, pp_group)
     if grad_clip != 0.0:
         clip(model.parameters(), grad_norm, grad_clip)
     # A non-finite loss or gradient would spoil the weights for good, so the step is skipped; the ranks decide alike,

@@ -46,15 +46,16 @@ def ref(shared_run):
 
 @pytest.fixture(scope='module')
 def sizes(tmp_path_factory):
-    """sizes(pp, stages_per_rank) -> model_size.py's rows for the model of these tests (one run per layout)."""
+    """sizes(pp, schedule) -> model_size.py's rows for the model of these tests at pp_train.py's default
+    stages_per_rank (one run per layout)."""
     done, tmp = {}, tmp_path_factory.mktemp('sizes')
 
-    def size(pp, v):
-        if (pp, v) not in done:
+    def size(pp, schedule):
+        if (pp, schedule) not in done:
             p = run('model_size.py', *[f'--{k}={x}' for k, x in SHAPE.items()], '--bias=True', f'--pp_size={pp}',
-                    f'--stages_per_rank={v}', cwd=tmp)
-            done[pp, v] = json.loads(p.stdout.strip().splitlines()[-1])
-        return done[pp, v]
+                    f'--pp_schedule={schedule}', '--stages_per_rank=2', cwd=tmp)
+            done[pp, schedule] = json.loads(p.stdout.strip().splitlines()[-1])
+        return done[pp, schedule]
     return size
 
 
@@ -62,9 +63,12 @@ def sizes(tmp_path_factory):
     (2, 2, 'gpipe'), (2, 2, '1f1b'), (2, 2, 'interleaved-1f1b'),
     (4, 4, 'gpipe'), (4, 4, '1f1b'), (4, 4, 'interleaved-1f1b'),
     (4, 2, 'gpipe'), (4, 2, '1f1b'), (4, 2, 'interleaved-1f1b'),
-    (2, 2, 'interleaved-zb'), (4, 2, 'interleaved-zb'),
+    (2, 2, 'interleaved-zb'), (4, 2, 'interleaved-zb'), (2, 2, 'zbv'), (4, 2, 'zbv'),
+    # one rank holding both ends of the tied weight: torch's schedules divided its gradient by the micro-batches twice
+    (1, 1, 'interleaved-1f1b'),
 ], ids=['pp2-gpipe', 'pp2-1f1b', 'pp2-interleaved', 'pp4-gpipe', 'pp4-1f1b', 'pp4-interleaved',
-        'dp2xpp2-gpipe', 'dp2xpp2-1f1b', 'dp2xpp2-interleaved', 'pp2-zero-bubble', 'dp2xpp2-zero-bubble'])
+        'dp2xpp2-gpipe', 'dp2xpp2-1f1b', 'dp2xpp2-interleaved', 'pp2-zero-bubble', 'dp2xpp2-zero-bubble', 'pp2-zbv',
+        'dp2xpp2-zbv', 'pp1-interleaved'])
 def test_pipeline_matches_single_process(tmp_path, data_dir, ref, sizes, nproc, pp, schedule):
     launch('pp_train.py', tmp_path, data_dir, 'pp', f'--max_iters={STEPS}', f'--pp_size={pp}',
            f'--pp_schedule={schedule}', '--save_consolidated=True', nproc=nproc)
@@ -93,7 +97,7 @@ def test_pipeline_matches_single_process(tmp_path, data_dir, ref, sizes, nproc, 
     with open(tmp_path / 'pp' / 'metrics.jsonl') as f:
         measured = next(row for row in map(json.loads, f) if 'rank_state_bytes' in row)['rank_state_bytes']
     assert len(measured) == nproc
-    estimate = sizes(pp, 2 if schedule.startswith('interleaved') else 1)
+    estimate = sizes(pp, schedule)
     for rank, got in enumerate(measured):  # the pipelines are consecutive ranks: pp_rank = rank % pp
         row = estimate[f'PP {pp} rank {rank % pp}']
         assert abs(got - (row['param_bytes'] + row['grad_bytes'] + row['optim_bytes'])) <= 0.01 * got, (rank, got, row)
@@ -147,11 +151,11 @@ def test_resume_at_another_layout_and_in_fsdp(tmp_path, data_dir, ref, shared_ru
 def test_model_size_gives_each_pipeline_rank_the_parameters_its_stages_hold(tmp_path):
     # model_size.py's arithmetic against pipeline.stage_memory, which counts the modules of the stages themselves
     shape = dict(SHAPE, bias=False)
-    for pp, v in ((2, 1), (4, 1), (2, 2)):
+    for pp, v, v_shape in ((2, 1, False), (4, 1, False), (2, 2, False), (4, 2, True)):  # zbv's two a rank in a V
         p = run('model_size.py', *[f'--{k}={x}' for k, x in shape.items()], f'--pp_size={pp}',
-                f'--stages_per_rank={v}', cwd=tmp_path)
+                f'--stages_per_rank={v}', *['--pp_schedule=zbv'] * v_shape, cwd=tmp_path)
         rows = json.loads(p.stdout.strip().splitlines()[-1])
-        counted = stage_memory(GPTConfig(**shape), pp, v)
+        counted = stage_memory(GPTConfig(**shape), pp, v, v_shape)
         for r in range(pp):
             assert rows[f'PP {pp} rank {r}']['param_bytes'] == 4 * counted[r][0], (pp, v, r)
 
@@ -218,7 +222,10 @@ def test_stages_per_rank_below_one_is_a_one_line_error(tmp_path, data_dir):
     (2, ['--pp_schedule=interleaved-zb', '--compile=True'],
      "error: interleaved-zb computes a stage's input gradients and its weights' apart, which torch.compile'd blocks "
      "cannot: add --compile=False, or use --pp_schedule=interleaved-1f1b"),
-], ids=['interleaved-pp2', 'interleaved-dp2xpp2', '1f1b-dp2xpp2', 'zero-bubble-compiled'])
+    (2, ['--pp_schedule=zbv', '--compile=True'],
+     "error: zbv computes a stage's input gradients and its weights' apart, which torch.compile'd blocks cannot: add "
+     "--compile=False, or use --pp_schedule=interleaved-1f1b"),
+], ids=['interleaved-pp2', 'interleaved-dp2xpp2', '1f1b-dp2xpp2', 'zero-bubble-compiled', 'zbv-compiled'])
 def test_micro_batches_a_schedule_cannot_run_are_a_one_line_error_naming_counts_it_runs(tmp_path, data_dir, nproc,
                                                                                         args, message):
     p = launch('pp_train.py', tmp_path, data_dir, 'out', '--pp_size=2', *args, nproc=nproc, check=False)
