@@ -82,7 +82,8 @@ def main():
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         sys.exit(f"error: cannot write {out}: {parent} is not a writable folder; give --out=PATH in one")
-    model, checkpoint, _ = checkpoint_or_exit(ckpt, "give --ckpt=a run folder, a ckpt.pt or a sharded checkpoint folder")
+    model, checkpoint, _ = checkpoint_or_exit(ckpt,
+                                              "give --ckpt=a run folder, a ckpt.pt or a sharded checkpoint folder")
     try:
         from transformers import GPT2Config, GPT2LMHeadModel  # after the checks: it takes seconds to import
     except ImportError:
