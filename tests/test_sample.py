@@ -278,8 +278,8 @@ def test_a_sharded_memory_snapshot_given_to_a_tool_says_whose_it_is(tmp_path):
 def test_a_run_killed_after_its_last_save_is_read_at_its_newer_memory_snapshot(char_run, tmp_path):
     """A run killed past its last checkpoint left a newer memory snapshot in /dev/shm: the tools and --init_from read
     that state (train.py's, a whole ckpt.pt) and name it, or warn that the checkpoint they read is older (another
-    entrypoint's, its ranks' own shards), rather than an older state without a word. A copy of the run's folder, whose run_id names the same
-    snapshots, reads its own checkpoint. Nothing in either folder is changed."""
+    entrypoint's, its ranks' own shards), rather than an older state without a word. A copy of the run's folder,
+    whose run_id names the same snapshots, reads its own checkpoint. Nothing in either folder is changed."""
     from checkpoint import where_saved
     out, copy = tmp_path / 'killed', tmp_path / 'copy'
     shutil.copytree(char_run, out, symlinks=True)
