@@ -2,9 +2,10 @@
 Measures the pipeline bubble of pp_train.py's schedules (torch.distributed.pipelining's GPipe, 1F1B, interleaved
 1F1B, interleaved zero bubble and ZBV) against theory: the idle fraction of a step, (p - 1) / (m + p - 1) for GPipe
 and 1F1B with p stages and m micro-batches, (p - 1) / (v m + p - 1) for interleaved 1F1B with v stages per rank,
-and for the zero-bubble schedules the idle slots of torch's own plan (its pipeline_order), where a forward, an
-input's gradient and a weight's gradient take a slot each: (p - 1) / (3 v m + p - 1) for interleaved-zb (ZB1P: the
-weights' gradients fill two thirds of interleaved 1F1B's idle time) and for zbv (v = 2) from m = 2p, more below.
+and (p - 1) / (3 v m + p - 1) for the zero-bubble schedules (ZB1P: the weights' gradients fill two thirds of
+interleaved 1F1B's idle time, where a forward, an input's gradient and a weight's gradient take as long as one
+another), as many idle slots as torch's plan of them (its pipeline_order) holds; for zbv (v = 2) from m = 2p only,
+below which its plan is not full and no figure is given.
 
 torchrun --standalone --nproc_per_node=2 bench_pipeline.py
 torchrun --standalone --nproc_per_node=4 bench_pipeline.py --microbatches=4,8,16
@@ -109,11 +110,8 @@ def measure(name, m, rank, p):
         for stage in stages:
             stage.submod(x[:1]).sum().backward()
     work = time.perf_counter() - t0
-    theory = (p - 1) / (v * m + p - 1)
-    if name in ('interleaved-zb', 'zbv'):  # its plan: each rank's actions in slots, None where it idles
-        slots = max(map(len, schedule.pipeline_order.values()))
-        theory = 1 - sum(a is not None for a in schedule.pipeline_order[rank]) / slots
-    return 1 - work / step, theory, step
+    theory = (p - 1) / ((3 if name in ('interleaved-zb', 'zbv') else 1) * v * m + p - 1)
+    return 1 - work / step, None if name == 'zbv' and m < 2 * p else theory, step
 
 
 dist.init_process_group('gloo')
@@ -127,7 +125,8 @@ for name in SCHEDULES:
             continue  # 1F1B needs a micro-batch for each stage to fill the pipeline before its first backward
         bubble, theory, step = measure(name, m, rank, p)
         if rank == 0:
-            print(f"{name:>17} {m:>3} {step * 1000:>8.1f} {bubble:>7.3f} {theory:>7.3f}", flush=True)
+            print(f"{name:>17} {m:>3} {step * 1000:>8.1f} {bubble:>7.3f} "
+                  f"{'-' if theory is None else f'{theory:.3f}':>7}", flush=True)
 dist.barrier()
 dist.destroy_process_group()
 os._exit(0)

@@ -117,9 +117,9 @@ def test_bench_pipeline_runs_the_interleaved_schedules_with_one_stage_per_rank(t
             cwd=tmp_path)
     rows = {line.split()[0]: line.split() for line in p.stdout.splitlines()[2:]}
     assert sorted(rows) == ['1f1b', 'gpipe', 'interleaved-1f1b', 'interleaved-zb', 'zbv']
-    # the theories: 1F1B's (p - 1) / (m + p - 1); zero bubble's third of its idle time, (p - 1) / (3m + p - 1), the
-    # idle slots of torch's plan; and ZBV's plan, 7 of 19 slots idle where m is below 2p
-    assert [rows[s][-1] for s in ('interleaved-1f1b', 'interleaved-zb', 'zbv')] == ['0.333', '0.143', '0.368']
+    # the theories: 1F1B's (p - 1) / (m + p - 1), zero bubble's third of its idle time, (p - 1) / (3m + p - 1), and
+    # none for ZBV where m is below 2p (its plan is not full)
+    assert [rows[s][-1] for s in ('interleaved-1f1b', 'interleaved-zb', 'zbv')] == ['0.333', '0.143', '-']
 
 
 @pytest.fixture
