@@ -12,6 +12,7 @@ sudo python bench_network.py --modes=ddp,diloco-50 --rates=100mbit --nodes=4
 sudo python bench_network.py --target_loss=2.3 --modes=ddp,diloco-50 --rates=100mbit --nodes=2   # time to a loss
 sudo python bench_network.py --modes=allreduce,ddp --rates=1gbit,100mbit --nodes=2,4   # the ring alone, and in DDP
 sudo python bench_network.py --modes=pp,ddp --rates=100mbit --nodes=2,4   # a pipeline, a stage a node: activations
+sudo python bench_network.py --modes=pp,pp-zbv --rates=100mbit --nodes=2,4 --n_layer=8   # zbv: two a node, in a V
 sudo python bench_network.py --modes=diloco-40,diloco-40-4,diloco-40-4-2 --rates=100mbit  # Streaming DiLoCo: 4
                                                      # fragments (then with 2 steps of overlap): a quarter of the peak
 """
@@ -71,7 +72,8 @@ if not os.path.exists(os.path.join(dataset, 'train.bin')):
     sys.exit(f"error: no {dataset}/train.bin: run `python prepare.py shakespeare_char` or give --dataset=FOLDER")
 
 SCRIPTS = {'ddp': ('train.py', []), 'fsdp': ('fsdp_train.py', []), 'zero2': ('ds_train.py', ['--zero_stage=2']),
-           'zero3': ('ds_train.py', ['--zero_stage=3']), 'pp': ('pp_train.py', [])}  # pp: one pipeline over all ranks
+           'zero3': ('ds_train.py', ['--zero_stage=3']), 'pp': ('pp_train.py', []),  # pp: one pipeline over all ranks
+           'pp-zbv': ('pp_train.py', ['--pp_schedule=zbv'])}  # its stages in a V, two a rank
 SCRIPTS.update({t: ('decent_train.py', [f'--topology={t}', '--grad_clip=0.0'])
                 for t in ('complete', 'ring', 'one-peer-exp', 'alternating-exp-ring')})
 
@@ -114,6 +116,11 @@ def design_bytes(mode, sizes, n, per_node, b=4):
         # (its counters are the ones read every step), which sends the activations forward only
         acts, tied = w * batch_size * block_size * n_embd * b, vocab_size() * n_embd * b
         return ((n - 1) * 2 * acts + 2 * tied) / n, acts + tied
+    if mode == 'pp-zbv':
+        # down the nodes and back up: each link is crossed twice each way, and node 0 holds both ends of the tied
+        # weight (no all-reduce), sending the first stage's activations and the last stage's gradient
+        acts = w * batch_size * block_size * n_embd * b
+        return (n - 1) * 4 * acts / n, 2 * acts
     if mode.startswith('diloco-'):
         h, f, _ = diloco_of(mode)
         at = {}  # the parameters whose pseudo-gradients go out after a step, by its place in the window
@@ -141,7 +148,7 @@ def iters_logged(path):
 
 def entrypoint_args(mode, out, n, iters, evals):
     script, extra = script_of(mode)
-    extra = extra + [f'--pp_size={n * nproc_per_node}'] * (mode == 'pp')
+    extra = extra + [f'--pp_size={n * nproc_per_node}'] * mode.startswith('pp')
     return [os.path.join(os.path.dirname(os.path.abspath(__file__)), script), *extra, f'--out_dir={out}',
             f'--dataset={os.path.abspath(dataset)}', '--device=cpu', '--compile=False', '--dtype=float32',
             f'--n_layer={n_layer}', f'--n_head={n_head}', f'--n_embd={n_embd}', f'--block_size={block_size}',

@@ -109,8 +109,8 @@ def test_kill_ends_everything_in_one_node_and_nothing_in_the_others():
 
 
 def test_bench_network_measures_bytes_as_designed_and_the_time_to_a_loss(tmp_path, data_dir):
-    """bench_network.py's smoke run (DDP, DiLoCo with H=4, the all-reduce alone and a pipeline of a stage a node, 2
-    nodes at 100 Mbit/s, a 0.4M-parameter model, whose 1.6 MB a step dwarf the step's small all-reduces, as the
+    """bench_network.py's smoke run (DDP, DiLoCo with H=4, the all-reduce alone and a pipeline of a stage a node, then
+    zbv's pipeline of two, 2 nodes at 100 Mbit/s, a 0.4M-parameter model, whose 1.6 MB a step dwarf the step's small all-reduces, as the
     pipeline's 0.16 MB of activations do its): each node sends what the design says, to within 10% (frames'
     headers are counted, the design leaves them out); and the time-to-a-loss mode stops a run at its first eval at
     or below the target."""
@@ -131,6 +131,12 @@ def test_bench_network_measures_bytes_as_designed_and_the_time_to_a_loss(tmp_pat
     assert 0.05 < rows[2]['link_use'] <= 1.02 + 256 * 1024 / rows[2]['bytes_per_step'], rows[2]
     # 4 steps of DDP's design bytes against DiLoCo's one all-reduce in 4 steps
     assert abs(rows[0]['bytes_per_step'] / rows[1]['bytes_per_step'] - 4) < 0.4, rows
+    # zbv's V, two stages a node (so 4 layers): each link crossed twice each way, and no tied all-reduce
+    p = subprocess.run([*cmd, '--modes=pp-zbv', '--n_layer=4'], cwd=tmp_path, env=env(), capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(max(tmp_path.glob('*/results.jsonl'), key=os.path.getmtime).read_text())
+    assert r['mode'] == 'pp-zbv' and 0.9 < r['sent_over_design'] < 1.1, r
     p = subprocess.run([*cmd, '--modes=ddp', '--target_loss=4.0', '--eval_every=4', '--max_steps=60',
                         '--train_args=--learning_rate=3e-3 --warmup_iters=2'], cwd=tmp_path, env=env(),
                        capture_output=True, text=True, timeout=600)
