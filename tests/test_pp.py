@@ -138,12 +138,14 @@ def test_a_stages_forward_without_gradients_leaves_the_rng_as_it_was():
     (('pp_train.py', 4, 4), ('fsdp_train.py', 2, 0)),  # pp 4 -> FSDP on 2 ranks
     (('fsdp_train.py', 2, 0), ('pp_train.py', 2, 2)),  # FSDP on 2 ranks -> pp 2
     (('train.py', 1, 0), ('pp_train.py', 2, 2)),  # train.py's ckpt.pt (as pp_train.py's consolidated one) -> pp 2
-], ids=['pp4-to-dp2xpp2', 'pp4-to-fsdp', 'fsdp-to-pp2', 'train-to-pp2'])
+    (('pp_train.py', 4, 4), ('pp_train.py', 2, 2, 'zbv')),  # pp 4 -> zbv's V: its first rank takes both ends
+], ids=['pp4-to-dp2xpp2', 'pp4-to-fsdp', 'fsdp-to-pp2', 'train-to-pp2', 'pp4-to-zbv'])
 def test_resume_at_another_layout_and_in_fsdp(tmp_path, data_dir, ref, shared_run, first, second):
-    layout = lambda script, pp: [f'--pp_size={pp}', '--pp_schedule=1f1b'] if script == 'pp_train.py' else []
-    (script1, n1, pp1), (script2, n2, pp2) = first, second
-    shutil.copytree(shared_run(script1, *BASE, '--max_iters=4', *layout(script1, pp1), nproc=n1), tmp_path / 'run')
-    launch(script2, tmp_path, data_dir, 'run', f'--max_iters={STEPS}', *layout(script2, pp2), '--init_from=resume',
+    def layout(script, pp, schedule='1f1b'):
+        return [f'--pp_size={pp}', f'--pp_schedule={schedule}'] if script == 'pp_train.py' else []
+    (script1, n1, *pp1), (script2, n2, *pp2) = first, second
+    shutil.copytree(shared_run(script1, *BASE, '--max_iters=4', *layout(script1, *pp1), nproc=n1), tmp_path / 'run')
+    launch(script2, tmp_path, data_dir, 'run', f'--max_iters={STEPS}', *layout(script2, *pp2), '--init_from=resume',
            nproc=n2)
     assert_same_curve(ref[1], read_metrics(tmp_path / 'run')[0], range(STEPS))
 
