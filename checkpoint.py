@@ -410,15 +410,31 @@ def _step_folder(path):
 
 
 def _intact(path):
-    """The newest complete checkpoint of the kind that path was to be: the file still in its place, or the
-    folder that latest names."""
+    """The newest complete checkpoint that a failed write to path left: the folder that latest names beside a step
+    folder; for a ckpt.pt, the newer of the file still in its place and the step folders that latest names."""
     folder = _step_folder(path)
-    if folder is None:
-        return path if os.path.isfile(path) else None
-    latest = os.path.join(os.path.dirname(folder), 'latest')
+    if folder is not None:
+        return _latest_of(os.path.dirname(folder))
+    # where ckpt.pt is an export (decent_train.py's, pp_train.py's), the step folder saved before it at that
+    # iteration is the newest state, which the next start resumes: "no checkpoint was complete" was untrue
+    found = [p for p in [path] + [_latest_of(os.path.join(os.path.dirname(path), kind))
+                                  for kind in sorted(set(FOLDERS.values()))] if p and os.path.exists(p)]
+
+    def newest(p):
+        try:
+            it = checkpoint_iter(p)
+        except Exception:  # damaged: the resume passes over it
+            it = None
+        return -1 if it is None else it
+    return max(found, key=newest, default=None)
+
+
+def _latest_of(root):
+    """The step folder that root/latest names, or None."""
+    latest = os.path.join(root, 'latest')
     if os.path.isfile(latest):
         with open(latest, errors='replace') as f:
-            return os.path.join(os.path.dirname(folder), f.read().strip())
+            return os.path.join(root, f.read().strip())
     return None
 
 

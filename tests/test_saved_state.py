@@ -723,6 +723,25 @@ def test_a_save_on_a_full_disk_without_hard_links_leaves_no_temporary_file(small
     assert sorted(os.listdir(step.parent)) == ['latest', 'step-00000002']
 
 
+def test_a_failed_export_names_the_step_folder_saved_before_it_as_intact(tmp_path, monkeypatch):
+    # decent_train.py writes its step folder, then the ckpt.pt export: where the export did not fit, the error said
+    # "no checkpoint was complete before" while the folder was complete and the next start resumed it
+    import checkpoint
+    out = tmp_path / 'run'
+    step = out / 'decent' / 'step-00000005'
+    step.mkdir(parents=True)
+    torch.save({'iter_num': 5, 'rng': [None]}, step / 'rank-0.pt')
+    (out / 'decent' / 'latest').write_text('step-00000005')
+    monkeypatch.setattr(checkpoint.dist, 'barrier', lambda: None)
+    monkeypatch.setattr(checkpoint, '_failed', [(str(out / 'ckpt.pt'), 'No space left on device')])
+    for before in (None, 3):  # no ckpt.pt yet, or the one of an older save still in its place
+        if before:
+            torch.save({'iter_num': before}, out / 'ckpt.pt')
+        with pytest.raises(SystemExit) as e:
+            checkpoint.exit_after_failed_save()
+        assert f"the newest complete one, {step}, is intact" in str(e.value), e.value
+
+
 def test_a_log_row_on_a_full_disk_is_a_warning_and_never_left_half_written(small_disk, capsys):
     # it was a traceback out of the loop, with the row cut short in metrics.jsonl; the checkpoints, not the log,
     # decide whether the run stops (a save that fails stops it, in one line)
