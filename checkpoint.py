@@ -438,6 +438,16 @@ def _latest_of(root):
     return None
 
 
+def pruned_under_eval(path, out_dir):
+    """An eval_only run reads a live run's newest state without holding out_dir: where that run saved newer ones
+    and pruned it meanwhile (the step folder gone or going, latest naming another), the read's failure is no
+    damage, and the error says so rather than advise moving a live run's folder aside."""
+    latest = _latest_of(os.path.dirname(path)) if _step_folder(path) == path else None
+    if not os.path.exists(path) or latest not in (None, path):
+        sys.exit(f"error: the run in {out_dir} saved a newer checkpoint and pruned {path} while this eval read it: "
+                 f"run the eval again, which reads the newest (or evaluate a copy of one with --init_from)")
+
+
 def _complete(folder):
     try:
         return checkpoint_iter(folder) is not None
@@ -1495,6 +1505,8 @@ def create_model(resume_path, read, init_from, model_args, config, given):
             if 'model' in checkpoint or not (os.path.isdir(resume_path) or 'shards' in checkpoint):
                 model.load_state_dict(GPT.upgrade_state_dict(checkpoint['model']))
         except Exception as e:
+            if config.get('eval_only'):
+                pruned_under_eval(resume_path, config['out_dir'])
             sys.exit(f"error: checkpoint {resume_path} is corrupt or not a training checkpoint ({reason(e)}): move "
                      f"it aside (mv, to a name of your own) or restore a good copy")
     elif init_from in PRETRAINED:

@@ -32,8 +32,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import (commit, create_model, find_resume, finish_saves, is_snapshot, kept, previous, reason,
-                        remove_snapshots, save_in_background, snapshot_dir, step_folders, take_settings,
+from checkpoint import (commit, create_model, find_resume, finish_saves, is_snapshot, kept, previous, pruned_under_eval,
+                        reason, remove_snapshots, save_in_background, snapshot_dir, step_folders, take_settings,
                         upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
@@ -337,6 +337,8 @@ if checkpoint is not None:
         # the export's optimizer (ckpt.pt) says what the replicas' do
         weight_decay, beta1, beta2 = config['weight_decay'], config['beta1'], config['beta2']
     except Exception as e:
+        if eval_only:
+            pruned_under_eval(resume_path, out_dir)
         sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): move it aside (mv, to a name "
                  f"of your own) or restore a good copy")
     if diloco_steps:  # θ_global, its momentum and the outer steps in flight; own: not an average, not ckpt.pt

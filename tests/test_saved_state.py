@@ -113,6 +113,30 @@ def test_eval_only_writes_nothing_but_its_rows_and_evaluates_the_runs_newest_sta
         assert sorted(losses) == list(range(12)) and [r['iter'] for r in evals] == [0, 5, 10, 10, 10, 12]
 
 
+def test_an_eval_whose_checkpoint_the_live_run_prunes_meanwhile_is_told_to_run_again(tmp_path):
+    # an eval_only run reads a live run's newest step folder without holding out_dir; where the run saved two more
+    # and pruned it during the read, the error called it corrupt and advised moving the live run's folder aside
+    from checkpoint import create_model
+    out = tmp_path / 'run'
+    (out / 'dcp' / 'step-00000001').mkdir(parents=True)
+    (out / 'dcp' / 'latest').write_text('step-00000001')
+
+    def read_as_the_run_prunes(path):
+        shutil.rmtree(path)
+        (out / 'dcp' / 'step-00000003').mkdir()
+        (out / 'dcp' / 'latest').write_text('step-00000003')
+        raise FileNotFoundError(2, 'No such file or directory')
+    config = {'out_dir': str(out), 'eval_only': True}
+    with pytest.raises(SystemExit) as e:
+        create_model(str(out / 'dcp' / 'step-00000001'), read_as_the_run_prunes, 'scratch', {}, config, set())
+    assert str(e.value) == f"error: the run in {out} saved a newer checkpoint and pruned " \
+        f"{out / 'dcp' / 'step-00000001'} while this eval read it: run the eval again, which reads the newest (or " \
+        f"evaluate a copy of one with --init_from)"
+    with pytest.raises(SystemExit) as e:  # the folder latest still names, unreadable: damage, as before
+        create_model(str(out / 'dcp' / 'step-00000003'), lambda path: torch.load(path), 'scratch', {}, config, set())
+    assert 'is corrupt or not a training checkpoint' in str(e.value)
+
+
 def test_an_eval_of_a_read_only_run_names_how_to_evaluate_it(tmp_path, data_dir, shared_run):
     # a run folder on a read-only mount: an eval_only run cannot log beside it, and the error says how to evaluate it
     shutil.copytree(shared_run('train.py', *ARGS), tmp_path / 'run')
