@@ -633,8 +633,8 @@ def snapshot_dir(run_id):
 
 
 def is_snapshot(path):
-    """Whether path lies in a run's snapshot folder (node-local memory), not in out_dir."""
-    return os.path.abspath(path).startswith(snapshot_dir(''))
+    """Whether path lies in a run's snapshot folder (node-local memory), not in out_dir (None: no path)."""
+    return path is not None and os.path.abspath(path).startswith(snapshot_dir(''))
 
 
 def newest_loadable(paths, run_id=None, or_any=False, iter_of=None):

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import (commit, create_model, find_resume, finish_saves, kept, reason, remove_snapshots,
+from checkpoint import (commit, create_model, find_resume, finish_saves, is_snapshot, kept, reason, remove_snapshots,
                         save_in_background, snapshot_dir, take_settings, upgrade_optimizer_state, wait_for_copies,
                         wait_for_saves, where_saved)
 from configurator import check_config, configure
@@ -467,7 +467,8 @@ while True:
         log_metrics(iter_num, train_loss=losses['train'], val_loss=losses['val'])
         if wandb_log and master_process:
             wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr})
-        save, best = saves_at_eval(losses, best_val_loss, always_save_checkpoint, print0)
+        save, best = saves_at_eval(losses, best_val_loss, always_save_checkpoint, print0,
+                                   last=iter_num >= max_iters and (save_memory_interval or is_snapshot(resume_path)))
         if save:
             best_val_loss = min(best_val_loss, losses['val'])
             if iter_num > 0 and not eval_only:  # an eval of a run writes no checkpoint

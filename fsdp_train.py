@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from checkpoint import (create_model, find_resume, finish_saves, kept, previous, pruned_under_eval, reason,
+from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, previous, pruned_under_eval, reason,
                         remove_snapshots, save_in_background, snapshot_dir, step_folders, take_settings,
                         wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
@@ -350,7 +350,8 @@ while True:
         log_metrics(iter_num, train_loss=losses['train'], val_loss=losses['val'])
         if wandb_log and master_process:
             wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr})
-        save, best = saves_at_eval(losses, best_val_loss, always_save_checkpoint, print0)
+        save, best = saves_at_eval(losses, best_val_loss, always_save_checkpoint, print0,
+                                   last=iter_num >= max_iters and (save_memory_interval or is_snapshot(resume_path)))
         if save:
             best_val_loss = min(best_val_loss, losses['val'])
             if iter_num > 0 and not eval_only:  # an eval of a run writes no checkpoint

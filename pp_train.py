@@ -365,7 +365,8 @@ while True:
         log_metrics(iter_num, train_loss=losses['train'], val_loss=losses['val'])
         if wandb_log and master_process:
             wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr})
-        save, best = saves_at_eval(losses, best_val_loss, always_save_checkpoint, print0)
+        save, best = saves_at_eval(losses, best_val_loss, always_save_checkpoint, print0,
+                                   last=iter_num >= max_iters and (save_memory_interval or is_snapshot(resume_path)))
         if save:
             best_val_loss = min(best_val_loss, losses['val'])
             if iter_num > 0 and not eval_only:  # an eval of a run writes no checkpoint

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import (create_model, find_resume, finish_saves, kept, reason, remove_snapshots, save_in_background,
-                        snapshot_dir, take_settings, upgrade_optimizer_state, wait_for_copies, wait_for_saves,
-                        where_saved)
+from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, reason, remove_snapshots,
+                        save_in_background, snapshot_dir, take_settings, upgrade_optimizer_state, wait_for_copies,
+                        wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
@@ -316,7 +316,8 @@ while True:
         log_metrics(iter_num, train_loss=losses['train'], val_loss=losses['val'])
         if wandb_log and master_process:
             wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr})
-        save, best = saves_at_eval(losses, best_val_loss, always_save_checkpoint, print0)
+        save, best = saves_at_eval(losses, best_val_loss, always_save_checkpoint, print0,
+                                   last=iter_num >= max_iters and (save_memory_interval or is_snapshot(resume_path)))
         if save:
             best_val_loss = min(best_val_loss, losses['val'])
             if iter_num > 0 and not eval_only:  # an eval of a run writes no checkpoint

@@ -336,6 +336,15 @@ def test_a_run_resumed_from_a_snapshot_past_a_lowered_max_iters_saves_it_before_
     p = start(tmp_path, data_dir, run_dir, '--max_iters=11')
     assert f'resuming from {snapshots / "ckpt.pt"} at iter 12' in p.stdout, p.stdout[-2000:]
     assert iter_of(run_dir / 'ckpt.pt') == 12 and iter_of(run_dir / 'ckpt.prev.pt') == 10
+    # with --always_save_checkpoint=False (the CPU recipe's) an eval that is no new best saved nothing, and the end
+    # freed the snapshot all the same
+    snapshots.mkdir()
+    state = torch.load(run_dir / 'ckpt.pt', weights_only=True)
+    torch.save({**state, 'best_val_loss': 0.0}, snapshots / 'ckpt.pt')  # a best that no eval beats
+    (run_dir / 'ckpt.prev.pt').replace(run_dir / 'ckpt.pt')
+    p = start(tmp_path, data_dir, run_dir, '--max_iters=11', '--always_save_checkpoint=False')
+    assert f'resuming from {snapshots / "ckpt.pt"} at iter 12' in p.stdout, p.stdout[-2000:]
+    assert iter_of(run_dir / 'ckpt.pt') == 12 and iter_of(run_dir / 'ckpt.prev.pt') == 10
 
 
 def test_a_copy_of_a_run_folder_never_resumes_the_others_memory_snapshot_a_moved_one_does(tmp_path, data_dir,
