@@ -807,6 +807,27 @@ def read_name(path):
         return None
 
 
+def kept_best(out_dir, run_id, best_val_loss):
+    """best_val_loss, or the lower val loss of a best this run keeps in out_dir (best.pt, <kind>/best): a resume
+    from an older state than its newest (one damaged, or moved away by hand) carries that state's best_val_loss,
+    and an eval between the two would have replaced the better best. The lowest over the ranks, so that all agree
+    on each eval's save (a collective)."""
+    for path in [os.path.join(out_dir, 'best.pt')] + [os.path.join(out_dir, kind, read_name(os.path.join(
+            out_dir, kind, 'best')) or 'best') for kind in sorted(set(FOLDERS.values()))]:
+        for file in [path] if os.path.isfile(path) else [os.path.join(path, f) for f in ('extra.pt', 'rank-0.pt')]:
+            try:
+                saved = torch.load(file, map_location='cpu', weights_only=True, mmap=True)
+                if saved.get('run_id') == run_id and saved.get('val_loss') is not None:
+                    best_val_loss = min(best_val_loss, float(saved['val_loss']))
+            except Exception:  # none there, or damaged: it is no best to keep
+                pass
+    if not dist.is_initialized():
+        return best_val_loss
+    each = [None] * dist.get_world_size()
+    dist.all_gather_object(each, best_val_loss)
+    return min(each)
+
+
 # -----------------------------------------------------------------------------
 # Where a run starts, shared by the entrypoints: this run's newest state (a memory snapshot or a checkpoint in
 # out_dir), else the weights that init_from names.

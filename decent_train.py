@@ -32,9 +32,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import (commit, create_model, find_resume, finish_saves, is_snapshot, kept, previous, pruned_under_eval,
-                        reason, remove_snapshots, save_in_background, snapshot_dir, step_folders, take_settings,
-                        upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
+from checkpoint import (commit, create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, previous,
+                        pruned_under_eval, reason, remove_snapshots, save_in_background, snapshot_dir, step_folders,
+                        take_settings, upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from decent import (average_moments, average_replicas, check_diloco, global_model, make_bucket, make_mixing_groups,
@@ -234,6 +234,7 @@ if message := check_diloco(diloco_steps, outer_optimizer, outer_learning_rate, o
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []
 iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_loss'])) if checkpoint else (0, 1e9)
+best_val_loss = kept_best(out_dir, run_id, best_val_loss)  # a resume from before the best keeps it best
 print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
 model.to(device)
 torch.manual_seed(seed + dp_rank)  # and then draws its own dropout masks

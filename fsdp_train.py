@@ -25,9 +25,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, previous, pruned_under_eval, reason,
-                        remove_snapshots, save_in_background, snapshot_dir, step_folders, take_settings,
-                        wait_for_copies, wait_for_saves, where_saved)
+from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, previous,
+                        pruned_under_eval, reason, remove_snapshots, save_in_background, snapshot_dir, step_folders,
+                        take_settings, wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
@@ -198,6 +198,7 @@ block_size = model_args['block_size']
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []
 iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_loss'])) if checkpoint else (0, 1e9)
+best_val_loss = kept_best(out_dir, run_id, best_val_loss)  # a resume from before the best keeps it best
 check_tp_size(model.config, tp_size)
 print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
 model.to(device)

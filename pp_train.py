@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, previous, pruned_under_eval, reason,
-                        remove_snapshots, save_in_background, snapshot_dir, step_folders, take_settings,
-                        wait_for_copies, wait_for_saves, where_saved)
+from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, previous,
+                        pruned_under_eval, reason, remove_snapshots, save_in_background, snapshot_dir, step_folders,
+                        take_settings, wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
@@ -207,6 +207,7 @@ block_size = model_args['block_size']
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []
 iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_loss'])) if checkpoint else (0, 1e9)
+best_val_loss = kept_best(out_dir, run_id, best_val_loss)  # a resume from before the best keeps it best
 print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
 torch.manual_seed(seed + rank)  # and then draws its own dropout masks
 raw_model = model  # the whole GPT: its config, names and MFU (the other ranks' stages left on the meta device)

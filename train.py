@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, reason, remove_snapshots,
+from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, reason, remove_snapshots,
                         save_in_background, snapshot_dir, take_settings, upgrade_optimizer_state, wait_for_copies,
                         wait_for_saves, where_saved)
 from configurator import check_config, configure
@@ -182,6 +182,7 @@ model.config.autocast_residual = autocast_residual  # how the step computes: not
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []
 iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_loss'])) if checkpoint else (0, 1e9)
+best_val_loss = kept_best(out_dir, run_id, best_val_loss)  # a resume from before the best keeps it best
 print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
 model.to(device)
 torch.manual_seed(seed + dp_rank)  # and then draws its own dropout masks
