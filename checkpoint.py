@@ -1049,6 +1049,10 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     if part and (resume_from is None or resume_from[0] < part[0]) and (it is None or it < part[0]):
         print0(f"note: the memory snapshot {part[1]} (iter {part[0]}) of another layout lacks the ranks of nodes "
                f"that are not in this job (a node lost, or the job back on fewer nodes): no layout resumes it here")
+    if it is not None and (resume_from is None or resume_from[0] < it) and eval_only:
+        # (an eval started afresh evaluates a new model, and keeps nothing in out_dir)
+        sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of another layout, which "
+                 f"only that layout reads: evaluate it with the layout in its name (as many ranks, the same flags)")
     if it is not None and (resume_from is None or resume_from[0] < it):
         sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of another layout, which "
                  f"only that layout reads: resume with the layout in its name and let it save a checkpoint to "
