@@ -410,16 +410,42 @@ def _step_folder(path):
 
 
 def _intact(path):
-    """The newest complete checkpoint of the kind that path was to be: the file still in its place, or the
-    folder that latest names."""
+    """The newest complete checkpoint that a failed write to path left: the folder that latest names beside a step
+    folder; for a ckpt.pt, the newer of the file still in its place and the step folders that latest names."""
     folder = _step_folder(path)
-    if folder is None:
-        return path if os.path.isfile(path) else None
-    latest = os.path.join(os.path.dirname(folder), 'latest')
+    if folder is not None:
+        return _latest_of(os.path.dirname(folder))
+    # where ckpt.pt is an export (decent_train.py's, pp_train.py's), the step folder saved before it at that
+    # iteration is the newest state, which the next start resumes: "no checkpoint was complete" was untrue
+    found = [p for p in [path] + [_latest_of(os.path.join(os.path.dirname(path), kind))
+                                  for kind in sorted(set(FOLDERS.values()))] if p and os.path.exists(p)]
+
+    def newest(p):
+        try:
+            it = checkpoint_iter(p)
+        except Exception:  # damaged: the resume passes over it
+            it = None
+        return -1 if it is None else it
+    return max(found, key=newest, default=None)
+
+
+def _latest_of(root):
+    """The step folder that root/latest names, or None."""
+    latest = os.path.join(root, 'latest')
     if os.path.isfile(latest):
         with open(latest, errors='replace') as f:
-            return os.path.join(os.path.dirname(folder), f.read().strip())
+            return os.path.join(root, f.read().strip())
     return None
+
+
+def pruned_under_eval(path, out_dir):
+    """An eval_only run reads a live run's newest state without holding out_dir: where that run saved newer ones
+    and pruned it meanwhile (the step folder gone or going, latest naming another), the read's failure is no
+    damage, and the error says so rather than advise moving a live run's folder aside."""
+    latest = _latest_of(os.path.dirname(path)) if _step_folder(path) == path else None
+    if not os.path.exists(path) or latest not in (None, path):
+        sys.exit(f"error: the run in {out_dir} saved a newer checkpoint and pruned {path} while this eval read it: "
+                 f"run the eval again, which reads the newest (or evaluate a copy of one with --init_from)")
 
 
 def _complete(folder):
@@ -607,8 +633,8 @@ def snapshot_dir(run_id):
 
 
 def is_snapshot(path):
-    """Whether path lies in a run's snapshot folder (node-local memory), not in out_dir."""
-    return os.path.abspath(path).startswith(snapshot_dir(''))
+    """Whether path lies in a run's snapshot folder (node-local memory), not in out_dir (None: no path)."""
+    return path is not None and os.path.abspath(path).startswith(snapshot_dir(''))
 
 
 def newest_loadable(paths, run_id=None, or_any=False, iter_of=None):
@@ -779,6 +805,27 @@ def read_name(path):
             return f.read().strip()
     except OSError:
         return None
+
+
+def kept_best(out_dir, run_id, best_val_loss):
+    """best_val_loss, or the lower val loss of a best this run keeps in out_dir (best.pt, <kind>/best): a resume
+    from an older state than its newest (one damaged, or moved away by hand) carries that state's best_val_loss,
+    and an eval between the two would have replaced the better best. The lowest over the ranks, so that all agree
+    on each eval's save (a collective)."""
+    for path in [os.path.join(out_dir, 'best.pt')] + [os.path.join(out_dir, kind, read_name(os.path.join(
+            out_dir, kind, 'best')) or 'best') for kind in sorted(set(FOLDERS.values()))]:
+        for file in [path] if os.path.isfile(path) else [os.path.join(path, f) for f in ('extra.pt', 'rank-0.pt')]:
+            try:
+                saved = torch.load(file, map_location='cpu', weights_only=True, mmap=True)
+                if saved.get('run_id') == run_id and saved.get('val_loss') is not None:
+                    best_val_loss = min(best_val_loss, float(saved['val_loss']))
+            except Exception:  # none there, or damaged: it is no best to keep
+                pass
+    if not dist.is_initialized():
+        return best_val_loss
+    each = [None] * dist.get_world_size()
+    dist.all_gather_object(each, best_val_loss)
+    return min(each)
 
 
 # -----------------------------------------------------------------------------
@@ -1002,6 +1049,10 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     if part and (resume_from is None or resume_from[0] < part[0]) and (it is None or it < part[0]):
         print0(f"note: the memory snapshot {part[1]} (iter {part[0]}) of another layout lacks the ranks of nodes "
                f"that are not in this job (a node lost, or the job back on fewer nodes): no layout resumes it here")
+    if it is not None and (resume_from is None or resume_from[0] < it) and eval_only:
+        # (an eval started afresh evaluates a new model, and keeps nothing in out_dir)
+        sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of another layout, which "
+                 f"only that layout reads: evaluate it with the layout in its name (as many ranks, the same flags)")
     if it is not None and (resume_from is None or resume_from[0] < it):
         sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of another layout, which "
                  f"only that layout reads: resume with the layout in its name and let it save a checkpoint to "
@@ -1479,6 +1530,8 @@ def create_model(resume_path, read, init_from, model_args, config, given):
             if 'model' in checkpoint or not (os.path.isdir(resume_path) or 'shards' in checkpoint):
                 model.load_state_dict(GPT.upgrade_state_dict(checkpoint['model']))
         except Exception as e:
+            if config.get('eval_only'):
+                pruned_under_eval(resume_path, config['out_dir'])
             sys.exit(f"error: checkpoint {resume_path} is corrupt or not a training checkpoint ({reason(e)}): move "
                      f"it aside (mv, to a name of your own) or restore a good copy")
     elif init_from in PRETRAINED:

@@ -32,9 +32,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import (commit, create_model, find_resume, finish_saves, is_snapshot, kept, previous, reason,
-                        remove_snapshots, save_in_background, snapshot_dir, step_folders, take_settings,
-                        upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
+from checkpoint import (commit, create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, previous,
+                        pruned_under_eval, reason, remove_snapshots, save_in_background, snapshot_dir, step_folders,
+                        take_settings, upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from decent import (average_moments, average_replicas, check_optimizers, global_model, make_bucket, make_mixing_groups,
@@ -228,6 +228,7 @@ if message := check_optimizers(config, model_args['n_layer']):
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []
 iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_loss'])) if checkpoint else (0, 1e9)
+best_val_loss = kept_best(out_dir, run_id, best_val_loss)  # a resume from before the best keeps it best
 print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
 model.to(device)
 torch.manual_seed(seed + dp_rank)  # and then draws its own dropout masks
@@ -331,6 +332,8 @@ if checkpoint is not None:
         # the export's optimizer (ckpt.pt) says what the replicas' do
         weight_decay, beta1, beta2 = config['weight_decay'], config['beta1'], config['beta2']
     except Exception as e:
+        if eval_only:
+            pruned_under_eval(resume_path, out_dir)
         sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): move it aside (mv, to a name "
                  f"of your own) or restore a good copy")
     if diloco_steps:  # θ_global, its momentum and the outer steps in flight; own: not an average, not ckpt.pt
@@ -474,7 +477,8 @@ while True:
         if wandb_log and master_process:
             wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr,
                        'consensus_distance': consensus})
-        save, best = saves_at_eval(losses, best_val_loss, always_save_checkpoint, print0)
+        save, best = saves_at_eval(losses, best_val_loss, always_save_checkpoint, print0,
+                                   last=iter_num >= max_iters and (save_memory_interval or is_snapshot(resume_path)))
         if save:
             best_val_loss = min(best_val_loss, losses['val'])
             if iter_num > 0 and not eval_only:  # an eval of a run writes no checkpoint

@@ -17,15 +17,17 @@ from checkpoint import holds_a_copys_snapshots, kept, read_name, snapshot_dir, u
 KINDS = ('dcp', 'ds', 'decent')  # the folders of step folders that fsdp_train.py, ds_train.py, decent_train.py write
 
 
-def saves_at_eval(losses, best_val_loss, always_save_checkpoint, print0):
+def saves_at_eval(losses, best_val_loss, always_save_checkpoint, print0, last=False):
     """(save, best) after an eval: save a checkpoint (nanoGPT's rule: on a new best val loss, or always), and it
-    is a new best. Never where a loss is not finite: the weights have gone bad, and the last good state stays the
-    newest."""
+    is a new best. last: the run's last eval, whose end frees its memory snapshots (it took some, or resumed from
+    one; not where the folder holds a copy's, which the end leaves): it saves whatever its loss, or the state they
+    held, newer than out_dir's, would go with them (the best stays best.pt). Never where a loss is not finite: the
+    weights have gone bad, and the last good state stays the newest."""
     if not all(math.isfinite(v) for v in losses.values()):
         print0("the eval's loss is not finite: nothing saved, the last good state stays the newest")
         return False, False
     best = losses['val'] < best_val_loss
-    return best or always_save_checkpoint, best
+    return bool(best or always_save_checkpoint or last and not holds_a_copys_snapshots()), best
 
 
 def set_aside(out_dir, first_bad, run_id):

@@ -26,9 +26,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
-from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, previous, reason, remove_snapshots,
-                        save_in_background, snapshot_dir, step_folders, take_settings, wait_for_copies, wait_for_saves,
-                        where_saved)
+from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, previous,
+                        pruned_under_eval, reason, remove_snapshots, save_in_background, snapshot_dir, step_folders,
+                        take_settings, wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
@@ -218,6 +218,7 @@ block_size = model_args['block_size']
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []
 iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_loss'])) if checkpoint else (0, 1e9)
+best_val_loss = kept_best(out_dir, run_id, best_val_loss)  # a resume from before the best keeps it best
 print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
 torch.manual_seed(seed + rank)  # and then draws its own dropout masks
 raw_model = model  # the whole GPT: its config, names and MFU (the other ranks' stages left on the meta device)
@@ -265,6 +266,8 @@ if checkpoint is not None:
         load_sharded_state(model, optimizer, checkpoint, resume_path, raw_model)
         take_settings(optimizer, config, given)
     except Exception as e:
+        if eval_only:
+            pruned_under_eval(resume_path, out_dir)
         sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): move it aside (mv, to a name "
                  f"of your own) or restore a good copy")
     if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
@@ -378,7 +381,8 @@ while True:
         log_metrics(iter_num, train_loss=losses['train'], val_loss=losses['val'])
         if wandb_log and master_process:
             wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr})
-        save, best = saves_at_eval(losses, best_val_loss, always_save_checkpoint, print0)
+        save, best = saves_at_eval(losses, best_val_loss, always_save_checkpoint, print0,
+                                   last=iter_num >= max_iters and (save_memory_interval or is_snapshot(resume_path)))
         if save:
             best_val_loss = min(best_val_loss, losses['val'])
             if iter_num > 0 and not eval_only:  # an eval of a run writes no checkpoint

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import (create_model, find_resume, finish_saves, kept, reason, remove_snapshots, save_in_background,
-                        snapshot_dir, take_settings, upgrade_optimizer_state, wait_for_copies, wait_for_saves,
-                        where_saved)
+from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, reason, remove_snapshots,
+                        save_in_background, snapshot_dir, take_settings, upgrade_optimizer_state, wait_for_copies,
+                        wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
@@ -182,6 +182,7 @@ model.config.autocast_residual = autocast_residual  # how the step computes: not
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []
 iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_loss'])) if checkpoint else (0, 1e9)
+best_val_loss = kept_best(out_dir, run_id, best_val_loss)  # a resume from before the best keeps it best
 print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
 model.to(device)
 torch.manual_seed(seed + dp_rank)  # and then draws its own dropout masks
@@ -316,7 +317,8 @@ while True:
         log_metrics(iter_num, train_loss=losses['train'], val_loss=losses['val'])
         if wandb_log and master_process:
             wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'], 'lr': lr})
-        save, best = saves_at_eval(losses, best_val_loss, always_save_checkpoint, print0)
+        save, best = saves_at_eval(losses, best_val_loss, always_save_checkpoint, print0,
+                                   last=iter_num >= max_iters and (save_memory_interval or is_snapshot(resume_path)))
         if save:
             best_val_loss = min(best_val_loss, losses['val'])
             if iter_num > 0 and not eval_only:  # an eval of a run writes no checkpoint

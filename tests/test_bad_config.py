@@ -73,6 +73,28 @@ def test_device_and_out_dir(tmp_path, data_dir):
     assert (tmp_path / 'afile').read_text() == 'x' and sorted(p.name for p in tmp_path.iterdir()) == ['afile', 'cf']
 
 
+def test_an_out_dir_in_a_runs_checkpoint_folders_or_snapshots_is_refused(tmp_path):
+    # a run started in RUN/dcp/step-N (meant as a resume of RUN) started afresh there, and RUN's next saves pruned
+    # that step folder with the whole state of the run inside it
+    (tmp_path / 'run' / 'dcp' / 'step-00000006').mkdir(parents=True)
+    (tmp_path / 'run' / 'run_id').write_text('abc')
+    for out in ('dcp/step-00000006', 'dcp', 'dcp/best-step-00000006/new', 'decent/step-00000004'):
+        with pytest.raises(SystemExit) as e:
+            configurator.check_out_dir(str(tmp_path / 'run' / out))
+        assert f"where the run in {tmp_path / 'run'} keeps (and prunes) its checkpoints: to continue that run give " \
+            f"--out_dir={tmp_path / 'run'}" in str(e.value.code), e.value.code
+    assert sorted(p.name for p in (tmp_path / 'run' / 'dcp').iterdir()) == ['step-00000006']
+    for out in ('run/new', 'other/dcp', 'run/before-abc'):  # a run's own folder inside, and a dcp of no run's: taken
+        configurator.check_out_dir(str(tmp_path / out))
+    # nor in a run's memory snapshots in RAM (where its snapshots are resumed from, as the docs say), which the end
+    # of that run removes
+    for out in ('/dev/shm/nanogpt-0123abc', '/dev/shm/nanogpt-0123abc/run'):
+        with pytest.raises(SystemExit) as e:
+            configurator.check_out_dir(out)
+        assert "the memory snapshots of run 0123abc, which that run removes at its end: give that run's own " \
+            "out_dir (whose run_id file holds 0123abc) to resume it" in str(e.value.code), e.value.code
+
+
 @pytest.fixture
 def odd_data(tmp_path, data_dir):
     d = tmp_path / 'odd'

@@ -133,6 +133,23 @@ def copy_with_a_damaged_ckpt(base_dir, out):
     return damaged
 
 
+def test_a_resume_from_before_the_best_keeps_it_best(base, tmp_path, data_dir):
+    # the newest step folder moved away by hand (or damaged): the run resumed from 8 with 8's best_val_loss, and
+    # its eval at 10 replaced the best kept at 10 whatever that best's loss (here made lower than any eval's)
+    out = tmp_path / 'run'
+    shutil.copytree(base('pp_train.py')[0], out)
+    best = out / 'dcp' / (out / 'dcp' / 'best').read_text()
+    extra = torch.load(best / 'extra.pt', weights_only=True)
+    (best / 'extra.pt').unlink()  # a file of its own, not the step folder's (a hard link)
+    torch.save({**extra, 'val_loss': 0.5}, best / 'extra.pt')
+    shutil.move(out / 'dcp' / 'step-00000010', tmp_path / 'aside')
+    p = run('pp_train.py', *tiny(data_dir, out, *BASE), cwd=tmp_path)
+    assert re.search(rf'resuming from {out}/dcp/step-00000008 at iter 8\b', p.stdout), p.stdout[-3000:]
+    assert (out / 'dcp' / 'best').read_text() == best.name
+    assert torch.load(best / 'extra.pt', weights_only=True)['val_loss'] == 0.5
+    assert torch.load(out / 'dcp' / 'step-00000010' / 'extra.pt', weights_only=True)['best_val_loss'] == 0.5
+
+
 def test_a_damaged_newest_checkpoint_takes_no_good_state_s_place_among_the_kept(base, tmp_path, data_dir):
     # ckpt.pt (10) damaged: the run resumes from ckpt.prev.pt (8). Moved down with the versions, the damaged file
     # would push 6 out at the first save and 8 at the next; it is kept aside, and the good ones move up in its place

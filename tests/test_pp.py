@@ -189,6 +189,10 @@ def test_a_crashed_runs_snapshots_at_another_layout_are_refused_not_stranded(tmp
     r = run('pp_train.py', *bounded, '--pp_size=1', nproc=2, cwd=tmp_path, check=False)
     assert "is the memory snapshot" in one_line_error(r, nproc=2) and 'of another layout' in r.stderr
     assert {f: f.read_bytes() for f in out.rglob('*') if f.is_file() and f.name != 'run.lock'} == before
+    # an eval of it was told to start afresh, which evaluates a new model and keeps nothing in out_dir
+    r = run('pp_train.py', *bounded, '--pp_size=1', '--eval_only=True', nproc=2, cwd=tmp_path, check=False)
+    assert 'evaluate it with the layout in its name' in one_line_error(r, nproc=2) and 'auto_resume' not in r.stderr
+    assert {f: f.read_bytes() for f in out.rglob('*') if f.is_file() and f.name != 'run.lock'} == before
     # the same layout, with another schedule's stages on each rank: the snapshot's flags, never "delete it"
     r = run('pp_train.py', *bounded, '--pp_size=2', '--pp_schedule=interleaved-1f1b', nproc=2, cwd=tmp_path,
             check=False)

@@ -113,6 +113,30 @@ def test_eval_only_writes_nothing_but_its_rows_and_evaluates_the_runs_newest_sta
         assert sorted(losses) == list(range(12)) and [r['iter'] for r in evals] == [0, 5, 10, 10, 10, 12]
 
 
+def test_an_eval_whose_checkpoint_the_live_run_prunes_meanwhile_is_told_to_run_again(tmp_path):
+    # an eval_only run reads a live run's newest step folder without holding out_dir; where the run saved two more
+    # and pruned it during the read, the error called it corrupt and advised moving the live run's folder aside
+    from checkpoint import create_model
+    out = tmp_path / 'run'
+    (out / 'dcp' / 'step-00000001').mkdir(parents=True)
+    (out / 'dcp' / 'latest').write_text('step-00000001')
+
+    def read_as_the_run_prunes(path):
+        shutil.rmtree(path)
+        (out / 'dcp' / 'step-00000003').mkdir()
+        (out / 'dcp' / 'latest').write_text('step-00000003')
+        raise FileNotFoundError(2, 'No such file or directory')
+    config = {'out_dir': str(out), 'eval_only': True}
+    with pytest.raises(SystemExit) as e:
+        create_model(str(out / 'dcp' / 'step-00000001'), read_as_the_run_prunes, 'scratch', {}, config, set())
+    assert str(e.value) == f"error: the run in {out} saved a newer checkpoint and pruned " \
+        f"{out / 'dcp' / 'step-00000001'} while this eval read it: run the eval again, which reads the newest (or " \
+        f"evaluate a copy of one with --init_from)"
+    with pytest.raises(SystemExit) as e:  # the folder latest still names, unreadable: damage, as before
+        create_model(str(out / 'dcp' / 'step-00000003'), lambda path: torch.load(path), 'scratch', {}, config, set())
+    assert 'is corrupt or not a training checkpoint' in str(e.value)
+
+
 def test_an_eval_of_a_read_only_run_names_how_to_evaluate_it(tmp_path, data_dir, shared_run):
     # a run folder on a read-only mount: an eval_only run cannot log beside it, and the error says how to evaluate it
     shutil.copytree(shared_run('train.py', *ARGS), tmp_path / 'run')
@@ -310,6 +334,15 @@ def test_a_run_resumed_from_a_snapshot_past_a_lowered_max_iters_saves_it_before_
     shutil.copy(run_dir / 'ckpt.pt', snapshots / 'ckpt.pt')  # its snapshot at 12
     (run_dir / 'ckpt.prev.pt').replace(run_dir / 'ckpt.pt')  # its checkpoint at 10
     p = start(tmp_path, data_dir, run_dir, '--max_iters=11')
+    assert f'resuming from {snapshots / "ckpt.pt"} at iter 12' in p.stdout, p.stdout[-2000:]
+    assert iter_of(run_dir / 'ckpt.pt') == 12 and iter_of(run_dir / 'ckpt.prev.pt') == 10
+    # with --always_save_checkpoint=False (the CPU recipe's) an eval that is no new best saved nothing, and the end
+    # freed the snapshot all the same
+    snapshots.mkdir()
+    state = torch.load(run_dir / 'ckpt.pt', weights_only=True)
+    torch.save({**state, 'best_val_loss': 0.0}, snapshots / 'ckpt.pt')  # a best that no eval beats
+    (run_dir / 'ckpt.prev.pt').replace(run_dir / 'ckpt.pt')
+    p = start(tmp_path, data_dir, run_dir, '--max_iters=11', '--always_save_checkpoint=False')
     assert f'resuming from {snapshots / "ckpt.pt"} at iter 12' in p.stdout, p.stdout[-2000:]
     assert iter_of(run_dir / 'ckpt.pt') == 12 and iter_of(run_dir / 'ckpt.prev.pt') == 10
 
@@ -721,6 +754,25 @@ def test_a_save_on_a_full_disk_without_hard_links_leaves_no_temporary_file(small
     with pytest.raises(OSError, match='No space left on device'):
         point_latest(str(step), iter_of=lambda folder: 2, best=True)
     assert sorted(os.listdir(step.parent)) == ['latest', 'step-00000002']
+
+
+def test_a_failed_export_names_the_step_folder_saved_before_it_as_intact(tmp_path, monkeypatch):
+    # decent_train.py writes its step folder, then the ckpt.pt export: where the export did not fit, the error said
+    # "no checkpoint was complete before" while the folder was complete and the next start resumed it
+    import checkpoint
+    out = tmp_path / 'run'
+    step = out / 'decent' / 'step-00000005'
+    step.mkdir(parents=True)
+    torch.save({'iter_num': 5, 'rng': [None]}, step / 'rank-0.pt')
+    (out / 'decent' / 'latest').write_text('step-00000005')
+    monkeypatch.setattr(checkpoint.dist, 'barrier', lambda: None)
+    monkeypatch.setattr(checkpoint, '_failed', [(str(out / 'ckpt.pt'), 'No space left on device')])
+    for before in (None, 3):  # no ckpt.pt yet, or the one of an older save still in its place
+        if before:
+            torch.save({'iter_num': before}, out / 'ckpt.pt')
+        with pytest.raises(SystemExit) as e:
+            checkpoint.exit_after_failed_save()
+        assert f"the newest complete one, {step}, is intact" in str(e.value), e.value
 
 
 def test_a_log_row_on_a_full_disk_is_a_warning_and_never_left_half_written(small_disk, capsys):
