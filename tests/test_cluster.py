@@ -110,10 +110,10 @@ def test_kill_ends_everything_in_one_node_and_nothing_in_the_others():
 
 def test_bench_network_measures_bytes_as_designed_and_the_time_to_a_loss(tmp_path, data_dir):
     """bench_network.py's smoke run (DDP, DiLoCo with H=4, the all-reduce alone and a pipeline of a stage a node, then
-    zbv's pipeline of two, 2 nodes at 100 Mbit/s, a 0.4M-parameter model, whose 1.6 MB a step dwarf the step's small all-reduces, as the
-    pipeline's 0.16 MB of activations do its): each node sends what the design says, to within 10% (frames'
-    headers are counted, the design leaves them out); and the time-to-a-loss mode stops a run at its first eval at
-    or below the target."""
+    zbv's pipeline of two, 2 nodes at 100 Mbit/s, a 0.4M-parameter model, whose 1.6 MB a step dwarf the step's small
+    all-reduces, as the pipeline's 0.16 MB of activations do its): each node sends what the design says, to within
+    10% (frames' headers are counted, the design leaves them out); and the time-to-a-loss mode stops a run at its
+    first eval at or below the target."""
     cmd = [sys.executable, str(REPO / 'bench_network.py'), '--quick=True', f'--dataset={data_dir / "shakespeare_char"}',
            f'--out_dir={tmp_path}', '--n_embd=128', '--n_head=4']
     p = subprocess.run([*cmd, '--modes=ddp,diloco-4,allreduce,pp'], cwd=tmp_path, env=env(), capture_output=True,
