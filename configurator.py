@@ -338,6 +338,11 @@ def check_config(config):
                  f"out_dir/best for its best)")
     if 'out_dir' in config:
         check_out_dir(config['out_dir'], evaluates=config.get('eval_only') and init_from in ('scratch', 'resume'))
+        if config.get('eval_only') and init_from == 'scratch' and config.get('auto_resume') is False and \
+                os.path.isfile(os.path.join(config['out_dir'], 'run_id')):  # its row would go into the run's log
+            sys.exit(f"error: eval_only with auto_resume=False evaluates a new, untrained model, not the run in "
+                     f"{config['out_dir']}: drop --auto_resume=False to evaluate the run's newest state, or give "
+                     f"another --out_dir")
 
 
 def check_out_dir(out_dir, evaluates=False):
