@@ -294,6 +294,20 @@ def test_the_run_folder_stands_for_its_export_which_samples_and_resumes_under_tr
     assert sorted(losses) == list(range(12)) and losses[11] < losses[5]
 
 
+def test_a_finished_run_without_its_export_writes_it_when_run_again_with_save_consolidated(tmp_path, data_dir, stages):
+    # what sample.py's error says to do for a run saved with save_consolidated=False, done at its end (max_iters as
+    # before): the resumed eval skipped the folder it resumed from, and the export with it, so nothing was written
+    shutil.copytree(stages[2], tmp_path / 'run', ignore=lambda d, names: [n for n in names if n.endswith('.pt')
+                                                                           and d == str(stages[2])])
+    assert not (tmp_path / 'run' / 'ckpt.pt').exists()
+    launch('ds_train.py', tmp_path, data_dir, 'run', '--zero_stage=2', '--deterministic=True', '--max_iters=10',
+           nproc=2)
+    assert torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=True)['iter_num'] == 10
+    assert_same_state(stages[2] / 'ckpt.pt', tmp_path / 'run' / 'ckpt.pt', atol=1e-12)  # the same state
+    assert sorted(p.name for p in (tmp_path / 'run' / 'ds').iterdir() if p.name.startswith('step')) == \
+        sorted(p.name for p in (stages[2] / 'ds').iterdir() if p.name.startswith('step'))
+
+
 def test_a_run_resumed_with_its_optimizer_offloaded_goes_on_from_its_export(tmp_path, data_dir, stages, cpu_adam):
     # DeepSpeed's CPU Adam took the engine's folder that a run without offload saved, and failed at its first step
     # (KeyError: 'bias_correction', a traceback): an offload is part of the layout that ZeRO's shards resume at
