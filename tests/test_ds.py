@@ -107,10 +107,13 @@ def stages(tmp_path_factory, data_dir, ref):
     under the deepspeed launcher, stage 2 in deterministic mode (which turns dropout off: the curve stays
     train.py's)."""
     tmp = tmp_path_factory.mktemp('stages')
-    # stage 3 adds a user's DeepSpeed settings (read, of the right types, and none contradicting ours) from a file
+    # stage 3 adds a user's DeepSpeed settings (read, of the right types, and none contradicting ours) from a file,
+    # with "auto" (Hugging Face's word) for some of ours, which keeps them
     (tmp / 'ds.json').write_text(json.dumps({'steps_per_print': 1000, 'wall_clock_breakdown': False,
-                                             'gradient_predivide_factor': 1,
-                                             'zero_optimization': {'overlap_comm': False}}))
+                                             'gradient_predivide_factor': 1, 'train_batch_size': 'auto',
+                                             'gradient_clipping': 'auto', 'bf16': {'enabled': 'auto'},
+                                             'zero_optimization': {'overlap_comm': False, 'stage': 'auto',
+                                                                   'reduce_bucket_size': 'auto'}}))
 
     def one(stage):
         args = (f'--zero_stage={stage}', '--max_iters=10', *([f'--ds_config={tmp / "ds.json"}'] if stage == 3 else []))
@@ -217,11 +220,12 @@ def test_bad_input(tmp_path, data_dir, stages):
     (tmp_path / 'no_norm.json').write_text(json.dumps({'zero_optimization': {'compute_grad_norm': False}}))
     assert 'turns off (compute_grad_norm): drop one' in fails('--overflow_by_norm=True', '--dtype=bfloat16',
                                                             f'--ds_config={tmp_path / "no_norm.json"}')
-    # DLRover's ds_config.json's settings (its batch for 16 ranks), and two mistakes: every one refused in one line,
+    # DLRover's ds_config.json's settings (its batch for 16 ranks), and four mistakes: every one refused in one line,
     # with the flags that make ours the file's. DeepSpeed itself would ignore the misspelt key, and fail on the
-    # string only at the first step, after an eval
+    # string only at the first step, after an eval; those inside a section it refuses at its start, one at a time
     (tmp_path / 'ds.json').write_text(json.dumps({
-        'zero_optimization': {'stage': 1, 'overlap_comm': True, 'reduce_bucket_size': 'auto'},
+        'zero_optimization': {'stage': 1, 'overlap_comm': True, 'reduce_bucket_size': 'auto', 'overlap_com': True,
+                              'sub_group_size': 'big'},
         'gradient_accumulation_steps': 1, 'gradient_clipping': 0.1, 'train_batch_size': 256,
         'train_micro_batch_size_per_gpu': 16, 'steps_per_print': 'x', 'gradient_clippin': 0.5}))
     assert fails(f'--ds_config={tmp_path / "ds.json"}') == (
@@ -229,7 +233,10 @@ def test_bad_input(tmp_path, data_dir, stages):
         "gradient_accumulation_steps=1 (4 here), gradient_clipping=0.1 (1.0 here), train_batch_size=256 (16 here), "
         "train_micro_batch_size_per_gpu=16 (4 here): give `--zero_stage=1 --grad_clip=0.1 --batch_size=16 "
         "--gradient_accumulation_steps=16` and drop gradient_accumulation_steps (its 1 a rank fits 16 ranks, not 1: "
-        "DeepSpeed derives it), or drop those settings from the file; it sets steps_per_print=\"x\", but DeepSpeed "
+        "DeepSpeed derives it), or drop those settings from the file; it sets zero_optimization.sub_group_size="
+        "\"big\", which DeepSpeed refuses (Input should be a valid integer, unable to parse string as an integer); "
+        "it sets 'zero_optimization.overlap_com', which DeepSpeed 0.19.8 does not read: check its spelling, or drop "
+        "it; it sets steps_per_print=\"x\", but DeepSpeed "
         "takes a whole number there; it sets 'gradient_clippin', which DeepSpeed 0.19.8 does not read: check its "
         "spelling, or drop it")
     assert not (tmp_path / 'bad').exists()
