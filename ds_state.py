@@ -94,8 +94,13 @@ def bucket_sizes(zero, n_params):
             zero[key] = min(int(5e8), n_params + n_params % 2)
 
 
-# a generated setting -> the flag of ds_train.py that sets it (value -> the flag's value)
-FLAGS = {'zero_optimization.stage': ('zero_stage', lambda v: v), 'gradient_clipping': ('grad_clip', lambda v: v),
+# a generated setting -> the flag of ds_train.py that sets it (value -> the flag's value); a file's offload entry
+# (which ours lacks where its flag is none) is one too
+OFFLOADS = ('offload_optimizer', 'offload_param')
+offload_flag = lambda v: v.get('nvme_path', 'NVME_PATH') if v.get('device') == 'nvme' else v.get('device')
+FLAGS = {'zero_optimization.offload_optimizer': ('offload_optimizer', offload_flag),
+         'zero_optimization.offload_param': ('offload_params', offload_flag),
+         'zero_optimization.stage': ('zero_stage', lambda v: v), 'gradient_clipping': ('grad_clip', lambda v: v),
          'train_micro_batch_size_per_gpu': ('batch_size', lambda v: v),
          'bf16.enabled': ('dtype', lambda v: 'bfloat16' if v else 'float32'),
          'fp16.enabled': ('dtype', lambda v: 'float16' if v else 'float32')}
@@ -218,6 +223,9 @@ def merge_config(ours, theirs, where, clashes):
             merge_config(ours[k], v, f'{where}{k}.', clashes)
         elif k in ('optimizer', 'scheduler') and not where:
             clashes.append((k, v, None))
+        elif where == 'zero_optimization.' and k in OFFLOADS and isinstance(v, dict) and \
+                v.get('device', 'none') != 'none':  # an offload is part of the layout checkpoints resume at: the flag's
+            clashes.append((f'{where}{k}', v, 'none'))
         elif k in ours and ours[k] != v and v != 'auto':
             clashes.append((f'{where}{k}', v, ours[k]))
         elif k not in ours:
