@@ -202,6 +202,15 @@ def check_settings(ds_cfg, extra):
                     problems.append(f"sets {key}={json.dumps(err['input'], default=str)}, which DeepSpeed refuses "
                                     f"({err['msg']})")
             cfg.pop(section)
+        except TypeError as e:  # a top-level setting its reader trips on ("wall_clock_breakdown": "yes"): a traceback
+            section = seen[-1] if seen else None
+            if section not in extra:
+                raise
+            if section in DEFAULTS:
+                cfg[section] = DEFAULTS[section]  # the reader goes on; the type it takes is named below
+            else:
+                problems.append(f"sets {section}={json.dumps(extra[section])}, which DeepSpeed refuses ({e})")
+                cfg.pop(section)
         except (ValueError, AssertionError):
             return problems  # deepspeed.initialize raises it again, and ds_train.py says why in one line
     for k, v in extra.items():
