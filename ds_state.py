@@ -18,7 +18,7 @@ import torch.distributed as dist
 import deepspeed
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime import constants
-from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -189,10 +189,12 @@ def check_settings(ds_cfg, extra):
             break
         except ValidationError as e:  # the section last looked up refused the file's settings in it
             section = seen[-1] if seen else None
+            first = e.errors()[0]['loc'][:1]  # a model of several sections (the monitors) names the section itself
+            section, within = (first[0], ()) if first and first[0] in extra else (section, (section,))
             if section not in extra:
                 return problems  # not the file's: deepspeed.initialize raises it again, and ds_train.py says why
             for err in e.errors():
-                key = '.'.join(map(str, (section, *err['loc'])))
+                key = '.'.join(map(str, (*within, *err['loc'])))
                 if err['input'] == 'auto':
                     continue  # a bucket size ds_train.py sets (bucket_sizes), or deepspeed.initialize's to refuse
                 if err['type'] == 'extra_forbidden':
@@ -202,14 +204,14 @@ def check_settings(ds_cfg, extra):
                     problems.append(f"sets {key}={json.dumps(err['input'], default=str)}, which DeepSpeed refuses "
                                     f"({err['msg']})")
             cfg.pop(section)
-        except TypeError as e:  # a top-level setting its reader trips on ("wall_clock_breakdown": "yes"): a traceback
-            section = seen[-1] if seen else None
+        except (TypeError, DeepSpeedConfigError) as e:  # a traceback: a top-level setting its reader trips on
+            section = seen[-1] if seen else None  # ("wall_clock_breakdown": "yes"), or a section it dropped ("amp")
             if section not in extra:
                 raise
-            if section in DEFAULTS:
+            if isinstance(e, TypeError) and section in DEFAULTS:
                 cfg[section] = DEFAULTS[section]  # the reader goes on; the type it takes is named below
             else:
-                problems.append(f"sets {section}={json.dumps(extra[section])}, which DeepSpeed refuses ({e})")
+                problems.append(f"sets {section}, which DeepSpeed refuses ({str(e).splitlines()[0][:200]})")
                 cfg.pop(section)
         except (ValueError, AssertionError):
             return problems  # deepspeed.initialize raises it again, and ds_train.py says why in one line

@@ -220,27 +220,31 @@ def test_bad_input(tmp_path, data_dir, stages):
     (tmp_path / 'no_norm.json').write_text(json.dumps({'zero_optimization': {'compute_grad_norm': False}}))
     assert 'turns off (compute_grad_norm): drop one' in fails('--overflow_by_norm=True', '--dtype=bfloat16',
                                                             f'--ds_config={tmp_path / "no_norm.json"}')
-    # DLRover's ds_config.json's settings (its batch for 16 ranks), an offload, and five mistakes: every one refused
+    # DLRover's ds_config.json's settings (its batch for 16 ranks), an offload, and seven mistakes: every one refused
     # in one line, with the flags that make ours the file's. DeepSpeed itself would ignore the misspelt key, and fail
     # on the string only at the first step, after an eval; those inside a section it refuses at its start, one at a
     # time; the offload, taken from the file, was a traceback (our AdamW is no CPU Adam) and not in the run's layout,
-    # and so was a string where DeepSpeed's reader takes a bool (TypeError)
+    # and so were a string where DeepSpeed's reader takes a bool (TypeError) and a section it dropped (amp); a
+    # monitor's mistake came only from deepspeed.initialize, on its own
     (tmp_path / 'ds.json').write_text(json.dumps({
         'zero_optimization': {'stage': 1, 'offload_optimizer': {'device': 'cpu'}, 'overlap_comm': True,
                               'reduce_bucket_size': 'auto', 'overlap_com': True, 'sub_group_size': 'big'},
         'gradient_accumulation_steps': 1, 'gradient_clipping': 0.1, 'train_batch_size': 256,
         'train_micro_batch_size_per_gpu': 16, 'steps_per_print': 'x', 'gradient_clippin': 0.5,
-        'wall_clock_breakdown': 'yes'}))
+        'wall_clock_breakdown': 'yes', 'tensorboard': {'enabeld': True}, 'amp': {'enabled': True}}))
     assert fails(f'--ds_config={tmp_path / "ds.json"}') == (
         f"error: {tmp_path / 'ds.json'} contradicts the config in zero_optimization.stage=1 (2 here), "
         "zero_optimization.offload_optimizer={\"device\": \"cpu\"} (\"none\" here), "
         "gradient_accumulation_steps=1 (4 here), gradient_clipping=0.1 (1.0 here), train_batch_size=256 (16 here), "
         "train_micro_batch_size_per_gpu=16 (4 here): give `--zero_stage=1 --offload_optimizer=cpu --grad_clip=0.1 "
         "--batch_size=16 --gradient_accumulation_steps=16` and drop gradient_accumulation_steps (its 1 a rank fits 16 "
-        "ranks, not 1: DeepSpeed derives it), or drop those settings from the file; it sets "
+        "ranks, not 1: DeepSpeed derives it), or drop those settings from the file; it sets amp, which DeepSpeed "
+        "refuses (NVIDIA Apex AMP integration has been removed. Use DeepSpeed 'fp16', 'bf16', or 'torch_autocast' "
+        "instead. See https://github.com/deepspeedai/DeepSpeed/issues/8489.); it sets "
         "zero_optimization.sub_group_size=\"big\", which DeepSpeed refuses (Input should be a valid integer, unable to "
         "parse string as an integer); it sets 'zero_optimization.overlap_com', which DeepSpeed 0.19.8 does not read: "
-        "check its spelling, or drop it; it sets steps_per_print=\"x\", but DeepSpeed takes a whole number there; it "
+        "check its spelling, or drop it; it sets 'tensorboard.enabeld', which DeepSpeed 0.19.8 does not read: check "
+        "its spelling, or drop it; it sets steps_per_print=\"x\", but DeepSpeed takes a whole number there; it "
         "sets 'gradient_clippin', which DeepSpeed 0.19.8 does not read: check its spelling, or drop it; it sets "
         "wall_clock_breakdown=\"yes\", but DeepSpeed takes true or false there")
     assert not (tmp_path / 'bad').exists()
