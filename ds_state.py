@@ -18,13 +18,14 @@ import torch.distributed as dist
 import deepspeed
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime import constants
-from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param,
                              safe_set_full_optimizer_state)
 from deepspeed.utils.tensor_fragment import fragment_address
+from pydantic import ValidationError
 
 from checkpoint import checkpoint_iter, is_snapshot, reason, saved_for, step_folders
 
@@ -93,8 +94,13 @@ def bucket_sizes(zero, n_params):
             zero[key] = min(int(5e8), n_params + n_params % 2)
 
 
-# a generated setting -> the flag of ds_train.py that sets it (value -> the flag's value)
-FLAGS = {'zero_optimization.stage': ('zero_stage', lambda v: v), 'gradient_clipping': ('grad_clip', lambda v: v),
+# a generated setting -> the flag of ds_train.py that sets it (value -> the flag's value); a file's offload entry
+# (which ours lacks where its flag is none) is one too
+OFFLOADS = ('offload_optimizer', 'offload_param')
+offload_flag = lambda v: v.get('nvme_path', 'NVME_PATH') if v.get('device') == 'nvme' else v.get('device')
+FLAGS = {'zero_optimization.offload_optimizer': ('offload_optimizer', offload_flag),
+         'zero_optimization.offload_param': ('offload_params', offload_flag),
+         'zero_optimization.stage': ('zero_stage', lambda v: v), 'gradient_clipping': ('grad_clip', lambda v: v),
          'train_micro_batch_size_per_gpu': ('batch_size', lambda v: v),
          'bf16.enabled': ('dtype', lambda v: 'bfloat16' if v else 'float32'),
          'fp16.enabled': ('dtype', lambda v: 'float16' if v else 'float32')}
@@ -149,21 +155,21 @@ TYPES = {bool: ((bool,), 'true or false'), int: ((int,), 'a whole number'), floa
 
 
 class Reads(dict):
-    """A config dict that notes which top-level keys are looked up."""
+    """A config dict that notes which top-level keys are looked up, in order."""
     def __init__(self, d, seen):
         super().__init__(d)
         self.seen = seen  # copy.copy (which DeepSpeedConfig makes) shares it
 
     def __getitem__(self, k):
-        self.seen.add(k)
+        self.seen.append(k)
         return super().__getitem__(k)
 
     def get(self, k, default=None):
-        self.seen.add(k)
+        self.seen.append(k)
         return super().get(k, default)
 
     def __contains__(self, k):
-        self.seen.add(k)
+        self.seen.append(k)
         return super().__contains__(k)
 
     def keys(self):  # `key in config.keys()` is how some settings are looked up
@@ -174,18 +180,48 @@ def check_settings(ds_cfg, extra):
     """DeepSpeed ignores a top-level key it does not know (a misspelt setting goes unnoticed) and takes a value of
     the wrong type until the step that uses it, after the first eval: both are refused here, before anything is
     written, each named in the list returned. The keys it knows are those its config reader looks up; nested
-    sections are pydantic models, which refuse unknown fields and wrong types themselves."""
-    seen, problems = set(), []
-    try:
-        DeepSpeedConfig(Reads(ds_cfg, seen))
-    except (ValueError, AssertionError):
-        return []  # deepspeed.initialize raises it again, and ds_train.py says why in one line
+    sections are pydantic models, which refuse unknown fields and wrong types themselves: their errors are named
+    too, and the reader goes on without that section, so that one line says every mistake of the file."""
+    seen, problems, cfg = [], [], dict(ds_cfg)
+    for _ in range(len(extra) + 1):
+        try:
+            DeepSpeedConfig(Reads(cfg, seen))
+            break
+        except ValidationError as e:  # the section last looked up refused the file's settings in it
+            section = seen[-1] if seen else None
+            first = e.errors()[0]['loc'][:1]  # a model of several sections (the monitors) names the section itself
+            section, within = (first[0], ()) if first and first[0] in extra else (section, (section,))
+            if section not in extra:
+                return problems  # not the file's: deepspeed.initialize raises it again, and ds_train.py says why
+            for err in e.errors():
+                key = '.'.join(map(str, (*within, *err['loc'])))
+                if err['input'] == 'auto':
+                    continue  # a bucket size ds_train.py sets (bucket_sizes), or deepspeed.initialize's to refuse
+                if err['type'] == 'extra_forbidden':
+                    problems.append(f"sets {key!r}, which DeepSpeed {deepspeed.__version__} does not read: check its "
+                                    f"spelling, or drop it")
+                else:
+                    problems.append(f"sets {key}={json.dumps(err['input'], default=str)}, which DeepSpeed refuses "
+                                    f"({err['msg']})")
+            cfg.pop(section)
+        except (TypeError, DeepSpeedConfigError) as e:  # a traceback: a top-level setting its reader trips on
+            section = seen[-1] if seen else None  # ("wall_clock_breakdown": "yes"), or a section it dropped ("amp")
+            if section not in extra:
+                raise
+            if isinstance(e, TypeError) and section in DEFAULTS:
+                cfg[section] = DEFAULTS[section]  # the reader goes on; the type it takes is named below
+            else:
+                problems.append(f"sets {section}, which DeepSpeed refuses ({str(e).splitlines()[0][:200]})")
+                cfg.pop(section)
+        except (ValueError, AssertionError):
+            return problems  # deepspeed.initialize raises it again, and ds_train.py says why in one line
     for k, v in extra.items():
         want, words = TYPES.get(type(DEFAULTS.get(k)), ((object,), ''))
+        ours = v == 'auto' and cfg.get(k) != 'auto'  # "auto" for a setting the generated config has: ours stays
         if k not in seen:
             problems.append(f"sets {k!r}, which DeepSpeed {deepspeed.__version__} does not read: check its spelling, "
                             f"or drop it")
-        elif not isinstance(v, want) or isinstance(v, bool) and bool not in want:
+        elif k in cfg and not ours and (not isinstance(v, want) or isinstance(v, bool) and bool not in want):
             problems.append(f"sets {k}={json.dumps(v)}, but DeepSpeed takes {words} there")
     return problems
 
@@ -198,6 +234,9 @@ def merge_config(ours, theirs, where, clashes):
             merge_config(ours[k], v, f'{where}{k}.', clashes)
         elif k in ('optimizer', 'scheduler') and not where:
             clashes.append((k, v, None))
+        elif where == 'zero_optimization.' and k in OFFLOADS and isinstance(v, dict) and \
+                v.get('device', 'none') != 'none':  # an offload is part of the layout checkpoints resume at: the flag's
+            clashes.append((f'{where}{k}', v, 'none'))
         elif k in ours and ours[k] != v and v != 'auto':
             clashes.append((f'{where}{k}', v, ours[k]))
         elif k not in ours:

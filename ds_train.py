@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import (commit, create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, reason,
-                        remove_snapshots, save_in_background, snapshot_dir, take_settings, upgrade_optimizer_state,
-                        wait_for_copies, wait_for_saves, where_saved)
+                        remove_snapshots, same_step, save_in_background, snapshot_dir, take_settings,
+                        upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
@@ -366,8 +366,12 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     if skips_save(to, nonfinite_steps, iter_num, print0):
         return
     folder = os.path.join(ds_dir if to == 'storage' else snapshot_dir(run_id), f'step-{iter_num:08d}')
-    if folder == resume_path:
-        return  # a resumed run's first eval: the checkpoint it started from
+    # a resumed run's first eval: the checkpoint it started from stays as it is, but its export is written where it
+    # lacks one (a run saved with save_consolidated=False, run again to its end with it to be sampled)
+    export = to == 'storage' and save_consolidated
+    again = folder == resume_path
+    if again and not (export and not same_step({'iter_num': iter_num, 'run_id': run_id}, ckpt_path)):
+        return
     wait_for_saves(f'ds-{to}')  # the save before of this kind is complete and latest names it
     extra = {
         'model_args': model_args,
@@ -382,22 +386,24 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         'val_loss': val_loss,  # the eval's it was saved at (None: a save between evals)
         'world_size': world_size,
     }
-    writer = master_process if to == 'storage' else local_rank == 0  # of latest, and of the folder's cleaning
-    if writer and os.path.isdir(folder):
-        shutil.rmtree(folder)  # cut short, damaged, or of another world size: written anew (after the barrier within)
-    # The engine writes its model-states file (our state in it) from the first data-parallel rank only; a snapshot
-    # needs one in every node's folder, so there the first rank of each node writes it too
-    first_only = model.save_non_zero_checkpoint
-    model.save_non_zero_checkpoint = first_only or (to == 'memory' and local_rank == 0)
-    model.save_checkpoint(os.path.dirname(folder), tag=os.path.basename(folder), client_state=extra, save_latest=False)
-    model.save_non_zero_checkpoint = first_only
-    paths, states = zip(*model.checkpoint_engine.files) if model.checkpoint_engine.files else ((), ())
-    save_in_background(list(states), list(paths), slot=f'ds-{to}',
-                       then=lambda ok: commit(folder, ok, checkpoint_groups[to], writer, iter_of=engine_iter,
-                                              keep=keep_checkpoints if to == 'storage' else 2, best=best))
-    if to == 'storage':
-        print0(f"saving checkpoint to {folder}")
-    if save_consolidated and to == 'storage':
+    if not again:
+        writer = master_process if to == 'storage' else local_rank == 0  # of latest, and of the folder's cleaning
+        if writer and os.path.isdir(folder):
+            shutil.rmtree(folder)  # cut short, damaged, or of another world size: written anew (after the barrier)
+        # The engine writes its model-states file (our state in it) from the first data-parallel rank only; a
+        # snapshot needs one in every node's folder, so there the first rank of each node writes it too
+        first_only = model.save_non_zero_checkpoint
+        model.save_non_zero_checkpoint = first_only or (to == 'memory' and local_rank == 0)
+        model.save_checkpoint(os.path.dirname(folder), tag=os.path.basename(folder), client_state=extra,
+                              save_latest=False)
+        model.save_non_zero_checkpoint = first_only
+        paths, states = zip(*model.checkpoint_engine.files) if model.checkpoint_engine.files else ((), ())
+        save_in_background(list(states), list(paths), slot=f'ds-{to}',
+                           then=lambda ok: commit(folder, ok, checkpoint_groups[to], writer, iter_of=engine_iter,
+                                                  keep=keep_checkpoints if to == 'storage' else 2, best=best))
+        if to == 'storage':
+            print0(f"saving checkpoint to {folder}")
+    if export:
         model_sd, optim_sd = gather_state(model, raw_model, optimizer, group_names, adamw_groups)
         if master_process:
             save_in_background({'model': model_sd, 'optimizer': optim_sd, **extra}, ckpt_path,

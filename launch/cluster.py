@@ -22,6 +22,7 @@ import ipaddress
 import itertools
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -285,8 +286,14 @@ def main():
     why = namespaces_work()
     if why:
         sys.exit(f"error: {why}")
-    if args.nodes < 1:
-        sys.exit(f"error: --nodes={args.nodes}: give 1 or more")
+    for key, low in (('nodes', 1), ('nproc_per_node', 1), ('max_restarts', 0), ('min_nodes', 1)):
+        if getattr(args, key) is not None and getattr(args, key) < low:
+            sys.exit(f"error: --{key}={getattr(args, key)}: give {low} or more")
+    if (args.min_nodes or 0) > args.nodes:
+        sys.exit(f"error: --min_nodes={args.min_nodes}: give at most --nodes={args.nodes}")
+    # tc's own words for a rate; anything else made a traceback from inside the nodes' setup
+    if args.rate is not None and not re.fullmatch(r'\d+(\.\d+)?([kmgt]i?)?(bit|bps)?', args.rate, re.IGNORECASE):
+        sys.exit(f"error: --rate={args.rate}: give a rate as tc writes it, e.g. 100mbit or 1gbit")
     try:
         kill_node, kill_after = (int(args.kill.split('@')[0]), float(args.kill.split('@')[1])) if args.kill else (0, 0)
     except (IndexError, ValueError):

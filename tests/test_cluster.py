@@ -94,6 +94,18 @@ def test_an_exception_or_a_sigterm_leaves_no_namespace_or_link(tmp_path):
     assert leftovers(p.pid) == ([], [])
 
 
+def test_bad_harness_flags_are_one_line_errors_before_any_node_is_made():
+    # a rate tc does not read was a traceback from inside the nodes' setup; the counts went to torchrun, which failed
+    # on every node with its own messages
+    for flag, said in (('--rate=abc', 'give a rate as tc writes it, e.g. 100mbit or 1gbit'),
+                       ('--nproc_per_node=0', 'give 1 or more'), ('--min_nodes=3', 'give at most --nodes=2')):
+        p = subprocess.Popen([sys.executable, str(REPO / 'launch' / 'cluster.py'), '--nodes=2', flag, '--',
+                              'train.py'], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = p.communicate(timeout=60)
+        assert (p.returncode, out, err) == (1, '', f"error: {flag}: {said}\n")
+        assert leftovers(p.pid) == ([], [])
+
+
 def test_kill_ends_everything_in_one_node_and_nothing_in_the_others():
     with Cluster(2) as c:
         procs = [c.popen(i, ['sh', '-c', 'sleep 60 & sleep 60']) for i in range(2)]  # a parent and its child each

@@ -107,10 +107,13 @@ def stages(tmp_path_factory, data_dir, ref):
     under the deepspeed launcher, stage 2 in deterministic mode (which turns dropout off: the curve stays
     train.py's)."""
     tmp = tmp_path_factory.mktemp('stages')
-    # stage 3 adds a user's DeepSpeed settings (read, of the right types, and none contradicting ours) from a file
+    # stage 3 adds a user's DeepSpeed settings (read, of the right types, and none contradicting ours) from a file,
+    # with "auto" (Hugging Face's word) for some of ours, which keeps them
     (tmp / 'ds.json').write_text(json.dumps({'steps_per_print': 1000, 'wall_clock_breakdown': False,
-                                             'gradient_predivide_factor': 1,
-                                             'zero_optimization': {'overlap_comm': False}}))
+                                             'gradient_predivide_factor': 1, 'train_batch_size': 'auto',
+                                             'gradient_clipping': 'auto', 'bf16': {'enabled': 'auto'},
+                                             'zero_optimization': {'overlap_comm': False, 'stage': 'auto',
+                                                                   'reduce_bucket_size': 'auto'}}))
 
     def one(stage):
         args = (f'--zero_stage={stage}', '--max_iters=10', *([f'--ds_config={tmp / "ds.json"}'] if stage == 3 else []))
@@ -217,21 +220,33 @@ def test_bad_input(tmp_path, data_dir, stages):
     (tmp_path / 'no_norm.json').write_text(json.dumps({'zero_optimization': {'compute_grad_norm': False}}))
     assert 'turns off (compute_grad_norm): drop one' in fails('--overflow_by_norm=True', '--dtype=bfloat16',
                                                             f'--ds_config={tmp_path / "no_norm.json"}')
-    # DLRover's ds_config.json's settings (its batch for 16 ranks), and two mistakes: every one refused in one line,
-    # with the flags that make ours the file's. DeepSpeed itself would ignore the misspelt key, and fail on the
-    # string only at the first step, after an eval
+    # DLRover's ds_config.json's settings (its batch for 16 ranks), an offload, and seven mistakes: every one refused
+    # in one line, with the flags that make ours the file's. DeepSpeed itself would ignore the misspelt key, and fail
+    # on the string only at the first step, after an eval; those inside a section it refuses at its start, one at a
+    # time; the offload, taken from the file, was a traceback (our AdamW is no CPU Adam) and not in the run's layout,
+    # and so were a string where DeepSpeed's reader takes a bool (TypeError) and a section it dropped (amp); a
+    # monitor's mistake came only from deepspeed.initialize, on its own
     (tmp_path / 'ds.json').write_text(json.dumps({
-        'zero_optimization': {'stage': 1, 'overlap_comm': True, 'reduce_bucket_size': 'auto'},
+        'zero_optimization': {'stage': 1, 'offload_optimizer': {'device': 'cpu'}, 'overlap_comm': True,
+                              'reduce_bucket_size': 'auto', 'overlap_com': True, 'sub_group_size': 'big'},
         'gradient_accumulation_steps': 1, 'gradient_clipping': 0.1, 'train_batch_size': 256,
-        'train_micro_batch_size_per_gpu': 16, 'steps_per_print': 'x', 'gradient_clippin': 0.5}))
+        'train_micro_batch_size_per_gpu': 16, 'steps_per_print': 'x', 'gradient_clippin': 0.5,
+        'wall_clock_breakdown': 'yes', 'tensorboard': {'enabeld': True}, 'amp': {'enabled': True}}))
     assert fails(f'--ds_config={tmp_path / "ds.json"}') == (
         f"error: {tmp_path / 'ds.json'} contradicts the config in zero_optimization.stage=1 (2 here), "
+        "zero_optimization.offload_optimizer={\"device\": \"cpu\"} (\"none\" here), "
         "gradient_accumulation_steps=1 (4 here), gradient_clipping=0.1 (1.0 here), train_batch_size=256 (16 here), "
-        "train_micro_batch_size_per_gpu=16 (4 here): give `--zero_stage=1 --grad_clip=0.1 --batch_size=16 "
-        "--gradient_accumulation_steps=16` and drop gradient_accumulation_steps (its 1 a rank fits 16 ranks, not 1: "
-        "DeepSpeed derives it), or drop those settings from the file; it sets steps_per_print=\"x\", but DeepSpeed "
-        "takes a whole number there; it sets 'gradient_clippin', which DeepSpeed 0.19.8 does not read: check its "
-        "spelling, or drop it")
+        "train_micro_batch_size_per_gpu=16 (4 here): give `--zero_stage=1 --offload_optimizer=cpu --grad_clip=0.1 "
+        "--batch_size=16 --gradient_accumulation_steps=16` and drop gradient_accumulation_steps (its 1 a rank fits 16 "
+        "ranks, not 1: DeepSpeed derives it), or drop those settings from the file; it sets amp, which DeepSpeed "
+        "refuses (NVIDIA Apex AMP integration has been removed. Use DeepSpeed 'fp16', 'bf16', or 'torch_autocast' "
+        "instead. See https://github.com/deepspeedai/DeepSpeed/issues/8489.); it sets "
+        "zero_optimization.sub_group_size=\"big\", which DeepSpeed refuses (Input should be a valid integer, unable to "
+        "parse string as an integer); it sets 'zero_optimization.overlap_com', which DeepSpeed 0.19.8 does not read: "
+        "check its spelling, or drop it; it sets 'tensorboard.enabeld', which DeepSpeed 0.19.8 does not read: check "
+        "its spelling, or drop it; it sets steps_per_print=\"x\", but DeepSpeed takes a whole number there; it "
+        "sets 'gradient_clippin', which DeepSpeed 0.19.8 does not read: check its spelling, or drop it; it sets "
+        "wall_clock_breakdown=\"yes\", but DeepSpeed takes true or false there")
     assert not (tmp_path / 'bad').exists()
     # ZeRO's shards resume at the world size and stage that wrote them; elsewhere only a consolidated ckpt.pt does
     shutil.copytree(stages[3], tmp_path / 'shards')
@@ -292,6 +307,20 @@ def test_the_run_folder_stands_for_its_export_which_samples_and_resumes_under_tr
     launch('train.py', tmp_path, data_dir, 'run', '--max_iters=12', '--init_from=resume')
     losses = read_metrics(tmp_path / 'run')[0]
     assert sorted(losses) == list(range(12)) and losses[11] < losses[5]
+
+
+def test_a_finished_run_without_its_export_writes_it_when_run_again_with_save_consolidated(tmp_path, data_dir, stages):
+    # what sample.py's error says to do for a run saved with save_consolidated=False, done at its end (max_iters as
+    # before): the resumed eval skipped the folder it resumed from, and the export with it, so nothing was written
+    shutil.copytree(stages[2], tmp_path / 'run', ignore=lambda d, names: [n for n in names if n.endswith('.pt')
+                                                                           and d == str(stages[2])])
+    assert not (tmp_path / 'run' / 'ckpt.pt').exists()
+    launch('ds_train.py', tmp_path, data_dir, 'run', '--zero_stage=2', '--deterministic=True', '--max_iters=10',
+           nproc=2)
+    assert torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=True)['iter_num'] == 10
+    assert_same_state(stages[2] / 'ckpt.pt', tmp_path / 'run' / 'ckpt.pt', atol=1e-12)  # the same state
+    assert sorted(p.name for p in (tmp_path / 'run' / 'ds').iterdir() if p.name.startswith('step')) == \
+        sorted(p.name for p in (stages[2] / 'ds').iterdir() if p.name.startswith('step'))
 
 
 def test_a_run_resumed_with_its_optimizer_offloaded_goes_on_from_its_export(tmp_path, data_dir, stages, cpu_adam):
