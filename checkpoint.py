@@ -448,6 +448,16 @@ def pruned_under_eval(path, out_dir):
                  f"run the eval again, which reads the newest (or evaluate a copy of one with --init_from)")
 
 
+def load_failed(path, e, out_dir, eval_only):
+    """Exits in one line where the state a run resumes (path) does not load into its model or optimizer (e): an
+    eval's read of a state that the live run pruned meanwhile is no damage (pruned_under_eval); anything else is a
+    damaged or foreign checkpoint, to be moved aside."""
+    if eval_only:
+        pruned_under_eval(path, out_dir)
+    sys.exit(f"error: checkpoint {path} does not fit this model ({reason(e)}): move it aside (mv, to a name of your "
+             f"own) or restore a good copy")
+
+
 def _complete(folder):
     try:
         return checkpoint_iter(folder) is not None

@@ -32,9 +32,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import (commit, create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, previous,
-                        pruned_under_eval, reason, remove_snapshots, save_in_background, snapshot_dir, step_folders,
-                        take_settings, upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
+from checkpoint import (commit, create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, load_failed,
+                        previous, remove_snapshots, save_in_background, snapshot_dir, step_folders, take_settings,
+                        upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from decent import (average_moments, average_replicas, check_optimizers, global_model, make_bucket, make_mixing_groups,
@@ -332,10 +332,7 @@ if checkpoint is not None:
         # the export's optimizer (ckpt.pt) says what the replicas' do
         weight_decay, beta1, beta2 = config['weight_decay'], config['beta1'], config['beta2']
     except Exception as e:
-        if eval_only:
-            pruned_under_eval(resume_path, out_dir)
-        sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): move it aside (mv, to a name "
-                 f"of your own) or restore a good copy")
+        load_failed(resume_path, e, out_dir, eval_only)
     if diloco_steps:  # θ_global, its momentum and the outer steps in flight; own: not an average, not ckpt.pt
         own = len(checkpoint.get('rng', [])) == world_size and 'optimizers' in checkpoint
         restore_outer(buckets, checkpoint.get('diloco'), own, outer_optimizer, outer_learning_rate, outer_momentum)

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import (commit, create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, reason,
-                        remove_snapshots, same_step, save_in_background, snapshot_dir, take_settings,
+from checkpoint import (commit, create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, load_failed,
+                        reason, remove_snapshots, same_step, save_in_background, snapshot_dir, take_settings,
                         upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
@@ -270,8 +270,7 @@ if checkpoint is not None and 'model' in checkpoint:
         checkpoint['optimizer'] = upgrade_optimizer_state(model, checkpoint['optimizer']) \
             if checkpoint.get('optimizer') else {'state': {}}
     except Exception as e:
-        sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): move it aside (mv, to a name "
-                 f"of your own) or restore a good copy")
+        load_failed(resume_path, e, out_dir, eval_only)
 block_size = model_args['block_size']
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []
@@ -336,8 +335,7 @@ if checkpoint is not None:
         else:  # a fp16 run's loss scale is not in it: the engine's starts afresh
             load_state(model, raw_model, optimizer, group_names, checkpoint['model'], checkpoint['optimizer'], device)
     except Exception as e:
-        sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): move it aside (mv, to a name "
-                 f"of your own) or restore a good copy")
+        load_failed(resume_path, e, out_dir, eval_only)
     take_settings(optimizer, config, given, saved=checkpoint.get('config'))  # the engine's load put its own back
     if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
         data_gen.set_state(checkpoint['data_rng'])

@@ -26,9 +26,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
-from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, previous,
-                        pruned_under_eval, reason, remove_snapshots, save_in_background, snapshot_dir, step_folders,
-                        take_settings, wait_for_copies, wait_for_saves, where_saved)
+from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, load_failed, previous,
+                        remove_snapshots, save_in_background, snapshot_dir, step_folders, take_settings,
+                        wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
@@ -266,10 +266,7 @@ if checkpoint is not None:
         load_sharded_state(model, optimizer, checkpoint, resume_path, raw_model)
         take_settings(optimizer, config, given)
     except Exception as e:
-        if eval_only:
-            pruned_under_eval(resume_path, out_dir)
-        sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): move it aside (mv, to a name "
-                 f"of your own) or restore a good copy")
+        load_failed(resume_path, e, out_dir, eval_only)
     if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
         data_gen.set_state(checkpoint['data_rng'])
     restore_rng(checkpoint.get('rng', []), print0)

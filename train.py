@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, reason, remove_snapshots,
-                        save_in_background, snapshot_dir, take_settings, upgrade_optimizer_state, wait_for_copies,
-                        wait_for_saves, where_saved)
+from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, load_failed,
+                        remove_snapshots, save_in_background, snapshot_dir, take_settings, upgrade_optimizer_state,
+                        wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
@@ -200,8 +200,7 @@ if checkpoint is not None:
         optimizer.load_state_dict(upgrade_optimizer_state(raw_model, checkpoint['optimizer']))
         take_settings(optimizer, config, given)
     except Exception as e:
-        sys.exit(f"error: checkpoint {resume_path} does not fit this model ({reason(e)}): move it aside (mv, to a name "
-                 f"of your own) or restore a good copy")
+        load_failed(resume_path, e, out_dir, eval_only)
     if checkpoint.get('scaler') and scaler.is_enabled():  # a bf16 or fp32 run saved the disabled scaler's {}
         scaler.load_state_dict(checkpoint['scaler'])
     if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
