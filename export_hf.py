@@ -103,6 +103,9 @@ def main():
     if missing or unexpected:
         sys.exit(f"error: the exported weights do not fit GPT2LMHeadModel (missing {missing}, unexpected {unexpected})")
     hf_model.tie_weights()
+    # the text-generation pipeline's default, 256 new tokens, runs past a shorter window (an IndexError in the
+    # position embeddings): at most half the window, the rest left to the prompt (GPT-2's 1024: the same 256)
+    hf_model.generation_config.max_new_tokens = min(256, cfg.block_size // 2)
     files = {}  # GPT-2's tokenizer, as Hugging Face names its files
     if bpe:
         import tiktoken.load

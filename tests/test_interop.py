@@ -133,6 +133,9 @@ def test_export_hf_gives_transformers_the_same_logits(tmp_path, data_dir):
     generator = transformers.pipeline('text-generation', model=str(tmp_path / 'hf'), device='cpu')
     text = generator('To be', max_new_tokens=8, do_sample=False)[0]['generated_text']
     assert text.startswith('To be') and len(text) > len('To be')
+    # as the README calls it: the pipeline's default of 256 new tokens ran past this model's 32 positions
+    text = generator('To be')[0]['generated_text']
+    assert text.startswith('To be') and len(text) > len('To be')
     # the folder exists now: a second export refuses to write over it
     p = run('export_hf.py', f'--ckpt={tmp_path / "bpe"}', f'--out={tmp_path / "hf"}', cwd=tmp_path, check=False)
     assert p.returncode != 0 and 'exists' in p.stderr and len(p.stderr.strip().splitlines()) == 1
