@@ -70,6 +70,12 @@ if why:
     sys.exit(f"error: {why}")
 if not os.path.exists(os.path.join(dataset, 'train.bin')):
     sys.exit(f"error: no {dataset}/train.bin: run `python prepare.py shakespeare_char` or give --dataset=FOLDER")
+for mode in [m for m in modes.split(',') if m in ('pp', 'pp-zbv')]:  # a block at least for each stage
+    most = max(int(n) for n in nodes.split(','))
+    stages = most * nproc_per_node * (2 if mode == 'pp-zbv' else 1)
+    if n_layer < stages:
+        sys.exit(f"error: {mode} on {most} nodes has {stages} stages, a block each at least: give --n_layer={stages} "
+                 f"or more")
 
 SCRIPTS = {'ddp': ('train.py', []), 'fsdp': ('fsdp_train.py', []), 'zero2': ('ds_train.py', ['--zero_stage=2']),
            'zero3': ('ds_train.py', ['--zero_stage=3']), 'pp': ('pp_train.py', []),  # pp: one pipeline over all ranks

@@ -50,7 +50,8 @@ def stage_blocks(stage, n_stages, n_layer):
     """The blocks of a stage: consecutive, as even as n_layer allows (the earlier stages take one fewer)."""
     if n_layer < n_stages:
         sys.exit(f"error: {n_stages} pipeline stages need n_layer >= {n_stages} (one block each at least), not "
-                 f"{n_layer}: lower pp_size (or the stages per rank of an interleaved schedule), or add layers")
+                 f"{n_layer}: lower pp_size (or the stages each rank holds: stages_per_rank of the interleaved "
+                 f"schedules, zbv's two), or add layers")
     return list(range(stage * n_layer // n_stages, (stage + 1) * n_layer // n_stages))
 
 

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import REPO, TINY, env, read_metrics, run
+from conftest import REPO, TINY, env, one_line_error, read_metrics, run
 
 sys.path.insert(0, str(REPO / 'launch'))
 from cluster import Cluster, leftovers, namespaces_work, sh  # noqa: E402
@@ -143,7 +143,11 @@ def test_bench_network_measures_bytes_as_designed_and_the_time_to_a_loss(tmp_pat
     assert 0.05 < rows[2]['link_use'] <= 1.02 + 256 * 1024 / rows[2]['bytes_per_step'], rows[2]
     # 4 steps of DDP's design bytes against DiLoCo's one all-reduce in 4 steps
     assert abs(rows[0]['bytes_per_step'] / rows[1]['bytes_per_step'] - 4) < 0.4, rows
-    # zbv's V, two stages a node (so 4 layers): each link crossed twice each way, and no tied all-reduce
+    # zbv's V, two stages a node (so 4 layers: with the smoke run's 2 it is refused before any node is made)
+    p = subprocess.run([*cmd, '--modes=pp-zbv'], cwd=tmp_path, env=env(), capture_output=True, text=True)
+    assert one_line_error(p) == 'error: pp-zbv on 2 nodes has 4 stages, a block each at least: give --n_layer=4 or ' \
+        'more'
+    # each link crossed twice each way, and no tied all-reduce
     p = subprocess.run([*cmd, '--modes=pp-zbv', '--n_layer=4'], cwd=tmp_path, env=env(), capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
