@@ -24,11 +24,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+from torch.distributed.pipelining import PipelineStage
 
 from configurator import configure, quiet_interrupt
-from pipeline import SCHEDULES, nearest_taken, placement, schedule_takes, stage_ids
+from pipeline import SCHEDULES, ZERO_BUBBLE, make_schedule, nearest_taken, placement, schedule_takes, stage_ids
 
 quiet_interrupt()  # Ctrl-C: one line, no traceback
 
@@ -92,9 +91,7 @@ def measure(name, m, rank, p):
     seconds = forward_ms / 1000 / v
     ids = stage_ids(rank, p, v, v_shape)
     stages = [PipelineStage(Stage(seconds), s, p * v, torch.device('cpu')) for s in ids]
-    Schedule = {'gpipe': ScheduleGPipe, '1f1b': Schedule1F1B, 'interleaved-1f1b': ScheduleInterleaved1F1B,
-                'interleaved-zb': ScheduleInterleavedZeroBubble, 'zbv': ScheduleZBVZeroBubble}[name]
-    schedule = Schedule(stages[0] if name in ('gpipe', '1f1b') else stages, m, loss_fn=lambda out, y: out.mean())
+    schedule = make_schedule(name, stages, m, lambda out, y: out.mean())
     x, y = torch.randn(m, 4), torch.randn(m, 4)
     times = []
     for i in range(steps + 1):
@@ -110,7 +107,7 @@ def measure(name, m, rank, p):
         for stage in stages:
             stage.submod(x[:1]).sum().backward()
     work = time.perf_counter() - t0
-    theory = (p - 1) / ((3 if name in ('interleaved-zb', 'zbv') else 1) * v * m + p - 1)
+    theory = (p - 1) / ((3 if name in ZERO_BUBBLE else 1) * v * m + p - 1)
     return 1 - work / step, None if name == 'zbv' and m < 2 * p else theory, step
 
 

@@ -14,6 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.utils._pytree import tree_map_only
 
 from checkpoint import print0, save_in_background
@@ -30,7 +33,10 @@ def stage_ids(pp_rank, pp_size, stages_per_rank, v_shape=False):
     return [pp_rank + j * pp_size for j in range(stages_per_rank)]
 
 
-SCHEDULES = ('gpipe', '1f1b', 'interleaved-1f1b', 'interleaved-zb', 'zbv')  # pp_train.py's, torch's schedules
+# pp_train.py's schedules, torch's by name (gpipe and 1f1b run one stage a rank, the others a list of them)
+SCHEDULES = {'gpipe': ScheduleGPipe, '1f1b': Schedule1F1B, 'interleaved-1f1b': ScheduleInterleaved1F1B,
+             'interleaved-zb': ScheduleInterleavedZeroBubble, 'zbv': ScheduleZBVZeroBubble}
+ZERO_BUBBLE = ('interleaved-zb', 'zbv')  # each backward split in two, which a torch.compile'd block cannot do
 
 
 def placement(schedule, stages_per_rank):
@@ -39,6 +45,13 @@ def placement(schedule, stages_per_rank):
     if schedule == 'zbv':
         return 2, True
     return (stages_per_rank if schedule.startswith('interleaved') else 1), False
+
+
+def make_schedule(name, stages, micro_batches, loss_fn, **kwargs):
+    """torch's schedule of that name over this rank's stages (a list)."""
+    Schedule = SCHEDULES[name]
+    return Schedule(stages[0] if issubclass(Schedule, PipelineScheduleSingle) else stages, micro_batches,
+                    loss_fn=loss_fn, **kwargs)
 
 
 def stage_rank(stage, pp_size, v_shape=False):

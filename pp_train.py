@@ -23,8 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+from torch.distributed.pipelining import PipelineStage
 
 from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, load_failed, previous,
                         remove_snapshots, save_in_background, snapshot_dir, step_folders, take_settings,
@@ -35,8 +34,8 @@ from distributed import (agree, check_fits, finish, gather_rng, pick_device, res
                          skip_on_device, state_bytes, stop_signal, torchrun_env, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import saves_at_eval, skips_save
-from pipeline import (SCHEDULES, Forward, Part, clip, loss_fn, nearest_taken, placement, save_full, schedule_takes,
-                      sharded_state, stage_blocks, stage_ids, stage_rank, tied_grads_and_norm)
+from pipeline import (SCHEDULES, ZERO_BUBBLE, Forward, Part, clip, loss_fn, make_schedule, nearest_taken, placement,
+                     save_full, schedule_takes, sharded_state, stage_blocks, stage_ids, stage_rank, tied_grads_and_norm)
 from runlock import hold
 from runlog import ends_diverged, heed, open_log
 from sharded import load_sharded_state, local_shards, read_start, save_dcp
@@ -112,7 +111,7 @@ if dtype not in ('float32', 'bfloat16'):
     sys.exit(f"error: dtype={dtype!r}: pp_train.py takes auto, float32 or bfloat16 (for float16 use train.py)")
 if pp_schedule not in SCHEDULES:
     sys.exit(f"error: pp_schedule={pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
-if pp_schedule in ('interleaved-zb', 'zbv') and compile:  # a compiled block's backward is one node: it cannot split
+if pp_schedule in ZERO_BUBBLE and compile:  # a compiled block's backward is one autograd node: it cannot split
     sys.exit(f"error: {pp_schedule} computes a stage's input gradients and its weights' apart, which torch.compile'd "
              f"blocks cannot: add --compile=False, or use --pp_schedule=interleaved-1f1b")
 v, v_shape = placement(pp_schedule, stages_per_rank)  # the stages each rank holds, and whether in a V
@@ -242,12 +241,9 @@ tied = model.transformer['wte'].weight if 'wte' in model.transformer else None  
 tie_group = tie_groups[dp_rank] if tie_groups and (0 in ids or n_stages - 1 in ids) else None
 pp_group = mesh['pp'].get_group()
 pipeline = [PipelineStage(stage, s, n_stages, device, group=pp_group) for stage, s in zip(stages, ids)]
-Schedule = {'gpipe': ScheduleGPipe, '1f1b': Schedule1F1B, 'interleaved-1f1b': ScheduleInterleaved1F1B,
-            'interleaved-zb': ScheduleInterleavedZeroBubble, 'zbv': ScheduleZBVZeroBubble}[pp_schedule]
 # the gradients are summed over the micro-batches, and divided by their number after (tied_grads_and_norm), as
 # train.py divides each micro-step's loss
-schedule = Schedule(pipeline[0] if pp_schedule in ('gpipe', '1f1b') else pipeline, accum_steps, loss_fn=loss_fn,
-                    scale_grads=False)
+schedule = make_schedule(pp_schedule, pipeline, accum_steps, loss_fn, scale_grads=False)
 
 # -----------------------------------------------------------------------------
 # optimizer, over this rank's stages
