@@ -1,9 +1,10 @@
 """
 What pp_train.py needs besides torch.distributed.pipelining itself: a GPT cut into stages by blocks (each keeping the
-model's own parameter names, so that checkpoints are the model's), which stages a rank holds, the tied embedding's
-gradient summed across the first and the last stage, gradients averaged across pipelines, their global norm, a
-plain forward through the pipeline for evals, the consolidated checkpoint, and the memory a rank's stages need.
-Not for: the schedules (torch's) or the model (model.py, which knows nothing of pipelines).
+model's own parameter names, so that checkpoints are the model's), which stages a rank holds (in a loop, or in
+zbv's V), the schedules by name, the tied embedding's gradient summed across the first and the last stage,
+gradients averaged over micro-batches and pipelines, their global norm, a plain forward through the pipeline for
+evals, the consolidated checkpoint, and the memory a rank's stages need. Not for: the schedules themselves (torch's)
+or the model (model.py, which knows nothing of pipelines).
 """
 
 import sys
