@@ -221,6 +221,12 @@ def translate(key, value, where, source, ctx):
     if script == 'model_size.py' and key in DLROVER_RUN_FLAGS and key not in keys and 'data_dir' in ctx['flags']:
         _note(ctx, where, source, shown, "not a size, left out", "DLRover's")
         return []
+    if key == 'out_dir' and source == 'flag' and isinstance(ctx['flags'].get('save_dir'), str) and \
+            ctx['flags']['save_dir'] and 'out_dir' in keys:
+        # DLRover saves into --save_dir and reads no --out_dir; in the order given, an --out_dir after it would send
+        # the checkpoints elsewhere (a pod's own disk, lost with the pod) while the line above says --save_dir's
+        ctx['notes'].append((None, f"{where} is unused beside --save_dir, DLRover's checkpoint folder (as there)"))
+        return []
     if key == 'gradient_accumulation_steps' and value == 0 and type(value) is int and _dlrover_command(ctx):
         # its own default: one micro-step a rank (total // ranks there), which dlrover_defaults counts in ranks here
         ctx['notes'].append((None, f"{where} is DLRover's default, one micro-step a rank: here that many in total "

@@ -265,6 +265,10 @@ def test_dlrover_and_mingpt_flags_of_fsdp_are_taken(capsys):
     assert config_of('train.py', ['--save_dir', '/tmp/ck', '--use_native_ckpt'])['out_dir'] == '/tmp/ck'
     out = capsys.readouterr().out
     assert "--save_dir /tmp/ck is DLRover's name: here --out_dir=/tmp/ck" in out and "ckpt.pt is written" in out
+    # its --out_dir beside it is unused there, in either order: the checkpoints go where the line says, not to ./out
+    for argv in (['--save_dir', '/tmp/ck', '--out_dir', 'out'], ['--out_dir=out', '--save_dir=/tmp/ck']):
+        assert config_of('train.py', ['--data_dir', './', *argv])['out_dir'] == '/tmp/ck'
+        assert "out is unused beside --save_dir, DLRover's checkpoint folder" in capsys.readouterr().out
     assert config_of('fsdp_train.py', ['--use_fsdp', '--n_layer', '2'])['n_layer'] == 2
     assert "--use_fsdp is DLRover's name: here nothing to set (fsdp_train.py)" in capsys.readouterr().out
     # minGPT-DDP's distributed_method on the script it names, and its FSDP fork's cpu_offload where it is a key
