@@ -215,8 +215,14 @@ def translate(key, value, where, source, ctx):
         _note(ctx, where, source, shown, f"nothing to set ({script})", "DLRover's")
         return []
     if key == 'use_native_ckpt' and 'save_storage_interval' in keys and type(value) is bool:
-        # its torch.save'd checkpoints rather than flash ones: ckpt.pt here is one, and snapshots in memory only add
-        _note(ctx, where, source, shown, "nothing to set (out_dir's ckpt.pt is written with torch.save)", "DLRover's")
+        # its torch.save'd checkpoints rather than flash ones: ckpt.pt here is one, and snapshots in memory only add.
+        # Its fsdp_train.py saves shards whatever the flag, as fsdp_train.py does here unless told to gather a ckpt.pt
+        if ctx['flags'].get('save_consolidated', keys.get('save_consolidated')) is False:
+            ours = "nothing to set (checkpoints are sharded, in out_dir/dcp/step-N, as its fsdp_train.py's are; " \
+                "--save_consolidated=True adds a ckpt.pt written with torch.save)"
+        else:
+            ours = "nothing to set (out_dir's ckpt.pt is written with torch.save)"
+        _note(ctx, where, source, shown, ours, "DLRover's")
         return []
     if script == 'model_size.py' and key in DLROVER_RUN_FLAGS and key not in keys and 'data_dir' in ctx['flags']:
         _note(ctx, where, source, shown, "not a size, left out", "DLRover's")

@@ -265,6 +265,11 @@ def test_dlrover_and_mingpt_flags_of_fsdp_are_taken(capsys):
     assert config_of('train.py', ['--save_dir', '/tmp/ck', '--use_native_ckpt'])['out_dir'] == '/tmp/ck'
     out = capsys.readouterr().out
     assert "--save_dir /tmp/ck is DLRover's name: here --out_dir=/tmp/ck" in out and "ckpt.pt is written" in out
+    # fsdp_train.py writes no ckpt.pt unless told to (DLRover's saves shards whatever the flag): the line says so
+    config_of('fsdp_train.py', ['--use_native_ckpt'])
+    assert 'checkpoints are sharded, in out_dir/dcp/step-N' in capsys.readouterr().out
+    config_of('fsdp_train.py', ['--use_native_ckpt', '--save_consolidated=True'])
+    assert "out_dir's ckpt.pt is written with torch.save" in capsys.readouterr().out
     # its --out_dir beside it is unused there, in either order: the checkpoints go where the line says, not to ./out
     for argv in (['--save_dir', '/tmp/ck', '--out_dir', 'out'], ['--out_dir=out', '--save_dir=/tmp/ck']):
         assert config_of('train.py', ['--data_dir', './', *argv])['out_dir'] == '/tmp/ck'
