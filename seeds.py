@@ -452,6 +452,10 @@ def _hydra_ours(key, value):
 
 def check_positional(arg):
     """A one-line error for minGPT-DDP's Hydra overrides (section.key=value), naming ours."""
+    if arg.endswith(('.yaml', '.yml')) and '=' not in arg:  # its gpt2_train_cfg.yaml itself, given as a config
+        sys.exit(f"error: {arg} is a YAML config (minGPT-DDP's Hydra file), which is not read here: give its keys as "
+                 f"our flags (trainer_config.batch_size: 64 is --batch_size=64; any section.key=value on the command "
+                 f"line names its flag), or put them in a *.py or *.toml config file")
     m = re.fullmatch(r'\+{0,2}([A-Za-z_]\w*(?:\.\w+)+)=(.*)', arg)
     if not m:
         return

@@ -232,6 +232,9 @@ def test_every_key_of_mingpt_ddps_yaml_names_ours():
     for override in MINGPT_YAML:
         msg = error_of('train.py', [override])
         assert msg.startswith(f'error: {override} is a Hydra override') and 'keys are flags' not in msg, msg
+    # the file itself, given as a config: not read, and one line says how its keys are given
+    assert error_of('train.py', ['gpt2_train_cfg.yaml']).startswith("error: gpt2_train_cfg.yaml is a YAML config "
+                                                                    "(minGPT-DDP's Hydra file), which is not read here")
     assert error_of('train.py', ['data_config.train_split=0.9']).endswith('--tokenizer=char --val_fraction=0.1 (the '
                                                                          'share of the text for val.bin)')
 
