@@ -293,6 +293,21 @@ def test_model_size_leaves_out_the_run_flags_of_dlrovers_fsdp_and_deepspeed_comm
                for flag in ('--cpu_offload', '--use_fsdp', '--ds_config ds.json'))
 
 
+def test_a_dataset_name_finds_nnscalers_nanogpt_checkout_in_its_error(tmp_path, monkeypatch):
+    # nnScaler's script reads data/<dataset> inside its nanoGPT/ checkout: from there, its config's dataset name
+    # names that folder as our --dataset, not only a prep of data/<dataset> afresh (55 GB for openwebtext)
+    from data import find_bins
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'nanoGPT' / 'data' / 'owt').mkdir(parents=True)
+    (tmp_path / 'nanoGPT' / 'data' / 'owt' / 'train.bin').write_bytes(b'\0' * 200)
+    with pytest.raises(SystemExit) as e:
+        find_bins('owt', 32)
+    seed, ours = os.path.join('nanoGPT', 'data', 'owt'), os.path.join('data', 'owt')
+    assert str(e.value.code) == f"error: {os.path.join(ours, 'train.bin')} not found, but {seed} holds one " \
+        f"(nnScaler's nanoGPT checkout): give --dataset={seed}, or run `python prepare.py text --input=FILE " \
+        f"--name=owt` for {ours}"
+
+
 def test_decent_dp_names_on_the_command_line():
     c = config_of('decent_train.py', ['--topology=exp', '--replica_optimizer=AccumAdamW', '--accum_steps', '8'])
     assert (c['topology'], c['replica_optimizer'], c['moment_accum_steps']) == ('one-peer-exp', 'accumadamw', 8)
