@@ -141,9 +141,13 @@ def find_bins(dataset, block_size, random_data=False):
             from prepare import DATASETS  # here: only this error needs them
             name = os.path.basename(os.path.normpath(folder))
             known = name in DATASETS and name not in ('text', 'hellaswag')  # those that prepare.py NAME makes
+            prep = dataset if known else f'text --input=FILE --name={dataset}'
+            seed = os.path.join('nanoGPT', 'data', dataset)  # nnScaler's layout: its nanoGPT checkout's data/
+            if not is_path(dataset) and os.path.isfile(os.path.join(seed, f'{split}.bin')):
+                sys.exit(f"error: {path} not found, but {seed} holds one (nnScaler's nanoGPT checkout): give "
+                         f"--dataset={seed}, or run `python prepare.py {prep}` for {folder}")
             if not is_path(dataset):
-                sys.exit(f"error: {path} not found: run `python prepare.py "
-                         f"{dataset if known else f'text --input=FILE --name={dataset}'}` first")
+                sys.exit(f"error: {path} not found: run `python prepare.py {prep}` first")
             # a path: prepare.py's --out_dir is the folder itself, absolute or relative, whatever data/ holds
             sys.exit(f"error: {path} not found: run `python prepare.py "
                      f"{name if known else 'text --input=FILE'} --out_dir={folder}` first, or give --dataset the "

@@ -21,7 +21,7 @@ import torch
 
 from checkpoint import find_checkpoint, reason, run_versions
 from configurator import check_model_name, check_model_shape, configure, quiet_interrupt
-from data import meta_vocab
+from data import data_dir, meta_vocab
 from model import GPT2_SHAPES, GPT, GPTConfig
 
 quiet_interrupt()  # Ctrl-C: one line, no traceback
@@ -84,6 +84,11 @@ config, given = configure(globals(), skip_unknown_in_files=True, positional=shap
 check_model_name(model, given)
 if dataset and 'vocab_size' not in given:
     vocab_size = meta_vocab(dataset, random_data) or vocab_size
+    if not random_data and not os.path.isfile(os.path.join(data_dir(dataset), 'train.bin')):
+        # not prepared here, where training would stop: a character-level prep's vocabulary is its text's, unknown
+        print(f"note: {data_dir(dataset)} holds no prepared data (train.bin), so the vocabulary is taken as GPT-2's "
+              f"{vocab_size}; a character-level prep's is its meta.pkl's: prepare the data first, or give "
+              f"--vocab_size")
 dtype = 'bfloat16' if dtype == 'auto' else dtype  # the entrypoints' auto on a GPU (a TOML's amp = true)
 if model:
     if model not in GPT2_SHAPES:

@@ -215,11 +215,23 @@ def translate(key, value, where, source, ctx):
         _note(ctx, where, source, shown, f"nothing to set ({script})", "DLRover's")
         return []
     if key == 'use_native_ckpt' and 'save_storage_interval' in keys and type(value) is bool:
-        # its torch.save'd checkpoints rather than flash ones: ckpt.pt here is one, and snapshots in memory only add
-        _note(ctx, where, source, shown, "nothing to set (out_dir's ckpt.pt is written with torch.save)", "DLRover's")
+        # its torch.save'd checkpoints rather than flash ones: ckpt.pt here is one, and snapshots in memory only add.
+        # Its fsdp_train.py saves shards whatever the flag, as fsdp_train.py does here unless told to gather a ckpt.pt
+        if ctx['flags'].get('save_consolidated', keys.get('save_consolidated')) is False:
+            ours = "nothing to set (checkpoints are sharded, in out_dir/dcp/step-N, as its fsdp_train.py's are; " \
+                "--save_consolidated=True adds a ckpt.pt written with torch.save)"
+        else:
+            ours = "nothing to set (out_dir's ckpt.pt is written with torch.save)"
+        _note(ctx, where, source, shown, ours, "DLRover's")
         return []
     if script == 'model_size.py' and key in DLROVER_RUN_FLAGS and key not in keys and 'data_dir' in ctx['flags']:
         _note(ctx, where, source, shown, "not a size, left out", "DLRover's")
+        return []
+    if key == 'out_dir' and source == 'flag' and isinstance(ctx['flags'].get('save_dir'), str) and \
+            ctx['flags']['save_dir'] and 'out_dir' in keys:
+        # DLRover saves into --save_dir and reads no --out_dir; in the order given, an --out_dir after it would send
+        # the checkpoints elsewhere (a pod's own disk, lost with the pod) while the line above says --save_dir's
+        ctx['notes'].append((None, f"{where} is unused beside --save_dir, DLRover's checkpoint folder (as there)"))
         return []
     if key == 'gradient_accumulation_steps' and value == 0 and type(value) is int and _dlrover_command(ctx):
         # its own default: one micro-step a rank (total // ranks there), which dlrover_defaults counts in ranks here
@@ -440,6 +452,10 @@ def _hydra_ours(key, value):
 
 def check_positional(arg):
     """A one-line error for minGPT-DDP's Hydra overrides (section.key=value), naming ours."""
+    if arg.endswith(('.yaml', '.yml')) and '=' not in arg:  # its gpt2_train_cfg.yaml itself, given as a config
+        sys.exit(f"error: {arg} is a YAML config (minGPT-DDP's Hydra file), which is not read here: give its keys as "
+                 f"our flags (trainer_config.batch_size: 64 is --batch_size=64; any section.key=value on the command "
+                 f"line names its flag), or put them in a *.py or *.toml config file")
     m = re.fullmatch(r'\+{0,2}([A-Za-z_]\w*(?:\.\w+)+)=(.*)', arg)
     if not m:
         return

@@ -232,6 +232,9 @@ def test_every_key_of_mingpt_ddps_yaml_names_ours():
     for override in MINGPT_YAML:
         msg = error_of('train.py', [override])
         assert msg.startswith(f'error: {override} is a Hydra override') and 'keys are flags' not in msg, msg
+    # the file itself, given as a config: not read, and one line says how its keys are given
+    assert error_of('train.py', ['gpt2_train_cfg.yaml']).startswith("error: gpt2_train_cfg.yaml is a YAML config "
+                                                                    "(minGPT-DDP's Hydra file), which is not read here")
     assert error_of('train.py', ['data_config.train_split=0.9']).endswith('--tokenizer=char --val_fraction=0.1 (the '
                                                                          'share of the text for val.bin)')
 
@@ -265,6 +268,15 @@ def test_dlrover_and_mingpt_flags_of_fsdp_are_taken(capsys):
     assert config_of('train.py', ['--save_dir', '/tmp/ck', '--use_native_ckpt'])['out_dir'] == '/tmp/ck'
     out = capsys.readouterr().out
     assert "--save_dir /tmp/ck is DLRover's name: here --out_dir=/tmp/ck" in out and "ckpt.pt is written" in out
+    # fsdp_train.py writes no ckpt.pt unless told to (DLRover's saves shards whatever the flag): the line says so
+    config_of('fsdp_train.py', ['--use_native_ckpt'])
+    assert 'checkpoints are sharded, in out_dir/dcp/step-N' in capsys.readouterr().out
+    config_of('fsdp_train.py', ['--use_native_ckpt', '--save_consolidated=True'])
+    assert "out_dir's ckpt.pt is written with torch.save" in capsys.readouterr().out
+    # its --out_dir beside it is unused there, in either order: the checkpoints go where the line says, not to ./out
+    for argv in (['--save_dir', '/tmp/ck', '--out_dir', 'out'], ['--out_dir=out', '--save_dir=/tmp/ck']):
+        assert config_of('train.py', ['--data_dir', './', *argv])['out_dir'] == '/tmp/ck'
+        assert "out is unused beside --save_dir, DLRover's checkpoint folder" in capsys.readouterr().out
     assert config_of('fsdp_train.py', ['--use_fsdp', '--n_layer', '2'])['n_layer'] == 2
     assert "--use_fsdp is DLRover's name: here nothing to set (fsdp_train.py)" in capsys.readouterr().out
     # minGPT-DDP's distributed_method on the script it names, and its FSDP fork's cpu_offload where it is a key
@@ -279,6 +291,21 @@ def test_model_size_leaves_out_the_run_flags_of_dlrovers_fsdp_and_deepspeed_comm
     out = capsys.readouterr().out
     assert all(f"{flag} is DLRover's name: here not a size, left out" in out
                for flag in ('--cpu_offload', '--use_fsdp', '--ds_config ds.json'))
+
+
+def test_a_dataset_name_finds_nnscalers_nanogpt_checkout_in_its_error(tmp_path, monkeypatch):
+    # nnScaler's script reads data/<dataset> inside its nanoGPT/ checkout: from there, its config's dataset name
+    # names that folder as our --dataset, not only a prep of data/<dataset> afresh (55 GB for openwebtext)
+    from data import find_bins
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'nanoGPT' / 'data' / 'owt').mkdir(parents=True)
+    (tmp_path / 'nanoGPT' / 'data' / 'owt' / 'train.bin').write_bytes(b'\0' * 200)
+    with pytest.raises(SystemExit) as e:
+        find_bins('owt', 32)
+    seed, ours = os.path.join('nanoGPT', 'data', 'owt'), os.path.join('data', 'owt')
+    assert str(e.value.code) == f"error: {os.path.join(ours, 'train.bin')} not found, but {seed} holds one " \
+        f"(nnScaler's nanoGPT checkout): give --dataset={seed}, or run `python prepare.py text --input=FILE " \
+        f"--name=owt` for {ours}"
 
 
 def test_decent_dp_names_on_the_command_line():

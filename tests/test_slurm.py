@@ -385,12 +385,20 @@ def test_a_bad_process_count_is_refused_in_one_line_before_any_slurm_call(tmp_pa
     (['/usr/bin/torchrun', 'config/decent-gpt2-small.toml', '--seed=1'],
      'slurm/torchrun.sbatch decent_train.py config/decent-gpt2-small.toml ...'),
     (['config/train_gpt2.py', 'fsdp_train.py'], 'slurm/torchrun.sbatch fsdp_train.py config/train_gpt2.py'),
-], ids=['torchrun-first', 'decent-toml', 'swapped'])
+    # torchrun's words before the entrypoint, as its users type them: the counts as this script takes them, the
+    # entrypoint's flags kept, the launcher's dropped (not `train.py --nproc_per_node=4` nor `train.py python`)
+    (['--nproc_per_node', '4', 'train.py', 'c.py', '--seed=1'], 'NPROC_PER_NODE=4 sbatch [options] '
+     'slurm/torchrun.sbatch train.py c.py ...'),
+    (['torchrun', '--nnodes=2', '--nproc-per-node=4', 'fsdp_train.py', 'c.toml'], 'NPROC_PER_NODE=4 sbatch [options] '
+     '--nodes=2 slurm/torchrun.sbatch fsdp_train.py c.toml'),
+    (['python', 'train.py', 'c.py'], ': sbatch [options] slurm/torchrun.sbatch train.py c.py'),
+], ids=['torchrun-first', 'decent-toml', 'swapped', 'torchrun-options', 'torchrun-words', 'python'])
 def test_an_entrypoint_not_ours_is_refused_in_one_line_before_any_slurm_call(tmp_path, args, right):
     # the check comes before anything that needs SLURM, so bash runs it here as sbatch would on a node
     p = subprocess.run(['bash', str(SBATCH), *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and p.stderr == '' and len(p.stdout.splitlines()) == 1, (p.stdout, p.stderr)
-    assert p.stdout.startswith(f"error: {args[0]} is not a training entrypoint here") and right in p.stdout, p.stdout
+    assert p.stdout.startswith(f"error: {args[0]} is not a training entrypoint here") and \
+        p.stdout.rstrip().endswith(right), p.stdout
     assert list(tmp_path.iterdir()) == []  # no logs folder made
 
 

@@ -215,6 +215,12 @@ def test_model_size_reads_a_training_config_and_a_run_folder(tmp_path, shared_ru
     p = run('model_size.py', str(REPO / 'config' / 'train_shakespeare_char_cpu.py'), cwd=tmp_path)
     # the config's shape, not the defaults, and its data's vocabulary: train.py's 0.80M parameters
     assert p.stdout.startswith('804,096 parameters') and ' 4 layers, 4 heads, 128 wide, block 64, vocab 65' in p.stdout
+    # where its data is not prepared, the vocabulary of a character-level prep is unknown: GPT-2's, said in a line
+    # (minGPT-DDP's and nnScaler's users size a config before they prepare; 7.2M parameters, not 0.8M, silently)
+    (tmp_path / 'bare').mkdir()
+    p = run('model_size.py', str(REPO / 'config' / 'train_shakespeare_char_cpu.py'), cwd=tmp_path / 'bare')
+    assert p.stdout.startswith('note: data/shakespeare_char holds no prepared data (train.bin), so the vocabulary is '
+                               "taken as GPT-2's 50304;") and ', vocab 50304' in p.stdout
     # train.py's ways: a TOML config (Decent-DP's names) and `--key value`
     p = run('model_size.py', str(REPO / 'config' / 'gpt2-small.toml'), '--n_layer', '2', cwd=tmp_path)
     assert ' 2 layers, 12 heads, 768 wide, block 1024, vocab 50304' in p.stdout
