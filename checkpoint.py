@@ -1058,12 +1058,22 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                  f"only that layout reads: resume with the layout in its name and let it save a checkpoint to "
                  f"{out_dir} (SIGTERM does) before changing it, or start afresh with --auto_resume=False (the "
                  f"snapshots are then kept in {out_dir})")
-    if others and (resume_from is None or resume_from[0] < others[0]) and (wanted or not eval_only):
+    # an eval of a run's newest state is the eval of the entrypoint that reads it (one started afresh is refused)
+    evaluate = lambda writer: f"evaluate it with `{writer} --out_dir={out_dir} --eval_only=True` (under torchrun as " \
+                              f"before)"
+    if others and (resume_from is None or resume_from[0] < others[0]) and wanted and eval_only:
+        it, folder, writer = others
+        sys.exit(f"error: {out_dir} holds a run of {writer}, whose newest state ({folder}, iter {it}) {script} cannot "
+                 f"read: {evaluate(writer)}")
+    if others and (resume_from is None or resume_from[0] < others[0]) and not eval_only:
         it, folder, writer = others
         sys.exit(f"error: {out_dir} holds a run of {writer}, whose newest state ({folder}, iter {it}) "
                  f"{script} cannot resume: continue it with `{writer} --out_dir={out_dir}` (under torchrun as "
                  f"before), or start a new run from its weights with --init_from={out_dir} and another --out_dir")
     it, path, writer = max((v[10] for v in views), key=lambda v: -1 if v[0] is None else v[0])
+    if it is not None and (resume_from is None or resume_from[0] < it) and eval_only:
+        sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of {writer}, which "
+                 f"{script} does not read: {evaluate(writer)}")
     if it is not None and (resume_from is None or resume_from[0] < it):
         sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of {writer}, which "
                  f"{script} does not read: continue the run with `{writer} --out_dir={out_dir}` (under torchrun as "
