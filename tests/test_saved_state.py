@@ -584,6 +584,13 @@ def test_a_deepspeed_run_at_another_layout_never_goes_on_past_its_newer_memory_s
     assert f"the run's newest state, {snapshots / 'step-00000010'}, was written by 1 ranks at zero_stage=2" \
         in error and 'use 1 ranks and --zero_stage=2' in error, error
     assert files(snapshots) == before and iter_of(run_dir / 'ckpt.pt') == 5
+    # an eval of it was told to train with that layout until it saved an export
+    error = one_line_error(start(tmp_path, data_dir, run_dir, '--zero_stage=3', '--eval_only=True',
+                                 script='ds_train.py', check=False))
+    assert error.endswith("ZeRO's shards load only so: evaluate it with 1 ranks and --zero_stage=2"), error
+    assert files(snapshots) == before and iter_of(run_dir / 'ckpt.pt') == 5
+    p = start(tmp_path, data_dir, run_dir, '--eval_only=True', script='ds_train.py')
+    assert f"evaluating the newest state of the run in {run_dir}, {snapshots / 'step-00000010'} at iter 10" in p.stdout
 
 
 def test_a_deepspeed_run_resumed_in_another_dtype_goes_on_from_its_export(tmp_path, data_dir, shared_run):
