@@ -1359,13 +1359,16 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
         shards_snapshot_or_exit(path)
         folder = path if os.path.isdir(path) else find_checkpoint(path)  # or the one a latest or best file names
         run, kind = os.path.split(os.path.dirname(os.path.normpath(folder)))
+        # ds_train.py run again with it writes the export of the state it resumes (at once where the run is finished)
+        export = lambda run: (f"`ds_train.py --out_dir={run} --save_consolidated=True`, with the run's other flags "
+                              f"and ranks, writes {os.path.join(run, 'ckpt.pt')}: at once where the run has finished, "
+                              f"else at its next save")
         if os.path.isdir(folder) and kind in ('ds', 'decent'):  # their step folders: ZeRO's shards, or the replicas
             run, best = run or '.', os.path.basename(os.path.normpath(folder)).startswith('best')
             what = f"{kind}_train.py, which only it resumes"
             if not os.path.exists(os.path.join(run, 'best.pt' if best else 'ckpt.pt')):  # ds: save_consolidated=False
                 sys.exit(f"error: {folder} is a step folder of {what}, and {run} holds no whole model beside it "
-                         f"(save_consolidated=False): the run's next save with --save_consolidated=True writes its "
-                         f"ckpt.pt (resume it with a larger --max_iters)")
+                         f"(save_consolidated=False): {export(run)}")
             whole = f"give its best, {os.path.join(run, 'best.pt')}" if best else \
                 f"give the run folder {run} (its newest, ckpt.pt" + \
                 (", the replicas averaged, or DiLoCo's global model; or this step's rank-R.pt, one replica)"
@@ -1374,8 +1377,7 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
         run = path if os.path.isdir(path) else os.path.dirname(os.path.normpath(path))  # a run folder, or RUN/best
         if os.path.isfile(os.path.join(run, 'ds', 'latest')):  # ZeRO's shards alone: save_consolidated=False
             sys.exit(f"error: {run} holds ds_train.py's step folders but no {os.path.basename(find_checkpoint(path))} "
-                     f"(save_consolidated=False), and only ds_train.py reads ZeRO's shards: continue the run with "
-                     f"--save_consolidated=True to its next save, which writes {os.path.join(run, 'ckpt.pt')}")
+                     f"(save_consolidated=False), and only ds_train.py reads ZeRO's shards: {export(run)}")
         snapshots = snapshot_dir(read_run_id(os.path.join(path, 'run_id'))) \
             if os.path.isfile(os.path.join(path, 'run_id')) else None
         if snapshots and os.path.isdir(snapshots) and set(os.listdir(snapshots)) - {HOLD}:  # killed before a save
