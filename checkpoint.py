@@ -1357,6 +1357,14 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
             model, checkpoint = load_checkpoint(path, dropout=dropout)
     except FileNotFoundError as e:
         shards_snapshot_or_exit(path)
+        parent, name = os.path.split(os.path.normpath(path))
+        if name in FOLDERS.values() and (os.path.isfile(os.path.join(path, 'latest')) or step_folders(path)):
+            # the folder of a run's step folders (RUN/dcp), which holds no checkpoint itself: the run folder does
+            parent = parent or '.'
+            if name != 'ds' or os.path.exists(os.path.join(parent, 'ckpt.pt')):
+                sys.exit(f"error: {path} holds the step folders of the run in {parent}: give the run folder {parent} "
+                         f"(its newest state)" + (", or one of those step folders" if name == 'dcp' else ""))
+            path = parent  # ZeRO's shards alone: what the run folder needs is said below
         folder = path if os.path.isdir(path) else find_checkpoint(path)  # or the one a latest or best file names
         run, kind = os.path.split(os.path.dirname(os.path.normpath(folder)))
         # ds_train.py run again with it writes the export of the state it resumes (at once where the run is finished)

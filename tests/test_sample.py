@@ -118,6 +118,27 @@ def test_a_step_folder_of_ds_or_decent_names_a_whole_model_that_is_there(tmp_pat
                           f"(save_consolidated=False)"), msg
 
 
+def test_a_folder_of_step_folders_names_its_run_folder(tmp_path):
+    # RUN/dcp, RUN/ds or RUN/decent, the folder beside ckpt.pt that holds the step folders, was "no checkpoint at
+    # RUN/dcp/ckpt.pt: give a run folder"
+    for kind in ('dcp', 'ds', 'decent'):
+        (tmp_path / kind / kind / 'step-00000002').mkdir(parents=True)
+        (tmp_path / kind / kind / 'latest').write_text('step-00000002')
+    (tmp_path / 'ds' / 'ckpt.pt').touch()  # only looked for: ds_train.py's export
+    for kind, steps in (('dcp', ', or one of those step folders'), ('ds', ''), ('decent', '')):
+        run_dir = tmp_path / kind
+        for script, args in (('sample.py', [f'--init_from={run_dir / kind}', '--device=cpu']),
+                             ('export_hf.py', [f'--ckpt={run_dir / kind}', f'--out={tmp_path / "hf"}'])):
+            msg = one_line_error(run(script, *args, cwd=tmp_path, check=False))
+            assert msg == f"error: {run_dir / kind} holds the step folders of the run in {run_dir}: give the run " \
+                          f"folder {run_dir} (its newest state){steps}", msg
+    assert not (tmp_path / 'hf').exists()
+    (tmp_path / 'ds' / 'ckpt.pt').unlink()  # save_consolidated=False: what the run folder lacks is said
+    msg = one_line_error(run('sample.py', f"--init_from={tmp_path / 'ds' / 'ds'}", '--device=cpu', cwd=tmp_path,
+                             check=False))
+    assert msg.startswith(f"error: {tmp_path / 'ds'} holds ds_train.py's step folders but no ckpt.pt"), msg
+
+
 NO_GPU = 'cuda' if not torch.cuda.is_available() else f'cuda:{torch.cuda.device_count()}'
 
 
