@@ -51,6 +51,17 @@ def test_sample_prompt_from_a_file(char_run):
     assert p.stdout.startswith('KING HENRY:\nWhat')
 
 
+def test_sample_run_in_another_folder_names_the_checkpoints_dataset_in_its_meta_path_hint(char_run, tmp_path):
+    # the checkpoint names its dataset, shakespeare_char: the hint was --meta_path=data/<dataset>/meta.pkl
+    p = run('sample.py', f'--out_dir={char_run}', '--device=cpu', cwd=tmp_path, check=False)
+    assert one_line_error(p) == ("error: the model's vocabulary has 65 tokens, but no meta.pkl was found "
+                                 "(data/shakespeare_char/meta.pkl): pass --meta_path=data/shakespeare_char/meta.pkl "
+                                 "(relative to the folder the run was started in)")
+    p = run('sample.py', f'--out_dir={char_run}', f"--meta_path={char_run / 'data/shakespeare_char/meta.pkl'}",
+            '--num_samples=1', '--max_new_tokens=5', '--device=cpu', cwd=tmp_path)  # as it says
+    assert p.stdout.count('---------------') == 1
+
+
 def test_sample_from_a_bpe_model(tmp_path, data_dir):
     run('train.py', *TINY, f'--dataset={data_dir / "shakespeare"}', f'--out_dir={tmp_path}', '--max_iters=2',
         '--eval_interval=2', '--gradient_accumulation_steps=1', cwd=tmp_path)
