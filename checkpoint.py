@@ -1079,6 +1079,10 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                  f"{script} does not read: continue the run with `{writer} --out_dir={out_dir}` (under torchrun as "
                  f"before) and let it save a checkpoint to {out_dir} (SIGTERM does) before switching, or start "
                  f"afresh with --auto_resume=False (the snapshots are then kept in {out_dir})")
+    if resume_from is None and damaged and eval_only:  # moved aside, it would leave an untrained model to evaluate
+        path, why = damaged[0]
+        sys.exit(f"error: checkpoint {path} is corrupt or not a training checkpoint ({why}): restore a good copy to "
+                 f"evaluate it, or evaluate another checkpoint with --init_from")
     if resume_from is None and damaged:
         path, why = damaged[0]
         sys.exit(f"error: checkpoint {path} is corrupt or not a training checkpoint ({why}): move it aside (mv, to a "

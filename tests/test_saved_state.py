@@ -117,6 +117,19 @@ def test_eval_only_writes_nothing_but_its_rows_and_evaluates_the_runs_newest_sta
         assert sorted(losses) == list(range(12)) and [r['iter'] for r in evals] == [0, 5, 10, 10, 10, 12]
 
 
+def test_an_eval_of_a_run_whose_checkpoints_are_all_damaged_is_told_to_restore_one(tmp_path, data_dir, shared_run):
+    # it was told to move them aside (the eval then scores a new, untrained model) or to use --auto_resume=False
+    run_dir = tmp_path / 'run'
+    shutil.copytree(shared_run('train.py', *ARGS), run_dir)
+    for f in run_dir.glob('ckpt*.pt'):
+        f.write_bytes(b'not a checkpoint')
+    before = files(run_dir)
+    error = one_line_error(start(tmp_path, data_dir, run_dir, '--eval_only=True', check=False))
+    assert error.startswith(f"error: checkpoint {run_dir / 'ckpt.pt'} is corrupt or not a training checkpoint (") \
+        and error.endswith("): restore a good copy to evaluate it, or evaluate another checkpoint with --init_from")
+    assert files(run_dir) == before
+
+
 def test_an_eval_whose_checkpoint_the_live_run_prunes_meanwhile_is_told_to_run_again(tmp_path):
     # an eval_only run reads a live run's newest step folder without holding out_dir; where the run saved two more
     # and pruned it during the read, the error called it corrupt and advised moving the live run's folder aside
