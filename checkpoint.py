@@ -1068,17 +1068,31 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                  f"only that layout reads: resume with the layout in its name and let it save a checkpoint to "
                  f"{out_dir} (SIGTERM does) before changing it, or start afresh with --auto_resume=False (the "
                  f"snapshots are then kept in {out_dir})")
-    if others and (resume_from is None or resume_from[0] < others[0]) and (wanted or not eval_only):
+    # an eval of a run's newest state is the eval of the entrypoint that reads it (one started afresh is refused)
+    evaluate = lambda writer: f"evaluate it with `{writer} --out_dir={out_dir} --eval_only=True` (under torchrun as " \
+                              f"before)"
+    if others and (resume_from is None or resume_from[0] < others[0]) and wanted and eval_only:
+        it, folder, writer = others
+        sys.exit(f"error: {out_dir} holds a run of {writer}, whose newest state ({folder}, iter {it}) {script} cannot "
+                 f"read: {evaluate(writer)}")
+    if others and (resume_from is None or resume_from[0] < others[0]) and not eval_only:
         it, folder, writer = others
         sys.exit(f"error: {out_dir} holds a run of {writer}, whose newest state ({folder}, iter {it}) "
                  f"{script} cannot resume: continue it with `{writer} --out_dir={out_dir}` (under torchrun as "
                  f"before), or start a new run from its weights with --init_from={out_dir} and another --out_dir")
     it, path, writer = max((v[10] for v in views), key=lambda v: -1 if v[0] is None else v[0])
+    if it is not None and (resume_from is None or resume_from[0] < it) and eval_only:
+        sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of {writer}, which "
+                 f"{script} does not read: {evaluate(writer)}")
     if it is not None and (resume_from is None or resume_from[0] < it):
         sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of {writer}, which "
                  f"{script} does not read: continue the run with `{writer} --out_dir={out_dir}` (under torchrun as "
                  f"before) and let it save a checkpoint to {out_dir} (SIGTERM does) before switching, or start "
                  f"afresh with --auto_resume=False (the snapshots are then kept in {out_dir})")
+    if resume_from is None and damaged and eval_only:  # moved aside, it would leave an untrained model to evaluate
+        path, why = damaged[0]
+        sys.exit(f"error: checkpoint {path} is corrupt or not a training checkpoint ({why}): restore a good copy to "
+                 f"evaluate it, or evaluate another checkpoint with --init_from")
     if resume_from is None and damaged:
         path, why = damaged[0]
         sys.exit(f"error: checkpoint {path} is corrupt or not a training checkpoint ({why}): move it aside (mv, to a "
@@ -1357,15 +1371,26 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
             model, checkpoint = load_checkpoint(path, dropout=dropout)
     except FileNotFoundError as e:
         shards_snapshot_or_exit(path)
+        parent, name = os.path.split(os.path.normpath(path))
+        if name in FOLDERS.values() and (os.path.isfile(os.path.join(path, 'latest')) or step_folders(path)):
+            # the folder of a run's step folders (RUN/dcp), which holds no checkpoint itself: the run folder does
+            parent = parent or '.'
+            if name != 'ds' or os.path.exists(os.path.join(parent, 'ckpt.pt')):
+                sys.exit(f"error: {path} holds the step folders of the run in {parent}: give the run folder {parent} "
+                         f"(its newest state)" + (", or one of those step folders" if name == 'dcp' else ""))
+            path = parent  # ZeRO's shards alone: what the run folder needs is said below
         folder = path if os.path.isdir(path) else find_checkpoint(path)  # or the one a latest or best file names
         run, kind = os.path.split(os.path.dirname(os.path.normpath(folder)))
+        # ds_train.py run again with it writes the export of the state it resumes (at once where the run is finished)
+        export = lambda run: (f"`ds_train.py --out_dir={run} --save_consolidated=True`, with the run's other flags "
+                              f"and ranks, writes {os.path.join(run, 'ckpt.pt')}: at once where the run has finished, "
+                              f"else at its next save")
         if os.path.isdir(folder) and kind in ('ds', 'decent'):  # their step folders: ZeRO's shards, or the replicas
             run, best = run or '.', os.path.basename(os.path.normpath(folder)).startswith('best')
             what = f"{kind}_train.py, which only it resumes"
             if not os.path.exists(os.path.join(run, 'best.pt' if best else 'ckpt.pt')):  # ds: save_consolidated=False
                 sys.exit(f"error: {folder} is a step folder of {what}, and {run} holds no whole model beside it "
-                         f"(save_consolidated=False): the run's next save with --save_consolidated=True writes its "
-                         f"ckpt.pt (resume it with a larger --max_iters)")
+                         f"(save_consolidated=False): {export(run)}")
             whole = f"give its best, {os.path.join(run, 'best.pt')}" if best else \
                 f"give the run folder {run} (its newest, ckpt.pt" + \
                 (", the replicas averaged, or DiLoCo's global model; or this step's rank-R.pt, one replica)"
@@ -1374,8 +1399,7 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
         run = path if os.path.isdir(path) else os.path.dirname(os.path.normpath(path))  # a run folder, or RUN/best
         if os.path.isfile(os.path.join(run, 'ds', 'latest')):  # ZeRO's shards alone: save_consolidated=False
             sys.exit(f"error: {run} holds ds_train.py's step folders but no {os.path.basename(find_checkpoint(path))} "
-                     f"(save_consolidated=False), and only ds_train.py reads ZeRO's shards: continue the run with "
-                     f"--save_consolidated=True to its next save, which writes {os.path.join(run, 'ckpt.pt')}")
+                     f"(save_consolidated=False), and only ds_train.py reads ZeRO's shards: {export(run)}")
         snapshots = snapshot_dir(read_run_id(os.path.join(path, 'run_id'))) \
             if os.path.isfile(os.path.join(path, 'run_id')) else None
         if snapshots and os.path.isdir(snapshots) and set(os.listdir(snapshots)) - {HOLD}:  # killed before a save

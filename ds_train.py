@@ -225,6 +225,9 @@ def refuse_other_layouts(resume_from):
     if foreign:
         path, ranks, theirs = (newer or foreign)[0]
         at, flags = layout_words(theirs, layout)
+    if (newer or foreign and resume_from is None) and eval_only:  # an eval of it reads the shards as they are
+        sys.exit(f"error: the run's newest state, {path}, was written by {ranks} ranks at {at}, and ZeRO's shards "
+                 f"load only so: evaluate it with {ranks} ranks and {flags}")
     if newer:
         sys.exit(f"error: the run's newest state, {path}, was written by {ranks} ranks at {at}, and ZeRO's shards "
                  f"resume only so: use {ranks} ranks and {flags} until it saves a checkpoint with "

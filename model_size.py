@@ -52,9 +52,18 @@ def saved_shape(path):
     weights (mmap): sizing never loads or builds a model."""
     try:
         ckpt = find_checkpoint(path)
+        # a ds_train.py run saved with save_consolidated=False has no ckpt.pt, nor has a folder of step folders
+        # (RUN/ds, RUN/dcp, RUN/decent): the step folder that its latest names has the shape
+        kind = os.path.basename(os.path.normpath(path)) in ('ds', 'dcp', 'decent')
+        for latest in [os.path.join(path, 'ds', 'latest')] + [os.path.join(path, 'latest')] * kind:
+            if not os.path.exists(ckpt) and os.path.isfile(latest):
+                ckpt = find_checkpoint(latest)
     except ValueError as e:  # a latest or best file that names no step folder
         sys.exit(f"error: {e}: give a step folder or a ckpt.pt of the run, or --n_layer, --n_head, --n_embd")
-    ckpt = os.path.join(ckpt, 'extra.pt') if os.path.isdir(ckpt) else ckpt
+    ckpt = path if os.path.isdir(path) and not os.path.exists(ckpt) else ckpt  # a step folder of ZeRO's shards
+    if os.path.isdir(ckpt):  # DCP's extra.pt, DeepSpeed's model states (our state beside its own), or a replica
+        states = sorted(f for f in os.listdir(ckpt) if f.endswith('model_states.pt') or f == 'rank-0.pt')
+        ckpt = os.path.join(ckpt, states[0] if states else 'extra.pt')
     # a run folder: its newest ckpt.pt version that loads, as the other tools read it
     versions = run_versions(path, ckpt)
     for version in versions[:-1]:

@@ -254,6 +254,9 @@ optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta
 if checkpoint is not None:
     saved = checkpoint.get('config', {})
     saved_layout = placement(saved.get('pp_schedule', '1f1b'), saved.get('stages_per_rank', 1))
+    if is_snapshot(resume_path) and saved_layout != (v, v_shape) and eval_only:
+        sys.exit(f"error: the memory snapshot {resume_path} holds the stages that --pp_schedule={saved['pp_schedule']} "
+                 f"--stages_per_rank={saved['stages_per_rank']} place on this rank: evaluate it with these flags")
     if is_snapshot(resume_path) and saved_layout != (v, v_shape):  # a snapshot holds only its rank's own stages
         sys.exit(f"error: the memory snapshot {resume_path} holds the stages that --pp_schedule={saved['pp_schedule']} "
                  f"--stages_per_rank={saved['stages_per_rank']} place on this rank: resume with these flags, and let "

@@ -93,6 +93,8 @@ where, hint = 'no dataset in the checkpoint', 'data/<dataset>/meta.pkl'
 if not meta_path and isinstance(dataset, str) and dataset:
     if os.path.basename(dataset) == dataset and dataset not in ('.', '..') and not os.path.isabs(dataset):
         meta_path = os.path.join('data', dataset, 'meta.pkl')
+        if dataset.isprintable() and len(dataset) <= 200:  # run elsewhere, it is not found here: the file it names
+            hint = shlex.quote(meta_path) + ' (relative to the folder the run was started in)'
     else:
         where = f"the checkpoint's dataset {dataset[:200]!r} is a path, which is not followed"
         if dataset.isprintable() and len(dataset) <= 200:  # the file it names, for the user to pass if it is theirs

@@ -143,6 +143,25 @@ def test_a_diloco_run_resumed_without_diloco_steps_is_refused_and_kept(tmp_path,
     assert {f: f.read_bytes() for f in (tmp_path / 'run').rglob('*') if f.is_file() and f.name != 'run.lock'} == before
 
 
+def test_an_eval_of_a_diloco_run_without_diloco_steps_names_the_flag_that_evaluates_it(tmp_path, data_dir, windows):
+    # it was told to resume with its --diloco_steps (or --replica_optimizer) or to start a gossip run elsewhere:
+    # neither is an eval
+    shutil.copytree(windows / 'at4', tmp_path / 'run')
+    before = {f: f.read_bytes() for f in (tmp_path / 'run').rglob('*') if f.is_file() and f.name != 'run.lock'}
+    gossip = [a for a in ARGS if 'diloco' not in a]
+    p = launch(tmp_path, data_dir, 'run', *gossip, '--max_iters=8', '--eval_only=True', check=False)
+    assert one_line_error(p) == (f"error: {tmp_path / 'run' / 'decent' / 'step-00000004'} holds a DiLoCo run "
+                                 f"(diloco_steps=3): evaluate it with --diloco_steps=3 (the eval is then of its global "
+                                 f"model)")
+    assert {f: f.read_bytes() for f in (tmp_path / 'run').rglob('*') if f.is_file() and f.name != 'run.lock'} == before
+    p = launch(tmp_path, data_dir, 'run', *ARGS, '--replica_optimizer=sgd', '--max_iters=8', '--eval_only=True',
+               check=False)
+    assert one_line_error(p).endswith("holds the state of replica_optimizer=adamw: evaluate it with "
+                                      "--replica_optimizer=adamw")
+    p = launch(tmp_path, data_dir, 'run', *gossip, '--diloco_steps=3', '--max_iters=8', '--eval_only=True')
+    assert 'eval_only: evaluating the newest state of the run' in p.stdout and 'at iter 4' in p.stdout
+
+
 def test_a_resume_without_n_layer_checks_diloco_fragments_against_the_checkpoints_depth(tmp_path, data_dir, windows):
     # the model's depth came from the checkpoint (2 blocks), and the fragments were checked against the default
     # n_layer=12: 5 fragments of 3 buckets went on as 3, each on a fifth of the window

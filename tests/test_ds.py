@@ -301,8 +301,9 @@ def test_the_run_folder_stands_for_its_export_which_samples_and_resumes_under_tr
                     ignore=lambda d, names: [n for n in names if n.endswith('.pt') and d == str(tmp_path / 'run')])
     p = run('sample.py', f'--out_dir={tmp_path / "shards"}', '--device=cpu', cwd=tmp_path, check=False)
     assert one_line_error(p) == f"error: {tmp_path / 'shards'} holds ds_train.py's step folders but no ckpt.pt " \
-        f"(save_consolidated=False), and only ds_train.py reads ZeRO's shards: continue the run with " \
-        f"--save_consolidated=True to its next save, which writes {tmp_path / 'shards' / 'ckpt.pt'}"
+        f"(save_consolidated=False), and only ds_train.py reads ZeRO's shards: `ds_train.py --out_dir=" \
+        f"{tmp_path / 'shards'} --save_consolidated=True`, with the run's other flags and ranks, writes " \
+        f"{tmp_path / 'shards' / 'ckpt.pt'}: at once where the run has finished, else at its next save"
     shutil.rmtree(tmp_path / 'run' / 'ds')
     launch('train.py', tmp_path, data_dir, 'run', '--max_iters=12', '--init_from=resume')
     losses = read_metrics(tmp_path / 'run')[0]
@@ -315,6 +316,17 @@ def test_a_finished_run_without_its_export_writes_it_when_run_again_with_save_co
     shutil.copytree(stages[2], tmp_path / 'run', ignore=lambda d, names: [n for n in names if n.endswith('.pt')
                                                                            and d == str(stages[2])])
     assert not (tmp_path / 'run' / 'ckpt.pt').exists()
+    # model_size.py read the shape from no ckpt.pt there: "neither a config file nor a checkpoint or a run folder"
+    for path in (tmp_path / 'run', tmp_path / 'run' / 'ds', tmp_path / 'run' / 'ds' / 'step-00000010'):
+        p = run('model_size.py', path, cwd=tmp_path)
+        assert ' 2 layers, 2 heads, 32 wide, block 32, vocab 65' in p.stdout, p.stdout + p.stderr
+    # a tool given a step folder was told to resume the finished run "with a larger --max_iters"
+    p = run('sample.py', f"--init_from={tmp_path / 'run' / 'ds' / 'step-00000010'}", '--device=cpu', cwd=tmp_path,
+            check=False)
+    assert one_line_error(p).endswith(f"(save_consolidated=False): `ds_train.py --out_dir={tmp_path / 'run'} "
+                                      f"--save_consolidated=True`, with the run's other flags and ranks, writes "
+                                      f"{tmp_path / 'run' / 'ckpt.pt'}: at once where the run has finished, else at "
+                                      f"its next save")
     launch('ds_train.py', tmp_path, data_dir, 'run', '--zero_stage=2', '--deterministic=True', '--max_iters=10',
            nproc=2)
     assert torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=True)['iter_num'] == 10

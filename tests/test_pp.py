@@ -198,6 +198,10 @@ def test_a_crashed_runs_snapshots_at_another_layout_are_refused_not_stranded(tmp
             check=False)
     assert "resume with these flags" in one_line_error(r, nproc=2) and 'delete' not in r.stderr
     assert "holds the stages that --pp_schedule=1f1b --stages_per_rank=2 place on this rank" in r.stderr
+    r = run('pp_train.py', *bounded, '--pp_size=2', '--pp_schedule=interleaved-1f1b', '--eval_only=True', nproc=2,
+            cwd=tmp_path, check=False)  # an eval of it was told to resume and save a checkpoint
+    assert one_line_error(r, nproc=2).endswith("--pp_schedule=1f1b --stages_per_rank=2 place on this rank: evaluate it "
+                                               "with these flags")
     assert {f: f.read_bytes() for f in out.rglob('*') if f.is_file() and f.name != 'run.lock'} == before
     r = run('pp_train.py', *bounded, '--pp_size=2', nproc=2, cwd=tmp_path)
     assert int(re.search(r'resuming from \S+/nanogpt-\w+/\S+ at iter (\d+)', r.stdout)[1]) >= 4

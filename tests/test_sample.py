@@ -51,6 +51,17 @@ def test_sample_prompt_from_a_file(char_run):
     assert p.stdout.startswith('KING HENRY:\nWhat')
 
 
+def test_sample_run_in_another_folder_names_the_checkpoints_dataset_in_its_meta_path_hint(char_run, tmp_path):
+    # the checkpoint names its dataset, shakespeare_char: the hint was --meta_path=data/<dataset>/meta.pkl
+    p = run('sample.py', f'--out_dir={char_run}', '--device=cpu', cwd=tmp_path, check=False)
+    assert one_line_error(p) == ("error: the model's vocabulary has 65 tokens, but no meta.pkl was found "
+                                 "(data/shakespeare_char/meta.pkl): pass --meta_path=data/shakespeare_char/meta.pkl "
+                                 "(relative to the folder the run was started in)")
+    p = run('sample.py', f'--out_dir={char_run}', f"--meta_path={char_run / 'data/shakespeare_char/meta.pkl'}",
+            '--num_samples=1', '--max_new_tokens=5', '--device=cpu', cwd=tmp_path)  # as it says
+    assert p.stdout.count('---------------') == 1
+
+
 def test_sample_from_a_bpe_model(tmp_path, data_dir):
     run('train.py', *TINY, f'--dataset={data_dir / "shakespeare"}', f'--out_dir={tmp_path}', '--max_iters=2',
         '--eval_interval=2', '--gradient_accumulation_steps=1', cwd=tmp_path)
@@ -103,9 +114,10 @@ def test_a_step_folder_of_ds_or_decent_names_a_whole_model_that_is_there(tmp_pat
     best.mkdir(parents=True)
     (tmp_path / 'run' / 'best.pt').touch()  # only looked for
     msg = one_line_error(run('sample.py', f'--init_from={step}', '--device=cpu', cwd=tmp_path, check=False))
-    assert msg.endswith(f"and {tmp_path / 'ds-run'} holds no whole model beside it (save_consolidated=False): the "
-                        f"run's next save with --save_consolidated=True writes its ckpt.pt (resume it with a larger "
-                        f"--max_iters)"), msg  # it said: give the run folder (its ckpt.pt), which has none
+    assert msg.endswith(f"and {tmp_path / 'ds-run'} holds no whole model beside it (save_consolidated=False): "
+                        f"`ds_train.py --out_dir={tmp_path / 'ds-run'} --save_consolidated=True`, with the run's other "
+                        f"flags and ranks, writes {tmp_path / 'ds-run' / 'ckpt.pt'}: at once where the run has "
+                        f"finished, else at its next save"), msg  # it said: give the run folder (its ckpt.pt): none
     msg = one_line_error(run('sample.py', f'--init_from={best}', '--device=cpu', cwd=tmp_path, check=False))
     assert msg.endswith(f": give its best, {tmp_path / 'run' / 'best.pt'}"), msg  # not its newest, ckpt.pt
     # RUN/best, which names a run's best in every tool, of that ds_train.py run: it has no best.pt (it said: unknown
@@ -115,6 +127,27 @@ def test_a_step_folder_of_ds_or_decent_names_a_whole_model_that_is_there(tmp_pat
                              check=False))
     assert msg.startswith(f"error: {tmp_path / 'ds-run'} holds ds_train.py's step folders but no best.pt "
                           f"(save_consolidated=False)"), msg
+
+
+def test_a_folder_of_step_folders_names_its_run_folder(tmp_path):
+    # RUN/dcp, RUN/ds or RUN/decent, the folder beside ckpt.pt that holds the step folders, was "no checkpoint at
+    # RUN/dcp/ckpt.pt: give a run folder"
+    for kind in ('dcp', 'ds', 'decent'):
+        (tmp_path / kind / kind / 'step-00000002').mkdir(parents=True)
+        (tmp_path / kind / kind / 'latest').write_text('step-00000002')
+    (tmp_path / 'ds' / 'ckpt.pt').touch()  # only looked for: ds_train.py's export
+    for kind, steps in (('dcp', ', or one of those step folders'), ('ds', ''), ('decent', '')):
+        run_dir = tmp_path / kind
+        for script, args in (('sample.py', [f'--init_from={run_dir / kind}', '--device=cpu']),
+                             ('export_hf.py', [f'--ckpt={run_dir / kind}', f'--out={tmp_path / "hf"}'])):
+            msg = one_line_error(run(script, *args, cwd=tmp_path, check=False))
+            assert msg == f"error: {run_dir / kind} holds the step folders of the run in {run_dir}: give the run " \
+                          f"folder {run_dir} (its newest state){steps}", msg
+    assert not (tmp_path / 'hf').exists()
+    (tmp_path / 'ds' / 'ckpt.pt').unlink()  # save_consolidated=False: what the run folder lacks is said
+    msg = one_line_error(run('sample.py', f"--init_from={tmp_path / 'ds' / 'ds'}", '--device=cpu', cwd=tmp_path,
+                             check=False))
+    assert msg.startswith(f"error: {tmp_path / 'ds'} holds ds_train.py's step folders but no ckpt.pt"), msg
 
 
 NO_GPU = 'cuda' if not torch.cuda.is_available() else f'cuda:{torch.cuda.device_count()}'

@@ -117,6 +117,19 @@ def test_eval_only_writes_nothing_but_its_rows_and_evaluates_the_runs_newest_sta
         assert sorted(losses) == list(range(12)) and [r['iter'] for r in evals] == [0, 5, 10, 10, 10, 12]
 
 
+def test_an_eval_of_a_run_whose_checkpoints_are_all_damaged_is_told_to_restore_one(tmp_path, data_dir, shared_run):
+    # it was told to move them aside (the eval then scores a new, untrained model) or to use --auto_resume=False
+    run_dir = tmp_path / 'run'
+    shutil.copytree(shared_run('train.py', *ARGS), run_dir)
+    for f in run_dir.glob('ckpt*.pt'):
+        f.write_bytes(b'not a checkpoint')
+    before = files(run_dir)
+    error = one_line_error(start(tmp_path, data_dir, run_dir, '--eval_only=True', check=False))
+    assert error.startswith(f"error: checkpoint {run_dir / 'ckpt.pt'} is corrupt or not a training checkpoint (") \
+        and error.endswith("): restore a good copy to evaluate it, or evaluate another checkpoint with --init_from")
+    assert files(run_dir) == before
+
+
 def test_an_eval_whose_checkpoint_the_live_run_prunes_meanwhile_is_told_to_run_again(tmp_path):
     # an eval_only run reads a live run's newest step folder without holding out_dir; where the run saved two more
     # and pruned it during the read, the error called it corrupt and advised moving the live run's folder aside
@@ -165,8 +178,13 @@ def test_another_entrypoints_run_is_refused_in_one_line_and_left_as_it_was(tmp_p
     for args in (['--max_iters=3'], ['--eval_only=True'], ['--auto_resume=False']):
         error = one_line_error(start(tmp_path, data_dir, tmp_path / 'fsdp', *args, check=False))
         assert 'holds a run of fsdp_train.py' in error and 'dcp/step-00000010, iter 10' in error, error
-        assert f'--init_from={tmp_path / "fsdp"}' in error
+        # an eval was told to resume it, or to start a new run from its weights
+        fix = f'`fsdp_train.py --out_dir={tmp_path / "fsdp"} --eval_only=True`' if 'eval' in args[0] else \
+            f'--init_from={tmp_path / "fsdp"}'
+        assert fix in error, error
         assert files(tmp_path / 'fsdp') == before  # no new run_id, its log whole, no ckpt.pt
+    p = start(tmp_path, data_dir, tmp_path / 'fsdp', '--eval_only=True', script='fsdp_train.py')
+    assert 'eval_only: evaluating the newest state of the run' in p.stdout and 'at iter 10' in p.stdout
     # its weights start a new run elsewhere, as the error says; a consolidated ckpt.pt as new resumes under train.py
     start(tmp_path, data_dir, tmp_path / 'new', f'--init_from={tmp_path / "fsdp"}', '--max_iters=1')
     start(tmp_path, data_dir, tmp_path / 'fsdp', '--init_from=resume', '--max_iters=10', '--save_consolidated=True',
@@ -579,6 +597,13 @@ def test_a_deepspeed_run_at_another_layout_never_goes_on_past_its_newer_memory_s
     assert f"the run's newest state, {snapshots / 'step-00000010'}, was written by 1 ranks at zero_stage=2" \
         in error and 'use 1 ranks and --zero_stage=2' in error, error
     assert files(snapshots) == before and iter_of(run_dir / 'ckpt.pt') == 5
+    # an eval of it was told to train with that layout until it saved an export
+    error = one_line_error(start(tmp_path, data_dir, run_dir, '--zero_stage=3', '--eval_only=True',
+                                 script='ds_train.py', check=False))
+    assert error.endswith("ZeRO's shards load only so: evaluate it with 1 ranks and --zero_stage=2"), error
+    assert files(snapshots) == before and iter_of(run_dir / 'ckpt.pt') == 5
+    p = start(tmp_path, data_dir, run_dir, '--eval_only=True', script='ds_train.py')
+    assert f"evaluating the newest state of the run in {run_dir}, {snapshots / 'step-00000010'} at iter 10" in p.stdout
 
 
 def test_a_deepspeed_run_resumed_in_another_dtype_goes_on_from_its_export(tmp_path, data_dir, shared_run):
@@ -622,6 +647,14 @@ def test_another_entrypoint_never_goes_on_past_the_runs_newer_memory_snapshot(tm
     assert f"newest state (iter 15) is the memory snapshot {snapshots / snapshot} of {writer}" in error \
         and f'continue the run with `{writer} --out_dir={run_dir}`' in error, error
     assert (files(run_dir), files(snapshots)) == before
+    # an eval was told the same, or to start afresh with --auto_resume=False: an eval of a new, untrained model
+    p = start(tmp_path, data_dir, run_dir, '--eval_only=True', script='fsdp_train.py', check=False)
+    assert one_line_error(p).endswith(f"of {writer}, which fsdp_train.py does not read: evaluate it with `{writer} "
+                                      f"--out_dir={run_dir} --eval_only=True` (under torchrun as before)")
+    assert (files(run_dir), files(snapshots)) == before
+    if writer == 'train.py':  # as it says (decent_train.py's here is train.py's state under its name)
+        p = start(tmp_path, data_dir, run_dir, '--eval_only=True', script=writer)
+        assert f'evaluating the newest state of the run in {run_dir}, {snapshots / snapshot} at iter 15' in p.stdout
 
 
 def test_a_deepspeed_run_resuming_its_own_snapshot_keeps_the_copys_newer_one(tmp_path, data_dir, shared_run, in_ram):
