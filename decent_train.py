@@ -304,22 +304,18 @@ if checkpoint is not None:
     saved_optimizer = saved_config.get('replica_optimizer', saved_config.get('optimizer', 'adamw'))  # its old name
     # a memory snapshot's state is in no ckpt.pt yet (there may be none, or an older one): the run has to save it first
     saved_first = f"once a resume has saved it to {out_dir} (SIGTERM does) " if is_snapshot(resume_path) else ""
-    # an eval trains nothing: it only has to read the state as the run would (θ_global, the replicas' optimizers)
-    if eval_only and 'optimizers' in checkpoint and saved_optimizer != replica_optimizer:
-        sys.exit(f"error: {resume_path} holds the state of replica_optimizer={saved_optimizer}: evaluate it with "
-                 f"--replica_optimizer={saved_optimizer}")
-    if eval_only and 'diloco' in checkpoint and not diloco_steps:
-        steps = saved_config.get('diloco_steps')
-        sys.exit(f"error: {resume_path} holds a DiLoCo run (diloco_steps={steps}): evaluate it with "
-                 f"--diloco_steps={steps} (the eval is then of its global model)")
+    # (an eval trains nothing: it only has to read the state as the run would, θ_global and the replicas' optimizers)
     if 'optimizers' in checkpoint and saved_optimizer != replica_optimizer:
-        sys.exit(f"error: {resume_path} holds the state of replica_optimizer={saved_optimizer}: resume with "
-                 f"--replica_optimizer={saved_optimizer}, or {saved_first}start a new run from its averaged weights "
-                 f"with --init_from={ckpt_path} and another --out_dir")
+        fix = f"--replica_optimizer={saved_optimizer}"
+        sys.exit(f"error: {resume_path} holds the state of replica_optimizer={saved_optimizer}: " + (
+            f"evaluate it with {fix}" if eval_only else f"resume with {fix}, or {saved_first}start a new run from "
+            f"its averaged weights with --init_from={ckpt_path} and another --out_dir"))
     if 'diloco' in checkpoint and not diloco_steps:  # a forgotten flag, most likely (a folder's, or ckpt.pt's)
-        sys.exit(f"error: {resume_path} holds a DiLoCo run (diloco_steps={saved_config.get('diloco_steps')}): resume "
-                 f"with its --diloco_steps, or {saved_first}start a gossip run from its global model with "
-                 f"--init_from={ckpt_path} and another --out_dir")
+        steps = saved_config.get('diloco_steps')
+        sys.exit(f"error: {resume_path} holds a DiLoCo run (diloco_steps={steps}): " + (
+            f"evaluate it with --diloco_steps={steps} (the eval is then of its global model)" if eval_only else
+            f"resume with its --diloco_steps, or {saved_first}start a gossip run from its global model with "
+            f"--init_from={ckpt_path} and another --out_dir"))
     try:
         if 'optimizers' in checkpoint:  # this script's: every bucket's own
             for optimizer, state in zip(optimizers, checkpoint['optimizers'], strict=True):
