@@ -451,11 +451,13 @@ def pruned_under_eval(path, out_dir):
 def load_failed(path, e, out_dir, eval_only):
     """Exits in one line where the state a run resumes (path) does not load into its model or optimizer (e): an
     eval's read of a state that the live run pruned meanwhile is no damage (pruned_under_eval); anything else is a
-    damaged or foreign checkpoint, to be moved aside."""
+    damaged or foreign checkpoint, to be moved aside (for an eval, which moving it would leave nothing to read:
+    restored, or another one evaluated)."""
     if eval_only:
         pruned_under_eval(path, out_dir)
-    sys.exit(f"error: checkpoint {path} does not fit this model ({reason(e)}): move it aside (mv, to a name of your "
-             f"own) or restore a good copy")
+    fix = "restore a good copy to evaluate it, or evaluate another checkpoint with --init_from" if eval_only else \
+        "move it aside (mv, to a name of your own) or restore a good copy"
+    sys.exit(f"error: checkpoint {path} does not fit this model ({reason(e)}): {fix}")
 
 
 def _complete(folder):

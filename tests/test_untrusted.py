@@ -153,6 +153,10 @@ def test_planted_value_in_a_dcp_shard_runs_nothing(copy, tmp_path, data_dir):
     msg = one_line_error(p)
     assert 'does not fit this model (UnpicklingError: it holds objects other than tensors and plain data' in msg
     assert 'weights_only' not in msg and not marker.exists()
+    # an eval of it is told to restore it, not to move it aside (which would leave it nothing to evaluate)
+    p = run('fsdp_train.py', *args(data_dir), f'--out_dir={copy}', '--eval_only=True', cwd=tmp_path, check=False)
+    assert one_line_error(p).endswith('restore a good copy to evaluate it, or evaluate another checkpoint with '
+                                      '--init_from') and not marker.exists()
 
 
 def planted_dataset(tmp_path, data_dir, marker):
