@@ -102,8 +102,9 @@ def test_pipeline_matches_single_process(tmp_path, data_dir, ref, sizes, nproc, 
         row = estimate[f'PP {pp} rank {rank % pp}']
         assert abs(got - (row['param_bytes'] + row['grad_bytes'] + row['optim_bytes'])) <= 0.01 * got, (rank, got, row)
 
-def test_pipeline_exact_resume_with_dropout(tmp_path, data_dir):
-    args = ['--dropout=0.1', '--pp_size=2', '--pp_schedule=interleaved-1f1b']  # every rank's RNG has to come back
+@pytest.mark.parametrize('schedule', ['interleaved-1f1b', 'zbv'])
+def test_pipeline_exact_resume_with_dropout(tmp_path, data_dir, schedule):
+    args = ['--dropout=0.1', '--pp_size=2', f'--pp_schedule={schedule}']  # every rank's RNG has to come back
     launch('pp_train.py', tmp_path, data_dir, 'full', *args, f'--max_iters={STEPS}', nproc=2)
     launch('pp_train.py', tmp_path, data_dir, 'split', *args, '--max_iters=4', nproc=2)
     launch('pp_train.py', tmp_path, data_dir, 'split', *args, f'--max_iters={STEPS}', '--init_from=resume', nproc=2)
