@@ -84,6 +84,28 @@ def check_optimizers(config, n_layer):
     return None
 
 
+def check_resumed(checkpoint, path, config, ckpt_path, snapshot):
+    """What keeps this run (config's keys) from reading a checkpoint (the state at path), in a sentence, or None:
+    another replica optimizer's state, or a DiLoCo run without diloco_steps (a forgotten flag, most likely). An eval
+    trains nothing: it only has to read the state as the run would (θ_global, the replicas' optimizers)."""
+    saved = checkpoint.get('config', {})
+    optimizer = saved.get('replica_optimizer', saved.get('optimizer', 'adamw'))  # its old name
+    # a memory snapshot's state is in no ckpt.pt yet (there may be none, or an older one): the run has to save it first
+    first = f"once a resume has saved it to {config['out_dir']} (SIGTERM does) " if snapshot else ""
+    if 'optimizers' in checkpoint and optimizer != config['replica_optimizer']:
+        fix = f"--replica_optimizer={optimizer}"
+        return f"{path} holds the state of replica_optimizer={optimizer}: " + (
+            f"evaluate it with {fix}" if config['eval_only'] else f"resume with {fix}, or {first}start a new run from "
+            f"its averaged weights with --init_from={ckpt_path} and another --out_dir")
+    if 'diloco' in checkpoint and not config['diloco_steps']:
+        steps = saved.get('diloco_steps')
+        return f"{path} holds a DiLoCo run (diloco_steps={steps}): " + (
+            f"evaluate it with --diloco_steps={steps} (the eval is then of its global model)" if config['eval_only']
+            else f"resume with its --diloco_steps, or {first}start a gossip run from its global model with "
+            f"--init_from={ckpt_path} and another --out_dir")
+    return None
+
+
 def make_mixing_groups(rounds, rank):
     """Each round's process group for this rank, and its size (None where the round leaves the rank alone): every
     rank creates every group, in the same order, as torch.distributed requires."""

@@ -37,9 +37,9 @@ from checkpoint import (commit, create_model, find_resume, finish_saves, is_snap
                         upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
-from decent import (average_moments, average_replicas, check_optimizers, global_model, make_bucket, make_mixing_groups,
-                    make_optimizer, make_outer, mixing_rounds, outer_bytes, outer_state, read_replica, restore_outer,
-                    restore_replica, start_outer_step, wait_for)
+from decent import (average_moments, average_replicas, check_optimizers, check_resumed, global_model, make_bucket,
+                    make_mixing_groups, make_optimizer, make_outer, mixing_rounds, outer_bytes, outer_state,
+                    read_replica, restore_outer, restore_replica, start_outer_step, wait_for)
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
                          state_bytes, stop_signal, torchrun_env, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
@@ -300,22 +300,8 @@ if diloco_steps:  # θ_global beside the replica, bucket by bucket; each bucket'
 # -----------------------------------------------------------------------------
 # checkpoint load: the rest of the state, so that the run continues exactly where it stopped
 if checkpoint is not None:
-    saved_config = checkpoint.get('config', {})
-    saved_optimizer = saved_config.get('replica_optimizer', saved_config.get('optimizer', 'adamw'))  # its old name
-    # a memory snapshot's state is in no ckpt.pt yet (there may be none, or an older one): the run has to save it first
-    saved_first = f"once a resume has saved it to {out_dir} (SIGTERM does) " if is_snapshot(resume_path) else ""
-    # (an eval trains nothing: it only has to read the state as the run would, θ_global and the replicas' optimizers)
-    if 'optimizers' in checkpoint and saved_optimizer != replica_optimizer:
-        fix = f"--replica_optimizer={saved_optimizer}"
-        sys.exit(f"error: {resume_path} holds the state of replica_optimizer={saved_optimizer}: " + (
-            f"evaluate it with {fix}" if eval_only else f"resume with {fix}, or {saved_first}start a new run from "
-            f"its averaged weights with --init_from={ckpt_path} and another --out_dir"))
-    if 'diloco' in checkpoint and not diloco_steps:  # a forgotten flag, most likely (a folder's, or ckpt.pt's)
-        steps = saved_config.get('diloco_steps')
-        sys.exit(f"error: {resume_path} holds a DiLoCo run (diloco_steps={steps}): " + (
-            f"evaluate it with --diloco_steps={steps} (the eval is then of its global model)" if eval_only else
-            f"resume with its --diloco_steps, or {saved_first}start a gossip run from its global model with "
-            f"--init_from={ckpt_path} and another --out_dir"))
+    if message := check_resumed(checkpoint, resume_path, config, ckpt_path, is_snapshot(resume_path)):
+        sys.exit(f"error: {message}")
     try:
         if 'optimizers' in checkpoint:  # this script's: every bucket's own
             for optimizer, state in zip(optimizers, checkpoint['optimizers'], strict=True):
