@@ -387,8 +387,10 @@ def test_a_job_back_on_other_nodes_with_no_checkpoint_keeps_the_nodes_snapshots_
     out = tmp_path / 'out'
     for node in 'ab':
         (tmp_path / node).mkdir()
+    # killed past iter 8, whose snapshot waited for the one of iter 4 to be written (at 5, a loaded machine could
+    # still be writing that one: no snapshot on the node)
     nodes_of_one_rank('fsdp_train.py', tiny(data_dir, out, *args, '--max_iters=100000'),
-                      [tmp_path / 'a', tmp_path / 'b'], tmp_path, kill_after=5)
+                      [tmp_path / 'a', tmp_path / 'b'], tmp_path, kill_after=9)
     run_id = (out / 'run_id').read_text().strip()
     held = {node: snapshots_of(tmp_path / node / f'nanogpt-{run_id}') for node in back}
     assert all(held.values()) and not (out / 'dcp').exists()
