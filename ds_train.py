@@ -97,7 +97,7 @@ zero_stage = 2  # 0: data parallel; 1: optimizer state sharded; 2: and gradients
 offload_optimizer = 'none'  # 'none', 'cpu' (optimizer state and step in CPU memory) or an NVMe folder (stage 3)
 offload_params = 'none'  # 'none', 'cpu' or an NVMe folder: parameters between uses (stage 3)
 ds_config = ''  # a DeepSpeed config JSON file whose entries are added to the generated config (never contradict it)
-overflow_by_norm = False  # ZeRO 1-2 in bf16/fp16: a non-finite gradient found by the global norm alone (a lever)
+overflow_by_norm = True  # ZeRO 1-2 in bf16/fp16 without offload: a non-finite gradient found by the global norm alone
 save_consolidated = True  # with each checkpoint also write out_dir/ckpt.pt in train.py's format (gathered on rank 0)
 # -----------------------------------------------------------------------------
 # the deepspeed launcher adds --local_rank=K, which says what LOCAL_RANK in the environment says
@@ -136,7 +136,10 @@ if zero_stage not in (0, 1, 2, 3):
     sys.exit(f"error: zero_stage={zero_stage} is not one of 0 (data parallel), 1 (optimizer state sharded), "
              f"2 (and gradients), 3 (and parameters)")
 check_offload(offload_optimizer, offload_params, zero_stage)
-if overflow_by_norm and (zero_stage not in (1, 2) or dtype == 'float32' or offload_optimizer != 'none'):
+# a non-finite gradient is found by the global norm alone, without DeepSpeed's check of each gradient before it (1.32x
+# its step for GPT-2 on one H100, docs/speed.md), where ZeRO makes that check: stages 1-2 in bf16 or fp16, no offload
+by_norm = overflow_by_norm and zero_stage in (1, 2) and dtype != 'float32' and offload_optimizer == 'none'
+if overflow_by_norm and not by_norm and 'overflow_by_norm' in given:
     sys.exit(f"error: overflow_by_norm=True is for ZeRO stages 1 and 2 in bfloat16 or float16 without an offloaded "
              f"optimizer (the others check no gradient one by one), not zero_stage={zero_stage}, dtype={dtype}, "
              f"offload_optimizer={offload_optimizer}: drop it")
@@ -312,9 +315,11 @@ ds_cfg = {
 if ds_config:  # a user's settings, added where they contradict none of ours
     add_config_file(ds_cfg, ds_config)
 bucket_sizes(ds_cfg['zero_optimization'], sum(p.numel() for p in model.parameters()))  # the model's, not 5e8
-if overflow_by_norm and not ds_cfg['zero_optimization'].get('compute_grad_norm', True):
-    sys.exit(f"error: overflow_by_norm=True finds a non-finite gradient by the global norm, which {ds_config} turns "
-             f"off (compute_grad_norm): drop one of them")
+if by_norm and not ds_cfg['zero_optimization'].get('compute_grad_norm', True):
+    if 'overflow_by_norm' in given:
+        sys.exit(f"error: overflow_by_norm=True finds a non-finite gradient by the global norm, which {ds_config} "
+                 f"turns off (compute_grad_norm): drop one of them")
+    by_norm = False  # no norm to find it by: DeepSpeed's check of each gradient stays
 try:
     model, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_cfg)
 except ValueError as e:  # pydantic's errors about ds_config's settings among them: the class, the field, the reason
@@ -322,7 +327,7 @@ except ValueError as e:  # pydantic's errors about ds_config's settings among th
     sys.exit(f"error: DeepSpeed rejects the config ({why}){f': check {ds_config}' if ds_config else ''}")
 if zero_stage == 0 and dtype == 'float32':
     guard_step(model.optimizer)  # DeepSpeed steps our AdamW unchecked here: a non-finite step is skipped as ZeRO's are
-if overflow_by_norm:  # a lever of the host's time, off until a GPU run shows it pays
+if by_norm:
     overflow_by_norm_alone(model.optimizer)
     print0("a non-finite gradient is found by the global norm alone")
 model.checkpoint_engine = DeferredWrites()  # its saves are ours to write in the background

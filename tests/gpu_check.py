@@ -632,15 +632,18 @@ def part_c():
                                        '--vocab_size=65'] + size)
     estimate = json.loads(text.strip().splitlines()[-1]) if code == 0 else {}
     # the modes, then the levers of their host's time, each timed against train.py and the mode as it is: FSDP's
-    # units of several blocks, and its blocks kept gathered from forward to backward; DeepSpeed's check of each
-    # gradient left to the global norm (in bf16 in a dry run too: fp32 has no such check)
+    # units of several blocks, and its blocks kept gathered from forward to backward, and both; DeepSpeed's own check
+    # of each gradient before its global norm, which finds a non-finite one alone by default (in bf16 in a dry run
+    # too: fp32 has no such check)
     fsdp, ds = ('fsdp_train.py', [], 0.9, 'ZeRO-3 / FSDP'), ('ds_train.py', ['--zero_stage=2'], 0.85, 'ZeRO-2')
     runs = [(('train.py', [], None, 'DDP'), '', []), (fsdp, '', []), (ds, '', []),
             (('decent_train.py', [], 0.9, 'DDP'), '', []),
             (fsdp, 'blocks_per_unit=4', ['--blocks_per_unit=4']),
             (fsdp, 'blocks_per_unit=12', ['--blocks_per_unit=12']),
             (fsdp, 'reshard_after_forward=False', ['--reshard_after_forward=False']),
-            (ds, 'overflow_by_norm=True', ['--overflow_by_norm=True'] + ['--dtype=bfloat16'] * dry)]
+            (fsdp, 'reshard_after_forward=False + blocks_per_unit=4', ['--reshard_after_forward=False',
+                                                                       '--blocks_per_unit=4']),
+            (ds, 'overflow_by_norm=False', ['--overflow_by_norm=False'] + ['--dtype=bfloat16'] * dry)]
     plain = {}  # script -> its ms as it is
     for (script, extra, goal, mode), lever, flags in runs:
         what = f'{script} speed' + (f', {lever}' if lever else '')

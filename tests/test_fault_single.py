@@ -213,15 +213,18 @@ def test_a_two_rank_run_stopped_by_nonfinite_steps_exits_1_on_both_ranks_under_t
 
 @pytest.mark.parametrize('script,extra', [('fsdp_train.py', []), ('decent_train.py', []),
                                           ('ds_train.py', ['--zero_stage=2']), ('ds_train.py', ['--zero_stage=0']),
+                                          ('ds_train.py', ['--zero_stage=2', '--dtype=bfloat16']),
                                           ('ds_train.py', ['--zero_stage=2', '--dtype=bfloat16',
-                                                           '--overflow_by_norm=True']),
+                                                           '--overflow_by_norm=False']),
                                           ('pp_train.py', ['--pp_size=2', '--pp_schedule=gpipe'])],
-                         ids=['fsdp', 'decent', 'ds-zero2', 'ds-zero0', 'ds-zero2-bf16-by-norm', 'pp'])
+                         ids=['fsdp', 'decent', 'ds-zero2', 'ds-zero0', 'ds-zero2-bf16-by-norm', 'ds-zero2-bf16-each',
+                              'pp'])
 def test_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(tmp_path, data_dir, script, extra):
     # the 4th step goes bad, then every one from the 8th: after max_nonfinite_steps=3 the run stops, the checkpoint
-    # of iter 6 intact. DeepSpeed skips the step itself under ZeRO (in fp32 by its norm, in bf16 by its check of
-    # each gradient and by its norm, or by the norm alone); at stage 0 ds_train.py guards our AdamW. A pipeline of 2
-    # ranks (one micro-batch a step): only its last stage sees the loss, and both skip the step.
+    # of iter 6 intact. DeepSpeed skips the step itself under ZeRO (in fp32 by its norm, in bf16 by the norm alone,
+    # its default, or with overflow_by_norm=False by DeepSpeed's check of each gradient and by its norm); at stage 0
+    # ds_train.py guards our AdamW. A pipeline of 2 ranks (one micro-batch a step): only its last stage sees the loss,
+    # and both skip the step.
     args = ['--gradient_accumulation_steps=1', '--max_iters=12', '--eval_interval=6', '--max_nonfinite_steps=3', *extra]
     p = run_with_nans(tmp_path, ','.join(map(str, [4, *range(8, 40)])), *tiny(data_dir, tmp_path / 'run', *args),
                       script=script, nproc=2 if '--pp_size=2' in extra else 1)
@@ -236,4 +239,5 @@ def test_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(tmp_pat
     assert [it for it, v in losses.items() if not math.isfinite(v)] == bad and losses[6] < losses[0]
     assert (tmp_path / 'run' / KIND[script] / 'latest').read_text() == 'step-00000006'
     assert all(torch.isfinite(t).all() for t in final_weights(script, tmp_path / 'run').values())
-    assert ('found by the global norm alone' in p.stdout) == ('--overflow_by_norm=True' in extra)
+    assert ('found by the global norm alone' in p.stdout) == ('--dtype=bfloat16' in extra and
+                                                              '--overflow_by_norm=False' not in extra)
