@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
@@ -127,24 +128,31 @@ def loss_fn(logits, targets):
 
 def tied_grads_and_norm(params, tied, counts_tied, micro_batches, dp_group, dp_size, tie_group, pp_group):
     """After a step's backward, whose gradients are summed over the micro-batches: averages them over those and
-    across pipelines (one all-reduce, as DDP's last bucket would), sums the tied embedding's gradient across the
-    first and the last stage (Megatron's embedding group: both copies then take the same update and stay equal),
-    and returns the global norm, the tied one counted once (by the rank for which counts_tied, the first stage's).
-    The average is taken here, once a parameter: torch's schedules divide each stage's gradients, which divides the
-    tied weight twice where one rank holds both stages that use it (zbv's V, or a pipeline of one rank)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if dp_size > 1:
+    across pipelines (one all-reduce, as DDP's last bucket would; under dp_shard FSDP's reduce-scatter has averaged
+    them across pipelines into each rank's shards), sums the tied embedding's gradient across the first and the last
+    stage (Megatron's embedding group: both copies, or the same shard of each, then take the same update and stay
+    equal), and returns the global norm, the tied one counted once (by the rank for which counts_tied, the first
+    stage's). The average is taken here, once a parameter: torch's schedules divide each stage's gradients, which
+    divides the tied weight twice where one rank holds both stages that use it (zbv's V, or a pipeline of one rank)."""
+    grads = [local(p.grad) for p in params if p.grad is not None]
+    sharded = any(isinstance(p.grad, DTensor) for p in params)
+    if dp_size > 1 and not sharded:
         flat = _flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=dp_group)
         for g, s in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(s)
-    torch._foreach_div_(grads, micro_batches * dp_size)
+    torch._foreach_div_(grads, micro_batches * (1 if sharded else dp_size))
     if tie_group is not None and tied.grad is not None:
-        dist.all_reduce(tied.grad, group=tie_group)
-    counted = [p.grad for p in params if p.grad is not None and (p is not tied or counts_tied)]
+        dist.all_reduce(local(tied.grad), group=tie_group)
+    counted = [local(p.grad) for p in params if p.grad is not None and (p is not tied or counts_tied)]
     sq = torch.stack([g.float().pow(2).sum() for g in counted]).sum() if counted else torch.zeros(())
-    dist.all_reduce(sq, group=pp_group)
+    dist.all_reduce(sq, group=None if sharded else pp_group)  # sharded: each shard on one rank of the world
     return sq.sqrt()
+
+
+def local(t):
+    """A tensor, or this rank's shard of a DTensor (the same memory)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def clip(params, norm, max_norm):
@@ -152,7 +160,7 @@ def clip(params, norm, max_norm):
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
-            p.grad.mul_(scale.to(p.grad.device))
+            local(p.grad).mul_(scale.to(p.grad.device))
 
 
 class Forward(nn.Module):
@@ -196,8 +204,10 @@ def sharded_state(part, optimizer, raw_model):
 def save_full(part, optimizer, raw_model, extra, path, keep=1, best=None):
     """Every rank calls this: the first pipeline's ranks send their stages' state to rank 0, which writes the whole
     state in train.py's format (ckpt.pt, for train.py, sample.py, export_hf.py and --init_from) in the background."""
+    full = StateDictOptions(full_state_dict=True)  # under dp_shard gathered over dp, on every rank
     mine = tree_map_only(torch.Tensor, lambda t: t.detach().cpu(),
-                         (get_model_state_dict(part), get_optimizer_state_dict(part, optimizer)))
+                         (get_model_state_dict(part, options=full), get_optimizer_state_dict(part, optimizer,
+                                                                                              options=full)))
     states = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, states, dst=0)
     if dist.get_rank() == 0:

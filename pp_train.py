@@ -1,11 +1,13 @@
 """
-Trains a GPT with pipeline parallelism (torch.distributed.pipelining), and data parallelism across pipelines.
+Trains a GPT with pipeline parallelism (torch.distributed.pipelining), and data parallelism (or FSDP) across
+pipelines.
 
 4 stages, 4 GPUs: torchrun --standalone --nproc_per_node=4 pp_train.py config/train_gpt2.py --pp_size=4
 PP x DP, 2 nodes: torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HEAD:29500 \
                       pp_train.py config/train_gpt2.py --pp_size=4 --pp_schedule=interleaved-1f1b
 Zero bubble:      torchrun --standalone --nproc_per_node=4 pp_train.py config/train_gpt2.py --pp_size=4 \
                       --pp_schedule=interleaved-zb --compile=False
+PP x FSDP:        torchrun --standalone --nproc_per_node=8 pp_train.py config/train_gpt2.py --pp_size=4 --dp_shard=True
 
 The global batch in tokens, the data stream and the logged loss do not depend on the world size, and a run
 resumed from its checkpoint repeats the uninterrupted run exactly (RNG and data position are saved with it).
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
 
 from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, load_failed, previous,
@@ -98,6 +101,7 @@ pp_schedule = '1f1b'  # 'gpipe' (all forwards, then all backwards), '1f1b', 'int
 # 'interleaved-zb' (looped, each backward split: the weights' gradients fill the bubble) or 'zbv' (zero bubble on two
 # stages a rank in a V, the first rank holding both ends); the zero-bubble ones without torch.compile
 stages_per_rank = 2  # the interleaved schedules' stages on each rank (the others take one)
+dp_shard = False  # FSDP across the pipelines: each stage's parameters, gradients and AdamW state sharded over dp
 save_consolidated = False  # with each checkpoint also write out_dir/ckpt.pt in train.py's format (gathered on rank 0)
 # -----------------------------------------------------------------------------
 config, given = configure(globals())
@@ -115,6 +119,10 @@ if pp_schedule in ZERO_BUBBLE and compile:  # a compiled block's backward is one
     sys.exit(f"error: {pp_schedule} computes a stage's input gradients and its weights' apart, which torch.compile'd "
              f"blocks cannot: add --compile=False, or use --pp_schedule=interleaved-1f1b")
 v, v_shape = placement(pp_schedule, stages_per_rank)  # the stages each rank holds, and whether in a V
+if dp_shard and (v_shape or pp_size == 1 and v > 1):  # two FSDP roots cannot share the tied embedding's weight
+    sys.exit(f"error: dp_shard=True shards each stage on its own, and {pp_schedule} at pp_size={pp_size} puts the "
+             f"first and the last stage, which share the tied embedding, on one rank: use "
+             + ("--pp_schedule=interleaved-zb" if v_shape else "--pp_size=2 or more, or fsdp_train.py"))
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
 # the layout is checked before any rank joins the group, from what torchrun set: every rank refuses it alike
@@ -159,8 +167,8 @@ if deterministic:
     if dropout != 0.0:
         print0(f"deterministic: dropout {dropout} turned off")
     dropout = config['dropout'] = 0.0
-print0(f"world size {world_size} (dp {dp_size} x pp {pp_size}, {pp_schedule}), {accum_steps} micro-batches per "
-       f"pipeline, {tokens_per_iter:,} tokens per iteration")
+print0(f"world size {world_size} (dp {dp_size} x pp {pp_size}, {pp_schedule}{', stages sharded over dp' * dp_shard}), "
+       f"{accum_steps} micro-batches per pipeline, {tokens_per_iter:,} tokens per iteration")
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin
@@ -237,6 +245,14 @@ model.to(device)
 if compile:
     for block in model.transformer.h.values():
         block.compile()  # in place, so parameter names (and checkpoints) stay the same
+if dp_shard:
+    # FSDP over dp: each block a unit, each stage a root, whose parameters the schedule gathers once a step and whose
+    # gradients it reduce-scatters after the step's last backward (not again for every micro-batch)
+    for stage in stages:
+        for block in stage.transformer.h.values():
+            fully_shard(block, mesh=mesh['dp'], reshard_after_forward=False)
+        fully_shard(stage, mesh=mesh['dp'], reshard_after_forward=False)
+    raw_model.lm_head.weight = t.wte.weight  # tied again where no stage here holds the head: the names stay the GPT's
 tied = model.transformer['wte'].weight if 'wte' in model.transformer else None  # one in effect
 tie_group = tie_groups[dp_rank] if tie_groups and (0 in ids or n_stages - 1 in ids) else None
 pp_group = mesh['pp'].get_group()
@@ -253,14 +269,16 @@ optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta
 # checkpoint load: the rest of the state, so that the run continues exactly where it stopped
 if checkpoint is not None:
     saved = checkpoint.get('config', {})
-    saved_layout = placement(saved.get('pp_schedule', '1f1b'), saved.get('stages_per_rank', 1))
-    if is_snapshot(resume_path) and saved_layout != (v, v_shape) and eval_only:
-        sys.exit(f"error: the memory snapshot {resume_path} holds the stages that --pp_schedule={saved['pp_schedule']} "
-                 f"--stages_per_rank={saved['stages_per_rank']} place on this rank: evaluate it with these flags")
-    if is_snapshot(resume_path) and saved_layout != (v, v_shape):  # a snapshot holds only its rank's own stages
-        sys.exit(f"error: the memory snapshot {resume_path} holds the stages that --pp_schedule={saved['pp_schedule']} "
-                 f"--stages_per_rank={saved['stages_per_rank']} place on this rank: resume with these flags, and let "
-                 f"it save a checkpoint to {out_dir} (SIGTERM does) before changing them")
+    saved_shard = saved.get('dp_shard', False)
+    saved_layout = placement(saved.get('pp_schedule', '1f1b'), saved.get('stages_per_rank', 1)), saved_shard
+    flags = (f"--pp_schedule={saved.get('pp_schedule')} --stages_per_rank={saved.get('stages_per_rank')}"
+             + (f" --dp_shard={saved_shard}" if saved_shard != dp_shard else ""))
+    if is_snapshot(resume_path) and saved_layout != ((v, v_shape), dp_shard) and eval_only:
+        sys.exit(f"error: the memory snapshot {resume_path} holds the stages that {flags} place on this rank: "
+                 f"evaluate it with these flags")
+    if is_snapshot(resume_path) and saved_layout != ((v, v_shape), dp_shard):  # only its rank's own stages (shards)
+        sys.exit(f"error: the memory snapshot {resume_path} holds the stages that {flags} place on this rank: resume "
+                 f"with these flags, and let it save a checkpoint to {out_dir} (SIGTERM does) before changing them")
     try:
         load_sharded_state(model, optimizer, checkpoint, resume_path, raw_model)
         take_settings(optimizer, config, given)

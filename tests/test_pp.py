@@ -59,19 +59,21 @@ def sizes(tmp_path_factory):
     return size
 
 
-@pytest.mark.parametrize('nproc, pp, schedule', [
-    (2, 2, 'gpipe'), (2, 2, '1f1b'), (2, 2, 'interleaved-1f1b'),
-    (4, 4, 'gpipe'), (4, 4, '1f1b'), (4, 4, 'interleaved-1f1b'),
-    (4, 2, 'gpipe'), (4, 2, '1f1b'), (4, 2, 'interleaved-1f1b'),
-    (2, 2, 'interleaved-zb'), (4, 2, 'interleaved-zb'), (2, 2, 'zbv'), (4, 2, 'zbv'),
+@pytest.mark.parametrize('nproc, pp, schedule, shard', [
+    (2, 2, 'gpipe', False), (2, 2, '1f1b', False), (2, 2, 'interleaved-1f1b', False),
+    (4, 4, 'gpipe', False), (4, 4, '1f1b', False), (4, 4, 'interleaved-1f1b', False),
+    (4, 2, 'gpipe', False), (4, 2, '1f1b', False), (4, 2, 'interleaved-1f1b', False),
+    (2, 2, 'interleaved-zb', False), (4, 2, 'interleaved-zb', False), (2, 2, 'zbv', False), (4, 2, 'zbv', False),
     # one rank holding both ends of the tied weight: torch's schedules divided its gradient by the micro-batches twice
-    (1, 1, 'interleaved-1f1b'),
+    (1, 1, 'interleaved-1f1b', False),
+    # each stage sharded over the 2 pipelines (FSDP): a rank holds half its stages' state
+    (4, 2, '1f1b', True), (4, 2, 'interleaved-1f1b', True),
 ], ids=['pp2-gpipe', 'pp2-1f1b', 'pp2-interleaved', 'pp4-gpipe', 'pp4-1f1b', 'pp4-interleaved',
         'dp2xpp2-gpipe', 'dp2xpp2-1f1b', 'dp2xpp2-interleaved', 'pp2-zero-bubble', 'dp2xpp2-zero-bubble', 'pp2-zbv',
-        'dp2xpp2-zbv', 'pp1-interleaved'])
-def test_pipeline_matches_single_process(tmp_path, data_dir, ref, sizes, nproc, pp, schedule):
+        'dp2xpp2-zbv', 'pp1-interleaved', 'sharded-dp2xpp2-1f1b', 'sharded-dp2xpp2-interleaved'])
+def test_pipeline_matches_single_process(tmp_path, data_dir, ref, sizes, nproc, pp, schedule, shard):
     launch('pp_train.py', tmp_path, data_dir, 'pp', f'--max_iters={STEPS}', f'--pp_size={pp}',
-           f'--pp_schedule={schedule}', '--save_consolidated=True', nproc=nproc)
+           f'--pp_schedule={schedule}', '--save_consolidated=True', f'--dp_shard={shard}', nproc=nproc)
     losses, evals = read_metrics(tmp_path / 'pp')
     assert_same_curve(ref[1], losses, range(STEPS))
     # the evals go through the pipeline too
@@ -80,11 +82,19 @@ def test_pipeline_matches_single_process(tmp_path, data_dir, ref, sizes, nproc, 
         assert abs(mine['val_loss'] - theirs['val_loss']) <= 1e-5 * theirs['val_loss']
     # the consolidated checkpoint: train.py's weights; its head is the last stage's copy of the tied weight and its
     # token embedding the first stage's, which their summed gradients keep bit-identical
-    sd = torch.load(tmp_path / 'pp' / 'ckpt.pt', map_location='cpu', weights_only=True)['model']
-    ours = torch.load(ref[0] / 'ckpt.pt', map_location='cpu', weights_only=True)['model']
+    ckpt, theirs = (torch.load(out / 'ckpt.pt', map_location='cpu', weights_only=True) for out in (tmp_path / 'pp',
+                                                                                                    ref[0]))
+    sd, ours = ckpt['model'], theirs['model']
     assert sd.keys() == ours.keys()
     for k in sd:
         assert (sd[k] - ours[k]).abs().max().item() < 1e-5, k
+    # and AdamW's moments, numbered as train.py numbers the parameters (sharded, a copy of the tied weight had made
+    # one name too many in the first stage's count)
+    moments, ours = ckpt['optimizer']['state'], theirs['optimizer']['state']
+    assert moments.keys() == ours.keys()
+    for i in moments:
+        for k in ('exp_avg', 'exp_avg_sq'):
+            assert moments[i][k].shape == ours[i][k].shape and (moments[i][k] - ours[i][k]).abs().max() < 1e-6, (i, k)
     if (nproc, pp, schedule) == (2, 2, 'gpipe'):  # the tools read a pipeline run as any other
         run('sample.py', f'--out_dir={tmp_path / "pp"}', '--device=cpu', '--num_samples=1', '--max_new_tokens=5',
             f'--meta_path={data_dir / "shakespeare_char" / "meta.pkl"}', cwd=tmp_path)
@@ -93,14 +103,19 @@ def test_pipeline_matches_single_process(tmp_path, data_dir, ref, sizes, nproc, 
     assert torch.equal(sd['lm_head.weight'], sd['transformer.wte.weight'])
     # every rank's memory (its stages' parameters, gradients and AdamW state; the end stages hold the embeddings and
     # the head): model_size.py's estimate for its place in the pipeline. The state is counted exactly: 1%, as 10%
-    # would not tell this tiny model's end stages from its middle ones
+    # would not tell this tiny model's end stages from its middle ones. Sharded, the pipelines' ranks of a stage
+    # hold it between them, about half each
     with open(tmp_path / 'pp' / 'metrics.jsonl') as f:
         measured = next(row for row in map(json.loads, f) if 'rank_state_bytes' in row)['rank_state_bytes']
     assert len(measured) == nproc
     estimate = sizes(pp, schedule)
     for rank, got in enumerate(measured):  # the pipelines are consecutive ranks: pp_rank = rank % pp
         row = estimate[f'PP {pp} rank {rank % pp}']
-        assert abs(got - (row['param_bytes'] + row['grad_bytes'] + row['optim_bytes'])) <= 0.01 * got, (rank, got, row)
+        whole = row['param_bytes'] + row['grad_bytes'] + row['optim_bytes']
+        if shard:
+            assert abs(got - whole / 2) <= 0.1 * got, (rank, got, row)
+            got = sum(measured[rank % pp::pp])
+        assert abs(got - whole) <= 0.01 * got, (rank, got, row)
 
 @pytest.mark.parametrize('schedule', ['interleaved-1f1b', 'zbv'])
 def test_pipeline_exact_resume_with_dropout(tmp_path, data_dir, schedule):
@@ -140,10 +155,14 @@ def test_a_stages_forward_without_gradients_leaves_the_rng_as_it_was():
     (('fsdp_train.py', 2, 0), ('pp_train.py', 2, 2)),  # FSDP on 2 ranks -> pp 2
     (('train.py', 1, 0), ('pp_train.py', 2, 2)),  # train.py's ckpt.pt (as pp_train.py's consolidated one) -> pp 2
     (('pp_train.py', 4, 4), ('pp_train.py', 2, 2, 'zbv')),  # pp 4 -> zbv's V: its first rank takes both ends
-], ids=['pp4-to-dp2xpp2', 'pp4-to-fsdp', 'fsdp-to-pp2', 'train-to-pp2', 'pp4-to-zbv'])
+    (('pp_train.py', 4, 4), ('pp_train.py', 4, 2, '1f1b', True)),  # pp 4 -> each stage sharded over 2 pipelines
+    (('pp_train.py', 4, 2, 'interleaved-1f1b', True), ('pp_train.py', 2, 2)),  # and back: shards saved, whole read
+], ids=['pp4-to-dp2xpp2', 'pp4-to-fsdp', 'fsdp-to-pp2', 'train-to-pp2', 'pp4-to-zbv', 'pp4-to-sharded',
+        'sharded-to-pp2'])
 def test_resume_at_another_layout_and_in_fsdp(tmp_path, data_dir, ref, shared_run, first, second):
-    def layout(script, pp, schedule='1f1b'):
-        return [f'--pp_size={pp}', f'--pp_schedule={schedule}'] if script == 'pp_train.py' else []
+    def layout(script, pp, schedule='1f1b', shard=False):
+        return [f'--pp_size={pp}', f'--pp_schedule={schedule}'] + ['--dp_shard=True'] * shard \
+            if script == 'pp_train.py' else []
     (script1, n1, *pp1), (script2, n2, *pp2) = first, second
     shutil.copytree(shared_run(script1, *BASE, '--max_iters=4', *layout(script1, *pp1), nproc=n1), tmp_path / 'run')
     launch(script2, tmp_path, data_dir, 'run', f'--max_iters={STEPS}', *layout(script2, *pp2), '--init_from=resume',
@@ -199,6 +218,10 @@ def test_a_crashed_runs_snapshots_at_another_layout_are_refused_not_stranded(tmp
             check=False)
     assert "resume with these flags" in one_line_error(r, nproc=2) and 'delete' not in r.stderr
     assert "holds the stages that --pp_schedule=1f1b --stages_per_rank=2 place on this rank" in r.stderr
+    r = run('pp_train.py', *bounded, '--pp_size=2', '--dp_shard=True', nproc=2, cwd=tmp_path, check=False)  # shards
+    assert one_line_error(r, nproc=2).endswith("--pp_schedule=1f1b --stages_per_rank=2 --dp_shard=False place on this "
+                                               "rank: resume with these flags, and let it save a checkpoint to "
+                                               f"{out} (SIGTERM does) before changing them")
     r = run('pp_train.py', *bounded, '--pp_size=2', '--pp_schedule=interleaved-1f1b', '--eval_only=True', nproc=2,
             cwd=tmp_path, check=False)  # an eval of it was told to resume and save a checkpoint
     assert one_line_error(r, nproc=2).endswith("--pp_schedule=1f1b --stages_per_rank=2 place on this rank: evaluate it "
@@ -236,7 +259,12 @@ def test_stages_per_rank_below_one_is_a_one_line_error(tmp_path, data_dir):
     (2, ['--pp_schedule=zbv', '--compile=True'],
      "error: zbv computes a stage's input gradients and its weights' apart, which torch.compile'd blocks cannot: add "
      "--compile=False, or use --pp_schedule=interleaved-1f1b"),
-], ids=['interleaved-pp2', 'interleaved-dp2xpp2', '1f1b-dp2xpp2', 'zero-bubble-compiled', 'zbv-compiled'])
+    # two FSDP roots would share the tied weight on the V's first rank
+    (2, ['--pp_schedule=zbv', '--compile=False', '--dp_shard=True'],
+     "error: dp_shard=True shards each stage on its own, and zbv at pp_size=2 puts the first and the last stage, which "
+     "share the tied embedding, on one rank: use --pp_schedule=interleaved-zb"),
+], ids=['interleaved-pp2', 'interleaved-dp2xpp2', '1f1b-dp2xpp2', 'zero-bubble-compiled', 'zbv-compiled',
+        'zbv-sharded'])
 def test_micro_batches_a_schedule_cannot_run_are_a_one_line_error_naming_counts_it_runs(tmp_path, data_dir, nproc,
                                                                                         args, message):
     p = launch('pp_train.py', tmp_path, data_dir, 'out', '--pp_size=2', *args, nproc=nproc, check=False)
