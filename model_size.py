@@ -10,6 +10,7 @@ python model_size.py config/train_shakespeare_char_cpu.py   # a training config:
 python model_size.py config/gpt2-small.toml                 # a TOML one too (Decent-DP's names taken, as in training)
 python model_size.py out-shakespeare-char                   # a run folder or checkpoint: the shape it saved
 python model_size.py --model=gpt2 --pp_size=4                # and per rank of a 4-stage pipeline
+python model_size.py --model=gpt2 --pp_size=4 --dp_shard=True  # each stage sharded over the 8 / 4 pipelines
 """
 
 import json
@@ -44,6 +45,7 @@ activation_checkpointing = False
 pp_size = 0  # pipeline stages (pp_train.py, one per rank): 0 none shown
 pp_schedule = '1f1b'  # pp_train.py's: zbv places two stages a rank in a V (the first rank holds both ends)
 stages_per_rank = 1  # the interleaved schedules' stages per rank (pp_train.py's interleaved-1f1b, interleaved-zb)
+dp_shard = False  # pp_train.py's: each stage sharded over the world_size / pp_size pipelines (as between steps)
 # -----------------------------------------------------------------------------
 
 
@@ -127,6 +129,9 @@ if pp_size:
     # a schedule not named keeps stages_per_rank as given
     v, v_shape = placement(pp_schedule, stages_per_rank) if 'pp_schedule' in given else (stages_per_rank, False)
     stage_blocks(0, pp_size * v, n_layer)
+    if dp_shard and world_size % pp_size:
+        sys.exit(f"error: dp_shard=True shards each stage over world_size / pp_size pipelines, and pp_size={pp_size} "
+                 f"does not divide world_size={world_size}: give a world_size that it divides")
 with torch.device('meta'):  # shapes only, of one block: the others are alike, so nothing grows with n_layer
     gpt = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=1, n_head=n_head, n_embd=n_embd,
                         bias=bias))
@@ -190,6 +195,7 @@ for r in range(pp_size):
     n += sum(k for name, k in outside.items() if name.startswith('transformer.ln_f')) * last
     n += outside['transformer.wte.weight'] * (last and not first)  # the head's copy of the tied weight
     name = f'PP {pp_size} rank {r}'
+    n /= world_size // pp_size if dp_shard else 1  # FSDP's shards (its padding aside)
     rows[name] = (4 * n, 4 * n, 8 * n)
     act[name] = activations(1) * blocks / n_layer  # one micro-batch's; a schedule keeps up to pp_size in flight
 

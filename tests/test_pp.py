@@ -180,6 +180,12 @@ def test_model_size_gives_each_pipeline_rank_the_parameters_its_stages_hold(tmp_
         counted = stage_memory(GPTConfig(**shape), pp, v, v_shape)
         for r in range(pp):
             assert rows[f'PP {pp} rank {r}']['param_bytes'] == 4 * counted[r][0], (pp, v, r)
+    # --dp_shard: each stage's state over the world size / pp pipelines
+    p = run('model_size.py', *[f'--{k}={x}' for k, x in shape.items()], '--pp_size=2', '--world_size=8',
+            '--dp_shard=True', cwd=tmp_path)
+    rows = json.loads(p.stdout.strip().splitlines()[-1])
+    counted = stage_memory(GPTConfig(**shape), 2)
+    assert [rows[f'PP 2 rank {r}']['optim_bytes'] for r in range(2)] == [8 * counted[r][0] / 4 for r in range(2)]
 
 
 def test_a_crashed_runs_snapshots_at_another_layout_are_refused_not_stranded(tmp_path, data_dir):
