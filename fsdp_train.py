@@ -37,7 +37,7 @@ from keep import saves_at_eval, skips_save
 from runlock import hold
 from runlog import ends_diverged, heed, open_log
 from sharded import (check_tp_size, clip_grad_norm, load_sharded_state, local_shards, read_start, save_dcp, save_full,
-                     sharded_state, total_norm)
+                     sharded_state, step_on_shards, total_norm)
 
 # -----------------------------------------------------------------------------
 # config: defaults train GPT-2 124M on OpenWebText; config/*.py and --key=value override them
@@ -95,6 +95,7 @@ keep_checkpoints = 2  # the newest states kept in out_dir (fallbacks of a damage
 tp_size = 1  # tensor-parallel ranks per group (within a node, ideally); the world size / tp_size ranks shard FSDP
 reshard_after_forward = True  # free each block's gathered parameters after its forward (ZeRO-3); False: ZeRO-2-like
 blocks_per_unit = 1  # blocks gathered and reduced together: fewer units, less of FSDP's host time per step, more memory
+adamw_on_shards = False  # AdamW's step on each rank's own pieces, past DTensor's dispatch (a lever of the host's time)
 cpu_offload = False  # keep parameters, gradients and optimizer state in CPU memory between uses
 activation_checkpointing = False  # recompute each block's activations in backward instead of storing them
 save_consolidated = False  # with each checkpoint also write out_dir/ckpt.pt in train.py's format (gathered on rank 0)
@@ -390,7 +391,10 @@ while True:
     nonfinite = agree(~torch.isfinite(loss_sum + grad_norm.to(device)), iter_num)
     skip_on_device(optimizer, nonfinite)
     wait_for_copies()  # a snapshot taken before this step may still be copying the weights it is about to change
-    optimizer.step()
+    if adamw_on_shards:  # off until a GPU run shows it pays
+        step_on_shards(optimizer)
+    else:
+        optimizer.step()
     if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
         mem = state_bytes(model.parameters(), [optimizer])
         print0("per-rank memory: " + ", ".join(f"{k[:-6]} {v / 2**20:.2f} MiB" for k, v in mem.items()))

@@ -126,6 +126,7 @@ def loss_fn(logits, targets):
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
 
+@torch.no_grad()  # DTensor.to_local() with gradients on is an autograd function call (host time)
 def tied_grads_and_norm(params, tied, counts_tied, micro_batches, dp_group, dp_size, tie_group, pp_group):
     """After a step's backward, whose gradients are summed over the micro-batches: averages them over those and
     across pipelines (one all-reduce, as DDP's last bucket would; under dp_shard FSDP's reduce-scatter has averaged
@@ -155,6 +156,7 @@ def local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+@torch.no_grad()
 def clip(params, norm, max_norm):
     """Scales the gradients by max_norm / norm where the norm (global) is larger."""
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      get_state_dict, set_optimizer_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.optim.adamw import adamw
 from torch.utils._pytree import tree_flatten_with_path, tree_map_only
 
 from checkpoint import (atomic_save, dcp_load, in_background, note_failure, point_latest, print0, same_step,
@@ -30,6 +31,7 @@ def check_tp_size(config, tp_size):
                      f"evenly, so use a tp_size that divides {n}")
 
 
+@torch.no_grad()  # DTensor.to_local() with gradients on is an autograd function call: 3 us a gradient, on the host
 def total_norm(grads):
     """The global norm of sharded gradients: it adds every rank's shards. Under tensor parallelism the blocks'
     matrices live on the 2-D mesh and the rest on dp alone, so the squares are summed per mesh and placements, over
@@ -51,6 +53,7 @@ def total_norm(grads):
     return total_sq.sqrt()
 
 
+@torch.no_grad()
 def clip_grad_norm(parameters, max_norm):
     """Gradient clipping over sharded gradients, by their global norm, which it returns."""
     grads = [p.grad for p in parameters if p.grad is not None]
@@ -63,6 +66,25 @@ def clip_grad_norm(parameters, max_norm):
     for where, same in pieces.items():
         torch._foreach_mul_(same, scale.to(where))
     return norm
+
+
+@torch.no_grad()
+def step_on_shards(optimizer):
+    """optimizer.step() of a fused AdamW over sharded parameters, on each rank's own pieces of them (plain tensors,
+    the same memory): the same kernels on the same numbers, past DTensor's dispatch of each list op, which on an
+    H100 took the sharded step 4.46 ms of host time against 0.35 (tests/host_time.py). Its first step is
+    optimizer.step() itself, which makes the state (DTensors, as checkpoints keep it)."""
+    if not optimizer.state:
+        return optimizer.step()
+    local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # to_local()'s autograd call costs the host
+    for group in optimizer.param_groups:
+        params = [p for p in group['params'] if p.grad is not None]
+        state = [optimizer.state[p] for p in params]
+        adamw([local(p) for p in params], [local(p.grad) for p in params], [local(s['exp_avg']) for s in state],
+              [local(s['exp_avg_sq']) for s in state], [], [s['step'] for s in state], fused=True,
+              found_inf=getattr(optimizer, 'found_inf', None), amsgrad=False, beta1=group['betas'][0],
+              beta2=group['betas'][1], lr=group['lr'], weight_decay=group['weight_decay'], eps=group['eps'],
+              maximize=False)
 
 
 def local_shards(state):

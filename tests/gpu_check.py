@@ -634,7 +634,8 @@ def part_c():
                                        '--vocab_size=65'] + size)
     estimate = json.loads(text.strip().splitlines()[-1]) if code == 0 else {}
     # the modes, then the levers of their host's time, each timed against train.py and the mode as it is: FSDP's
-    # units of several blocks, and its blocks kept gathered from forward to backward, and both; DeepSpeed's own check
+    # units of several blocks, its blocks kept gathered from forward to backward, both, AdamW stepped on each rank's
+    # shards, and all three; DeepSpeed's own check
     # of each gradient before its global norm, which finds a non-finite one alone by default (in bf16 in a dry run
     # too: fp32 has no such check)
     fsdp, ds = ('fsdp_train.py', [], 0.9, 'ZeRO-3 / FSDP'), ('ds_train.py', ['--zero_stage=2'], 0.85, 'ZeRO-2')
@@ -645,11 +646,15 @@ def part_c():
             (fsdp, 'reshard_after_forward=False', ['--reshard_after_forward=False']),
             (fsdp, 'reshard_after_forward=False + blocks_per_unit=4', ['--reshard_after_forward=False',
                                                                        '--blocks_per_unit=4']),
+            (fsdp, 'adamw_on_shards=True', ['--adamw_on_shards=True']),
+            (fsdp, 'all three', ['--reshard_after_forward=False', '--blocks_per_unit=4', '--adamw_on_shards=True']),
             (ds, 'overflow_by_norm=False', ['--overflow_by_norm=False'] + ['--dtype=bfloat16'] * dry)]
     plain = {}  # script -> its ms as it is
+    # train.py runs as the others' base, and a mode as it is beside its levers
+    bases = {'train.py'} | {run[0][0] for run in runs if run[1] and wanted(f'{run[0][0]} speed, {run[1]}')}
     for (script, extra, goal, mode), lever, flags in runs:
         what = f'{script} speed' + (f', {lever}' if lever else '')
-        if script not in chosen or script != 'train.py' and not wanted(what):  # train.py: the others' base
+        if script not in chosen or not wanted(what) and not (script in bases and not lever):
             continue
         # enough steps after the 5th for the host profile's samples at 50 Hz: train.py's 26 ms steps on an H100 about
         # 120, the tiny model's 2 ms on CPU about 50
@@ -684,9 +689,10 @@ def part_c():
     code, text, secs = run('host-time', [sys.executable, os.path.join(REPO, 'tests', 'host_time.py')] +
                            (['--n_layer=2', '--iters=3'] if dry else ['--device=cuda']))
     rows = {line.split()[0]: line.split()[1:] for line in text.splitlines() if line.startswith(('plain', 'fsdp'))}
-    row('C', 'host ms per part, plain vs FSDP2', code == 0 and len(rows) == 2, ', '.join(
+    shards = re.search(r'on its shards .*: ([\d.]+)', text)
+    row('C', 'host ms per part, plain vs FSDP2', code == 0 and len(rows) == 2 and shards is not None, ', '.join(
         f"{part} {plain} vs {fsdp}" for part, plain, fsdp in zip(('fwd+bwd', 'AdamW', 'clip'), *rows.values()))
-        if code == 0 and len(rows) == 2 else exited(code, secs))
+        + f", AdamW on the shards {shards[1]}" if code == 0 and len(rows) == 2 and shards else exited(code, secs))
 
 
 for part, seconds in plan:

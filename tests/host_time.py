@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import GPT, GPTConfig  # noqa: E402
-from sharded import clip_grad_norm  # noqa: E402
+from sharded import clip_grad_norm, step_on_shards  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
 p.add_argument('--device', default='cpu')
@@ -64,4 +64,7 @@ for mode in ('plain', 'fsdp'):
         loss.backward()
     parts = [median_ms(forward_backward), median_ms(optimizer.step), median_ms(lambda: clip(model.parameters(), 1.0))]
     print(f"{mode:8} " + ' '.join(f"{ms:8.2f}" for ms in parts), flush=True)
+    if mode == 'fsdp':  # fsdp_train.py's lever: the same AdamW stepped on each rank's pieces, past DTensor's dispatch
+        shards = median_ms(lambda: step_on_shards(optimizer))
+        print(f"{'':8} AdamW on its shards (--adamw_on_shards=True): {shards:.2f}")
 dist.destroy_process_group()

@@ -211,13 +211,14 @@ def test_a_two_rank_run_stopped_by_nonfinite_steps_exits_1_on_both_ranks_under_t
     assert 'terminate called' not in p.stderr and sorted(re.findall(r'exitcode\s+: (-?\d+)', p.stderr)) == ['1', '1']
 
 
-@pytest.mark.parametrize('script,extra', [('fsdp_train.py', []), ('decent_train.py', []),
+@pytest.mark.parametrize('script,extra', [('fsdp_train.py', []), ('fsdp_train.py', ['--adamw_on_shards=True']),
+                                          ('decent_train.py', []),
                                           ('ds_train.py', ['--zero_stage=2']), ('ds_train.py', ['--zero_stage=0']),
                                           ('ds_train.py', ['--zero_stage=2', '--dtype=bfloat16']),
                                           ('ds_train.py', ['--zero_stage=2', '--dtype=bfloat16',
                                                            '--overflow_by_norm=False']),
                                           ('pp_train.py', ['--pp_size=2', '--pp_schedule=gpipe'])],
-                         ids=['fsdp', 'decent', 'ds-zero2', 'ds-zero0', 'ds-zero2-bf16-by-norm', 'ds-zero2-bf16-each',
+                         ids=['fsdp', 'fsdp-adamw-on-shards', 'decent', 'ds-zero2', 'ds-zero0', 'ds-zero2-bf16-by-norm', 'ds-zero2-bf16-each',
                               'pp'])
 def test_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(tmp_path, data_dir, script, extra):
     # the 4th step goes bad, then every one from the 8th: after max_nonfinite_steps=3 the run stops, the checkpoint

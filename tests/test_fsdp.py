@@ -119,6 +119,17 @@ def test_blocks_grouped_into_fewer_units_give_the_same_curve_and_resume_a_run_of
     assert_same_curve(ref[1], read_metrics(tmp_path / 'run')[0], range(10))
 
 
+def test_adamw_stepped_on_each_ranks_shards_is_the_same_step(tmp_path, data_dir, shared_run, fsdp2):
+    # the lever of the host's time: the fused AdamW on the local pieces, from the start (its first step makes the
+    # state through DTensor as before) and on a resumed run's loaded state, bit for bit the step through DTensor
+    launch('fsdp_train.py', tmp_path, data_dir, 'fresh', '--max_iters=10', '--adamw_on_shards=True', nproc=2)
+    assert read_metrics(tmp_path / 'fresh')[0] == fsdp2[1]
+    shutil.copytree(first_half(shared_run, 2, 1), tmp_path / 'run')
+    launch('fsdp_train.py', tmp_path, data_dir, 'run', '--max_iters=10', '--adamw_on_shards=True',
+           '--init_from=resume', nproc=2)
+    assert read_metrics(tmp_path / 'run')[0] == fsdp2[1]
+
+
 def test_train_checkpoint_into_fsdp_and_its_export_back_to_train_and_sample(tmp_path, data_dir, ref):
     # train.py writes ckpt.pt at step 5, fsdp_train.py continues it on 2 ranks (the data stream too), exports it
     launch('train.py', tmp_path, data_dir, 'run', '--max_iters=5')

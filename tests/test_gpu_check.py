@@ -58,7 +58,8 @@ def test_gpu_check_dry_run_passes_every_part_and_prints_the_table(dry_runs):
     assert checks['train.py config/train_gpt2.py' + bf16][1].endswith(' tok/s')
     # part C's memory: the run's peak (on CPU the process's) beside model_size.py's estimate for the mode
     assert 'MiB (model_size.py: ' in checks['train.py speed'][1] and '; peak ' in checks['train.py speed'][1]
-    assert re.fullmatch(r'fwd\+bwd [\d.]+ vs [\d.]+, AdamW [\d.]+ vs [\d.]+, clip [\d.]+ vs [\d.]+',
+    assert re.fullmatch(r'fwd\+bwd [\d.]+ vs [\d.]+, AdamW [\d.]+ vs [\d.]+, clip [\d.]+ vs [\d.]+, '
+                        r'AdamW on the shards [\d.]+',
                         checks['host ms per part, plain vs FSDP2'][1])
     # part C's trace of optimizer steps 20 to 30 (the device's share of the step, on CPU the ops'), before the host's
     trace = re.search(r'; in ops ([\d.]+) ms a step \((\d+)%\), (\d+) ops a step, most: (.+); host ',
@@ -208,5 +209,7 @@ def test_host_time_prints_each_parts_host_time_plain_and_under_fsdp():
     r = subprocess.run([sys.executable, str(REPO / 'tests' / 'host_time.py'), '--n_layer=2', '--iters=3'],
                        capture_output=True, text=True, env=env(), timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = {line.split()[0]: [float(ms) for ms in line.split()[1:]] for line in r.stdout.splitlines()[2:]}
+    lines = r.stdout.splitlines()
+    rows = {line.split()[0]: [float(ms) for ms in line.split()[1:]] for line in lines[2:4]}
     assert list(rows) == ['plain', 'fsdp'] and all(len(ms) == 3 and all(t > 0 for t in ms) for ms in rows.values())
+    assert re.fullmatch(r' +AdamW on its shards \(--adamw_on_shards=True\): [\d.]+', lines[4]) and len(lines) == 5
