@@ -13,6 +13,7 @@ sudo python bench_network.py --target_loss=2.3 --modes=ddp,diloco-50 --rates=100
 sudo python bench_network.py --modes=allreduce,ddp --rates=1gbit,100mbit --nodes=2,4   # the ring alone, and in DDP
 sudo python bench_network.py --modes=pp,ddp --rates=100mbit --nodes=2,4   # a pipeline, a stage a node: activations
 sudo python bench_network.py --modes=pp,pp-zbv --rates=100mbit --nodes=2,4 --n_layer=8   # zbv: two a node, in a V
+sudo python bench_network.py --modes=pp,pp-shard,fsdp --rates=100mbit --nodes=4   # two pipelines, stages sharded
 sudo python bench_network.py --modes=diloco-40,diloco-40-4,diloco-40-4-2 --rates=100mbit  # Streaming DiLoCo: 4
                                                      # fragments (then with 2 steps of overlap): a quarter of the peak
 """
@@ -30,6 +31,7 @@ from configurator import configure, quiet_interrupt
 from data import read_meta
 from decent import fragment_of, mixing_rounds
 from model import GPT, GPTConfig
+from pipeline import stage_memory
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'launch'))
 from cluster import Cluster, namespaces_work  # noqa: E402
@@ -70,16 +72,20 @@ if why:
     sys.exit(f"error: {why}")
 if not os.path.exists(os.path.join(dataset, 'train.bin')):
     sys.exit(f"error: no {dataset}/train.bin: run `python prepare.py shakespeare_char` or give --dataset=FOLDER")
-for mode in [m for m in modes.split(',') if m in ('pp', 'pp-zbv')]:  # a block at least for each stage
+for mode in [m for m in modes.split(',') if m in ('pp', 'pp-zbv', 'pp-shard')]:  # a block at least for each stage
     most = max(int(n) for n in nodes.split(','))
-    stages = most * nproc_per_node * (2 if mode == 'pp-zbv' else 1)
+    if mode == 'pp-shard' and any(int(n) * nproc_per_node % 2 for n in nodes.split(',')):
+        sys.exit(f"error: pp-shard runs two pipelines, each stage sharded over both: give nodes x nproc_per_node "
+                 f"that are even, not --nodes={nodes} --nproc_per_node={nproc_per_node}")
+    stages = most * nproc_per_node * {'pp': 2, 'pp-zbv': 4, 'pp-shard': 1}[mode] // 2
     if n_layer < stages:
         sys.exit(f"error: {mode} on {most} nodes has {stages} stages, a block each at least: give --n_layer={stages} "
                  f"or more")
 
 SCRIPTS = {'ddp': ('train.py', []), 'fsdp': ('fsdp_train.py', []), 'zero2': ('ds_train.py', ['--zero_stage=2']),
            'zero3': ('ds_train.py', ['--zero_stage=3']), 'pp': ('pp_train.py', []),  # pp: one pipeline over all ranks
-           'pp-zbv': ('pp_train.py', ['--pp_schedule=zbv'])}  # its stages in a V, two a rank
+           'pp-zbv': ('pp_train.py', ['--pp_schedule=zbv']),  # its stages in a V, two a rank
+           'pp-shard': ('pp_train.py', ['--dp_shard=True'])}  # two pipelines, each stage sharded over both
 SCRIPTS.update({t: ('decent_train.py', [f'--topology={t}', '--grad_clip=0.0'])
                 for t in ('complete', 'ring', 'one-peer-exp', 'alternating-exp-ring')})
 
@@ -127,6 +133,23 @@ def design_bytes(mode, sizes, n, per_node, b=4):
         # weight (no all-reduce), sending the first stage's activations and the last stage's gradient
         acts = w * batch_size * block_size * n_embd * b
         return (n - 1) * 4 * acts / n, 2 * acts
+    if mode == 'pp-shard':
+        # two pipelines of w/2 ranks, each running w/2 micro-batches: their activations cross between neighbouring
+        # stages as in pp; each stage is gathered once a step and its gradients reduce-scattered after its last
+        # backward, so over the two pipelines each rank sends the other half its stage's parameters each way (the
+        # last stage's copy of the tied weight among them); each pipeline's first and last stage all-reduce their
+        # halves of the tied gradient. Only what crosses between nodes counts
+        pp, node = w // 2, lambda r: r // per_node
+        acts, tied = w // 2 * batch_size * block_size * n_embd * b, vocab_size() * n_embd * b
+        stage = [k * b for k, _ in stage_memory(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                                                          block_size=block_size, vocab_size=vocab_size()), pp)]
+        out = [0.0] * n
+        for r in range(w):
+            s, first = r % pp, r - r % pp
+            peers = [(r + 1, acts)] * (s < pp - 1) + [(r - 1, acts)] * (s > 0) + [((r + pp) % w, stage[s])] + \
+                [(first + pp - 1 if s == 0 else first, tied / 2)] * (pp > 1 and s in (0, pp - 1))
+            out[node(r)] += sum(k for peer, k in peers if node(peer) != node(r))
+        return sum(out) / n, out[0]
     if mode.startswith('diloco-'):
         h, f, _ = diloco_of(mode)
         at = {}  # the parameters whose pseudo-gradients go out after a step, by its place in the window
@@ -154,7 +177,7 @@ def iters_logged(path):
 
 def entrypoint_args(mode, out, n, iters, evals):
     script, extra = script_of(mode)
-    extra = extra + [f'--pp_size={n * nproc_per_node}'] * mode.startswith('pp')
+    extra = extra + [f'--pp_size={n * nproc_per_node // (2 if mode == "pp-shard" else 1)}'] * mode.startswith('pp')
     return [os.path.join(os.path.dirname(os.path.abspath(__file__)), script), *extra, f'--out_dir={out}',
             f'--dataset={os.path.abspath(dataset)}', '--device=cpu', '--compile=False', '--dtype=float32',
             f'--n_layer={n_layer}', f'--n_head={n_head}', f'--n_embd={n_embd}', f'--block_size={block_size}',

@@ -147,12 +147,18 @@ def test_bench_network_measures_bytes_as_designed_and_the_time_to_a_loss(tmp_pat
     p = subprocess.run([*cmd, '--modes=pp-zbv'], cwd=tmp_path, env=env(), capture_output=True, text=True)
     assert one_line_error(p) == 'error: pp-zbv on 2 nodes has 4 stages, a block each at least: give --n_layer=4 or ' \
         'more'
-    # each link crossed twice each way, and no tied all-reduce
-    p = subprocess.run([*cmd, '--modes=pp-zbv', '--n_layer=4'], cwd=tmp_path, env=env(), capture_output=True,
+    p = subprocess.run([*cmd, '--modes=pp-shard', '--nodes=3'], cwd=tmp_path, env=env(), capture_output=True, text=True)
+    assert one_line_error(p) == 'error: pp-shard runs two pipelines, each stage sharded over both: give nodes x ' \
+        'nproc_per_node that are even, not --nodes=3 --nproc_per_node=1'
+    # each link crossed twice each way, and no tied all-reduce; and a stage sharded over two pipelines (of one stage
+    # each here), gathered once a step and its gradients reduce-scattered: half its bytes each way by design, and
+    # gloo's reduce-scatter sends an all-reduce's (docs/network.md), so 1.5 of the design
+    p = subprocess.run([*cmd, '--modes=pp-zbv,pp-shard', '--n_layer=4'], cwd=tmp_path, env=env(), capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    r = json.loads(max(tmp_path.glob('*/results.jsonl'), key=os.path.getmtime).read_text())
-    assert r['mode'] == 'pp-zbv' and 0.9 < r['sent_over_design'] < 1.1, r
+    zbv, shard = map(json.loads, max(tmp_path.glob('*/results.jsonl'), key=os.path.getmtime).read_text().splitlines())
+    assert zbv['mode'] == 'pp-zbv' and 0.9 < zbv['sent_over_design'] < 1.1, zbv
+    assert shard['mode'] == 'pp-shard' and 1.4 < shard['sent_over_design'] < 1.6, shard
     p = subprocess.run([*cmd, '--modes=ddp', '--target_loss=4.0', '--eval_every=4', '--max_steps=60',
                         '--train_args=--learning_rate=3e-3 --warmup_iters=2'], cwd=tmp_path, env=env(),
                        capture_output=True, text=True, timeout=600)
