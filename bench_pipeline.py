@@ -1,11 +1,11 @@
 """
 Measures the pipeline bubble of pp_train.py's schedules (torch.distributed.pipelining's GPipe, 1F1B, interleaved
-1F1B, interleaved zero bubble and ZBV) against theory: the idle fraction of a step, (p - 1) / (m + p - 1) for GPipe
-and 1F1B with p stages and m micro-batches, (p - 1) / (v m + p - 1) for interleaved 1F1B with v stages per rank,
+1F1B, interleaved zero bubble, ZBV and DualPipeV) against theory: the idle fraction of a step, (p - 1) / (m + p - 1)
+for GPipe and 1F1B with p stages and m micro-batches, (p - 1) / (v m + p - 1) for interleaved 1F1B with v stages per rank,
 and (p - 1) / (3 v m + p - 1) for the zero-bubble schedules (ZB1P: the weights' gradients fill two thirds of
 interleaved 1F1B's idle time, where a forward, an input's gradient and a weight's gradient take as long as one
 another), as many idle slots as torch's plan of them (its pipeline_order) holds; for zbv (v = 2) from m = 2p only,
-below which its plan is not full and no figure is given.
+below which its plan is not full and no figure is given; none for DualPipeV's plan (from m = 2p: fewer are left out).
 
 torchrun --standalone --nproc_per_node=2 bench_pipeline.py
 torchrun --standalone --nproc_per_node=4 bench_pipeline.py --microbatches=4,8,16
@@ -108,7 +108,8 @@ def measure(name, m, rank, p):
             stage.submod(x[:1]).sum().backward()
     work = time.perf_counter() - t0
     theory = (p - 1) / ((3 if name in ZERO_BUBBLE else 1) * v * m + p - 1)
-    return 1 - work / step, None if name == 'zbv' and m < 2 * p else theory, step
+    # no figure for zbv's plan below m = 2p (not full), nor for DualPipeV's (a plan of its own, m >= 2p)
+    return 1 - work / step, None if name == 'zbv' and m < 2 * p or name == 'dualpipev' else theory, step
 
 
 dist.init_process_group('gloo')
@@ -118,7 +119,7 @@ if rank == 0:
     print(f"{'schedule':>17} {'m':>3} {'step ms':>8} {'bubble':>7} {'theory':>7}")
 for name in SCHEDULES:
     for m in counts:
-        if name != 'gpipe' and m < p:
+        if name != 'gpipe' and m < p or not schedule_takes(name, m, p):
             continue  # 1F1B needs a micro-batch for each stage to fill the pipeline before its first backward
         bubble, theory, step = measure(name, m, rank, p)
         if rank == 0:

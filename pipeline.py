@@ -7,6 +7,7 @@ evals, the consolidated checkpoint, and the memory a rank's stages need. Not for
 or the model (model.py, which knows nothing of pipelines).
 """
 
+import itertools
 import sys
 
 import torch
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
-from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.utils._pytree import tree_map_only
@@ -37,14 +38,16 @@ def stage_ids(pp_rank, pp_size, stages_per_rank, v_shape=False):
 
 # pp_train.py's schedules, torch's by name (gpipe and 1f1b run one stage a rank, the others a list of them)
 SCHEDULES = {'gpipe': ScheduleGPipe, '1f1b': Schedule1F1B, 'interleaved-1f1b': ScheduleInterleaved1F1B,
-             'interleaved-zb': ScheduleInterleavedZeroBubble, 'zbv': ScheduleZBVZeroBubble}
-ZERO_BUBBLE = ('interleaved-zb', 'zbv')  # each backward split in two, which a torch.compile'd block cannot do
+             'interleaved-zb': ScheduleInterleavedZeroBubble, 'zbv': ScheduleZBVZeroBubble,
+             'dualpipev': ScheduleDualPipeV}
+ZERO_BUBBLE = ('interleaved-zb', 'zbv', 'dualpipev')  # backwards split in two, which compiled blocks cannot do
+V_SHAPED = ('zbv', 'dualpipev')  # two stages a rank, down the ranks and back up
 
 
 def placement(schedule, stages_per_rank):
-    """(the stages on each rank, whether they lie in a V) for a schedule: zbv's two in a V, the interleaved
-    schedules' stages_per_rank in a loop, one for the others."""
-    if schedule == 'zbv':
+    """(the stages on each rank, whether they lie in a V) for a schedule: zbv's and DualPipeV's two in a V, the
+    interleaved schedules' stages_per_rank in a loop, one for the others."""
+    if schedule in V_SHAPED:
         return 2, True
     return (stages_per_rank if schedule.startswith('interleaved') else 1), False
 
@@ -71,17 +74,19 @@ def stage_blocks(stage, n_stages, n_layer):
 
 
 def schedule_takes(schedule, m, pp):
-    """Whether schedule runs m micro-batches on pp ranks: GPipe and ZBV any number, 1F1B pp or more (it fills the
-    pipeline before its first backward), and torch's interleaved schedules (1F1B, zero bubble) a multiple of their
-    rounds besides, max(1, m // pp)."""
+    """Whether schedule runs m micro-batches on pp ranks: GPipe and ZBV any number, DualPipeV one a stage at least
+    (2 pp), 1F1B pp or more (it fills the pipeline before its first backward), and torch's interleaved schedules
+    (1F1B, zero bubble) a multiple of their rounds besides, max(1, m // pp)."""
+    if schedule == 'dualpipev':
+        return m >= 2 * pp
     return m >= 1 and (schedule in ('gpipe', 'zbv') or m >= pp and (schedule == '1f1b' or m % (m // pp) == 0))
 
 
 def nearest_taken(schedule, m, pp):
     """The micro-batch counts nearest m that schedule runs on pp ranks: the one below m (where there is one), and
-    the one above (a multiple of pp always is)."""
+    the one above (a multiple of pp, 2 pp or more, always is)."""
     below = [k for k in range(m - 1, 0, -1) if schedule_takes(schedule, k, pp)][:1]
-    return below + [next(k for k in range(m + 1, m + pp + 1) if schedule_takes(schedule, k, pp))]
+    return below + [next(k for k in itertools.count(m + 1) if schedule_takes(schedule, k, pp))]
 
 
 class Part(nn.Module):

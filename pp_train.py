@@ -98,8 +98,9 @@ keep_checkpoints = 2  # the newest states kept in out_dir (fallbacks of a damage
 # parallelism
 pp_size = 1  # ranks per pipeline, one stage each (consecutive ranks); the world size / pp_size pipelines are DP
 pp_schedule = '1f1b'  # 'gpipe' (all forwards, then all backwards), '1f1b', 'interleaved-1f1b' (looped stages),
-# 'interleaved-zb' (looped, each backward split: the weights' gradients fill the bubble) or 'zbv' (zero bubble on two
-# stages a rank in a V, the first rank holding both ends); the zero-bubble ones without torch.compile
+# 'interleaved-zb' (looped, each backward split: the weights' gradients fill the bubble), 'zbv' (zero bubble on two
+# stages a rank in a V, the first rank holding both ends) or 'dualpipev' (DeepSeek's, in zbv's V); the zero-bubble
+# ones without torch.compile
 stages_per_rank = 2  # the interleaved schedules' stages on each rank (the others take one)
 dp_shard = False  # FSDP across the pipelines: each stage's parameters, gradients and AdamW state sharded over dp
 save_consolidated = False  # with each checkpoint also write out_dir/ckpt.pt in train.py's format (gathered on rank 0)
@@ -133,7 +134,8 @@ dp_size = world_size // pp_size
 # the micro-batches of the pipeline's schedule are this rank's micro-steps: the same data as train.py's
 accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)
 if not schedule_takes(pp_schedule, accum_steps, pp_size):
-    why = (f"it fills the pipeline before its first backward, so it needs at least pp_size={pp_size}"
+    why = (f"it needs one for each of its {2 * pp_size} stages at least" if pp_schedule == 'dualpipev' else
+           f"it fills the pipeline before its first backward, so it needs at least pp_size={pp_size}"
            if accum_steps < pp_size else f"torch's runs them in {accum_steps // pp_size} rounds of equal size")
     sys.exit(f"error: {pp_schedule} does not run {accum_steps} micro-batches per pipeline ({why}): set "
              + " or ".join(f"--gradient_accumulation_steps={m * dp_size}" for m in

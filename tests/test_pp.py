@@ -64,13 +64,14 @@ def sizes(tmp_path_factory):
     (4, 4, 'gpipe', False), (4, 4, '1f1b', False), (4, 4, 'interleaved-1f1b', False),
     (4, 2, 'gpipe', False), (4, 2, '1f1b', False), (4, 2, 'interleaved-1f1b', False),
     (2, 2, 'interleaved-zb', False), (4, 2, 'interleaved-zb', False), (2, 2, 'zbv', False), (4, 2, 'zbv', False),
+    (2, 2, 'dualpipev', False),  # a micro-batch for each of its 4 stages: BASE's 4 on one pipeline
     # one rank holding both ends of the tied weight: torch's schedules divided its gradient by the micro-batches twice
     (1, 1, 'interleaved-1f1b', False),
     # each stage sharded over the 2 pipelines (FSDP): a rank holds half its stages' state
     (4, 2, '1f1b', True), (4, 2, 'interleaved-1f1b', True),
 ], ids=['pp2-gpipe', 'pp2-1f1b', 'pp2-interleaved', 'pp4-gpipe', 'pp4-1f1b', 'pp4-interleaved',
         'dp2xpp2-gpipe', 'dp2xpp2-1f1b', 'dp2xpp2-interleaved', 'pp2-zero-bubble', 'dp2xpp2-zero-bubble', 'pp2-zbv',
-        'dp2xpp2-zbv', 'pp1-interleaved', 'sharded-dp2xpp2-1f1b', 'sharded-dp2xpp2-interleaved'])
+        'dp2xpp2-zbv', 'pp2-dualpipev', 'pp1-interleaved', 'sharded-dp2xpp2-1f1b', 'sharded-dp2xpp2-interleaved'])
 def test_pipeline_matches_single_process(tmp_path, data_dir, ref, sizes, nproc, pp, schedule, shard):
     launch('pp_train.py', tmp_path, data_dir, 'pp', f'--max_iters={STEPS}', f'--pp_size={pp}',
            f'--pp_schedule={schedule}', '--save_consolidated=True', f'--dp_shard={shard}', nproc=nproc)
@@ -265,12 +266,16 @@ def test_stages_per_rank_below_one_is_a_one_line_error(tmp_path, data_dir):
     (2, ['--pp_schedule=zbv', '--compile=True'],
      "error: zbv computes a stage's input gradients and its weights' apart, which torch.compile'd blocks cannot: add "
      "--compile=False, or use --pp_schedule=interleaved-1f1b"),
+    # DualPipeV's plan needs a micro-batch for each of its stages: torch's ValueError after the group had started
+    (2, ['--pp_schedule=dualpipev', '--compile=False', '--gradient_accumulation_steps=2'],
+     "error: dualpipev does not run 2 micro-batches per pipeline (it needs one for each of its 4 stages at least): set "
+     "--gradient_accumulation_steps=4, or use --pp_schedule=gpipe"),
     # two FSDP roots would share the tied weight on the V's first rank
     (2, ['--pp_schedule=zbv', '--compile=False', '--dp_shard=True'],
      "error: dp_shard=True shards each stage on its own, and zbv at pp_size=2 puts the first and the last stage, which "
      "share the tied embedding, on one rank: use --pp_schedule=interleaved-zb"),
 ], ids=['interleaved-pp2', 'interleaved-dp2xpp2', '1f1b-dp2xpp2', 'zero-bubble-compiled', 'zbv-compiled',
-        'zbv-sharded'])
+        'dualpipev-micro-batches', 'zbv-sharded'])
 def test_micro_batches_a_schedule_cannot_run_are_a_one_line_error_naming_counts_it_runs(tmp_path, data_dir, nproc,
                                                                                         args, message):
     p = launch('pp_train.py', tmp_path, data_dir, 'out', '--pp_size=2', *args, nproc=nproc, check=False)

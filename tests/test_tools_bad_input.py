@@ -113,13 +113,16 @@ def test_bench_pipeline_refuses_bad_settings_in_one_line(tmp_path, nproc, args, 
 
 def test_bench_pipeline_runs_the_interleaved_schedules_with_one_stage_per_rank(tmp_path):
     # a TypeError: the interleaved schedule was handed a stage, not the list of one it takes
-    p = run('bench_pipeline.py', '--forward_ms=0', '--steps=1', '--microbatches=2', '--stages_per_rank=1', nproc=2,
+    p = run('bench_pipeline.py', '--forward_ms=0', '--steps=1', '--microbatches=2,4', '--stages_per_rank=1', nproc=2,
             cwd=tmp_path)
-    rows = {line.split()[0]: line.split() for line in p.stdout.splitlines()[2:]}
-    assert sorted(rows) == ['1f1b', 'gpipe', 'interleaved-1f1b', 'interleaved-zb', 'zbv']
+    rows = {(line.split()[0], int(line.split()[1])): line.split() for line in p.stdout.splitlines()[2:]}
+    # DualPipeV from m = 2p only: a micro-batch for each of its stages
+    assert sorted(rows) == sorted([(s, m) for s in ('1f1b', 'gpipe', 'interleaved-1f1b', 'interleaved-zb', 'zbv')
+                                   for m in (2, 4)] + [('dualpipev', 4)])
     # the theories: 1F1B's (p - 1) / (m + p - 1), zero bubble's third of its idle time, (p - 1) / (3m + p - 1), and
-    # none for ZBV where m is below 2p (its plan is not full)
-    assert [rows[s][-1] for s in ('interleaved-1f1b', 'interleaved-zb', 'zbv')] == ['0.333', '0.143', '-']
+    # none for ZBV where m is below 2p (its plan is not full), nor for DualPipeV's plan
+    assert [rows[s, 2][-1] for s in ('interleaved-1f1b', 'interleaved-zb', 'zbv')] == ['0.333', '0.143', '-']
+    assert rows['zbv', 4][-1] == '0.040' and rows['dualpipev', 4][-1] == '-'  # zbv: v = 2, 1 / (3·2·4 + 1)
 
 
 @pytest.fixture
