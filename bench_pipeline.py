@@ -1,8 +1,8 @@
 """
 Measures the pipeline bubble of pp_train.py's schedules (torch.distributed.pipelining's GPipe, 1F1B, interleaved
 1F1B, interleaved zero bubble, ZBV and DualPipeV) against theory: the idle fraction of a step, (p - 1) / (m + p - 1)
-for GPipe and 1F1B with p stages and m micro-batches, (p - 1) / (v m + p - 1) for interleaved 1F1B with v stages per rank,
-and (p - 1) / (3 v m + p - 1) for the zero-bubble schedules (ZB1P: the weights' gradients fill two thirds of
+for GPipe and 1F1B with p stages and m micro-batches, (p - 1) / (v m + p - 1) for interleaved 1F1B with v stages
+per rank, and (p - 1) / (3 v m + p - 1) for the zero-bubble schedules (ZB1P: the weights' gradients fill two thirds of
 interleaved 1F1B's idle time, where a forward, an input's gradient and a weight's gradient take as long as one
 another), as many idle slots as torch's plan of them (its pipeline_order) holds; for zbv (v = 2) from m = 2p only,
 below which its plan is not full and no figure is given; none for DualPipeV's plan (from m = 2p: fewer are left out).
