@@ -77,6 +77,11 @@ HYDRA = {
 }
 
 
+# DLRover's --epochs as finish() read it, for start_tokens: (the tokens to train, the max_iters that may end the run
+# first); None where no --epochs bounds the run
+_epochs = None
+
+
 def flag_default(key):
     return FLAG_DEFAULTS.get(key)
 
@@ -415,10 +420,6 @@ def finish(ctx):
         return []
     ctx['notes'].append((None, f"{where} is DLRover's name: here --max_iters={iters} ({why})"))
     return [('max_iters', iters, where)]
-
-
-# DLRover's --epochs as finish() read it: (the tokens to train, the max_iters that may end the run first)
-_epochs = None
 
 
 def start_tokens(checkpoint, iter_num, tokens_per_iter, config, print0):
