@@ -41,6 +41,7 @@ from pipeline import (SCHEDULES, ZERO_BUBBLE, Forward, Part, clip, loss_fn, make
                      save_full, schedule_takes, sharded_state, stage_blocks, stage_ids, stage_rank, tied_grads_and_norm)
 from runlock import hold
 from runlog import ends_diverged, heed, open_log
+from seeds import start_tokens
 from sharded import load_sharded_state, local_shards, read_start, save_dcp
 
 # -----------------------------------------------------------------------------
@@ -227,6 +228,8 @@ block_size = model_args['block_size']
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []
 iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_loss'])) if checkpoint else (0, 1e9)
+# the tokens trained so far: --epochs ends the run on them, whatever global batch each launch had
+max_iters, tokens_trained, lr_batch = start_tokens(checkpoint, iter_num, tokens_per_iter, config, print0)
 best_val_loss = kept_best(out_dir, run_id, best_val_loss)  # a resume from before the best keeps it best
 print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
 torch.manual_seed(seed + rank)  # and then draws its own dropout masks
@@ -309,6 +312,8 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     extra = {
         'model_args': model_args,
         'iter_num': iter_num,
+        'tokens_trained': tokens_trained,  # at each launch's global batch: where --epochs ends (start_tokens)
+        'lr_batch': lr_batch,  # the tokens an iteration of the LR schedule stands for (None: iterations)
         'best_val_loss': best_val_loss,
         'config': config,
         'vocabulary': data_vocab,
@@ -385,7 +390,7 @@ while True:
         print0(f"{stop_signal()}: saving a checkpoint at iter {iter_num} and exiting")
         save_checkpoint(wait=True)
         break
-    lr = get_lr(iter_num) if decay_lr else learning_rate
+    lr = get_lr(tokens_trained / lr_batch if lr_batch else iter_num) if decay_lr else learning_rate
     for param_group in optimizer.param_groups:
         param_group['lr'] = lr
 
@@ -460,6 +465,7 @@ while True:
     loss_sum.zero_()
     iter_num += 1
     local_iter_num += 1
+    tokens_trained += tokens_per_iter
 
 finish_saves()  # a storage checkpoint that could not be written stops the run with an error
 remove_snapshots(run_id, eval_only)  # out_dir holds the final state: free the RAM

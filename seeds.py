@@ -77,6 +77,11 @@ HYDRA = {
 }
 
 
+# DLRover's --epochs as finish() read it, for start_tokens: (the tokens to train, the max_iters that may end the run
+# first); None where no --epochs bounds the run
+_epochs = None
+
+
 def flag_default(key):
     return FLAG_DEFAULTS.get(key)
 
@@ -88,6 +93,8 @@ def needs_value(arg):
 def context(script, keys, flags, files):
     """What translate() sees: the entrypoint's file name, its keys (the live dict the configurator fills), every
     flag of the command line (nnScaler's come in pairs) and its config files (.py, .toml)."""
+    global _epochs
+    _epochs = None  # a configure() before this one (a test's, in the same process) set no --epochs of this run
     return dict(script=script, keys=keys, flags=flags, files=files, toml={}, notes=[], epochs=None)
 
 
@@ -404,6 +411,8 @@ def finish(ctx):
         return []  # check_config names the key that is out of range
     _, n_tokens = find_bins(keys['dataset'], keys['block_size'])
     iters = math.ceil(epochs * n_tokens['train'] / per_iter)
+    global _epochs
+    _epochs = (epochs * n_tokens['train'], keys['max_iters'])  # for a resume at another global batch: start_tokens
     why = f"{epochs} passes over train.bin's {n_tokens['train']:,} tokens at {per_iter:,} tokens an iteration"
     if iters >= keys['max_iters']:
         ctx['notes'].append((None, f"{where} is DLRover's name: here --max_iters={iters} ({why}); max_iters="
@@ -411,6 +420,34 @@ def finish(ctx):
         return []
     ctx['notes'].append((None, f"{where} is DLRover's name: here --max_iters={iters} ({why})"))
     return [('max_iters', iters, where)]
+
+
+def start_tokens(checkpoint, iter_num, tokens_per_iter, config, print0):
+    """(max_iters, tokens, lr_batch) of a run at its start: the tokens trained before iter_num, as the resumed
+    checkpoint saved them (0 for a new run; one older than that key: its iterations at its config's global batch, said
+    in a line), and the tokens an iteration of the LR schedule stands for, or None where it counts iterations. Where
+    --epochs ends the run (finish), the global batch may change at a relaunch (DLRover's default of a micro-step a
+    rank, at another world size): max_iters (and config's) is then the iterations done and those the tokens left take
+    at this batch, and the schedule goes by the tokens trained, in iterations of the run's first batch, so that
+    warmup never restarts and the decay ends where the epochs do, as in a run at one batch."""
+    tokens, lr_batch, batch = 0, None, tokens_per_iter
+    if checkpoint is not None:
+        saved = checkpoint.get('config') or {}
+        batch = math.prod(saved.get(k, config[k]) for k in ('gradient_accumulation_steps', 'batch_size', 'block_size'))
+        tokens, lr_batch = checkpoint.get('tokens_trained', iter_num * batch), checkpoint.get('lr_batch')
+        if 'tokens_trained' not in checkpoint and _epochs is not None:
+            print0(f"note: the checkpoint has no count of the tokens trained (saved before it had one): --epochs takes "
+                   f"its {iter_num} iterations at its global batch of {batch:,} tokens")
+    if _epochs is None:
+        return config['max_iters'], tokens, None
+    target, cap = _epochs
+    iters = iter_num + math.ceil(max(0, target - tokens) / tokens_per_iter)
+    if min(cap, iters) != config['max_iters']:  # a resume at another global batch than this launch counted with
+        print0(f"--epochs: {tokens:,} of their {target:,.0f} tokens trained by iter {iter_num}: here --max_iters="
+               f"{iters} at {tokens_per_iter:,} tokens an iteration" + (f"; max_iters={cap} ends the run first"
+                                                                        if cap < iters else ''))
+    max_iters = config['max_iters'] = min(cap, iters)
+    return max_iters, tokens, lr_batch or batch
 
 
 def prepare_args(args):

@@ -31,6 +31,7 @@ from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import saves_at_eval, skips_save
 from runlock import hold
 from runlog import ends_diverged, heed, open_log
+from seeds import start_tokens
 
 # -----------------------------------------------------------------------------
 # config: defaults train GPT-2 124M on OpenWebText; config/*.py and --key=value override them
@@ -182,6 +183,8 @@ model.config.autocast_residual = autocast_residual  # how the step computes: not
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []
 iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_loss'])) if checkpoint else (0, 1e9)
+# the tokens trained so far: --epochs ends the run on them, whatever global batch each launch had
+max_iters, tokens_trained, lr_batch = start_tokens(checkpoint, iter_num, tokens_per_iter, config, print0)
 best_val_loss = kept_best(out_dir, run_id, best_val_loss)  # a resume from before the best keeps it best
 print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
 model.to(device)
@@ -229,6 +232,8 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     extra = {
         'model_args': model_args,
         'iter_num': iter_num,
+        'tokens_trained': tokens_trained,  # at each launch's global batch: where --epochs ends (start_tokens)
+        'lr_batch': lr_batch,  # the tokens an iteration of the LR schedule stands for (None: iterations)
         'best_val_loss': best_val_loss,
         'config': config,
         'vocabulary': data_vocab,
@@ -304,7 +309,7 @@ while True:
         print0(f"{stop_signal()}: saving a checkpoint at iter {iter_num} and exiting")
         save_checkpoint(wait=True)
         break
-    lr = get_lr(iter_num) if decay_lr else learning_rate
+    lr = get_lr(tokens_trained / lr_batch if lr_batch else iter_num) if decay_lr else learning_rate
     for param_group in optimizer.param_groups:
         param_group['lr'] = lr
 
@@ -382,6 +387,7 @@ while True:
     loss_sum.zero_()
     iter_num += 1
     local_iter_num += 1
+    tokens_trained += tokens_per_iter
 
 finish_saves()  # a storage checkpoint that could not be written stops the run with an error
 remove_snapshots(run_id, eval_only)  # out_dir holds the final state: free the RAM

@@ -139,6 +139,14 @@ def one_line_error(p, nproc=1):
     return errors[0]
 
 
+def counts_tokens(state):
+    """Whether a checkpoint's (or snapshot's) count of the tokens trained, which --epochs ends on, is its iterations at
+    its config's global batch, as in a run that kept one batch."""
+    c = state['config']
+    return state['tokens_trained'] == state['iter_num'] * c['gradient_accumulation_steps'] * c['batch_size'] * \
+        c['block_size'] and state['iter_num'] > 0
+
+
 def read_metrics(out_dir):
     """{iter: loss} of the logged steps, and the list of eval rows, from a run's metrics.jsonl."""
     losses, evals = {}, []

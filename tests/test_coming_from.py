@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from configurator import configure
 from conftest import REPO, TINY, env, one_line_error, run
@@ -344,6 +345,42 @@ def test_dlrover_train_command_runs_as_written(here, script, data):
     assert re.search(r'^iter 7: loss [\d.]+, time [\d.]+ ms, [\d,]+ tok/s$', p.stdout, re.M)
     row = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines() if '"loss"' in line][-1]
     assert set(re.findall(r'`(\w+)`', doc.split('metrics.jsonl')[1])) == set(row) and row['mfu'] is None
+
+
+def test_dlrover_epochs_count_tokens_across_a_relaunch_at_another_world_size(here, tmp_path):
+    """DLRover's default of a micro-step a rank makes the global batch the world size's: 2 ranks train 256 tokens an
+    iteration, a relaunch on 1 rank 128. --epochs 2 of train.bin's 1,000 tokens ends on the tokens trained (not on the
+    iterations at the new batch: 16 there, 2,432 tokens, 2.4 passes), and the LR schedule, given in iterations of the
+    first batch (8 of them), decays over the epochs without restarting warmup. A checkpoint saved before the count
+    was kept resumes on its iterations at its own batch."""
+    dlrover = ['--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--data_dir', './', '--epochs', '2', '--device',
+               'cpu', '--block_size', '32', '--batch_size', '4', '--eval_iters', '2', '--decay_lr', '--warmup_iters',
+               '2', '--lr_decay_iters', '8', '--out_dir', str(tmp_path / 'out')]
+    first = run('train.py', *dlrover, '--max_iters', '3', nproc=2, cwd=here)  # cut short: a node lost at iter 3
+    assert 'world size 2, 1 micro-steps per rank, 256 tokens per iteration' in first.stdout
+    saved = torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)
+    assert (saved['iter_num'], saved['tokens_trained'], saved['lr_batch']) == (3, 768, 256)
+    shutil.copytree(tmp_path / 'out', tmp_path / 'old')
+    saved.pop('tokens_trained'), saved.pop('lr_batch')
+    saved['config']['out_dir'] = str(tmp_path / 'old')
+    torch.save(saved, tmp_path / 'old' / 'ckpt.pt')  # as this project saved it before it counted tokens
+    p = run('train.py', *dlrover, cwd=here)
+    assert 'world size 1, 1 micro-steps per rank, 128 tokens per iteration' in p.stdout
+    assert '--epochs: 768 of their 2,000 tokens trained by iter 3: here --max_iters=13 at 128 tokens an iteration' \
+        in p.stdout
+    end = torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)
+    trained = 3 * 256 + (end['iter_num'] - 3) * 128  # each launch's iterations at its own global batch
+    assert 2000 <= trained < 2000 + 128 and end['tokens_trained'] == trained
+    lrs = [row['lr'] for row in map(json.loads, (tmp_path / 'out' / 'metrics.jsonl').read_text().splitlines())
+           if 'lr' in row]
+    # warmup over the first 2 iterations, then down at every iteration, to within 2% of the range above min_lr (6e-5,
+    # reached at iteration 8 of the first batch: the epochs' end) at the last one, and not before it
+    assert len(lrs) == end['iter_num'] and lrs[2] == 6e-4 and all(a > b for a, b in zip(lrs[2:], lrs[3:]))
+    assert 6e-5 < lrs[-1] < 6e-5 + 0.02 * (6e-4 - 6e-5)
+    old = run('train.py', *dlrover[:-1], str(tmp_path / 'old'), cwd=here)
+    assert "note: the checkpoint has no count of the tokens trained (saved before it had one): --epochs takes its 3 " \
+           "iterations at its global batch of 256 tokens" in old.stdout
+    assert torch.load(tmp_path / 'old' / 'ckpt.pt', weights_only=True)['tokens_trained'] == trained
 
 
 def test_dlrover_command_takes_dlrover_defaults_for_what_it_leaves_out(here, tmp_path, monkeypatch, capsys):

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY, env, free_port, one_line_error, read_metrics, run
+from conftest import REPO, TINY, counts_tokens, env, free_port, one_line_error, read_metrics, run
 from decent import AccumAdamW, mixing_rounds
 
 
@@ -272,7 +272,9 @@ def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path, data_dir):
     # the 3 at once
     launch(tmp_path, data_dir, 'split', *args, '--max_iters=9', '--moment_accum_steps=2', '--weight_decay=0.5',
            '--beta2=0.9', nproc=2)
-    saved = torch.load(tmp_path / 'split' / 'decent' / 'step-00000009' / 'rank-0.pt', weights_only=True)['optimizers']
+    saved = torch.load(tmp_path / 'split' / 'decent' / 'step-00000009' / 'rank-0.pt', weights_only=True)
+    assert counts_tokens(saved)
+    saved = saved['optimizers']
     at8 = torch.load(tmp_path / 'split' / 'decent' / 'step-00000008' / 'rank-0.pt', weights_only=True)['optimizers']
     assert [(g['accum_steps'], g['weight_decay'], tuple(g['betas'])) for g in saved[1]['param_groups']] == [
         (2, 0.5, (0.9, 0.9)), (2, 0.0, (0.9, 0.9))]

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import REPO, TINY, env, free_port, one_line_error, read_metrics, run
+from conftest import REPO, TINY, counts_tokens, env, free_port, one_line_error, read_metrics, run
 
 # the same global batch everywhere: 4 micro-steps of 4 sequences, shared out over the data-parallel ranks
 BASE = ['--gradient_accumulation_steps=4', '--eval_interval=5', '--always_save_checkpoint=True']
@@ -345,7 +345,10 @@ def test_a_run_resumed_with_its_optimizer_offloaded_goes_on_from_its_export(tmp_
            'offload_optimizer=cpu: continuing from the consolidated' in p.stdout, p.stdout[-3000:]
     assert f"resuming from {tmp_path / 'run' / 'ckpt.pt'} at iter 10" in p.stdout
     assert sorted(read_metrics(tmp_path / 'run')[0]) == list(range(12))
-    assert torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=True)['iter_num'] == 12
+    saved = torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=True)
+    assert saved['iter_num'] == 12 and counts_tokens(saved)
+    assert counts_tokens(torch.load(tmp_path / 'run' / 'ds' / 'step-00000012' / 'mp_rank_00_model_states.pt',
+                                    weights_only=True))  # the engine's client state
 
 
 def test_a_home_it_cannot_write_in_is_one_line_naming_torch_extensions_dir(tmp_path, data_dir):

@@ -20,7 +20,7 @@ import torch
 
 import launcher
 from checkpoint import snapshot_dir
-from conftest import REPO, TINY, begin, env, free_port, one_line_error, read_metrics, run
+from conftest import REPO, TINY, begin, counts_tokens, env, free_port, one_line_error, read_metrics, run
 
 
 def elastic(script, *args, nproc=2, max_restarts=3):
@@ -313,6 +313,7 @@ def snapshots_of(folder):
         # ds_train.py's step folders up to the one latest names (one past it was cut short by the kill)
         if path.name.endswith('.pt') or path.name.startswith('step-') and path.name <= latest.read_text():
             state = torch.load(path if path.is_file() else next(path.glob('mp_rank_*')), weights_only=True, mmap=True)
+            assert counts_tokens(state), path  # each entrypoint's snapshot holds the tokens trained
             found[path.name] = state['iter_num']
     return found
 

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import TINY, one_line_error, read_metrics, run
+from conftest import TINY, counts_tokens, one_line_error, read_metrics, run
 
 # the same global batch everywhere: 4 micro-steps of 4 sequences, shared out over the data-parallel ranks
 BASE = ['--gradient_accumulation_steps=4', '--eval_interval=5', '--always_save_checkpoint=True']
@@ -86,8 +86,11 @@ def test_fsdp_exact_resume(tmp_path, data_dir):
     # another weight_decay and beta2 take effect: the sharded load had put the saved ones back
     launch('fsdp_train.py', tmp_path, data_dir, 'split', *args, '--max_iters=11', '--weight_decay=0.5', '--beta2=0.9',
            '--save_consolidated=True', nproc=2)
-    groups = torch.load(tmp_path / 'split' / 'ckpt.pt', weights_only=True)['optimizer']['param_groups']
+    saved = torch.load(tmp_path / 'split' / 'ckpt.pt', weights_only=True)
+    groups = saved['optimizer']['param_groups']
     assert [(g['weight_decay'], tuple(g['betas'])) for g in groups] == [(0.5, (0.9, 0.9)), (0.0, (0.9, 0.9))]
+    assert counts_tokens(saved) and counts_tokens(torch.load(tmp_path / 'split' / 'dcp' / 'step-00000011' / 'extra.pt',
+                                                             weights_only=True))
 
 
 def first_half(shared_run, nproc, tp):
