@@ -455,9 +455,14 @@ def load_failed(path, e, out_dir, eval_only):
     restored, or another one evaluated)."""
     if eval_only:
         pruned_under_eval(path, out_dir)
-    fix = "restore a good copy to evaluate it, or evaluate another checkpoint with --init_from" if eval_only else \
+    sys.exit(f"error: checkpoint {path} does not fit this model ({reason(e)}): {aside_or_restore(eval_only)}")
+
+
+def aside_or_restore(eval_only):
+    """The fix for a run's checkpoint that does not load. Not, for an eval, to move it aside: the eval would then
+    score a new, untrained model (or the version before), as if it were the run's."""
+    return "restore a good copy to evaluate it, or evaluate another checkpoint with --init_from" if eval_only else \
         "move it aside (mv, to a name of your own) or restore a good copy"
-    sys.exit(f"error: checkpoint {path} does not fit this model ({reason(e)}): {fix}")
 
 
 def _complete(folder):
@@ -1091,14 +1096,11 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                  f"{script} does not read: continue the run with `{writer} --out_dir={out_dir}` (under torchrun as "
                  f"before) and let it save a checkpoint to {out_dir} (SIGTERM does) before switching, or start "
                  f"afresh with --auto_resume=False (the snapshots are then kept in {out_dir})")
-    if resume_from is None and damaged and eval_only:  # moved aside, it would leave an untrained model to evaluate
-        path, why = damaged[0]
-        sys.exit(f"error: checkpoint {path} is corrupt or not a training checkpoint ({why}): restore a good copy to "
-                 f"evaluate it, or evaluate another checkpoint with --init_from")
     if resume_from is None and damaged:
         path, why = damaged[0]
-        sys.exit(f"error: checkpoint {path} is corrupt or not a training checkpoint ({why}): move it aside (mv, to a "
-                 f"name of your own) or restore a good copy (or start afresh over it with --auto_resume=False)")
+        afresh = "" if eval_only else " (or start afresh over it with --auto_resume=False)"
+        sys.exit(f"error: checkpoint {path} is corrupt or not a training checkpoint ({why}): "
+                 f"{aside_or_restore(eval_only)}{afresh}")
     if resume_from is None and init_from == 'resume':
         sys.exit(f"error: no checkpoint at {where}: point --out_dir at a run's folder, or use --init_from=scratch")
     # the copy's snapshots share this run's folder in /dev/shm: this run's saves would replace them and its end
@@ -1568,8 +1570,8 @@ def create_model(resume_path, read, init_from, model_args, config, given):
         except Exception as e:
             if config.get('eval_only'):
                 pruned_under_eval(resume_path, config['out_dir'])
-            sys.exit(f"error: checkpoint {resume_path} is corrupt or not a training checkpoint ({reason(e)}): move "
-                     f"it aside (mv, to a name of your own) or restore a good copy")
+            sys.exit(f"error: checkpoint {resume_path} is corrupt or not a training checkpoint ({reason(e)}): "
+                     f"{aside_or_restore(config.get('eval_only'))}")
     elif init_from in PRETRAINED:
         print0(f"initializing from OpenAI GPT-2 weights: {init_from}")
         model = pretrained_or_exit(init_from, model_args['dropout'])

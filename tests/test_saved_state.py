@@ -130,6 +130,24 @@ def test_an_eval_of_a_run_whose_checkpoints_are_all_damaged_is_told_to_restore_o
     assert files(run_dir) == before
 
 
+def test_an_eval_of_a_checkpoint_that_does_not_fit_the_model_is_told_to_restore_it(tmp_path, data_dir, shared_run):
+    # its weights do not fit the shape it was saved with (a file of another project, or edited): an eval was told
+    # to move it aside, and would then have scored the version before as the run's newest
+    run_dir = tmp_path / 'run'
+    shutil.copytree(shared_run('train.py', *ARGS), run_dir)
+    ckpt = torch.load(run_dir / 'ckpt.pt', weights_only=True)
+    ckpt['model']['lm_head.weight'] = ckpt['model']['lm_head.weight'][:, :-1]
+    (run_dir / 'ckpt.pt').unlink()  # a file of its own: best.pt is a link to it
+    torch.save(ckpt, run_dir / 'ckpt.pt')
+    before = files(run_dir)
+    error = one_line_error(start(tmp_path, data_dir, run_dir, '--eval_only=True', check=False))
+    assert error.startswith(f"error: checkpoint {run_dir / 'ckpt.pt'} is corrupt or not a training checkpoint (") \
+        and error.endswith("): restore a good copy to evaluate it, or evaluate another checkpoint with --init_from")
+    error = one_line_error(start(tmp_path, data_dir, run_dir, check=False))  # a resume may set it aside
+    assert error.endswith("): move it aside (mv, to a name of your own) or restore a good copy"), error
+    assert files(run_dir) == before
+
+
 def test_an_eval_whose_checkpoint_the_live_run_prunes_meanwhile_is_told_to_run_again(tmp_path):
     # an eval_only run reads a live run's newest step folder without holding out_dir; where the run saved two more
     # and pruned it during the read, the error called it corrupt and advised moving the live run's folder aside
