@@ -55,10 +55,12 @@ def find_checkpoint(path):
         pointer, best_pt = os.path.join(run, 'dcp', 'best'), os.path.join(run, 'best.pt')
         if not os.path.exists(pointer):
             return best_pt
-        name = _named(pointer, r'best-step-\d+', 'best-step-N')
+        # (step-N: the step folder itself, which it names while a save of that step as the best again replaces
+        # best-step-N, point_latest)
+        name = _named(pointer, r'(best-)?step-\d+', 'best-step-N')
         # both, where one entrypoint continued another's run: the newer is the better (a best replaces one only
         # for a lower val loss, and a resumed run carries that loss on)
-        return best_pt if _saved_iter(best_pt) >= int(name[10:]) else os.path.join(run, 'dcp', name)
+        return best_pt if _saved_iter(best_pt) >= int(name.split('-')[-1]) else os.path.join(run, 'dcp', name)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, 'extra.pt')):
         latest = os.path.join(path, 'dcp', 'latest')
         # a step folder is complete once it holds .metadata, which DCP writes last: one newer than latest names (the
@@ -773,26 +775,33 @@ def point_latest(folder, iter_of=None, keep=2, best=False):
     the fallbacks should this one ever turn out damaged. Newer ones (a save cut short, or one passed over as damaged
     at a resume) are left alone: another rank may be writing the next one already, and a save to the same step
     replaces them. With best, the folder is also kept as best-step-N (hard links: never pruned, nor changed by a
-    later save to step-N), which the best file names, in place of the best before."""
+    later save to step-N), which the best file names, in place of the best before. The best file names a whole
+    folder at every moment: while best-step-N of a step saved as the best again is replaced, the step folder itself."""
     root, name = os.path.split(folder)
     write_name(os.path.join(root, 'latest'), name)
     if best:
-        before = read_name(os.path.join(root, 'best'))
-        if os.path.exists(os.path.join(root, 'best.tmp')):
-            shutil.rmtree(os.path.join(root, 'best.tmp'))  # our own temporary name, left by a crash
+        before, tmp, kept_as = read_name(os.path.join(root, 'best')), os.path.join(root, 'best.tmp'), \
+            os.path.join(root, 'best-' + name)
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)  # our own temporary name, left by a crash
+        if os.path.exists(kept_as):  # the step saved as the best again: no rename replaces a folder that holds files,
+            write_name(os.path.join(root, 'best'), name)  # so best names the same state, whole, while it is replaced
         try:
-            shutil.copytree(folder, os.path.join(root, 'best.tmp'), copy_function=same_file)
+            shutil.copytree(folder, tmp, copy_function=same_file)
         except BaseException:
-            shutil.rmtree(os.path.join(root, 'best.tmp'), ignore_errors=True)  # copies that did not fit (no links)
+            shutil.rmtree(tmp, ignore_errors=True)  # copies that did not fit (no links)
             raise
-        shutil.rmtree(os.path.join(root, 'best-' + name), ignore_errors=True)
-        os.replace(os.path.join(root, 'best.tmp'), os.path.join(root, 'best-' + name))
+        shutil.rmtree(kept_as, ignore_errors=True)
+        os.replace(tmp, kept_as)
         write_name(os.path.join(root, 'best'), 'best-' + name)
-        # a better one has taken its place; a name read from a file never leads out of its folder
-        if before and before != 'best-' + name and re.fullmatch(r'best-step-\d+', before):
-            shutil.rmtree(os.path.join(root, before), ignore_errors=True)
-    fallbacks = 0
-    for old in sorted((f for f in os.listdir(root) if f.startswith('step-') and f < name), reverse=True):
+        # a better one has taken its place (or a crash mid-replacement left its copy, named step-N in best); a name
+        # read from a file never leads out of its folder
+        stale = before and 'best-' + before.removeprefix('best-')
+        if stale and stale != 'best-' + name and re.fullmatch(r'best-step-\d+', stale):
+            shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
+    fallbacks, named = 0, read_name(os.path.join(root, 'best'))
+    # (a step folder that best names, after a crash mid-replacement, is the best: kept until a better one comes)
+    for old in sorted((f for f in os.listdir(root) if f.startswith('step-') and f < name and f != named), reverse=True):
         if fallbacks < keep - 1:
             try:
                 if (iter_of or checkpoint_iter)(os.path.join(root, old)) is not None:
