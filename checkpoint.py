@@ -1003,6 +1003,10 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     theirs = []  # the names of those in it, on the node's first rank
     busy = None  # where a live run of a copy of this run's folder holds that folder: who
     first = int(os.environ.get('LOCAL_RANK', 0)) == 0
+    if not eval_only:  # (an eval holds no out_dir, and writes nothing there)
+        if rank == 0:
+            put_back_earlier_run(out_dir)
+        dist.barrier()  # before any rank reads out_dir
     # an eval of another model is no resume; an eval of out_dir (init_from=scratch) is one of its newest state
     wanted = init_from == 'resume' or (auto_resume and (not eval_only or init_from == 'scratch'))
     run_id_path = os.path.join(out_dir, 'run_id')
@@ -1250,12 +1254,35 @@ def keep_earlier_run(out_dir, earlier):
         if os.path.isdir(out_dir) else []
     if not any(n not in ('run_id', 'config.json', 'metrics.jsonl') for n in names):
         return
-    kept_as = unused(os.path.join(out_dir, f"before-{earlier or time.strftime('%Y%m%d-%H%M%S')}"))
-    os.mkdir(kept_as)
+    kept_as = base = os.path.join(out_dir, f"before-{earlier or time.strftime('%Y%m%d-%H%M%S')}")
+    n = 1
+    while os.path.lexists(kept_as) or os.path.lexists(kept_as + '.tmp'):
+        n += 1
+        kept_as = f'{base}.{n}'
+    # into a folder of a temporary name, renamed once they are all in: the run moves whole or not at all (a start
+    # killed midway leaves the .tmp, which the next one puts back, put_back_earlier_run)
+    os.mkdir(kept_as + '.tmp')
     for name in names:
-        os.rename(os.path.join(out_dir, name), os.path.join(kept_as, name))
+        os.rename(os.path.join(out_dir, name), os.path.join(kept_as + '.tmp', name))
+    os.rename(kept_as + '.tmp', kept_as)
     print(f"{out_dir} holds an earlier run's saved states: kept, as they were, in {kept_as}", flush=True)
     return os.path.abspath(kept_as), names
+
+
+def put_back_earlier_run(out_dir):
+    """A start killed while keep_earlier_run moved an earlier run's saved states left that run in two parts, in
+    out_dir/before-RUN_ID.tmp/ and out_dir, which no resume or tool reads as the run: they go back where they were,
+    as if that start had never begun, and this start keeps them whole, or resumes them, as it is told."""
+    for tmp in sorted(os.listdir(out_dir) if os.path.isdir(out_dir) else []):
+        if not (re.fullmatch(r'before-.+\.tmp', tmp) and os.path.isdir(os.path.join(out_dir, tmp))):
+            continue
+        for name in sorted(os.listdir(os.path.join(out_dir, tmp))):
+            if not os.path.lexists(os.path.join(out_dir, name)):  # (none is there twice: it moved, or it did not)
+                os.rename(os.path.join(out_dir, tmp, name), os.path.join(out_dir, name))
+        if not os.listdir(os.path.join(out_dir, tmp)):
+            os.rmdir(os.path.join(out_dir, tmp))
+        print(f"a start over {out_dir} was killed while it moved an earlier run's saved states into "
+              f"{os.path.join(out_dir, tmp)}: put back in {out_dir}, as they were", flush=True)
 
 
 def unused(path):

@@ -745,6 +745,42 @@ def test_a_run_started_afresh_over_another_keeps_that_runs_states_whole_beside_i
     assert f'initializing from the weights of {out / f"before-{third}"}' in p.stdout, p.stdout[-2000:]
 
 
+KILLED_MIDWAY = '''import os, runpy, sys
+moved, real = [], os.rename
+def rename(src, dst):  # dies as a SIGKILL would, with two of the earlier run's names moved aside
+    if os.path.basename(os.path.dirname(dst)).startswith('before-'):
+        moved.append(dst)
+        if len(moved) == 3:
+            os._exit(9)
+    real(src, dst)
+os.rename = rename
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))  # the repo, as for the script run alone
+runpy.run_path(sys.argv[0], run_name='__main__')
+'''
+
+
+def test_a_start_killed_as_it_keeps_an_earlier_run_leaves_that_run_whole(tmp_path, data_dir, shared_run):
+    # it left the run in two parts, before-RUN_ID/ and out_dir: a resume went on without its best.pt, and the next
+    # fresh start kept the rest in a second folder, before-RUN_ID.2/
+    shutil.copytree(shared_run('train.py', *ARGS), tmp_path / 'run')
+    out, killed = tmp_path / 'run', tmp_path / 'killed_midway.py'
+    killed.write_text(KILLED_MIDWAY)
+    earlier, before = (out / 'run_id').read_text().strip(), files(out)
+    afresh = [*TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}', *ARGS, '--max_iters=6',
+              '--auto_resume=False']
+    assert run(killed, REPO / 'train.py', *afresh, cwd=tmp_path, check=False).returncode == 9
+    assert not (out / 'best.pt').exists()  # killed midway
+    p = start(tmp_path, data_dir, out, '--max_iters=10')  # a resume, as if that start had never begun
+    assert f"resuming from {out / 'ckpt.pt'} at iter 10" in p.stdout
+    assert not list(out.glob('before-*')) and files(out).keys() == before.keys()
+    assert f"put back in {out}, as they were" in p.stdout
+    before = files(out)
+    assert run(killed, REPO / 'train.py', *afresh, cwd=tmp_path, check=False).returncode == 9
+    start(tmp_path, data_dir, out, '--max_iters=6', '--auto_resume=False')  # the same start again: kept whole
+    assert [f.name for f in out.glob('before-*')] == [f'before-{earlier}'] and files(out / f'before-{earlier}') == before
+
+
 def test_an_export_folder_or_a_run_file_that_is_a_folder_is_refused_at_the_start(tmp_path, data_dir):
     """A folder holding a Hugging Face export: its config.json is no run's, and a run would write over it. A run_id
     that is a folder: the first save of the run's records would fail after a model was built and evaluated."""
