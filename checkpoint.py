@@ -1420,12 +1420,12 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
                          f"(its newest state)" + (", or one of those step folders" if name == 'dcp' else ""))
             path = parent  # ZeRO's shards alone: what the run folder needs is said below
         folder = path if os.path.isdir(path) else find_checkpoint(path)  # or the one a latest or best file names
-        run, kind = os.path.split(os.path.dirname(os.path.normpath(folder)))
+        run, kind = os.path.dirname(os.path.dirname(os.path.normpath(folder))), step_folder_kind(folder)
         # ds_train.py run again with it writes the export of the state it resumes (at once where the run is finished)
         export = lambda run: (f"`ds_train.py --out_dir={run} --save_consolidated=True`, with the run's other flags "
                               f"and ranks, writes {os.path.join(run, 'ckpt.pt')}: at once where the run has finished, "
                               f"else at its next save")
-        if os.path.isdir(folder) and kind in ('ds', 'decent'):  # their step folders: ZeRO's shards, or the replicas
+        if kind:  # their step folders: ZeRO's shards, or the replicas
             run, best = run or '.', os.path.basename(os.path.normpath(folder)).startswith('best')
             what = f"{kind}_train.py, which only it resumes"
             if not os.path.exists(os.path.join(run, 'best.pt' if best else 'ckpt.pt')):  # ds: save_consolidated=False
@@ -1467,6 +1467,21 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
     model, checkpoint, path = newer_state(path, model, checkpoint, dropout)
     finite_or_exit(model, path)
     return model, checkpoint, find_checkpoint(path)
+
+
+def step_folder_kind(folder):
+    """'ds' or 'decent' where folder is a step folder of ds_train.py or decent_train.py, as what it holds tells (ZeRO's
+    model states, the replicas' rank-R.pt) or, for one cut short, its name in their folder of step folders; else None.
+    A run folder that lies in a folder named ds or decent (--out_dir=runs/ds/a) is no step folder."""
+    if not os.path.isdir(folder):
+        return None
+    names, (kind, name) = os.listdir(folder), os.path.split(os.path.normpath(folder))
+    if any(n.endswith('model_states.pt') for n in names):
+        return 'ds'
+    if any(re.fullmatch(r'rank-\d+\.pt', n) for n in names):
+        return 'decent'
+    kind = os.path.basename(kind)
+    return kind if kind in ('ds', 'decent') and re.fullmatch(r'(best-)?step-\d+', name) else None
 
 
 def newer_state(path, model, checkpoint, dropout):

@@ -150,6 +150,36 @@ def test_a_folder_of_step_folders_names_its_run_folder(tmp_path):
     assert msg.startswith(f"error: {tmp_path / 'ds'} holds ds_train.py's step folders but no ckpt.pt"), msg
 
 
+def test_a_run_folder_named_ds_dcp_or_decent_or_in_one_so_named_is_read_as_a_run_folder(char_run, tmp_path):
+    """An out_dir named as a folder of step folders (x/dcp), or lying in one so named (runs/ds/a): the tools read it
+    as the run folder it is, as what it holds tells, never as step folders or a step folder by the name."""
+    named = tmp_path / 'dcp'
+    shutil.copytree(char_run, named, symlinks=True)
+    meta = f"--meta_path={named / 'data' / 'shakespeare_char' / 'meta.pkl'}"
+    p = run('sample.py', f'--out_dir={named}', '--device=cpu', '--num_samples=1', '--max_new_tokens=5', meta,
+            cwd=tmp_path)
+    assert p.stdout.strip() and not p.stderr
+    run('export_hf.py', f'--ckpt={named}', f'--out={tmp_path / "hf"}', cwd=tmp_path)
+    assert (tmp_path / 'hf' / 'model.safetensors').exists()
+    # a file of it is no latest file: it was taken for one, and for a checkpoint of this repo to give to --ckpt
+    msg = one_line_error(run('eval_hellaswag.py', f"--init_from={named / 'config.json'}", cwd=tmp_path, check=False))
+    assert msg.startswith(f"error: {named / 'config.json'} is a file, and --init_from takes a Hugging Face folder"), msg
+    # runs in folders named ds and decent: one killed before its first save, one of ds_train.py's shards alone
+    # (save_consolidated=False); each was "a step folder of ds_train.py (decent_train.py), and runs holds no whole
+    # model beside it"
+    killed, shards = tmp_path / 'ds' / 'killed', tmp_path / 'decent' / 'shards'
+    (killed).mkdir(parents=True)
+    (killed / 'run_id').write_text(f'test-{uuid.uuid4().hex}')
+    (shards / 'ds' / 'step-00000002').mkdir(parents=True)
+    (shards / 'ds' / 'latest').write_text('step-00000002')
+    for script, flags in (('sample.py', ['--device=cpu', '--init_from=']), ('export_hf.py', ['--out=x', '--ckpt='])):
+        msg = one_line_error(run(script, *flags[:-1], flags[-1] + str(killed), cwd=tmp_path, check=False))
+        assert msg.startswith(f"error: no checkpoint at {killed / 'ckpt.pt'}: "), msg
+        msg = one_line_error(run(script, *flags[:-1], flags[-1] + str(shards), cwd=tmp_path, check=False))
+        assert msg.startswith(f"error: {shards} holds ds_train.py's step folders but no ckpt.pt"), msg
+    assert not (tmp_path / 'x').exists()
+
+
 NO_GPU = 'cuda' if not torch.cuda.is_available() else f'cuda:{torch.cuda.device_count()}'
 
 
