@@ -202,7 +202,7 @@ open(os.path.join(path, 'marker'), 'w').close()  # gone if the folder is removed
 save_dcp({'w': torch.arange(4.0)}, extra, path, None)  # resumed from a memory snapshot of step 4: its first eval
 wait_for_saves()
 print('kept' if os.path.exists(os.path.join(path, 'marker')) else 'rewritten')
-save_dcp({'w': torch.arange(4.0)}, {**extra, 'val_loss': 1.0}, path, None, best=True)  # a new best: its val loss
+save_dcp({'w': torch.arange(4.0)}, {**extra, 'val_loss': 1.0}, path, None, best=True)  # a new best: its extra.pt
 wait_for_saves()
 print('kept' if os.path.exists(os.path.join(path, 'marker')) else 'rewritten')
 os.remove(os.path.join(path, '.metadata'))  # a save cut short: written again
@@ -215,10 +215,11 @@ dist.destroy_process_group()
 
 def test_a_save_to_the_step_of_a_whole_dcp_folder_of_the_run_keeps_it(tmp_path):
     # a run killed after its step-4 folder and its memory snapshot of step 4, resumed from the snapshot: its first
-    # eval left the folder that latest names removed while it wrote it again
+    # eval left the folder that latest names removed while it wrote it again (also where that eval was a new best,
+    # whose extra.pt, with its val loss, is now the one file written)
     (tmp_path / 'save_twice.py').write_text(SAVE_TWICE)
     p = run(tmp_path / 'save_twice.py', tmp_path, REPO, cwd=tmp_path)
-    assert [line for line in p.stdout.splitlines() if not line.startswith('saving')] == ['kept', 'rewritten', 'whole']
+    assert [line for line in p.stdout.splitlines() if not line.startswith('saving')] == ['kept', 'kept', 'whole']
     assert (tmp_path / 'dcp' / 'latest').read_text() == 'step-00000004'
     assert torch.load(tmp_path / 'dcp' / 'best-step-00000004' / 'extra.pt', weights_only=True)['val_loss'] == 1.0
 
