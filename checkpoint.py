@@ -1277,7 +1277,9 @@ def put_back_earlier_run(out_dir):
         if not (re.fullmatch(r'before-.+\.tmp', tmp) and os.path.isdir(os.path.join(out_dir, tmp))):
             continue
         for name in sorted(os.listdir(os.path.join(out_dir, tmp))):
-            if not os.path.lexists(os.path.join(out_dir, name)):  # (none is there twice: it moved, or it did not)
+            # only what keep_earlier_run moves, and none that is there twice (each moved, or did not)
+            ours = RUN_NAMES.fullmatch(name) or name.startswith('snapshots.before-')
+            if ours and not os.path.lexists(os.path.join(out_dir, name)):
                 os.rename(os.path.join(out_dir, tmp, name), os.path.join(out_dir, name))
         if not os.listdir(os.path.join(out_dir, tmp)):
             os.rmdir(os.path.join(out_dir, tmp))
@@ -1428,9 +1430,13 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
         if kind:  # their step folders: ZeRO's shards, or the replicas
             run, best = run or '.', os.path.basename(os.path.normpath(folder)).startswith('best')
             what = f"{kind}_train.py, which only it resumes"
-            if not os.path.exists(os.path.join(run, 'best.pt' if best else 'ckpt.pt')):  # ds: save_consolidated=False
-                sys.exit(f"error: {folder} is a step folder of {what}, and {run} holds no whole model beside it "
-                         f"(save_consolidated=False): {export(run)}")
+            # ds: save_consolidated=False; decent_train.py exports at every save, and this one did not complete
+            how = f"(save_consolidated=False): {export(run)}" if kind == 'ds' else \
+                f"(its export did not complete): give this step's rank-R.pt (one replica), or continue the run " \
+                f"with `decent_train.py --out_dir={run}` (its other flags and ranks as before), which exports at " \
+                f"its next save"
+            if not os.path.exists(os.path.join(run, 'best.pt' if best else 'ckpt.pt')):
+                sys.exit(f"error: {folder} is a step folder of {what}, and {run} holds no whole model beside it {how}")
             whole = f"give its best, {os.path.join(run, 'best.pt')}" if best else \
                 f"give the run folder {run} (its newest, ckpt.pt" + \
                 (", the replicas averaged, or DiLoCo's global model; or this step's rank-R.pt, one replica)"

@@ -94,9 +94,12 @@ def save_dcp(state, extra, path, resume_path, keep=2, best=False):
     dist.broadcast(whole, src=0, group=_checkpoint_group)  # rank 0's look: every rank has to take the same way
     if whole.item():
         if dist.get_rank() == 0:
-            if best:
-                atomic_save(extra, os.path.join(path, 'extra.pt'))  # a new file: best-step-N's link keeps the old
-            point_latest(path, keep=keep, best=best)  # in case the kill came before the folder was pointed at
+            try:
+                if best:
+                    atomic_save(extra, os.path.join(path, 'extra.pt'))  # a new file: best-step-N's link keeps the old
+                point_latest(path, keep=keep, best=best)  # in case the kill came before the folder was pointed at
+            except OSError as e:  # a full disk: the run stops at the next agreement, the folder as it was
+                note_failure([path], e)
         return
     begun = torch.tensor([1], dtype=torch.int32)
     if dist.get_rank() == 0:

@@ -120,6 +120,13 @@ def test_a_step_folder_of_ds_or_decent_names_a_whole_model_that_is_there(tmp_pat
                         f"finished, else at its next save"), msg  # it said: give the run folder (its ckpt.pt): none
     msg = one_line_error(run('sample.py', f'--init_from={best}', '--device=cpu', cwd=tmp_path, check=False))
     assert msg.endswith(f": give its best, {tmp_path / 'run' / 'best.pt'}"), msg  # not its newest, ckpt.pt
+    # decent_train.py's, whose export did not complete: it was told to run ds_train.py --save_consolidated=True
+    replicas = tmp_path / 'run' / 'decent' / 'step-00000004'
+    replicas.mkdir()
+    msg = one_line_error(run('sample.py', f'--init_from={replicas}', '--device=cpu', cwd=tmp_path, check=False))
+    assert msg.endswith(f"holds no whole model beside it (its export did not complete): give this step's rank-R.pt "
+                        f"(one replica), or continue the run with `decent_train.py --out_dir={tmp_path / 'run'}` (its "
+                        f"other flags and ranks as before), which exports at its next save"), msg
     # RUN/best, which names a run's best in every tool, of that ds_train.py run: it has no best.pt (it said: unknown
     # init_from, use resume, best, gpt2, ...)
     (step.parent / 'latest').write_text(step.name)

@@ -781,6 +781,17 @@ def test_a_start_killed_as_it_keeps_an_earlier_run_leaves_that_run_whole(tmp_pat
     assert [f.name for f in out.glob('before-*')] == [f'before-{earlier}'] and files(out / f'before-{earlier}') == before
 
 
+def test_only_what_keep_earlier_run_moves_is_put_back(tmp_path):
+    # a folder of the user's own named before-*.tmp is no half-kept run: nothing of it leaves
+    from checkpoint import put_back_earlier_run
+    (tmp_path / 'before-abc.tmp').mkdir()
+    for name in ('ckpt.pt', 'notes.txt'):
+        (tmp_path / 'before-abc.tmp' / name).write_text(name)
+    put_back_earlier_run(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ['before-abc.tmp', 'ckpt.pt']
+    assert os.listdir(tmp_path / 'before-abc.tmp') == ['notes.txt']
+
+
 def test_an_export_folder_or_a_run_file_that_is_a_folder_is_refused_at_the_start(tmp_path, data_dir):
     """A folder holding a Hugging Face export: its config.json is no run's, and a run would write over it. A run_id
     that is a folder: the first save of the run's records would fail after a model was built and evaluated."""
