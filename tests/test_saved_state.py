@@ -778,7 +778,8 @@ def test_a_start_killed_as_it_keeps_an_earlier_run_leaves_that_run_whole(tmp_pat
     before = files(out)
     assert run(killed, REPO / 'train.py', *afresh, cwd=tmp_path, check=False).returncode == 9
     start(tmp_path, data_dir, out, '--max_iters=6', '--auto_resume=False')  # the same start again: kept whole
-    assert [f.name for f in out.glob('before-*')] == [f'before-{earlier}'] and files(out / f'before-{earlier}') == before
+    assert [f.name for f in out.glob('before-*')] == [f'before-{earlier}']
+    assert files(out / f'before-{earlier}') == before
 
 
 def test_only_what_keep_earlier_run_moves_is_put_back(tmp_path):
