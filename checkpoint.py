@@ -55,10 +55,12 @@ def find_checkpoint(path):
         pointer, best_pt = os.path.join(run, 'dcp', 'best'), os.path.join(run, 'best.pt')
         if not os.path.exists(pointer):
             return best_pt
-        name = _named(pointer, r'best-step-\d+', 'best-step-N')
+        # (step-N: the step folder itself, which it names while a save of that step as the best again replaces
+        # best-step-N, point_latest)
+        name = _named(pointer, r'(best-)?step-\d+', 'best-step-N')
         # both, where one entrypoint continued another's run: the newer is the better (a best replaces one only
         # for a lower val loss, and a resumed run carries that loss on)
-        return best_pt if _saved_iter(best_pt) >= int(name[10:]) else os.path.join(run, 'dcp', name)
+        return best_pt if _saved_iter(best_pt) >= int(name.split('-')[-1]) else os.path.join(run, 'dcp', name)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, 'extra.pt')):
         latest = os.path.join(path, 'dcp', 'latest')
         # a step folder is complete once it holds .metadata, which DCP writes last: one newer than latest names (the
@@ -455,9 +457,14 @@ def load_failed(path, e, out_dir, eval_only):
     restored, or another one evaluated)."""
     if eval_only:
         pruned_under_eval(path, out_dir)
-    fix = "restore a good copy to evaluate it, or evaluate another checkpoint with --init_from" if eval_only else \
+    sys.exit(f"error: checkpoint {path} does not fit this model ({reason(e)}): {aside_or_restore(eval_only)}")
+
+
+def aside_or_restore(eval_only):
+    """The fix for a run's checkpoint that does not load. Not, for an eval, to move it aside: the eval would then
+    score a new, untrained model (or the version before), as if it were the run's."""
+    return "restore a good copy to evaluate it, or evaluate another checkpoint with --init_from" if eval_only else \
         "move it aside (mv, to a name of your own) or restore a good copy"
-    sys.exit(f"error: checkpoint {path} does not fit this model ({reason(e)}): {fix}")
 
 
 def _complete(folder):
@@ -768,26 +775,33 @@ def point_latest(folder, iter_of=None, keep=2, best=False):
     the fallbacks should this one ever turn out damaged. Newer ones (a save cut short, or one passed over as damaged
     at a resume) are left alone: another rank may be writing the next one already, and a save to the same step
     replaces them. With best, the folder is also kept as best-step-N (hard links: never pruned, nor changed by a
-    later save to step-N), which the best file names, in place of the best before."""
+    later save to step-N), which the best file names, in place of the best before. The best file names a whole
+    folder at every moment: while best-step-N of a step saved as the best again is replaced, the step folder itself."""
     root, name = os.path.split(folder)
     write_name(os.path.join(root, 'latest'), name)
     if best:
-        before = read_name(os.path.join(root, 'best'))
-        if os.path.exists(os.path.join(root, 'best.tmp')):
-            shutil.rmtree(os.path.join(root, 'best.tmp'))  # our own temporary name, left by a crash
+        before, tmp, kept_as = read_name(os.path.join(root, 'best')), os.path.join(root, 'best.tmp'), \
+            os.path.join(root, 'best-' + name)
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)  # our own temporary name, left by a crash
+        if os.path.exists(kept_as):  # the step saved as the best again: no rename replaces a folder that holds files,
+            write_name(os.path.join(root, 'best'), name)  # so best names the same state, whole, while it is replaced
         try:
-            shutil.copytree(folder, os.path.join(root, 'best.tmp'), copy_function=same_file)
+            shutil.copytree(folder, tmp, copy_function=same_file)
         except BaseException:
-            shutil.rmtree(os.path.join(root, 'best.tmp'), ignore_errors=True)  # copies that did not fit (no links)
+            shutil.rmtree(tmp, ignore_errors=True)  # copies that did not fit (no links)
             raise
-        shutil.rmtree(os.path.join(root, 'best-' + name), ignore_errors=True)
-        os.replace(os.path.join(root, 'best.tmp'), os.path.join(root, 'best-' + name))
+        shutil.rmtree(kept_as, ignore_errors=True)
+        os.replace(tmp, kept_as)
         write_name(os.path.join(root, 'best'), 'best-' + name)
-        # a better one has taken its place; a name read from a file never leads out of its folder
-        if before and before != 'best-' + name and re.fullmatch(r'best-step-\d+', before):
-            shutil.rmtree(os.path.join(root, before), ignore_errors=True)
-    fallbacks = 0
-    for old in sorted((f for f in os.listdir(root) if f.startswith('step-') and f < name), reverse=True):
+        # a better one has taken its place (or a crash mid-replacement left its copy, named step-N in best); a name
+        # read from a file never leads out of its folder
+        stale = before and 'best-' + before.removeprefix('best-')
+        if stale and stale != 'best-' + name and re.fullmatch(r'best-step-\d+', stale):
+            shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
+    fallbacks, named = 0, read_name(os.path.join(root, 'best'))
+    # (a step folder that best names, after a crash mid-replacement, is the best: kept until a better one comes)
+    for old in sorted((f for f in os.listdir(root) if f.startswith('step-') and f < name and f != named), reverse=True):
         if fallbacks < keep - 1:
             try:
                 if (iter_of or checkpoint_iter)(os.path.join(root, old)) is not None:
@@ -989,6 +1003,10 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     theirs = []  # the names of those in it, on the node's first rank
     busy = None  # where a live run of a copy of this run's folder holds that folder: who
     first = int(os.environ.get('LOCAL_RANK', 0)) == 0
+    if not eval_only:  # (an eval holds no out_dir, and writes nothing there)
+        if rank == 0:
+            put_back_earlier_run(out_dir)
+        dist.barrier()  # before any rank reads out_dir
     # an eval of another model is no resume; an eval of out_dir (init_from=scratch) is one of its newest state
     wanted = init_from == 'resume' or (auto_resume and (not eval_only or init_from == 'scratch'))
     run_id_path = os.path.join(out_dir, 'run_id')
@@ -1091,14 +1109,11 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                  f"{script} does not read: continue the run with `{writer} --out_dir={out_dir}` (under torchrun as "
                  f"before) and let it save a checkpoint to {out_dir} (SIGTERM does) before switching, or start "
                  f"afresh with --auto_resume=False (the snapshots are then kept in {out_dir})")
-    if resume_from is None and damaged and eval_only:  # moved aside, it would leave an untrained model to evaluate
-        path, why = damaged[0]
-        sys.exit(f"error: checkpoint {path} is corrupt or not a training checkpoint ({why}): restore a good copy to "
-                 f"evaluate it, or evaluate another checkpoint with --init_from")
     if resume_from is None and damaged:
         path, why = damaged[0]
-        sys.exit(f"error: checkpoint {path} is corrupt or not a training checkpoint ({why}): move it aside (mv, to a "
-                 f"name of your own) or restore a good copy (or start afresh over it with --auto_resume=False)")
+        afresh = "" if eval_only else " (or start afresh over it with --auto_resume=False)"
+        sys.exit(f"error: checkpoint {path} is corrupt or not a training checkpoint ({why}): "
+                 f"{aside_or_restore(eval_only)}{afresh}")
     if resume_from is None and init_from == 'resume':
         sys.exit(f"error: no checkpoint at {where}: point --out_dir at a run's folder, or use --init_from=scratch")
     # the copy's snapshots share this run's folder in /dev/shm: this run's saves would replace them and its end
@@ -1239,12 +1254,37 @@ def keep_earlier_run(out_dir, earlier):
         if os.path.isdir(out_dir) else []
     if not any(n not in ('run_id', 'config.json', 'metrics.jsonl') for n in names):
         return
-    kept_as = unused(os.path.join(out_dir, f"before-{earlier or time.strftime('%Y%m%d-%H%M%S')}"))
-    os.mkdir(kept_as)
+    kept_as = base = os.path.join(out_dir, f"before-{earlier or time.strftime('%Y%m%d-%H%M%S')}")
+    n = 1
+    while os.path.lexists(kept_as) or os.path.lexists(kept_as + '.tmp'):
+        n += 1
+        kept_as = f'{base}.{n}'
+    # into a folder of a temporary name, renamed once they are all in: the run moves whole or not at all (a start
+    # killed midway leaves the .tmp, which the next one puts back, put_back_earlier_run)
+    os.mkdir(kept_as + '.tmp')
     for name in names:
-        os.rename(os.path.join(out_dir, name), os.path.join(kept_as, name))
+        os.rename(os.path.join(out_dir, name), os.path.join(kept_as + '.tmp', name))
+    os.rename(kept_as + '.tmp', kept_as)
     print(f"{out_dir} holds an earlier run's saved states: kept, as they were, in {kept_as}", flush=True)
     return os.path.abspath(kept_as), names
+
+
+def put_back_earlier_run(out_dir):
+    """A start killed while keep_earlier_run moved an earlier run's saved states left that run in two parts, in
+    out_dir/before-RUN_ID.tmp/ and out_dir, which no resume or tool reads as the run: they go back where they were,
+    as if that start had never begun, and this start keeps them whole, or resumes them, as it is told."""
+    for tmp in sorted(os.listdir(out_dir) if os.path.isdir(out_dir) else []):
+        if not (re.fullmatch(r'before-.+\.tmp', tmp) and os.path.isdir(os.path.join(out_dir, tmp))):
+            continue
+        for name in sorted(os.listdir(os.path.join(out_dir, tmp))):
+            # only what keep_earlier_run moves, and none that is there twice (each moved, or did not)
+            ours = RUN_NAMES.fullmatch(name) or name.startswith('snapshots.before-')
+            if ours and not os.path.lexists(os.path.join(out_dir, name)):
+                os.rename(os.path.join(out_dir, tmp, name), os.path.join(out_dir, name))
+        if not os.listdir(os.path.join(out_dir, tmp)):
+            os.rmdir(os.path.join(out_dir, tmp))
+        print(f"a start over {out_dir} was killed while it moved an earlier run's saved states into "
+              f"{os.path.join(out_dir, tmp)}: put back in {out_dir}, as they were", flush=True)
 
 
 def unused(path):
@@ -1382,17 +1422,21 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
                          f"(its newest state)" + (", or one of those step folders" if name == 'dcp' else ""))
             path = parent  # ZeRO's shards alone: what the run folder needs is said below
         folder = path if os.path.isdir(path) else find_checkpoint(path)  # or the one a latest or best file names
-        run, kind = os.path.split(os.path.dirname(os.path.normpath(folder)))
+        run, kind = os.path.dirname(os.path.dirname(os.path.normpath(folder))), step_folder_kind(folder)
         # ds_train.py run again with it writes the export of the state it resumes (at once where the run is finished)
         export = lambda run: (f"`ds_train.py --out_dir={run} --save_consolidated=True`, with the run's other flags "
                               f"and ranks, writes {os.path.join(run, 'ckpt.pt')}: at once where the run has finished, "
                               f"else at its next save")
-        if os.path.isdir(folder) and kind in ('ds', 'decent'):  # their step folders: ZeRO's shards, or the replicas
+        if kind:  # their step folders: ZeRO's shards, or the replicas
             run, best = run or '.', os.path.basename(os.path.normpath(folder)).startswith('best')
             what = f"{kind}_train.py, which only it resumes"
-            if not os.path.exists(os.path.join(run, 'best.pt' if best else 'ckpt.pt')):  # ds: save_consolidated=False
-                sys.exit(f"error: {folder} is a step folder of {what}, and {run} holds no whole model beside it "
-                         f"(save_consolidated=False): {export(run)}")
+            # ds: save_consolidated=False; decent_train.py exports at every save, and this one did not complete
+            how = f"(save_consolidated=False): {export(run)}" if kind == 'ds' else \
+                f"(its export did not complete): give this step's rank-R.pt (one replica), or continue the run " \
+                f"with `decent_train.py --out_dir={run}` (its other flags and ranks as before), which exports at " \
+                f"its next save"
+            if not os.path.exists(os.path.join(run, 'best.pt' if best else 'ckpt.pt')):
+                sys.exit(f"error: {folder} is a step folder of {what}, and {run} holds no whole model beside it {how}")
             whole = f"give its best, {os.path.join(run, 'best.pt')}" if best else \
                 f"give the run folder {run} (its newest, ckpt.pt" + \
                 (", the replicas averaged, or DiLoCo's global model; or this step's rank-R.pt, one replica)"
@@ -1429,6 +1473,21 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
     model, checkpoint, path = newer_state(path, model, checkpoint, dropout)
     finite_or_exit(model, path)
     return model, checkpoint, find_checkpoint(path)
+
+
+def step_folder_kind(folder):
+    """'ds' or 'decent' where folder is a step folder of ds_train.py or decent_train.py, as what it holds tells (ZeRO's
+    model states, the replicas' rank-R.pt) or, for one cut short, its name in their folder of step folders; else None.
+    A run folder that lies in a folder named ds or decent (--out_dir=runs/ds/a) is no step folder."""
+    if not os.path.isdir(folder):
+        return None
+    names, (kind, name) = os.listdir(folder), os.path.split(os.path.normpath(folder))
+    if any(n.endswith('model_states.pt') for n in names):
+        return 'ds'
+    if any(re.fullmatch(r'rank-\d+\.pt', n) for n in names):
+        return 'decent'
+    kind = os.path.basename(kind)
+    return kind if kind in ('ds', 'decent') and re.fullmatch(r'(best-)?step-\d+', name) else None
 
 
 def newer_state(path, model, checkpoint, dropout):
@@ -1568,8 +1627,8 @@ def create_model(resume_path, read, init_from, model_args, config, given):
         except Exception as e:
             if config.get('eval_only'):
                 pruned_under_eval(resume_path, config['out_dir'])
-            sys.exit(f"error: checkpoint {resume_path} is corrupt or not a training checkpoint ({reason(e)}): move "
-                     f"it aside (mv, to a name of your own) or restore a good copy")
+            sys.exit(f"error: checkpoint {resume_path} is corrupt or not a training checkpoint ({reason(e)}): "
+                     f"{aside_or_restore(config.get('eval_only'))}")
     elif init_from in PRETRAINED:
         print0(f"initializing from OpenAI GPT-2 weights: {init_from}")
         model = pretrained_or_exit(init_from, model_args['dropout'])

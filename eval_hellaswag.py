@@ -53,8 +53,11 @@ if init_from:
         ours = init_from not in PRETRAINED and (os.path.isfile(init_from) or os.path.exists(find_checkpoint(init_from)))
     except ValueError:  # a dcp/latest that names no step folder: a run folder all the same
         ours = True
-    kind = os.path.basename(os.path.dirname(os.path.normpath(init_from)))  # dcp for a dcp/latest file: ours
-    if os.path.isfile(init_from) and not init_from.endswith('.pt') and kind not in ('dcp', 'ds', 'decent'):
+    try:  # a latest or best file beside a run's step folders, which names one: ours (a run folder named ds is not)
+        pointer = find_checkpoint(init_from) != init_from
+    except ValueError:
+        pointer = True
+    if os.path.isfile(init_from) and not init_from.endswith('.pt') and not pointer:
         # a Hugging Face folder's file, say
         sys.exit(f"error: {init_from} is a file, and --init_from takes a Hugging Face folder: give the folder that "
                  f"holds it, --init_from={os.path.dirname(init_from) or '.'}, or a checkpoint of this repo with --ckpt")

@@ -55,9 +55,9 @@ def saved_shape(path):
     try:
         ckpt = find_checkpoint(path)
         # a ds_train.py run saved with save_consolidated=False has no ckpt.pt, nor has a folder of step folders
-        # (RUN/ds, RUN/dcp, RUN/decent): the step folder that its latest names has the shape
-        kind = os.path.basename(os.path.normpath(path)) in ('ds', 'dcp', 'decent')
-        for latest in [os.path.join(path, 'ds', 'latest')] + [os.path.join(path, 'latest')] * kind:
+        # (RUN/ds, RUN/dcp, RUN/decent): the step folder that its latest names has the shape (a run folder of
+        # any name holds no latest file of its own)
+        for latest in (os.path.join(path, 'ds', 'latest'), os.path.join(path, 'latest')):
             if not os.path.exists(ckpt) and os.path.isfile(latest):
                 ckpt = find_checkpoint(latest)
     except ValueError as e:  # a latest or best file that names no step folder

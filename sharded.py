@@ -108,14 +108,20 @@ def save_dcp(state, extra, path, resume_path, keep=2, best=False):
     if _checkpoint_group is None:
         _checkpoint_group = dist.new_group(backend='gloo')
     # A run resumed from a memory snapshot of the step of a whole folder here (saved, then killed) holds it already:
-    # removed to be written again, it would leave latest naming a folder half-written until the new one is done.
-    # Not for a new best, whose extra.pt records its val loss (the folder may be of a save between evals).
-    whole = torch.tensor([dist.get_rank() == 0 and not best and os.path.isfile(os.path.join(path, '.metadata')) and
+    # removed to be written again, it would leave latest naming a folder half-written until the new one is done, and
+    # the step nowhere but in this node's RAM. A new best takes the new extra.pt alone, which records its val loss
+    # (the folder may be of a save between evals).
+    whole = torch.tensor([dist.get_rank() == 0 and os.path.isfile(os.path.join(path, '.metadata')) and
                           same_step(extra, os.path.join(path, 'extra.pt'))], dtype=torch.int32)
     dist.broadcast(whole, src=0, group=_checkpoint_group)  # rank 0's look: every rank has to take the same way
     if whole.item():
         if dist.get_rank() == 0:
-            point_latest(path, keep=keep)  # in case the kill came before the folder was pointed at
+            try:
+                if best:
+                    atomic_save(extra, os.path.join(path, 'extra.pt'))  # a new file: best-step-N's link keeps the old
+                point_latest(path, keep=keep, best=best)  # in case the kill came before the folder was pointed at
+            except OSError as e:  # a full disk: the run stops at the next agreement, the folder as it was
+                note_failure([path], e)
         return
     begun = torch.tensor([1], dtype=torch.int32)
     if dist.get_rank() == 0:

@@ -5,14 +5,17 @@ went bad, and its error names the last good state, from which the next run resum
 DCP folder of the run keeps that folder. One base run per entrypoint (10 steps, an eval every 2,
 keep_checkpoints=3) is shared by the tests."""
 
+import os
 import re
 import shutil
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
-from checkpoint import load_checkpoint
+from checkpoint import load_checkpoint, point_latest
 from conftest import REPO, counts_tokens, one_line_error, run
+from model import GPT, GPTConfig
 from test_fault import KIND, final_weights, same_weights, tiny
 
 SCRIPTS = ['train.py', 'fsdp_train.py', 'pp_train.py', 'ds_train.py', 'decent_train.py']
@@ -200,7 +203,7 @@ open(os.path.join(path, 'marker'), 'w').close()  # gone if the folder is removed
 save_dcp({'w': torch.arange(4.0)}, extra, path, None)  # resumed from a memory snapshot of step 4: its first eval
 wait_for_saves()
 print('kept' if os.path.exists(os.path.join(path, 'marker')) else 'rewritten')
-save_dcp({'w': torch.arange(4.0)}, {**extra, 'val_loss': 1.0}, path, None, best=True)  # a new best: its val loss
+save_dcp({'w': torch.arange(4.0)}, {**extra, 'val_loss': 1.0}, path, None, best=True)  # a new best: its extra.pt
 wait_for_saves()
 print('kept' if os.path.exists(os.path.join(path, 'marker')) else 'rewritten')
 os.remove(os.path.join(path, '.metadata'))  # a save cut short: written again
@@ -213,9 +216,49 @@ dist.destroy_process_group()
 
 def test_a_save_to_the_step_of_a_whole_dcp_folder_of_the_run_keeps_it(tmp_path):
     # a run killed after its step-4 folder and its memory snapshot of step 4, resumed from the snapshot: its first
-    # eval left the folder that latest names removed while it wrote it again
+    # eval left the folder that latest names removed while it wrote it again (also where that eval was a new best,
+    # whose extra.pt, with its val loss, is now the one file written)
     (tmp_path / 'save_twice.py').write_text(SAVE_TWICE)
     p = run(tmp_path / 'save_twice.py', tmp_path, REPO, cwd=tmp_path)
-    assert [line for line in p.stdout.splitlines() if not line.startswith('saving')] == ['kept', 'rewritten', 'whole']
+    assert [line for line in p.stdout.splitlines() if not line.startswith('saving')] == ['kept', 'kept', 'whole']
     assert (tmp_path / 'dcp' / 'latest').read_text() == 'step-00000004'
     assert torch.load(tmp_path / 'dcp' / 'best-step-00000004' / 'extra.pt', weights_only=True)['val_loss'] == 1.0
+
+
+@pytest.mark.filterwarnings('ignore:torch.distributed is disabled')  # DCP's note on a save in one process
+def test_a_crash_as_a_best_saved_again_is_replaced_leaves_best_naming_a_whole_folder(tmp_path, monkeypatch):
+    # a step saved as the best twice (resumed from its memory snapshot): best-step-N was removed before its new copy
+    # was renamed in, and a crash between left best naming a folder that was not there, for every tool and resume
+    args = dict(n_layer=1, n_head=1, n_embd=8, block_size=8, bias=False, vocab_size=16, dropout=0.0)
+    run_dir, dcp_dir = tmp_path / 'run', tmp_path / 'run' / 'dcp'
+
+    def save(step, val_loss):  # a step folder as fsdp_train.py writes it: DCP's shards and .metadata, and extra.pt
+        folder = dcp_dir / f'step-{step:08d}'
+        shutil.rmtree(folder, ignore_errors=True)
+        model = GPT(GPTConfig(**args))
+        dcp.save({'model': model.state_dict()}, checkpoint_id=str(folder), no_dist=True)
+        torch.save({'model_args': args, 'iter_num': step, 'val_loss': val_loss}, folder / 'extra.pt')
+        return str(folder), model
+    point_latest(save(4, 2.0)[0], best=True)
+    folder, model = save(4, 1.5)  # the same step again, a lower val loss
+    real = os.replace
+
+    def killed(src, dst):  # as the new copy is renamed in
+        if src.endswith('best.tmp') and os.path.isdir(src):
+            raise RuntimeError('killed')
+        real(src, dst)
+    monkeypatch.setattr(os, 'replace', killed)
+    with pytest.raises(RuntimeError, match='killed'):
+        point_latest(folder, best=True)
+    monkeypatch.undo()
+    for best in (run_dir / 'best', dcp_dir / 'best'):  # whole, and the new state
+        read, saved = load_checkpoint(str(best))
+        assert saved['val_loss'] == 1.5 and same_weights(read.state_dict(), model.state_dict())
+    # the run goes on: its saves prune no folder that best names, and the next best takes its place
+    for step in (6, 8):
+        point_latest(save(step, 3.0)[0], keep=2)
+    assert load_checkpoint(str(run_dir / 'best'))[1]['iter_num'] == 4
+    point_latest(save(10, 1.0)[0], keep=2, best=True)
+    assert sorted(p.name for p in dcp_dir.iterdir()) == ['best', 'best-step-00000010', 'latest', 'step-00000008',
+                                                         'step-00000010']
+    assert load_checkpoint(str(run_dir / 'best'))[1]['iter_num'] == 10

@@ -120,6 +120,13 @@ def test_a_step_folder_of_ds_or_decent_names_a_whole_model_that_is_there(tmp_pat
                         f"finished, else at its next save"), msg  # it said: give the run folder (its ckpt.pt): none
     msg = one_line_error(run('sample.py', f'--init_from={best}', '--device=cpu', cwd=tmp_path, check=False))
     assert msg.endswith(f": give its best, {tmp_path / 'run' / 'best.pt'}"), msg  # not its newest, ckpt.pt
+    # decent_train.py's, whose export did not complete: it was told to run ds_train.py --save_consolidated=True
+    replicas = tmp_path / 'run' / 'decent' / 'step-00000004'
+    replicas.mkdir()
+    msg = one_line_error(run('sample.py', f'--init_from={replicas}', '--device=cpu', cwd=tmp_path, check=False))
+    assert msg.endswith(f"holds no whole model beside it (its export did not complete): give this step's rank-R.pt "
+                        f"(one replica), or continue the run with `decent_train.py --out_dir={tmp_path / 'run'}` (its "
+                        f"other flags and ranks as before), which exports at its next save"), msg
     # RUN/best, which names a run's best in every tool, of that ds_train.py run: it has no best.pt (it said: unknown
     # init_from, use resume, best, gpt2, ...)
     (step.parent / 'latest').write_text(step.name)
@@ -148,6 +155,36 @@ def test_a_folder_of_step_folders_names_its_run_folder(tmp_path):
     msg = one_line_error(run('sample.py', f"--init_from={tmp_path / 'ds' / 'ds'}", '--device=cpu', cwd=tmp_path,
                              check=False))
     assert msg.startswith(f"error: {tmp_path / 'ds'} holds ds_train.py's step folders but no ckpt.pt"), msg
+
+
+def test_a_run_folder_named_ds_dcp_or_decent_or_in_one_so_named_is_read_as_a_run_folder(char_run, tmp_path):
+    """An out_dir named as a folder of step folders (x/dcp), or lying in one so named (runs/ds/a): the tools read it
+    as the run folder it is, as what it holds tells, never as step folders or a step folder by the name."""
+    named = tmp_path / 'dcp'
+    shutil.copytree(char_run, named, symlinks=True)
+    meta = f"--meta_path={named / 'data' / 'shakespeare_char' / 'meta.pkl'}"
+    p = run('sample.py', f'--out_dir={named}', '--device=cpu', '--num_samples=1', '--max_new_tokens=5', meta,
+            cwd=tmp_path)
+    assert p.stdout.strip() and not p.stderr
+    run('export_hf.py', f'--ckpt={named}', f'--out={tmp_path / "hf"}', cwd=tmp_path)
+    assert (tmp_path / 'hf' / 'model.safetensors').exists()
+    # a file of it is no latest file: it was taken for one, and for a checkpoint of this repo to give to --ckpt
+    msg = one_line_error(run('eval_hellaswag.py', f"--init_from={named / 'config.json'}", cwd=tmp_path, check=False))
+    assert msg.startswith(f"error: {named / 'config.json'} is a file, and --init_from takes a Hugging Face folder"), msg
+    # runs in folders named ds and decent: one killed before its first save, one of ds_train.py's shards alone
+    # (save_consolidated=False); each was "a step folder of ds_train.py (decent_train.py), and runs holds no whole
+    # model beside it"
+    killed, shards = tmp_path / 'ds' / 'killed', tmp_path / 'decent' / 'shards'
+    (killed).mkdir(parents=True)
+    (killed / 'run_id').write_text(f'test-{uuid.uuid4().hex}')
+    (shards / 'ds' / 'step-00000002').mkdir(parents=True)
+    (shards / 'ds' / 'latest').write_text('step-00000002')
+    for script, flags in (('sample.py', ['--device=cpu', '--init_from=']), ('export_hf.py', ['--out=x', '--ckpt='])):
+        msg = one_line_error(run(script, *flags[:-1], flags[-1] + str(killed), cwd=tmp_path, check=False))
+        assert msg.startswith(f"error: no checkpoint at {killed / 'ckpt.pt'}: "), msg
+        msg = one_line_error(run(script, *flags[:-1], flags[-1] + str(shards), cwd=tmp_path, check=False))
+        assert msg.startswith(f"error: {shards} holds ds_train.py's step folders but no ckpt.pt"), msg
+    assert not (tmp_path / 'x').exists()
 
 
 NO_GPU = 'cuda' if not torch.cuda.is_available() else f'cuda:{torch.cuda.device_count()}'

@@ -130,6 +130,24 @@ def test_an_eval_of_a_run_whose_checkpoints_are_all_damaged_is_told_to_restore_o
     assert files(run_dir) == before
 
 
+def test_an_eval_of_a_checkpoint_that_does_not_fit_the_model_is_told_to_restore_it(tmp_path, data_dir, shared_run):
+    # its weights do not fit the shape it was saved with (a file of another project, or edited): an eval was told
+    # to move it aside, and would then have scored the version before as the run's newest
+    run_dir = tmp_path / 'run'
+    shutil.copytree(shared_run('train.py', *ARGS), run_dir)
+    ckpt = torch.load(run_dir / 'ckpt.pt', weights_only=True)
+    ckpt['model']['lm_head.weight'] = ckpt['model']['lm_head.weight'][:, :-1]
+    (run_dir / 'ckpt.pt').unlink()  # a file of its own: best.pt is a link to it
+    torch.save(ckpt, run_dir / 'ckpt.pt')
+    before = files(run_dir)
+    error = one_line_error(start(tmp_path, data_dir, run_dir, '--eval_only=True', check=False))
+    assert error.startswith(f"error: checkpoint {run_dir / 'ckpt.pt'} is corrupt or not a training checkpoint (") \
+        and error.endswith("): restore a good copy to evaluate it, or evaluate another checkpoint with --init_from")
+    error = one_line_error(start(tmp_path, data_dir, run_dir, check=False))  # a resume may set it aside
+    assert error.endswith("): move it aside (mv, to a name of your own) or restore a good copy"), error
+    assert files(run_dir) == before
+
+
 def test_an_eval_whose_checkpoint_the_live_run_prunes_meanwhile_is_told_to_run_again(tmp_path):
     # an eval_only run reads a live run's newest step folder without holding out_dir; where the run saved two more
     # and pruned it during the read, the error called it corrupt and advised moving the live run's folder aside
@@ -725,6 +743,54 @@ def test_a_run_started_afresh_over_another_keeps_that_runs_states_whole_beside_i
     third = (out / 'run_id').read_text().strip()
     p = start(tmp_path, data_dir, out, '--max_iters=2', '--auto_resume=False', f'--init_from={out}', script=script)
     assert f'initializing from the weights of {out / f"before-{third}"}' in p.stdout, p.stdout[-2000:]
+
+
+KILLED_MIDWAY = '''import os, runpy, sys
+moved, real = [], os.rename
+def rename(src, dst):  # dies as a SIGKILL would, with two of the earlier run's names moved aside
+    if os.path.basename(os.path.dirname(dst)).startswith('before-'):
+        moved.append(dst)
+        if len(moved) == 3:
+            os._exit(9)
+    real(src, dst)
+os.rename = rename
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))  # the repo, as for the script run alone
+runpy.run_path(sys.argv[0], run_name='__main__')
+'''
+
+
+def test_a_start_killed_as_it_keeps_an_earlier_run_leaves_that_run_whole(tmp_path, data_dir, shared_run):
+    # it left the run in two parts, before-RUN_ID/ and out_dir: a resume went on without its best.pt, and the next
+    # fresh start kept the rest in a second folder, before-RUN_ID.2/
+    shutil.copytree(shared_run('train.py', *ARGS), tmp_path / 'run')
+    out, killed = tmp_path / 'run', tmp_path / 'killed_midway.py'
+    killed.write_text(KILLED_MIDWAY)
+    earlier, before = (out / 'run_id').read_text().strip(), files(out)
+    afresh = [*TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}', *ARGS, '--max_iters=6',
+              '--auto_resume=False']
+    assert run(killed, REPO / 'train.py', *afresh, cwd=tmp_path, check=False).returncode == 9
+    assert not (out / 'best.pt').exists()  # killed midway
+    p = start(tmp_path, data_dir, out, '--max_iters=10')  # a resume, as if that start had never begun
+    assert f"resuming from {out / 'ckpt.pt'} at iter 10" in p.stdout
+    assert not list(out.glob('before-*')) and files(out).keys() == before.keys()
+    assert f"put back in {out}, as they were" in p.stdout
+    before = files(out)
+    assert run(killed, REPO / 'train.py', *afresh, cwd=tmp_path, check=False).returncode == 9
+    start(tmp_path, data_dir, out, '--max_iters=6', '--auto_resume=False')  # the same start again: kept whole
+    assert [f.name for f in out.glob('before-*')] == [f'before-{earlier}']
+    assert files(out / f'before-{earlier}') == before
+
+
+def test_only_what_keep_earlier_run_moves_is_put_back(tmp_path):
+    # a folder of the user's own named before-*.tmp is no half-kept run: nothing of it leaves
+    from checkpoint import put_back_earlier_run
+    (tmp_path / 'before-abc.tmp').mkdir()
+    for name in ('ckpt.pt', 'notes.txt'):
+        (tmp_path / 'before-abc.tmp' / name).write_text(name)
+    put_back_earlier_run(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ['before-abc.tmp', 'ckpt.pt']
+    assert os.listdir(tmp_path / 'before-abc.tmp') == ['notes.txt']
 
 
 def test_an_export_folder_or_a_run_file_that_is_a_folder_is_refused_at_the_start(tmp_path, data_dir):
