@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
@@ -124,6 +125,34 @@ class Part(nn.Module):
         for block in t.h.values():
             x = block(x)
         return self.lm_head(t.ln_f(x)) if self.last else x
+
+
+def shard_stages(stages, raw_model, dp_mesh):
+    """FSDP across the pipelines (pp_train.py's dp_shard): each block a unit and each stage a root, sharded over the
+    dp mesh, whose parameters torch's schedules gather once a step and keep through its micro-batches, and whose
+    gradients they reduce-scatter after the step's last backward (not for every micro-batch). The GPT's head is tied
+    to the sharded embedding again where no stage of this rank holds it, so that its parameters' names stay the
+    GPT's own (a copy left behind would be one name too many in the optimizer's count)."""
+    for stage in stages:
+        for block in stage.transformer.h.values():
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
+        fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False)
+    raw_model.lm_head.weight = raw_model.transformer.wte.weight
+
+
+def check_snapshot_layout(checkpoint, path, layout, dp_shard, eval_only, out_dir):
+    """Exits with the flags that resume (or evaluate) a rank's memory snapshot where this run places other stages on
+    the rank (another schedule's placement, stages_per_rank or dp_shard) than the run that took it: a snapshot
+    holds only its rank's own stages, or their shards."""
+    saved = checkpoint.get('config', {})
+    shard = saved.get('dp_shard', False)
+    if (placement(saved.get('pp_schedule', '1f1b'), saved.get('stages_per_rank', 1)), shard) == (layout, dp_shard):
+        return
+    flags = (f"--pp_schedule={saved.get('pp_schedule')} --stages_per_rank={saved.get('stages_per_rank')}"
+             + (f" --dp_shard={shard}" if shard != dp_shard else ""))
+    sys.exit(f"error: the memory snapshot {path} holds the stages that {flags} place on this rank: " +
+             ("evaluate it with these flags" if eval_only else f"resume with these flags, and let it save a "
+              f"checkpoint to {out_dir} (SIGTERM does) before changing them"))
 
 
 def loss_fn(logits, targets):

@@ -25,7 +25,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
 
 from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, load_failed, previous,
@@ -37,8 +36,9 @@ from distributed import (agree, check_fits, finish, gather_rng, pick_device, res
                          skip_on_device, state_bytes, stop_signal, torchrun_env, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import saves_at_eval, skips_save
-from pipeline import (SCHEDULES, ZERO_BUBBLE, Forward, Part, clip, loss_fn, make_schedule, nearest_taken, placement,
-                     save_full, schedule_takes, sharded_state, stage_blocks, stage_ids, stage_rank, tied_grads_and_norm)
+from pipeline import (SCHEDULES, ZERO_BUBBLE, Forward, Part, check_snapshot_layout, clip, loss_fn, make_schedule,
+                      nearest_taken, placement, save_full, schedule_takes, shard_stages, sharded_state, stage_blocks,
+                      stage_ids, stage_rank, tied_grads_and_norm)
 from runlock import hold
 from runlog import ends_diverged, heed, open_log
 from seeds import start_tokens
@@ -250,14 +250,8 @@ model.to(device)
 if compile:
     for block in model.transformer.h.values():
         block.compile()  # in place, so parameter names (and checkpoints) stay the same
-if dp_shard:
-    # FSDP over dp: each block a unit, each stage a root, whose parameters the schedule gathers once a step and whose
-    # gradients it reduce-scatters after the step's last backward (not again for every micro-batch)
-    for stage in stages:
-        for block in stage.transformer.h.values():
-            fully_shard(block, mesh=mesh['dp'], reshard_after_forward=False)
-        fully_shard(stage, mesh=mesh['dp'], reshard_after_forward=False)
-    raw_model.lm_head.weight = t.wte.weight  # tied again where no stage here holds the head: the names stay the GPT's
+if dp_shard:  # FSDP across the pipelines: each block a unit, each stage a root
+    shard_stages(stages, raw_model, mesh['dp'])
 tied = model.transformer['wte'].weight if 'wte' in model.transformer else None  # one in effect
 tie_group = tie_groups[dp_rank] if tie_groups and (0 in ids or n_stages - 1 in ids) else None
 pp_group = mesh['pp'].get_group()
@@ -273,17 +267,8 @@ optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta
 # -----------------------------------------------------------------------------
 # checkpoint load: the rest of the state, so that the run continues exactly where it stopped
 if checkpoint is not None:
-    saved = checkpoint.get('config', {})
-    saved_shard = saved.get('dp_shard', False)
-    saved_layout = placement(saved.get('pp_schedule', '1f1b'), saved.get('stages_per_rank', 1)), saved_shard
-    flags = (f"--pp_schedule={saved.get('pp_schedule')} --stages_per_rank={saved.get('stages_per_rank')}"
-             + (f" --dp_shard={saved_shard}" if saved_shard != dp_shard else ""))
-    if is_snapshot(resume_path) and saved_layout != ((v, v_shape), dp_shard) and eval_only:
-        sys.exit(f"error: the memory snapshot {resume_path} holds the stages that {flags} place on this rank: "
-                 f"evaluate it with these flags")
-    if is_snapshot(resume_path) and saved_layout != ((v, v_shape), dp_shard):  # only its rank's own stages (shards)
-        sys.exit(f"error: the memory snapshot {resume_path} holds the stages that {flags} place on this rank: resume "
-                 f"with these flags, and let it save a checkpoint to {out_dir} (SIGTERM does) before changing them")
+    if is_snapshot(resume_path):  # a snapshot holds only its rank's own stages (or their shards)
+        check_snapshot_layout(checkpoint, resume_path, (v, v_shape), dp_shard, eval_only, out_dir)
     try:
         load_sharded_state(model, optimizer, checkpoint, resume_path, raw_model)
         take_settings(optimizer, config, given)
