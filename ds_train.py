@@ -323,6 +323,12 @@ if by_norm and not ds_cfg['zero_optimization'].get('compute_grad_norm', True):
         sys.exit(f"error: overflow_by_norm=True finds a non-finite gradient by the global norm, which {ds_config} "
                  f"turns off (compute_grad_norm): drop one of them")
     by_norm = False  # no norm to find it by: DeepSpeed's check of each gradient stays
+if by_norm and dtype == 'bfloat16' and ds_cfg['bf16'].get('check_grad_overflow', True) is False:
+    if 'overflow_by_norm' in given:  # in bf16 DeepSpeed reads the norm for a non-finite gradient only with that on
+        sys.exit(f"error: overflow_by_norm=True finds a non-finite gradient by the global norm, which DeepSpeed "
+                 f"reads in bf16 only with the check that {ds_config} turns off (check_grad_overflow): drop one of "
+                 f"them")
+    by_norm = False  # neither finds it: the run is as the file asks, not as the line below would say
 try:
     model, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_cfg)
 except ValueError as e:  # pydantic's errors about ds_config's settings among them: the class, the field, the reason

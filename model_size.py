@@ -119,6 +119,8 @@ if tp_size:  # one asked for by name is shown, or refused with the reason: never
             sys.exit(f"error: {key}={value} is not a multiple of tp_size={tp_size}: tensor parallelism splits it "
                      f"evenly; choose a tp_size that divides world_size, n_head and 4 * n_embd")
 
+if dp_shard and not pp_size:
+    sys.exit("error: dp_shard=True shards the stages of pp_train.py's pipelines: give --pp_size too")
 if pp_size:
     from pipeline import SCHEDULES, placement, stage_blocks, stage_ids  # stage_blocks: stages > layers, one line
     if pp_size < 1 or stages_per_rank < 1:
@@ -129,6 +131,9 @@ if pp_size:
     # a schedule not named keeps stages_per_rank as given
     v, v_shape = placement(pp_schedule, stages_per_rank) if 'pp_schedule' in given else (stages_per_rank, False)
     stage_blocks(0, pp_size * v, n_layer)
+    if dp_shard and (v_shape or pp_size == 1 and v > 1):  # as pp_train.py refuses them
+        sys.exit(f"error: dp_shard=True shards each stage on its own, and pp_train.py refuses a rank holding the first "
+                 f"and the last stage (pp_schedule={pp_schedule} at pp_size={pp_size}): use another schedule")
     if dp_shard and world_size % pp_size:
         sys.exit(f"error: dp_shard=True shards each stage over world_size / pp_size pipelines, and pp_size={pp_size} "
                  f"does not divide world_size={world_size}: give a world_size that it divides")

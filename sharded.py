@@ -73,8 +73,9 @@ def step_on_shards(optimizer):
     """optimizer.step() of a fused AdamW over sharded parameters, on each rank's own pieces of them (plain tensors,
     the same memory): the same kernels on the same numbers, past DTensor's dispatch of each list op, which on an
     H100 took the sharded step 4.46 ms of host time against 0.35 (tests/host_time.py). Its first step is
-    optimizer.step() itself, which makes the state (DTensors, as checkpoints keep it)."""
-    if not optimizer.state:
+    optimizer.step() itself, which makes the state (DTensors, as checkpoints keep it); so is any step in which a
+    parameter has a gradient and no state yet (none the step before): there it is made."""
+    if any(p.grad is not None and not optimizer.state.get(p) for g in optimizer.param_groups for p in g['params']):
         return optimizer.step()
     local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # to_local()'s autograd call costs the host
     for group in optimizer.param_groups:

@@ -212,6 +212,17 @@ def test_compiled_zero_stage_3_compiles_each_block_once_and_matches_train_py(ref
     assert_same_state(ref[0] / 'ckpt.pt', tmp_path / 'out' / 'ckpt.pt')
 
 
+def test_overflow_by_norm_where_deepspeed_reads_no_norm_for_it_is_a_one_line_error(tmp_path, data_dir):
+    # in bf16 DeepSpeed reads the global norm for a non-finite gradient only with its check of each gradient on: a
+    # file that turns that off leaves no norm to find one by (the run had said it was found by the norm alone)
+    (tmp_path / 'no_check.json').write_text(json.dumps({'bf16': {'check_grad_overflow': False}}))
+    p = launch('ds_train.py', tmp_path, data_dir, 'bad', '--overflow_by_norm=True', '--dtype=bfloat16', '--max_iters=1',
+               f'--ds_config={tmp_path / "no_check.json"}', check=False)
+    assert one_line_error(p).endswith(f"reads in bf16 only with the check that {tmp_path / 'no_check.json'} turns "
+                                      f"off (check_grad_overflow): drop one of them")
+    assert not (tmp_path / 'bad' / 'ds').exists()
+
+
 def test_bad_input(tmp_path, data_dir, stages):
     def fails(*args):
         return one_line_error(launch('ds_train.py', tmp_path, data_dir, 'bad', *args, check=False))

@@ -133,6 +133,24 @@ def test_adamw_stepped_on_each_ranks_shards_is_the_same_step(tmp_path, data_dir,
     assert read_metrics(tmp_path / 'run')[0] == fsdp2[1]
 
 
+def test_adamw_on_shards_gives_a_parameter_its_state_at_its_first_gradient_as_the_optimizer_does():
+    # a parameter without a gradient at the first step has no state after it; step_on_shards, which reads the
+    # state, leaves the step that first gives it a gradient to optimizer.step(), which makes it (a KeyError before)
+    from sharded import step_on_shards
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 3) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, fused=True) for m in models]
+    for i in range(3):
+        for model, optimizer in zip(models, optimizers):
+            model(torch.full((2, 4), i + 1.0)).square().sum().backward()
+            if i == 0:
+                model.bias.grad = None
+            optimizer.step() if model is models[0] else step_on_shards(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+
+
 def test_train_checkpoint_into_fsdp_and_its_export_back_to_train_and_sample(tmp_path, data_dir, ref):
     # train.py writes ckpt.pt at step 5, fsdp_train.py continues it on 2 ranks (the data stream too), exports it
     launch('train.py', tmp_path, data_dir, 'run', '--max_iters=5')

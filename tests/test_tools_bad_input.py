@@ -35,6 +35,10 @@ def fails(tmp_path, script, *args):
     (['/nowhere'], 'error: /nowhere is neither a config file (*.py, *.toml) nor a checkpoint or a run folder with a '
                    'ckpt.pt'),
     (['gpt_config.n_layer=8'], "error: gpt_config.n_layer=8 is a Hydra override (minGPT-DDP's): here --n_layer=8"),
+    # pp_train.py's sharded stages: none without a pipeline, and none of a V (two FSDP roots sharing the tied weight)
+    (['--dp_shard=True'], "error: dp_shard=True shards the stages of pp_train.py's pipelines: give --pp_size too"),
+    (['--dp_shard=True', '--pp_size=1', '--pp_schedule=zbv'], "error: dp_shard=True shards each stage on its own, "
+     "and pp_train.py refuses a rank holding the first and the last stage (pp_schedule=zbv at pp_size=1)"),
 ])
 def test_model_size_refuses_shapes_that_make_no_model(tmp_path, args, message):
     msg = fails(tmp_path, 'model_size.py', *SMALL, '--vocab_size=65', '--world_size=2', *args)
