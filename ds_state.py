@@ -387,6 +387,35 @@ def guard_step(optimizer):
     optimizer.step = guarded_step
 
 
+def by_norm_where_zero_checks(asked, given, zero_stage, dtype, offload_optimizer):
+    """Whether a non-finite gradient is to be found by the global norm alone (overflow_by_norm): where ZeRO checks
+    each gradient before its norm, stages 1 and 2 in bf16 or fp16 without an offloaded optimizer. Elsewhere it is
+    off, and refused in one line where it was given (the others check no gradient one by one)."""
+    where = zero_stage in (1, 2) and dtype != 'float32' and offload_optimizer == 'none'
+    if asked and not where and given:
+        sys.exit(f"error: overflow_by_norm=True is for ZeRO stages 1 and 2 in bfloat16 or float16 without an offloaded "
+                 f"optimizer (the others check no gradient one by one), not zero_stage={zero_stage}, dtype={dtype}, "
+                 f"offload_optimizer={offload_optimizer}: drop it")
+    return asked and where
+
+
+def norm_is_read(ds_cfg, dtype, given, ds_config):
+    """Whether DeepSpeed's step reads the global norm for a non-finite gradient under the config that a ds_config
+    file completed: it computes the norm (compute_grad_norm) and, in bf16, reads it only with check_grad_overflow
+    on. Where it does not and overflow_by_norm was given, a one-line error; where it was a default, DeepSpeed's own
+    check of each gradient stays (or, in bf16 without it, neither finds one: the run is as the file asks)."""
+    if not ds_cfg['zero_optimization'].get('compute_grad_norm', True):
+        why = f"which {ds_config} turns off (compute_grad_norm)"
+    elif dtype == 'bfloat16' and ds_cfg['bf16'].get('check_grad_overflow', True) is False:
+        why = f"which DeepSpeed reads in bf16 only with the check that {ds_config} turns off (check_grad_overflow)"
+    else:
+        return True
+    if given:
+        sys.exit(f"error: overflow_by_norm=True finds a non-finite gradient by the global norm, {why}: drop one of "
+                 f"them")
+    return False
+
+
 def overflow_by_norm_alone(zero):
     """ZeRO-1/2 in bf16 or fp16 checks each gradient for a non-finite value (seven kernels a gradient, queued from
     Python, then a wait for the verdict) and then the global norm it clips by, which is not finite wherever a

@@ -112,7 +112,8 @@ try:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from ds_state import (ZERO3_COMPILED, DeferredWrites, add_config_file, bucket_sizes, check_offload,
                           checkpoint_iter_at, engine_folders, engine_state, copy_recovery_scripts, gather_state,
-                          guard_step, layout_words, load_state, offload, on_this_job, overflow_by_norm_alone,
+                          by_norm_where_zero_checks, guard_step, layout_words, load_state, norm_is_read, offload,
+                          on_this_job, overflow_by_norm_alone,
                           remove_shm_buffer_name, state_bytes)
 except ImportError as e:
     sys.exit(f"error: ds_train.py needs DeepSpeed ({e}): pip install deepspeed==0.19.8")
@@ -137,13 +138,8 @@ if zero_stage not in (0, 1, 2, 3):
     sys.exit(f"error: zero_stage={zero_stage} is not one of 0 (data parallel), 1 (optimizer state sharded), "
              f"2 (and gradients), 3 (and parameters)")
 check_offload(offload_optimizer, offload_params, zero_stage)
-# a non-finite gradient is found by the global norm alone, without DeepSpeed's check of each gradient before it (1.32x
-# its step for GPT-2 on one H100, docs/speed.md), where ZeRO makes that check: stages 1-2 in bf16 or fp16, no offload
-by_norm = overflow_by_norm and zero_stage in (1, 2) and dtype != 'float32' and offload_optimizer == 'none'
-if overflow_by_norm and not by_norm and 'overflow_by_norm' in given:
-    sys.exit(f"error: overflow_by_norm=True is for ZeRO stages 1 and 2 in bfloat16 or float16 without an offloaded "
-             f"optimizer (the others check no gradient one by one), not zero_stage={zero_stage}, dtype={dtype}, "
-             f"offload_optimizer={offload_optimizer}: drop it")
+# a non-finite gradient found by the global norm alone, where ZeRO would check each gradient first (1.32x an H100 step)
+by_norm = by_norm_where_zero_checks(overflow_by_norm, 'overflow_by_norm' in given, zero_stage, dtype, offload_optimizer)
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
 rank, local_rank, world_size = start(backend, device, deepspeed=True)
@@ -318,17 +314,7 @@ ds_cfg = {
 if ds_config:  # a user's settings, added where they contradict none of ours
     add_config_file(ds_cfg, ds_config)
 bucket_sizes(ds_cfg['zero_optimization'], sum(p.numel() for p in model.parameters()))  # the model's, not 5e8
-if by_norm and not ds_cfg['zero_optimization'].get('compute_grad_norm', True):
-    if 'overflow_by_norm' in given:
-        sys.exit(f"error: overflow_by_norm=True finds a non-finite gradient by the global norm, which {ds_config} "
-                 f"turns off (compute_grad_norm): drop one of them")
-    by_norm = False  # no norm to find it by: DeepSpeed's check of each gradient stays
-if by_norm and dtype == 'bfloat16' and ds_cfg['bf16'].get('check_grad_overflow', True) is False:
-    if 'overflow_by_norm' in given:  # in bf16 DeepSpeed reads the norm for a non-finite gradient only with that on
-        sys.exit(f"error: overflow_by_norm=True finds a non-finite gradient by the global norm, which DeepSpeed "
-                 f"reads in bf16 only with the check that {ds_config} turns off (check_grad_overflow): drop one of "
-                 f"them")
-    by_norm = False  # neither finds it: the run is as the file asks, not as the line below would say
+by_norm = by_norm and norm_is_read(ds_cfg, dtype, 'overflow_by_norm' in given, ds_config)  # ds_config may turn it off
 try:
     model, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_cfg)
 except ValueError as e:  # pydantic's errors about ds_config's settings among them: the class, the field, the reason
