@@ -26,6 +26,8 @@ SLOWEST_FIRST = ['test_fault.py',  # 170
                  'test_interrupt.py',  # 55 with Ctrl-C in every entrypoint, prepare.py and bench.py
                  'test_fault_write.py',  # 144
                  'test_ds.py',  # 123
+                 'test_pp.py',  # 96 under load (4-rank runs of the sharded pipelines among its 37)
+                 'test_cluster.py',  # 78 idle with bench_network.py's smoke runs (pp-zbv and pp-shard besides)
                  'test_slurm.py',  # 109
                  'test_interop.py',  # 76
                  'test_saved_state.py',  # 89 with the shared runs' setup, on a busy machine (load 6)
@@ -34,10 +36,8 @@ SLOWEST_FIRST = ['test_fault.py',  # 170
                  'test_hellaswag.py',  # 64
                  'test_fault_resize.py',  # 55
                  'test_compat.py',  # 42
-                 'test_pp.py',  # 46-80 under load
                  'test_keep.py',  # 42
                  'test_fsdp.py',  # 39
-                 'test_cluster.py',  # 38 with bench_network.py's smoke runs
                  'test_fineweb.py',  # 29
                  'test_random_data.py',  # 117 with other jobs on the 2 cores; not timed idle
                  'test_decent.py',  # 25
