@@ -117,6 +117,8 @@ def contradictions(ours, extra, clashes):
             flags[FLAGS[key][0]] = FLAGS[key][1](value)
         elif key in ('optimizer', 'scheduler'):
             drop.append(f"{key} (ds_train.py makes AdamW and the LR schedule from its keys)")
+        elif key == 'bf16.check_grad_overflow':  # without it a step of a finite loss takes non-finite gradients
+            drop.append(f"{key} (a step of non-finite gradients would spoil the weights for good)")
         elif key not in BATCH:
             drop.append(key)
     total, micro, accum = (ours[k] for k in BATCH)
@@ -399,20 +401,16 @@ def by_norm_where_zero_checks(asked, given, zero_stage, dtype, offload_optimizer
     return asked and where
 
 
-def norm_is_read(ds_cfg, dtype, given, ds_config):
-    """Whether DeepSpeed's step reads the global norm for a non-finite gradient under the config that a ds_config
-    file completed: it computes the norm (compute_grad_norm) and, in bf16, reads it only with check_grad_overflow
-    on. Where it does not and overflow_by_norm was given, a one-line error; where it was a default, DeepSpeed's own
-    check of each gradient stays (or, in bf16 without it, neither finds one: the run is as the file asks)."""
-    if not ds_cfg['zero_optimization'].get('compute_grad_norm', True):
-        why = f"which {ds_config} turns off (compute_grad_norm)"
-    elif dtype == 'bfloat16' and ds_cfg['bf16'].get('check_grad_overflow', True) is False:
-        why = f"which DeepSpeed reads in bf16 only with the check that {ds_config} turns off (check_grad_overflow)"
-    else:
+def norm_is_read(ds_cfg, given, ds_config):
+    """Whether DeepSpeed's step computes the global norm (compute_grad_norm), which a ds_config file may turn off.
+    Where it does not and overflow_by_norm was given, a one-line error; where it was a default, DeepSpeed's own
+    check of each gradient stays. (bf16's check_grad_overflow, without which the norm is not read for a non-finite
+    gradient either, no file turns off: it is ds_train.py's own setting.)"""
+    if ds_cfg['zero_optimization'].get('compute_grad_norm', True):
         return True
     if given:
-        sys.exit(f"error: overflow_by_norm=True finds a non-finite gradient by the global norm, {why}: drop one of "
-                 f"them")
+        sys.exit(f"error: overflow_by_norm=True finds a non-finite gradient by the global norm, which {ds_config} "
+                 f"turns off (compute_grad_norm): drop one of them")
     return False
 
 

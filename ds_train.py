@@ -304,7 +304,7 @@ ds_cfg = {
     'train_micro_batch_size_per_gpu': batch_size,
     'gradient_accumulation_steps': accum_steps,
     'gradient_clipping': grad_clip,
-    'bf16': {'enabled': dtype == 'bfloat16'},
+    'bf16': {'enabled': dtype == 'bfloat16', 'check_grad_overflow': True},  # a ds_config may not take it away
     'fp16': {'enabled': dtype == 'float16'},
     'zero_optimization': {'stage': zero_stage,
                           **offload('offload_optimizer', offload_optimizer, device_type),
@@ -314,7 +314,7 @@ ds_cfg = {
 if ds_config:  # a user's settings, added where they contradict none of ours
     add_config_file(ds_cfg, ds_config)
 bucket_sizes(ds_cfg['zero_optimization'], sum(p.numel() for p in model.parameters()))  # the model's, not 5e8
-by_norm = by_norm and norm_is_read(ds_cfg, dtype, 'overflow_by_norm' in given, ds_config)  # ds_config may turn it off
+by_norm = by_norm and norm_is_read(ds_cfg, 'overflow_by_norm' in given, ds_config)  # ds_config may turn it off
 try:
     model, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_cfg)
 except ValueError as e:  # pydantic's errors about ds_config's settings among them: the class, the field, the reason

@@ -212,14 +212,14 @@ def test_compiled_zero_stage_3_compiles_each_block_once_and_matches_train_py(ref
     assert_same_state(ref[0] / 'ckpt.pt', tmp_path / 'out' / 'ckpt.pt')
 
 
-def test_overflow_by_norm_where_deepspeed_reads_no_norm_for_it_is_a_one_line_error(tmp_path, data_dir):
-    # in bf16 DeepSpeed reads the global norm for a non-finite gradient only with its check of each gradient on: a
-    # file that turns that off leaves no norm to find one by (the run had said it was found by the norm alone)
+def test_a_ds_config_that_turns_off_bf16s_check_of_non_finite_gradients_is_refused_in_one_line(tmp_path, data_dir):
+    # without it DeepSpeed in bf16 reads neither each gradient nor the global norm for a non-finite value: a step of a
+    # finite loss and an inf gradient spoils the weights for good, and a save after it holds them
     (tmp_path / 'no_check.json').write_text(json.dumps({'bf16': {'check_grad_overflow': False}}))
-    p = launch('ds_train.py', tmp_path, data_dir, 'bad', '--overflow_by_norm=True', '--dtype=bfloat16', '--max_iters=1',
+    p = launch('ds_train.py', tmp_path, data_dir, 'bad', '--dtype=bfloat16', '--max_iters=1',
                f'--ds_config={tmp_path / "no_check.json"}', check=False)
-    assert one_line_error(p).endswith(f"reads in bf16 only with the check that {tmp_path / 'no_check.json'} turns "
-                                      f"off (check_grad_overflow): drop one of them")
+    assert one_line_error(p).endswith("bf16.check_grad_overflow=false (true here): drop bf16.check_grad_overflow (a "
+                                      "step of non-finite gradients would spoil the weights for good)")
     assert not (tmp_path / 'bad' / 'ds').exists()
 
 
