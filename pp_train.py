@@ -254,7 +254,7 @@ if compile:
     for block in model.transformer.h.values():
         block.compile()  # in place, so parameter names (and checkpoints) stay the same
 if dp_shard:  # FSDP across the pipelines: each block a unit, each stage a root
-    shard_stages(stages, raw_model, mesh['dp'], ptdtype)  # gathered in bf16 where it computes in it
+    shard_stages(stages, raw_model, mesh['dp'], ptdtype)  # bf16: gathered in bf16, reduced in fp32 (fsdp_train.py's)
 tied = model.transformer['wte'].weight if 'wte' in model.transformer else None  # one in effect
 tie_group = tie_groups[dp_rank] if tie_groups and (0 in ids or n_stages - 1 in ids) else None
 pp_group = mesh['pp'].get_group()
