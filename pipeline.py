@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
@@ -127,16 +127,21 @@ class Part(nn.Module):
         return self.lm_head(t.ln_f(x)) if self.last else x
 
 
-def shard_stages(stages, raw_model, dp_mesh):
+def shard_stages(stages, raw_model, dp_mesh, dtype):
     """FSDP across the pipelines (pp_train.py's dp_shard): each block a unit and each stage a root, sharded over the
     dp mesh, whose parameters torch's schedules gather once a step and keep through its micro-batches, and whose
-    gradients they reduce-scatter after the step's last backward (not for every micro-batch). The GPT's head is tied
-    to the sharded embedding again where no stage of this rank holds it, so that its parameters' names stay the
-    GPT's own (a copy left behind would be one name too many in the optimizer's count)."""
+    gradients they reduce-scatter after the step's last backward (not for every micro-batch). As fsdp_train.py's,
+    the parameters are gathered in the run's dtype (bf16: half the bytes) and the gradients reduced in fp32 into
+    fp32 shards (the master weights, which checkpoints save); a bf16 stage's activations are then bf16, and torch's
+    schedules send and receive them in the dtype that their first step finds. The GPT's head is tied to the sharded
+    embedding again where no stage of this rank holds it, so that its parameters' names stay the GPT's own (a copy
+    left behind would be one name too many in the optimizer's count)."""
+    fsdp = dict(mesh=dp_mesh, reshard_after_forward=False,
+                mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
     for stage in stages:
         for block in stage.transformer.h.values():
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)
-        fully_shard(stage, mesh=dp_mesh, reshard_after_forward=False)
+            fully_shard(block, **fsdp)
+        fully_shard(stage, **fsdp)
     raw_model.lm_head.weight = raw_model.transformer.wte.weight
 
 

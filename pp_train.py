@@ -42,7 +42,7 @@ from pipeline import (SCHEDULES, ZERO_BUBBLE, Forward, Part, check_snapshot_layo
 from runlock import hold
 from runlog import ends_diverged, heed, open_log
 from seeds import start_tokens
-from sharded import load_sharded_state, local_shards, read_start, save_dcp
+from sharded import load_sharded_state, local_shards, read_start, save_dcp, step_on_shards
 
 # -----------------------------------------------------------------------------
 # config: defaults train GPT-2 124M on OpenWebText; config/*.py and --key=value override them
@@ -104,6 +104,7 @@ pp_schedule = '1f1b'  # 'gpipe' (all forwards, then all backwards), '1f1b', 'int
 # ones without torch.compile
 stages_per_rank = 2  # the interleaved schedules' stages on each rank (the others take one)
 dp_shard = False  # FSDP across the pipelines: each stage's parameters, gradients and AdamW state sharded over dp
+adamw_on_shards = False  # with dp_shard, AdamW's step on each rank's own pieces, past DTensor's dispatch (a lever)
 save_consolidated = False  # with each checkpoint also write out_dir/ckpt.pt in train.py's format (gathered on rank 0)
 # -----------------------------------------------------------------------------
 config, given = configure(globals())
@@ -125,6 +126,8 @@ if dp_shard and (v_shape or pp_size == 1 and v > 1):  # two FSDP roots cannot sh
     sys.exit(f"error: dp_shard=True shards each stage on its own, and {pp_schedule} at pp_size={pp_size} puts the "
              f"first and the last stage, which share the tied embedding, on one rank: use "
              + ("--pp_schedule=interleaved-zb" if v_shape else "--pp_size=2 or more, or fsdp_train.py"))
+if adamw_on_shards and not dp_shard:  # plain stages' parameters are plain tensors: there is no dispatch to step past
+    sys.exit("error: adamw_on_shards=True steps AdamW on the shards of dp_shard=True: add --dp_shard=True, or drop it")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
 # the layout is checked before any rank joins the group, from what torchrun set: every rank refuses it alike
@@ -251,7 +254,7 @@ if compile:
     for block in model.transformer.h.values():
         block.compile()  # in place, so parameter names (and checkpoints) stay the same
 if dp_shard:  # FSDP across the pipelines: each block a unit, each stage a root
-    shard_stages(stages, raw_model, mesh['dp'])
+    shard_stages(stages, raw_model, mesh['dp'], ptdtype)  # bf16: gathered in bf16, reduced in fp32 (fsdp_train.py's)
 tied = model.transformer['wte'].weight if 'wte' in model.transformer else None  # one in effect
 tie_group = tie_groups[dp_rank] if tie_groups and (0 in ids or n_stages - 1 in ids) else None
 pp_group = mesh['pp'].get_group()
@@ -426,7 +429,7 @@ while True:
     nonfinite = agree(~torch.isfinite(loss_sum + grad_norm), iter_num)
     skip_on_device(optimizer, nonfinite)
     wait_for_copies()  # a snapshot taken before this step may still be copying the weights it is about to change
-    optimizer.step()
+    step_on_shards(optimizer) if adamw_on_shards else optimizer.step()  # off until a GPU run shows it pays
     if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
         mem = state_bytes(model.parameters(), [optimizer])
         print0("per-rank memory: " + ", ".join(f"{k[:-6]} {v / 2**20:.2f} MiB" for k, v in mem.items()))

@@ -217,9 +217,11 @@ def test_a_two_rank_run_stopped_by_nonfinite_steps_exits_1_on_both_ranks_under_t
                                           ('ds_train.py', ['--zero_stage=2', '--dtype=bfloat16']),
                                           ('ds_train.py', ['--zero_stage=2', '--dtype=bfloat16',
                                                            '--overflow_by_norm=False']),
-                                          ('pp_train.py', ['--pp_size=2', '--pp_schedule=gpipe'])],
+                                          ('pp_train.py', ['--pp_size=2', '--pp_schedule=gpipe']),
+                                          ('pp_train.py', ['--pp_size=2', '--pp_schedule=gpipe', '--dp_shard=True',
+                                                           '--adamw_on_shards=True'])],
                          ids=['fsdp', 'fsdp-adamw-on-shards', 'decent', 'ds-zero2', 'ds-zero0', 'ds-zero2-bf16-by-norm',
-                              'ds-zero2-bf16-each', 'pp'])
+                              'ds-zero2-bf16-each', 'pp', 'pp-sharded-adamw-on-shards'])
 def test_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(tmp_path, data_dir, script, extra):
     # the 4th step goes bad, then every one from the 8th: after max_nonfinite_steps=3 the run stops, the checkpoint
     # of iter 6 intact. DeepSpeed skips the step itself under ZeRO (in fp32 by its norm, in bf16 by the norm alone,

@@ -1,6 +1,6 @@
 """pp_train.py in real process groups on gloo, in fp32: parity with train.py on one process (pp 2, pp 4, pp 2 x dp 2,
 each schedule), the tied embedding, every rank's memory against model_size.py, exact resume with dropout, resume at
-another layout and in fsdp_train.py."""
+another layout and in fsdp_train.py; and sharded in bf16, against fsdp_train.py's bf16."""
 
 import json
 import os
@@ -132,6 +132,35 @@ def test_pipeline_exact_resume_with_dropout(tmp_path, data_dir, schedule):
            '--beta2=0.9', '--save_consolidated=True', nproc=2)
     groups = torch.load(tmp_path / 'split' / 'ckpt.pt', weights_only=True)['optimizer']['param_groups']
     assert [(g['weight_decay'], tuple(g['betas'])) for g in groups] == [(0.5, (0.9, 0.9)), (0.0, (0.9, 0.9))]
+
+
+def test_sharded_stages_in_bf16_gather_as_fsdp_train_does_and_resume_exactly_with_adamw_on_shards(
+        tmp_path, data_dir, shared_run):
+    # dp 2 x pp 2, each stage sharded over the 2 pipelines in bf16: parameters gathered in bf16 and gradients reduced
+    # in fp32, as by fsdp_train.py's MixedPrecisionPolicy. So the first step's forward is fsdp_train.py's, the same
+    # bf16 kernels on the same numbers: its loss equal, and the evals of step 0 to a float32 sum's rounding (gathered
+    # in fp32 under autocast, as the unsharded stages compute, the residual stream stayed fp32: 6e-6 off). After it
+    # the tied embedding's gradient alone is rounded otherwise (fsdp_train.py adds its two uses in bf16, the
+    # pipeline each in fp32, across its end stages): 2.8e-5 at most over these steps on the 2-core machine
+    sharded = ['--pp_size=2', '--dp_shard=True', '--dtype=bfloat16']
+    launch('pp_train.py', tmp_path, data_dir, 'full', *sharded, f'--max_iters={STEPS}', '--save_consolidated=True',
+           nproc=4)
+    losses, evals = read_metrics(tmp_path / 'full')
+    theirs, their_evals = read_metrics(shared_run('fsdp_train.py', *BASE, f'--max_iters={STEPS}', '--dtype=bfloat16',
+                                                  nproc=2))
+    assert losses[0] == theirs[0]
+    assert abs(evals[0]['val_loss'] - their_evals[0]['val_loss']) <= 1e-6 * their_evals[0]['val_loss']
+    assert_same_curve(theirs, losses, range(STEPS), rel=1e-4)
+    # the master weights stay fp32 (what checkpoints save), the tie's two copies bit-identical
+    sd = torch.load(tmp_path / 'full' / 'ckpt.pt', map_location='cpu', weights_only=True)['model']
+    assert {t.dtype for t in sd.values()} == {torch.float32}
+    assert torch.equal(sd['lm_head.weight'], sd['transformer.wte.weight'])
+    # AdamW stepped on each rank's own pieces (its first step through DTensor, which makes the state), stopped at
+    # step 4 and resumed on the loaded state: bit for bit the plain step's run
+    launch('pp_train.py', tmp_path, data_dir, 'split', *sharded, '--max_iters=4', '--adamw_on_shards=True', nproc=4)
+    launch('pp_train.py', tmp_path, data_dir, 'split', *sharded, f'--max_iters={STEPS}', '--adamw_on_shards=True',
+           '--init_from=resume', nproc=4)
+    assert read_metrics(tmp_path / 'split')[0] == losses
 
 
 def test_a_stages_forward_without_gradients_leaves_the_rng_as_it_was():
@@ -274,8 +303,11 @@ def test_stages_per_rank_below_one_is_a_one_line_error(tmp_path, data_dir):
     (2, ['--pp_schedule=zbv', '--compile=False', '--dp_shard=True'],
      "error: dp_shard=True shards each stage on its own, and zbv at pp_size=2 puts the first and the last stage, which "
      "share the tied embedding, on one rank: use --pp_schedule=interleaved-zb"),
+    # AdamW on the shards of plain stages: they have none
+    (2, ['--adamw_on_shards=True'],
+     "error: adamw_on_shards=True steps AdamW on the shards of dp_shard=True: add --dp_shard=True, or drop it"),
 ], ids=['interleaved-pp2', 'interleaved-dp2xpp2', '1f1b-dp2xpp2', 'zero-bubble-compiled', 'zbv-compiled',
-        'dualpipev-micro-batches', 'zbv-sharded'])
+        'dualpipev-micro-batches', 'zbv-sharded', 'adamw-on-shards-unsharded'])
 def test_micro_batches_a_schedule_cannot_run_are_a_one_line_error_naming_counts_it_runs(tmp_path, data_dir, nproc,
                                                                                         args, message):
     p = launch('pp_train.py', tmp_path, data_dir, 'out', '--pp_size=2', *args, nproc=nproc, check=False)
