@@ -443,8 +443,9 @@ def part_a():
                 ('ds_train.py', ['--zero_stage=3', '--offload_optimizer=cpu'], 'zero3-offload'),
                 # zero bubble's split backward (input's gradients, then the weights'), uncompiled: one rank holds the V
                 ('pp_train.py', ['--pp_schedule=zbv', '--compile=False'], 'pp-zbv'),
-                # each stage an FSDP root and its blocks units (over a dp of one here: FSDP's hooks, under the schedule)
-                ('pp_train.py', ['--dp_shard=True'], 'pp-sharded')]
+                # each stage an FSDP root and its blocks units (over a dp of one here: FSDP's hooks, under the schedule,
+                # gathered in bf16), stepped on its shards
+                ('pp_train.py', ['--dp_shard=True', '--adamw_on_shards=True'], 'pp-sharded')]
     if not dry:  # float16 and its scaler are for GPUs: on CPU autocast in float16 is not what is being proven
         variants.append(('train.py', ['--dtype=float16'], 'train-fp16'))
     work_list += [(variant, v) for v in variants if v[0] in chosen and wanted(f'{v[0]} {" ".join(v[1])}')]
