@@ -62,19 +62,39 @@ def find_checkpoint(path):
         # for a lower val loss, and a resumed run carries that loss on)
         return best_pt if _saved_iter(best_pt) >= int(name.split('-')[-1]) else os.path.join(run, 'dcp', name)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, 'extra.pt')):
-        latest = os.path.join(path, 'dcp', 'latest')
-        # a step folder is complete once it holds .metadata, which DCP writes last: one newer than latest names (the
-        # run killed before it pointed latest at it, or at any) is the run's newest, which its resume takes too
-        done = next((f for f in step_folders(os.path.join(path, 'dcp')) if os.path.isfile(os.path.join(f, '.metadata'))
-                     and re.fullmatch(r'step-\d+', os.path.basename(f))), None)
-        if os.path.exists(latest) or done:
-            named = os.path.join(path, 'dcp', _named(latest, r'step-\d+', 'step-N')) if os.path.exists(latest) else done
-            step = max(filter(None, (named, done)), key=lambda f: int(os.path.basename(f)[5:]))
-            # the newer of it and ckpt.pt, which is newer where train.py continued the run from its export
-            ckpt = os.path.join(path, 'ckpt.pt')
-            return ckpt if _saved_iter(ckpt) > int(os.path.basename(step)[5:]) else step
-        return os.path.join(path, 'ckpt.pt')
+        step, ckpt = newest_step_folder(path), os.path.join(path, 'ckpt.pt')
+        # the newer of it and ckpt.pt, which is newer where train.py continued the run from its export
+        return ckpt if step is None or _saved_iter(ckpt) > int(os.path.basename(step)[5:]) else step
     return path
+
+
+_said = set()  # the warnings given, each once however often a tool looks its path up
+
+
+def newest_step_folder(run):
+    """The newest complete step folder in run/dcp, as the run's resume finds it, or None: one newer than latest names
+    (the run killed before it pointed latest at it) counts, and the one latest names is passed over, with a warning,
+    where it is not whole (its save killed mid-write, a shard cut short). Where none is whole and there is no ckpt.pt,
+    the one latest names, which the error names."""
+    root, latest = os.path.join(run, 'dcp'), os.path.join(run, 'dcp', 'latest')
+    named = os.path.join(root, _named(latest, r'step-\d+', 'step-N')) if os.path.exists(latest) else None
+    whole = next((f for f in step_folders(root) if re.fullmatch(r'step-\d+', os.path.basename(f)) and _complete(f)),
+                 None)
+    if named is None or whole is not None and os.path.basename(whole) >= os.path.basename(named):
+        return whole
+    try:
+        why = "its save did not complete" if checkpoint_iter(named) is None else None
+    except Exception as e:
+        why = reason(e)
+    if why is None:  # whole now: a live run's save completed it as this was read
+        return named
+    read = whole or (os.path.join(run, 'ckpt.pt') if os.path.exists(os.path.join(run, 'ckpt.pt')) else None)
+    if read and (named, read) not in _said:
+        _said.add((named, read))
+        print(f"warning: passing over {named}, which {latest} names, as it is not whole ({why}): reading "
+              f"{os.path.basename(read)}, the newest complete state before it, as the run's resume does",
+              file=sys.stderr, flush=True)
+    return whole if read else named
 
 
 def _named(pointer, pattern, what):
