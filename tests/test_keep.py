@@ -210,6 +210,8 @@ os.remove(os.path.join(path, '.metadata'))  # a save cut short: written again
 save_dcp({'w': torch.arange(4.0)}, extra, path, None)
 wait_for_saves()
 print('whole' if os.path.isfile(os.path.join(path, '.metadata')) else 'cut short')
+save_dcp({'w': torch.arange(4.0)}, {**extra, 'val_loss': 0.5}, path, path, best=True)  # resumed from it: a new best
+wait_for_saves()
 dist.destroy_process_group()
 '''
 
@@ -222,7 +224,9 @@ def test_a_save_to_the_step_of_a_whole_dcp_folder_of_the_run_keeps_it(tmp_path):
     p = run(tmp_path / 'save_twice.py', tmp_path, REPO, cwd=tmp_path)
     assert [line for line in p.stdout.splitlines() if not line.startswith('saving')] == ['kept', 'kept', 'whole']
     assert (tmp_path / 'dcp' / 'latest').read_text() == 'step-00000004'
-    assert torch.load(tmp_path / 'dcp' / 'best-step-00000004' / 'extra.pt', weights_only=True)['val_loss'] == 1.0
+    # the last, a run resumed from that folder whose first eval is a new best, named no best and recorded no loss
+    assert (tmp_path / 'dcp' / 'best').read_text() == 'best-step-00000004'
+    assert torch.load(tmp_path / 'dcp' / 'best-step-00000004' / 'extra.pt', weights_only=True)['val_loss'] == 0.5
 
 
 @pytest.mark.filterwarnings('ignore:torch.distributed is disabled')  # DCP's note on a save in one process
