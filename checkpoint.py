@@ -62,9 +62,18 @@ def find_checkpoint(path):
         # for a lower val loss, and a resumed run carries that loss on)
         return best_pt if _saved_iter(best_pt) >= int(name.split('-')[-1]) else os.path.join(run, 'dcp', name)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, 'extra.pt')):
-        step, ckpt = newest_step_folder(path), os.path.join(path, 'ckpt.pt')
+        (step, passed), ckpt = newest_step_folder(path), os.path.join(path, 'ckpt.pt')
+        at = lambda folder: int(os.path.basename(folder)[5:])
         # the newer of it and ckpt.pt, which is newer where train.py continued the run from its export
-        return ckpt if step is None or _saved_iter(ckpt) > int(os.path.basename(step)[5:]) else step
+        found = ckpt if step is None or _saved_iter(ckpt) > at(step) else step
+        if passed and not os.path.exists(found):
+            return passed[0]  # nothing whole: the folder latest names, whose error says what is wrong with it
+        if passed and _saved_iter(ckpt) <= at(passed[0]) and (passed[0], found) not in _said:
+            _said.add((passed[0], found))
+            print(f"warning: passing over {passed[0]}, which {os.path.join(path, 'dcp', 'latest')} names, as it is "
+                  f"not whole ({passed[1]}): reading {found}, the run's newest complete state, as its resume does",
+                  file=sys.stderr, flush=True)
+        return found
     return path
 
 
@@ -72,29 +81,21 @@ _said = set()  # the warnings given, each once however often a tool looks its pa
 
 
 def newest_step_folder(run):
-    """The newest complete step folder in run/dcp, as the run's resume finds it, or None: one newer than latest names
-    (the run killed before it pointed latest at it) counts, and the one latest names is passed over, with a warning,
-    where it is not whole (its save killed mid-write, a shard cut short). Where none is whole and there is no ckpt.pt,
-    the one latest names, which the error names."""
+    """(the newest complete step folder in run/dcp, as the run's resume finds it, or None; (the folder that latest
+    names, why it is not whole) where it is newer and passed over, else None). One newer than latest names (the run
+    killed before it pointed latest at it) counts; the one latest names may have had its save killed mid-write, or a
+    shard cut short since."""
     root, latest = os.path.join(run, 'dcp'), os.path.join(run, 'dcp', 'latest')
     named = os.path.join(root, _named(latest, r'step-\d+', 'step-N')) if os.path.exists(latest) else None
     whole = next((f for f in step_folders(root) if re.fullmatch(r'step-\d+', os.path.basename(f)) and _complete(f)),
                  None)
     if named is None or whole is not None and os.path.basename(whole) >= os.path.basename(named):
-        return whole
+        return whole, None
     try:
         why = "its save did not complete" if checkpoint_iter(named) is None else None
     except Exception as e:
         why = reason(e)
-    if why is None:  # whole now: a live run's save completed it as this was read
-        return named
-    read = whole or (os.path.join(run, 'ckpt.pt') if os.path.exists(os.path.join(run, 'ckpt.pt')) else None)
-    if read and (named, read) not in _said:
-        _said.add((named, read))
-        print(f"warning: passing over {named}, which {latest} names, as it is not whole ({why}): reading "
-              f"{os.path.basename(read)}, the newest complete state before it, as the run's resume does",
-              file=sys.stderr, flush=True)
-    return whole if read else named
+    return (named, None) if why is None else (whole, (named, why))  # (whole now: a live run's save completed it)
 
 
 def _named(pointer, pattern, what):

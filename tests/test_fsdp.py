@@ -206,8 +206,8 @@ def test_a_tool_passes_over_a_step_folder_that_latest_names_but_is_not_whole_as_
     p = sample()
     assert p.returncode == 0 and p.stdout == before.stdout
     assert p.stderr.strip() == f"warning: passing over {dcp_dir / 'step-00000009'}, which {dcp_dir / 'latest'} " \
-        f"names, as it is not whole (its save did not complete): reading step-00000007, the newest complete state " \
-        f"before it, as the run's resume does"
+        f"names, as it is not whole (its save did not complete): reading {dcp_dir / 'step-00000007'}, the run's " \
+        f"newest complete state, as its resume does"
     shard = next((dcp_dir / 'step-00000007').glob('*.distcp'))
     shard.write_bytes(shard.read_bytes()[:100])
     (dcp_dir / 'latest').write_text('step-00000007')
