@@ -510,8 +510,11 @@ def exit_after_failed_save():
     if _failed:
         path, why = _failed[0]
         folder, intact = _step_folder(path), _intact(path)
-        if folder is not None and os.path.isdir(folder) and not _complete(folder):
-            shutil.rmtree(folder, ignore_errors=True)  # what was written of it: a folder cut short
+        # what was written of it: a folder cut short. Not the one latest names where the file that failed is there
+        # still: written again into that whole folder (a new best's state, at the step it resumed from), it is the old
+        if folder is not None and os.path.isdir(folder) and not (folder == intact and os.path.exists(path)) \
+                and not _complete(folder):
+            shutil.rmtree(folder, ignore_errors=True)
         before = f"the newest complete one, {intact}, is intact" if intact else "no checkpoint was complete before"
         sys.exit(f"error: writing the checkpoint {path} failed ({why}), so the run stopped; {before}: free space "
                  f"(or fix the folder) and run the same command again to resume")

@@ -609,9 +609,17 @@ def test_a_deepspeed_save_to_the_step_of_its_whole_folder_keeps_the_folder_and_r
             return torch.load(path, weights_only=True)
     saved = load(states(folder))
     torch.save({**saved, **where_saved(run_dir), 'best_val_loss': 1e9}, states(snapshots / 'step-00000010'))
-    (run_dir / 'best.pt').unlink()  # its val loss would be the best so far
     (folder / 'marker').touch()  # gone if the folder is removed to be written again
     kept = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.iterdir() if p != states(folder)}
+    # that file's write fails (a folder in place of its temporary file): the run stops in one line, the folder whole
+    (run_dir / 'best.pt').unlink()  # its val loss would be the best so far
+    (folder / 'mp_rank_00_model_states.pt.tmp').mkdir()
+    error = one_line_error(start(tmp_path, data_dir, run_dir, script='ds_train.py', check=False))
+    assert f"the newest complete one, {folder}, is intact" in error, error
+    (folder / 'mp_rank_00_model_states.pt.tmp').rmdir()
+    assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.iterdir() if p != states(folder)} == kept
+    assert load(states(folder))['val_loss'] == saved['val_loss']
+    (run_dir / 'best.pt').unlink()  # its export's, which the failed save wrote
     p = start(tmp_path, data_dir, run_dir, script='ds_train.py')
     assert f'resuming from {snapshots / "step-00000010"} at iter 10' in p.stdout, p.stdout[-2000:]
     assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.iterdir() if p != states(folder)} == kept
