@@ -213,7 +213,7 @@ def test_the_first_eval_of_a_run_resumed_from_its_step_folder_that_is_a_new_best
     os.remove(path)  # a file of its own: best-step-N's links keep theirs
     torch.save({**saved, 'val_loss': None, 'best_val_loss': 1e9}, path)  # saved before the eval at 10
     p = run(script, *tiny(data_dir, tmp_path / 'run', *BASE), cwd=tmp_path)
-    assert re.search(rf'resuming from \S+step-00000010 at iter 10\b', p.stdout), p.stdout[-3000:]
+    assert re.search(r'resuming from \S+step-00000010 at iter 10\b', p.stdout), p.stdout[-3000:]
     assert (kind / 'best').read_text() == 'best-step-00000010'
     assert sorted(f.name for f in kind.glob('best-*')) == ['best-step-00000010']
     if script != 'fsdp_train.py':  # and the export's best.pt
