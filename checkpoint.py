@@ -62,19 +62,40 @@ def find_checkpoint(path):
         # for a lower val loss, and a resumed run carries that loss on)
         return best_pt if _saved_iter(best_pt) >= int(name.split('-')[-1]) else os.path.join(run, 'dcp', name)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, 'extra.pt')):
-        latest = os.path.join(path, 'dcp', 'latest')
-        # a step folder is complete once it holds .metadata, which DCP writes last: one newer than latest names (the
-        # run killed before it pointed latest at it, or at any) is the run's newest, which its resume takes too
-        done = next((f for f in step_folders(os.path.join(path, 'dcp')) if os.path.isfile(os.path.join(f, '.metadata'))
-                     and re.fullmatch(r'step-\d+', os.path.basename(f))), None)
-        if os.path.exists(latest) or done:
-            named = os.path.join(path, 'dcp', _named(latest, r'step-\d+', 'step-N')) if os.path.exists(latest) else done
-            step = max(filter(None, (named, done)), key=lambda f: int(os.path.basename(f)[5:]))
-            # the newer of it and ckpt.pt, which is newer where train.py continued the run from its export
-            ckpt = os.path.join(path, 'ckpt.pt')
-            return ckpt if _saved_iter(ckpt) > int(os.path.basename(step)[5:]) else step
-        return os.path.join(path, 'ckpt.pt')
+        (step, passed), ckpt = newest_step_folder(path), os.path.join(path, 'ckpt.pt')
+        at = lambda folder: int(os.path.basename(folder)[5:])
+        # the newer of it and ckpt.pt, which is newer where train.py continued the run from its export
+        found = ckpt if step is None or _saved_iter(ckpt) > at(step) else step
+        if passed and not os.path.exists(found):
+            return passed[0]  # nothing whole: the folder latest names, whose error says what is wrong with it
+        if passed and _saved_iter(ckpt) <= at(passed[0]) and (passed[0], found) not in _said:
+            _said.add((passed[0], found))
+            print(f"warning: passing over {passed[0]}, which {os.path.join(path, 'dcp', 'latest')} names, as it is "
+                  f"not whole ({passed[1]}): reading {found}, the run's newest complete state, as its resume does",
+                  file=sys.stderr, flush=True)
+        return found
     return path
+
+
+_said = set()  # the warnings given, each once however often a tool looks its path up
+
+
+def newest_step_folder(run):
+    """(the newest complete step folder in run/dcp, as the run's resume finds it, or None; (the folder that latest
+    names, why it is not whole) where it is newer and passed over, else None). One newer than latest names (the run
+    killed before it pointed latest at it) counts; the one latest names may have had its save killed mid-write, or a
+    shard cut short since."""
+    root, latest = os.path.join(run, 'dcp'), os.path.join(run, 'dcp', 'latest')
+    named = os.path.join(root, _named(latest, r'step-\d+', 'step-N')) if os.path.exists(latest) else None
+    whole = next((f for f in step_folders(root) if re.fullmatch(r'step-\d+', os.path.basename(f)) and _complete(f)),
+                 None)
+    if named is None or whole is not None and os.path.basename(whole) >= os.path.basename(named):
+        return whole, None
+    try:
+        why = "its save did not complete" if checkpoint_iter(named) is None else None
+    except Exception as e:
+        why = reason(e)
+    return (named, None) if why is None else (whole, (named, why))  # (whole now: a live run's save completed it)
 
 
 def _named(pointer, pattern, what):
@@ -489,8 +510,11 @@ def exit_after_failed_save():
     if _failed:
         path, why = _failed[0]
         folder, intact = _step_folder(path), _intact(path)
-        if folder is not None and os.path.isdir(folder) and not _complete(folder):
-            shutil.rmtree(folder, ignore_errors=True)  # what was written of it: a folder cut short
+        # what was written of it: a folder cut short. Not the one latest names where the file that failed is there
+        # still: written again into that whole folder (a new best's state, at the step it resumed from), it is the old
+        if folder is not None and os.path.isdir(folder) and not (folder == intact and os.path.exists(path)) \
+                and not _complete(folder):
+            shutil.rmtree(folder, ignore_errors=True)
         before = f"the newest complete one, {intact}, is intact" if intact else "no checkpoint was complete before"
         sys.exit(f"error: writing the checkpoint {path} failed ({why}), so the run stopped; {before}: free space "
                  f"(or fix the folder) and run the same command again to resume")

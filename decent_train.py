@@ -378,7 +378,7 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         save_in_background(checkpoint, snapshot_path, keep=2)
     else:
         folder = os.path.join(decent_dir, f'step-{iter_num:08d}')
-        if folder != resume_path:  # a resumed run's first eval finds it there
+        if folder != resume_path or best:  # a resumed run's first eval finds it there, and a new best names it
             save_in_background(checkpoint, os.path.join(folder, f'rank-{rank}.pt'), slot='decent',
                                then=lambda ok: commit(folder, ok, checkpoint_group, master_process,
                                                       keep=keep_checkpoints, best=best))

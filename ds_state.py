@@ -27,7 +27,7 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
 from deepspeed.utils.tensor_fragment import fragment_address
 from pydantic import ValidationError
 
-from checkpoint import checkpoint_iter, is_snapshot, reason, saved_for, step_folders
+from checkpoint import checkpoint_iter, is_snapshot, read_name, reason, saved_for, step_folders
 
 # the classes that DeepSpeed 0.19.8 pickles into its checkpoints besides tensors and containers
 DS_SAFE_GLOBALS = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
@@ -340,6 +340,22 @@ def checkpoint_iter_at(path, run_id, layout, foreign, ds_dir, rank=None):
     if rank is not None and is_snapshot(path) and shards() and not shards(f'{rank}_'):
         return None
     return int(ours['iter_num'])
+
+
+def whole_at(folder, iter_num, run_id, layout):
+    """Whether out_dir/ds/step-N (folder) is this run's whole checkpoint of iter_num in this layout, the one latest
+    names: a save to its step (a run resumed from its memory snapshot of a step saved already, a new best there)
+    keeps its files, which removed to be written again would leave latest naming a folder half-written, and the
+    step nowhere but in a node's RAM, until the new ones were in. Rank 0 looks and every rank takes its answer (a
+    collective): all have to take the same way."""
+    whole = [False]
+    if dist.get_rank() == 0 and read_name(os.path.join(os.path.dirname(folder), 'latest')) == os.path.basename(folder):
+        try:
+            whole[0] = checkpoint_iter_at(folder, run_id, layout, [], os.path.dirname(folder)) == iter_num
+        except Exception:  # damaged: written anew
+            pass
+    dist.broadcast_object_list(whole, src=0)
+    return whole[0]
 
 
 def on_this_job(foreign):

@@ -114,7 +114,7 @@ try:
                           checkpoint_iter_at, engine_folders, engine_state, copy_recovery_scripts, gather_state,
                           by_norm_where_zero_checks, guard_step, layout_words, load_state, norm_is_read, offload,
                           on_this_job, overflow_by_norm_alone,
-                          remove_shm_buffer_name, state_bytes)
+                          remove_shm_buffer_name, state_bytes, whole_at)
 except ImportError as e:
     sys.exit(f"error: ds_train.py needs DeepSpeed ({e}): pip install deepspeed==0.19.8")
 # DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates, and torch says so at each call
@@ -367,13 +367,14 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     if skips_save(to, nonfinite_steps, iter_num, print0):
         return
     folder = os.path.join(ds_dir if to == 'storage' else snapshot_dir(run_id), f'step-{iter_num:08d}')
-    # a resumed run's first eval: the checkpoint it started from stays as it is, but its export is written where it
-    # lacks one (a run saved with save_consolidated=False, run again to its end with it to be sampled)
-    export = to == 'storage' and save_consolidated
-    again = folder == resume_path
-    if again and not (export and not same_step({'iter_num': iter_num, 'run_id': run_id}, ckpt_path)):
-        return
     wait_for_saves(f'ds-{to}')  # the save before of this kind is complete and latest names it
+    # a resumed run's first eval (or a save to a step whose folder is whole): the folder stays as it is, a new best
+    # writes our state beside the engine's alone (its val loss), and the export is written where it lacks one (a run
+    # saved with save_consolidated=False, run again to its end with it to be sampled)
+    export = to == 'storage' and save_consolidated
+    whole = to == 'storage' and (folder == resume_path or whole_at(folder, iter_num, run_id, layout))
+    if whole and not best and not (export and not same_step({'iter_num': iter_num, 'run_id': run_id}, ckpt_path)):
+        return
     extra = {
         'model_args': model_args,
         'iter_num': iter_num,
@@ -389,9 +390,9 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         'val_loss': val_loss,  # the eval's it was saved at (None: a save between evals)
         'world_size': world_size,
     }
-    if not again:
+    if not whole or best:
         writer = master_process if to == 'storage' else local_rank == 0  # of latest, and of the folder's cleaning
-        if writer and os.path.isdir(folder):
+        if writer and os.path.isdir(folder) and not whole:
             shutil.rmtree(folder)  # cut short, damaged, or of another world size: written anew (after the barrier)
         # The engine writes its model-states file (our state in it) from the first data-parallel rank only; a
         # snapshot needs one in every node's folder, so there the first rank of each node writes it too
@@ -400,7 +401,8 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         model.save_checkpoint(os.path.dirname(folder), tag=os.path.basename(folder), client_state=extra,
                               save_latest=False)
         model.save_non_zero_checkpoint = first_only
-        paths, states = zip(*model.checkpoint_engine.files) if model.checkpoint_engine.files else ((), ())
+        files = [f for f in model.checkpoint_engine.files if not whole or f[0].endswith('model_states.pt')]
+        paths, states = zip(*files) if files else ((), ())
         save_in_background(list(states), list(paths), slot=f'ds-{to}',
                            then=lambda ok: commit(folder, ok, checkpoint_groups[to], writer, iter_of=engine_iter,
                                                   keep=keep_checkpoints if to == 'storage' else 2, best=best))

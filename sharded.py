@@ -101,10 +101,10 @@ def save_dcp(state, extra, path, resume_path, keep=2, best=False):
     and returns once DCP has copied this rank's shards to host memory; a thread of DCP's writes them, then
     .metadata, and rank 0 then points latest (with best, best too) at the folder (point_latest, keeping keep).
     extra, the small state, goes beside them in extra.pt. One save at a time, as they share a group. A resumed
-    run's first eval finds its folder there."""
+    run's first eval finds its folder there (a new best there: its extra.pt, below)."""
     global _checkpoint_group
     wait_for_saves('dcp')
-    if path == resume_path:
+    if path == resume_path and not best:
         return
     if _checkpoint_group is None:
         _checkpoint_group = dist.new_group(backend='gloo')

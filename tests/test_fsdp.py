@@ -188,6 +188,36 @@ def test_a_tool_reads_the_newest_complete_step_folder_that_latest_does_not_name_
     assert find_checkpoint(str(run_dir)) == str(run_dir / 'dcp' / 'step-00000007')
 
 
+def test_a_tool_passes_over_a_step_folder_that_latest_names_but_is_not_whole_as_the_resume_does(tmp_path, data_dir,
+                                                                                                   shared_run):
+    # a save to the step that latest names, killed mid-write (or a shard cut short since): the resume goes on from
+    # the newest complete folder before it, but a tool given the run folder read the one latest names and failed
+    from checkpoint import find_checkpoint
+    run_dir, dcp_dir = tmp_path / 'run', tmp_path / 'run' / 'dcp'
+    shutil.copytree(first_half(shared_run, 2, 1), run_dir)
+    meta = f'--meta_path={data_dir / "shakespeare_char" / "meta.pkl"}'
+    sample = lambda: run('sample.py', f'--out_dir={run_dir}', meta, '--max_new_tokens=20', '--device=cpu',
+                         cwd=tmp_path, check=False)
+    before = sample()
+    for step in ('step-00000007', 'step-00000009'):
+        shutil.copytree(dcp_dir / 'step-00000005', dcp_dir / step)
+    (dcp_dir / 'step-00000009' / '.metadata').unlink()
+    (dcp_dir / 'latest').write_text('step-00000009')
+    p = sample()
+    assert p.returncode == 0 and p.stdout == before.stdout
+    assert p.stderr.strip() == f"warning: passing over {dcp_dir / 'step-00000009'}, which {dcp_dir / 'latest'} " \
+        f"names, as it is not whole (its save did not complete): reading {dcp_dir / 'step-00000007'}, the run's " \
+        f"newest complete state, as its resume does"
+    shard = next((dcp_dir / 'step-00000007').glob('*.distcp'))
+    shard.write_bytes(shard.read_bytes()[:100])
+    (dcp_dir / 'latest').write_text('step-00000007')
+    assert find_checkpoint(str(run_dir)) == str(dcp_dir / 'step-00000005')
+    (dcp_dir / 'step-00000005' / '.metadata').unlink()  # none whole: the error names the one latest names
+    error = one_line_error(sample())
+    assert error.startswith(f"error: checkpoint {dcp_dir / 'step-00000007'} is corrupt (ValueError: ") and \
+        error.endswith("): move it aside (mv, to a name of your own) or restore a good copy"), error
+
+
 def test_per_rank_state_with_two_ranks_is_at_most_0_6_of_one(shared_run, fsdp2):
     # one process without torchrun: fsdp_train.py makes its own group of one (the first half of the 1 -> 2 resume)
     one_process = first_half(shared_run, 1, 1)

@@ -2,7 +2,8 @@
 newest K states and prunes older ones, the best by val loss is kept besides (and survives later, worse evals);
 a diverged run (a learning rate of 1e30) saves nothing at its NaN eval, sets aside what it saved after its weights
 went bad, and its error names the last good state, from which the next run resumes; a save to the step of a whole
-DCP folder of the run keeps that folder. One base run per entrypoint (10 steps, an eval every 2,
+DCP folder of the run keeps that folder, and one to the step folder a run resumed from that is a new best names it
+the best. One base run per entrypoint (10 steps, an eval every 2,
 keep_checkpoints=3) is shared by the tests."""
 
 import os
@@ -188,6 +189,37 @@ def test_a_damaged_export_beside_good_step_folders_takes_no_good_versions_place(
     assert kept_iters('decent_train.py', out) == ([8, 10, 12], [8, 10, 12])
 
 
+@pytest.mark.parametrize('script', ['fsdp_train.py', 'ds_train.py', 'decent_train.py'])
+def test_the_first_eval_of_a_run_resumed_from_its_step_folder_that_is_a_new_best_names_that_folder_the_best(
+        base, tmp_path, data_dir, script):
+    # resumed from the step folder of a save between evals (SIGTERM's, save_storage_interval's), whose step's eval is
+    # a new best: the save found the folder there and wrote nothing, and best went on naming the older best, whose
+    # folder pruning keeps while the better one is pruned
+    out, val = base(script)
+    kind, state = tmp_path / 'run' / KIND[script], {'fsdp_train.py': 'extra.pt', 'decent_train.py': 'rank-0.pt',
+                                                    'ds_train.py': 'mp_rank_00_model_states.pt'}[script]
+    shutil.copytree(out, tmp_path / 'run')
+    assert val[5] < val[3]  # the eval at 10 is better than the one at 6
+    for old in kind.glob('best-*'):
+        shutil.rmtree(old)
+    (tmp_path / 'run' / 'best.pt').unlink(missing_ok=True)
+    shutil.copytree(kind / 'step-00000006', kind / 'best-step-00000006', copy_function=os.link)
+    (kind / 'best').write_text('best-step-00000006')
+    path = kind / 'step-00000010' / state
+    if script == 'ds_train.py':
+        from ds_state import DS_SAFE_GLOBALS  # here: it imports DeepSpeed
+    with torch.serialization.safe_globals(DS_SAFE_GLOBALS if script == 'ds_train.py' else []):
+        saved = torch.load(path, weights_only=True)
+    os.remove(path)  # a file of its own: best-step-N's links keep theirs
+    torch.save({**saved, 'val_loss': None, 'best_val_loss': 1e9}, path)  # saved before the eval at 10
+    p = run(script, *tiny(data_dir, tmp_path / 'run', *BASE), cwd=tmp_path)
+    assert re.search(r'resuming from \S+step-00000010 at iter 10\b', p.stdout), p.stdout[-3000:]
+    assert (kind / 'best').read_text() == 'best-step-00000010'
+    assert sorted(f.name for f in kind.glob('best-*')) == ['best-step-00000010']
+    if script != 'fsdp_train.py':  # and the export's best.pt
+        assert iter_of(tmp_path / 'run' / 'best.pt') == 10
+
+
 SAVE_TWICE = '''
 import os, sys
 import torch, torch.distributed as dist
@@ -210,6 +242,8 @@ os.remove(os.path.join(path, '.metadata'))  # a save cut short: written again
 save_dcp({'w': torch.arange(4.0)}, extra, path, None)
 wait_for_saves()
 print('whole' if os.path.isfile(os.path.join(path, '.metadata')) else 'cut short')
+save_dcp({'w': torch.arange(4.0)}, {**extra, 'val_loss': 0.5}, path, path, best=True)  # resumed from it: a new best
+wait_for_saves()
 dist.destroy_process_group()
 '''
 
@@ -222,7 +256,9 @@ def test_a_save_to_the_step_of_a_whole_dcp_folder_of_the_run_keeps_it(tmp_path):
     p = run(tmp_path / 'save_twice.py', tmp_path, REPO, cwd=tmp_path)
     assert [line for line in p.stdout.splitlines() if not line.startswith('saving')] == ['kept', 'kept', 'whole']
     assert (tmp_path / 'dcp' / 'latest').read_text() == 'step-00000004'
-    assert torch.load(tmp_path / 'dcp' / 'best-step-00000004' / 'extra.pt', weights_only=True)['val_loss'] == 1.0
+    # the last, a run resumed from that folder whose first eval is a new best, named no best and recorded no loss
+    assert (tmp_path / 'dcp' / 'best').read_text() == 'best-step-00000004'
+    assert torch.load(tmp_path / 'dcp' / 'best-step-00000004' / 'extra.pt', weights_only=True)['val_loss'] == 0.5
 
 
 @pytest.mark.filterwarnings('ignore:torch.distributed is disabled')  # DCP's note on a save in one process

@@ -589,6 +589,49 @@ def test_a_deepspeed_run_at_another_stage_never_goes_on_from_an_export_older_tha
     assert files(run_dir / 'ds') == before and iter_of(run_dir / 'ckpt.pt') == 10
 
 
+def test_a_deepspeed_save_to_the_step_of_its_whole_folder_keeps_the_folder_and_records_a_new_best(tmp_path, data_dir,
+                                                                                                   shared_run, in_ram):
+    # a run killed after its ds/step-10 and its memory snapshot of step 10, resumed from the snapshot: its eval at 10
+    # removed the folder that latest names to write it again, and a crash meanwhile left the step in RAM alone. Here
+    # that eval is a new best (the snapshot saved before its loss was known): the engine's model-states file, which
+    # holds our state and so the best's val loss, is the one file written again, whole or not at all
+    from checkpoint import where_saved
+    from ds_state import DS_SAFE_GLOBALS  # here: it imports DeepSpeed
+    run_dir = tmp_path / 'run'
+    shutil.copytree(shared_run('ds_train.py', *ARGS), run_dir)
+    folder, snapshots = run_dir / 'ds' / 'step-00000010', in_ram(run_dir)
+    shutil.copytree(folder, snapshots / 'step-00000010')
+    (snapshots / 'latest').write_text('step-00000010')
+    states = lambda folder: folder / 'mp_rank_00_model_states.pt'
+
+    def load(path):
+        with torch.serialization.safe_globals(DS_SAFE_GLOBALS):
+            return torch.load(path, weights_only=True)
+    saved = load(states(folder))
+    torch.save({**saved, **where_saved(run_dir), 'best_val_loss': 1e9}, states(snapshots / 'step-00000010'))
+    (folder / 'marker').touch()  # gone if the folder is removed to be written again
+    kept = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.iterdir() if p != states(folder)}
+    # that file's write fails (a folder in place of its temporary file): the run stops in one line, the folder whole
+    (run_dir / 'best.pt').unlink()  # its val loss would be the best so far
+    (folder / 'mp_rank_00_model_states.pt.tmp').mkdir()
+    error = one_line_error(start(tmp_path, data_dir, run_dir, script='ds_train.py', check=False))
+    assert f"the newest complete one, {folder}, is intact" in error, error
+    (folder / 'mp_rank_00_model_states.pt.tmp').rmdir()
+    assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.iterdir() if p != states(folder)} == kept
+    assert load(states(folder))['val_loss'] == saved['val_loss']
+    (run_dir / 'best.pt').unlink()  # its export's, which the failed save wrote
+    p = start(tmp_path, data_dir, run_dir, script='ds_train.py')
+    assert f'resuming from {snapshots / "step-00000010"} at iter 10' in p.stdout, p.stdout[-2000:]
+    assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.iterdir() if p != states(folder)} == kept
+    assert (run_dir / 'ds' / 'latest').read_text() == 'step-00000010'
+    assert (run_dir / 'ds' / 'best').read_text() == 'best-step-00000010'
+    val_loss = read_metrics(run_dir)[1][-1]['val_loss']
+    for state in (load(states(folder)), load(states(run_dir / 'ds' / 'best-step-00000010'))):
+        assert state['val_loss'] == state['best_val_loss'] == pytest.approx(val_loss, abs=1e-6)
+        assert state['iter_num'] == 10 and torch.equal(state['data_rng'], saved['data_rng'])
+        assert all(torch.equal(a, b) for a, b in zip(state['module'].values(), saved['module'].values()))
+
+
 def test_a_deepspeed_run_at_another_layout_never_goes_on_past_its_newer_memory_snapshot(tmp_path, data_dir,
                                                                                        shared_run, in_ram):
     # the engine's snapshot at 10 (ZeRO-2, 1 rank), out_dir's newest state at 5: at ZeRO-3 the run went on from the

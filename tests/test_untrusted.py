@@ -91,17 +91,21 @@ def plant_metadata(copy, marker):
 def test_planted_dcp_metadata_runs_nothing(copy, tmp_path, data_dir, script):
     marker = tmp_path / 'MARKER'
     plant_metadata(copy, marker)
+    folder = copy / 'dcp' / 'step-00000004'  # the step folder given: the run folder passes it over (below)
     if script == 'sample.py':
-        p = run(script, f'--out_dir={copy}', '--device=cpu', cwd=tmp_path, check=False)
+        p = run(script, f'--init_from={folder}', '--device=cpu', cwd=tmp_path, check=False)
     elif script == 'export_hf.py':
-        p = run(script, f'--ckpt={copy}', f'--out={tmp_path / "hf"}', cwd=tmp_path, check=False)
+        p = run(script, f'--ckpt={folder}', f'--out={tmp_path / "hf"}', cwd=tmp_path, check=False)
     else:
-        p = run(script, *args(data_dir), f'--init_from={copy}', f'--out_dir={tmp_path / "out"}', '--max_iters=1',
+        p = run(script, *args(data_dir), f'--init_from={folder}', f'--out_dir={tmp_path / "out"}', '--max_iters=1',
                 cwd=tmp_path, check=False)
     msg = one_line_error(p)
-    assert 'UnpicklingError: it names posix.system, which DCP' in msg and str(copy) in msg
+    assert 'UnpicklingError: it names posix.system, which DCP' in msg and str(folder) in msg
     assert not marker.exists()
     assert not (tmp_path / 'hf').exists() and not (tmp_path / 'hf.tmp').exists() and not (tmp_path / 'out').exists()
+    if script == 'sample.py':  # the run folder: its newest whole state, the export at the same step, as a resume
+        from checkpoint import find_checkpoint
+        assert find_checkpoint(str(copy)) == str(copy / 'ckpt.pt') and not marker.exists()
 
 
 def test_the_files_of_a_sharded_checkpoint_are_not_called_corrupt(fsdp_run, tmp_path, data_dir):
