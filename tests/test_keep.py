@@ -101,7 +101,7 @@ def test_a_diverged_run_leaves_its_last_good_state_newest(base, tmp_path, data_d
                           '--warmup_iters=0', '--save_storage_interval=1', '--save_memory_interval=1'),
             cwd=tmp_path, check=False)
     newest = out / KIND[script] / "step-00000010" if KIND.get(script) == 'dcp' else out / "ckpt.pt"
-    assert one_line_error(p).startswith(f"error: 5 steps in a row up to iter 15 had a non-finite loss"), p.stderr
+    assert one_line_error(p).startswith("error: 5 steps in a row up to iter 15 had a non-finite loss"), p.stderr
     assert f"{newest} (iter 10) holds the last good state" in p.stderr
     assert "step 15: train loss nan, val loss nan" in p.stdout
     assert "the eval's loss is not finite: nothing saved" in p.stdout
