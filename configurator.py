@@ -22,6 +22,7 @@ check the values of the model's and AdamW's keys, where a script has them.
 import ast
 import difflib
 import os
+import re
 import sys
 import tempfile
 import types
@@ -146,6 +147,8 @@ def _parse(text, key, defaults):
     default = _default(key, defaults)
     if type(default) is bool and text in BOOLS:
         return BOOLS[text]
+    if type(default) is int and re.fullmatch(r'0\d+', text):
+        return int(text)  # a step copied from a folder's name (dcp/step-00000006), which Python's syntax refuses
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
