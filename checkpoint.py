@@ -1424,9 +1424,10 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
         folder = path if os.path.isdir(path) else find_checkpoint(path)  # or the one a latest or best file names
         run, kind = os.path.dirname(os.path.dirname(os.path.normpath(folder))), step_folder_kind(folder)
         # ds_train.py run again with it writes the export of the state it resumes (at once where the run is finished)
-        export = lambda run: (f"`ds_train.py --out_dir={run} --save_consolidated=True`, with the run's other flags "
-                              f"and ranks, writes {os.path.join(run, 'ckpt.pt')}: at once where the run has finished, "
-                              f"else at its next save")
+        # at an eval that saves: its final one is no new best, and a config may leave always_save_checkpoint off
+        export = lambda run: (f"`ds_train.py --out_dir={run} --save_consolidated=True --always_save_checkpoint=True`, "
+                              f"with the run's other flags and ranks, writes {os.path.join(run, 'ckpt.pt')}: at once "
+                              f"where the run has finished, else at its next save")
         if kind:  # their step folders: ZeRO's shards, or the replicas
             run, best = run or '.', os.path.basename(os.path.normpath(folder)).startswith('best')
             what = f"{kind}_train.py, which only it resumes"
