@@ -175,7 +175,10 @@ def reason(e):
         if found:
             return f"UnpicklingError: it holds objects other than tensors and plain data ({found[1]}), refused unread"
         return "UnpicklingError: it is no pickle of tensors and plain data"  # garbage, most likely
-    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
+    line = text.splitlines()[0] if text else ''
+    if len(line) > 200:  # torch's advice runs on (a truncated ckpt.pt): its first sentences, not half of one
+        line = line[:line.rfind('. ', 0, 200) + 1] or line[:200]
+    return f"{type(e).__name__}: {line}" if line else type(e).__name__
 
 
 # -----------------------------------------------------------------------------
