@@ -1164,8 +1164,12 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     elif eval_only and init_from == 'scratch':
         print0(f"eval_only: {out_dir} holds no run, so this evaluates a new, untrained model")
     elif resume_from is not None and init_from != 'resume':
+        # init_from names where a new run starts, which this one did long ago: one who meant a new run is told
+        start = "--auto_resume=False starts afresh" if init_from == 'scratch' else \
+            f"not from --init_from={init_from}, a new run's start: give another --out_dir for one, or " \
+            f"--auto_resume=False to set this run aside in {out_dir}"
         print0(f"auto-resume: {out_dir} holds this run's state at iter {resume_from[0]}, so the run continues "
-               f"(--auto_resume=False starts afresh)")
+               f"({start})")
     if resume_from is None and not eval_only:  # a new run: what earlier runs saved here is kept, out of its way
         # a run asked to resume that finds nothing it can read (a lost node's half of a sharded snapshot, and no
         # checkpoint) starts afresh too, under a new id: what the old id's folder holds is kept likewise, not left
