@@ -335,6 +335,8 @@ def check_config(config):
             os.path.exists(init_from) or os.path.exists(find_checkpoint(init_from))  # RUN/best
     except ValueError as e:  # a dcp/best that names no best-step folder
         sys.exit(f"error: init_from={init_from!r}: {e}: give a step folder or a ckpt.pt of that run")
+    if not named and os.sep in init_from:  # a path, as the tools take one: their error, not an unknown name's
+        sys.exit(f"error: no checkpoint at {init_from}: give a ckpt.pt, a sharded checkpoint or a run folder")
     if not named:
         sys.exit(f"error: unknown init_from={init_from!r}: use scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl "
                  f"or the path of a checkpoint (a ckpt.pt, a sharded checkpoint folder, a run's out_dir, or "
