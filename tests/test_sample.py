@@ -72,12 +72,15 @@ def test_sample_from_a_bpe_model(tmp_path, data_dir):
 
 
 def test_sample_errors(char_run, tmp_path):
-    for args, message in ((['--out_dir=none'], 'no checkpoint at'),
+    for args, message in ((['--out_dir=none'], "no checkpoint at none: point --out_dir at a run's folder"),
                           ([f'--out_dir={char_run}', '--start=\u00e9t\u00e9'],
                            "characters the model's vocabulary lacks"),
                           ([f'--out_dir={char_run}', '--start=FILE:missing.txt'], 'cannot read the prompt file'),
                           (['--init_from=gpt3'], "unknown init_from='gpt3'"),
-                          ([f'--init_from={tmp_path}'], 'no checkpoint at')):
+                          ([f'--init_from={tmp_path}'], 'no checkpoint at'),
+                          # it said "point --out_dir at a run's folder", which was not given
+                          ([f'--init_from={tmp_path / "a"}'], f"no checkpoint at {tmp_path / 'a'}: give --init_from=a "
+                                                              f"ckpt.pt, a sharded checkpoint or a run folder")):
         p = run('sample.py', *args, '--device=cpu', cwd=char_run, check=False)
         assert p.returncode != 0 and message in p.stderr, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1
