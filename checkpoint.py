@@ -684,6 +684,14 @@ def newest_loadable(paths, run_id=None, or_any=False, iter_of=None):
     return (*best, skipped)
 
 
+def launch_of(layout):
+    """The LAYOUT of a rank's snapshot (rank-R-of-LAYOUT.pt) as the launch that reads it back: fsdp_train.py's DPxTP,
+    pp_train.py's DPxPPpp, decent_train.py's world size."""
+    sizes = [int(n) for n in re.findall(r'\d+', layout)]
+    mesh = f" --pp_size={sizes[1]}" if layout.endswith('pp') else f" --tp_size={sizes[1]}" if len(sizes) == 2 else ''
+    return f"{math.prod(sizes)} ranks" + (f" and{mesh}" if mesh else '')
+
+
 RANK_FILE = re.compile(r'rank-(\d+)-of-(.+?)(\.prev\d*)?\.pt')  # a rank's snapshot: its rank, its layout, its version
 
 
@@ -1075,9 +1083,9 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     # job back on fewer nodes) no layout resumes here
     found = {f for v in views for f in v[7]}
     ranks = lambda it, layout: {f[3] for f in found if f[0] == it and f[2] == layout}
-    it, path = max(((it, path) for it, path, layout, _ in found
-                    if ranks(it, layout) == set(range(math.prod(map(int, re.findall(r'\d+', layout)))))),
-                   default=(None, None))
+    it, path, layout = max(((it, path, layout) for it, path, layout, _ in found
+                            if ranks(it, layout) == set(range(math.prod(map(int, re.findall(r'\d+', layout)))))),
+                           default=(None, None, None))
     part = max(found, default=None)
     if part and (resume_from is None or resume_from[0] < part[0]) and (it is None or it < part[0]):
         print0(f"note: the memory snapshot {part[1]} (iter {part[0]}) of another layout lacks the ranks of nodes "
@@ -1085,12 +1093,13 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     if it is not None and (resume_from is None or resume_from[0] < it) and eval_only:
         # (an eval started afresh evaluates a new model, and keeps nothing in out_dir)
         sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of another layout, which "
-                 f"only that layout reads: evaluate it with the layout in its name (as many ranks, the same flags)")
+                 f"only that layout reads: evaluate it with the layout in its name ({launch_of(layout)}, the same "
+                 f"flags)")
     if it is not None and (resume_from is None or resume_from[0] < it):
         sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of another layout, which "
-                 f"only that layout reads: resume with the layout in its name and let it save a checkpoint to "
-                 f"{out_dir} (SIGTERM does) before changing it, or start afresh with --auto_resume=False (the "
-                 f"snapshots are then kept in {out_dir})")
+                 f"only that layout reads: resume with the layout in its name ({launch_of(layout)}) and let it save a "
+                 f"checkpoint to {out_dir} (SIGTERM does) before changing it, or start afresh with "
+                 f"--auto_resume=False (the snapshots are then kept in {out_dir})")
     # an eval of a run's newest state is the eval of the entrypoint that reads it (one started afresh is refused)
     evaluate = lambda writer: f"evaluate it with `{writer} --out_dir={out_dir} --eval_only=True` (under torchrun as " \
                               f"before)"
