@@ -196,7 +196,10 @@ def reason(e):
         if found:
             return f"UnpicklingError: it holds objects other than tensors and plain data ({found[1]}), refused unread"
         return "UnpicklingError: it is no pickle of tensors and plain data"  # garbage, most likely
-    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
+    line = text.splitlines()[0] if text else ''
+    if len(line) > 200:  # torch's advice runs on (a truncated ckpt.pt): its first sentences, not half of one
+        line = line[:line.rfind('. ', 0, 200) + 1] or line[:200]
+    return f"{type(e).__name__}: {line}" if line else type(e).__name__
 
 
 # -----------------------------------------------------------------------------
@@ -705,6 +708,14 @@ def newest_loadable(paths, run_id=None, or_any=False, iter_of=None):
     return (*best, skipped)
 
 
+def launch_of(layout):
+    """The LAYOUT of a rank's snapshot (rank-R-of-LAYOUT.pt) as the launch that reads it back: fsdp_train.py's DPxTP,
+    pp_train.py's DPxPPpp, decent_train.py's world size."""
+    sizes = [int(n) for n in re.findall(r'\d+', layout)]
+    mesh = f" --pp_size={sizes[1]}" if layout.endswith('pp') else f" --tp_size={sizes[1]}" if len(sizes) == 2 else ''
+    return f"{math.prod(sizes)} ranks" + (f" and{mesh}" if mesh else '')
+
+
 RANK_FILE = re.compile(r'rank-(\d+)-of-(.+?)(\.prev\d*)?\.pt')  # a rank's snapshot: its rank, its layout, its version
 
 
@@ -1096,9 +1107,9 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     # job back on fewer nodes) no layout resumes here
     found = {f for v in views for f in v[7]}
     ranks = lambda it, layout: {f[3] for f in found if f[0] == it and f[2] == layout}
-    it, path = max(((it, path) for it, path, layout, _ in found
-                    if ranks(it, layout) == set(range(math.prod(map(int, re.findall(r'\d+', layout)))))),
-                   default=(None, None))
+    it, path, layout = max(((it, path, layout) for it, path, layout, _ in found
+                            if ranks(it, layout) == set(range(math.prod(map(int, re.findall(r'\d+', layout)))))),
+                           default=(None, None, None))
     part = max(found, default=None)
     if part and (resume_from is None or resume_from[0] < part[0]) and (it is None or it < part[0]):
         print0(f"note: the memory snapshot {part[1]} (iter {part[0]}) of another layout lacks the ranks of nodes "
@@ -1106,12 +1117,13 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     if it is not None and (resume_from is None or resume_from[0] < it) and eval_only:
         # (an eval started afresh evaluates a new model, and keeps nothing in out_dir)
         sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of another layout, which "
-                 f"only that layout reads: evaluate it with the layout in its name (as many ranks, the same flags)")
+                 f"only that layout reads: evaluate it with the layout in its name ({launch_of(layout)}, the same "
+                 f"flags)")
     if it is not None and (resume_from is None or resume_from[0] < it):
         sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of another layout, which "
-                 f"only that layout reads: resume with the layout in its name and let it save a checkpoint to "
-                 f"{out_dir} (SIGTERM does) before changing it, or start afresh with --auto_resume=False (the "
-                 f"snapshots are then kept in {out_dir})")
+                 f"only that layout reads: resume with the layout in its name ({launch_of(layout)}) and let it save a "
+                 f"checkpoint to {out_dir} (SIGTERM does) before changing it, or start afresh with "
+                 f"--auto_resume=False (the snapshots are then kept in {out_dir})")
     # an eval of a run's newest state is the eval of the entrypoint that reads it (one started afresh is refused)
     evaluate = lambda writer: f"evaluate it with `{writer} --out_dir={out_dir} --eval_only=True` (under torchrun as " \
                               f"before)"
@@ -1185,8 +1197,12 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     elif eval_only and init_from == 'scratch':
         print0(f"eval_only: {out_dir} holds no run, so this evaluates a new, untrained model")
     elif resume_from is not None and init_from != 'resume':
+        # init_from names where a new run starts, which this one did long ago: one who meant a new run is told
+        start = "--auto_resume=False starts afresh" if init_from == 'scratch' else \
+            f"not from --init_from={init_from}, a new run's start: give another --out_dir for one, or " \
+            f"--auto_resume=False to set this run aside in {out_dir}"
         print0(f"auto-resume: {out_dir} holds this run's state at iter {resume_from[0]}, so the run continues "
-               f"(--auto_resume=False starts afresh)")
+               f"({start})")
     if resume_from is None and not eval_only:  # a new run: what earlier runs saved here is kept, out of its way
         # a run asked to resume that finds nothing it can read (a lost node's half of a sharded snapshot, and no
         # checkpoint) starts afresh too, under a new id: what the old id's folder holds is kept likewise, not left
@@ -1448,9 +1464,10 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
         folder = path if os.path.isdir(path) else find_checkpoint(path)  # or the one a latest or best file names
         run, kind = os.path.dirname(os.path.dirname(os.path.normpath(folder))), step_folder_kind(folder)
         # ds_train.py run again with it writes the export of the state it resumes (at once where the run is finished)
-        export = lambda run: (f"`ds_train.py --out_dir={run} --save_consolidated=True`, with the run's other flags "
-                              f"and ranks, writes {os.path.join(run, 'ckpt.pt')}: at once where the run has finished, "
-                              f"else at its next save")
+        # at an eval that saves: its final one is no new best, and a config may leave always_save_checkpoint off
+        export = lambda run: (f"`ds_train.py --out_dir={run} --save_consolidated=True --always_save_checkpoint=True`, "
+                              f"with the run's other flags and ranks, writes {os.path.join(run, 'ckpt.pt')}: at once "
+                              f"where the run has finished, else at its next save")
         if kind:  # their step folders: ZeRO's shards, or the replicas
             run, best = run or '.', os.path.basename(os.path.normpath(folder)).startswith('best')
             what = f"{kind}_train.py, which only it resumes"

@@ -22,6 +22,7 @@ check the values of the model's and AdamW's keys, where a script has them.
 import ast
 import difflib
 import os
+import re
 import sys
 import tempfile
 import types
@@ -146,6 +147,8 @@ def _parse(text, key, defaults):
     default = _default(key, defaults)
     if type(default) is bool and text in BOOLS:
         return BOOLS[text]
+    if type(default) is int and re.fullmatch(r'0\d+', text):
+        return int(text)  # a step copied from a folder's name (dcp/step-00000006), which Python's syntax refuses
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
@@ -332,6 +335,8 @@ def check_config(config):
             os.path.exists(init_from) or os.path.exists(find_checkpoint(init_from))  # RUN/best
     except ValueError as e:  # a dcp/best that names no best-step folder
         sys.exit(f"error: init_from={init_from!r}: {e}: give a step folder or a ckpt.pt of that run")
+    if not named and os.sep in init_from:  # a path, as the tools take one: their error, not an unknown name's
+        sys.exit(f"error: no checkpoint at {init_from}: give a ckpt.pt, a sharded checkpoint or a run folder")
     if not named:
         sys.exit(f"error: unknown init_from={init_from!r}: use scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl "
                  f"or the path of a checkpoint (a ckpt.pt, a sharded checkpoint folder, a run's out_dir, or "

@@ -82,7 +82,9 @@ else:
                  f"gpt2-medium, gpt2-large, gpt2-xl or the path of a checkpoint")
     # any entrypoint's checkpoint: a ckpt.pt, a sharded folder, a run folder's newest, or RUN/best, its best
     path = {'resume': out_dir, 'best': os.path.join(out_dir, 'best')}.get(init_from, init_from)
-    model, checkpoint, _ = checkpoint_or_exit(path, "point --out_dir at a run's folder, or use --init_from=gpt2")
+    fix = "point --out_dir at a run's folder, or use --init_from=gpt2" if path != init_from else \
+        "give --init_from=a ckpt.pt, a sharded checkpoint or a run folder"  # the path given, not out_dir, is wrong
+    model, checkpoint, _ = checkpoint_or_exit(path, fix)
     dataset, trained_on = checkpoint.get('config', {}).get('dataset'), checkpoint.get('vocabulary')
 model.eval()
 model.to(device)

@@ -68,6 +68,13 @@ def test_wrong_type_names_the_expected_type(capsys):
     assert 'compile must be bool' in msg
 
 
+def test_an_int_key_takes_a_step_number_as_a_folder_name_writes_it():
+    # fsdp.md: --max_iters at the N of dcp/latest, which names step-00000006; Python's syntax refuses 00000006
+    ns = defaults()
+    configure(ns, ['--batch_size=00000006', '--n_layer=0'])
+    assert ns['batch_size'] == 6 and type(ns['batch_size']) is int and ns['n_layer'] == 0
+
+
 def test_config_file_errors_name_the_file_and_line(tmp_path, capsys):
     bad = tmp_path / 'bad.py'
     bad.write_text("batch_size = 4\n\nn_layer = undefined_name\n")

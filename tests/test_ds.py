@@ -313,8 +313,9 @@ def test_the_run_folder_stands_for_its_export_which_samples_and_resumes_under_tr
     p = run('sample.py', f'--out_dir={tmp_path / "shards"}', '--device=cpu', cwd=tmp_path, check=False)
     assert one_line_error(p) == f"error: {tmp_path / 'shards'} holds ds_train.py's step folders but no ckpt.pt " \
         f"(save_consolidated=False), and only ds_train.py reads ZeRO's shards: `ds_train.py --out_dir=" \
-        f"{tmp_path / 'shards'} --save_consolidated=True`, with the run's other flags and ranks, writes " \
-        f"{tmp_path / 'shards' / 'ckpt.pt'}: at once where the run has finished, else at its next save"
+        f"{tmp_path / 'shards'} --save_consolidated=True --always_save_checkpoint=True`, with the run's other flags " \
+        f"and ranks, writes {tmp_path / 'shards' / 'ckpt.pt'}: at once where the run has finished, else at its next " \
+        f"save"
     shutil.rmtree(tmp_path / 'run' / 'ds')
     launch('train.py', tmp_path, data_dir, 'run', '--max_iters=12', '--init_from=resume')
     losses = read_metrics(tmp_path / 'run')[0]
@@ -335,11 +336,13 @@ def test_a_finished_run_without_its_export_writes_it_when_run_again_with_save_co
     p = run('sample.py', f"--init_from={tmp_path / 'run' / 'ds' / 'step-00000010'}", '--device=cpu', cwd=tmp_path,
             check=False)
     assert one_line_error(p).endswith(f"(save_consolidated=False): `ds_train.py --out_dir={tmp_path / 'run'} "
-                                      f"--save_consolidated=True`, with the run's other flags and ranks, writes "
-                                      f"{tmp_path / 'run' / 'ckpt.pt'}: at once where the run has finished, else at "
-                                      f"its next save")
+                                      f"--save_consolidated=True --always_save_checkpoint=True`, with the run's other "
+                                      f"flags and ranks, writes {tmp_path / 'run' / 'ckpt.pt'}: at once where the run "
+                                      f"has finished, else at its next save")
+    # the run's own flags (config/train_shakespeare_char_cpu.py's always_save_checkpoint=False), then the message's:
+    # the final eval, no new best, saved nothing without it
     launch('ds_train.py', tmp_path, data_dir, 'run', '--zero_stage=2', '--deterministic=True', '--max_iters=10',
-           nproc=2)
+           '--always_save_checkpoint=False', '--save_consolidated=True', '--always_save_checkpoint=True', nproc=2)
     assert torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=True)['iter_num'] == 10
     assert_same_state(stages[2] / 'ckpt.pt', tmp_path / 'run' / 'ckpt.pt', atol=1e-12)  # the same state
     assert sorted(p.name for p in (tmp_path / 'run' / 'ds').iterdir() if p.name.startswith('step')) == \

@@ -165,6 +165,12 @@ def test_unknown_init_from(tmp_path, data_dir):
     msg = fails(tmp_path, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out', '--init_from=gpt3')
     assert "unknown init_from='gpt3'" in msg and 'scratch' in msg
     assert not (tmp_path / 'out').exists()
+    # a path that names nothing is the tools' "no checkpoint at" (checkpoints.md), not an unknown name
+    msg = fails(tmp_path, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out',
+                f'--init_from={tmp_path / "runs" / "a"}')
+    assert msg == f"error: no checkpoint at {tmp_path / 'runs' / 'a'}: give a ckpt.pt, a sharded checkpoint or a run " \
+        f"folder", msg
+    assert not (tmp_path / 'out').exists()
 
 
 @pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'pp_train.py', 'decent_train.py', 'ds_train.py'])

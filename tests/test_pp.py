@@ -244,10 +244,14 @@ def test_a_crashed_runs_snapshots_at_another_layout_are_refused_not_stranded(tmp
     bounded = [a for a in args if 'max_iters' not in a] + ['--max_iters=40']
     r = run('pp_train.py', *bounded, '--pp_size=1', nproc=2, cwd=tmp_path, check=False)
     assert "is the memory snapshot" in one_line_error(r, nproc=2) and 'of another layout' in r.stderr
+    assert 'resume with the layout in its name (2 ranks and --pp_size=2) and let it save' in r.stderr  # not 1x2pp
+    from checkpoint import launch_of  # fsdp_train.py's DPxTP and decent_train.py's world size alike
+    assert launch_of('2x2') == '4 ranks and --tp_size=2' and launch_of('4') == '4 ranks'
     assert {f: f.read_bytes() for f in out.rglob('*') if f.is_file() and f.name != 'run.lock'} == before
     # an eval of it was told to start afresh, which evaluates a new model and keeps nothing in out_dir
     r = run('pp_train.py', *bounded, '--pp_size=1', '--eval_only=True', nproc=2, cwd=tmp_path, check=False)
-    assert 'evaluate it with the layout in its name' in one_line_error(r, nproc=2) and 'auto_resume' not in r.stderr
+    assert 'evaluate it with the layout in its name (2 ranks and --pp_size=2, the same flags)' in \
+        one_line_error(r, nproc=2) and 'auto_resume' not in r.stderr
     assert {f: f.read_bytes() for f in out.rglob('*') if f.is_file() and f.name != 'run.lock'} == before
     # the same layout, with another schedule's stages on each rank: the snapshot's flags, never "delete it"
     r = run('pp_train.py', *bounded, '--pp_size=2', '--pp_schedule=interleaved-1f1b', nproc=2, cwd=tmp_path,

@@ -72,12 +72,15 @@ def test_sample_from_a_bpe_model(tmp_path, data_dir):
 
 
 def test_sample_errors(char_run, tmp_path):
-    for args, message in ((['--out_dir=none'], 'no checkpoint at'),
+    for args, message in ((['--out_dir=none'], "no checkpoint at none: point --out_dir at a run's folder"),
                           ([f'--out_dir={char_run}', '--start=\u00e9t\u00e9'],
                            "characters the model's vocabulary lacks"),
                           ([f'--out_dir={char_run}', '--start=FILE:missing.txt'], 'cannot read the prompt file'),
                           (['--init_from=gpt3'], "unknown init_from='gpt3'"),
-                          ([f'--init_from={tmp_path}'], 'no checkpoint at')):
+                          ([f'--init_from={tmp_path}'], 'no checkpoint at'),
+                          # it said "point --out_dir at a run's folder", which was not given
+                          ([f'--init_from={tmp_path / "a"}'], f"no checkpoint at {tmp_path / 'a'}: give --init_from=a "
+                                                              f"ckpt.pt, a sharded checkpoint or a run folder")):
         p = run('sample.py', *args, '--device=cpu', cwd=char_run, check=False)
         assert p.returncode != 0 and message in p.stderr, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1
@@ -115,9 +118,10 @@ def test_a_step_folder_of_ds_or_decent_names_a_whole_model_that_is_there(tmp_pat
     (tmp_path / 'run' / 'best.pt').touch()  # only looked for
     msg = one_line_error(run('sample.py', f'--init_from={step}', '--device=cpu', cwd=tmp_path, check=False))
     assert msg.endswith(f"and {tmp_path / 'ds-run'} holds no whole model beside it (save_consolidated=False): "
-                        f"`ds_train.py --out_dir={tmp_path / 'ds-run'} --save_consolidated=True`, with the run's other "
-                        f"flags and ranks, writes {tmp_path / 'ds-run' / 'ckpt.pt'}: at once where the run has "
-                        f"finished, else at its next save"), msg  # it said: give the run folder (its ckpt.pt): none
+                        f"`ds_train.py --out_dir={tmp_path / 'ds-run'} --save_consolidated=True "
+                        f"--always_save_checkpoint=True`, with the run's other flags and ranks, writes "
+                        f"{tmp_path / 'ds-run' / 'ckpt.pt'}: at once where the run has finished, else at its next "
+                        f"save"), msg  # it said: give the run folder (its ckpt.pt): none
     msg = one_line_error(run('sample.py', f'--init_from={best}', '--device=cpu', cwd=tmp_path, check=False))
     assert msg.endswith(f": give its best, {tmp_path / 'run' / 'best.pt'}"), msg  # not its newest, ckpt.pt
     # decent_train.py's, whose export did not complete: it was told to run ds_train.py --save_consolidated=True

@@ -55,7 +55,12 @@ def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path, data_dir, nproc)
     w_full, w_split = weights(tmp_path / 'full' / 'ckpt.pt'), weights(tmp_path / 'split' / 'ckpt.pt')
     assert all(torch.equal(w_full[k], w_split[k]) for k in w_full)
     if nproc == 1:  # another weight_decay and beta2 take effect: AdamW's load_state_dict had put the saved ones back
-        train(tmp_path, data_dir, 'split', *args, '--max_iters=11', '--weight_decay=0.5', '--beta2=0.9')
+        # an init_from given over a run in out_dir (a new run's start) is not used, and the line says so
+        p = train(tmp_path, data_dir, 'split', *args, '--max_iters=11', '--weight_decay=0.5', '--beta2=0.9',
+                  f'--init_from={tmp_path / "full"}')
+        assert f"so the run continues (not from --init_from={tmp_path / 'full'}, a new run's start: give another " \
+            f"--out_dir for one, or --auto_resume=False to set this run aside in {tmp_path / 'split'})" in p.stdout
+        assert sorted(read_metrics(tmp_path / 'split')[0]) == list(range(11))
         groups = torch.load(tmp_path / 'split' / 'ckpt.pt', weights_only=True)['optimizer']['param_groups']
         assert [(g['weight_decay'], tuple(g['betas'])) for g in groups] == [(0.5, (0.9, 0.9)), (0.0, (0.9, 0.9))]
 

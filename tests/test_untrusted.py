@@ -253,6 +253,19 @@ def damage(folder, how):
         meta.unlink()
 
 
+def test_a_long_reason_ends_with_a_whole_sentence(tmp_path):
+    # a truncated ckpt.pt's torch error, cut at 200 characters, ended "...that your checkpoint file is)"
+    from checkpoint import reason
+    torch.save({'model': {'w': torch.zeros(1000)}}, tmp_path / 'ckpt.pt')
+    (tmp_path / 'ckpt.pt').write_bytes((tmp_path / 'ckpt.pt').read_bytes()[:1000])
+    with pytest.raises(Exception) as e:
+        torch.load(tmp_path / 'ckpt.pt', weights_only=True)
+    assert len(str(e.value)) > 200
+    assert reason(e.value) == "RuntimeError: PytorchStreamReader failed reading zip archive: failed finding central " \
+        "directory. This is an internal miniz error."
+    assert reason(RuntimeError('x' * 300)) == 'RuntimeError: ' + 'x' * 200  # no sentence: cut as before
+
+
 @pytest.mark.parametrize('how', DAMAGE)
 def test_damaged_dcp_folder_raises_an_exception_with_its_reason(copy, how):
     # DCP's own CheckpointException is a BaseException: `except Exception` would let it through as a traceback
