@@ -214,7 +214,8 @@ def bench_recovery():
     finally:
         p.send_signal(signal.SIGTERM)  # torchrun stops the workers (which save a checkpoint first)
         p.wait()
-    print(f"recovery, SIGKILL to the next logged step: median {statistics.median(recoveries):.2f} s over {kills} kills")
+    print(f"recovery, SIGKILL to the next logged step: median {statistics.median(recoveries):.2f} s over {kills} "
+          f"kill{'s' * (kills != 1)}")
     return recoveries
 
 

@@ -228,7 +228,8 @@ blocks = list(model.transformer.h)
 for i in range(0, len(blocks), blocks_per_unit):  # then FSDP: a unit's hooks and collectives cost the host the
     fully_shard(blocks[i:i + blocks_per_unit], **fsdp)  # same, few parameters or many (a small model waits on them)
 fully_shard(model, **fsdp)
-print0(f"FSDP units: {-(-len(blocks) // blocks_per_unit)} of up to {blocks_per_unit} blocks, and the root")
+print0(f"FSDP units: {-(-len(blocks) // blocks_per_unit)} of "
+       + (f"up to {blocks_per_unit} blocks" if blocks_per_unit > 1 else "a block") + ", and the root")
 
 # -----------------------------------------------------------------------------
 # optimizer, over the sharded parameters (in CPU memory with cpu_offload)
