@@ -342,6 +342,13 @@ def checkpoint_iter_at(path, run_id, layout, foreign, ds_dir, rank=None):
     return int(ours['iter_num'])
 
 
+def folder_iter(path):
+    """The iteration of a whole engine checkpoint folder in out_dir/ds, of any layout: the fallbacks that a save
+    keeps (point_latest) include the folders of the layout before a resume at another world size or stage, whole
+    states of the run, as fsdp_train.py keeps its own; raises where a file does not load."""
+    return int(engine_state(path)['iter_num'])
+
+
 def whole_at(folder, iter_num, run_id, layout):
     """Whether out_dir/ds/step-N (folder) is this run's whole checkpoint of iter_num in this layout, the one latest
     names: a save to its step (a run resumed from its memory snapshot of a step saved already, a new best there)

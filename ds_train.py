@@ -114,7 +114,7 @@ try:
                           checkpoint_iter_at, engine_folders, engine_state, copy_recovery_scripts, gather_state,
                           by_norm_where_zero_checks, guard_step, layout_words, load_state, norm_is_read, offload,
                           on_this_job, overflow_by_norm_alone,
-                          remove_shm_buffer_name, state_bytes, whole_at)
+                          remove_shm_buffer_name, state_bytes, whole_at, folder_iter)
 except ImportError as e:
     sys.exit(f"error: ds_train.py needs DeepSpeed ({e}): pip install deepspeed==0.19.8")
 # DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates, and torch says so at each call
@@ -404,8 +404,9 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         files = [f for f in model.checkpoint_engine.files if not whole or f[0].endswith('model_states.pt')]
         paths, states = zip(*files) if files else ((), ())
         save_in_background(list(states), list(paths), slot=f'ds-{to}',
-                           then=lambda ok: commit(folder, ok, checkpoint_groups[to], writer, iter_of=engine_iter,
-                                                  keep=keep_checkpoints if to == 'storage' else 2, best=best))
+                           then=lambda ok: commit(folder, ok, checkpoint_groups[to], writer, best=best,
+                                                  iter_of=folder_iter if to == 'storage' else engine_iter,
+                                                  keep=keep_checkpoints if to == 'storage' else 2))
         if to == 'storage':
             print0(f"saving checkpoint to {folder}")
     if export:

@@ -29,9 +29,13 @@ def reference_and_first_half(shared_run, tmp_path, script, args, nproc):
 # which continues the curve where the algorithm does not depend on the world size: complete mixing with plain SGD.
 DECENT_AS_DDP = ['--topology=complete', '--replica_optimizer=sgd', '--grad_clip=0.0', '--learning_rate=0.5',
                  '--min_lr=0.05']
+# the resumed ds run saves first at iter 12, past the first layout's folders of 4 and 8 (not over the one at 8)
+DS_NEXT_SAVE = ['--eval_interval=6', '--save_storage_interval=6']
 RESHAPES = [('train.py', 2, [], 1, [], 'at iter 8'), ('train.py', 1, [], 2, [], 'at iter 8'),
-            ('ds_train.py', 2, ['--zero_stage=3'], 1, ['--zero_stage=3'], 'continuing from the consolidated'),
-            ('ds_train.py', 1, ['--zero_stage=2'], 2, ['--zero_stage=3'], 'continuing from the consolidated'),
+            ('ds_train.py', 2, ['--zero_stage=3'], 1, ['--zero_stage=3', *DS_NEXT_SAVE],
+             'continuing from the consolidated'),
+            ('ds_train.py', 1, ['--zero_stage=2'], 2, ['--zero_stage=3', *DS_NEXT_SAVE],
+             'continuing from the consolidated'),
             ('decent_train.py', 2, DECENT_AS_DDP, 1, DECENT_AS_DDP, 'every rank starts from their average'),
             ('decent_train.py', 1, DECENT_AS_DDP, 2, DECENT_AS_DDP, 'every rank starts from their average')]
 
@@ -49,6 +53,8 @@ def test_resumed_at_another_world_size_continues_the_curve(tmp_path, data_dir, s
     for it in ref:
         assert abs(ft[it] - ref[it]) <= 1e-5 * abs(ref[it]), (it, ft[it], ref[it])
     assert abs(ft_evals[-1]['val_loss'] - ref_evals[-1]['val_loss']) <= 1e-5 * ref_evals[-1]['val_loss']
+    if script == 'ds_train.py':  # the first layout's newest folder, whole, stays the fallback (keep_checkpoints=2)
+        assert sorted(f.name for f in (tmp_path / 'ft' / 'ds').glob('step-*')) == ['step-00000008', 'step-00000012']
 
 
 @pytest.mark.parametrize('first,then', [(2, 1), (1, 2)])
