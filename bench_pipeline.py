@@ -5,7 +5,7 @@ for GPipe and 1F1B with p stages and m micro-batches, (p - 1) / (v m + p - 1) fo
 per rank, and (p - 1) / (3 v m + p - 1) for the zero-bubble schedules (ZB1P: the weights' gradients fill two thirds of
 interleaved 1F1B's idle time, where a forward, an input's gradient and a weight's gradient take as long as one
 another), as many idle slots as torch's plan of them (its pipeline_order) holds; for zbv (v = 2) from m = 2p only,
-below which its plan is not full and no figure is given; none for DualPipeV's plan (from m = 2p: fewer are left out).
+below which its plan is not full and no figure is given; none for DualPipeV's plan (from m = 2p: a row says so where m is fewer).
 
 torchrun --standalone --nproc_per_node=2 bench_pipeline.py
 torchrun --standalone --nproc_per_node=4 bench_pipeline.py --microbatches=4,8,16
@@ -27,6 +27,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
 from configurator import configure, quiet_interrupt
+from distributed import launch_with
 from pipeline import SCHEDULES, ZERO_BUBBLE, make_schedule, nearest_taken, placement, schedule_takes, stage_ids
 
 quiet_interrupt()  # Ctrl-C: one line, no traceback
@@ -40,8 +41,7 @@ steps = 5  # timed steps per point, after one untimed
 configure(globals())
 # bad input is refused before the process group starts, on every rank alike: torchrun's environment has the ranks
 if 'RANK' not in os.environ:
-    sys.exit("error: bench_pipeline.py runs a pipeline stage on each rank: launch it with torchrun, e.g. "
-             "torchrun --standalone --nproc_per_node=2 bench_pipeline.py")
+    sys.exit(f"error: bench_pipeline.py runs a pipeline stage on each rank, and {launch_with(2)}")
 p = int(os.environ['WORLD_SIZE'])
 counts = [int(m) if m.strip().isdigit() else 0 for m in microbatches.split(',')]
 if min(counts) < 1:
@@ -119,8 +119,12 @@ if rank == 0:
     print(f"{'schedule':>17} {'m':>3} {'step ms':>8} {'bubble':>7} {'theory':>7}")
 for name in SCHEDULES:
     for m in counts:
-        if name != 'gpipe' and m < p or not schedule_takes(name, m, p):
-            continue  # 1F1B needs a micro-batch for each stage to fill the pipeline before its first backward
+        if not schedule_takes(name, m, p):  # a row that says why, where a table without it would read as complete
+            why = f"m >= 2p = {2 * p}, a micro-batch for each of its stages" if name == 'dualpipev' else \
+                f"m >= p = {p} to fill the pipeline before its first backward"
+            if rank == 0:
+                print(f"{name:>17} {m:>3} {'-':>8} {'-':>7} {'-':>7}  not run: it needs {why}", flush=True)
+            continue
         bubble, theory, step = measure(name, m, rank, p)
         if rank == 0:
             print(f"{name:>17} {m:>3} {step * 1000:>8.1f} {bubble:>7.3f} "

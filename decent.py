@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import wait_for_copies
+from distributed import launch_with
 
 
 def mixing_rounds(topology, world_size, local_world_size):
@@ -41,8 +42,9 @@ def mixing_rounds(topology, world_size, local_world_size):
         # where nodes pair as in one-peer-exp and each rank averages with the same local rank on the peer node
         nodes = n // local_world_size
         if local_world_size < 2 or n % local_world_size or nodes < 2 or nodes & (nodes - 1):
-            raise ValueError(f"topology=alternating-exp-ring needs 2, 4, 8, ... nodes of at least 2 ranks each, not "
-                             f"world size {n} with LOCAL_WORLD_SIZE={local_world_size} ranks per node: use ring")
+            here = (f"and {launch_with(2, nnodes=2)}, or use --topology=ring" if 'RANK' not in os.environ else
+                    f"not world size {n} with LOCAL_WORLD_SIZE={local_world_size} ranks per node: use ring")
+            raise ValueError(f"topology=alternating-exp-ring needs 2, 4, 8, ... nodes of at least 2 ranks each, {here}")
         within = [list(range(a * local_world_size, (a + 1) * local_world_size)) for a in range(nodes)]
         rounds = []
         for node_pairs in mixing_rounds('one-peer-exp', nodes, 1):

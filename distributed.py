@@ -37,6 +37,23 @@ def torchrun_env():
     return rank, local_rank, world_size, int(os.environ.get('LOCAL_WORLD_SIZE', world_size))
 
 
+def launch_with(nproc, nnodes=1):
+    """The torchrun command that starts this script on nproc ranks a node, for an error where a setting needs
+    several ranks and the run was started by plain python (a group of one, which cannot hold them)."""
+    script = os.path.basename(sys.argv[0])
+    if nnodes == 1:
+        return f"plain python starts one process: launch with `torchrun --nproc_per_node={nproc} {script} ...`"
+    return (f"plain python starts one process: launch with `torchrun --nnodes={nnodes} --nproc_per_node={nproc} "
+            f"--rdzv-backend=c10d --rdzv-endpoint=HEAD:29500 {script} ...` on each of {nnodes} nodes")
+
+
+def groups_of(setting, size, world_size):
+    """The one-line error for a setting whose groups of size ranks do not divide the world size."""
+    if size > 1 and 'RANK' not in os.environ:
+        return f"{setting}={size} needs {size} processes (or a multiple), and {launch_with(size)}"
+    return f"{setting}={size} does not divide the world size {world_size}: use a divisor of it"
+
+
 def pick_device(device):
     """(device, device_type): 'auto' and 'cuda' become this process's GPU (cuda:LOCAL_RANK), or 'auto' the CPU
     where there is none; a device torch does not know, or a GPU it cannot see, is a one-line error."""

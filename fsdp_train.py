@@ -30,8 +30,8 @@ from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, ke
                         wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
-from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
-                         skip_on_device, state_bytes, stop_signal, use_deterministic_algorithms)
+from distributed import (agree, check_fits, finish, gather_rng, groups_of, pick_device, restore_rng, split_accumulation,
+                         start, skip_on_device, state_bytes, stop_signal, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import saves_at_eval, skips_save
 from runlock import hold
@@ -117,7 +117,7 @@ if backend == 'auto':
 rank, local_rank, world_size = start(backend, device)
 master_process = rank == 0  # does all the logging and checkpoint writing
 if tp_size < 1 or world_size % tp_size != 0:
-    sys.exit(f"error: tp_size={tp_size} does not divide the world size {world_size}: use a divisor of it")
+    sys.exit(f"error: {groups_of('tp_size', tp_size, world_size)}")
 # the mesh is (dp, tp) with tp innermost, so a tp group is tp_size consecutive ranks (the GPUs of one node); the
 # ranks of a tp group read the same batches and draw the same dropout masks
 dp_rank, dp_size = rank // tp_size, world_size // tp_size

@@ -32,8 +32,8 @@ from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, ke
                         wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
-from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
-                         skip_on_device, state_bytes, stop_signal, torchrun_env, use_deterministic_algorithms)
+from distributed import (agree, check_fits, finish, gather_rng, groups_of, pick_device, restore_rng, split_accumulation,
+                         start, skip_on_device, state_bytes, stop_signal, torchrun_env, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import saves_at_eval, skips_save
 from pipeline import (SCHEDULES, ZERO_BUBBLE, Forward, Part, check_snapshot_layout, clip, loss_fn, make_schedule,
@@ -133,7 +133,7 @@ if backend == 'auto':
 # the layout is checked before any rank joins the group, from what torchrun set: every rank refuses it alike
 world_size = torchrun_env()[2]
 if pp_size < 1 or world_size % pp_size != 0:
-    sys.exit(f"error: pp_size={pp_size} does not divide the world size {world_size}: use a divisor of it")
+    sys.exit(f"error: {groups_of('pp_size', pp_size, world_size)}")
 dp_size = world_size // pp_size
 # the micro-batches of the pipeline's schedule are this rank's micro-steps: the same data as train.py's
 accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)

@@ -317,7 +317,9 @@ def fails(tmp_path, data_dir, *args, nproc=1):
 def test_bad_topologies_world_sizes_and_keys_are_one_line_errors(tmp_path, data_dir, two_nodes):
     assert "unknown topology='star': use complete, ring, one-peer-exp or alternating-exp-ring" in \
         fails(tmp_path, data_dir, '--topology=star')  # (exp is Decent-DP's name for one-peer-exp: taken)
-    assert 'alternating-exp-ring needs 2, 4, 8, ... nodes of at least 2 ranks each, not world size 1' in \
+    assert 'alternating-exp-ring needs 2, 4, 8, ... nodes of at least 2 ranks each, and plain python starts one ' \
+        'process: launch with `torchrun --nnodes=2 --nproc_per_node=2 --rdzv-backend=c10d ' \
+        '--rdzv-endpoint=HEAD:29500 decent_train.py ...` on each of 2 nodes' in \
         fails(tmp_path, data_dir, '--topology=alternating-exp-ring')
     assert 'one-peer-exp needs a power-of-2 world size, not 3' in \
         fails(tmp_path, data_dir, '--topology=one-peer-exp', nproc=3)

@@ -235,7 +235,9 @@ def test_bad_input(tmp_path, data_dir, fsdp2):
     def fails(*args, nproc=1):
         p = launch('fsdp_train.py', tmp_path, data_dir, 'bad', *args, nproc=nproc, check=False)
         return one_line_error(p, nproc)
-    assert 'tp_size=2 does not divide the world size 1' in fails('--tp_size=2')
+    # under plain python it said 'does not divide the world size 1', and not how to start 2 ranks
+    assert fails('--tp_size=2') == ('error: tp_size=2 needs 2 processes (or a multiple), and plain python starts '
+                                    'one process: launch with `torchrun --nproc_per_node=2 fsdp_train.py ...`')
     assert 'tp_size=2 does not divide n_head=1' in fails('--tp_size=2', '--n_head=1', nproc=2)
     assert 'device=mps but this machine has no Apple GPU' in fails('--device=mps', '--cpu_offload=True')
     assert not (tmp_path / 'bad').exists()

@@ -307,11 +307,14 @@ def test_stages_per_rank_below_one_is_a_one_line_error(tmp_path, data_dir):
     (2, ['--pp_schedule=zbv', '--compile=False', '--dp_shard=True'],
      "error: dp_shard=True shards each stage on its own, and zbv at pp_size=2 puts the first and the last stage, which "
      "share the tied embedding, on one rank: use --pp_schedule=interleaved-zb"),
+    # plain python: it said 'does not divide the world size 1', and not how to start 2 ranks
+    (1, [], "error: pp_size=2 needs 2 processes (or a multiple), and plain python starts one process: launch with "
+     "`torchrun --nproc_per_node=2 pp_train.py ...`"),
     # AdamW on the shards of plain stages: they have none
     (2, ['--adamw_on_shards=True'],
      "error: adamw_on_shards=True steps AdamW on the shards of dp_shard=True: add --dp_shard=True, or drop it"),
 ], ids=['interleaved-pp2', 'interleaved-dp2xpp2', '1f1b-dp2xpp2', 'zero-bubble-compiled', 'zbv-compiled',
-        'dualpipev-micro-batches', 'zbv-sharded', 'adamw-on-shards-unsharded'])
+        'dualpipev-micro-batches', 'zbv-sharded', 'plain-python', 'adamw-on-shards-unsharded'])
 def test_micro_batches_a_schedule_cannot_run_are_a_one_line_error_naming_counts_it_runs(tmp_path, data_dir, nproc,
                                                                                         args, message):
     p = launch('pp_train.py', tmp_path, data_dir, 'out', '--pp_size=2', *args, nproc=nproc, check=False)
