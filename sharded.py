@@ -47,8 +47,14 @@ def total_norm(grads):
         if layout is not None:  # a sum over the dimensions that shard (or leave partial), none over those that copy
             mesh, placements = layout
             # on the mesh's device: CPU-offloaded gradients' sums too, which nccl would not take from the CPU
-            sq = DTensor.from_local(sq.to(mesh.device_type), mesh, [Replicate() if p.is_replicate() else Partial()
-                                                                    for p in placements], run_check=False).full_tensor()
+            sq = sq.to(mesh.device_type)
+            if mesh.ndim > 1 and mesh.size() == dist.get_world_size() and not any(p.is_replicate() for p in placements):
+                # TP's matrices, sharded over both dimensions of the world's mesh: one all-reduce of all ranks, where
+                # DTensor would run one per dimension in turn (and warn so on every rank)
+                dist.all_reduce(sq)
+            else:
+                sq = DTensor.from_local(sq, mesh, [Replicate() if p.is_replicate() else Partial() for p in placements],
+                                        run_check=False).full_tensor()
         total_sq = total_sq + sq
     return total_sq.sqrt()
 
