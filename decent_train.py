@@ -199,7 +199,7 @@ def draw_train_offsets():
 # -----------------------------------------------------------------------------
 # where to start: this run's newest complete state, a memory snapshot (two per rank: one may be cut short) or a
 # checkpoint in out_dir: a folder of replicas, or where there is none, a ckpt.pt that every replica starts from
-ckpt_path = os.path.join(out_dir, 'ckpt.pt')  # the averaged export, or train.py's
+ckpt_path = os.path.join(out_dir, 'ckpt.pt')  # the averaged export (DiLoCo's: θ_global), or train.py's
 best_path = os.path.join(out_dir, 'best.pt')  # the averaged model of the best val loss so far (the seed's best_model)
 decent_dir = os.path.join(out_dir, 'decent')  # the replicas, a folder per step and a file per rank
 snapshot_name = f'rank-{rank}-of-{world_size}.pt'  # a rank's own replica, which only this world size can take back
@@ -393,7 +393,7 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         if master_process:
             save_in_background({'model': raw_model.state_dict(), 'optimizer': adamw.state_dict(), **extra}, ckpt_path,
                                keep=keep_checkpoints, best=best and best_path)
-            print0(f"saving the averaged model to {ckpt_path}")
+            print0(f"saving {'the global model θ_global' if diloco_steps else 'the averaged model'} to {ckpt_path}")
         wait_for_copies()  # the average has to be copied before the replica comes back
         restore_replica(buckets, own)
     if wait:

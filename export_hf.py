@@ -140,7 +140,7 @@ def main():
         if isinstance(e, KeyboardInterrupt):
             sys.exit(f"error: interrupted; {out} not written")
         sys.exit(f"error: cannot write {out} ({reason(e)}): give --out=PATH in a writable folder with room")
-    what = 'with GPT-2 tokenizer files' if bpe else f'(a {cfg.vocab_size}-token vocabulary: no tokenizer written)'
+    what = 'with GPT-2 tokenizer files' if bpe else "no tokenizer written (the vocabulary is the dataset's own)"
     print(f"wrote {out}: {model.get_num_params() / 1e6:.2f}M parameters, {vocab_size} tokens, {what}")
 
 

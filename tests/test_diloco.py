@@ -111,6 +111,7 @@ def test_at_another_world_size_every_replica_starts_from_the_global_model(tmp_pa
     # it said 'from their average', where the replicas then start from θ_global
     assert "holds the replicas of 2 ranks, not 1: every rank starts from DiLoCo's global model θ_global" in p.stdout
     assert 'at iter 4' in p.stdout
+    assert 'saving the global model θ_global to' in p.stdout  # it said 'the averaged model': ckpt.pt holds θ_global
     saved = [load(tmp_path / 'run' / 'decent' / 'step-00000004' / f'rank-{r}.pt') for r in range(2)]
     template = saved[0]['model']
     outer, sizes = torch.cat(saved[0]['diloco']['outer']), [t.numel() for t in saved[0]['diloco']['outer']]
