@@ -225,7 +225,7 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
             elif arg.endswith('.toml'):
                 settings, source = seeds.read_toml(arg, _read_text(arg), context), 'toml'
             else:
-                seeds.check_positional(arg)  # minGPT-DDP's Hydra overrides
+                seeds.check_positional(arg, script)  # minGPT-DDP's Hydra overrides
                 if arg.split('=')[0] in defaults and '=' in arg:  # Hydra's habit, with a key of ours
                     sys.exit(f"error: argument '{arg}' is neither a config file (*.py, *.toml) nor --key=value: "
                              f"write it as --{arg}")

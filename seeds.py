@@ -474,11 +474,13 @@ def prepare_args(args):
     return ours
 
 
-def _hydra_ours(key, value):
-    """Our command for minGPT-DDP's Hydra key (section.key) set to value."""
+def _hydra_ours(key, value, script=None):
+    """Our command for minGPT-DDP's Hydra key (section.key) set to value, given to script."""
     if key == 'trainer_config.distributed_method':
-        return {'ddp': 'train.py', 'fsdp': 'fsdp_train.py'}.get(str(value).lower(), HYDRA[key]) + \
-            ' as the script torchrun runs (`torchrun --nproc_per_node=N SCRIPT ...`)'
+        ours = {'ddp': 'train.py', 'fsdp': 'fsdp_train.py'}.get(str(value).lower(), HYDRA[key])
+        if ours == script:  # it named the script that runs: not another one to run
+            return f"nothing to set, {script} is what it names: drop it"
+        return ours + ' as the script torchrun runs (`torchrun --nproc_per_node=N SCRIPT ...`)'
     if key == 'data_config.train_split':  # its share for training, ours for val.bin
         try:
             value = round(1 - float(value), 6)
@@ -487,8 +489,8 @@ def _hydra_ours(key, value):
     return HYDRA[key].format(value)
 
 
-def check_positional(arg):
-    """A one-line error for minGPT-DDP's Hydra overrides (section.key=value), naming ours."""
+def check_positional(arg, script=None):
+    """A one-line error for minGPT-DDP's Hydra overrides (section.key=value) given to script, naming ours."""
     if arg.endswith(('.yaml', '.yml')) and '=' not in arg:  # its gpt2_train_cfg.yaml itself, given as a config
         sys.exit(f"error: {arg} is a YAML config (minGPT-DDP's Hydra file), which is not read here: give its keys as "
                  f"our flags (trainer_config.batch_size: 64 is --batch_size=64; any section.key=value on the command "
@@ -498,7 +500,7 @@ def check_positional(arg):
         return
     key, value = m.groups()
     if key in HYDRA:
-        sys.exit(f"error: {arg} is a Hydra override (minGPT-DDP's): here {_hydra_ours(key, value)}")
+        sys.exit(f"error: {arg} is a Hydra override (minGPT-DDP's): here {_hydra_ours(key, value, script)}")
     sys.exit(f"error: {arg} is a Hydra override (minGPT-DDP's): here keys are flags, --key=value, and config "
              f"files (docs/coming-from.md)")
 
