@@ -5,7 +5,8 @@ for GPipe and 1F1B with p stages and m micro-batches, (p - 1) / (v m + p - 1) fo
 per rank, and (p - 1) / (3 v m + p - 1) for the zero-bubble schedules (ZB1P: the weights' gradients fill two thirds of
 interleaved 1F1B's idle time, where a forward, an input's gradient and a weight's gradient take as long as one
 another), as many idle slots as torch's plan of them (its pipeline_order) holds; for zbv (v = 2) from m = 2p only,
-below which its plan is not full and no figure is given; none for DualPipeV's plan (from m = 2p: a row says so where m is fewer).
+below which its plan is not full and no figure is given; none for DualPipeV's plan (from m = 2p: below, a row says
+it is not run, as for the 1F1B schedules below m = p).
 
 torchrun --standalone --nproc_per_node=2 bench_pipeline.py
 torchrun --standalone --nproc_per_node=4 bench_pipeline.py --microbatches=4,8,16

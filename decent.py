@@ -35,15 +35,17 @@ def mixing_rounds(topology, world_size, local_world_size):
         # round k pairs each rank with the one 2^k away (their k-th bits differ): after the log2(n) rounds of a
         # cycle every replica is the exact average, at one peer per round
         if n & (n - 1):
-            raise ValueError(f"topology=one-peer-exp needs a power-of-2 world size, not {n}: use ring or complete")
+            raise ValueError(f"topology=one-peer-exp needs a power-of-2 world size, not {n}: use --topology=ring or "
+                             f"--topology=complete")
         return [[[j, j + 2 ** k] for j in range(n) if not j & 2 ** k] for k in range(n.bit_length() - 1)] or [[[0]]]
     if topology == 'alternating-exp-ring':
         # rounds within nodes (the fast links: every node averages its ranks) alternate with rounds between nodes,
         # where nodes pair as in one-peer-exp and each rank averages with the same local rank on the peer node
         nodes = n // local_world_size
         if local_world_size < 2 or n % local_world_size or nodes < 2 or nodes & (nodes - 1):
-            here = (f"and {launch_with(2, nnodes=2)}, or use --topology=ring" if 'RANK' not in os.environ else
-                    f"not world size {n} with LOCAL_WORLD_SIZE={local_world_size} ranks per node: use ring")
+            here = (f"and {launch_with(2, nnodes=2)}, or use --topology=ring" if n == 1 and 'RANK' not in os.environ
+                    else f"not world size {n} with LOCAL_WORLD_SIZE={local_world_size} ranks per node: use "
+                    f"--topology=ring")
             raise ValueError(f"topology=alternating-exp-ring needs 2, 4, 8, ... nodes of at least 2 ranks each, {here}")
         within = [list(range(a * local_world_size, (a + 1) * local_world_size)) for a in range(nodes)]
         rounds = []

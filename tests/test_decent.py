@@ -102,6 +102,11 @@ def test_rounds_pair_the_ranks_as_documented():
     ('alternating-exp-ring', 2, 2, 'not world size 2 with LOCAL_WORLD_SIZE=2'),  # one node
     ('alternating-exp-ring', 4, 1, 'LOCAL_WORLD_SIZE=1'),  # nodes of one rank
     ('alternating-exp-ring', 12, 4, '2, 4, 8, ... nodes'),  # 3 nodes
+    # the fix is a flag: it said 'use ring', which a Decent-DP config's user sets as topology = 'ring'
+    ('alternating-exp-ring', 2, 2, 'ranks per node: use --topology=ring'),
+    # plain python (no RANK): how to start two nodes of two ranks, where it said 'not world size 1'
+    ('alternating-exp-ring', 1, 1, 'plain python starts one process: launch with `torchrun --nnodes=2 '
+                                   '--nproc_per_node=2'),
 ])
 def test_topologies_refuse_world_sizes_they_cannot_serve(topology, n, per_node, message):
     with pytest.raises(ValueError, match=message.replace('(', r'\(').replace('.', r'\.')):
