@@ -163,12 +163,14 @@ if deterministic:
     if dropout != 0.0:
         print0(f"deterministic: dropout {dropout} turned off")
     dropout = config['dropout'] = 0.0
-print0(f"world size {world_size}, {accum_steps} micro-steps per rank, {tokens_per_iter:,} tokens per iteration")
+print0(f"world size {world_size}, {accum_steps} micro-step{'s' * (accum_steps > 1)} per rank, "
+       f"{tokens_per_iter:,} tokens per iteration")
 if diloco_steps:
     print0(f"DiLoCo: an outer {outer_optimizer} step every {diloco_steps} steps on each of {diloco_fragments} "
            f"fragments, landing {diloco_overlap} steps later; inner optimizer {replica_optimizer}")
 else:
-    print0(f"topology {topology}, a cycle of {len(rounds)} mixing rounds; optimizer {replica_optimizer}")
+    print0(f"topology {topology}, a cycle of {len(rounds)} mixing round{'s' * (len(rounds) > 1)}; "
+           f"optimizer {replica_optimizer}")
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin

@@ -142,8 +142,8 @@ if deterministic:
     if dropout != 0.0:
         print0(f"deterministic: dropout {dropout} turned off")
     dropout = config['dropout'] = 0.0
-print0(f"world size {world_size} (dp {dp_size} x tp {tp_size}), {accum_steps} micro-steps per rank, "
-       f"{tokens_per_iter:,} tokens per iteration")
+print0(f"world size {world_size} (dp {dp_size} x tp {tp_size}), {accum_steps} micro-step{'s' * (accum_steps > 1)} "
+       f"per rank, {tokens_per_iter:,} tokens per iteration")
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin

@@ -174,7 +174,7 @@ if deterministic:
         print0(f"deterministic: dropout {dropout} turned off")
     dropout = config['dropout'] = 0.0
 print0(f"world size {world_size} (dp {dp_size} x pp {pp_size}, {pp_schedule}{', stages sharded over dp' * dp_shard}), "
-       f"{accum_steps} micro-batches per pipeline, {tokens_per_iter:,} tokens per iteration")
+       f"{accum_steps} micro-batch{'es' * (accum_steps > 1)} per pipeline, {tokens_per_iter:,} tokens per iteration")
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin

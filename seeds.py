@@ -413,7 +413,8 @@ def finish(ctx):
     iters = math.ceil(epochs * n_tokens['train'] / per_iter)
     global _epochs
     _epochs = (epochs * n_tokens['train'], keys['max_iters'])  # for a resume at another global batch: start_tokens
-    why = f"{epochs} passes over train.bin's {n_tokens['train']:,} tokens at {per_iter:,} tokens an iteration"
+    why = (f"{epochs} pass{'es' * (epochs != 1)} over train.bin's {n_tokens['train']:,} tokens at {per_iter:,} tokens "
+           f"an iteration")
     if iters >= keys['max_iters']:
         ctx['notes'].append((None, f"{where} is DLRover's name: here --max_iters={iters} ({why}); max_iters="
                                    f"{keys['max_iters']} ends the run first"))

@@ -127,7 +127,8 @@ if deterministic:
     if dropout != 0.0:
         print0(f"deterministic: dropout {dropout} turned off")
     dropout = config['dropout'] = 0.0
-print0(f"world size {world_size}, {accum_steps} micro-steps per rank, {tokens_per_iter:,} tokens per iteration")
+print0(f"world size {world_size}, {accum_steps} micro-step{'s' * (accum_steps > 1)} per rank, "
+       f"{tokens_per_iter:,} tokens per iteration")
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin

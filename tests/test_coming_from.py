@@ -339,7 +339,7 @@ def test_dlrover_train_command_runs_as_written(here, script, data):
             '--gradient_accumulation_steps', '1', '--eval_iters', '2', '--out_dir', str(out), cwd=here)
     dataset = './' if data == './' else './mydata'  # a path, as there: not data/mydata
     assert f"--data_dir {data} is DLRover's and Decent-DP's name: here --dataset={dataset}" in p.stdout
-    assert '--max_iters=8 (1 passes' in p.stdout  # ceil(1,000 tokens / 128 a step)
+    assert '--max_iters=8 (1 pass over' in p.stdout  # ceil(1,000 tokens / 128 a step); it said '1 passes'
     config = json.loads((out / 'config.json').read_text())
     assert config['max_iters'] == 8 and config['dataset'] == dataset and config['bias'] is True
     assert 'iter 7:' in p.stdout and 'iter 8:' not in p.stdout
@@ -360,7 +360,7 @@ def test_dlrover_epochs_count_tokens_across_a_relaunch_at_another_world_size(her
                'cpu', '--block_size', '32', '--batch_size', '4', '--eval_iters', '2', '--decay_lr', '--warmup_iters',
                '2', '--lr_decay_iters', '8', '--out_dir', str(tmp_path / 'out')]
     first = run('train.py', *dlrover, '--max_iters', '3', nproc=2, cwd=here)  # cut short: a node lost at iter 3
-    assert 'world size 2, 1 micro-steps per rank, 256 tokens per iteration' in first.stdout
+    assert 'world size 2, 1 micro-step per rank, 256 tokens per iteration' in first.stdout
     saved = torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)
     assert (saved['iter_num'], saved['tokens_trained'], saved['lr_batch']) == (3, 768, 256)
     shutil.copytree(tmp_path / 'out', tmp_path / 'old')
@@ -368,7 +368,7 @@ def test_dlrover_epochs_count_tokens_across_a_relaunch_at_another_world_size(her
     saved['config']['out_dir'] = str(tmp_path / 'old')
     torch.save(saved, tmp_path / 'old' / 'ckpt.pt')  # as this project saved it before it counted tokens
     p = run('train.py', *dlrover, cwd=here)
-    assert 'world size 1, 1 micro-steps per rank, 128 tokens per iteration' in p.stdout
+    assert 'world size 1, 1 micro-step per rank, 128 tokens per iteration' in p.stdout
     assert '--epochs: 768 of their 2,000 tokens trained by iter 3: here --max_iters=13 at 128 tokens an iteration' \
         in p.stdout
     end = torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)
@@ -435,7 +435,7 @@ def test_torchrun_auto_on_cpu_names_the_accumulation_of_a_rank_a_core_which_trai
         msg.split(': ')[-1].startswith('--gradient_accumulation_steps=2 keeps each rank') and 'minGPT-DDP' in msg
     # the value it names, on the 2 ranks (started as torchrun starts them)
     p = run('train.py', *args, '--gradient_accumulation_steps=2', nproc=2, cwd=tmp_path)
-    assert 'takes the CPU recipe' in p.stdout and 'world size 2, 1 micro-steps per rank' in p.stdout
+    assert 'takes the CPU recipe' in p.stdout and 'world size 2, 1 micro-step per rank' in p.stdout
     config = json.loads((tmp_path / 'o' / 'config.json').read_text())
     assert (config['world_size'], config['n_embd'], config['device']) == (2, 128, 'cpu') and 'iter 1:' in p.stdout
 
