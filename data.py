@@ -142,10 +142,13 @@ def find_bins(dataset, block_size, random_data=False):
             name = os.path.basename(os.path.normpath(folder))
             known = name in DATASETS and name not in ('text', 'hellaswag')  # those that prepare.py NAME makes
             prep = dataset if known else f'text --input=FILE --name={dataset}'
-            seed = os.path.join('nanoGPT', 'data', dataset)  # nnScaler's layout: its nanoGPT checkout's data/
-            if not is_path(dataset) and os.path.isfile(os.path.join(seed, f'{split}.bin')):
-                sys.exit(f"error: {path} not found, but {seed} holds one (nnScaler's nanoGPT checkout): give "
-                         f"--dataset={seed}, or run `python prepare.py {prep}` for {folder}")
+            # nnScaler's layout (its nanoGPT checkout's data/), or a folder here by that name (DLRover's prep's
+            # --output_dir mydata): a name without a / is a folder under data/, so the user gave it as a name
+            for seed, whose in ((os.path.join('nanoGPT', 'data', dataset), "nnScaler's nanoGPT checkout"),
+                                (os.path.join('.', dataset), "a folder here, where a name is one in data/")):
+                if not is_path(dataset) and os.path.isfile(os.path.join(seed, f'{split}.bin')):
+                    sys.exit(f"error: {path} not found, but {seed} holds one ({whose}): give --dataset={seed}, or run "
+                             f"`python prepare.py {prep}` for {folder}")
             if not is_path(dataset):
                 sys.exit(f"error: {path} not found: run `python prepare.py {prep}` first")
             # a path: prepare.py's --out_dir is the folder itself, absolute or relative, whatever data/ holds

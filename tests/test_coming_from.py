@@ -297,7 +297,7 @@ def test_model_size_leaves_out_the_run_flags_of_dlrovers_fsdp_and_deepspeed_comm
                for flag in ('--cpu_offload', '--use_fsdp', '--ds_config ds.json'))
 
 
-def test_a_dataset_name_finds_nnscalers_nanogpt_checkout_in_its_error(tmp_path, monkeypatch):
+def test_a_dataset_name_finds_nnscalers_checkout_or_a_folder_here_in_its_error(tmp_path, monkeypatch):
     # nnScaler's script reads data/<dataset> inside its nanoGPT/ checkout: from there, its config's dataset name
     # names that folder as our --dataset, not only a prep of data/<dataset> afresh (55 GB for openwebtext)
     from data import find_bins
@@ -310,6 +310,15 @@ def test_a_dataset_name_finds_nnscalers_nanogpt_checkout_in_its_error(tmp_path, 
     assert str(e.value.code) == f"error: {os.path.join(ours, 'train.bin')} not found, but {seed} holds one " \
         f"(nnScaler's nanoGPT checkout): give --dataset={seed}, or run `python prepare.py text --input=FILE " \
         f"--name=owt` for {ours}"
+    # a folder here by that name (DLRover's `prepare.py --src_data_path data.txt --output_dir mydata`, then
+    # `--dataset mydata`): it said only to prepare data/mydata
+    (tmp_path / 'mydata').mkdir()
+    (tmp_path / 'mydata' / 'train.bin').write_bytes(b'\0' * 200)
+    with pytest.raises(SystemExit) as e:
+        find_bins('mydata', 32)
+    assert str(e.value.code).startswith(f"error: {os.path.join('data', 'mydata', 'train.bin')} not found, but "
+                                        f"./mydata holds one (a folder here, where a name is one in data/): give "
+                                        f"--dataset=./mydata, or run")
 
 
 def test_decent_dp_names_on_the_command_line():
