@@ -83,6 +83,19 @@ def schedule_takes(schedule, m, pp):
     return m >= 1 and (schedule in ('gpipe', 'zbv') or m >= pp and (schedule == '1f1b' or m % (m // pp) == 0))
 
 
+def untaken(schedule, m, pp, dp=1):
+    """None where schedule runs m micro-batches a pipeline on pp ranks; else the one-line error that says why not
+    and names the gradient_accumulation_steps nearest it that it runs, counted over dp pipelines."""
+    if schedule_takes(schedule, m, pp):
+        return None
+    why = (f"it needs one for each of its {2 * pp} stages at least" if schedule == 'dualpipev' else
+           f"it fills the pipeline before its first backward, so it needs at least pp_size={pp}" if m < pp else
+           f"torch's runs them in {m // pp} rounds of equal size")
+    counts = " or ".join(f"--gradient_accumulation_steps={k * dp}" for k in nearest_taken(schedule, m, pp))
+    return (f"{schedule} does not run {m} micro-batch{'es' * (m != 1)} per pipeline ({why}): set {counts}"
+            + (f" (counted over the {dp} pipelines)" if dp > 1 else "") + ", or use --pp_schedule=gpipe")
+
+
 def nearest_taken(schedule, m, pp):
     """The micro-batch counts nearest m that schedule runs on pp ranks: the one below m (where there is one), and
     the one above (a multiple of pp, 2 pp or more, always is)."""

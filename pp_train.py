@@ -37,8 +37,8 @@ from distributed import (agree, check_fits, finish, gather_rng, groups_of, pick_
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import saves_at_eval, skips_save
 from pipeline import (SCHEDULES, ZERO_BUBBLE, Forward, Part, check_snapshot_layout, clip, loss_fn, make_schedule,
-                      nearest_taken, placement, save_full, schedule_takes, shard_stages, sharded_state, stage_blocks,
-                      stage_ids, stage_rank, tied_grads_and_norm)
+                      placement, save_full, shard_stages, sharded_state, stage_blocks, stage_ids, stage_rank,
+                      tied_grads_and_norm, untaken)
 from runlock import hold
 from runlog import ends_diverged, heed, open_log
 from seeds import start_tokens
@@ -137,14 +137,8 @@ if pp_size < 1 or world_size % pp_size != 0:
 dp_size = world_size // pp_size
 # the micro-batches of the pipeline's schedule are this rank's micro-steps: the same data as train.py's
 accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)
-if not schedule_takes(pp_schedule, accum_steps, pp_size):
-    why = (f"it needs one for each of its {2 * pp_size} stages at least" if pp_schedule == 'dualpipev' else
-           f"it fills the pipeline before its first backward, so it needs at least pp_size={pp_size}"
-           if accum_steps < pp_size else f"torch's runs them in {accum_steps // pp_size} rounds of equal size")
-    sys.exit(f"error: {pp_schedule} does not run {accum_steps} micro-batches per pipeline ({why}): set "
-             + " or ".join(f"--gradient_accumulation_steps={m * dp_size}" for m in
-                           nearest_taken(pp_schedule, accum_steps, pp_size))
-             + (f" (counted over the {dp_size} pipelines)" if dp_size > 1 else "") + ", or use --pp_schedule=gpipe")
+if message := untaken(pp_schedule, accum_steps, pp_size, dp_size):
+    sys.exit(f"error: {message}")
 rank, local_rank, world_size = start(backend, device)
 master_process = rank == 0  # does all the logging and checkpoint writing
 # the mesh is (dp, pp) with pp innermost, so a pipeline is pp_size consecutive ranks (the GPUs of a node, or of

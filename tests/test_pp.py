@@ -287,9 +287,10 @@ def test_stages_per_rank_below_one_is_a_one_line_error(tmp_path, data_dir):
      "error: interleaved-1f1b does not run 5 micro-batches per pipeline (torch's runs them in 2 rounds of equal size): "
      "set --gradient_accumulation_steps=8 or --gradient_accumulation_steps=12 (counted over the 2 pipelines), or use "
      "--pp_schedule=gpipe"),
-    # it said "set gradient_accumulation_steps to 4 or more", and 5 does not divide over 2 pipelines
+    # it said "set gradient_accumulation_steps to 4 or more", and 5 does not divide over 2 pipelines; and
+    # '1 micro-batches'
     (4, ['--pp_schedule=1f1b', '--gradient_accumulation_steps=2'],
-     "error: 1f1b does not run 1 micro-batches per pipeline (it fills the pipeline before its first backward, so it "
+     "error: 1f1b does not run 1 micro-batch per pipeline (it fills the pipeline before its first backward, so it "
      "needs at least pp_size=2): set --gradient_accumulation_steps=4 (counted over the 2 pipelines), or use "
      "--pp_schedule=gpipe"),
     # a traceback from torch (the backward of a compiled block cannot be split), after the group had started
