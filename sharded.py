@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      get_state_dict, set_optimizer_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.optim.adamw import adamw
 from torch.utils._pytree import tree_flatten_with_path, tree_map_only
@@ -34,6 +35,20 @@ def tensor_parallel(block, tp_mesh):
     parallelize_module(block, tp_mesh, {
         'attn.c_q': ColwiseParallel(), 'attn.c_k': ColwiseParallel(), 'attn.c_v': ColwiseParallel(),
         'attn.c_proj': RowwiseParallel(), 'mlp.c_fc': ColwiseParallel(), 'mlp.c_proj': RowwiseParallel()})
+
+
+def step_with_whole_tensors(optimizer):
+    """Lets optimizer.step() (and DCP's, which makes a resumed run's state) take tensor-parallel DTensors and plain
+    tensors in one list, which torch's fused AdamW refuses: pp_train.py's TP stages hold both (layer norms and
+    embeddings whole, the same on every rank of the tp group). Under DTensor's implicit replication the plain ones
+    are taken as replicated on the tp mesh, and the kernel runs on each rank's own pieces: bit for bit its step."""
+    entered = []
+
+    def enter(*_):
+        entered.append(implicit_replication())
+        entered[-1].__enter__()
+    optimizer.register_step_pre_hook(enter)
+    optimizer.register_step_post_hook(lambda *_: entered.pop().__exit__(None, None, None))
 
 
 def check_tp_size(config, tp_size):
