@@ -1,6 +1,6 @@
 """pp_train.py in real process groups on gloo, in fp32: parity with train.py on one process (pp 2, pp 4, pp 2 x dp 2,
-each schedule), the tied embedding, every rank's memory against model_size.py, exact resume with dropout, resume at
-another layout and in fsdp_train.py; and sharded in bf16, against fsdp_train.py's bf16."""
+each schedule; pp 2 x tp 2), the tied embedding, every rank's memory against model_size.py, exact resume with
+dropout, resume at another layout and in fsdp_train.py; and sharded in bf16, against fsdp_train.py's bf16."""
 
 import json
 import os
