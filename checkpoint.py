@@ -710,9 +710,10 @@ def newest_loadable(paths, run_id=None, or_any=False, iter_of=None):
 
 def launch_of(layout):
     """The LAYOUT of a rank's snapshot (rank-R-of-LAYOUT.pt) as the launch that reads it back: fsdp_train.py's DPxTP,
-    pp_train.py's DPxPPpp, decent_train.py's world size."""
+    pp_train.py's DPxPPpp (DPxPPxTPpp with tensor parallel stages), decent_train.py's world size."""
     sizes = [int(n) for n in re.findall(r'\d+', layout)]
-    mesh = f" --pp_size={sizes[1]}" if layout.endswith('pp') else f" --tp_size={sizes[1]}" if len(sizes) == 2 else ''
+    mesh = f" --pp_size={sizes[1]}" + (f" --tp_size={sizes[2]}" if len(sizes) == 3 else '') if layout.endswith('pp') \
+        else f" --tp_size={sizes[1]}" if len(sizes) == 2 else ''
     return f"{math.prod(sizes)} ranks" + (f" and{mesh}" if mesh else '')
 
 
@@ -1590,7 +1591,7 @@ def shards_snapshot_or_exit(path):
     parts = os.path.relpath(os.path.abspath(path), shm).split(os.sep)
     root = os.path.join(shm, parts[0])  # /dev/shm/nanogpt-RUN_ID
     names = parts[1:] + (sorted(os.listdir(root)) if os.path.isdir(root) else [])  # the path's own names first
-    scripts = {r'rank-\d+-of-\d+x\d+pp(\.prev\d*)?\.pt': 'pp_train.py',
+    scripts = {r'rank-\d+-of-\d+x\d+(x\d+)?pp(\.prev\d*)?\.pt': 'pp_train.py',
                r'rank-\d+-of-\d+x\d+(\.prev\d*)?\.pt': 'fsdp_train.py', r'latest|best|(best-)?step-\d+': 'ds_train.py'}
     script = next((s for n in names for pattern, s in scripts.items() if re.fullmatch(pattern, n)), None)
     if script:

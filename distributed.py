@@ -47,11 +47,11 @@ def launch_with(nproc, nnodes=1):
             f"--rdzv-backend=c10d --rdzv-endpoint=HEAD:29500 {script} ...` on each of {nnodes} nodes")
 
 
-def groups_of(setting, size, world_size):
-    """The one-line error for a setting whose groups of size ranks do not divide the world size."""
+def groups_of(setting, size, world_size, of='the world size'):
+    """The one-line error for a setting whose groups of size ranks do not divide the world size (or its part, of)."""
     if size > 1 and 'RANK' not in os.environ:
         return f"{setting}={size} needs {size} processes (or a multiple), and {launch_with(size)}"
-    return f"{setting}={size} does not divide the world size {world_size}: use a divisor of it"
+    return f"{setting}={size} does not divide {of} {world_size}: use a divisor of it"
 
 
 def pick_device(device):

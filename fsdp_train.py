@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch.distributed._composable import checkpoint as checkpoint_activations
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, load_failed, previous,
                         remove_snapshots, save_in_background, snapshot_dir, step_folders, take_settings,
@@ -38,7 +37,7 @@ from runlock import hold
 from runlog import ends_diverged, heed, open_log
 from seeds import start_tokens
 from sharded import (check_tp_size, clip_grad_norm, load_sharded_state, local_shards, read_start, save_dcp, save_full,
-                     sharded_state, step_on_shards, total_norm)
+                     sharded_state, step_on_shards, tensor_parallel, total_norm)
 
 # -----------------------------------------------------------------------------
 # config: defaults train GPT-2 124M on OpenWebText; config/*.py and --key=value override them
@@ -214,12 +213,8 @@ fsdp = dict(mesh=mesh['dp'], reshard_after_forward=reshard_after_forward,
             mp_policy=MixedPrecisionPolicy(param_dtype=ptdtype, reduce_dtype=torch.float32),
             offload_policy=CPUOffloadPolicy(pin_memory=(device_type == 'cuda')) if cpu_offload else OffloadPolicy())
 for block in model.transformer.h:
-    # tensor parallel first (torchtitan's order): q, k, v and the MLP's first layer split by output (heads,
-    # hidden units), the projections back by input: one all-reduce in attention and one in the MLP per block
-    if tp_size > 1:
-        parallelize_module(block, mesh['tp'], {
-            'attn.c_q': ColwiseParallel(), 'attn.c_k': ColwiseParallel(), 'attn.c_v': ColwiseParallel(),
-            'attn.c_proj': RowwiseParallel(), 'mlp.c_fc': ColwiseParallel(), 'mlp.c_proj': RowwiseParallel()})
+    if tp_size > 1:  # tensor parallel first (torchtitan's order): heads and MLP units split over the tp group
+        tensor_parallel(block, mesh['tp'])
     if activation_checkpointing:
         checkpoint_activations(block)
     if compile:

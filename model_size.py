@@ -2,7 +2,8 @@
 Sizes a GPT before it is trained: its parameters, its checkpoint, and the memory each rank needs for
 parameters, gradients, optimizer state (AdamW, fp32 master weights, as every entrypoint here keeps them) and
 activations (an estimate) under DDP, ZeRO-1/2/3, FSDP, tensor parallel and 2-D, at a world size and dtype; with
-pp_size, each rank of pp_train.py's pipeline too (the first and the last hold the embeddings and the head).
+pp_size, each rank of pp_train.py's pipeline too (the first and the last hold the embeddings and the head), its
+stages tensor parallel with tp_size.
 
 python model_size.py --model=gpt2-xl --world_size=8
 python model_size.py --n_layer=4 --n_head=4 --n_embd=128 --block_size=64 --vocab_size=65 --world_size=2 --dtype=float32
@@ -11,6 +12,7 @@ python model_size.py config/gpt2-small.toml                 # a TOML one too (De
 python model_size.py out-shakespeare-char                   # a run folder or checkpoint: the shape it saved
 python model_size.py --model=gpt2 --pp_size=4                # and per rank of a 4-stage pipeline
 python model_size.py --model=gpt2 --pp_size=4 --dp_shard=True  # each stage sharded over the 8 / 4 pipelines
+python model_size.py --model=gpt2 --pp_size=2 --tp_size=2   # a rank of 2 stages, each tensor parallel over 2
 """
 
 import json
@@ -38,7 +40,8 @@ dataset = ''  # a training config's: its meta.pkl (a character-level prep's) giv
 random_data = False  # a training config's: its synthetic GPT-2 tokens, whatever the dataset
 bias = False
 world_size = 8
-tp_size = 0  # the tensor-parallel group of the 2-D row; 0: none shown unless world_size / 2 divides evenly
+tp_size = 0  # the tensor-parallel group of the 2-D row (and of each stage with pp_size); 0: none shown unless
+# world_size / 2 divides evenly (and none in the stages)
 batch_size = 12  # sequences per micro-step per rank, for the activation estimate
 dtype = 'bfloat16'  # the compute dtype: activations take 2 bytes an element in bfloat16, 4 in float32; auto: a GPU's
 activation_checkpointing = False
@@ -134,6 +137,8 @@ if pp_size:
     if dp_shard and (v_shape or pp_size == 1 and v > 1):  # as pp_train.py refuses them
         sys.exit(f"error: dp_shard=True shards each stage on its own, and pp_train.py refuses a rank holding the first "
                  f"and the last stage (pp_schedule={pp_schedule} at pp_size={pp_size}): use another schedule")
+    if dp_shard and tp_size:  # as pp_train.py refuses it
+        sys.exit("error: tp_size with dp_shard=True is not supported by pp_train.py: drop one")
     if dp_shard and world_size % pp_size:
         sys.exit(f"error: dp_shard=True shards each stage over world_size / pp_size pipelines, and pp_size={pp_size} "
                  f"does not divide world_size={world_size}: give a world_size that it divides")
@@ -195,14 +200,14 @@ for r in range(pp_size):
     first, last = 0 in stages, pp_size * v - 1 in stages
     blocks = sum(len(stage_blocks(i, pp_size * v, n_layer)) for i in stages)
     outside = {n: math.prod(shape) for n, shape in params.items() if '.h.' not in n}
-    n = blocks * sum(math.prod(shape) for name, shape in params.items() if '.h.' in name)
+    n = blocks * sum(local_numel(name, shape, tp_size or 1, 1) for name, shape in params.items() if '.h.' in name)
     n += (outside['transformer.wte.weight'] + outside['transformer.wpe.weight']) * first
     n += sum(k for name, k in outside.items() if name.startswith('transformer.ln_f')) * last
     n += outside['transformer.wte.weight'] * (last and not first)  # the head's copy of the tied weight
-    name = f'PP {pp_size} rank {r}'
+    name = f'PP {pp_size}{f" x TP {tp_size}" * bool(tp_size)} rank {r}'
     n /= world_size // pp_size if dp_shard else 1  # FSDP's shards (its padding aside)
     rows[name] = (4 * n, 4 * n, 8 * n)
-    act[name] = activations(1) * blocks / n_layer  # one micro-batch's; a schedule keeps up to pp_size in flight
+    act[name] = activations(tp_size or 1) * blocks / n_layer  # one micro-batch's; up to pp_size in flight
 
 print(f"{N:,} parameters ({N - block_size * n_embd:,} without position embeddings), "
       f"{n_layer} layers, {n_head} heads, {n_embd} wide, block {block_size}, vocab {vocab_size}")

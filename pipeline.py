@@ -103,6 +103,19 @@ def nearest_taken(schedule, m, pp):
     return below + [next(k for k in itertools.count(m + 1) if schedule_takes(schedule, k, pp))]
 
 
+def embedding_group(mesh, v_shape):
+    """Megatron's embedding group of this rank on the (dp, pp, tp) mesh: the first and the last stage's ranks of its
+    (dp, tp) coordinate, which both hold the tied weight (None for the ranks between them, and in a V, where one
+    rank holds both stages and the weight once). Every rank makes every group, as new_group needs."""
+    if mesh['pp'].size() == 1 or v_shape:
+        return None
+    mine = None
+    for ends in mesh.mesh[:, [0, -1]].transpose(1, 2).reshape(-1, 2).tolist():
+        group = dist.new_group(ends)
+        mine = group if dist.get_rank() in ends else mine
+    return mine
+
+
 class Part(nn.Module):
     """Some of a GPT's modules, the same objects, under the GPT's own names (transformer.h.5 stays transformer.h.5):
     the first stage holds the embeddings, the last the final layer norm and the head (and the token embedding under
@@ -179,27 +192,36 @@ def loss_fn(logits, targets):
 
 
 @torch.no_grad()  # DTensor.to_local() with gradients on is an autograd function call (host time)
-def tied_grads_and_norm(params, tied, counts_tied, micro_batches, dp_group, dp_size, tie_group, pp_group):
+def tied_grads_and_norm(params, tied, counts_tied, micro_batches, mesh, dp_shard, tie_group):
     """After a step's backward, whose gradients are summed over the micro-batches: averages them over those and
     across pipelines (one all-reduce, as DDP's last bucket would; under dp_shard FSDP's reduce-scatter has averaged
     them across pipelines into each rank's shards), sums the tied embedding's gradient across the first and the last
     stage (Megatron's embedding group: both copies, or the same shard of each, then take the same update and stay
     equal), and returns the global norm, the tied one counted once (by the rank for which counts_tied, the first
     stage's). The average is taken here, once a parameter: torch's schedules divide each stage's gradients, which
-    divides the tied weight twice where one rank holds both stages that use it (zbv's V, or a pipeline of one rank)."""
+    divides the tied weight twice where one rank holds both stages that use it (zbv's V, or a pipeline of one rank).
+    Under tensor parallelism (the mesh's tp) a rank holds its pieces of the blocks' matrices, all-reduced across
+    pipelines with the rest and counted in the norm over the tp group; the rest, the same on every rank of a tp
+    group (layer norms, embeddings, the projections' biases), counted once."""
     grads = [local(p.grad) for p in params if p.grad is not None]
-    sharded = any(isinstance(p.grad, DTensor) for p in params)
-    if dp_size > 1 and not sharded:
+    dp_size = mesh['dp'].size()
+    if dp_size > 1 and not dp_shard:
         flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=dp_group)
+        dist.all_reduce(flat, group=mesh['dp'].get_group())
         for g, s in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(s)
-    torch._foreach_div_(grads, micro_batches * (1 if sharded else dp_size))
+    torch._foreach_div_(grads, micro_batches * (1 if dp_shard else dp_size))
     if tie_group is not None and tied.grad is not None:
         dist.all_reduce(local(tied.grad), group=tie_group)
-    counted = [local(p.grad) for p in params if p.grad is not None and (p is not tied or counts_tied)]
-    sq = torch.stack([g.float().pow(2).sum() for g in counted]).sum() if counted else torch.zeros(())
-    dist.all_reduce(sq, group=None if sharded else pp_group)  # sharded: each shard on one rank of the world
+    counted = [p.grad for p in params if p.grad is not None and (p is not tied or counts_tied)]
+    split = [not dp_shard and isinstance(g, DTensor) and g.placements[0].is_shard() for g in counted]
+    squares = lambda gs: torch.stack([g.float().pow(2).sum() for g in gs]).sum() if gs else torch.zeros(())
+    sq = squares([local(g) for g, s in zip(counted, split) if not s])
+    if not dp_shard and mesh['tp'].size() > 1:  # each rank's pieces of the split matrices, added over the tp group
+        pieces = squares([local(g) for g, s in zip(counted, split) if s])
+        dist.all_reduce(pieces, group=mesh['tp'].get_group())
+        sq = sq + pieces
+    dist.all_reduce(sq, group=None if dp_shard else mesh['pp'].get_group())  # dp_shard: each shard on one rank
     return sq.sqrt()
 
 

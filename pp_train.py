@@ -1,6 +1,6 @@
 """
-Trains a GPT with pipeline parallelism (torch.distributed.pipelining), and data parallelism (or FSDP) across
-pipelines.
+Trains a GPT with pipeline parallelism (torch.distributed.pipelining), tensor parallelism inside each stage, and
+data parallelism (or FSDP) across pipelines.
 
 4 stages, 4 GPUs: torchrun --standalone --nproc_per_node=4 pp_train.py config/train_gpt2.py --pp_size=4
 PP x DP, 2 nodes: torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HEAD:29500 \
@@ -8,10 +8,11 @@ PP x DP, 2 nodes: torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --r
 Zero bubble:      torchrun --standalone --nproc_per_node=4 pp_train.py config/train_gpt2.py --pp_size=4 \
                       --pp_schedule=interleaved-zb --compile=False
 PP x FSDP:        torchrun --standalone --nproc_per_node=8 pp_train.py config/train_gpt2.py --pp_size=4 --dp_shard=True
+DP x PP x TP:     torchrun --standalone --nproc_per_node=8 pp_train.py config/train_gpt2.py --pp_size=2 --tp_size=2
 
 The global batch in tokens, the data stream and the logged loss do not depend on the world size, and a run
 resumed from its checkpoint repeats the uninterrupted run exactly (RNG and data position are saved with it).
-Checkpoints are DCP folders under the model's own names: they resume at another (dp, pp) layout and in
+Checkpoints are DCP folders under the model's own names: they resume at another (dp, pp, tp) layout and in
 fsdp_train.py, and fsdp_train.py's here (docs/pipeline.md).
 """
 
@@ -36,13 +37,14 @@ from distributed import (agree, check_fits, finish, gather_rng, groups_of, pick_
                          start, skip_on_device, state_bytes, stop_signal, torchrun_env, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import saves_at_eval, skips_save
-from pipeline import (SCHEDULES, ZERO_BUBBLE, Forward, Part, check_snapshot_layout, clip, loss_fn, make_schedule,
-                      placement, save_full, shard_stages, sharded_state, stage_blocks, stage_ids, stage_rank,
-                      tied_grads_and_norm, untaken)
+from pipeline import (SCHEDULES, ZERO_BUBBLE, Forward, Part, check_snapshot_layout, clip, embedding_group, loss_fn,
+                      make_schedule, placement, save_full, shard_stages, sharded_state, stage_blocks, stage_ids,
+                      stage_rank, tied_grads_and_norm, untaken)
 from runlock import hold
 from runlog import ends_diverged, heed, open_log
 from seeds import start_tokens
-from sharded import load_sharded_state, local_shards, read_start, save_dcp, step_on_shards
+from sharded import (check_tp_size, load_sharded_state, local_shards, read_start, save_dcp, step_on_shards,
+                     step_with_whole_tensors, tensor_parallel)
 
 # -----------------------------------------------------------------------------
 # config: defaults train GPT-2 124M on OpenWebText; config/*.py and --key=value override them
@@ -98,6 +100,7 @@ max_nonfinite_steps = 5  # a step whose loss or gradient is not finite is skippe
 keep_checkpoints = 2  # the newest states kept in out_dir (fallbacks of a damaged one); the best by val loss besides
 # parallelism
 pp_size = 1  # ranks per pipeline, one stage each (consecutive ranks); the world size / pp_size pipelines are DP
+tp_size = 1  # tensor-parallel ranks in each stage (consecutive ranks, within a node); a pipeline is pp_size x tp_size
 pp_schedule = '1f1b'  # 'gpipe' (all forwards, then all backwards), '1f1b', 'interleaved-1f1b' (looped stages),
 # 'interleaved-zb' (looped, each backward split: the weights' gradients fill the bubble), 'zbv' (zero bubble on two
 # stages a rank in a V, the first rank holding both ends) or 'dualpipev' (DeepSeek's, in zbv's V); the zero-bubble
@@ -126,6 +129,8 @@ if dp_shard and (v_shape or pp_size == 1 and v > 1):  # two FSDP roots cannot sh
     sys.exit(f"error: dp_shard=True shards each stage on its own, and {pp_schedule} at pp_size={pp_size} puts the "
              f"first and the last stage, which share the tied embedding, on one rank: use "
              + ("--pp_schedule=interleaved-zb" if v_shape else "--pp_size=2 or more, or fsdp_train.py"))
+if tp_size > 1 and dp_shard:  # FSDP over a 3-D mesh's dp with TP stages: not built
+    sys.exit("error: tp_size > 1 with dp_shard=True is not supported: drop one (pipelines of TP stages run DP)")
 if adamw_on_shards and not dp_shard:  # plain stages' parameters are plain tensors: there is no dispatch to step past
     sys.exit("error: adamw_on_shards=True steps AdamW on the shards of dp_shard=True: add --dp_shard=True, or drop it")
 if backend == 'auto':
@@ -134,21 +139,20 @@ if backend == 'auto':
 world_size = torchrun_env()[2]
 if pp_size < 1 or world_size % pp_size != 0:
     sys.exit(f"error: {groups_of('pp_size', pp_size, world_size)}")
-dp_size = world_size // pp_size
+if tp_size < 1 or world_size // pp_size % tp_size != 0:  # a stage's ranks: tp groups of each pipeline, of each dp
+    sys.exit(f"error: {groups_of('tp_size', tp_size, world_size // pp_size, 'world size / pp_size =')}")
+dp_size = world_size // (pp_size * tp_size)
 # the micro-batches of the pipeline's schedule are this rank's micro-steps: the same data as train.py's
 accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)
 if message := untaken(pp_schedule, accum_steps, pp_size, dp_size):
     sys.exit(f"error: {message}")
 rank, local_rank, world_size = start(backend, device)
 master_process = rank == 0  # does all the logging and checkpoint writing
-# the mesh is (dp, pp) with pp innermost, so a pipeline is pp_size consecutive ranks (the GPUs of a node, or of
-# consecutive nodes: only activations cross a stage boundary); a pipeline's ranks read the same batches
-dp_rank, pp_rank = rank // pp_size, rank % pp_size
-mesh = init_device_mesh(device_type, (dp_size, pp_size), mesh_dim_names=('dp', 'pp'))
-# Megatron's embedding group: in each pipeline the first and the last stage's ranks, which both hold the tied weight
-# (in a V one rank holds both stages, and the weight once)
-tie_groups = [dist.new_group([d * pp_size, d * pp_size + pp_size - 1]) for d in range(dp_size)] \
-    if pp_size > 1 and not v_shape else []
+# the mesh is (dp, pp, tp) with tp innermost, then pp: a tp group is tp_size consecutive ranks (the GPUs of a node:
+# TP's all-reduces need its links), a pipeline pp_size x tp_size (only activations cross a stage boundary, from a rank
+# to the same tp rank of the next stage); a pipeline's ranks read the same batches
+dp_rank, pp_rank = rank // (pp_size * tp_size), rank // tp_size % pp_size
+mesh = init_device_mesh(device_type, (dp_size, pp_size, tp_size), mesh_dim_names=('dp', 'pp', 'tp'))
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
 torch.manual_seed(seed)  # every rank builds the same initial model
 if device_type == 'cuda':
@@ -167,7 +171,8 @@ if deterministic:
     if dropout != 0.0:
         print0(f"deterministic: dropout {dropout} turned off")
     dropout = config['dropout'] = 0.0
-print0(f"world size {world_size} (dp {dp_size} x pp {pp_size}, {pp_schedule}{', stages sharded over dp' * dp_shard}), "
+print0(f"world size {world_size} (dp {dp_size} x pp {pp_size} x tp {tp_size}, {pp_schedule}"
+       f"{', stages sharded over dp' * dp_shard}), "
        f"{accum_steps} micro-batch{'es' * (accum_steps > 1)} per pipeline, {tokens_per_iter:,} tokens per iteration")
 
 # -----------------------------------------------------------------------------
@@ -200,7 +205,8 @@ def draw_train_offsets():
 # where to start: this run's newest complete state, a memory snapshot (two per rank) or a checkpoint in out_dir
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 dcp_dir = os.path.join(out_dir, 'dcp')
-snapshot_name = f'rank-{rank}-of-{dp_size}x{pp_size}pp.pt'  # a rank's own stages, which only this layout reads back
+# a rank's own stages (or their shards), which only this layout reads back
+snapshot_name = f"rank-{rank}-of-{dp_size}x{pp_size}{f'x{tp_size}' * (tp_size > 1)}pp.pt"
 best_path = os.path.join(out_dir, 'best.pt')  # the consolidated state of the best val loss so far, never pruned
 if not eval_only:  # an eval writes nothing: it neither holds out_dir nor waits for whoever does
     hold(out_dir)  # one run at a time in out_dir, for the run's lifetime
@@ -228,8 +234,9 @@ iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_lo
 # the tokens trained so far: --epochs ends the run on them, whatever global batch each launch had
 max_iters, tokens_trained, lr_batch = start_tokens(checkpoint, iter_num, tokens_per_iter, config, print0)
 best_val_loss = kept_best(out_dir, run_id, best_val_loss)  # a resume from before the best keeps it best
+check_tp_size(model.config, tp_size)
 print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
-torch.manual_seed(seed + rank)  # and then draws its own dropout masks
+torch.manual_seed(seed + rank // tp_size)  # and then draws its own dropout masks, the same in a tp group
 raw_model = model  # the whole GPT: its config, names and MFU (the other ranks' stages left on the meta device)
 # the model cut by blocks into pp_size stages (stages_per_rank each when interleaved, placed in a loop; two in a V
 # with zbv), each under the GPT's own names; model is this rank's stages together: its state, optimizer, gradients
@@ -244,13 +251,15 @@ for module in [t.h[i] for i in range(len(t.h)) if str(i) not in model.transforme
     module.to('meta')  # free what other ranks hold
 raw_model.lm_head.weight = t.wte.weight  # tied again (to('meta') makes new parameters): the GPT's names stay its own
 model.to(device)
-if compile:
-    for block in model.transformer.h.values():
+for block in model.transformer.h.values():
+    if tp_size > 1:  # tensor parallel first (torchtitan's order): heads and MLP units split over the tp group
+        tensor_parallel(block, mesh['tp'])
+    if compile:
         block.compile()  # in place, so parameter names (and checkpoints) stay the same
 if dp_shard:  # FSDP across the pipelines: each block a unit, each stage a root
     shard_stages(stages, raw_model, mesh['dp'], ptdtype)  # bf16: gathered in bf16, reduced in fp32 (fsdp_train.py's)
 tied = model.transformer['wte'].weight if 'wte' in model.transformer else None  # one in effect
-tie_group = tie_groups[dp_rank] if tie_groups and (0 in ids or n_stages - 1 in ids) else None
+tie_group = embedding_group(mesh, v_shape)  # this rank's and its peer's at the other end, sharing the tied weight
 pp_group = mesh['pp'].get_group()
 pipeline = [PipelineStage(stage, s, n_stages, device, group=pp_group) for stage, s in zip(stages, ids)]
 # the gradients are summed over the micro-batches, and divided by their number after (tied_grads_and_norm), as
@@ -260,6 +269,8 @@ schedule = make_schedule(pp_schedule, pipeline, accum_steps, loss_fn, scale_grad
 # -----------------------------------------------------------------------------
 # optimizer, over this rank's stages
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+if tp_size > 1:  # the blocks' matrices are DTensors, the rest plain tensors
+    step_with_whole_tensors(optimizer)
 
 # -----------------------------------------------------------------------------
 # checkpoint load: the rest of the state, so that the run continues exactly where it stopped
@@ -335,7 +346,7 @@ def estimate_loss():
                 _, loss = eval_model(X, Y)
             total += loss.float() * (k < eval_iters)
         dist.all_reduce(total)
-        out[split] = total.item() / eval_iters / pp_size  # a pipeline's ranks all add the same losses
+        out[split] = total.item() / eval_iters / pp_size / tp_size  # a pipeline's ranks all add the same losses
     eval_model.train()
     return out
 
@@ -413,8 +424,7 @@ while True:
         schedule.step(*([X] if 0 in ids else []), **(dict(target=Y, losses=micro_losses) if n_stages - 1 in ids
                                                       else {}))
     loss_sum += sum(loss.detach().float() for loss in micro_losses) / accum_steps  # only the last stage's ranks add
-    grad_norm = tied_grads_and_norm(list(model.parameters()), tied, 0 in ids, accum_steps, mesh['dp'].get_group(),
-                                    dp_size, tie_group, pp_group)
+    grad_norm = tied_grads_and_norm(list(model.parameters()), tied, 0 in ids, accum_steps, mesh, dp_shard, tie_group)
     if grad_clip != 0.0:
         clip(model.parameters(), grad_norm, grad_clip)
     # A non-finite loss or gradient would spoil the weights for good, so the step is skipped; the ranks decide alike,
@@ -436,10 +446,10 @@ while True:
 
     if iter_num % log_interval == 0:
         # the loss of the whole global batch: the mean over pipelines of each last stage's mean over its micro-batches
-        dist.all_reduce(loss_sum)
-        lossf = loss_sum.item() / dp_size  # .item() waits for the GPU, so the time below is real
+        dist.all_reduce(loss_sum)  # (a last stage's tp ranks add the same)
+        lossf = loss_sum.item() / dp_size / tp_size  # .item() waits for the GPU, so the time below is real
         dt = (time.time() - t0) / steps_timed
-        mfu = raw_model.estimate_mfu(batch_size * accum_steps / pp_size, dt, device_name)  # pp shares the work
+        mfu = raw_model.estimate_mfu(batch_size * accum_steps / pp_size / tp_size, dt, device_name)  # pp, tp share it
         print0(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f} ms, {tokens_per_iter / dt:,.0f} tok/s"
                + (f", mfu {mfu * 100:.2f}%" if mfu is not None else ""))
         log_metrics(iter_num, loss=lossf, lr=lr, ms=dt * 1000, tokens_per_sec=tokens_per_iter / dt, mfu=mfu)

@@ -1,9 +1,10 @@
 """
-What fsdp_train.py needs of sharded parameters besides FSDP2 and tensor parallelism themselves: the check that
-tensor parallelism can split the model, the global norm of gradients that live on one or two meshes (and clipping
-by it), a rank's own pieces of its state (for memory snapshots), writing a DCP checkpoint folder in the background,
-loading a checkpoint of any kind into the shards, and train.py's whole state out of them (a consolidated
-checkpoint, the optimizer state numbered by parameter as train.py's, where the sharded one is keyed by name).
+What fsdp_train.py and pp_train.py need of sharded parameters besides FSDP2 and tensor parallelism themselves: a
+block's tensor-parallel plan and the check that it can split the model, the global norm of gradients that live on
+one or two meshes (and clipping by it), a rank's own pieces of its state (for memory snapshots), writing a DCP
+checkpoint folder in the background, loading a checkpoint of any kind into the shards, and train.py's whole state
+out of them (a consolidated checkpoint, the optimizer state numbered by parameter as train.py's, where the sharded
+one is keyed by name).
 """
 
 import os
@@ -16,11 +17,38 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      get_state_dict, set_optimizer_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.optim.adamw import adamw
 from torch.utils._pytree import tree_flatten_with_path, tree_map_only
 
 from checkpoint import (atomic_save, dcp_load, in_background, note_failure, point_latest, print0, same_step,
                         save_in_background, upgrade_optimizer_state, wait_for_saves)
+
+
+def tensor_parallel(block, tp_mesh):
+    """Tensor parallelism in a GPT block over tp_mesh (Megatron's plan; fsdp_train.py's and pp_train.py's): q, k, v
+    and the MLP's first layer split by output (heads, hidden units), the projections back by input, so one
+    all-reduce in attention and one in the MLP, forward and backward. The block takes and gives whole activations
+    (plain tensors, the same on every rank of the group); its layer norms stay whole. Apply it before compile and
+    FSDP (torchtitan's order)."""
+    parallelize_module(block, tp_mesh, {
+        'attn.c_q': ColwiseParallel(), 'attn.c_k': ColwiseParallel(), 'attn.c_v': ColwiseParallel(),
+        'attn.c_proj': RowwiseParallel(), 'mlp.c_fc': ColwiseParallel(), 'mlp.c_proj': RowwiseParallel()})
+
+
+def step_with_whole_tensors(optimizer):
+    """Lets optimizer.step() (and DCP's, which makes a resumed run's state) take tensor-parallel DTensors and plain
+    tensors in one list, which torch's fused AdamW refuses: pp_train.py's TP stages hold both (layer norms and
+    embeddings whole, the same on every rank of the tp group). Under DTensor's implicit replication the plain ones
+    are taken as replicated on the tp mesh, and the kernel runs on each rank's own pieces: bit for bit its step."""
+    entered = []
+
+    def enter(*_):
+        entered.append(implicit_replication())
+        entered[-1].__enter__()
+    optimizer.register_step_pre_hook(enter)
+    optimizer.register_step_post_hook(lambda *_: entered.pop().__exit__(None, None, None))
 
 
 def check_tp_size(config, tp_size):

@@ -202,8 +202,8 @@ def test_data_dir_is_a_path_that_decent_dps_dataset_label_does_not_replace(tmp_p
     ('train.py', ['trainer_config.batch_size=128'], 'here --batch_size=128'),
     ('train.py', ['trainer_config.distributed_method=fsdp'], 'fsdp_train.py'),
     # it said 'here fsdp_train.py as the script torchrun runs' to a user running fsdp_train.py
-    ('fsdp_train.py', ['trainer_config.distributed_method=fsdp'], 'here nothing to set, fsdp_train.py is what it names: '
-     'drop it'),
+    ('fsdp_train.py', ['trainer_config.distributed_method=fsdp'],
+     'here nothing to set, fsdp_train.py is what it names: drop it'),
     ('train.py', ['--topology=exp'], 'decent_train.py'),
     ('train.py', ['--lora_rank', '4'], 'no counterpart'),
     ('train.py', ['data_config.path=in.txt'], 'python prepare.py text --input=in.txt --tokenizer=char'),  # CharDataset

@@ -219,9 +219,10 @@ def test_a_two_rank_run_stopped_by_nonfinite_steps_exits_1_on_both_ranks_under_t
                                                            '--overflow_by_norm=False']),
                                           ('pp_train.py', ['--pp_size=2', '--pp_schedule=gpipe']),
                                           ('pp_train.py', ['--pp_size=2', '--pp_schedule=gpipe', '--dp_shard=True',
-                                                           '--adamw_on_shards=True'])],
+                                                           '--adamw_on_shards=True']),
+                                          ('pp_train.py', ['--pp_size=2', '--pp_schedule=gpipe', '--tp_size=2'])],
                          ids=['fsdp', 'fsdp-adamw-on-shards', 'decent', 'ds-zero2', 'ds-zero0', 'ds-zero2-bf16-by-norm',
-                              'ds-zero2-bf16-each', 'pp', 'pp-sharded-adamw-on-shards'])
+                              'ds-zero2-bf16-each', 'pp', 'pp-sharded-adamw-on-shards', 'pp-tp'])
 def test_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(tmp_path, data_dir, script, extra):
     # the 4th step goes bad, then every one from the 8th: after max_nonfinite_steps=3 the run stops, the checkpoint
     # of iter 6 intact. DeepSpeed skips the step itself under ZeRO (in fp32 by its norm, in bf16 by the norm alone,
@@ -230,7 +231,7 @@ def test_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(tmp_pat
     # and both skip the step.
     args = ['--gradient_accumulation_steps=1', '--max_iters=12', '--eval_interval=6', '--max_nonfinite_steps=3', *extra]
     p = run_with_nans(tmp_path, ','.join(map(str, [4, *range(8, 40)])), *tiny(data_dir, tmp_path / 'run', *args),
-                      script=script, nproc=2 if '--pp_size=2' in extra else 1)
+                      script=script, nproc=(2 if '--pp_size=2' in extra else 1) * (2 if '--tp_size=2' in extra else 1))
     assert p.returncode != 0
     assert re.search(r'iter 3: non-finite loss[a-z ]*, step skipped \(1 in a row\)', p.stdout), p.stdout[-3000:]
     assert 'iter 5: non-finite' not in p.stdout and 'iter 6: non-finite' not in p.stdout

@@ -1,6 +1,6 @@
 """pp_train.py in real process groups on gloo, in fp32: parity with train.py on one process (pp 2, pp 4, pp 2 x dp 2,
-each schedule), the tied embedding, every rank's memory against model_size.py, exact resume with dropout, resume at
-another layout and in fsdp_train.py; and sharded in bf16, against fsdp_train.py's bf16."""
+each schedule; pp 2 x tp 2), the tied embedding, every rank's memory against model_size.py, exact resume with
+dropout, resume at another layout and in fsdp_train.py; and sharded in bf16, against fsdp_train.py's bf16."""
 
 import json
 import os
@@ -46,35 +46,40 @@ def ref(shared_run):
 
 @pytest.fixture(scope='module')
 def sizes(tmp_path_factory):
-    """sizes(pp, schedule) -> model_size.py's rows for the model of these tests at pp_train.py's default
+    """sizes(pp, schedule, tp) -> model_size.py's rows for the model of these tests at pp_train.py's default
     stages_per_rank (one run per layout)."""
     done, tmp = {}, tmp_path_factory.mktemp('sizes')
 
-    def size(pp, schedule):
-        if (pp, schedule) not in done:
+    def size(pp, schedule, tp):
+        if (pp, schedule, tp) not in done:
             p = run('model_size.py', *[f'--{k}={x}' for k, x in SHAPE.items()], '--bias=True', f'--pp_size={pp}',
-                    f'--pp_schedule={schedule}', '--stages_per_rank=2', cwd=tmp)
-            done[pp, schedule] = json.loads(p.stdout.strip().splitlines()[-1])
-        return done[pp, schedule]
+                    f'--pp_schedule={schedule}', '--stages_per_rank=2', *[f'--tp_size={tp}'] * (tp > 1), cwd=tmp)
+            done[pp, schedule, tp] = json.loads(p.stdout.strip().splitlines()[-1])
+        return done[pp, schedule, tp]
     return size
 
 
-@pytest.mark.parametrize('nproc, pp, schedule, shard', [
-    (2, 2, 'gpipe', False), (2, 2, '1f1b', False), (2, 2, 'interleaved-1f1b', False),
-    (4, 4, 'gpipe', False), (4, 4, '1f1b', False), (4, 4, 'interleaved-1f1b', False),
-    (4, 2, 'gpipe', False), (4, 2, '1f1b', False), (4, 2, 'interleaved-1f1b', False),
-    (2, 2, 'interleaved-zb', False), (4, 2, 'interleaved-zb', False), (2, 2, 'zbv', False), (4, 2, 'zbv', False),
-    (2, 2, 'dualpipev', False),  # a micro-batch for each of its 4 stages: BASE's 4 on one pipeline
+@pytest.mark.parametrize('nproc, pp, schedule, shard, tp', [
+    (2, 2, 'gpipe', False, 1), (2, 2, '1f1b', False, 1), (2, 2, 'interleaved-1f1b', False, 1),
+    (4, 4, 'gpipe', False, 1), (4, 4, '1f1b', False, 1), (4, 4, 'interleaved-1f1b', False, 1),
+    (4, 2, 'gpipe', False, 1), (4, 2, '1f1b', False, 1), (4, 2, 'interleaved-1f1b', False, 1),
+    (2, 2, 'interleaved-zb', False, 1), (4, 2, 'interleaved-zb', False, 1), (2, 2, 'zbv', False, 1),
+    (4, 2, 'zbv', False, 1),
+    (2, 2, 'dualpipev', False, 1),  # a micro-batch for each of its 4 stages: BASE's 4 on one pipeline
     # one rank holding both ends of the tied weight: torch's schedules divided its gradient by the micro-batches twice
-    (1, 1, 'interleaved-1f1b', False),
+    (1, 1, 'interleaved-1f1b', False, 1),
     # each stage sharded over the 2 pipelines (FSDP): a rank holds half its stages' state
-    (4, 2, '1f1b', True), (4, 2, 'interleaved-1f1b', True),
+    (4, 2, '1f1b', True, 1), (4, 2, 'interleaved-1f1b', True, 1),
+    # each stage tensor parallel over 2 ranks (3-D: dp 1 x pp 2 x tp 2), stopped and resumed below
+    (4, 2, '1f1b', False, 2),
 ], ids=['pp2-gpipe', 'pp2-1f1b', 'pp2-interleaved', 'pp4-gpipe', 'pp4-1f1b', 'pp4-interleaved',
         'dp2xpp2-gpipe', 'dp2xpp2-1f1b', 'dp2xpp2-interleaved', 'pp2-zero-bubble', 'dp2xpp2-zero-bubble', 'pp2-zbv',
-        'dp2xpp2-zbv', 'pp2-dualpipev', 'pp1-interleaved', 'sharded-dp2xpp2-1f1b', 'sharded-dp2xpp2-interleaved'])
-def test_pipeline_matches_single_process(tmp_path, data_dir, ref, sizes, nproc, pp, schedule, shard):
+        'dp2xpp2-zbv', 'pp2-dualpipev', 'pp1-interleaved', 'sharded-dp2xpp2-1f1b', 'sharded-dp2xpp2-interleaved',
+        'pp2xtp2-1f1b'])
+def test_pipeline_matches_single_process(tmp_path, data_dir, ref, sizes, nproc, pp, schedule, shard, tp):
     launch('pp_train.py', tmp_path, data_dir, 'pp', f'--max_iters={STEPS}', f'--pp_size={pp}',
-           f'--pp_schedule={schedule}', '--save_consolidated=True', f'--dp_shard={shard}', nproc=nproc)
+           f'--pp_schedule={schedule}', '--save_consolidated=True', f'--dp_shard={shard}', f'--tp_size={tp}',
+           nproc=nproc)
     losses, evals = read_metrics(tmp_path / 'pp')
     assert_same_curve(ref[1], losses, range(STEPS))
     # the evals go through the pipeline too
@@ -105,18 +110,35 @@ def test_pipeline_matches_single_process(tmp_path, data_dir, ref, sizes, nproc, 
     # every rank's memory (its stages' parameters, gradients and AdamW state; the end stages hold the embeddings and
     # the head): model_size.py's estimate for its place in the pipeline. The state is counted exactly: 1%, as 10%
     # would not tell this tiny model's end stages from its middle ones. Sharded, the pipelines' ranks of a stage
-    # hold it between them, about half each
+    # hold it between them, about half each; tensor parallel, a tp group's ranks each hold their pieces of the blocks'
+    # matrices and the rest whole
     with open(tmp_path / 'pp' / 'metrics.jsonl') as f:
         measured = next(row for row in map(json.loads, f) if 'rank_state_bytes' in row)['rank_state_bytes']
     assert len(measured) == nproc
-    estimate = sizes(pp, schedule)
-    for rank, got in enumerate(measured):  # the pipelines are consecutive ranks: pp_rank = rank % pp
-        row = estimate[f'PP {pp} rank {rank % pp}']
+    estimate = sizes(pp, schedule, tp)
+    for rank, got in enumerate(measured):  # the pipelines are consecutive ranks: pp_rank = rank // tp % pp
+        row = estimate[f'PP {pp}{f" x TP {tp}" * (tp > 1)} rank {rank // tp % pp}']
         whole = row['param_bytes'] + row['grad_bytes'] + row['optim_bytes']
         if shard:
             assert abs(got - whole / 2) <= 0.1 * got, (rank, got, row)
             got = sum(measured[rank % pp::pp])
         assert abs(got - whole) <= 0.01 * got, (rank, got, row)
+    if tp > 1:
+        # stopped at step 4 (its checkpoint there: the tp groups' pieces of the matrices, as DTensors) and resumed: in
+        # its own layout bit for bit, and in a pipeline of 2 ranks without tensor parallelism on train.py's curve
+        for out, n, flags in (('again', nproc, [f'--tp_size={tp}']), ('whole', 2, [])):
+            shutil.copytree(tmp_path / 'pp', tmp_path / out)
+            for f in [*(tmp_path / out).glob('*.pt'), *(tmp_path / out / 'dcp').glob('*-00000006')]:
+                shutil.rmtree(f) if f.is_dir() else f.unlink()
+            (tmp_path / out / 'dcp' / 'latest').write_text('step-00000004')
+            launch('pp_train.py', tmp_path, data_dir, out, f'--max_iters={STEPS}', f'--pp_size={pp}', *flags,
+                   '--init_from=resume', nproc=n)
+        again, whole = read_metrics(tmp_path / 'again'), read_metrics(tmp_path / 'whole')
+        scores = lambda rows: [(e['iter'], e['train_loss'], e['val_loss']) for e in rows]
+        assert again[0] == losses and scores(again[1]) == scores(evals)
+        assert_same_curve(ref[1], whole[0], range(STEPS))
+        assert abs(whole[1][-1]['val_loss'] - ref[2][-1]['val_loss']) <= 1e-5 * ref[2][-1]['val_loss']
+
 
 @pytest.mark.parametrize('schedule', ['interleaved-1f1b', 'zbv'])
 def test_pipeline_exact_resume_with_dropout(tmp_path, data_dir, schedule):
@@ -247,6 +269,7 @@ def test_a_crashed_runs_snapshots_at_another_layout_are_refused_not_stranded(tmp
     assert 'resume with the layout in its name (2 ranks and --pp_size=2) and let it save' in r.stderr  # not 1x2pp
     from checkpoint import launch_of  # fsdp_train.py's DPxTP and decent_train.py's world size alike
     assert launch_of('2x2') == '4 ranks and --tp_size=2' and launch_of('4') == '4 ranks'
+    assert launch_of('1x2x2pp') == '4 ranks and --pp_size=2 --tp_size=2'  # pp_train.py's with tensor parallel stages
     assert {f: f.read_bytes() for f in out.rglob('*') if f.is_file() and f.name != 'run.lock'} == before
     # an eval of it was told to start afresh, which evaluates a new model and keeps nothing in out_dir
     r = run('pp_train.py', *bounded, '--pp_size=1', '--eval_only=True', nproc=2, cwd=tmp_path, check=False)
@@ -314,8 +337,13 @@ def test_stages_per_rank_below_one_is_a_one_line_error(tmp_path, data_dir):
     # AdamW on the shards of plain stages: they have none
     (2, ['--adamw_on_shards=True'],
      "error: adamw_on_shards=True steps AdamW on the shards of dp_shard=True: add --dp_shard=True, or drop it"),
+    # tensor parallel stages: over the ranks of a stage, and not under FSDP across the pipelines
+    (2, ['--tp_size=2'], "error: tp_size=2 does not divide world size / pp_size = 1: use a divisor of it"),
+    (4, ['--tp_size=2', '--dp_shard=True'],
+     "error: tp_size > 1 with dp_shard=True is not supported: drop one (pipelines of TP stages run DP)"),
 ], ids=['interleaved-pp2', 'interleaved-dp2xpp2', '1f1b-dp2xpp2', 'zero-bubble-compiled', 'zbv-compiled',
-        'dualpipev-micro-batches', 'zbv-sharded', 'plain-python', 'adamw-on-shards-unsharded'])
+        'dualpipev-micro-batches', 'zbv-sharded', 'plain-python', 'adamw-on-shards-unsharded', 'tp-world',
+        'tp-sharded'])
 def test_micro_batches_a_schedule_cannot_run_are_a_one_line_error_naming_counts_it_runs(tmp_path, data_dir, nproc,
                                                                                         args, message):
     p = launch('pp_train.py', tmp_path, data_dir, 'out', '--pp_size=2', *args, nproc=nproc, check=False)
