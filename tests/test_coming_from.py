@@ -96,13 +96,13 @@ def test_space_separated_values_and_bare_booleans():
 
 def test_another_entrypoints_key_names_that_entrypoint(tmp_path):
     # a mode's key given to another entrypoint: the user meant that mode, which the error names
-    for script, argv, owner in (('train.py', ['--tp_size=2'], 'fsdp_train.py'),
+    for script, argv, owner in (('train.py', ['--tp_size=2'], 'fsdp_train.py and pp_train.py'),
                                 ('train.py', ['--zero_stage', '2'], 'ds_train.py'),
                                 ('fsdp_train.py', ['--diloco_steps=4'], 'decent_train.py'),
                                 ('ds_train.py', ['--pp_size=2'], 'pp_train.py'),
                                 ('pp_train.py', ['--offload_optimizer=cpu'], 'ds_train.py')):
         key = argv[0][2:].split('=')[0]
-        assert f"{key} is a key of {owner}, not of {script}: run {owner} in its place" in error_of(script, argv)
+        assert f"{key} is a key of {owner}, not of {script}: run {owner.split()[0]} in its place" in error_of(script, argv)
     (tmp_path / 'tp.py').write_text('n_layer = 2\ntp_size = 2\n')  # in a config file too, with its line
     tp = str(tmp_path / 'tp.py')
     assert f"{tp}:2: tp_size is a key of fsdp_train.py" in error_of('train.py', [tp])
