@@ -373,7 +373,8 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     # saved with save_consolidated=False, run again to its end with it to be sampled)
     export = to == 'storage' and save_consolidated
     whole = to == 'storage' and (folder == resume_path or whole_at(folder, iter_num, run_id, layout))
-    if whole and not best and not (export and not same_step({'iter_num': iter_num, 'run_id': run_id}, ckpt_path)):
+    beside = best and whole != 'other'  # a new best's state beside the engine's: in a folder of this layout alone
+    if whole and not beside and not (export and not same_step({'iter_num': iter_num, 'run_id': run_id}, ckpt_path)):
         return
     extra = {
         'model_args': model_args,
@@ -390,10 +391,10 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         'val_loss': val_loss,  # the eval's it was saved at (None: a save between evals)
         'world_size': world_size,
     }
-    if not whole or best:
+    if not whole or beside:
         writer = master_process if to == 'storage' else local_rank == 0  # of latest, and of the folder's cleaning
         if writer and os.path.isdir(folder) and not whole:
-            shutil.rmtree(folder)  # cut short, damaged, or of another world size: written anew (after the barrier)
+            shutil.rmtree(folder)  # cut short, damaged, or not what latest names: written anew (after the barrier)
         # The engine writes its model-states file (our state in it) from the first data-parallel rank only; a
         # snapshot needs one in every node's folder, so there the first rank of each node writes it too
         first_only = model.save_non_zero_checkpoint
