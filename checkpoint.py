@@ -32,6 +32,7 @@ import time
 import traceback
 import uuid
 import warnings
+import zipfile
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -496,6 +497,22 @@ def _complete(folder):
         return checkpoint_iter(folder) is not None
     except Exception:
         return False
+
+
+def _whole_step_folder(folder, kind):
+    """Whether a step folder of ds_train.py or decent_train.py (kind 'ds', 'decent') is whole, as far as a tool can
+    tell without DeepSpeed (whose classes its optimizer files hold): decent_train.py's as its resume reads it
+    (checkpoint_iter: every rank's file in, of one iteration); ds_train.py's where its model states are among its
+    files and each is a whole archive (torch's zip, whose index at its end a file cut short lacks)."""
+    if kind == 'decent' or not os.path.isdir(folder):
+        return _complete(folder)
+    files = [os.path.join(folder, n) for n in os.listdir(folder) if n.endswith('.pt')]
+    try:
+        for path in files:
+            zipfile.ZipFile(path).close()
+    except (OSError, zipfile.BadZipFile):
+        return False
+    return any(f.endswith('model_states.pt') for f in files)
 
 
 def save_failed():
@@ -1545,11 +1562,18 @@ def newer_state(path, model, checkpoint, dropout):
         return model, checkpoint, path  # a file or a step folder: the state it names
     newer = []  # (iter_num, path, writer, what it is, how to have it)
     for kind in ('ds', 'decent'):  # their step folders, beside the ckpt.pt (best.pt) that holds their whole model
-        name = read_name(os.path.join(run, kind, 'best' if best else 'latest')) or ''
-        if re.fullmatch(r'(best-)?step-\d{1,12}', name) and os.path.isdir(os.path.join(run, kind, name)):
+        root = os.path.join(run, kind)
+        name = read_name(os.path.join(root, 'best' if best else 'latest')) or ''
+        if not re.fullmatch(r'(best-)?step-\d{1,12}', name):
+            continue
+        # the newest whole one, as the run's resume finds it: one cut short since (a file truncated) is passed over
+        # for the one before; ds_train.py's resume reads none past latest, decent_train.py's any whole one
+        found = [os.path.join(root, name)] if best else \
+            [f for f in step_folders(root) if kind == 'decent' or os.path.basename(f) <= name]
+        folder = next((f for f in found if _whole_step_folder(f, kind)), None)
+        if folder is not None:
             fix = "--save_consolidated=True until it saves" if kind == 'ds' else "until it saves"
-            newer.append((int(name.split('-')[-1]), os.path.join(run, kind, name), f'{kind}_train.py',
-                          'its step folder', fix))
+            newer.append((int(folder.split('-')[-1]), folder, f'{kind}_train.py', 'its step folder', fix))
     run_id = read_name(os.path.join(run, 'run_id')) or ''
     if not best and RUN_ID.fullmatch(run_id):
         # ds_train.py's snapshot is a step folder: its model states say which folder it was saved for
