@@ -1460,6 +1460,11 @@ def pretrained_or_exit(name, dropout=0.0):
                  f"HF_HUB_OFFLINE=1 with the model in the local cache")
 
 
+# the flags that have a run write its export (ckpt.pt, which the tools read) at its next eval: at once where it has
+# finished (an eval that saves nothing, no new best under always_save_checkpoint=False, would write none)
+EXPORTS = {'ds_train.py': ' --save_consolidated=True --always_save_checkpoint=True'}
+
+
 def checkpoint_or_exit(path, fix, dropout=0.0):
     """(model, checkpoint, the file or folder read) for a tool (dropout off) or init_from, or a one-line error:
     where there is no checkpoint, naming fix; where it is damaged, saying so; where it is some other file, saying
@@ -1482,7 +1487,7 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
         run, kind = os.path.dirname(os.path.dirname(os.path.normpath(folder))), step_folder_kind(folder)
         # ds_train.py run again with it writes the export of the state it resumes (at once where the run is finished)
         # at an eval that saves: its final one is no new best, and a config may leave always_save_checkpoint off
-        export = lambda run: (f"`ds_train.py --out_dir={run} --save_consolidated=True --always_save_checkpoint=True`, "
+        export = lambda run: (f"`ds_train.py --out_dir={run}{EXPORTS['ds_train.py']}`, "
                               f"with the run's other flags and ranks, writes {os.path.join(run, 'ckpt.pt')}: at once "
                               f"where the run has finished, else at its next save")
         if kind:  # their step folders: ZeRO's shards, or the replicas
@@ -1560,7 +1565,7 @@ def newer_state(path, model, checkpoint, dropout):
     if not isinstance(saved, int) or os.path.exists(os.path.join(path, 'extra.pt')) or \
             best and os.path.basename(os.path.normpath(path)) != 'best' or not os.path.isdir(run or '.'):
         return model, checkpoint, path  # a file or a step folder: the state it names
-    newer = []  # (iter_num, path, writer, what it is, how to have it)
+    newer = []  # (iter_num, path, writer, what it is)
     for kind in ('ds', 'decent'):  # their step folders, beside the ckpt.pt (best.pt) that holds their whole model
         root = os.path.join(run, kind)
         name = read_name(os.path.join(root, 'best' if best else 'latest')) or ''
@@ -1572,8 +1577,7 @@ def newer_state(path, model, checkpoint, dropout):
             [f for f in step_folders(root) if kind == 'decent' or os.path.basename(f) <= name]
         folder = next((f for f in found if _whole_step_folder(f, kind)), None)
         if folder is not None:
-            fix = "--save_consolidated=True until it saves" if kind == 'ds' else "until it saves"
-            newer.append((int(folder.split('-')[-1]), folder, f'{kind}_train.py', 'its step folder', fix))
+            newer.append((int(folder.split('-')[-1]), folder, f'{kind}_train.py', 'its step folder'))
     run_id = read_name(os.path.join(run, 'run_id')) or ''
     if not best and RUN_ID.fullmatch(run_id):
         # ds_train.py's snapshot is a step folder: its model states say which folder it was saved for
@@ -1582,8 +1586,8 @@ def newer_state(path, model, checkpoint, dropout):
         it, snapshot, writer = others_snapshot(snapshot_dir(run_id), None,
                                                lambda p: saved_for(p, run, run_id, engine, say=False))
         if it is not None:
-            newer.append((it, snapshot, writer, "the run's memory snapshot", "until it saves"))
-    it, state, writer, what, fix = max(newer, key=lambda n: n[0], default=(-1, None, None, None, None))
+            newer.append((it, snapshot, writer, "the run's memory snapshot"))
+    it, state, writer, what = max(newer, key=lambda n: n[0], default=(-1, None, None, None))
     if it <= saved:
         return model, checkpoint, path
     if os.path.basename(state) == 'ckpt.pt' and int(os.environ.get('WORLD_SIZE', 1)) == 1:  # train.py's snapshot
@@ -1599,8 +1603,8 @@ def newer_state(path, model, checkpoint, dropout):
               f"the run's newest state, which it has not saved since", file=sys.stderr, flush=True)
         return *whole, state
     print(f"warning: reading {read} (iter {saved}), an older state than {what} {state} (iter {it}), which only "
-          f"{writer} reads back: continue it with `{writer} --out_dir={run}` {fix}, for that state", file=sys.stderr,
-          flush=True)
+          f"{writer} reads back: continue it with `{writer} --out_dir={run}{EXPORTS.get(writer, '')}` until it saves, "
+          f"for that state", file=sys.stderr, flush=True)
     return model, checkpoint, path
 
 

@@ -432,4 +432,4 @@ def test_a_deepspeed_run_saved_since_its_export_says_that_what_the_tool_reads_is
         step = out / 'ds' / (f'step-{saved + 10:08d}' if newer == 'latest' else (out / 'ds' / newer).read_text())
         assert p.stderr == f"warning: reading {out / read} (iter {saved}), an older state than its step folder " \
             f"{step} (iter {saved + 10}), which only ds_train.py reads back: continue it with `ds_train.py " \
-            f"--out_dir={out}` --save_consolidated=True until it saves, for that state\n"
+            f"--out_dir={out} --save_consolidated=True --always_save_checkpoint=True` until it saves, for that state\n"
