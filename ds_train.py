@@ -230,8 +230,8 @@ def refuse_other_layouts(resume_from):
                  f"load only so: evaluate it with {ranks} ranks and {flags}")
     if newer:
         sys.exit(f"error: the run's newest state, {path}, was written by {ranks} ranks at {at}, and ZeRO's shards "
-                 f"resume only so: use {ranks} ranks and {flags} until it saves a checkpoint with "
-                 f"--save_consolidated=True (SIGTERM saves one): any layout resumes its {ckpt_path}")
+                 f"resume only so: use {ranks} ranks and {flags} --save_consolidated=True --always_save_checkpoint="
+                 f"True until it saves (at once where it has finished; SIGTERM saves): any layout resumes {ckpt_path}")
     elif foreign and resume_path in kept(ckpt_path):
         print0(f"{path} was written by {ranks} ranks at {at}, not {world_size} at {layout_words(layout, theirs)[0]}: "
                f"continuing from the consolidated {resume_path} instead")
