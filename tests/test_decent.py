@@ -336,3 +336,11 @@ def test_at_another_world_size_every_rank_starts_from_the_average_of_the_replica
     four, two = read_metrics(two_nodes[0])[1][-1], read_metrics(tmp_path / 'run')[1][-1]
     assert four['iter'] == two['iter'] == 6 and four['consensus_distance'] > 1e-4
     assert abs(two['val_loss'] - four['val_loss']) <= 1e-6 * four['val_loss'] and two['consensus_distance'] < 1e-7
+    # on one rank, a new best there (an eval of other batches, --eval_iters=2): the four replicas stay as they were,
+    # rather than rank 0's be replaced by their average (the step folder then a 1-rank one, the others left stale)
+    folder = tmp_path / 'run' / 'decent' / 'step-00000006'
+    before = {f.name: f.read_bytes() for f in folder.iterdir()}
+    p = launch(tmp_path, data_dir, 'run', '--gradient_accumulation_steps=4', '--max_iters=6', '--eval_iters=2',
+               '--always_save_checkpoint=False')
+    assert 'saving the averaged model' in p.stdout  # a new best: always_save_checkpoint is off
+    assert {f.name: f.read_bytes() for f in folder.iterdir()} == before
