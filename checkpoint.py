@@ -1462,7 +1462,8 @@ def pretrained_or_exit(name, dropout=0.0):
 
 # the flags that have a run write its export (ckpt.pt, which the tools read) at its next eval: at once where it has
 # finished (an eval that saves nothing, no new best under always_save_checkpoint=False, would write none)
-EXPORTS = {'ds_train.py': ' --save_consolidated=True --always_save_checkpoint=True'}
+EXPORTS = {'ds_train.py': ' --save_consolidated=True --always_save_checkpoint=True',
+           'decent_train.py': ' --always_save_checkpoint=True'}
 
 
 def checkpoint_or_exit(path, fix, dropout=0.0):
@@ -1496,8 +1497,8 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
             # ds: save_consolidated=False; decent_train.py exports at every save, and this one did not complete
             how = f"(save_consolidated=False): {export(run)}" if kind == 'ds' else \
                 f"(its export did not complete): give this step's rank-R.pt (one replica), or continue the run " \
-                f"with `decent_train.py --out_dir={run}` (its other flags and ranks as before), which exports at " \
-                f"its next save"
+                f"with `decent_train.py --out_dir={run}{EXPORTS['decent_train.py']}` (its other flags and ranks as " \
+                f"before), which exports at once where the run has finished, else at its next save"
             if not os.path.exists(os.path.join(run, 'best.pt' if best else 'ckpt.pt')):
                 sys.exit(f"error: {folder} is a step folder of {what}, and {run} holds no whole model beside it {how}")
             whole = f"give its best, {os.path.join(run, 'best.pt')}" if best else \

@@ -130,8 +130,9 @@ def test_a_step_folder_of_ds_or_decent_names_a_whole_model_that_is_there(tmp_pat
     replicas.mkdir()
     msg = one_line_error(run('sample.py', f'--init_from={replicas}', '--device=cpu', cwd=tmp_path, check=False))
     assert msg.endswith(f"holds no whole model beside it (its export did not complete): give this step's rank-R.pt "
-                        f"(one replica), or continue the run with `decent_train.py --out_dir={tmp_path / 'run'}` (its "
-                        f"other flags and ranks as before), which exports at its next save"), msg
+                        f"(one replica), or continue the run with `decent_train.py --out_dir={tmp_path / 'run'} "
+                        f"--always_save_checkpoint=True` (its other flags and ranks as before), which exports at once "
+                        f"where the run has finished, else at its next save"), msg
     # RUN/best, which names a run's best in every tool, of that ds_train.py run: it has no best.pt (it said: unknown
     # init_from, use resume, best, gpt2, ...)
     (step.parent / 'latest').write_text(step.name)
