@@ -32,6 +32,7 @@ import time
 import traceback
 import uuid
 import warnings
+import zipfile
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -496,6 +497,22 @@ def _complete(folder):
         return checkpoint_iter(folder) is not None
     except Exception:
         return False
+
+
+def _whole_step_folder(folder, kind):
+    """Whether a step folder of ds_train.py or decent_train.py (kind 'ds', 'decent') is whole, as far as a tool can
+    tell without DeepSpeed (whose classes its optimizer files hold): decent_train.py's as its resume reads it
+    (checkpoint_iter: every rank's file in, of one iteration); ds_train.py's where its model states are among its
+    files and each is a whole archive (torch's zip, whose index at its end a file cut short lacks)."""
+    if kind == 'decent' or not os.path.isdir(folder):
+        return _complete(folder)
+    files = [os.path.join(folder, n) for n in os.listdir(folder) if n.endswith('.pt')]
+    try:
+        for path in files:
+            zipfile.ZipFile(path).close()
+    except (OSError, zipfile.BadZipFile):
+        return False
+    return any(f.endswith('model_states.pt') for f in files)
 
 
 def save_failed():
@@ -1444,6 +1461,12 @@ def pretrained_or_exit(name, dropout=0.0):
                  f"HF_HUB_OFFLINE=1 with the model in the local cache")
 
 
+# the flags that have a run write its export (ckpt.pt, which the tools read) at its next eval: at once where it has
+# finished (an eval that saves nothing, no new best under always_save_checkpoint=False, would write none)
+EXPORTS = {'ds_train.py': ' --save_consolidated=True --always_save_checkpoint=True',
+           'decent_train.py': ' --always_save_checkpoint=True'}
+
+
 def checkpoint_or_exit(path, fix, dropout=0.0):
     """(model, checkpoint, the file or folder read) for a tool (dropout off) or init_from, or a one-line error:
     where there is no checkpoint, naming fix; where it is damaged, saying so; where it is some other file, saying
@@ -1466,7 +1489,7 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
         run, kind = os.path.dirname(os.path.dirname(os.path.normpath(folder))), step_folder_kind(folder)
         # ds_train.py run again with it writes the export of the state it resumes (at once where the run is finished)
         # at an eval that saves: its final one is no new best, and a config may leave always_save_checkpoint off
-        export = lambda run: (f"`ds_train.py --out_dir={run} --save_consolidated=True --always_save_checkpoint=True`, "
+        export = lambda run: (f"`ds_train.py --out_dir={run}{EXPORTS['ds_train.py']}`, "
                               f"with the run's other flags and ranks, writes {os.path.join(run, 'ckpt.pt')}: at once "
                               f"where the run has finished, else at its next save")
         if kind:  # their step folders: ZeRO's shards, or the replicas
@@ -1475,8 +1498,8 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
             # ds: save_consolidated=False; decent_train.py exports at every save, and this one did not complete
             how = f"(save_consolidated=False): {export(run)}" if kind == 'ds' else \
                 f"(its export did not complete): give this step's rank-R.pt (one replica), or continue the run " \
-                f"with `decent_train.py --out_dir={run}` (its other flags and ranks as before), which exports at " \
-                f"its next save"
+                f"with `decent_train.py --out_dir={run}{EXPORTS['decent_train.py']}` (its other flags and ranks as " \
+                f"before), which exports at once where the run has finished, else at its next save"
             if not os.path.exists(os.path.join(run, 'best.pt' if best else 'ckpt.pt')):
                 sys.exit(f"error: {folder} is a step folder of {what}, and {run} holds no whole model beside it {how}")
             whole = f"give its best, {os.path.join(run, 'best.pt')}" if best else \
@@ -1544,13 +1567,19 @@ def newer_state(path, model, checkpoint, dropout):
     if not isinstance(saved, int) or os.path.exists(os.path.join(path, 'extra.pt')) or \
             best and os.path.basename(os.path.normpath(path)) != 'best' or not os.path.isdir(run or '.'):
         return model, checkpoint, path  # a file or a step folder: the state it names
-    newer = []  # (iter_num, path, writer, what it is, how to have it)
+    newer = []  # (iter_num, path, writer, what it is)
     for kind in ('ds', 'decent'):  # their step folders, beside the ckpt.pt (best.pt) that holds their whole model
-        name = read_name(os.path.join(run, kind, 'best' if best else 'latest')) or ''
-        if re.fullmatch(r'(best-)?step-\d{1,12}', name) and os.path.isdir(os.path.join(run, kind, name)):
-            fix = "--save_consolidated=True until it saves" if kind == 'ds' else "until it saves"
-            newer.append((int(name.split('-')[-1]), os.path.join(run, kind, name), f'{kind}_train.py',
-                          'its step folder', fix))
+        root = os.path.join(run, kind)
+        name = read_name(os.path.join(root, 'best' if best else 'latest')) or ''
+        if not re.fullmatch(r'(best-)?step-\d{1,12}', name):
+            continue
+        # the newest whole one, as the run's resume finds it: one cut short since (a file truncated) is passed over
+        # for the one before; ds_train.py's resume reads none past latest, decent_train.py's any whole one
+        found = [os.path.join(root, name)] if best else \
+            [f for f in step_folders(root) if kind == 'decent' or os.path.basename(f) <= name]
+        folder = next((f for f in found if _whole_step_folder(f, kind)), None)
+        if folder is not None:
+            newer.append((int(folder.split('-')[-1]), folder, f'{kind}_train.py', 'its step folder'))
     run_id = read_name(os.path.join(run, 'run_id')) or ''
     if not best and RUN_ID.fullmatch(run_id):
         # ds_train.py's snapshot is a step folder: its model states say which folder it was saved for
@@ -1559,8 +1588,8 @@ def newer_state(path, model, checkpoint, dropout):
         it, snapshot, writer = others_snapshot(snapshot_dir(run_id), None,
                                                lambda p: saved_for(p, run, run_id, engine, say=False))
         if it is not None:
-            newer.append((it, snapshot, writer, "the run's memory snapshot", "until it saves"))
-    it, state, writer, what, fix = max(newer, key=lambda n: n[0], default=(-1, None, None, None, None))
+            newer.append((it, snapshot, writer, "the run's memory snapshot"))
+    it, state, writer, what = max(newer, key=lambda n: n[0], default=(-1, None, None, None))
     if it <= saved:
         return model, checkpoint, path
     if os.path.basename(state) == 'ckpt.pt' and int(os.environ.get('WORLD_SIZE', 1)) == 1:  # train.py's snapshot
@@ -1576,8 +1605,8 @@ def newer_state(path, model, checkpoint, dropout):
               f"the run's newest state, which it has not saved since", file=sys.stderr, flush=True)
         return *whole, state
     print(f"warning: reading {read} (iter {saved}), an older state than {what} {state} (iter {it}), which only "
-          f"{writer} reads back: continue it with `{writer} --out_dir={run}` {fix}, for that state", file=sys.stderr,
-          flush=True)
+          f"{writer} reads back: continue it with `{writer} --out_dir={run}{EXPORTS.get(writer, '')}` until it saves, "
+          f"for that state", file=sys.stderr, flush=True)
     return model, checkpoint, path
 
 

@@ -322,6 +322,11 @@ def read_replica(path, rank, world_size, print0):
     return averaged_replicas(path, saved)
 
 
+def replicas_in(folder):
+    """How many ranks' replicas a step folder holds: rank 0's file holds the RNG state of every rank."""
+    return len(torch.load(os.path.join(folder, 'rank-0.pt'), map_location='cpu', weights_only=True, mmap=True)['rng'])
+
+
 def averaged_replicas(folder, ranks):
     """The state that a run of that many ranks saved in folder: its replicas and their optimizer states (Adam's
     moments, AccumAdamW's gradient sum) averaged over the ranks, the rest as rank 0 saved it. One file at a time,

@@ -39,7 +39,7 @@ from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from decent import (average_moments, average_replicas, check_optimizers, check_resumed, global_model, make_bucket,
                     make_mixing_groups, make_optimizer, make_outer, mixing_rounds, outer_bytes, outer_state,
-                    read_replica, restore_outer, restore_replica, start_outer_step, wait_for)
+                    read_replica, replicas_in, restore_outer, restore_replica, start_outer_step, wait_for)
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
                          state_bytes, stop_signal, torchrun_env, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
@@ -380,7 +380,8 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         save_in_background(checkpoint, snapshot_path, keep=2)
     else:
         folder = os.path.join(decent_dir, f'step-{iter_num:08d}')
-        if folder != resume_path or best:  # a resumed run's first eval finds it there, and a new best names it
+        # a resumed run's first eval finds it there; a new best names it (another world size's replicas: kept whole)
+        if folder != resume_path or best and replicas_in(folder) == world_size:
             save_in_background(checkpoint, os.path.join(folder, f'rank-{rank}.pt'), slot='decent',
                                then=lambda ok: commit(folder, ok, checkpoint_group, master_process,
                                                       keep=keep_checkpoints, best=best))

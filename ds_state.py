@@ -350,15 +350,20 @@ def folder_iter(path):
 
 
 def whole_at(folder, iter_num, run_id, layout):
-    """Whether out_dir/ds/step-N (folder) is this run's whole checkpoint of iter_num in this layout, the one latest
-    names: a save to its step (a run resumed from its memory snapshot of a step saved already, a new best there)
-    keeps its files, which removed to be written again would leave latest naming a folder half-written, and the
-    step nowhere but in a node's RAM, until the new ones were in. Rank 0 looks and every rank takes its answer (a
-    collective): all have to take the same way."""
+    """Whether out_dir/ds/step-N (folder) is this run's whole checkpoint of iter_num, the one latest names: True in
+    this layout, 'other' in the layout before a resume at another world size or stage (which went on from the
+    consolidated ckpt.pt of that step: its first eval saves the same state again), else False. A save to its step
+    (a run resumed from its memory snapshot of a step saved already, a new best there) keeps its files, which
+    removed to be written again would leave latest naming a folder half-written, and the step nowhere but in a
+    node's RAM or ckpt.pt, until the new ones were in; another layout's files take none of ours beside them. Rank 0
+    looks and every rank takes its answer (a collective): all have to take the same way."""
     whole = [False]
     if dist.get_rank() == 0 and read_name(os.path.join(os.path.dirname(folder), 'latest')) == os.path.basename(folder):
         try:
-            whole[0] = checkpoint_iter_at(folder, run_id, layout, [], os.path.dirname(folder)) == iter_num
+            state = engine_state(folder)
+            if state.get('run_id', run_id) == run_id and int(state['iter_num']) == iter_num:
+                whole[0] = checkpoint_iter_at(folder, run_id, layout, [], os.path.dirname(folder)) == iter_num or \
+                    'other'
         except Exception:  # damaged: written anew
             pass
     dist.broadcast_object_list(whole, src=0)

@@ -231,8 +231,8 @@ def refuse_other_layouts(resume_from):
                  f"load only so: evaluate it with {ranks} ranks and {flags}")
     if newer:
         sys.exit(f"error: the run's newest state, {path}, was written by {ranks} ranks at {at}, and ZeRO's shards "
-                 f"resume only so: use {ranks} ranks and {flags} until it saves a checkpoint with "
-                 f"--save_consolidated=True (SIGTERM saves one): any layout resumes its {ckpt_path}")
+                 f"resume only so: use {ranks} ranks and {flags} --save_consolidated=True --always_save_checkpoint="
+                 f"True until it saves (at once where it has finished; SIGTERM saves): any layout resumes {ckpt_path}")
     elif foreign and resume_path in kept(ckpt_path):
         print0(f"{path} was written by {ranks} ranks at {at}, not {world_size} at {layout_words(layout, theirs)[0]}: "
                f"continuing from the consolidated {resume_path} instead")
@@ -374,7 +374,8 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     # saved with save_consolidated=False, run again to its end with it to be sampled)
     export = to == 'storage' and save_consolidated
     whole = to == 'storage' and (folder == resume_path or whole_at(folder, iter_num, run_id, layout))
-    if whole and not best and not (export and not same_step({'iter_num': iter_num, 'run_id': run_id}, ckpt_path)):
+    beside = best and whole != 'other'  # a new best's state beside the engine's: in a folder of this layout alone
+    if whole and not beside and not (export and not same_step({'iter_num': iter_num, 'run_id': run_id}, ckpt_path)):
         return
     extra = {
         'model_args': model_args,
@@ -391,10 +392,10 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         'val_loss': val_loss,  # the eval's it was saved at (None: a save between evals)
         'world_size': world_size,
     }
-    if not whole or best:
+    if not whole or beside:
         writer = master_process if to == 'storage' else local_rank == 0  # of latest, and of the folder's cleaning
         if writer and os.path.isdir(folder) and not whole:
-            shutil.rmtree(folder)  # cut short, damaged, or of another world size: written anew (after the barrier)
+            shutil.rmtree(folder)  # cut short, damaged, or not what latest names: written anew (after the barrier)
         # The engine writes its model-states file (our state in it) from the first data-parallel rank only; a
         # snapshot needs one in every node's folder, so there the first rank of each node writes it too
         first_only = model.save_non_zero_checkpoint

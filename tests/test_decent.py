@@ -303,10 +303,19 @@ def test_train_checkpoint_starts_the_replicas_and_their_average_goes_to_sample_a
     export = torch.load(out / 'ckpt.pt', weights_only=True)
     assert torch.equal(replicas_of(out / 'ckpt.pt'), replicas_of(out / 'decent' / 'step-00000008' / 'rank-1.pt'))
     assert export['iter_num'] == 8 and len(export['optimizer']['state']) == len(export['model']) - 1
-    # the checkpoint names its dataset by a path, which sample.py does not follow: the vocabulary is given
+    # the checkpoint names its dataset by a path, which sample.py does not follow: the vocabulary is given. With an
+    # export older than the replicas (the newest killed mid-write) it reads that one, and names the command that
+    # writes the newest: a finished run under always_save_checkpoint=False (a config's) wrote none without its flag
+    shutil.copy(out / 'ckpt.prev.pt', out / 'ckpt.pt')
     s = run('sample.py', f'--out_dir={out}', f'--meta_path={data_dir / "shakespeare_char" / "meta.pkl"}',
             '--num_samples=2', '--max_new_tokens=20', '--device=cpu', cwd=tmp_path)
     assert s.stdout.count('---------------') == 2
+    assert f"continue it with `decent_train.py --out_dir={out} --always_save_checkpoint=True` until it saves" \
+        in s.stderr, s.stderr
+    launch(tmp_path, data_dir, 'run', '--replica_optimizer=accumadamw', '--max_iters=8', '--eval_interval=4',
+           '--gradient_accumulation_steps=2', '--always_save_checkpoint=False', '--always_save_checkpoint=True',
+           nproc=2)
+    assert torch.equal(replicas_of(out / 'ckpt.pt'), replicas_of(out / 'decent' / 'step-00000008' / 'rank-1.pt'))
     # train.py resumes the export: its eval at 8 is decent_train.py's, on the same averaged model
     launch(tmp_path, data_dir, 'run', '--init_from=resume', '--max_iters=10', '--gradient_accumulation_steps=2',
            '--eval_interval=4', script='train.py')
@@ -343,3 +352,11 @@ def test_at_another_world_size_every_rank_starts_from_the_average_of_the_replica
     four, two = read_metrics(two_nodes[0])[1][-1], read_metrics(tmp_path / 'run')[1][-1]
     assert four['iter'] == two['iter'] == 6 and four['consensus_distance'] > 1e-4
     assert abs(two['val_loss'] - four['val_loss']) <= 1e-6 * four['val_loss'] and two['consensus_distance'] < 1e-7
+    # on one rank, a new best there (an eval of other batches, --eval_iters=2): the four replicas stay as they were,
+    # rather than rank 0's be replaced by their average (the step folder then a 1-rank one, the others left stale)
+    folder = tmp_path / 'run' / 'decent' / 'step-00000006'
+    before = {f.name: f.read_bytes() for f in folder.iterdir()}
+    p = launch(tmp_path, data_dir, 'run', '--gradient_accumulation_steps=4', '--max_iters=6', '--eval_iters=2',
+               '--always_save_checkpoint=False')
+    assert 'saving the averaged model' in p.stdout  # a new best: always_save_checkpoint is off
+    assert {f.name: f.read_bytes() for f in folder.iterdir()} == before

@@ -339,6 +339,13 @@ def test_a_finished_run_without_its_export_writes_it_when_run_again_with_save_co
                                       f"--save_consolidated=True --always_save_checkpoint=True`, with the run's other "
                                       f"flags and ranks, writes {tmp_path / 'run' / 'ckpt.pt'}: at once where the run "
                                       f"has finished, else at its next save")
+    # with an export older than the step folders (save_consolidated=False since), a tool reads it and its warning
+    # names the same command: without --always_save_checkpoint=True it wrote nothing for this finished run
+    shutil.copy(stages[2] / 'ckpt.prev.pt', tmp_path / 'run' / 'ckpt.pt')
+    p = run('sample.py', f"--out_dir={tmp_path / 'run'}", f"--meta_path={data_dir / 'shakespeare_char' / 'meta.pkl'}",
+            '--device=cpu', '--num_samples=1', '--max_new_tokens=2', cwd=tmp_path)
+    assert f"(iter 10), which only ds_train.py reads back: continue it with `ds_train.py --out_dir=" \
+           f"{tmp_path / 'run'} --save_consolidated=True --always_save_checkpoint=True` until it saves" in p.stderr
     # the run's own flags (config/train_shakespeare_char_cpu.py's always_save_checkpoint=False), then the message's:
     # the final eval, no new best, saved nothing without it
     launch('ds_train.py', tmp_path, data_dir, 'run', '--zero_stage=2', '--deterministic=True', '--max_iters=10',

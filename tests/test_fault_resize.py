@@ -29,13 +29,9 @@ def reference_and_first_half(shared_run, tmp_path, script, args, nproc):
 # which continues the curve where the algorithm does not depend on the world size: complete mixing with plain SGD.
 DECENT_AS_DDP = ['--topology=complete', '--replica_optimizer=sgd', '--grad_clip=0.0', '--learning_rate=0.5',
                  '--min_lr=0.05']
-# the resumed ds run saves first at iter 12, past the first layout's folders of 4 and 8 (not over the one at 8)
-DS_NEXT_SAVE = ['--eval_interval=6', '--save_storage_interval=6']
 RESHAPES = [('train.py', 2, [], 1, [], 'at iter 8'), ('train.py', 1, [], 2, [], 'at iter 8'),
-            ('ds_train.py', 2, ['--zero_stage=3'], 1, ['--zero_stage=3', *DS_NEXT_SAVE],
-             'continuing from the consolidated'),
-            ('ds_train.py', 1, ['--zero_stage=2'], 2, ['--zero_stage=3', *DS_NEXT_SAVE],
-             'continuing from the consolidated'),
+            ('ds_train.py', 2, ['--zero_stage=3'], 1, ['--zero_stage=3'], 'continuing from the consolidated'),
+            ('ds_train.py', 1, ['--zero_stage=2'], 2, ['--zero_stage=3'], 'continuing from the consolidated'),
             ('decent_train.py', 2, DECENT_AS_DDP, 1, DECENT_AS_DDP, 'every rank starts from their average'),
             ('decent_train.py', 1, DECENT_AS_DDP, 2, DECENT_AS_DDP, 'every rank starts from their average')]
 
@@ -44,6 +40,8 @@ RESHAPES = [('train.py', 2, [], 1, [], 'at iter 8'), ('train.py', 1, [], 2, [], 
 def test_resumed_at_another_world_size_continues_the_curve(tmp_path, data_dir, shared_run, script, first, first_args,
                                                            then, then_args, says):
     ref_dir = reference_and_first_half(shared_run, tmp_path, script, first_args, first)
+    eight = tmp_path / 'ft' / 'ds' / 'step-00000008'  # ds_train.py's first layout's newest folder
+    first_eight = {f.name: f.read_bytes() for f in eight.iterdir()} if script == 'ds_train.py' else {}
     p = run(script, *tiny(data_dir, tmp_path / 'ft', *RESUMED, *then_args, '--max_iters=12'), nproc=then,
             cwd=tmp_path)
     assert 'auto-resume' in p.stdout and says in p.stdout and re.search(r'resuming from \S+ at iter 8\b', p.stdout)
@@ -55,6 +53,9 @@ def test_resumed_at_another_world_size_continues_the_curve(tmp_path, data_dir, s
     assert abs(ft_evals[-1]['val_loss'] - ref_evals[-1]['val_loss']) <= 1e-5 * ref_evals[-1]['val_loss']
     if script == 'ds_train.py':  # the first layout's newest folder, whole, stays the fallback (keep_checkpoints=2)
         assert sorted(f.name for f in (tmp_path / 'ft' / 'ds').glob('step-*')) == ['step-00000008', 'step-00000012']
+        # as it was: the resumed run's first eval (at 8, its step) saved that state again, and neither removed it to
+        # write it anew (a failed write would have left latest naming a folder cut short) nor wrote files into it
+        assert {f.name: f.read_bytes() for f in eight.iterdir()} == first_eight
 
 
 @pytest.mark.parametrize('first,then', [(2, 1), (1, 2)])

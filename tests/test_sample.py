@@ -14,6 +14,7 @@ import torch
 
 from checkpoint import snapshot_dir
 from conftest import REPO, TINY, env, one_line_error, run
+from test_fault import cut_short
 
 
 @pytest.fixture(scope='module')
@@ -129,8 +130,9 @@ def test_a_step_folder_of_ds_or_decent_names_a_whole_model_that_is_there(tmp_pat
     replicas.mkdir()
     msg = one_line_error(run('sample.py', f'--init_from={replicas}', '--device=cpu', cwd=tmp_path, check=False))
     assert msg.endswith(f"holds no whole model beside it (its export did not complete): give this step's rank-R.pt "
-                        f"(one replica), or continue the run with `decent_train.py --out_dir={tmp_path / 'run'}` (its "
-                        f"other flags and ranks as before), which exports at its next save"), msg
+                        f"(one replica), or continue the run with `decent_train.py --out_dir={tmp_path / 'run'} "
+                        f"--always_save_checkpoint=True` (its other flags and ranks as before), which exports at once "
+                        f"where the run has finished, else at its next save"), msg
     # RUN/best, which names a run's best in every tool, of that ds_train.py run: it has no best.pt (it said: unknown
     # init_from, use resume, best, gpt2, ...)
     (step.parent / 'latest').write_text(step.name)
@@ -407,17 +409,28 @@ def test_a_run_killed_after_its_last_save_is_read_at_its_newer_memory_snapshot(c
 def test_a_deepspeed_run_saved_since_its_export_says_that_what_the_tool_reads_is_older(char_run, tmp_path):
     """A ds_train.py run continued with save_consolidated=False holds step folders newer than its ckpt.pt and best.pt,
     which only ds_train.py reads: a tool reads the export, and says that it is older and how to have the newest,
-    rather than an older state without a word."""
+    rather than an older state without a word. The newest whole one: a folder that latest names and a file of which
+    was cut short since (decent_train.py's too) is no newer state, and the one before is."""
     out = tmp_path / 'run'
     shutil.copytree(char_run, out, symlinks=True)
     saved = torch.load(out / 'ckpt.pt', weights_only=True, mmap=True)['iter_num']
-    for name, pointer in ((f'step-{saved + 10:08d}', 'latest'), (f'best-step-{saved + 10:08d}', 'best')):
+    for name in (f'step-{saved + 10:08d}', f'best-step-{saved + 10:08d}', f'step-{saved + 20:08d}'):
         (out / 'ds' / name).mkdir(parents=True)
-        (out / 'ds' / pointer).write_text(name)
+        for file in ('mp_rank_00_model_states.pt', 'zero_pp_rank_0_mp_rank_00_optim_states.pt'):
+            torch.save({'iter_num': int(name.split('-')[-1])}, out / 'ds' / name / file)
+    cut_short(out / 'ds' / f'step-{saved + 20:08d}' / 'zero_pp_rank_0_mp_rank_00_optim_states.pt')
+    (out / 'ds' / 'latest').write_text(f'step-{saved + 20:08d}')
+    (out / 'ds' / 'best').write_text(f'best-step-{saved + 10:08d}')
+    decent = out / 'decent' / f'step-{saved + 30:08d}'  # its second rank's file cut short
+    decent.mkdir(parents=True)
+    for r in range(2):
+        torch.save({'iter_num': saved + 30, 'rng': [None, None]}, decent / f'rank-{r}.pt')
+    cut_short(decent / 'rank-1.pt')
+    (out / 'decent' / 'latest').write_text(f'step-{saved + 30:08d}')
     for path, read, newer in ((out, 'ckpt.pt', 'latest'), (out / 'best', 'best.pt', 'best')):
         p = run('sample.py', f'--init_from={path}', '--device=cpu', '--num_samples=1', '--max_new_tokens=5',
                 cwd=char_run)
-        step = out / 'ds' / (out / 'ds' / newer).read_text()
+        step = out / 'ds' / (f'step-{saved + 10:08d}' if newer == 'latest' else (out / 'ds' / newer).read_text())
         assert p.stderr == f"warning: reading {out / read} (iter {saved}), an older state than its step folder " \
             f"{step} (iter {saved + 10}), which only ds_train.py reads back: continue it with `ds_train.py " \
-            f"--out_dir={out}` --save_consolidated=True until it saves, for that state\n"
+            f"--out_dir={out} --save_consolidated=True --always_save_checkpoint=True` until it saves, for that state\n"

@@ -587,6 +587,10 @@ def test_a_deepspeed_run_at_another_stage_never_goes_on_from_an_export_older_tha
         in error and 'use 1 ranks and --zero_stage=2' in error, error
     assert 'auto-resume' not in p.stdout, p.stdout  # not announced as going on, then refused
     assert files(run_dir / 'ds') == before and iter_of(run_dir / 'ckpt.pt') == 10
+    # what it says to do: under a config's always_save_checkpoint=False the finished run's final eval, no new best,
+    # saved no export without --always_save_checkpoint=True (test_ds.py runs these flags on a finished run)
+    flags = error.split('use 1 ranks and ')[1].split(' until')[0].split()
+    assert flags == ['--zero_stage=2', '--save_consolidated=True', '--always_save_checkpoint=True'], error
 
 
 def test_a_deepspeed_save_to_the_step_of_its_whole_folder_keeps_the_folder_and_records_a_new_best(tmp_path, data_dir,
