@@ -102,7 +102,8 @@ def test_another_entrypoints_key_names_that_entrypoint(tmp_path):
                                 ('ds_train.py', ['--pp_size=2'], 'pp_train.py'),
                                 ('pp_train.py', ['--offload_optimizer=cpu'], 'ds_train.py')):
         key = argv[0][2:].split('=')[0]
-        assert f"{key} is a key of {owner}, not of {script}: run {owner.split()[0]} in its place" in error_of(script, argv)
+        run = owner.split()[0]  # the first of the entrypoints that have the key
+        assert f"{key} is a key of {owner}, not of {script}: run {run} in its place" in error_of(script, argv)
     (tmp_path / 'tp.py').write_text('n_layer = 2\ntp_size = 2\n')  # in a config file too, with its line
     tp = str(tmp_path / 'tp.py')
     assert f"{tp}:2: tp_size is a key of fsdp_train.py" in error_of('train.py', [tp])
