@@ -124,15 +124,16 @@ if pp_schedule not in SCHEDULES:
 if pp_schedule in ZERO_BUBBLE and compile:  # a compiled block's backward is one autograd node: it cannot split
     sys.exit(f"error: {pp_schedule} computes a stage's input gradients and its weights' apart, which torch.compile'd "
              f"blocks cannot: add --compile=False, or use --pp_schedule=interleaved-1f1b")
+if tp_size > 1 and dp_shard:  # FSDP over a 3-D mesh's dp: not built (before the fixes below, which keep dp_shard)
+    sys.exit("error: tp_size > 1 with dp_shard=True is not supported: drop one (pipelines of TP stages run DP)")
 v, v_shape = placement(pp_schedule, stages_per_rank)  # the stages each rank holds, and whether in a V
 if dp_shard and (v_shape or pp_size == 1 and v > 1):  # two FSDP roots cannot share the tied embedding's weight
     sys.exit(f"error: dp_shard=True shards each stage on its own, and {pp_schedule} at pp_size={pp_size} puts the "
              f"first and the last stage, which share the tied embedding, on one rank: use "
              + ("--pp_schedule=interleaved-zb" if v_shape else "--pp_size=2 or more, or fsdp_train.py"))
-if tp_size > 1 and dp_shard:  # FSDP over a 3-D mesh's dp with TP stages: not built
-    sys.exit("error: tp_size > 1 with dp_shard=True is not supported: drop one (pipelines of TP stages run DP)")
 if adamw_on_shards and not dp_shard:  # plain stages' parameters are plain tensors: there is no dispatch to step past
-    sys.exit("error: adamw_on_shards=True steps AdamW on the shards of dp_shard=True: add --dp_shard=True, or drop it")
+    sys.exit("error: adamw_on_shards=True steps AdamW on the shards of dp_shard=True: " + ("drop it (TP stages run"
+             " unsharded)" if tp_size > 1 else "add --dp_shard=True, or drop it"))
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
 # the layout is checked before any rank joins the group, from what torchrun set: every rank refuses it alike
@@ -225,8 +226,7 @@ model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=bloc
                   vocab_size=meta_vocab_size or 50304, dropout=dropout)
 check_fits(model_args, device)  # a shape too big for this machine is refused before it is built
 # a checkpoint is data, never code
-model, checkpoint = create_model(resume_path, read_start,
-                                 init_from, model_args, config, given)
+model, checkpoint = create_model(resume_path, read_start, init_from, model_args, config, given)
 block_size = model_args['block_size']
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []

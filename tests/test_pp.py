@@ -339,11 +339,15 @@ def test_stages_per_rank_below_one_is_a_one_line_error(tmp_path, data_dir):
      "error: adamw_on_shards=True steps AdamW on the shards of dp_shard=True: add --dp_shard=True, or drop it"),
     # tensor parallel stages: over the ranks of a stage, and not under FSDP across the pipelines
     (2, ['--tp_size=2'], "error: tp_size=2 does not divide world size / pp_size = 1: use a divisor of it"),
-    (4, ['--tp_size=2', '--dp_shard=True'],
+    # with zbv too: the V's refusal had come first, and named interleaved-zb, still sharded, refused in turn
+    (4, ['--tp_size=2', '--dp_shard=True', '--pp_schedule=zbv', '--compile=False'],
      "error: tp_size > 1 with dp_shard=True is not supported: drop one (pipelines of TP stages run DP)"),
+    # it had named --dp_shard=True, which TP stages do not take
+    (2, ['--tp_size=2', '--adamw_on_shards=True'],
+     "error: adamw_on_shards=True steps AdamW on the shards of dp_shard=True: drop it (TP stages run unsharded)"),
 ], ids=['interleaved-pp2', 'interleaved-dp2xpp2', '1f1b-dp2xpp2', 'zero-bubble-compiled', 'zbv-compiled',
         'dualpipev-micro-batches', 'zbv-sharded', 'plain-python', 'adamw-on-shards-unsharded', 'tp-world',
-        'tp-sharded'])
+        'tp-sharded', 'tp-adamw-on-shards'])
 def test_micro_batches_a_schedule_cannot_run_are_a_one_line_error_naming_counts_it_runs(tmp_path, data_dir, nproc,
                                                                                         args, message):
     p = launch('pp_train.py', tmp_path, data_dir, 'out', '--pp_size=2', *args, nproc=nproc, check=False)
