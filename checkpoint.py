@@ -1121,8 +1121,8 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         run_id, resume_from = views[0][0], (newest[0], whole[0])
     # the run's newest state in snapshots of another layout, which this one cannot read: starting without it (afresh,
     # under a new run id) would strand them in /dev/shm, so the layout that wrote them has to save it first. Only
-    # where this job's nodes hold it for every rank of that layout: one that lacks a node's ranks (a node lost, the
-    # job back on fewer nodes) no layout resumes here
+    # where this job's nodes hold it for every rank of that layout: one that lacks some ranks' (a kill during the round
+    # of saves, a node lost, the job back on fewer nodes) no layout resumes here
     found = {f for v in views for f in v[7]}
     ranks = lambda it, layout: {f[3] for f in found if f[0] == it and f[2] == layout}
     it, path, layout = max(((it, path, layout) for it, path, layout, _ in found
@@ -1130,8 +1130,9 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                            default=(None, None, None))
     part = max(found, default=None)
     if part and (resume_from is None or resume_from[0] < part[0]) and (it is None or it < part[0]):
-        print0(f"note: the memory snapshot {part[1]} (iter {part[0]}) of another layout lacks the ranks of nodes "
-               f"that are not in this job (a node lost, or the job back on fewer nodes): no layout resumes it here")
+        print0(f"note: the memory snapshot {part[1]} (iter {part[0]}) of another layout lacks some ranks' of that "
+               f"step, cut short by a kill or on nodes not in this job (a node lost, or the job back on fewer nodes): "
+               f"no layout resumes it here")
     if it is not None and (resume_from is None or resume_from[0] < it) and eval_only:
         # (an eval started afresh evaluates a new model, and keeps nothing in out_dir)
         sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of another layout, which "

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from checkpoint import previous, snapshot_dir
 from conftest import REPO, TINY, env, one_line_error, read_metrics, run
 from launcher import finish, start
 from model import GPT, GPTConfig
@@ -261,12 +262,19 @@ def test_a_crashed_runs_snapshots_at_another_layout_are_refused_not_stranded(tmp
     finally:
         for rank in ranks:
             rank.kill()
+    # the kill mid-round: one rank's snapshot of a step that the other's never reached (made so where it left none)
+    files = [os.path.join(snapshot_dir((out / 'run_id').read_text().strip()), f'rank-{r}-of-1x2pp.pt') for r in (0, 1)]
+    held = [torch.load(f, weights_only=True) for f in files]
+    if held[0]['iter_num'] == held[1]['iter_num']:
+        os.replace(files[1], previous(files[1]))
+        torch.save({**held[1], 'iter_num': held[1]['iter_num'] + 1}, files[1])
     before = {f: f.read_bytes() for f in out.rglob('*') if f.is_file() and f.name != 'run.lock'}
     assert not (out / 'dcp').exists()
     bounded = [a for a in args if 'max_iters' not in a] + ['--max_iters=40']
     r = run('pp_train.py', *bounded, '--pp_size=1', nproc=2, cwd=tmp_path, check=False)
     assert "is the memory snapshot" in one_line_error(r, nproc=2) and 'of another layout' in r.stderr
     assert 'resume with the layout in its name (2 ranks and --pp_size=2) and let it save' in r.stderr  # not 1x2pp
+    assert "of another layout lacks some ranks' of that step, cut short by a kill" in r.stdout  # not 'a node lost'
     from checkpoint import launch_of  # fsdp_train.py's DPxTP and decent_train.py's world size alike
     assert launch_of('2x2') == '4 ranks and --tp_size=2' and launch_of('4') == '4 ranks'
     assert launch_of('1x2x2pp') == '4 ranks and --pp_size=2 --tp_size=2'  # pp_train.py's with tensor parallel stages
