@@ -27,7 +27,8 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
 from deepspeed.utils.tensor_fragment import fragment_address
 from pydantic import ValidationError
 
-from checkpoint import checkpoint_iter, is_snapshot, point_latest, read_name, reason, saved_for, step_folders
+from checkpoint import (checkpoint_iter, is_snapshot, point_latest, read_name, reason, same_step, saved_for,
+                        step_folders)
 
 # the classes that DeepSpeed 0.19.8 pickles into its checkpoints besides tensors and containers
 DS_SAFE_GLOBALS = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
@@ -373,6 +374,13 @@ def whole_at(folder, iter_num, run_id, layout, best=0):
         point_latest(folder, folder_iter, best, best=True)
     dist.broadcast_object_list(whole, src=0)
     return whole[0]
+
+
+def best_behind(ds_dir, iter_num, run_id, best_path):
+    """Whether ds_dir/best names this run's step iter_num while best_path (the export's best.pt) holds another state:
+    a run saved with save_consolidated=False since, run again with it from that step, writes it there too."""
+    return read_name(os.path.join(ds_dir, 'best')) == f'best-step-{iter_num:08d}' and \
+        not same_step({'iter_num': iter_num, 'run_id': run_id}, best_path)
 
 
 def on_this_job(foreign):
