@@ -504,7 +504,7 @@ def _whole_step_iter(folder, kind, run_id):
     of the run (run_id, None: any), as far as a tool can tell without DeepSpeed (whose classes its optimizer files
     hold), else None: decent_train.py's as its resume reads it (checkpoint_iter: every rank's file in, of one
     iteration); ds_train.py's where its model states are among its files, each a whole archive (torch's zip, whose
-    index at its end a file cut short lacks), and say so, as its resume reads them."""
+    index at its end a file cut short lacks), whose model states say they are the run's, as its resume reads them."""
     try:
         if kind == 'decent':
             return checkpoint_iter(folder, run_id)

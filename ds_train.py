@@ -374,7 +374,7 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     export = to == 'storage' and save_consolidated
     whole = to == 'storage' and (folder == resume_path or whole_at(folder, iter_num, run_id, layout, best and
                                                                    keep_checkpoints))
-    behind = export and whole and best_behind(ds_dir, iter_num, run_id, best_path)  # the folder alone is left
+    behind = export and whole and best_behind(ds_dir, iter_num, run_id, best_path)  # best.pt older than ds/best
     beside = best and whole != 'other'  # a new best's state beside the engine's: in a folder of this layout alone
     extra = {
         'model_args': model_args,
