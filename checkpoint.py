@@ -499,20 +499,21 @@ def _complete(folder):
         return False
 
 
-def _whole_step_folder(folder, kind):
-    """Whether a step folder of ds_train.py or decent_train.py (kind 'ds', 'decent') is whole, as far as a tool can
-    tell without DeepSpeed (whose classes its optimizer files hold): decent_train.py's as its resume reads it
-    (checkpoint_iter: every rank's file in, of one iteration); ds_train.py's where its model states are among its
-    files and each is a whole archive (torch's zip, whose index at its end a file cut short lacks)."""
-    if kind == 'decent' or not os.path.isdir(folder):
-        return _complete(folder)
-    files = [os.path.join(folder, n) for n in os.listdir(folder) if n.endswith('.pt')]
+def _whole_step_iter(folder, kind, run_id):
+    """The iteration of a step folder of ds_train.py or decent_train.py (kind 'ds', 'decent') where it is whole and
+    of the run (run_id, None: any), as far as a tool can tell without DeepSpeed (whose classes its optimizer files
+    hold), else None: decent_train.py's as its resume reads it (checkpoint_iter: every rank's file in, of one
+    iteration); ds_train.py's where its model states are among its files, each a whole archive (torch's zip, whose
+    index at its end a file cut short lacks), whose model states say they are the run's, as its resume reads them."""
     try:
+        if kind == 'decent':
+            return checkpoint_iter(folder, run_id)
+        files = sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith('.pt'))
         for path in files:
             zipfile.ZipFile(path).close()
-    except (OSError, zipfile.BadZipFile):
-        return False
-    return any(f.endswith('model_states.pt') for f in files)
+        return next((checkpoint_iter(f, run_id) for f in files if f.endswith('model_states.pt')), None)
+    except Exception:
+        return None
 
 
 def save_failed():
@@ -1568,7 +1569,7 @@ def newer_state(path, model, checkpoint, dropout):
     if not isinstance(saved, int) or os.path.exists(os.path.join(path, 'extra.pt')) or \
             best and os.path.basename(os.path.normpath(path)) != 'best' or not os.path.isdir(run or '.'):
         return model, checkpoint, path  # a file or a step folder: the state it names
-    newer = []  # (iter_num, path, writer, what it is)
+    newer, run_id = [], read_name(os.path.join(run, 'run_id')) or ''  # (iter_num, path, writer, what it is)
     for kind in ('ds', 'decent'):  # their step folders, beside the ckpt.pt (best.pt) that holds their whole model
         root = os.path.join(run, kind)
         name = read_name(os.path.join(root, 'best' if best else 'latest')) or ''
@@ -1578,10 +1579,12 @@ def newer_state(path, model, checkpoint, dropout):
         # for the one before; ds_train.py's resume reads none past latest, decent_train.py's any whole one
         found = [os.path.join(root, name)] if best else \
             [f for f in step_folders(root) if kind == 'decent' or os.path.basename(f) <= name]
-        folder = next((f for f in found if _whole_step_folder(f, kind)), None)
-        if folder is not None:
-            newer.append((int(folder.split('-')[-1]), folder, f'{kind}_train.py', 'its step folder'))
-    run_id = read_name(os.path.join(run, 'run_id')) or ''
+        # (of this run: another's, put there by hand, the resume passes over, as it does a folder of its own that
+        # does not load)
+        whole = next(((it, f) for f in found for it in [_whole_step_iter(f, kind, run_id or None)] if it is not None),
+                     None)
+        if whole:
+            newer.append((*whole, f'{kind}_train.py', 'its step folder'))
     if not best and RUN_ID.fullmatch(run_id):
         # ds_train.py's snapshot is a step folder: its model states say which folder it was saved for
         engine = lambda folder: torch.load(os.path.join(folder, 'mp_rank_00_model_states.pt'), map_location='cpu',

@@ -27,7 +27,8 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
 from deepspeed.utils.tensor_fragment import fragment_address
 from pydantic import ValidationError
 
-from checkpoint import checkpoint_iter, is_snapshot, read_name, reason, saved_for, step_folders
+from checkpoint import (checkpoint_iter, is_snapshot, point_latest, read_name, reason, same_step, saved_for,
+                        step_folders)
 
 # the classes that DeepSpeed 0.19.8 pickles into its checkpoints besides tensors and containers
 DS_SAFE_GLOBALS = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
@@ -349,14 +350,17 @@ def folder_iter(path):
     return int(engine_state(path)['iter_num'])
 
 
-def whole_at(folder, iter_num, run_id, layout):
+def whole_at(folder, iter_num, run_id, layout, best=0):
     """Whether out_dir/ds/step-N (folder) is this run's whole checkpoint of iter_num, the one latest names: True in
     this layout, 'other' in the layout before a resume at another world size or stage (which went on from the
     consolidated ckpt.pt of that step: its first eval saves the same state again), else False. A save to its step
     (a run resumed from its memory snapshot of a step saved already, a new best there) keeps its files, which
     removed to be written again would leave latest naming a folder half-written, and the step nowhere but in a
     node's RAM or ckpt.pt, until the new ones were in; another layout's files take none of ours beside them. Rank 0
-    looks and every rank takes its answer (a collective): all have to take the same way."""
+    looks and every rank takes its answer (a collective): all have to take the same way. best (a new best there:
+    the step folders to keep): rank 0 names another layout's folder best as it is, the run's state at that step, as
+    the caller's export names it in best.pt, rather than keep naming an older one that the run's evals no longer
+    count as its best."""
     whole = [False]
     if dist.get_rank() == 0 and read_name(os.path.join(os.path.dirname(folder), 'latest')) == os.path.basename(folder):
         try:
@@ -366,8 +370,17 @@ def whole_at(folder, iter_num, run_id, layout):
                     'other'
         except Exception:  # damaged: written anew
             pass
+    if whole[0] == 'other' and best:
+        point_latest(folder, folder_iter, best, best=True)
     dist.broadcast_object_list(whole, src=0)
     return whole[0]
+
+
+def best_behind(ds_dir, iter_num, run_id, best_path):
+    """Whether ds_dir/best names this run's step iter_num while best_path (the export's best.pt) holds another state:
+    a run saved with save_consolidated=False since, run again with it from that step, writes it there too."""
+    return read_name(os.path.join(ds_dir, 'best')) == f'best-step-{iter_num:08d}' and \
+        not same_step({'iter_num': iter_num, 'run_id': run_id}, best_path)
 
 
 def on_this_job(foreign):

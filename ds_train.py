@@ -110,11 +110,10 @@ try:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-    from ds_state import (ZERO3_COMPILED, DeferredWrites, add_config_file, bucket_sizes, check_offload,
-                          checkpoint_iter_at, engine_folders, engine_state, copy_recovery_scripts, gather_state,
-                          by_norm_where_zero_checks, guard_step, layout_words, load_state, norm_is_read, offload,
-                          on_this_job, overflow_by_norm_alone,
-                          remove_shm_buffer_name, state_bytes, whole_at, folder_iter)
+    from ds_state import (ZERO3_COMPILED, DeferredWrites, add_config_file, best_behind, bucket_sizes, check_offload,
+                          by_norm_where_zero_checks, checkpoint_iter_at, copy_recovery_scripts, engine_folders,
+                          engine_state, folder_iter, gather_state, guard_step, layout_words, load_state, norm_is_read,
+                          offload, on_this_job, overflow_by_norm_alone, remove_shm_buffer_name, state_bytes, whole_at)
 except ImportError as e:
     sys.exit(f"error: ds_train.py needs DeepSpeed ({e}): pip install deepspeed==0.19.8")
 # DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates, and torch says so at each call
@@ -370,13 +369,13 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     folder = os.path.join(ds_dir if to == 'storage' else snapshot_dir(run_id), f'step-{iter_num:08d}')
     wait_for_saves(f'ds-{to}')  # the save before of this kind is complete and latest names it
     # a resumed run's first eval (or a save to a step whose folder is whole): the folder stays as it is, a new best
-    # writes our state beside the engine's alone (its val loss), and the export is written where it lacks one (a run
-    # saved with save_consolidated=False, run again to its end with it to be sampled)
+    # writes our state beside the engine's alone (its val loss; another layout's folder is named best as it is), the
+    # export where it lacks one or the best (best.pt of the step ds/best names: save_consolidated=False since)
     export = to == 'storage' and save_consolidated
-    whole = to == 'storage' and (folder == resume_path or whole_at(folder, iter_num, run_id, layout))
+    whole = to == 'storage' and (folder == resume_path or whole_at(folder, iter_num, run_id, layout, best and
+                                                                   keep_checkpoints))
+    behind = export and whole and best_behind(ds_dir, iter_num, run_id, best_path)  # best.pt older than ds/best
     beside = best and whole != 'other'  # a new best's state beside the engine's: in a folder of this layout alone
-    if whole and not beside and not (export and not same_step({'iter_num': iter_num, 'run_id': run_id}, ckpt_path)):
-        return
     extra = {
         'model_args': model_args,
         'iter_num': iter_num,
@@ -392,6 +391,8 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         'val_loss': val_loss,  # the eval's it was saved at (None: a save between evals)
         'world_size': world_size,
     }
+    if whole and not beside and not (export and (best or behind or not same_step(extra, ckpt_path))):
+        return
     if not whole or beside:
         writer = master_process if to == 'storage' else local_rank == 0  # of latest, and of the folder's cleaning
         if writer and os.path.isdir(folder) and not whole:
@@ -400,8 +401,7 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         # snapshot needs one in every node's folder, so there the first rank of each node writes it too
         first_only = model.save_non_zero_checkpoint
         model.save_non_zero_checkpoint = first_only or (to == 'memory' and local_rank == 0)
-        model.save_checkpoint(os.path.dirname(folder), tag=os.path.basename(folder), client_state=extra,
-                              save_latest=False)
+        model.save_checkpoint(*os.path.split(folder), client_state=extra, save_latest=False)  # (its dir and tag)
         model.save_non_zero_checkpoint = first_only
         files = [f for f in model.checkpoint_engine.files if not whole or f[0].endswith('model_states.pt')]
         paths, states = zip(*files) if files else ((), ())
@@ -415,7 +415,7 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         model_sd, optim_sd = gather_state(model, raw_model, optimizer, group_names, adamw_groups)
         if master_process:
             save_in_background({'model': model_sd, 'optimizer': optim_sd, **extra}, ckpt_path,
-                               keep=keep_checkpoints, best=best and best_path)
+                               keep=keep_checkpoints, best=(best or behind) and best_path)
             print0(f"saving consolidated checkpoint to {ckpt_path}")
     if wait:
         wait_for_saves()

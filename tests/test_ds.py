@@ -354,6 +354,10 @@ def test_a_finished_run_without_its_export_writes_it_when_run_again_with_save_co
     assert_same_state(stages[2] / 'ckpt.pt', tmp_path / 'run' / 'ckpt.pt', atol=1e-12)  # the same state
     assert sorted(p.name for p in (tmp_path / 'run' / 'ds').iterdir() if p.name.startswith('step')) == \
         sorted(p.name for p in (stages[2] / 'ds').iterdir() if p.name.startswith('step'))
+    # and best.pt, of the step that ds/best names: a tool's warning for RUN/best names the same command, which wrote
+    # none (no new best at that eval) while the folder stayed the run's only best
+    assert (tmp_path / 'run' / 'ds' / 'best').read_text() == 'best-step-00000010'
+    assert torch.load(tmp_path / 'run' / 'best.pt', weights_only=True)['iter_num'] == 10
 
 
 def test_a_run_resumed_with_its_optimizer_offloaded_goes_on_from_its_export(tmp_path, data_dir, stages, cpu_adam):

@@ -4,11 +4,13 @@ fsdp_train.py both ways past a truncated DCP checkpoint, and a truncated newest 
 world size. No dropout, a storage checkpoint every 4 steps: each uninterrupted 12-step run and each first half (8
 steps) is made once (shared_run), the reference or the starting point (copied) of every test that runs it."""
 
+import os
 import re
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import read_metrics, run
 from test_fault import KIND, assert_same_run, cut_short, tiny
@@ -42,6 +44,21 @@ def test_resumed_at_another_world_size_continues_the_curve(tmp_path, data_dir, s
     ref_dir = reference_and_first_half(shared_run, tmp_path, script, first_args, first)
     eight = tmp_path / 'ft' / 'ds' / 'step-00000008'  # ds_train.py's first layout's newest folder
     first_eight = {f.name: f.read_bytes() for f in eight.iterdir()} if script == 'ds_train.py' else {}
+    if script == 'ds_train.py' and first == 2:
+        # a run whose best was at 4 (its val loss rose since), resumed at 8 on one rank and evaluated on other batches
+        # (a new best at 8): the first layout's folder of that state is named best as it is, and best.pt holds it
+        ds = eight.parent
+        os.remove(ds.parent / 'best.pt')
+        shutil.copy(ds.parent / 'ckpt.prev.pt', ds.parent / 'best.pt')
+        shutil.rmtree(ds / 'best-step-00000008')
+        shutil.copytree(ds / 'step-00000004', ds / 'best-step-00000004')
+        (ds / 'best').write_text('best-step-00000004')
+        p = run(script, *tiny(data_dir, tmp_path / 'ft', *RESUMED, *then_args, '--max_iters=8', '--eval_iters=2',
+                              '--always_save_checkpoint=False'), cwd=tmp_path)
+        assert 'saving consolidated checkpoint' in p.stdout, p.stdout  # a new best: always_save_checkpoint is off
+        assert (ds / 'best').read_text() == 'best-step-00000008' and not (ds / 'best-step-00000004').exists()
+        assert {f.name: f.read_bytes() for f in (ds / 'best-step-00000008').iterdir()} == first_eight
+        assert torch.load(ds.parent / 'best.pt', weights_only=True)['iter_num'] == 8
     p = run(script, *tiny(data_dir, tmp_path / 'ft', *RESUMED, *then_args, '--max_iters=12'), nproc=then,
             cwd=tmp_path)
     assert 'auto-resume' in p.stdout and says in p.stdout and re.search(r'resuming from \S+ at iter 8\b', p.stdout)

@@ -410,22 +410,29 @@ def test_a_deepspeed_run_saved_since_its_export_says_that_what_the_tool_reads_is
     """A ds_train.py run continued with save_consolidated=False holds step folders newer than its ckpt.pt and best.pt,
     which only ds_train.py reads: a tool reads the export, and says that it is older and how to have the newest,
     rather than an older state without a word. The newest whole one: a folder that latest names and a file of which
-    was cut short since (decent_train.py's too) is no newer state, and the one before is."""
+    was cut short since (decent_train.py's too) is no newer state, and the one before is; nor is a whole one of
+    another run (put there by hand), which the resume passes over too."""
     out = tmp_path / 'run'
     shutil.copytree(char_run, out, symlinks=True)
     saved = torch.load(out / 'ckpt.pt', weights_only=True, mmap=True)['iter_num']
-    for name in (f'step-{saved + 10:08d}', f'best-step-{saved + 10:08d}', f'step-{saved + 20:08d}'):
+    other = {'run_id': 'f' * 32}  # (the run's own id is another: read from out/run_id)
+    assert (out / 'run_id').read_text() != other['run_id']
+    for name in (f'step-{saved + 10:08d}', f'best-step-{saved + 10:08d}', f'step-{saved + 20:08d}',
+                 f'step-{saved + 40:08d}'):
         (out / 'ds' / name).mkdir(parents=True)
         for file in ('mp_rank_00_model_states.pt', 'zero_pp_rank_0_mp_rank_00_optim_states.pt'):
-            torch.save({'iter_num': int(name.split('-')[-1])}, out / 'ds' / name / file)
+            mine = not name.endswith(f'{saved + 40:08d}')
+            torch.save({'iter_num': int(name.split('-')[-1]), **({} if mine else other)}, out / 'ds' / name / file)
     cut_short(out / 'ds' / f'step-{saved + 20:08d}' / 'zero_pp_rank_0_mp_rank_00_optim_states.pt')
-    (out / 'ds' / 'latest').write_text(f'step-{saved + 20:08d}')
+    (out / 'ds' / 'latest').write_text(f'step-{saved + 40:08d}')
     (out / 'ds' / 'best').write_text(f'best-step-{saved + 10:08d}')
-    decent = out / 'decent' / f'step-{saved + 30:08d}'  # its second rank's file cut short
-    decent.mkdir(parents=True)
-    for r in range(2):
-        torch.save({'iter_num': saved + 30, 'rng': [None, None]}, decent / f'rank-{r}.pt')
-    cut_short(decent / 'rank-1.pt')
+    for step in (saved + 30, saved + 50):  # its second rank's file cut short; another run's
+        decent = out / 'decent' / f'step-{step:08d}'
+        decent.mkdir(parents=True)
+        for r in range(2):
+            torch.save({'iter_num': step, 'rng': [None, None], **(other if step == saved + 50 else {})},
+                       decent / f'rank-{r}.pt')
+    cut_short(out / 'decent' / f'step-{saved + 30:08d}' / 'rank-1.pt')
     (out / 'decent' / 'latest').write_text(f'step-{saved + 30:08d}')
     for path, read, newer in ((out, 'ckpt.pt', 'latest'), (out / 'best', 'best.pt', 'best')):
         p = run('sample.py', f'--init_from={path}', '--device=cpu', '--num_samples=1', '--max_new_tokens=5',
