@@ -59,7 +59,7 @@ p.add_argument('--parts', default='ABLC', help='which parts to run, in this orde
 p.add_argument('--entrypoints', default=','.join(ENTRYPOINTS), help='which entrypoints parts A and C run')
 p.add_argument('--deadline', type=float, default=0, help='seconds from the start after which no run begins, and '
                'by which every run is stopped; its checks are rows "not reached". 0: none')
-p.add_argument('--jobs', type=int, default=0, help="part A's runs at a time (0: 12 on a GPU, 2 dry)")
+p.add_argument('--jobs', type=int, default=0, help="part A's runs at a time (0: 12 on a GPU, 3 dry)")
 p.add_argument('--batch', type=int, default=0, help="the micro-batch of parts L (0: part B's fastest, else 16) and C "
                "(0: 12, nanoGPT's)")
 p.add_argument('--only', default='', help="only the checks whose names (the table's) hold one of these "
@@ -429,7 +429,8 @@ parts = {}
 
 
 def part_a():
-    jobs = args.jobs or (2 if dry else 12)
+    # dry, three at a time: with train.py alone, its whole run, its halves and the SIGKILL at once (mostly start-up)
+    jobs = args.jobs or (3 if dry else 12)
     # the longest first; at tiny sizes it could not reach its loss
     work_list = [] if dry or not wanted('config/train_shakespeare_char.py') else [(recipe, ())]
     for script in [script for script in ENTRYPOINTS if script in chosen]:

@@ -32,7 +32,7 @@ def finished(popen, timeout=600):
 @pytest.fixture(scope='module')
 def dry_runs(tmp_path_factory):
     """The two dry runs that take long, both started before either is waited for: each runs one process at a time
-    (part A two, --jobs), on a CPU the other leaves half idle. {name: (its folder, its Popen)}."""
+    (part A three, --jobs), on a CPU the other leaves half idle. {name: (its folder, its Popen)}."""
     runs = {'all': ['--entrypoints=train.py'],
             'only': ['--entrypoints=train.py', '--parts=ABL', '--only=zero_stage=3,Verdict,fused_qkv']}
     folders = {name: tmp_path_factory.mktemp(f'gpu_check-{name}') for name in runs}
