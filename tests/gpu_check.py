@@ -505,10 +505,8 @@ def part_b():
         ['--batch_size=30', '--gradient_accumulation_steps=16']
     # and the bf16 residual stream, the lever that paid in part L (bench.py), in train.py's own step
     residual = bigger + ['--autocast_residual=True'] + (['--dtype=bfloat16'] if dry else [])
-    for extra in ([], bigger, residual):
+    def gpt2(extra):
         what = ''.join(' ' + a for a in extra)
-        if not wanted('train.py config/train_gpt2.py' + what):
-            continue
         name = 'train-gpt2' + (f"-b{extra[0].split('=')[1]}" if extra else '') + ('-bf16' if extra == residual else '')
         tiny = SYSTEM + MODEL[:5] + ['--gradient_accumulation_steps=2'] if dry else []
         code, _, secs = run(name, [
@@ -521,6 +519,11 @@ def part_b():
         row('B', 'train.py config/train_gpt2.py' + what, code == 0 and ms,
             f"{ms:,.0f} ms/iter, {tok:,.0f} tok/s" + (f", MFU {mfu * 100:.1f}%" if mfu else '') if ms else
             exited(code, secs))
+    # one at a time on a GPU, where each is a timing; dry, where they prove the reading of the log alone, at once
+    with ThreadPoolExecutor(3 if dry else 1) as pool:
+        list(pool.map(gpt2, [extra for extra in ([], bigger, residual)
+                             if wanted('train.py config/train_gpt2.py' + ''.join(' ' + a for a in extra))]))
+
 
 def part_l():
     """Each lever against the plain step, in one call; a lever pays where it is faster than the spread of the plain
