@@ -59,7 +59,7 @@ p.add_argument('--parts', default='ABLC', help='which parts to run, in this orde
 p.add_argument('--entrypoints', default=','.join(ENTRYPOINTS), help='which entrypoints parts A and C run')
 p.add_argument('--deadline', type=float, default=0, help='seconds from the start after which no run begins, and '
                'by which every run is stopped; its checks are rows "not reached". 0: none')
-p.add_argument('--jobs', type=int, default=0, help="part A's runs at a time (0: 12 on a GPU, 2 dry)")
+p.add_argument('--jobs', type=int, default=0, help="part A's runs at a time (0: 12 on a GPU, 3 dry)")
 p.add_argument('--batch', type=int, default=0, help="the micro-batch of parts L (0: part B's fastest, else 16) and C "
                "(0: 12, nanoGPT's)")
 p.add_argument('--only', default='', help="only the checks whose names (the table's) hold one of these "
@@ -429,7 +429,8 @@ parts = {}
 
 
 def part_a():
-    jobs = args.jobs or (2 if dry else 12)
+    # dry, three at a time: with train.py alone, its whole run, its halves and the SIGKILL at once (mostly start-up)
+    jobs = args.jobs or (3 if dry else 12)
     # the longest first; at tiny sizes it could not reach its loss
     work_list = [] if dry or not wanted('config/train_shakespeare_char.py') else [(recipe, ())]
     for script in [script for script in ENTRYPOINTS if script in chosen]:
@@ -504,10 +505,8 @@ def part_b():
         ['--batch_size=30', '--gradient_accumulation_steps=16']
     # and the bf16 residual stream, the lever that paid in part L (bench.py), in train.py's own step
     residual = bigger + ['--autocast_residual=True'] + (['--dtype=bfloat16'] if dry else [])
-    for extra in ([], bigger, residual):
+    def gpt2(extra):
         what = ''.join(' ' + a for a in extra)
-        if not wanted('train.py config/train_gpt2.py' + what):
-            continue
         name = 'train-gpt2' + (f"-b{extra[0].split('=')[1]}" if extra else '') + ('-bf16' if extra == residual else '')
         tiny = SYSTEM + MODEL[:5] + ['--gradient_accumulation_steps=2'] if dry else []
         code, _, secs = run(name, [
@@ -520,6 +519,11 @@ def part_b():
         row('B', 'train.py config/train_gpt2.py' + what, code == 0 and ms,
             f"{ms:,.0f} ms/iter, {tok:,.0f} tok/s" + (f", MFU {mfu * 100:.1f}%" if mfu else '') if ms else
             exited(code, secs))
+    # one at a time on a GPU, where each is a timing; dry, where they prove the reading of the log alone, at once
+    with ThreadPoolExecutor(3 if dry else 1) as pool:
+        list(pool.map(gpt2, [extra for extra in ([], bigger, residual)
+                             if wanted('train.py config/train_gpt2.py' + ''.join(' ' + a for a in extra))]))
+
 
 def part_l():
     """Each lever against the plain step, in one call; a lever pays where it is faster than the spread of the plain

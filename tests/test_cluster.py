@@ -126,11 +126,11 @@ def test_bench_network_measures_bytes_as_designed_and_the_time_to_a_loss(tmp_pat
     all-reduces, as the pipeline's 0.16 MB of activations do its): each node sends what the design says, to within
     10% (frames' headers are counted, the design leaves them out); and the time-to-a-loss mode stops a run at its
     first eval at or below the target."""
-    cmd = [sys.executable, str(REPO / 'bench_network.py'), '--quick=True', f'--dataset={data_dir / "shakespeare_char"}',
-           f'--out_dir={tmp_path}', '--n_embd=128', '--n_head=4']
-    p = subprocess.run([*cmd, '--modes=ddp,diloco-4,allreduce,pp'], cwd=tmp_path, env=env(), capture_output=True,
-                       text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    # bench_network.py forked with torch imported (run(), as the entrypoints are): its own start-up is not what is
+    # measured, and the nodes' torchruns are fresh interpreters still
+    cmd = ['bench_network.py', '--quick=True', f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path}',
+           '--n_embd=128', '--n_head=4']
+    p = run(*cmd, '--modes=ddp,diloco-4,allreduce,pp', cwd=tmp_path)
     rows = [json.loads(line) for line in next(tmp_path.glob('*/results.jsonl')).read_text().splitlines()]
     assert [r['mode'] for r in rows] == ['ddp', 'diloco-4', 'allreduce', 'pp'], p.stdout
     for r in rows:
@@ -144,25 +144,23 @@ def test_bench_network_measures_bytes_as_designed_and_the_time_to_a_loss(tmp_pat
     # 4 steps of DDP's design bytes against DiLoCo's one all-reduce in 4 steps
     assert abs(rows[0]['bytes_per_step'] / rows[1]['bytes_per_step'] - 4) < 0.4, rows
     # zbv's V, two stages a node (so 4 layers: with the smoke run's 2 it is refused before any node is made)
-    p = subprocess.run([*cmd, '--modes=pp-zbv'], cwd=tmp_path, env=env(), capture_output=True, text=True)
+    p = run(*cmd, '--modes=pp-zbv', cwd=tmp_path, check=False)
     assert one_line_error(p) == 'error: pp-zbv on 2 nodes has 4 stages, a block each at least: give --n_layer=4 or ' \
         'more'
-    p = subprocess.run([*cmd, '--modes=pp-shard', '--nodes=3'], cwd=tmp_path, env=env(), capture_output=True, text=True)
+    p = run(*cmd, '--modes=pp-shard', '--nodes=3', cwd=tmp_path, check=False)
     assert one_line_error(p) == 'error: pp-shard runs two pipelines, each stage sharded over both: give nodes x ' \
         'nproc_per_node that are even, not --nodes=3 --nproc_per_node=1'
     # each link crossed twice each way, and no tied all-reduce; and a stage sharded over two pipelines (of one stage
     # each here), gathered once a step and its gradients reduce-scattered: half its bytes each way by design, and
     # gloo's reduce-scatter sends an all-reduce's (docs/network.md), so 1.5 of the design
-    p = subprocess.run([*cmd, '--modes=pp-zbv,pp-shard', '--n_layer=4'], cwd=tmp_path, env=env(), capture_output=True,
-                       text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    run(*cmd, '--modes=pp-zbv,pp-shard', '--n_layer=4', cwd=tmp_path)
     zbv, shard = map(json.loads, max(tmp_path.glob('*/results.jsonl'), key=os.path.getmtime).read_text().splitlines())
     assert zbv['mode'] == 'pp-zbv' and 0.9 < zbv['sent_over_design'] < 1.1, zbv
     assert shard['mode'] == 'pp-shard' and 1.4 < shard['sent_over_design'] < 1.6, shard
-    p = subprocess.run([*cmd, '--modes=ddp', '--target_loss=4.0', '--eval_every=4', '--max_steps=60',
-                        '--train_args=--learning_rate=3e-3 --warmup_iters=2'], cwd=tmp_path, env=env(),
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    # evals of 20 batches, not 200: the first (iter 0) is near 4.2, the one at iter 4 near 3.4, either way clear of
+    # the target by far more than the estimate's noise
+    run(*cmd, '--modes=ddp', '--target_loss=4.0', '--eval_every=4', '--max_steps=60',
+        '--train_args=--learning_rate=3e-3 --warmup_iters=2 --eval_iters=20', cwd=tmp_path)
     r = json.loads(max(tmp_path.glob('*/results.jsonl'), key=os.path.getmtime).read_text())
     assert r['reached_at'] in range(4, 61, 4) and r['train_seconds'] > 0, r
     assert r['last_eval'][1] <= 4.0 and r['last_eval'][0] == r['reached_at'], r
@@ -177,10 +175,8 @@ def test_bench_network_started_twice_in_a_second_keeps_each_ones_runs_apart(tmp_
     for folder in taken:
         folder.mkdir(exist_ok=True)
         (folder / 'results.jsonl').write_text('theirs\n')
-    p = subprocess.run([sys.executable, str(REPO / 'bench_network.py'), '--modes=alternating-exp-ring', '--nodes=2',
-                        '--rates=100mbit', f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path}'],
-                       cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    run('bench_network.py', '--modes=alternating-exp-ring', '--nodes=2', '--rates=100mbit',
+        f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path}', cwd=tmp_path)
     new = set(tmp_path.iterdir()) - set(taken)
     assert len(new) == 1, new
     new = new.pop()

@@ -11,7 +11,7 @@ import tarfile
 
 import pytest
 
-from conftest import REPO, SHAKESPEARE, env
+from conftest import REPO, SHAKESPEARE, env, run
 
 
 def gpu_check(tmp_path, *args):
@@ -32,7 +32,7 @@ def finished(popen, timeout=600):
 @pytest.fixture(scope='module')
 def dry_runs(tmp_path_factory):
     """The two dry runs that take long, both started before either is waited for: each runs one process at a time
-    (part A two, --jobs), on a CPU the other leaves half idle. {name: (its folder, its Popen)}."""
+    (part A three, --jobs), on a CPU the other leaves half idle. {name: (its folder, its Popen)}."""
     runs = {'all': ['--entrypoints=train.py'],
             'only': ['--entrypoints=train.py', '--parts=ABL', '--only=zero_stage=3,Verdict,fused_qkv']}
     folders = {name: tmp_path_factory.mktemp(f'gpu_check-{name}') for name in runs}
@@ -191,7 +191,7 @@ SCRIPTS = ['train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py', 'pp_tr
 
 
 @pytest.mark.parametrize('script', SCRIPTS)
-def test_the_matmul_precision_a_script_sets_on_cuda_is_one_max_autotune_can_read(script):
+def test_the_matmul_precision_a_script_sets_on_cuda_is_one_max_autotune_can_read(tmp_path, script):
     # inductor's max-autotune asks torch.get_float32_matmul_precision(), which raises once torch.backends' newer
     # fp32_precision settings were used (an H100 run of bench.py --compile_mode=max-autotune-no-cudagraphs died so).
     # The lines each script runs on CUDA alone are run here, on CPU, and then the getter.
@@ -199,16 +199,15 @@ def test_the_matmul_precision_a_script_sets_on_cuda_is_one_max_autotune_can_read
     start = lines.index("if device_type == 'cuda':") + 1
     block = [line.strip() for line in itertools.takewhile(lambda line: line.startswith('    '), lines[start:])]
     assert any('precision' in line for line in block), f"{script}: no matmul precision set under device_type == 'cuda'"
-    code = '\n'.join(['import torch'] + block + ['print(torch.get_float32_matmul_precision())'])
-    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env())
-    assert r.returncode == 0, r.stderr[-2000:]
+    # in a process of its own, forked from run()'s server: torch imported, none of its settings touched
+    (tmp_path / 'cuda_lines.py').write_text('\n'.join(['import torch'] + block +
+                                                      ['print(torch.get_float32_matmul_precision())']))
+    r = run(tmp_path / 'cuda_lines.py', cwd=tmp_path)
     assert r.stdout.strip() == 'high'
 
 
-def test_host_time_prints_each_parts_host_time_plain_and_under_fsdp():
-    r = subprocess.run([sys.executable, str(REPO / 'tests' / 'host_time.py'), '--n_layer=2', '--iters=3'],
-                       capture_output=True, text=True, env=env(), timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+def test_host_time_prints_each_parts_host_time_plain_and_under_fsdp(tmp_path):
+    r = run('tests/host_time.py', '--n_layer=2', '--iters=3', cwd=tmp_path)
     lines = r.stdout.splitlines()
     rows = {line.split()[0]: [float(ms) for ms in line.split()[1:]] for line in lines[2:4]}
     assert list(rows) == ['plain', 'fsdp'] and all(len(ms) == 3 and all(t > 0 for t in ms) for ms in rows.values())
