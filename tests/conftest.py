@@ -26,12 +26,12 @@ SLOWEST_FIRST = ['test_fault.py',  # 170
                  'test_interrupt.py',  # 55 with Ctrl-C in every entrypoint, prepare.py and bench.py
                  'test_fault_write.py',  # 144
                  'test_ds.py',  # 123
-                 'test_pp.py',  # 96 under load (4-rank runs of the sharded pipelines among its 37)
-                 'test_cluster.py',  # 78 idle with bench_network.py's smoke runs (pp-zbv and pp-shard besides)
+                 'test_pp.py',  # 198 in the suite (4-rank runs: sharded pipelines, pp 2 x tp 2)
+                 'test_cluster.py',  # 96 in the suite, with bench_network.py's smoke runs forked from the test server
                  'test_slurm.py',  # 109
                  'test_interop.py',  # 76
                  'test_saved_state.py',  # 89 with the shared runs' setup, on a busy machine (load 6)
-                 'test_gpu_check.py',  # 80 with other jobs on the 2 cores (36 s of CPU)
+                 'test_gpu_check.py',  # 122 in the suite (its dry run's part A three runs at a time)
                  'test_fault_single.py',  # 67 with its killed and signalled runs forked (117-180 in fresh interpreters)
                  'test_hellaswag.py',  # 64
                  'test_fault_resize.py',  # 55
