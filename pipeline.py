@@ -96,6 +96,21 @@ def untaken(schedule, m, pp, dp=1):
             + (f" (counted over the {dp} pipelines)" if dp > 1 else "") + ", or use --pp_schedule=gpipe")
 
 
+def sharding_refused(schedule, pp, v, v_shape, dp_shard, adamw_on_shards, tp):
+    """None where pp_train.py builds the sharding asked for (dp_shard, adamw_on_shards) with these stages (v a
+    rank, in a V or not) and tp_size; else the one-line error that says why not and what to change."""
+    if tp > 1 and dp_shard:  # FSDP over a 3-D mesh's dp: not built (first: the fixes below keep dp_shard)
+        return "tp_size > 1 with dp_shard=True is not supported: drop one (pipelines of TP stages run DP)"
+    if dp_shard and (v_shape or pp == 1 and v > 1):  # two FSDP roots cannot share the tied embedding's weight
+        return (f"dp_shard=True shards each stage on its own, and {schedule} at pp_size={pp} puts the first and the "
+                f"last stage, which share the tied embedding, on one rank: use "
+                + ("--pp_schedule=interleaved-zb" if v_shape else "--pp_size=2 or more, or fsdp_train.py"))
+    if adamw_on_shards and not dp_shard:  # plain stages' parameters are plain tensors: there is no dispatch to skip
+        return ("adamw_on_shards=True steps AdamW on the shards of dp_shard=True: "
+                + ("drop it (TP stages run unsharded)" if tp > 1 else "add --dp_shard=True, or drop it"))
+    return None
+
+
 def nearest_taken(schedule, m, pp):
     """The micro-batch counts nearest m that schedule runs on pp ranks: the one below m (where there is one), and
     the one above (a multiple of pp, 2 pp or more, always is)."""

@@ -38,8 +38,8 @@ from distributed import (agree, check_fits, finish, gather_rng, groups_of, pick_
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import saves_at_eval, skips_save
 from pipeline import (SCHEDULES, ZERO_BUBBLE, Forward, Part, check_snapshot_layout, clip, embedding_group, loss_fn,
-                      make_schedule, placement, save_full, shard_stages, sharded_state, stage_blocks, stage_ids,
-                      stage_rank, tied_grads_and_norm, untaken)
+                      make_schedule, placement, save_full, shard_stages, sharded_state, sharding_refused, stage_blocks,
+                      stage_ids, stage_rank, tied_grads_and_norm, untaken)
 from runlock import hold
 from runlog import ends_diverged, heed, open_log
 from seeds import start_tokens
@@ -124,16 +124,9 @@ if pp_schedule not in SCHEDULES:
 if pp_schedule in ZERO_BUBBLE and compile:  # a compiled block's backward is one autograd node: it cannot split
     sys.exit(f"error: {pp_schedule} computes a stage's input gradients and its weights' apart, which torch.compile'd "
              f"blocks cannot: add --compile=False, or use --pp_schedule=interleaved-1f1b")
-if tp_size > 1 and dp_shard:  # FSDP over a 3-D mesh's dp: not built (before the fixes below, which keep dp_shard)
-    sys.exit("error: tp_size > 1 with dp_shard=True is not supported: drop one (pipelines of TP stages run DP)")
 v, v_shape = placement(pp_schedule, stages_per_rank)  # the stages each rank holds, and whether in a V
-if dp_shard and (v_shape or pp_size == 1 and v > 1):  # two FSDP roots cannot share the tied embedding's weight
-    sys.exit(f"error: dp_shard=True shards each stage on its own, and {pp_schedule} at pp_size={pp_size} puts the "
-             f"first and the last stage, which share the tied embedding, on one rank: use "
-             + ("--pp_schedule=interleaved-zb" if v_shape else "--pp_size=2 or more, or fsdp_train.py"))
-if adamw_on_shards and not dp_shard:  # plain stages' parameters are plain tensors: there is no dispatch to step past
-    sys.exit("error: adamw_on_shards=True steps AdamW on the shards of dp_shard=True: " + ("drop it (TP stages run"
-             " unsharded)" if tp_size > 1 else "add --dp_shard=True, or drop it"))
+if message := sharding_refused(pp_schedule, pp_size, v, v_shape, dp_shard, adamw_on_shards, tp_size):
+    sys.exit(f"error: {message}")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
 # the layout is checked before any rank joins the group, from what torchrun set: every rank refuses it alike
