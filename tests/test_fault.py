@@ -65,14 +65,16 @@ def killed_past(script, *args, out_dir, iters, cwd, ready=lambda: True):
     return Path(snapshot_dir((Path(out_dir) / 'run_id').read_text().strip()))
 
 
-def run_with_kills(cmd, out_dir, kill_after, cwd, timeout=300):
+def run_with_kills(cmd, out_dir, kill_after, cwd, timeout=300, sigterm_after=None):
     """Runs cmd (a torchrun job) and SIGKILLs one of its workers, in turn, once the run has logged each iteration of
-    kill_after. Returns (stdout, [the last iteration that each killed group logged])."""
+    kill_after; with sigterm_after, then sends torchrun SIGTERM once the last restarted group has logged that iteration
+    (torchrun passes it on to the workers, which save and exit). Returns (stdout, [the last iteration that each killed
+    group logged], what stdout got after the SIGTERM)."""
     log = open(Path(cwd) / 'torchrun.log', 'w')
     p = subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=log, stderr=subprocess.STDOUT, text=True)
-    killed_at, deadline, seen = [], time.time() + timeout, 0
+    killed_at, deadline, seen, signalled = [], time.time() + timeout, 0, None
     try:
-        for n, target in enumerate(kill_after):
+        for n, target in enumerate([*kill_after, *([sigterm_after] if sigterm_after is not None else [])]):
             while True:
                 assert p.poll() is None, f"the job ended before iter {target}:\n" + open(log.name).read()[-3000:]
                 assert time.time() < deadline, open(log.name).read()[-3000:]
@@ -82,9 +84,15 @@ def run_with_kills(cmd, out_dir, kill_after, cwd, timeout=300):
                 # killed one's last iteration can be past the next target already (a starved poller kills late),
                 # and killing a group before it has resumed proves nothing
                 if len(done) > seen and done[-1] >= target and len(pids) == 2:
-                    os.kill(pids[n % 2], signal.SIGKILL)
+                    if n == len(kill_after):  # as SLURM or Kubernetes stop a job
+                        signalled = os.path.getsize(log.name)
+                        p.send_signal(signal.SIGTERM)
+                    else:
+                        os.kill(pids[n % 2], signal.SIGKILL)
                     break
                 time.sleep(0.005)
+            if n == len(kill_after):
+                break
             while p.poll() is None and set(workers(p.pid)) & set(pids):  # until torchrun has seen the death
                 time.sleep(0.01)
             # every worker of the killed group is gone: its log is complete. Its last row is read now, not before the
@@ -97,8 +105,10 @@ def run_with_kills(cmd, out_dir, kill_after, cwd, timeout=300):
         p.kill()
         log.close()
     out = open(log.name).read()
-    assert p.returncode == 0, out[-5000:]
-    return out, killed_at
+    if sigterm_after is None:
+        assert p.returncode == 0, out[-5000:]
+        return out, killed_at, ''
+    return out, killed_at, out[signalled:]  # torchrun itself ends on SIGTERM with a traceback (SignalException)
 
 
 def assert_resumed_near(killed_at, resumed, interval=4):
@@ -187,9 +197,23 @@ def test_sigkilled_workers_resume_from_their_memory_snapshots_and_finish_the_sam
                                                                                    script):
     args = [*KILLED, *KILL_ARGS[script]]
     ref = beside(shared_run, script, *args)
-    # rank 0 past iter 7 (between snapshots), then rank 1 of the restarted group past iter 13
-    out, killed_at = run_with_kills(elastic(script, *tiny(data_dir, tmp_path / 'ft', *args)), tmp_path / 'ft',
-                                    [7, 13], cwd=tmp_path)
+    # rank 0 past iter 7 (between snapshots), then rank 1 of the restarted group past iter 13; train.py's and
+    # pp_train.py's job then gets SIGTERM past iter 19, which torchrun passes on (pp_train.py's stop is agreed across
+    # its stages): the workers save, exit cleanly, and the run resumes from that checkpoint, its own and each
+    # stage's state and RNG back, to the end
+    sigterm = 19 if script in ('train.py', 'pp_train.py') else None
+    out, killed_at, stopping = run_with_kills(elastic(script, *tiny(data_dir, tmp_path / 'ft', *args)),
+                                              tmp_path / 'ft', [7, 13], cwd=tmp_path, sigterm_after=sigterm)
+    if sigterm:
+        stopped = int(re.search(r'SIGTERM: saving a checkpoint at iter (\d+) and exiting', stopping)[1])
+        assert killed_at[-1] < stopped < 60, (killed_at, stopping[-3000:])
+        if script == 'train.py':
+            assert torch.load(tmp_path / 'ft' / 'ckpt.pt', weights_only=True)['iter_num'] == stopped
+        else:
+            assert (tmp_path / 'ft' / 'dcp' / 'latest').read_text() == f'step-{stopped:08d}'
+        assert f'{script}", line' not in stopping, stopping[-3000:]  # no worker failed (torchrun reports its own)
+        p = run(script, *tiny(data_dir, tmp_path / 'ft', *args), nproc=2, cwd=tmp_path)
+        assert f'at iter {stopped}' in p.stdout
     ref = ref.result()
     # the node's snapshot (train.py, ds_train.py) or each rank's of its own shards, stage or replica (fsdp, pp, decent)
     resumed = [int(m) for m in re.findall(r'resuming from \S+/nanogpt-\w+/\S+ at iter (\d+)', out)]
@@ -199,34 +223,6 @@ def test_sigkilled_workers_resume_from_their_memory_snapshots_and_finish_the_sam
     assert_same_run(ref, tmp_path / 'ft', script, exact=script != 'ds_train.py')
     run_id = (tmp_path / 'ft' / 'run_id').read_text()
     assert not os.path.exists(f'/dev/shm/nanogpt-{run_id}')  # a finished run frees its snapshots
-
-
-@pytest.mark.parametrize('script', ['train.py', 'pp_train.py'])
-def test_sigterm_saves_and_exits_cleanly_then_resumes_exactly(tmp_path, data_dir, shared_run, script):
-    # pp_train.py as a pipeline of 2 ranks: the stop is agreed across its stages, each stage's state and RNG come back
-    args = [*KILLED, *KILL_ARGS[script]]
-    ref = beside(shared_run, script, *args)
-    out_dir = tmp_path / 'ft'
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-           str(REPO / script), *tiny(data_dir, out_dir, *args)]
-    p = subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    while not (logged_iters(out_dir) and logged_iters(out_dir)[-1] >= 10):
-        assert p.poll() is None
-        time.sleep(0.005)
-    p.send_signal(signal.SIGTERM)  # as SLURM or Kubernetes do; torchrun passes it on to the workers
-    out = p.communicate(timeout=120)[0]
-    stopped = int(re.search(r'SIGTERM: saving a checkpoint at iter (\d+) and exiting', out)[1])
-    assert 10 < stopped < 60, out[-3000:]
-    if script == 'train.py':
-        assert torch.load(out_dir / 'ckpt.pt', weights_only=True)['iter_num'] == stopped
-    else:
-        assert (out_dir / 'dcp' / 'latest').read_text() == f'step-{stopped:08d}'
-    assert f'{script}", line' not in out, out[-3000:]  # no worker failed (torchrun reports its own signal)
-    p = run(script, *tiny(data_dir, out_dir, *args), nproc=2, cwd=tmp_path)
-    assert f'at iter {stopped}' in p.stdout
-    ref = ref.result()
-    assert read_metrics(out_dir)[0] == read_metrics(ref)[0]  # bit for bit
-    assert same_weights(final_weights(script, out_dir), final_weights(script, ref))
 
 
 def two_nodes_with_a_dev_shm_each(script, args, out_dir, kill_after=None):
@@ -417,7 +413,7 @@ def test_dlrover_run_restarts_sigkilled_workers_and_train_py_finishes_bit_exact(
                                                                      '--save_memory_interval')]
     cmd = [sys.executable, str(REPO / 'launch' / 'dlrover_run.py'), '--standalone', '--nproc_per_node=2',
            '--max_restarts=3', str(REPO / 'train.py'), *dlrover, *ours, f'--out_dir={tmp_path / "ft"}']
-    out, killed_at = run_with_kills(cmd, tmp_path / 'ft', [6, 18], cwd=tmp_path)
+    out, killed_at, _ = run_with_kills(cmd, tmp_path / 'ft', [6, 18], cwd=tmp_path)
     assert "--epochs 1 is DLRover's name: here --max_iters=3922" in out and 'max_iters=60 ends the run first' in out
     # the storage checkpoint at 50, between evals: saved before that step
     steps = [line for line in out.splitlines() if line.startswith(('iter ', 'saving checkpoint to '))]
@@ -451,9 +447,7 @@ def test_bench_checkpoint_times_the_loop_blocked_per_save_against_a_synchronous_
     assert 'holds files that bench_checkpoint.py did not write' in one_line_error(p)
     assert sorted((str(f), f.read_bytes() if f.is_file() else None) for f in run_dir.rglob('*')) == before
     snapshots = set(glob.glob('/dev/shm/nanogpt-bench*'))
-    p = subprocess.run([sys.executable, str(REPO / 'bench_checkpoint.py'), *args, f'--out_dir={tmp_path / "bench"}'],
-                       cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = run('bench_checkpoint.py', *args, f'--out_dir={tmp_path / "bench"}', cwd=tmp_path)
     for kind in ('memory', 'storage'):
         assert re.search(rf'{kind}: the loop is blocked [\d.]+% of a synchronous save; the step with it takes',
                          p.stdout)

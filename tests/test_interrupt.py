@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, SHAKESPEARE, TINY, env, free_port, run
+from conftest import REPO, SHAKESPEARE, TINY, begin, env, free_port, run
+from launcher import finish
 from test_fault import logged_iters
 
 ARGS = ['--gradient_accumulation_steps=2', '--max_iters=100000', '--eval_interval=4']
@@ -39,16 +40,31 @@ def interrupt_after(p, out_dir, iters):
     os.killpg(p.pid, signal.SIGINT)
 
 
+def forked(script, data_dir, out_dir, cwd):
+    """An entrypoint on one process, forked from the test server (conftest.begin): no interpreter's start-up. Each
+    entrypoint sets its own SIGINT handler, so a Ctrl-C reaches it as at a terminal; the signal goes to the process
+    alone, which shares the test's process group. Returns (the process, what launcher.finish() waits on)."""
+    return begin(script, *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out_dir}', *ARGS, cwd=cwd)
+
+
+def ctrl_c_after(p, out_dir, iters):
+    while not (logged_iters(out_dir) and logged_iters(out_dir)[-1] >= iters):
+        assert p.exitcode is None
+        time.sleep(0.01)
+    os.kill(p.pid, signal.SIGINT)
+
+
 def stopped_at(out):
     return int(re.search(r'SIGINT \(Ctrl-C\): saving a checkpoint at iter (\d+) and exiting', out)[1])
 
 
 def test_ctrl_c_in_train_saves_the_step_and_exits_non_zero_with_one_line(tmp_path, data_dir):
     out_dir = tmp_path / 'run'
-    p = start([str(REPO / 'train.py')], data_dir, out_dir, tmp_path)
-    interrupt_after(p, out_dir, 5)
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 130, err[-3000:]
+    p, started = forked('train.py', data_dir, out_dir, tmp_path)
+    ctrl_c_after(p, out_dir, 5)
+    done = finish(started, timeout=120)
+    out, err = done.stdout, done.stderr
+    assert done.returncode == 130, err[-3000:]
     assert err.strip() == "error: stopped by Ctrl-C after saving a checkpoint: rerun the same command to resume"
     stopped = stopped_at(out)
     assert stopped > 5
@@ -145,10 +161,11 @@ def test_ranks_whose_torchrun_is_killed_save_the_step_and_exit(tmp_path, data_di
 @pytest.mark.parametrize('script', ['fsdp_train.py', 'ds_train.py', 'decent_train.py', 'pp_train.py'])
 def test_ctrl_c_in_every_entrypoint_saves_the_step_it_stops_at_and_the_rerun_resumes_there(tmp_path, data_dir, script):
     out_dir = tmp_path / 'run'
-    p = start([str(REPO / script)], data_dir, out_dir, tmp_path)
-    interrupt_after(p, out_dir, 5)
-    out, err = p.communicate(timeout=180)
-    assert p.returncode == 130, err[-3000:]
+    p, started = forked(script, data_dir, out_dir, tmp_path)
+    ctrl_c_after(p, out_dir, 5)
+    done = finish(started, timeout=180)
+    out, err = done.stdout, done.stderr
+    assert done.returncode == 130, err[-3000:]
     assert err.strip().splitlines()[-1] == \
         "error: stopped by Ctrl-C after saving a checkpoint: rerun the same command to resume", err[-3000:]
     assert 'Traceback' not in err
@@ -191,14 +208,17 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 def test_a_second_ctrl_c_during_the_save_leaves_at_once_and_the_newest_checkpoint_loads(tmp_path, data_dir):
     out_dir = tmp_path / 'run'
     (tmp_path / 'slow_save.py').write_text(SLOW_SAVE)
-    p = start([str(tmp_path / 'slow_save.py'), str(REPO / 'train.py')], data_dir, out_dir, tmp_path)
-    interrupt_after(p, out_dir, 5)  # evals at 4 saved a checkpoint already
-    for line in p.stdout:
-        if line == 'write held\n':  # the checkpoint of the stop is being written
-            break
-    os.killpg(p.pid, signal.SIGINT)
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 130
+    p, started = begin(tmp_path / 'slow_save.py', REPO / 'train.py', *TINY,
+                       f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out_dir}', *ARGS, cwd=tmp_path)
+    ctrl_c_after(p, out_dir, 5)  # evals at 4 saved a checkpoint already
+    stdout = os.path.join(started[1][2], 'out')  # the file that the process's stdout goes to (launcher.start)
+    while 'write held\n' not in open(stdout).read():  # the checkpoint of the stop is being written
+        assert p.exitcode is None
+        time.sleep(0.01)
+    os.kill(p.pid, signal.SIGINT)
+    done = finish(started, timeout=120)
+    err = done.stderr
+    assert done.returncode == 130
     assert err.strip().startswith('error: interrupted twice: left without saving'), err[-3000:]
     assert (out_dir / 'ckpt.pt.tmp').exists()  # it left in the middle of the write
     newest = [torch.load(f, weights_only=True)['iter_num'] for f in (out_dir / 'ckpt.pt', out_dir / 'ckpt.prev.pt')
