@@ -9,6 +9,7 @@ Zero bubble:      torchrun --standalone --nproc_per_node=4 pp_train.py config/tr
                       --pp_schedule=interleaved-zb --compile=False
 PP x FSDP:        torchrun --standalone --nproc_per_node=8 pp_train.py config/train_gpt2.py --pp_size=4 --dp_shard=True
 DP x PP x TP:     torchrun --standalone --nproc_per_node=8 pp_train.py config/train_gpt2.py --pp_size=2 --tp_size=2
+FSDP x PP x TP:   torchrun --standalone --nproc_per_node=8 pp_train.py ... --pp_size=2 --tp_size=2 --dp_shard=True
 
 The global batch in tokens, the data stream and the logged loss do not depend on the world size, and a run
 resumed from its checkpoint repeats the uninterrupted run exactly (RNG and data position are saved with it).
@@ -262,7 +263,7 @@ schedule = make_schedule(pp_schedule, pipeline, accum_steps, loss_fn, scale_grad
 # -----------------------------------------------------------------------------
 # optimizer, over this rank's stages
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
-if tp_size > 1:  # the blocks' matrices are DTensors, the rest plain tensors
+if tp_size > 1:  # the blocks' matrices are DTensors, the rest plain tensors (unless sharded)
     step_with_whole_tensors(optimizer)
 
 # -----------------------------------------------------------------------------
