@@ -365,3 +365,13 @@ def test_micro_batches_a_schedule_cannot_run_are_a_one_line_error_naming_counts_
     assert one_line_error(p, nproc=nproc) == message
     assert set(p.stderr.splitlines()) == {message}  # every rank's, and nothing else
     assert not (tmp_path / 'out').exists()
+
+
+def test_model_size_divides_sharded_tensor_parallel_stages_over_the_pipelines(tmp_path):
+    # --dp_shard with --tp_size (8 ranks: dp 2 x pp 2 x tp 2): each rank's row of the TP stages over the 2 pipelines
+    rows = [json.loads(run('model_size.py', *[f'--{k}={x}' for k, x in SHAPE.items()], '--pp_size=2', '--tp_size=2',
+                           '--world_size=8', *shard, cwd=tmp_path).stdout.strip().splitlines()[-1])
+            for shard in ([], ['--dp_shard=True'])]
+    for r in range(2):
+        whole, sharded = (row[f'PP 2 x TP 2 rank {r}'] for row in rows)
+        assert all(sharded[k] == whole[k] / 2 for k in ('param_bytes', 'grad_bytes', 'optim_bytes')), (r, whole, sharded)
