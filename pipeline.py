@@ -96,9 +96,9 @@ def untaken(schedule, m, pp, dp=1):
             + (f" (counted over the {dp} pipelines)" if dp > 1 else "") + ", or use --pp_schedule=gpipe")
 
 
-def sharding_refused(schedule, pp, v, v_shape, dp_shard, adamw_on_shards, tp):
+def sharding_refused(schedule, pp, v, v_shape, dp_shard, adamw_on_shards):
     """None where pp_train.py builds the sharding asked for (dp_shard, adamw_on_shards) with these stages (v a
-    rank, in a V or not) and tp_size; else the one-line error that says why not and what to change."""
+    rank, in a V or not), tensor parallel or not; else the one-line error that says why not and what to change."""
     if dp_shard and (v_shape or pp == 1 and v > 1):  # two FSDP roots cannot share the tied embedding's weight
         return (f"dp_shard=True shards each stage on its own, and {schedule} at pp_size={pp} puts the first and the "
                 f"last stage, which share the tied embedding, on one rank: use "
