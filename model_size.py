@@ -13,6 +13,7 @@ python model_size.py out-shakespeare-char                   # a run folder or ch
 python model_size.py --model=gpt2 --pp_size=4                # and per rank of a 4-stage pipeline
 python model_size.py --model=gpt2 --pp_size=4 --dp_shard=True  # each stage sharded over the 8 / 4 pipelines
 python model_size.py --model=gpt2 --pp_size=2 --tp_size=2   # a rank of 2 stages, each tensor parallel over 2
+python model_size.py --model=gpt2 --pp_size=2 --tp_size=2 --dp_shard=True  # and sharded over the 8 / 4 pipelines
 """
 
 import json
@@ -48,7 +49,7 @@ activation_checkpointing = False
 pp_size = 0  # pipeline stages (pp_train.py, one per rank): 0 none shown
 pp_schedule = '1f1b'  # pp_train.py's: zbv places two stages a rank in a V (the first rank holds both ends)
 stages_per_rank = 1  # the interleaved schedules' stages per rank (pp_train.py's interleaved-1f1b, interleaved-zb)
-dp_shard = False  # pp_train.py's: each stage sharded over the world_size / pp_size pipelines (as between steps)
+dp_shard = False  # pp_train.py's: each stage sharded over world_size / (pp_size x tp_size) pipelines (between steps)
 # -----------------------------------------------------------------------------
 
 
@@ -137,11 +138,10 @@ if pp_size:
     if dp_shard and (v_shape or pp_size == 1 and v > 1):  # as pp_train.py refuses them
         sys.exit(f"error: dp_shard=True shards each stage on its own, and pp_train.py refuses a rank holding the first "
                  f"and the last stage (pp_schedule={pp_schedule} at pp_size={pp_size}): use another schedule")
-    if dp_shard and tp_size:  # as pp_train.py refuses it
-        sys.exit("error: tp_size with dp_shard=True is not supported by pp_train.py: drop one")
-    if dp_shard and world_size % pp_size:
-        sys.exit(f"error: dp_shard=True shards each stage over world_size / pp_size pipelines, and pp_size={pp_size} "
-                 f"does not divide world_size={world_size}: give a world_size that it divides")
+    if dp_shard and world_size % (pp_size * (tp_size or 1)):
+        sys.exit(f"error: dp_shard=True shards each stage over world_size / (pp_size x tp_size) pipelines, and "
+                 f"pp_size={pp_size} x tp_size={tp_size or 1} does not divide world_size={world_size}: give a "
+                 f"world_size that it divides")
 with torch.device('meta'):  # shapes only, of one block: the others are alike, so nothing grows with n_layer
     gpt = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=1, n_head=n_head, n_embd=n_embd,
                         bias=bias))
@@ -205,7 +205,7 @@ for r in range(pp_size):
     n += sum(k for name, k in outside.items() if name.startswith('transformer.ln_f')) * last
     n += outside['transformer.wte.weight'] * (last and not first)  # the head's copy of the tied weight
     name = f'PP {pp_size}{f" x TP {tp_size}" * bool(tp_size)} rank {r}'
-    n /= world_size // pp_size if dp_shard else 1  # FSDP's shards (its padding aside)
+    n /= world_size // (pp_size * (tp_size or 1)) if dp_shard else 1  # FSDP's shards over dp (its padding aside)
     rows[name] = (4 * n, 4 * n, 8 * n)
     act[name] = activations(tp_size or 1) * blocks / n_layer  # one micro-batch's; up to pp_size in flight
 

@@ -96,18 +96,15 @@ def untaken(schedule, m, pp, dp=1):
             + (f" (counted over the {dp} pipelines)" if dp > 1 else "") + ", or use --pp_schedule=gpipe")
 
 
-def sharding_refused(schedule, pp, v, v_shape, dp_shard, adamw_on_shards, tp):
+def sharding_refused(schedule, pp, v, v_shape, dp_shard, adamw_on_shards):
     """None where pp_train.py builds the sharding asked for (dp_shard, adamw_on_shards) with these stages (v a
-    rank, in a V or not) and tp_size; else the one-line error that says why not and what to change."""
-    if tp > 1 and dp_shard:  # FSDP over a 3-D mesh's dp: not built (first: the fixes below keep dp_shard)
-        return "tp_size > 1 with dp_shard=True is not supported: drop one (pipelines of TP stages run DP)"
+    rank, in a V or not), tensor parallel or not; else the one-line error that says why not and what to change."""
     if dp_shard and (v_shape or pp == 1 and v > 1):  # two FSDP roots cannot share the tied embedding's weight
         return (f"dp_shard=True shards each stage on its own, and {schedule} at pp_size={pp} puts the first and the "
                 f"last stage, which share the tied embedding, on one rank: use "
                 + ("--pp_schedule=interleaved-zb" if v_shape else "--pp_size=2 or more, or fsdp_train.py"))
     if adamw_on_shards and not dp_shard:  # plain stages' parameters are plain tensors: there is no dispatch to skip
-        return ("adamw_on_shards=True steps AdamW on the shards of dp_shard=True: "
-                + ("drop it (TP stages run unsharded)" if tp > 1 else "add --dp_shard=True, or drop it"))
+        return "adamw_on_shards=True steps AdamW on the shards of dp_shard=True: add --dp_shard=True, or drop it"
     return None
 
 
@@ -176,7 +173,8 @@ def shard_stages(stages, raw_model, dp_mesh, dtype):
     fp32 shards (the master weights, which checkpoints save); a bf16 stage's activations are then bf16, and torch's
     schedules send and receive them in the dtype that their first step finds. The GPT's head is tied to the sharded
     embedding again where no stage of this rank holds it, so that its parameters' names stay the GPT's own (a copy
-    left behind would be one name too many in the optimizer's count)."""
+    left behind would be one name too many in the optimizer's count). Tensor parallel blocks are sharded as
+    fsdp_train.py's: their matrices' pieces become 2-D DTensors (dp's shard of each tp piece), the rest dp's alone."""
     fsdp = dict(mesh=dp_mesh, reshard_after_forward=False,
                 mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
     for stage in stages:
@@ -217,7 +215,8 @@ def tied_grads_and_norm(params, tied, counts_tied, micro_batches, mesh, dp_shard
     divides the tied weight twice where one rank holds both stages that use it (zbv's V, or a pipeline of one rank).
     Under tensor parallelism (the mesh's tp) a rank holds its pieces of the blocks' matrices, all-reduced across
     pipelines with the rest and counted in the norm over the tp group; the rest, the same on every rank of a tp
-    group (layer norms, embeddings, the projections' biases), counted once."""
+    group (layer norms, embeddings, the projections' biases), counted once. Under both (dp_shard with tp) every
+    rank's shards of its pieces and of the rest are its own, summed over the world, the rest by a tp group's first."""
     grads = [local(p.grad) for p in params if p.grad is not None]
     dp_size = mesh['dp'].size()
     if dp_size > 1 and not dp_shard:
@@ -229,15 +228,25 @@ def tied_grads_and_norm(params, tied, counts_tied, micro_batches, mesh, dp_shard
     if tie_group is not None and tied.grad is not None:
         dist.all_reduce(local(tied.grad), group=tie_group)
     counted = [p.grad for p in params if p.grad is not None and (p is not tied or counts_tied)]
-    split = [not dp_shard and isinstance(g, DTensor) and g.placements[0].is_shard() for g in counted]
+    split = [tp_split(g) for g in counted]
     squares = lambda gs: torch.stack([g.float().pow(2).sum() for g in gs]).sum() if gs else torch.zeros(())
-    sq = squares([local(g) for g, s in zip(counted, split) if not s])
-    if not dp_shard and mesh['tp'].size() > 1:  # each rank's pieces of the split matrices, added over the tp group
-        pieces = squares([local(g) for g, s in zip(counted, split) if s])
+    whole = squares([local(g) for g, s in zip(counted, split) if not s])
+    pieces = squares([local(g) for g, s in zip(counted, split) if s])
+    if dp_shard:  # every shard of a piece on one rank: the world's sum, with a tp group's copies of the rest once
+        sq = pieces + whole * (mesh['tp'].get_local_rank() == 0)
+        dist.all_reduce(sq)
+        return sq.sqrt()
+    if mesh['tp'].size() > 1:  # each rank's pieces of the split matrices, added over the tp group
         dist.all_reduce(pieces, group=mesh['tp'].get_group())
-        sq = sq + pieces
-    dist.all_reduce(sq, group=None if dp_shard else mesh['pp'].get_group())  # dp_shard: each shard on one rank
+    sq = whole + pieces
+    dist.all_reduce(sq, group=mesh['pp'].get_group())
     return sq.sqrt()
+
+
+def tp_split(t):
+    """Whether a tensor is a DTensor split over the mesh's tp dimension (a TP piece, FSDP-sharded over dp or not)."""
+    names = isinstance(t, DTensor) and t.device_mesh.mesh_dim_names or ()
+    return 'tp' in names and t.placements[names.index('tp')].is_shard()
 
 
 def local(t):

@@ -9,6 +9,7 @@ Zero bubble:      torchrun --standalone --nproc_per_node=4 pp_train.py config/tr
                       --pp_schedule=interleaved-zb --compile=False
 PP x FSDP:        torchrun --standalone --nproc_per_node=8 pp_train.py config/train_gpt2.py --pp_size=4 --dp_shard=True
 DP x PP x TP:     torchrun --standalone --nproc_per_node=8 pp_train.py config/train_gpt2.py --pp_size=2 --tp_size=2
+FSDP x PP x TP:   torchrun --standalone --nproc_per_node=8 pp_train.py ... --pp_size=2 --tp_size=2 --dp_shard=True
 
 The global batch in tokens, the data stream and the logged loss do not depend on the world size, and a run
 resumed from its checkpoint repeats the uninterrupted run exactly (RNG and data position are saved with it).
@@ -125,7 +126,7 @@ if pp_schedule in ZERO_BUBBLE and compile:  # a compiled block's backward is one
     sys.exit(f"error: {pp_schedule} computes a stage's input gradients and its weights' apart, which torch.compile'd "
              f"blocks cannot: add --compile=False, or use --pp_schedule=interleaved-1f1b")
 v, v_shape = placement(pp_schedule, stages_per_rank)  # the stages each rank holds, and whether in a V
-if message := sharding_refused(pp_schedule, pp_size, v, v_shape, dp_shard, adamw_on_shards, tp_size):
+if message := sharding_refused(pp_schedule, pp_size, v, v_shape, dp_shard, adamw_on_shards):
     sys.exit(f"error: {message}")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
@@ -262,7 +263,7 @@ schedule = make_schedule(pp_schedule, pipeline, accum_steps, loss_fn, scale_grad
 # -----------------------------------------------------------------------------
 # optimizer, over this rank's stages
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
-if tp_size > 1:  # the blocks' matrices are DTensors, the rest plain tensors
+if tp_size > 1:  # the blocks' matrices are DTensors, the rest plain tensors (unless sharded)
     step_with_whole_tensors(optimizer)
 
 # -----------------------------------------------------------------------------

@@ -73,10 +73,12 @@ def sizes(tmp_path_factory):
     (4, 2, '1f1b', True, 1), (4, 2, 'interleaved-1f1b', True, 1),
     # each stage tensor parallel over 2 ranks (3-D: dp 1 x pp 2 x tp 2), stopped and resumed below
     (4, 2, '1f1b', False, 2),
+    # and sharded over 2 pipelines besides (FSDP over TP stages, 2-D DTensors: dp 2 x pp 2 x tp 2), the same
+    (8, 2, '1f1b', True, 2),
 ], ids=['pp2-gpipe', 'pp2-1f1b', 'pp2-interleaved', 'pp4-gpipe', 'pp4-1f1b', 'pp4-interleaved',
         'dp2xpp2-gpipe', 'dp2xpp2-1f1b', 'dp2xpp2-interleaved', 'pp2-zero-bubble', 'dp2xpp2-zero-bubble', 'pp2-zbv',
         'dp2xpp2-zbv', 'pp2-dualpipev', 'pp1-interleaved', 'sharded-dp2xpp2-1f1b', 'sharded-dp2xpp2-interleaved',
-        'pp2xtp2-1f1b'])
+        'pp2xtp2-1f1b', 'sharded-dp2xpp2xtp2'])
 def test_pipeline_matches_single_process(tmp_path, data_dir, ref, sizes, nproc, pp, schedule, shard, tp):
     launch('pp_train.py', tmp_path, data_dir, 'pp', f'--max_iters={STEPS}', f'--pp_size={pp}',
            f'--pp_schedule={schedule}', '--save_consolidated=True', f'--dp_shard={shard}', f'--tp_size={tp}',
@@ -122,12 +124,12 @@ def test_pipeline_matches_single_process(tmp_path, data_dir, ref, sizes, nproc, 
         whole = row['param_bytes'] + row['grad_bytes'] + row['optim_bytes']
         if shard:
             assert abs(got - whole / 2) <= 0.1 * got, (rank, got, row)
-            got = sum(measured[rank % pp::pp])
+            got = sum(measured[rank % (pp * tp)::pp * tp])  # the stage's ranks of this tp rank
         assert abs(got - whole) <= 0.01 * got, (rank, got, row)
     if tp > 1:
         # stopped at step 4 (its checkpoint there: the tp groups' pieces of the matrices, as DTensors) and resumed: in
         # its own layout bit for bit, and in a pipeline of 2 ranks without tensor parallelism on train.py's curve
-        for out, n, flags in (('again', nproc, [f'--tp_size={tp}']), ('whole', 2, [])):
+        for out, n, flags in (('again', nproc, [f'--tp_size={tp}', f'--dp_shard={shard}']), ('whole', 2, [])):
             shutil.copytree(tmp_path / 'pp', tmp_path / out)
             for f in [*(tmp_path / out).glob('*.pt'), *(tmp_path / out / 'dcp').glob('*-00000006')]:
                 shutil.rmtree(f) if f.is_dir() else f.unlink()
@@ -345,14 +347,15 @@ def test_stages_per_rank_below_one_is_a_one_line_error(tmp_path, data_dir):
     # AdamW on the shards of plain stages: they have none
     (2, ['--adamw_on_shards=True'],
      "error: adamw_on_shards=True steps AdamW on the shards of dp_shard=True: add --dp_shard=True, or drop it"),
-    # tensor parallel stages: over the ranks of a stage, and not under FSDP across the pipelines
+    # tensor parallel stages: over the ranks of a stage
     (2, ['--tp_size=2'], "error: tp_size=2 does not divide world size / pp_size = 1: use a divisor of it"),
-    # with zbv too: the V's refusal had come first, and named interleaved-zb, still sharded, refused in turn
+    # sharded TP stages in zbv's V: the V's refusal, naming interleaved-zb, which runs them
     (4, ['--tp_size=2', '--dp_shard=True', '--pp_schedule=zbv', '--compile=False'],
-     "error: tp_size > 1 with dp_shard=True is not supported: drop one (pipelines of TP stages run DP)"),
-    # it had named --dp_shard=True, which TP stages do not take
+     "error: dp_shard=True shards each stage on its own, and zbv at pp_size=2 puts the first and the last stage, which "
+     "share the tied embedding, on one rank: use --pp_schedule=interleaved-zb"),
+    # TP stages take --dp_shard=True, and AdamW on its shards
     (2, ['--tp_size=2', '--adamw_on_shards=True'],
-     "error: adamw_on_shards=True steps AdamW on the shards of dp_shard=True: drop it (TP stages run unsharded)"),
+     "error: adamw_on_shards=True steps AdamW on the shards of dp_shard=True: add --dp_shard=True, or drop it"),
 ], ids=['interleaved-pp2', 'interleaved-dp2xpp2', '1f1b-dp2xpp2', 'zero-bubble-compiled', 'zbv-compiled',
         'dualpipev-micro-batches', 'zbv-sharded', 'plain-python', 'adamw-on-shards-unsharded', 'tp-world',
         'tp-sharded', 'tp-adamw-on-shards'])
@@ -362,3 +365,13 @@ def test_micro_batches_a_schedule_cannot_run_are_a_one_line_error_naming_counts_
     assert one_line_error(p, nproc=nproc) == message
     assert set(p.stderr.splitlines()) == {message}  # every rank's, and nothing else
     assert not (tmp_path / 'out').exists()
+
+
+def test_model_size_divides_sharded_tensor_parallel_stages_over_the_pipelines(tmp_path):
+    # --dp_shard with --tp_size (8 ranks: dp 2 x pp 2 x tp 2): each rank's row of the TP stages over the 2 pipelines
+    rows = [json.loads(run('model_size.py', *[f'--{k}={x}' for k, x in SHAPE.items()], '--pp_size=2', '--tp_size=2',
+                           '--world_size=8', *shard, cwd=tmp_path).stdout.strip().splitlines()[-1])
+            for shard in ([], ['--dp_shard=True'])]
+    for r in range(2):
+        whole, sharded = (row[f'PP 2 x TP 2 rank {r}'] for row in rows)
+        assert all(sharded[k] == whole[k] / 2 for k in ('param_bytes', 'grad_bytes', 'optim_bytes')), (r, whole, sharded)

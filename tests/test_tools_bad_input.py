@@ -39,8 +39,9 @@ def fails(tmp_path, script, *args):
     (['--dp_shard=True'], "error: dp_shard=True shards the stages of pp_train.py's pipelines: give --pp_size too"),
     (['--dp_shard=True', '--pp_size=1', '--pp_schedule=zbv'], "error: dp_shard=True shards each stage on its own, "
      "and pp_train.py refuses a rank holding the first and the last stage (pp_schedule=zbv at pp_size=1)"),
-    (['--dp_shard=True', '--pp_size=2', '--tp_size=2'],  # as pp_train.py refuses it
-     "error: tp_size with dp_shard=True is not supported by pp_train.py: drop one"),
+    (['--dp_shard=True', '--pp_size=2', '--tp_size=2'],  # sharded TP stages: pipelines of pp_size x tp_size ranks
+     "error: dp_shard=True shards each stage over world_size / (pp_size x tp_size) pipelines, and pp_size=2 x "
+     "tp_size=2 does not divide world_size=2"),
 ])
 def test_model_size_refuses_shapes_that_make_no_model(tmp_path, args, message):
     msg = fails(tmp_path, 'model_size.py', *SMALL, '--vocab_size=65', '--world_size=2', *args)
