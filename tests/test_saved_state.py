@@ -349,18 +349,30 @@ def test_a_start_or_resume_on_a_full_disk_is_one_line_and_leaves_nothing_half_wr
     assert files(disk / 'run') == before  # its log whole, no temporary file
 
 
+PRIVATE_SHM = '''import ctypes, os, runpy, subprocess, sys
+# this process alone in a mount namespace of its own (unshare -m: it has no other threads yet), its mounts private,
+# and there a /dev/shm mounted with the options given (tests/own_shm.py binds a node's folder there instead)
+if ctypes.CDLL(None, use_errno=True).unshare(0x00020000) != 0:  # CLONE_NEWNS
+    sys.exit(f'unshare: {os.strerror(ctypes.get_errno())}')
+subprocess.run(['mount', '--make-rprivate', '/'], check=True)
+subprocess.run(['mount', '-t', 'tmpfs', '-o', sys.argv[1], 'tmpfs', '/dev/shm'], check=True)
+sys.argv = sys.argv[2:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))  # the repo, as for the script run alone
+runpy.run_path(sys.argv[0], run_name='__main__')
+'''
+
+
 @pytest.mark.parametrize('script,shm', [('train.py', 'size=16k'), ('train.py', 'ro'), ('fsdp_train.py', 'ro'),
                                         ('pp_train.py', 'ro'), ('ds_train.py', 'ro'), ('decent_train.py', 'ro')])
 def test_a_memory_snapshot_that_cannot_be_written_is_a_warning(tmp_path, data_dir, script, shm):
     # a /dev/shm of 16 KiB, or a read-only one where not even the run's snapshot folder can be made, in a mount
-    # namespace of the run's own (unmounted as it ends): its snapshots fail, its storage checkpoint not
-    command = [sys.executable, str(REPO / script), *TINY, f'--dataset={data_dir / "shakespeare_char"}',
-               f'--out_dir={tmp_path / "run"}', *ARGS, '--max_iters=4', '--save_memory_interval=2',
-               *(['--save_consolidated=True'] if script in ('fsdp_train.py', 'pp_train.py') else [])]
-    p = subprocess.run(['unshare', '-m', '--propagation', 'private', 'sh', '-c',
-                        f'mount -t tmpfs -o size=16k,{shm} tmpfs /dev/shm && exec "$@"', 'sh', *command],
-                       cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    # namespace of the run's own (unmounted as it ends): its snapshots fail, its storage checkpoint not. Forked
+    # (run()), as `unshare -m` would start it: a fresh interpreter's start-up was most of this test's time
+    (tmp_path / 'private_shm.py').write_text(PRIVATE_SHM)
+    p = run(tmp_path / 'private_shm.py', f'size=16k,{shm}', REPO / script, *TINY,
+            f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path / "run"}', *ARGS, '--max_iters=4',
+            '--save_memory_interval=2', *(['--save_consolidated=True'] if script in ('fsdp_train.py', 'pp_train.py')
+                                          else []), cwd=tmp_path)
     assert 'warning: the memory snapshot' in p.stderr and 'training goes on' in p.stderr
     assert iter_of(tmp_path / 'run' / 'ckpt.pt') == 4
 
