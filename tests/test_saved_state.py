@@ -10,14 +10,13 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, TINY, begin, env, one_line_error, read_metrics, run
+from conftest import REPO, TINY, begin, one_line_error, read_metrics, run
 from launcher import finish
 
 ARGS = ['--gradient_accumulation_steps=1', '--max_iters=10', '--eval_interval=5']
@@ -870,7 +869,8 @@ def test_an_export_folder_or_a_run_file_that_is_a_folder_is_refused_at_the_start
     assert sorted(os.listdir(tmp_path / 'run')) == ['run_id']
 
 
-CRASH_AT_RENAME = '''import os, sys, torch
+CRASH_AT_RENAME = '''import os, sys
+sys.path.insert(0, os.getcwd())  # the repo, which it runs in
 from checkpoint import atomic_save
 real = os.replace
 def replace(src, dst):  # dies as a SIGKILL would, just before the new checkpoint takes the newest name
@@ -883,18 +883,21 @@ atomic_save({'iter_num': 2}, sys.argv[1], keep=3)
 
 
 def test_a_crash_as_a_checkpoint_is_renamed_leaves_the_newest_name_whole(tmp_path):
-    path = tmp_path / 'ckpt.pt'
+    folder = tmp_path / 'run'  # beside the script below
+    folder.mkdir()
+    path = folder / 'ckpt.pt'
     from checkpoint import atomic_save
     atomic_save({'iter_num': 0}, str(path), keep=3)
     atomic_save({'iter_num': 1}, str(path), keep=3)
-    p = subprocess.run([sys.executable, '-c', CRASH_AT_RENAME, str(path)], env=env(), cwd=REPO)
-    assert p.returncode == 9
+    (tmp_path / 'crash_at_rename.py').write_text(CRASH_AT_RENAME)
+    p = run(tmp_path / 'crash_at_rename.py', path, cwd=REPO, check=False)  # forked, as the entrypoints are
+    assert p.returncode == 9, p.stderr[-2000:]
     # ckpt.pt still names the newest whole state, which every tool reads; its versions moved down beside it
-    assert [iter_of(tmp_path / f) for f in ('ckpt.pt', 'ckpt.prev.pt', 'ckpt.prev2.pt')] == [1, 1, 0]
+    assert [iter_of(folder / f) for f in ('ckpt.pt', 'ckpt.prev.pt', 'ckpt.prev2.pt')] == [1, 1, 0]
     # the next save finds the versions moved down already: it replaces ckpt.pt alone, and leaves no .tmp
     atomic_save({'iter_num': 2}, str(path), keep=3)
-    assert sorted(os.listdir(tmp_path)) == ['ckpt.prev.pt', 'ckpt.prev2.pt', 'ckpt.pt']
-    assert [iter_of(tmp_path / f) for f in ('ckpt.pt', 'ckpt.prev.pt', 'ckpt.prev2.pt')] == [2, 1, 0]
+    assert sorted(os.listdir(folder)) == ['ckpt.prev.pt', 'ckpt.prev2.pt', 'ckpt.pt']
+    assert [iter_of(folder / f) for f in ('ckpt.pt', 'ckpt.prev.pt', 'ckpt.prev2.pt')] == [2, 1, 0]
 
 
 def test_a_save_on_a_full_disk_without_hard_links_leaves_no_temporary_file(small_disk, monkeypatch):
