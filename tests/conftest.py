@@ -21,19 +21,19 @@ SHAKESPEARE = SHARED_DATA / 'tinyshakespeare' / 'input.txt'
 # machine (seconds, summed over their tests): each xdist worker takes the next file when it is done with one, so with
 # the slow ones first the workers end within seconds of each other. xdist would otherwise order the files by their
 # number of tests, which put the slowest last and left a worker idle for up to two minutes at the end. A file not
-# listed goes after these. "s of CPU": its process tree's, `pytest tests/FILE` alone on the 2 cores at load 12 to 17.
+# listed goes after these. "s of CPU": its process tree's, `pytest tests/FILE` alone on the 2 cores at load 2 to 15.
 SLOWEST_FIRST = ['test_fault.py',  # 170
                  'test_interrupt.py',  # 55 with Ctrl-C in every entrypoint, prepare.py and bench.py
                  'test_fault_write.py',  # 144
                  'test_ds.py',  # 123; 89 s of CPU (91 with its runs without deepspeed in fresh interpreters)
-                 'test_pp.py',  # 198 in the suite (4-rank runs: sharded pipelines, pp 2 x tp 2); 178 s of CPU
+                 'test_pp.py',  # 198 in the suite (4-rank runs: sharded pipelines, pp 2 x tp 2); 145 s of CPU
                  'test_cluster.py',  # 96 in the suite, with bench_network.py's smoke runs forked from the test server
                  'test_slurm.py',  # 109; 93 s of CPU
                  'test_interop.py',  # 76
                  'test_saved_state.py',  # 89 with the shared runs' setup, on a busy machine (load 6); 53 s of CPU
                  'test_gpu_check.py',  # 122 in the suite (its dry run's part A three runs at a time); 104 s of CPU
                  'test_fault_single.py',  # 67 with its killed and signalled runs forked (117-180 in fresh interpreters)
-                 'test_hellaswag.py',  # 64; 55 s of CPU (72 with 2-step runs, full evals in the loop)
+                 'test_hellaswag.py',  # 64; 58 s of CPU (70 with 2-step runs, full evals in the loop)
                  'test_fault_resize.py',  # 55
                  'test_compat.py',  # 42
                  'test_keep.py',  # 42
