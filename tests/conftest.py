@@ -26,15 +26,15 @@ SHAKESPEARE = SHARED_DATA / 'tinyshakespeare' / 'input.txt'
 SLOWEST_FIRST = ['test_fault.py',  # 170; CPU alone 243 -> 215 s (its SIGTERM runs ride on the SIGKILL jobs)
                  'test_interrupt.py',  # 55 with Ctrl-C in every entrypoint, prepare.py and bench.py; CPU 49 -> 43 s
                  'test_fault_write.py',  # 144; CPU alone 124 -> 96 s (8 steps, a save every 2)
-                 'test_ds.py',  # 123
-                 'test_pp.py',  # 198 in the suite (4-rank runs: sharded pipelines, pp 2 x tp 2)
+                 'test_ds.py',  # 123; CPU 89 s (91 with its runs without deepspeed in fresh interpreters)
+                 'test_pp.py',  # 198 in the suite (4-rank runs: sharded pipelines, pp 2 x tp 2); CPU 145 s
                  'test_cluster.py',  # 96 in the suite, with bench_network.py's smoke runs forked from the test server
-                 'test_slurm.py',  # 109
+                 'test_slurm.py',  # 109; 93 s of CPU
                  'test_interop.py',  # 76
-                 'test_saved_state.py',  # 89 with the shared runs' setup, on a busy machine (load 6)
-                 'test_gpu_check.py',  # 122 in the suite (its dry run's part A three runs at a time)
+                 'test_saved_state.py',  # 89 with the shared runs' setup, on a busy machine (load 6); 53 s of CPU
+                 'test_gpu_check.py',  # 122 in the suite (its dry run's part A three runs at a time); 104 s of CPU
                  'test_fault_single.py',  # 67 with its killed and signalled runs forked (117-180 in fresh interpreters)
-                 'test_hellaswag.py',  # 64
+                 'test_hellaswag.py',  # 64; 58 s of CPU (70 with 2-step runs, full evals in the loop)
                  'test_fault_resize.py',  # 55
                  'test_compat.py',  # 42
                  'test_keep.py',  # 42

@@ -237,6 +237,11 @@ def run(name, cmd, timeout=600, check=True, by_deadline=True):
 
 
 def torchrun(script, extra, nproc=1, elastic=False):
+    if dry and script == 'train.py' and nproc == 1 and not elastic:
+        # dry, train.py on one process runs as nanoGPT's `python train.py`: torchrun's agent would be a second
+        # interpreter (2 to 3 s of CPU each, 8 in the suite's dry runs) that proves nothing of this script, whose
+        # elastic torchrun the SIGKILL check proves. The other entrypoints' modes need torchrun's ranks
+        return [sys.executable, os.path.join(REPO, script)] + BASE + list(extra)
     launcher = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}']
     if elastic:
         # port 0: the agent binds a port of the kernel's choosing (one node), where a port picked here and freed

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO, TINY, counts_tokens, env, free_port, one_line_error, read_metrics, run
+import launcher
 
 # the same global batch everywhere: 4 micro-steps of 4 sequences, shared out over the data-parallel ranks
 BASE = ['--gradient_accumulation_steps=4', '--eval_interval=5', '--always_save_checkpoint=True']
@@ -271,9 +272,13 @@ def test_without_deepspeed_a_one_line_error_says_how_to_install_it(tmp_path, dat
     shim = tmp_path / 'shim'
     shim.mkdir()
     (shim / 'deepspeed.py').write_text("raise ImportError('No module named deepspeed')\n")
-    cmd = [sys.executable, str(REPO / 'ds_train.py'), *TINY, f'--dataset={data_dir / "shakespeare_char"}',
-           f'--out_dir={tmp_path / "out"}']
-    p = subprocess.run(cmd, cwd=tmp_path, env={**env(), 'PYTHONPATH': str(shim)}, capture_output=True, text=True)
+    # ds_train.py forked as run() forks it (the server has not imported deepspeed), its imports finding the shim's
+    # folder first, as PYTHONPATH=shim would have them
+    (shim / 'with_shim.py').write_text("import os, runpy, sys\nsys.argv = sys.argv[1:]\n"
+                                       "sys.path.insert(1, os.path.dirname(sys.argv[0]))\n"
+                                       "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    p = run(shim / 'with_shim.py', REPO / 'ds_train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}',
+            f'--out_dir={tmp_path / "out"}', cwd=tmp_path, check=False)
     assert 'pip install deepspeed==0.19.8' in one_line_error(p)
     assert not (tmp_path / 'out').exists()
 
@@ -381,9 +386,10 @@ def test_a_home_it_cannot_write_in_is_one_line_naming_torch_extensions_dir(tmp_p
     # (a container's arbitrary user) was a traceback
     e = {**env(), 'HOME': '/proc'}
     e.pop('TORCH_EXTENSIONS_DIR', None)
-    p = subprocess.run([sys.executable, str(REPO / 'ds_train.py'), *TINY, f'--dataset={data_dir / "shakespeare_char"}',
-                        f'--out_dir={tmp_path / "run"}', '--max_iters=2'], cwd=tmp_path, env=e, capture_output=True,
-                       text=True, timeout=300)
+    # forked as run() forks it: the server has not imported deepspeed, which finds its build folder from HOME
+    p = launcher.launch(str(REPO / 'ds_train.py'), [*TINY, f'--dataset={data_dir / "shakespeare_char"}',
+                                                    f'--out_dir={tmp_path / "run"}', '--max_iters=2'], e, tmp_path,
+                        timeout=300)
     errors = [line for line in p.stderr.splitlines() if line.startswith('error: ')]
     assert p.returncode != 0 and 'Traceback' not in p.stderr, p.stderr[-3000:]
     assert errors and errors[0].endswith('set TORCH_EXTENSIONS_DIR to a folder this user can write in (its default, '

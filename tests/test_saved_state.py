@@ -10,14 +10,13 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, TINY, begin, env, one_line_error, read_metrics, run
+from conftest import REPO, TINY, begin, one_line_error, read_metrics, run
 from launcher import finish
 
 ARGS = ['--gradient_accumulation_steps=1', '--max_iters=10', '--eval_interval=5']
@@ -349,18 +348,30 @@ def test_a_start_or_resume_on_a_full_disk_is_one_line_and_leaves_nothing_half_wr
     assert files(disk / 'run') == before  # its log whole, no temporary file
 
 
+PRIVATE_SHM = '''import ctypes, os, runpy, subprocess, sys
+# this process alone in a mount namespace of its own (unshare -m: it has no other threads yet), its mounts private,
+# and there a /dev/shm mounted with the options given (tests/own_shm.py binds a node's folder there instead)
+if ctypes.CDLL(None, use_errno=True).unshare(0x00020000) != 0:  # CLONE_NEWNS
+    sys.exit(f'unshare: {os.strerror(ctypes.get_errno())}')
+subprocess.run(['mount', '--make-rprivate', '/'], check=True)
+subprocess.run(['mount', '-t', 'tmpfs', '-o', sys.argv[1], 'tmpfs', '/dev/shm'], check=True)
+sys.argv = sys.argv[2:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))  # the repo, as for the script run alone
+runpy.run_path(sys.argv[0], run_name='__main__')
+'''
+
+
 @pytest.mark.parametrize('script,shm', [('train.py', 'size=16k'), ('train.py', 'ro'), ('fsdp_train.py', 'ro'),
                                         ('pp_train.py', 'ro'), ('ds_train.py', 'ro'), ('decent_train.py', 'ro')])
 def test_a_memory_snapshot_that_cannot_be_written_is_a_warning(tmp_path, data_dir, script, shm):
     # a /dev/shm of 16 KiB, or a read-only one where not even the run's snapshot folder can be made, in a mount
-    # namespace of the run's own (unmounted as it ends): its snapshots fail, its storage checkpoint not
-    command = [sys.executable, str(REPO / script), *TINY, f'--dataset={data_dir / "shakespeare_char"}',
-               f'--out_dir={tmp_path / "run"}', *ARGS, '--max_iters=4', '--save_memory_interval=2',
-               *(['--save_consolidated=True'] if script in ('fsdp_train.py', 'pp_train.py') else [])]
-    p = subprocess.run(['unshare', '-m', '--propagation', 'private', 'sh', '-c',
-                        f'mount -t tmpfs -o size=16k,{shm} tmpfs /dev/shm && exec "$@"', 'sh', *command],
-                       cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    # namespace of the run's own (unmounted as it ends): its snapshots fail, its storage checkpoint not. Forked
+    # (run()), as `unshare -m` would start it: a fresh interpreter's start-up was most of this test's time
+    (tmp_path / 'private_shm.py').write_text(PRIVATE_SHM)
+    p = run(tmp_path / 'private_shm.py', f'size=16k,{shm}', REPO / script, *TINY,
+            f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path / "run"}', *ARGS, '--max_iters=4',
+            '--save_memory_interval=2', *(['--save_consolidated=True'] if script in ('fsdp_train.py', 'pp_train.py')
+                                          else []), cwd=tmp_path)
     assert 'warning: the memory snapshot' in p.stderr and 'training goes on' in p.stderr
     assert iter_of(tmp_path / 'run' / 'ckpt.pt') == 4
 
@@ -858,7 +869,8 @@ def test_an_export_folder_or_a_run_file_that_is_a_folder_is_refused_at_the_start
     assert sorted(os.listdir(tmp_path / 'run')) == ['run_id']
 
 
-CRASH_AT_RENAME = '''import os, sys, torch
+CRASH_AT_RENAME = '''import os, sys
+sys.path.insert(0, os.getcwd())  # the repo, which it runs in
 from checkpoint import atomic_save
 real = os.replace
 def replace(src, dst):  # dies as a SIGKILL would, just before the new checkpoint takes the newest name
@@ -871,18 +883,21 @@ atomic_save({'iter_num': 2}, sys.argv[1], keep=3)
 
 
 def test_a_crash_as_a_checkpoint_is_renamed_leaves_the_newest_name_whole(tmp_path):
-    path = tmp_path / 'ckpt.pt'
+    folder = tmp_path / 'run'  # beside the script below
+    folder.mkdir()
+    path = folder / 'ckpt.pt'
     from checkpoint import atomic_save
     atomic_save({'iter_num': 0}, str(path), keep=3)
     atomic_save({'iter_num': 1}, str(path), keep=3)
-    p = subprocess.run([sys.executable, '-c', CRASH_AT_RENAME, str(path)], env=env(), cwd=REPO)
-    assert p.returncode == 9
+    (tmp_path / 'crash_at_rename.py').write_text(CRASH_AT_RENAME)
+    p = run(tmp_path / 'crash_at_rename.py', path, cwd=REPO, check=False)  # forked, as the entrypoints are
+    assert p.returncode == 9, p.stderr[-2000:]
     # ckpt.pt still names the newest whole state, which every tool reads; its versions moved down beside it
-    assert [iter_of(tmp_path / f) for f in ('ckpt.pt', 'ckpt.prev.pt', 'ckpt.prev2.pt')] == [1, 1, 0]
+    assert [iter_of(folder / f) for f in ('ckpt.pt', 'ckpt.prev.pt', 'ckpt.prev2.pt')] == [1, 1, 0]
     # the next save finds the versions moved down already: it replaces ckpt.pt alone, and leaves no .tmp
     atomic_save({'iter_num': 2}, str(path), keep=3)
-    assert sorted(os.listdir(tmp_path)) == ['ckpt.prev.pt', 'ckpt.prev2.pt', 'ckpt.pt']
-    assert [iter_of(tmp_path / f) for f in ('ckpt.pt', 'ckpt.prev.pt', 'ckpt.prev2.pt')] == [2, 1, 0]
+    assert sorted(os.listdir(folder)) == ['ckpt.prev.pt', 'ckpt.prev2.pt', 'ckpt.pt']
+    assert [iter_of(folder / f) for f in ('ckpt.pt', 'ckpt.prev.pt', 'ckpt.prev2.pt')] == [2, 1, 0]
 
 
 def test_a_save_on_a_full_disk_without_hard_links_leaves_no_temporary_file(small_disk, monkeypatch):
