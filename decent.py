@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from checkpoint import wait_for_copies
+from checkpoint import take_settings, wait_for_copies
 from distributed import launch_with
 
 
@@ -142,13 +142,20 @@ class Bucket:
     lands_at: int = 0  # DiLoCo: that outer step lands before the forward of this iteration (or at a save from it on)
 
 
-def make_bucket(params):
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
-    offset = 0
-    for p in params:
-        p.data = flat[offset:offset + p.numel()].view_as(p)
-        offset += p.numel()
-    return Bucket(params, flat)
+def make_buckets(model):
+    """The model's buckets: the embeddings with the tied head and the final LayerNorm, then each block. A bucket's
+    parameters become views into one flat tensor, so that it mixes in one all-reduce, no copies."""
+    in_blocks = {p for block in model.transformer.h for p in block.parameters()}
+    buckets = []
+    for params in [[p for p in model.parameters() if p not in in_blocks]] + [list(b.parameters())
+                                                                             for b in model.transformer.h]:
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        offset = 0
+        for p in params:
+            p.data = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        buckets.append(Bucket(params, flat))
+    return buckets
 
 
 
@@ -295,13 +302,35 @@ class AccumAdamW(torch.optim.Optimizer):
 
 
 
-def make_optimizer(kind, groups, lr, betas, weight_decay, moment_accum_steps, device_type):
-    """A bucket's optimizer: AdamW (fused, one kernel for the update, as train.py's), AccumAdamW or plain SGD."""
-    if kind == 'sgd':
-        return torch.optim.SGD(groups, lr=lr)
-    if kind == 'accumadamw':
-        return AccumAdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay, accum_steps=moment_accum_steps)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device_type in ('cuda', 'cpu'))
+def make_optimizers(buckets, model, kind, lr, betas, weight_decay, moment_accum_steps, device_type):
+    """Each bucket's optimizer (set as its .optimizer, and returned in a list), with train.py's two groups (weight
+    decay on matrices and embeddings only): AdamW (fused, one kernel for the update, as train.py's), AccumAdamW or
+    plain SGD."""
+    decay, names = set(model.param_groups()[0]), {p: n for n, p in model.named_parameters()}
+    for bucket in buckets:
+        groups = [{'params': [p for p in bucket.params if names[p] in decay], 'weight_decay': weight_decay},
+                  {'params': [p for p in bucket.params if names[p] not in decay], 'weight_decay': 0.0}]
+        if kind == 'sgd':
+            bucket.optimizer = torch.optim.SGD(groups, lr=lr)
+        elif kind == 'accumadamw':
+            bucket.optimizer = AccumAdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay,
+                                          accum_steps=moment_accum_steps)
+        else:
+            bucket.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device_type in ('cuda', 'cpu'))
+    return [bucket.optimizer for bucket in buckets]
+
+
+def moments_from_adamw(adamw, state, bucket_of, config, given):
+    """Loads train.py's AdamW state (numbered over the whole model) into adamw, train.py's optimizer over the same
+    model, and hands each bucket's optimizer its parameters' moments from there, and the settings (config's then)."""
+    adamw.load_state_dict(state)
+    take_settings(adamw, config, given)
+    for p, state in adamw.state.items():
+        if isinstance(bucket_of[p].optimizer, AccumAdamW):
+            state = {**state, 'step': int(state['step'])}  # it counts in a plain int
+        bucket_of[p].optimizer.state[p] = state
+    for optimizer in {id(b.optimizer): b.optimizer for b in bucket_of.values()}.values():
+        take_settings(optimizer, config, config)
 
 
 def read_replica(path, rank, world_size, print0):
