@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from checkpoint import take_settings, wait_for_copies
+from checkpoint import checkpoint_iter, take_settings, unused, wait_for_copies
 from distributed import launch_with
 
 
@@ -55,6 +55,19 @@ def mixing_rounds(topology, world_size, local_world_size):
                            for a, b in node_pairs for j in range(local_world_size)])
         return rounds
     raise ValueError(f"unknown topology={topology!r}: use complete, ring, one-peer-exp or alternating-exp-ring")
+
+
+def plan_words(config, rounds):
+    """What the replicas do, as the log says it: DiLoCo's outer steps (the window, the fragments, the overlap), or
+    the topology's cycle of mixing rounds; with the replicas' optimizer. Counts of one in the singular."""
+    n = lambda count, word: f"{count} {word}{'s' * (count != 1)}"
+    if config['diloco_steps']:
+        fragments = config['diloco_fragments']
+        return (f"DiLoCo: an outer {config['outer_optimizer']} step every {n(config['diloco_steps'], 'step')} on "
+                f"{f'each of {fragments} fragments' if fragments > 1 else 'the whole model'}, landing "
+                f"{n(config['diloco_overlap'], 'step')} later; inner optimizer {config['replica_optimizer']}")
+    return (f"topology {config['topology']}, a cycle of {n(len(rounds), 'mixing round')}; optimizer "
+            f"{config['replica_optimizer']}")
 
 
 def check_optimizers(config, n_layer):
@@ -354,6 +367,23 @@ def read_replica(path, rank, world_size, print0):
 def replicas_in(folder):
     """How many ranks' replicas a step folder holds: rank 0's file holds the RNG state of every rank."""
     return len(torch.load(os.path.join(folder, 'rank-0.pt'), map_location='cpu', weights_only=True, mmap=True)['rng'])
+
+
+def set_aside_incomplete(folder):
+    """Before a save into the step folder out_dir/decent/step-N: where one is there that lacks a rank's file (a save
+    cut short, a file removed), rank 0 renames it incomplete-step-N, so that the files it holds (a replica of that
+    step, maybe of another state) are kept rather than written over. A collective: no rank writes before."""
+    if dist.get_rank() == 0 and os.path.isdir(folder):
+        try:
+            whole = checkpoint_iter(folder) is not None
+        except Exception:  # a file that does not load: kept likewise
+            whole = False
+        if not whole:
+            aside = unused(os.path.join(os.path.dirname(folder), 'incomplete-' + os.path.basename(folder)))
+            os.replace(folder, aside)
+            print(f"{folder} lacks a rank's file (a save cut short, or a file removed): kept as {aside}, and the "
+                  f"step saved anew", flush=True)
+    dist.barrier()
 
 
 def averaged_replicas(folder, ranks):

@@ -33,14 +33,14 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import (commit, create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, load_failed,
-                        previous, remove_snapshots, save_in_background, snapshot_dir, step_folders, take_settings,
-                        upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
+                        point_latest, previous, remove_snapshots, save_in_background, snapshot_dir, step_folders,
+                        take_settings, upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from decent import (average_moments, average_replicas, check_optimizers, check_resumed, global_model, make_buckets,
                     make_mixing_groups, make_optimizers, make_outer, mixing_rounds, moments_from_adamw, outer_bytes,
-                    outer_state, read_replica, replicas_in, restore_outer, restore_replica, start_outer_step,
-                    wait_for)
+                    outer_state, plan_words, read_replica, replicas_in, restore_outer, restore_replica,
+                    set_aside_incomplete, start_outer_step, wait_for)
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
                          state_bytes, stop_signal, torchrun_env, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
@@ -166,12 +166,7 @@ if deterministic:
     dropout = config['dropout'] = 0.0
 print0(f"world size {world_size}, {accum_steps} micro-step{'s' * (accum_steps > 1)} per rank, "
        f"{tokens_per_iter:,} tokens per iteration")
-if diloco_steps:
-    print0(f"DiLoCo: an outer {outer_optimizer} step every {diloco_steps} steps on each of {diloco_fragments} "
-           f"fragments, landing {diloco_overlap} steps later; inner optimizer {replica_optimizer}")
-else:
-    print0(f"topology {topology}, a cycle of {len(rounds)} mixing round{'s' * (len(rounds) > 1)}; "
-           f"optimizer {replica_optimizer}")
+print0(plan_words(config, rounds))  # DiLoCo's window and fragments, or the topology's mixing rounds
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin
@@ -366,10 +361,13 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         folder = os.path.join(decent_dir, f'step-{iter_num:08d}')
         # a resumed run's first eval finds it there; a new best names it (another world size's replicas: kept whole)
         if folder != resume_path or best and replicas_in(folder) == world_size:
+            set_aside_incomplete(folder)  # a folder there cut short keeps its files
             save_in_background(checkpoint, os.path.join(folder, f'rank-{rank}.pt'), slot='decent',
                                then=lambda ok: commit(folder, ok, checkpoint_group, master_process,
                                                       keep=keep_checkpoints, best=best))
             print0(f"saving checkpoint to {folder}")
+        elif best and master_process:  # another world size's replicas, whose average best.pt holds: named best as is
+            point_latest(folder, keep=keep_checkpoints, best=True)
         # the export: train.py's optimizer over the averaged model holds the averaged moments (sgd has none)
         wait_for_copies()  # the replica is copied before it is averaged in place
         own = global_model(buckets) if diloco_steps else average_replicas(buckets)[0]
