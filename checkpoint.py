@@ -516,6 +516,15 @@ def _whole_step_iter(folder, kind, run_id):
         return None
 
 
+def _whole(path):
+    """Whether the checkpoint at path (a file, or a step folder of any entrypoint) is complete and loads, as far as
+    a tool can tell."""
+    kind = os.path.basename(os.path.dirname(path)) if _step_folder(path) == path else None
+    if kind in ('ds', 'decent'):
+        return _whole_step_iter(path, kind, None) is not None
+    return os.path.exists(path) and _complete(path)
+
+
 def save_failed():
     """Whether a storage checkpoint of this process could not be written."""
     return bool(_failed)
@@ -537,6 +546,12 @@ def exit_after_failed_save():
                 and not _complete(folder):
             shutil.rmtree(folder, ignore_errors=True)
         before = f"the newest complete one, {intact}, is intact" if intact else "no checkpoint was complete before"
+        if intact and not _whole(intact):  # damaged, and removed to be written anew: the resume passes over it
+            older = next((p for p in (step_folders(os.path.dirname(intact)) if _step_folder(intact) == intact else
+                                      kept(intact)) if p != intact and _whole(p)), None)
+            named = ", which latest names," if _step_folder(intact) == intact else ""
+            before = f"{intact}{named} is not whole (it was damaged, and this save was writing it anew); " + \
+                (f"the newest complete one before it, {older}, is intact" if older else "none before it is complete")
         sys.exit(f"error: writing the checkpoint {path} failed ({why}), so the run stopped; {before}: free space "
                  f"(or fix the folder) and run the same command again to resume")
     sys.exit(1)
