@@ -10,25 +10,27 @@ import torch
 from conftest import TINY, run
 
 
-def launch(script, tmp_path, data_dir, out, *extra):
-    return run(script, *TINY, '--eval_interval=2', '--gradient_accumulation_steps=1',
-               f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path / out}', *extra, cwd=tmp_path)
-
-
-def test_another_runs_ds_step_folder_that_latest_names_is_set_aside_not_removed(tmp_path, data_dir):
-    launch('ds_train.py', tmp_path, data_dir, 'run', '--max_iters=4')
-    launch('ds_train.py', tmp_path, data_dir, 'other', '--max_iters=2', '--seed=7')
-    ds = tmp_path / 'run' / 'ds'
+def test_another_runs_ds_step_folder_that_latest_names_is_set_aside_not_removed(tmp_path, data_dir, shared_run):
+    # (test_saved_state.py's shared run: steps 5 and 10)
+    run_dir = tmp_path / 'run'
+    shutil.copytree(shared_run('ds_train.py', '--gradient_accumulation_steps=1', '--max_iters=10', '--eval_interval=5'),
+                    run_dir)
+    ds = run_dir / 'ds'
     # another run's folder, copied in as the step this run saves next, and named latest by hand
-    shutil.copytree(tmp_path / 'other' / 'ds' / 'step-00000002', ds / 'step-00000006')
-    theirs = {f.name: f.read_bytes() for f in (ds / 'step-00000006').iterdir()}
-    (ds / 'latest').write_text('step-00000006')
-    p = launch('ds_train.py', tmp_path, data_dir, 'run', '--max_iters=6')
-    aside = ds / 'other-run-step-00000006'
+    shutil.copytree(ds / 'step-00000010', ds / 'step-00000015')
+    states = ds / 'step-00000015' / 'mp_rank_00_model_states.pt'
+    torch.save({**torch.load(states, weights_only=True), 'run_id': 'another'}, states)
+    theirs = {f.name: f.read_bytes() for f in (ds / 'step-00000015').iterdir()}
+    (ds / 'latest').write_text('step-00000015')
+    p = run('ds_train.py', *TINY, '--gradient_accumulation_steps=1', '--max_iters=15', '--eval_interval=5',
+            f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={run_dir}', cwd=tmp_path)
+    aside = ds / 'other-run-step-00000015'
     assert {f.name: f.read_bytes() for f in aside.iterdir()} == theirs  # every byte of it kept
-    assert f"{ds / 'step-00000006'} was saved by another run" in p.stdout
-    assert f"resuming from {ds / 'step-00000004'} at iter 4" in p.stdout
-    assert (ds / 'latest').read_text() == 'step-00000006'  # the run's own, saved at 6
+    assert f"{ds / 'step-00000015'} was saved by another run (id another, not this run's" in p.stdout
+    assert f"resuming from {ds / 'step-00000010'} at iter 10" in p.stdout
+    assert (ds / 'latest').read_text() == 'step-00000015'  # the run's own, saved at 15
+    assert torch.load(ds / 'step-00000015' / 'mp_rank_00_model_states.pt', weights_only=True)['run_id'] == \
+        (run_dir / 'run_id').read_text().strip()
 
 
 def test_a_failed_save_into_the_damaged_folder_that_latest_names_never_calls_it_intact(tmp_path, monkeypatch):
