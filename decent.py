@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from checkpoint import checkpoint_iter, take_settings, unused, wait_for_copies
+from checkpoint import checkpoint_iter, note_failure, point_latest, take_settings, unused, wait_for_copies
 from distributed import launch_with
 
 
@@ -384,6 +384,16 @@ def set_aside_incomplete(folder):
             print(f"{folder} lacks a rank's file (a save cut short, or a file removed): kept as {aside}, and the "
                   f"step saved anew", flush=True)
     dist.barrier()
+
+
+def name_best(folder, keep):
+    """On rank 0, a new best at the step of a folder of another world size's replicas (the one resumed, their average
+    in every rank): the folder is named best as it is, the state whose average best.pt holds, rather than best
+    keep naming an older one. A failure (a full disk) stops the run as a failed save does, best as it was."""
+    try:
+        point_latest(folder, keep=keep, best=True)
+    except OSError as e:
+        note_failure([folder], e)
 
 
 def averaged_replicas(folder, ranks):

@@ -33,13 +33,13 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import (commit, create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, load_failed,
-                        point_latest, previous, remove_snapshots, save_in_background, snapshot_dir, step_folders,
-                        take_settings, upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
+                        previous, remove_snapshots, save_in_background, snapshot_dir, step_folders, take_settings,
+                        upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from decent import (average_moments, average_replicas, check_optimizers, check_resumed, global_model, make_buckets,
-                    make_mixing_groups, make_optimizers, make_outer, mixing_rounds, moments_from_adamw, outer_bytes,
-                    outer_state, plan_words, read_replica, replicas_in, restore_outer, restore_replica,
+                    make_mixing_groups, make_optimizers, make_outer, mixing_rounds, moments_from_adamw, name_best,
+                    outer_bytes, outer_state, plan_words, read_replica, replicas_in, restore_outer, restore_replica,
                     set_aside_incomplete, start_outer_step, wait_for)
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
                          state_bytes, stop_signal, torchrun_env, use_deterministic_algorithms)
@@ -367,7 +367,7 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
                                                       keep=keep_checkpoints, best=best))
             print0(f"saving checkpoint to {folder}")
         elif best and master_process:  # another world size's replicas, whose average best.pt holds: named best as is
-            point_latest(folder, keep=keep_checkpoints, best=True)
+            name_best(folder, keep_checkpoints)
         # the export: train.py's optimizer over the averaged model holds the averaged moments (sgd has none)
         wait_for_copies()  # the replica is copied before it is averaged in place
         own = global_model(buckets) if diloco_steps else average_replicas(buckets)[0]
