@@ -1,7 +1,8 @@
 """
 What decent_train.py needs besides its loop: the topologies as cycles of mixing rounds, the flat buckets that a
 replica updates and mixes in, DiLoCo's outer step on a bucket (and Streaming DiLoCo's fragments of buckets, each on
-a schedule of its own), AccumAdamW, and the average of a checkpoint's replicas (to resume at another world size).
+a schedule of its own), AccumAdamW, the average of a checkpoint's replicas (to resume at another world size), and
+its step folders kept as they are (one that lacks a rank's file set aside, another world size's named best).
 """
 
 import math
