@@ -516,6 +516,15 @@ def _whole_step_iter(folder, kind, run_id):
         return None
 
 
+def _whole(path):
+    """Whether the checkpoint at path (a file, or a step folder of any entrypoint) is complete and loads, as far as
+    a tool can tell."""
+    kind = os.path.basename(os.path.dirname(path)) if _step_folder(path) == path else None
+    if kind in ('ds', 'decent'):
+        return _whole_step_iter(path, kind, None) is not None
+    return os.path.exists(path) and _complete(path)
+
+
 def save_failed():
     """Whether a storage checkpoint of this process could not be written."""
     return bool(_failed)
@@ -537,6 +546,12 @@ def exit_after_failed_save():
                 and not _complete(folder):
             shutil.rmtree(folder, ignore_errors=True)
         before = f"the newest complete one, {intact}, is intact" if intact else "no checkpoint was complete before"
+        if intact and not _whole(intact):  # damaged, and removed to be written anew: the resume passes over it
+            older = next((p for p in (step_folders(os.path.dirname(intact)) if _step_folder(intact) == intact else
+                                      kept(intact)) if p != intact and _whole(p)), None)
+            named = ", which latest names," if _step_folder(intact) == intact else ""
+            before = f"{intact}{named} is not whole (it was damaged, and this save was writing it anew); " + \
+                (f"the newest complete one before it, {older}, is intact" if older else "none before it is complete")
         sys.exit(f"error: writing the checkpoint {path} failed ({why}), so the run stopped; {before}: free space "
                  f"(or fix the folder) and run the same command again to resume")
     sys.exit(1)
@@ -1190,6 +1205,8 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     # only for a run that continues: a new one moves an earlier run's files aside as they are (keep_earlier_run)
     if wanted and not eval_only and resume_from is not None:  # the same on every rank
         moved = [set_aside_damaged(out_dir, damaged) if rank == 0 else None]
+        if rank == 0 and earlier:  # (the id in out_dir/run_id: a folder without one has no other run's to tell)
+            set_aside_others(out_dir, earlier, resume_from[1])
         dist.broadcast_object_list(moved)  # renamed before any rank reads the state it resumes from
         resume_from = (resume_from[0], moved[0].get(resume_from[1], resume_from[1]))
     if check:
@@ -1280,6 +1297,35 @@ def set_aside_damaged(out_dir, damaged):
                 elif read_name(os.path.join(root, 'latest')) == name:
                     os.remove(os.path.join(root, 'latest'))
     return moved
+
+
+def set_aside_others(out_dir, run_id, resume_path):
+    """A run that resumes in out_dir moves aside each step folder there that another run wrote (its run id says so:
+    a folder copied in by hand from another run's out_dir), kept as other-run-step-N: the run's save of that step
+    would remove it to write its own there, and pruning would count it among the run's fallbacks and remove it.
+    latest, where it named one, names the run's newest folder left."""
+    for root in sorted({os.path.join(out_dir, kind) for kind in FOLDERS.values()}):
+        for folder in step_folders(root):
+            names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+            file = next((n for n in ('extra.pt', 'rank-0.pt') if n in names), None) or \
+                next((n for n in names if n.endswith('model_states.pt')), None)
+            try:
+                theirs = torch.load(os.path.join(folder, file), map_location='cpu', weights_only=True,
+                                    mmap=True).get('run_id') if file and folder != resume_path else None
+            except Exception:  # damaged: set_aside_damaged's, where the resume read it
+                theirs = None
+            if theirs is None or theirs == run_id:
+                continue
+            name, aside = os.path.basename(folder), unused(os.path.join(root, 'other-run-' + os.path.basename(folder)))
+            os.replace(folder, aside)
+            print(f"{folder} was saved by another run (id {theirs}, not this run's {run_id}): kept as {aside}, out of "
+                  f"the folders that this run's saves replace and prune", flush=True)
+            if read_name(os.path.join(root, 'latest')) == name:
+                left = [n for n in step_folders(root) if os.path.basename(n) < name]
+                if left:
+                    write_name(os.path.join(root, 'latest'), os.path.basename(left[0]))
+                else:
+                    os.remove(os.path.join(root, 'latest'))
 
 
 _kept = {}  # out_dir -> (the folder that keep_earlier_run moved the earlier run's saved states into, their names)

@@ -1,7 +1,8 @@
 """
 What decent_train.py needs besides its loop: the topologies as cycles of mixing rounds, the flat buckets that a
 replica updates and mixes in, DiLoCo's outer step on a bucket (and Streaming DiLoCo's fragments of buckets, each on
-a schedule of its own), AccumAdamW, and the average of a checkpoint's replicas (to resume at another world size).
+a schedule of its own), AccumAdamW, the average of a checkpoint's replicas (to resume at another world size), and
+its step folders kept as they are (one that lacks a rank's file set aside, another world size's named best).
 """
 
 import math
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from checkpoint import wait_for_copies
+from checkpoint import checkpoint_iter, note_failure, point_latest, take_settings, unused, wait_for_copies
 from distributed import launch_with
 
 
@@ -55,6 +56,19 @@ def mixing_rounds(topology, world_size, local_world_size):
                            for a, b in node_pairs for j in range(local_world_size)])
         return rounds
     raise ValueError(f"unknown topology={topology!r}: use complete, ring, one-peer-exp or alternating-exp-ring")
+
+
+def plan_words(config, rounds):
+    """What the replicas do, as the log says it: DiLoCo's outer steps (the window, the fragments, the overlap), or
+    the topology's cycle of mixing rounds; with the replicas' optimizer. Counts of one in the singular."""
+    n = lambda count, word: f"{count} {word}{'s' * (count != 1)}"
+    if config['diloco_steps']:
+        fragments = config['diloco_fragments']
+        return (f"DiLoCo: an outer {config['outer_optimizer']} step every {n(config['diloco_steps'], 'step')} on "
+                f"{f'each of {fragments} fragments' if fragments > 1 else 'the whole model'}, landing "
+                f"{n(config['diloco_overlap'], 'step')} later; inner optimizer {config['replica_optimizer']}")
+    return (f"topology {config['topology']}, a cycle of {n(len(rounds), 'mixing round')}; optimizer "
+            f"{config['replica_optimizer']}")
 
 
 def check_optimizers(config, n_layer):
@@ -142,13 +156,20 @@ class Bucket:
     lands_at: int = 0  # DiLoCo: that outer step lands before the forward of this iteration (or at a save from it on)
 
 
-def make_bucket(params):
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
-    offset = 0
-    for p in params:
-        p.data = flat[offset:offset + p.numel()].view_as(p)
-        offset += p.numel()
-    return Bucket(params, flat)
+def make_buckets(model):
+    """The model's buckets: the embeddings with the tied head and the final LayerNorm, then each block. A bucket's
+    parameters become views into one flat tensor, so that it mixes in one all-reduce, no copies."""
+    in_blocks = {p for block in model.transformer.h for p in block.parameters()}
+    buckets = []
+    for params in [[p for p in model.parameters() if p not in in_blocks]] + [list(b.parameters())
+                                                                             for b in model.transformer.h]:
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        offset = 0
+        for p in params:
+            p.data = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        buckets.append(Bucket(params, flat))
+    return buckets
 
 
 
@@ -295,13 +316,35 @@ class AccumAdamW(torch.optim.Optimizer):
 
 
 
-def make_optimizer(kind, groups, lr, betas, weight_decay, moment_accum_steps, device_type):
-    """A bucket's optimizer: AdamW (fused, one kernel for the update, as train.py's), AccumAdamW or plain SGD."""
-    if kind == 'sgd':
-        return torch.optim.SGD(groups, lr=lr)
-    if kind == 'accumadamw':
-        return AccumAdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay, accum_steps=moment_accum_steps)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device_type in ('cuda', 'cpu'))
+def make_optimizers(buckets, model, kind, lr, betas, weight_decay, moment_accum_steps, device_type):
+    """Each bucket's optimizer (set as its .optimizer, and returned in a list), with train.py's two groups (weight
+    decay on matrices and embeddings only): AdamW (fused, one kernel for the update, as train.py's), AccumAdamW or
+    plain SGD."""
+    decay, names = set(model.param_groups()[0]), {p: n for n, p in model.named_parameters()}
+    for bucket in buckets:
+        groups = [{'params': [p for p in bucket.params if names[p] in decay], 'weight_decay': weight_decay},
+                  {'params': [p for p in bucket.params if names[p] not in decay], 'weight_decay': 0.0}]
+        if kind == 'sgd':
+            bucket.optimizer = torch.optim.SGD(groups, lr=lr)
+        elif kind == 'accumadamw':
+            bucket.optimizer = AccumAdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay,
+                                          accum_steps=moment_accum_steps)
+        else:
+            bucket.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device_type in ('cuda', 'cpu'))
+    return [bucket.optimizer for bucket in buckets]
+
+
+def moments_from_adamw(adamw, state, bucket_of, config, given):
+    """Loads train.py's AdamW state (numbered over the whole model) into adamw, train.py's optimizer over the same
+    model, and hands each bucket's optimizer its parameters' moments from there, and the settings (config's then)."""
+    adamw.load_state_dict(state)
+    take_settings(adamw, config, given)
+    for p, state in adamw.state.items():
+        if isinstance(bucket_of[p].optimizer, AccumAdamW):
+            state = {**state, 'step': int(state['step'])}  # it counts in a plain int
+        bucket_of[p].optimizer.state[p] = state
+    for optimizer in {id(b.optimizer): b.optimizer for b in bucket_of.values()}.values():
+        take_settings(optimizer, config, config)
 
 
 def read_replica(path, rank, world_size, print0):
@@ -325,6 +368,33 @@ def read_replica(path, rank, world_size, print0):
 def replicas_in(folder):
     """How many ranks' replicas a step folder holds: rank 0's file holds the RNG state of every rank."""
     return len(torch.load(os.path.join(folder, 'rank-0.pt'), map_location='cpu', weights_only=True, mmap=True)['rng'])
+
+
+def set_aside_incomplete(folder):
+    """Before a save into the step folder out_dir/decent/step-N: where one is there that lacks a rank's file (a save
+    cut short, a file removed), rank 0 renames it incomplete-step-N, so that the files it holds (a replica of that
+    step, maybe of another state) are kept rather than written over. A collective: no rank writes before."""
+    if dist.get_rank() == 0 and os.path.isdir(folder):
+        try:
+            whole = checkpoint_iter(folder) is not None
+        except Exception:  # a file that does not load: kept likewise
+            whole = False
+        if not whole:
+            aside = unused(os.path.join(os.path.dirname(folder), 'incomplete-' + os.path.basename(folder)))
+            os.replace(folder, aside)
+            print(f"{folder} lacks a rank's file (a save cut short, or a file removed): kept as {aside}, and the "
+                  f"step saved anew", flush=True)
+    dist.barrier()
+
+
+def name_best(folder, keep):
+    """On rank 0, a new best at the step of a folder of another world size's replicas (the one resumed, their average
+    in every rank): the folder is named best as it is, the state whose average best.pt holds, rather than best
+    keep naming an older one. A failure (a full disk) stops the run as a failed save does, best as it was."""
+    try:
+        point_latest(folder, keep=keep, best=True)
+    except OSError as e:
+        note_failure([folder], e)
 
 
 def averaged_replicas(folder, ranks):

@@ -37,9 +37,10 @@ from checkpoint import (commit, create_model, find_resume, finish_saves, is_snap
                         upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
 from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
-from decent import (average_moments, average_replicas, check_optimizers, check_resumed, global_model, make_bucket,
-                    make_mixing_groups, make_optimizer, make_outer, mixing_rounds, outer_bytes, outer_state,
-                    read_replica, replicas_in, restore_outer, restore_replica, start_outer_step, wait_for)
+from decent import (average_moments, average_replicas, check_optimizers, check_resumed, global_model, make_buckets,
+                    make_mixing_groups, make_optimizers, make_outer, mixing_rounds, moments_from_adamw, name_best,
+                    outer_bytes, outer_state, plan_words, read_replica, replicas_in, restore_outer, restore_replica,
+                    set_aside_incomplete, start_outer_step, wait_for)
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
                          state_bytes, stop_signal, torchrun_env, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
@@ -165,12 +166,7 @@ if deterministic:
     dropout = config['dropout'] = 0.0
 print0(f"world size {world_size}, {accum_steps} micro-step{'s' * (accum_steps > 1)} per rank, "
        f"{tokens_per_iter:,} tokens per iteration")
-if diloco_steps:
-    print0(f"DiLoCo: an outer {outer_optimizer} step every {diloco_steps} steps on each of {diloco_fragments} "
-           f"fragments, landing {diloco_overlap} steps later; inner optimizer {replica_optimizer}")
-else:
-    print0(f"topology {topology}, a cycle of {len(rounds)} mixing round{'s' * (len(rounds) > 1)}; "
-           f"optimizer {replica_optimizer}")
+print0(plan_words(config, rounds))  # DiLoCo's window and fragments, or the topology's mixing rounds
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin
@@ -239,11 +235,8 @@ model.to(device)
 torch.manual_seed(seed + dp_rank)  # and then draws its own dropout masks
 raw_model = model  # the bare module: its state_dict and MFU, whatever wraps it below
 
-# buckets, the unit of update and mixing: the embeddings with the tied head and the final LayerNorm, then each
-# block. A bucket's parameters become views into one flat tensor, so that it mixes in one all-reduce, no copies.
-in_blocks = {p for block in model.transformer.h for p in block.parameters()}
-buckets = [make_bucket([p for p in model.parameters() if p not in in_blocks])]
-buckets += [make_bucket(list(block.parameters())) for block in model.transformer.h]
+# buckets, the unit of update and mixing: the embeddings with the head, then each block, each one flat tensor
+buckets = make_buckets(model)
 bucket_of = {p: bucket for bucket in buckets for p in bucket.params}
 last_micro_step = False  # set by the loop: only the last micro-step's backward updates and mixes
 
@@ -290,13 +283,8 @@ for block, bucket in zip(model.transformer.h, buckets[1:]):
 
 # -----------------------------------------------------------------------------
 # optimizer: one per bucket, each with train.py's two groups (weight decay on matrices and embeddings only)
-decay, names = set(raw_model.param_groups()[0]), {p: n for n, p in raw_model.named_parameters()}
-for bucket in buckets:
-    groups = [{'params': [p for p in bucket.params if names[p] in decay], 'weight_decay': weight_decay},
-              {'params': [p for p in bucket.params if names[p] not in decay], 'weight_decay': 0.0}]
-    bucket.optimizer = make_optimizer(replica_optimizer, groups, learning_rate, (beta1, beta2), weight_decay,
-                                      moment_accum_steps, device_type)
-optimizers = [bucket.optimizer for bucket in buckets]
+optimizers = make_optimizers(buckets, raw_model, replica_optimizer, learning_rate, (beta1, beta2), weight_decay,
+                             moment_accum_steps, device_type)
 if diloco_steps:  # θ_global beside the replica, bucket by bucket; each bucket's fragment sets its outer steps' phase
     fragments = make_outer(buckets, diloco_steps, diloco_fragments, outer_optimizer, outer_learning_rate,
                            outer_momentum, diloco_alpha)
@@ -313,17 +301,10 @@ if checkpoint is not None:
                 optimizer.load_state_dict(state)
                 take_settings(optimizer, config, given)
         elif replica_optimizer != 'sgd':
-            # train.py's AdamW state, numbered over the whole model: train.py's optimizer reads it, and each
-            # bucket's takes its parameters' moments from there, and its settings (config holds them then)
+            # train.py's AdamW state, numbered over the whole model: each bucket's takes its parameters' moments
             adamw = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
-            adamw.load_state_dict(upgrade_optimizer_state(raw_model, checkpoint['optimizer']))
-            take_settings(adamw, config, given)
-            for p, state in adamw.state.items():
-                if replica_optimizer == 'accumadamw':
-                    state = {**state, 'step': int(state['step'])}  # it counts in a plain int
-                bucket_of[p].optimizer.state[p] = state
-            for optimizer in optimizers:
-                take_settings(optimizer, config, config)
+            moments_from_adamw(adamw, upgrade_optimizer_state(raw_model, checkpoint['optimizer']), bucket_of, config,
+                               given)
         # the export's optimizer (ckpt.pt) says what the replicas' do
         weight_decay, beta1, beta2 = config['weight_decay'], config['beta1'], config['beta2']
     except Exception as e:
@@ -342,8 +323,6 @@ if compile:
     for block in model.transformer.h:
         block.forward = torch.compile(block.forward)  # the forward only: the hooks that wait for mixing stay eager
 eval_model = model
-
-
 
 
 def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
@@ -382,10 +361,13 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         folder = os.path.join(decent_dir, f'step-{iter_num:08d}')
         # a resumed run's first eval finds it there; a new best names it (another world size's replicas: kept whole)
         if folder != resume_path or best and replicas_in(folder) == world_size:
+            set_aside_incomplete(folder)  # a folder there cut short keeps its files
             save_in_background(checkpoint, os.path.join(folder, f'rank-{rank}.pt'), slot='decent',
                                then=lambda ok: commit(folder, ok, checkpoint_group, master_process,
                                                       keep=keep_checkpoints, best=best))
             print0(f"saving checkpoint to {folder}")
+        elif best and master_process:  # another world size's replicas, whose average best.pt holds: named best as is
+            name_best(folder, keep_checkpoints)
         # the export: train.py's optimizer over the averaged model holds the averaged moments (sgd has none)
         wait_for_copies()  # the replica is copied before it is averaged in place
         own = global_model(buckets) if diloco_steps else average_replicas(buckets)[0]

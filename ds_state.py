@@ -27,7 +27,7 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
 from deepspeed.utils.tensor_fragment import fragment_address
 from pydantic import ValidationError
 
-from checkpoint import (checkpoint_iter, is_snapshot, point_latest, read_name, reason, same_step, saved_for,
+from checkpoint import (checkpoint_iter, is_snapshot, kept, point_latest, read_name, reason, same_step, saved_for,
                         step_folders)
 
 # the classes that DeepSpeed 0.19.8 pickles into its checkpoints besides tensors and containers
@@ -400,6 +400,42 @@ def on_this_job(foreign):
         print(f"note: the memory snapshot {path} of {ranks} ranks lacks the shards of nodes that are not in this job "
               f"(a node lost, or the job back on fewer nodes): no layout resumes it here", flush=True)
     return [f for f in foreign if f not in part]
+
+
+def refuse_other_layouts(resume_from, foreign, layout, ckpt_path, eval_only, print0):
+    """find_resume's check for ds_train.py (foreign: checkpoint_iter_at's folders of another layout). Another
+    layout's folder newer than the state resumed: continuing from the older export would prune it, or replace it at
+    its step, with a state it never held (rank 0 reads the storage; a launcher stops the others)."""
+    foreign[:] = on_this_job(foreign)  # a node's snapshot of another layout counts where the job holds all its shards
+    resume_path = resume_from and resume_from[1]
+    newer = [f for f in foreign if resume_from is not None and int(os.path.basename(f[0])[5:]) > resume_from[0]]
+    if foreign:
+        path, ranks, theirs = (newer or foreign)[0]
+        at, flags = layout_words(theirs, layout)
+    if (newer or foreign and resume_from is None) and eval_only:  # an eval of it reads the shards as they are
+        sys.exit(f"error: the run's newest state, {path}, was written by {ranks} ranks at {at}, and ZeRO's shards "
+                 f"load only so: evaluate it with {ranks} ranks and {flags}")
+    if newer:
+        sys.exit(f"error: the run's newest state, {path}, was written by {ranks} ranks at {at}, and ZeRO's shards "
+                 f"resume only so: use {ranks} ranks and {flags} --save_consolidated=True --always_save_checkpoint="
+                 f"True until it saves (at once where it has finished; SIGTERM saves): any layout resumes {ckpt_path}")
+    elif foreign and resume_path in kept(ckpt_path):
+        print0(f"{path} was written by {ranks} ranks at {at}, not {layout['world_size']} at "
+               f"{layout_words(layout, theirs)[0]}: continuing from the consolidated {resume_path} instead")
+    elif foreign and resume_from is None:
+        sys.exit(f"error: {path} was written by {ranks} ranks at {at}, and ZeRO's shards resume only so; with no "
+                 f"consolidated {ckpt_path} to go on from (save_consolidated=False, or none saved yet) use {ranks} "
+                 f"ranks and {flags}")
+
+
+def read_engine_state(path):
+    """Our state: the client state in the (first) model-states file of an engine folder (mmap reads only what is
+    used), or a ckpt.pt whole, whose weights load into the module now and moments into the engine later. Data,
+    never code."""
+    if os.path.isdir(path):
+        path = os.path.join(path, sorted(f for f in os.listdir(path) if f.endswith('model_states.pt'))[0])
+        return torch.load(path, map_location='cpu', weights_only=True, mmap=True)
+    return torch.load(path, map_location='cpu', weights_only=True)
 
 
 def layout_words(layout, ours):

@@ -112,8 +112,9 @@ try:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from ds_state import (ZERO3_COMPILED, DeferredWrites, add_config_file, best_behind, bucket_sizes, check_offload,
                           by_norm_where_zero_checks, checkpoint_iter_at, copy_recovery_scripts, engine_folders,
-                          engine_state, folder_iter, gather_state, guard_step, layout_words, load_state, norm_is_read,
-                          offload, on_this_job, overflow_by_norm_alone, remove_shm_buffer_name, state_bytes, whole_at)
+                          engine_state, folder_iter, gather_state, guard_step, load_state, norm_is_read, offload,
+                          overflow_by_norm_alone, read_engine_state, refuse_other_layouts, remove_shm_buffer_name,
+                          state_bytes, whole_at)
 except ImportError as e:
     sys.exit(f"error: ds_train.py needs DeepSpeed ({e}): pip install deepspeed==0.19.8")
 # DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates, and torch says so at each call
@@ -216,35 +217,12 @@ if not eval_only:  # an eval writes nothing: it neither holds out_dir nor waits 
     hold(out_dir)  # one run at a time in out_dir, for the run's lifetime
 
 
-def refuse_other_layouts(resume_from):
-    """Another layout's folder newer than the state resumed: continuing from the older export would prune it, or
-    replace it at its step, with a state it never held (rank 0 reads the storage; a launcher stops the others)."""
-    foreign[:] = on_this_job(foreign)  # a node's snapshot of another layout counts where the job holds all its shards
-    resume_path = resume_from and resume_from[1]
-    newer = [f for f in foreign if resume_from is not None and int(os.path.basename(f[0])[5:]) > resume_from[0]]
-    if foreign:
-        path, ranks, theirs = (newer or foreign)[0]
-        at, flags = layout_words(theirs, layout)
-    if (newer or foreign and resume_from is None) and eval_only:  # an eval of it reads the shards as they are
-        sys.exit(f"error: the run's newest state, {path}, was written by {ranks} ranks at {at}, and ZeRO's shards "
-                 f"load only so: evaluate it with {ranks} ranks and {flags}")
-    if newer:
-        sys.exit(f"error: the run's newest state, {path}, was written by {ranks} ranks at {at}, and ZeRO's shards "
-                 f"resume only so: use {ranks} ranks and {flags} --save_consolidated=True --always_save_checkpoint="
-                 f"True until it saves (at once where it has finished; SIGTERM saves): any layout resumes {ckpt_path}")
-    elif foreign and resume_path in kept(ckpt_path):
-        print0(f"{path} was written by {ranks} ranks at {at}, not {world_size} at {layout_words(layout, theirs)[0]}: "
-               f"continuing from the consolidated {resume_path} instead")
-    elif foreign and resume_from is None:
-        sys.exit(f"error: {path} was written by {ranks} ranks at {at}, and ZeRO's shards resume only so; with no "
-                 f"consolidated {ckpt_path} to go on from (save_consolidated=False, or none saved yet) use {ranks} "
-                 f"ranks and {flags}")
-
-
 run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only, snapshots=engine_folders,
                                   storage=[engine_folders(ds_dir) + kept(ckpt_path)],
                                   where=f"{os.path.join(ds_dir, 'latest')} or {ckpt_path}", iter_of=engine_iter,
-                                  script='ds_train.py', state_of=engine_state, check=refuse_other_layouts)
+                                  script='ds_train.py', state_of=engine_state,
+                                  check=lambda found: refuse_other_layouts(found, foreign, layout, ckpt_path,
+                                                                           eval_only, print0))
 resume_path = resume_from and resume_from[1]
 
 # -----------------------------------------------------------------------------
@@ -254,16 +232,6 @@ data_vocab = vocabulary(dataset, random_data)  # what its ids stand for, saved w
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=meta_vocab_size or 50304, dropout=dropout)
 check_fits(model_args, device)  # a shape too big for this machine is refused before it is built
-
-
-def read_engine_state(path):
-    """Our state: the client state in the (first) model-states file of an engine folder (mmap reads only what is
-    used), or a ckpt.pt whole, whose weights load into the module now and moments into the engine later. Data,
-    never code."""
-    if os.path.isdir(path):
-        path = os.path.join(path, sorted(f for f in os.listdir(path) if f.endswith('model_states.pt'))[0])
-        return torch.load(path, map_location='cpu', weights_only=True, mmap=True)
-    return torch.load(path, map_location='cpu', weights_only=True)
 
 
 model, checkpoint = create_model(resume_path, read_engine_state, init_from, model_args, config, given)

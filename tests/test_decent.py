@@ -285,6 +285,18 @@ def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path, data_dir):
         (2, 0.5, (0.9, 0.9)), (2, 0.0, (0.9, 0.9))]
     assert at8[0]['state'][0]['grads_summed'] == 2 and saved[0]['state'][0]['grads_summed'] == 0
     assert saved[0]['state'][0]['step'] == at8[0]['state'][0]['step'] + 1
+    # step 9's folder without rank 1's file (a crash, or the file removed): passed over by the resume, from step 8, and
+    # kept whole when the run saves step 9 again, rank 0's file as it was (never written over)
+    nine = tmp_path / 'split' / 'decent' / 'step-00000009'
+    (nine / 'rank-1.pt').unlink()
+    kept = (nine / 'rank-0.pt').read_bytes(), (nine / 'rank-0.pt').stat().st_ino
+    p = launch(tmp_path, data_dir, 'split', *args, '--max_iters=9', '--moment_accum_steps=2', '--weight_decay=0.5',
+               '--beta2=0.9', nproc=2)
+    aside = tmp_path / 'split' / 'decent' / 'incomplete-step-00000009'
+    assert f"{nine} lacks a rank's file (a save cut short, or a file removed): kept as {aside}" in p.stdout
+    assert sorted(f.name for f in aside.iterdir()) == ['rank-0.pt']
+    assert ((aside / 'rank-0.pt').read_bytes(), (aside / 'rank-0.pt').stat().st_ino) == kept
+    assert sorted(f.name for f in nine.iterdir()) == ['rank-0.pt', 'rank-1.pt']
 
 
 def test_train_checkpoint_starts_the_replicas_and_their_average_goes_to_sample_and_train(tmp_path, data_dir,
@@ -356,7 +368,16 @@ def test_at_another_world_size_every_rank_starts_from_the_average_of_the_replica
     # rather than rank 0's be replaced by their average (the step folder then a 1-rank one, the others left stale)
     folder = tmp_path / 'run' / 'decent' / 'step-00000006'
     before = {f.name: f.read_bytes() for f in folder.iterdir()}
+    # best names step 3's folder, as where the eval at 6 (of other batches) was no best
+    shutil.copytree(folder.parent / 'step-00000003', folder.parent / 'best-step-00000003')
+    shutil.rmtree(folder.parent / 'best-step-00000006')
+    (folder.parent / 'best').write_text('best-step-00000003')
     p = launch(tmp_path, data_dir, 'run', '--gradient_accumulation_steps=4', '--max_iters=6', '--eval_iters=2',
                '--always_save_checkpoint=False')
     assert 'saving the averaged model' in p.stdout  # a new best: always_save_checkpoint is off
     assert {f.name: f.read_bytes() for f in folder.iterdir()} == before
+    # and named best as they are: the state whose average best.pt holds, which the tools read as the run's best
+    assert (folder.parent / 'best').read_text() == 'best-step-00000006'
+    assert not (folder.parent / 'best-step-00000003').exists()
+    assert {f.name: f.read_bytes() for f in (folder.parent / 'best-step-00000006').iterdir()} == before
+    assert torch.load(tmp_path / 'run' / 'best.pt', weights_only=True)['iter_num'] == 6

@@ -44,8 +44,11 @@ def test_one_step_windows_with_outer_sgd_at_lr_1_are_the_complete_topology(tmp_p
     args = ['--gradient_accumulation_steps=4', '--max_iters=10', '--eval_interval=10']
     launch(tmp_path, data_dir, 'complete', *args, '--topology=complete', nproc=2)
     outer = ['--diloco_steps=1', '--outer_optimizer=sgd', '--outer_learning_rate=1', '--outer_momentum=0']
-    launch(tmp_path, data_dir, 'diloco', *args, *outer, nproc=2)
-    launch(tmp_path, data_dir, 'streaming', *args, *outer, '--diloco_fragments=3', nproc=2)
+    says = [launch(tmp_path, data_dir, 'diloco', *args, *outer, nproc=2).stdout,
+            launch(tmp_path, data_dir, 'streaming', *args, *outer, '--diloco_fragments=3', nproc=2).stdout]
+    # the counts in its words: one fragment is the whole model, and one step is singular
+    assert "an outer sgd step every 1 step on the whole model, landing 0 steps later" in says[0]
+    assert "an outer sgd step every 1 step on each of 3 fragments, landing 0 steps later" in says[1]
     ref, ref_evals = read_metrics(tmp_path / 'complete')
     assert sorted(ref) == list(range(10)) and ref[9] < ref[0] - 0.3
     for run_ in ('diloco', 'streaming'):
