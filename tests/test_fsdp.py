@@ -150,9 +150,9 @@ def test_fsdp_exact_resume(tmp_path, data_dir):
     full, split = read_metrics(tmp_path / 'full')[0], read_metrics(tmp_path / 'split')[0]
     assert sorted(split) == list(range(5, 10))
     assert [split[i] for i in range(5, 10)] == [full[i] for i in range(5, 10)]  # bit for bit
-    # another weight_decay and beta2 take effect: the sharded load had put the saved ones back
-    launch('fsdp_train.py', tmp_path, data_dir, 'split', *args, '--max_iters=11', '--weight_decay=0.5', '--beta2=0.9',
-           '--save_consolidated=True', nproc=2)
+    # another weight_decay and beta2 take effect: the sharded load had put the saved ones back (FSDP on both ranks)
+    launch('fsdp_train.py', tmp_path, data_dir, 'split', '--dropout=0.1', '--max_iters=11', '--weight_decay=0.5',
+           '--beta2=0.9', '--save_consolidated=True', nproc=2)
     saved = torch.load(tmp_path / 'split' / 'ckpt.pt', weights_only=True)
     groups = saved['optimizer']['param_groups']
     assert [(g['weight_decay'], tuple(g['betas'])) for g in groups] == [(0.5, (0.9, 0.9)), (0.0, (0.9, 0.9))]
