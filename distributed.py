@@ -270,20 +270,30 @@ def verdicts():
 
 def gather_rng():
     """Every rank's RNG states, in rank order (a collective): they go into each checkpoint."""
-    rng = {'cpu': torch.get_rng_state(), **({'cuda': torch.cuda.get_rng_state()} if torch.cuda.is_initialized()
-                                            else {})}
     rngs = [None] * dist.get_world_size()
-    dist.all_gather_object(rngs, rng)
+    dist.all_gather_object(rngs, rng_state())
     return rngs
 
 
-def restore_rng(rngs, print0=print):
-    """Takes back this rank's RNG states from a checkpoint's; at another world size dropout starts afresh."""
+def rng_state():
+    """This rank's RNG states: the CPU's, and the GPU's once CUDA is up."""
+    return {'cpu': torch.get_rng_state(), **({'cuda': torch.cuda.get_rng_state()} if torch.cuda.is_initialized()
+                                             else {})}
+
+
+def restore_rng(rngs, print0=print, tp_group=None):
+    """Takes back this rank's RNG states from a checkpoint's; at another world size dropout starts afresh. The ranks
+    of tp_group (a tensor-parallel group) then take its first rank's: their replicated activations' dropout masks
+    must agree, and at another layout of the same world size (4 ranks FSDP -> 2x2 TP x FSDP) they had saved the
+    states of different data-parallel ranks."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if len(rngs) == world_size:
-        torch.set_rng_state(rngs[rank]['cpu'])
-        if 'cuda' in rngs[rank] and torch.cuda.is_initialized():
-            torch.cuda.set_rng_state(rngs[rank]['cuda'])
+        rng = [rngs[rank]]
+        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+            dist.broadcast_object_list(rng, group=tp_group, group_src=0)
+        torch.set_rng_state(rng[0]['cpu'])
+        if 'cuda' in rng[0] and torch.cuda.is_initialized():
+            torch.cuda.set_rng_state(rng[0]['cuda'])
     elif rngs:
         print0(f"checkpoint was written by {len(rngs)} ranks, not {world_size}: dropout masks start afresh")
 

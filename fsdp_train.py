@@ -118,7 +118,7 @@ master_process = rank == 0  # does all the logging and checkpoint writing
 if tp_size < 1 or world_size % tp_size != 0:
     sys.exit(f"error: {groups_of('tp_size', tp_size, world_size)}")
 # the mesh is (dp, tp) with tp innermost, so a tp group is tp_size consecutive ranks (the GPUs of one node); the
-# ranks of a tp group read the same batches and draw the same dropout masks
+# ranks of a tp group read the same batches and share a dropout stream (their heads' own: sharded.tensor_parallel)
 dp_rank, dp_size = rank // tp_size, world_size // tp_size
 # before the mesh: a rank that exits while another is still making the mesh's groups cuts those short (a traceback)
 accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)  # micro-steps on this rank
@@ -205,7 +205,7 @@ best_val_loss = kept_best(out_dir, run_id, best_val_loss)  # a resume from befor
 check_tp_size(model.config, tp_size)
 print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
 model.to(device)
-torch.manual_seed(seed + dp_rank)  # and then draws its own dropout masks
+torch.manual_seed(seed + dp_rank)  # and then draws its own dropout masks, a tp group's shared stream
 raw_model = model  # the module itself, sharded in place below: its config and MFU
 # FSDP over dp: each block (or blocks_per_unit of them) is a unit, gathered for its forward and backward only; the
 # root holds the rest
@@ -241,7 +241,7 @@ if checkpoint is not None:
         load_failed(resume_path, e, out_dir, eval_only)
     if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
         data_gen.set_state(checkpoint['data_rng'])
-    restore_rng(checkpoint.get('rng', []), print0)
+    restore_rng(checkpoint.get('rng', []), print0, mesh['tp'].get_group())
     print0(f"resuming from {resume_path} at iter {iter_num}")
     checkpoint = None  # free the memory
 

@@ -230,7 +230,7 @@ max_iters, tokens_trained, lr_batch = start_tokens(checkpoint, iter_num, tokens_
 best_val_loss = kept_best(out_dir, run_id, best_val_loss)  # a resume from before the best keeps it best
 check_tp_size(model.config, tp_size)
 print0(f"{model.get_num_params() / 1e6:.2f}M parameters")
-torch.manual_seed(seed + rank // tp_size)  # and then draws its own dropout masks, the same in a tp group
+torch.manual_seed(seed + rank // tp_size)  # its own dropout masks, a tp group's shared stream (sharded.py)
 raw_model = model  # the whole GPT: its config, names and MFU (the other ranks' stages left on the meta device)
 # the model cut by blocks into pp_size stages (stages_per_rank each when interleaved, placed in a loop; two in a V
 # with zbv), each under the GPT's own names; model is this rank's stages together: its state, optimizer, gradients
@@ -278,7 +278,7 @@ if checkpoint is not None:
         load_failed(resume_path, e, out_dir, eval_only)
     if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
         data_gen.set_state(checkpoint['data_rng'])
-    restore_rng(checkpoint.get('rng', []), print0)
+    restore_rng(checkpoint.get('rng', []), print0, mesh['tp'].get_group())
     print0(f"resuming from {resume_path} at iter {iter_num}")
     checkpoint = None  # free the memory
 

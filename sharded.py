@@ -1,12 +1,13 @@
 """
 What fsdp_train.py and pp_train.py need of sharded parameters besides FSDP2 and tensor parallelism themselves: a
-block's tensor-parallel plan and the check that it can split the model, the global norm of gradients that live on
-one or two meshes (and clipping by it), a rank's own pieces of its state (for memory snapshots), writing a DCP
-checkpoint folder in the background, loading a checkpoint of any kind into the shards, and train.py's whole state
-out of them (a consolidated checkpoint, the optimizer state numbered by parameter as train.py's, where the sharded
-one is keyed by name).
+block's tensor-parallel plan (its heads' own dropout streams with it) and the check that it can split the model, the
+global norm of gradients that live on one or two meshes (and clipping by it), a rank's own pieces of its state (for
+memory snapshots), writing a DCP checkpoint folder in the background, loading a checkpoint of any kind into the
+shards, and train.py's whole state out of them (a consolidated checkpoint, the optimizer state numbered by parameter
+as train.py's, where the sharded one is keyed by name).
 """
 
+import hashlib
 import os
 import shutil
 import sys
@@ -35,6 +36,45 @@ def tensor_parallel(block, tp_mesh):
     parallelize_module(block, tp_mesh, {
         'attn.c_q': ColwiseParallel(), 'attn.c_k': ColwiseParallel(), 'attn.c_v': ColwiseParallel(),
         'attn.c_proj': RowwiseParallel(), 'mlp.c_fc': ColwiseParallel(), 'mlp.c_proj': RowwiseParallel()})
+    if block.attn.dropout > 0:
+        own_attention_dropout(block.attn, tp_mesh.get_local_rank())
+
+
+def own_attention_dropout(attn, tp_rank):
+    """Megatron's model-parallel RNG, without a second state to save: the attention probabilities of a tp rank's own
+    heads take dropout masks of their own, while the replicated activations (embeddings, the residual dropouts after
+    the all-reduces) keep the stream that the tp group shares, whose masks must agree across it. Entering attention,
+    the device's generator is seeded from its shared state and the tp rank (a hash: no draw, no sync), and the shared
+    state comes back before attn.resid_dropout. So the ranks' own masks are a function of the shared state: a
+    checkpoint's RNG brings them back, and activation checkpointing's recompute (which restores the shared state)
+    draws them again. Runs eagerly under compile (a graph break each side of it). It follows model.py's attention,
+    which draws in scaled_dot_product_attention, then in resid_dropout; the MLP's one dropout (after its all-reduce)
+    draws from the shared stream."""
+    shared = []
+
+    @torch.compiler.disable
+    def enter(module, args):
+        if module.training:
+            generator = default_generator(args[0].device)
+            state = generator.get_state()
+            digest = hashlib.blake2b(state.numpy().tobytes() + tp_rank.to_bytes(4, 'little'), digest_size=8).digest()
+            generator.manual_seed(int.from_bytes(digest, 'little'))
+            shared.append((generator, state))
+
+    @torch.compiler.disable
+    def leave(*_):
+        if shared:
+            generator, state = shared.pop()
+            generator.set_state(state)
+    attn.register_forward_pre_hook(enter)
+    attn.resid_dropout.register_forward_pre_hook(leave)
+
+
+def default_generator(device):
+    """The generator that dropout on the device draws from."""
+    if device.type == 'cpu':
+        return torch.default_generator
+    return torch.get_device_module(device.type).default_generators[device.index or 0]
 
 
 def step_with_whole_tensors(optimizer):

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import TINY, counts_tokens, one_line_error, read_metrics, run
+from conftest import REPO, TINY, counts_tokens, one_line_error, read_metrics, run
 
 # the same global batch everywhere: 4 micro-steps of 4 sequences, shared out over the data-parallel ranks
 BASE = ['--gradient_accumulation_steps=4', '--eval_interval=5', '--always_save_checkpoint=True']
@@ -65,6 +65,65 @@ def test_tensor_parallel_matches_single_process(tmp_path, data_dir, ref, nproc, 
     assert_same_weights(ref[0] / 'ckpt.pt', tmp_path / 'tp' / 'ckpt.pt')
 
 
+TP_DROPOUT = """
+import json, sys
+sys.path.insert(0, {repo!r})
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.checkpoint import checkpoint
+from distributed import finish
+from model import Block, GPTConfig
+from distributed import restore_rng
+from sharded import tensor_parallel
+dist.init_process_group('gloo')
+torch.manual_seed(0)
+block = Block(GPTConfig(n_head=2, n_embd=16, dropout=0.5))
+with torch.no_grad():  # both heads the same: a tp rank's head differs from the other's by its dropout mask alone
+    for linear in (block.attn.c_q, block.attn.c_k, block.attn.c_v):
+        linear.weight[8:] = linear.weight[:8]
+        linear.bias[8:] = linear.bias[:8]
+x = torch.randn(2, 8, 16)
+mesh = init_device_mesh('cpu', (2,))
+tensor_parallel(block, mesh)
+heads = []
+block.attn.c_proj.register_forward_pre_hook(lambda _, args: heads.append(args[0].detach()), prepend=True)
+grads = []
+for recompute in (False, True):  # activation checkpointing's recompute draws the same masks again
+    torch.manual_seed(1)  # the same stream on both ranks, as the entrypoints seed a tp group
+    out = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+    out.sum().backward()
+    grads.append([getattr(p.grad, 'full_tensor', p.grad.clone)() for p in block.parameters()])
+    block.zero_grad()
+mine = dict(head=heads[0], out=out.detach(), rng=torch.get_rng_state(),
+            recomputed=all(torch.equal(a, b) for a, b in zip(*grads)))
+# a checkpoint of another layout, whose ranks 0 and 1 were two data-parallel ranks with streams of their own
+restore_rng([{{'cpu': torch.Generator().manual_seed(r).get_state()}} for r in range(2)], tp_group=mesh.get_group())
+mine['restored'] = torch.get_rng_state()
+theirs = [None, None]
+dist.all_gather_object(theirs, mine)
+if dist.get_rank() == 0:
+    a, b = theirs
+    print(json.dumps(dict(heads=torch.equal(a['head'], b['head']), out=torch.equal(a['out'], b['out']),
+                          rng=torch.equal(a['rng'], b['rng']), recomputed=a['recomputed'] and b['recomputed'],
+                          restored=torch.equal(a['restored'], b['restored']))))
+finish()
+"""
+
+
+def test_tensor_parallel_ranks_draw_their_heads_own_dropout_masks_and_share_the_replicated_ones(tmp_path):
+    # a tp group's ranks run one stream for the activations that all of them hold (the residual dropouts after the
+    # all-reduces): their masks must agree. Their heads' attention dropout (one head each, the same weights) draws
+    # masks of its own on each rank, where one stream had given both heads the same; and the recompute of activation
+    # checkpointing draws them again
+    script = tmp_path / 'tp_dropout.py'
+    script.write_text(TP_DROPOUT.format(repo=str(REPO)))
+    got = json.loads(run(script, nproc=2, cwd=tmp_path).stdout.strip().splitlines()[-1])
+    assert got['heads'] is False and got['out'] is True and got['rng'] is True and got['recomputed'] is True
+    # a resume at another layout of the same world size: the tp group takes one stream again, its first rank's
+    assert got['restored'] is True
+
+
 def test_activation_checkpointing_gives_the_same_losses(tmp_path, data_dir, fsdp2):
     launch('fsdp_train.py', tmp_path, data_dir, 'ac', '--max_iters=10', '--activation_checkpointing=True', nproc=2)
     assert_same_curve(fsdp2[1], read_metrics(tmp_path / 'ac')[0], range(10), rel=1e-6)
@@ -79,16 +138,21 @@ def test_bf16_mixed_precision_with_cpu_offload_runs_and_learns(tmp_path, data_di
 
 
 def test_fsdp_exact_resume(tmp_path, data_dir):
-    args = ['--dropout=0.1']  # the RNG state has to come back too, on every rank
+    # the RNG state has to come back too, on every rank: tensor parallel, each tp rank's heads with masks of their own
+    args = ['--dropout=0.1', '--tp_size=2']
     launch('fsdp_train.py', tmp_path, data_dir, 'full', *args, '--max_iters=10', nproc=2)
-    launch('fsdp_train.py', tmp_path, data_dir, 'split', *args, '--max_iters=5', nproc=2)
+    # resumed from its checkpoint of step 5, the newest there
+    shutil.copytree(tmp_path / 'full', tmp_path / 'split')
+    for f in [tmp_path / 'split' / 'metrics.jsonl', *(tmp_path / 'split' / 'dcp').glob('*-00000010')]:
+        shutil.rmtree(f) if f.is_dir() else f.unlink()
+    (tmp_path / 'split' / 'dcp' / 'latest').write_text('step-00000005')
     launch('fsdp_train.py', tmp_path, data_dir, 'split', *args, '--max_iters=10', '--init_from=resume', nproc=2)
     full, split = read_metrics(tmp_path / 'full')[0], read_metrics(tmp_path / 'split')[0]
-    assert sorted(split) == list(range(10))
-    assert [split[i] for i in range(10)] == [full[i] for i in range(10)]  # bit for bit
-    # another weight_decay and beta2 take effect: the sharded load had put the saved ones back
-    launch('fsdp_train.py', tmp_path, data_dir, 'split', *args, '--max_iters=11', '--weight_decay=0.5', '--beta2=0.9',
-           '--save_consolidated=True', nproc=2)
+    assert sorted(split) == list(range(5, 10))
+    assert [split[i] for i in range(5, 10)] == [full[i] for i in range(5, 10)]  # bit for bit
+    # another weight_decay and beta2 take effect: the sharded load had put the saved ones back (FSDP on both ranks)
+    launch('fsdp_train.py', tmp_path, data_dir, 'split', '--dropout=0.1', '--max_iters=11', '--weight_decay=0.5',
+           '--beta2=0.9', '--save_consolidated=True', nproc=2)
     saved = torch.load(tmp_path / 'split' / 'ckpt.pt', weights_only=True)
     groups = saved['optimizer']['param_groups']
     assert [(g['weight_decay'], tuple(g['betas'])) for g in groups] == [(0.5, (0.9, 0.9)), (0.0, (0.9, 0.9))]
