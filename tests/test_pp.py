@@ -375,4 +375,5 @@ def test_model_size_divides_sharded_tensor_parallel_stages_over_the_pipelines(tm
             for shard in ([], ['--dp_shard=True'])]
     for r in range(2):
         whole, sharded = (row[f'PP 2 x TP 2 rank {r}'] for row in rows)
-        assert all(sharded[k] == whole[k] / 2 for k in ('param_bytes', 'grad_bytes', 'optim_bytes')), (r, whole, sharded)
+        halves = all(sharded[k] == whole[k] / 2 for k in ('param_bytes', 'grad_bytes', 'optim_bytes'))
+        assert halves, (r, whole, sharded)
