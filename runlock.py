@@ -52,11 +52,30 @@ def _read_hold(path):
         return {}
 
 
+def _to_make(folder):
+    """The folders that os.makedirs(folder) would make, the deepest first: those not there yet."""
+    made, path = [], os.path.abspath(folder)
+    while not os.path.lexists(path) and path != os.path.dirname(path):
+        made.append(path)
+        path = os.path.dirname(path)
+    return made
+
+
+def _remove_empty(folders):
+    """Removes folders, the deepest first (those not there passed over: a makedirs that failed midway), up to the
+    first that is not empty: another's files in it."""
+    for path in filter(os.path.isdir, folders):
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
+
+
 def _take(folder, what, tidy=False):
     """Takes the hold on folder for this process, or returns the one-line error that refuses it. tidy: the folder
     is removed at the release where it is left empty, whoever made it (try_hold's: a snapshot folder in RAM, or
     export_hf.py's own temporary folder; never out_dir, which hold() takes)."""
-    created = not os.path.isdir(folder)
+    made = _to_make(folder)
     path = os.path.join(folder, HOLD)
     me = {'host': socket.gethostname(), 'pid': os.getpid(), 'since': time.strftime('%Y-%m-%d %H:%M:%S'),
           'launch': launch_identity()}
@@ -68,8 +87,7 @@ def _take(folder, what, tidy=False):
     except OSError as e:  # a full disk: nothing of ours is left behind
         if os.path.exists(mine):
             os.remove(mine)
-        if created and os.path.isdir(folder) and not os.listdir(folder):
-            os.rmdir(folder)
+        _remove_empty(made)
         fix = 'free some space there, or give another folder' if e.errno in (errno.ENOSPC, errno.EDQUOT) else \
             'give a folder this user can write in'
         return f"error: cannot write in {folder} ({e.strerror}): {fix}"
@@ -120,11 +138,8 @@ def _take(folder, what, tidy=False):
         holder = _read_hold(path)
         if holder.get('pid') == me['pid'] and holder.get('host') == me['host']:
             os.remove(path)
-        if created or tidy:
-            try:
-                os.rmdir(folder)  # a folder this run made and left empty (a start that failed), or a dead run's
-            except OSError:
-                pass
+        # the folders this run made and left empty (a start that failed: new/run, and new too), or a dead run's
+        _remove_empty(made or ([folder] if tidy else []))
     threading.Thread(target=beat, daemon=True, name='hold').start()
     atexit.register(release)
     _held[folder] = release
