@@ -71,6 +71,34 @@ def _remove_empty(folders):
             return
 
 
+def _place(mine, path):
+    """Puts the hold written in mine at path, or raises FileExistsError where a hold is there: a hard link, whole at
+    once; on a filesystem without them (vfat, exFAT, some FUSE mounts of buckets) an exclusive create, then the
+    holder (read as {} meanwhile, which is never taken over while it is fresh)."""
+    try:
+        os.link(mine, path)
+        return
+    except FileExistsError:
+        raise
+    except OSError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)  # FileExistsError where a hold is there
+    try:
+        with open(fd, 'wb') as f, open(mine, 'rb') as src:
+            f.write(src.read())
+    except BaseException:
+        os.remove(path)  # a hold cut short would read as a live one's for minutes
+        raise
+
+
+def _cannot_write(folder, e, made):
+    """The one-line error of a hold that could not be written, once the folders made for it are removed."""
+    _remove_empty(made)
+    fix = 'free some space there, or give another folder' if e.errno in (errno.ENOSPC, errno.EDQUOT) else \
+        'give a folder this user can write in'
+    return f"error: cannot write in {folder} ({e.strerror}): {fix}"
+
+
 def _take(folder, what, tidy=False):
     """Takes the hold on folder for this process, or returns the one-line error that refuses it. tidy: the folder
     is removed at the release where it is left empty, whoever made it (try_hold's: a snapshot folder in RAM, or
@@ -87,17 +115,14 @@ def _take(folder, what, tidy=False):
     except OSError as e:  # a full disk: nothing of ours is left behind
         if os.path.exists(mine):
             os.remove(mine)
-        _remove_empty(made)
-        fix = 'free some space there, or give another folder' if e.errno in (errno.ENOSPC, errno.EDQUOT) else \
-            'give a folder this user can write in'
-        return f"error: cannot write in {folder} ({e.strerror}): {fix}"
+        return _cannot_write(folder, e, made)
     if os.path.lexists(path) and not os.path.isfile(path):  # never a hold: no run would ever let it go
         os.remove(mine)
         return (f"error: {path} is no file (a folder, or a link to nothing), where the hold goes: move it out of "
                 f"{folder}")
     try:
         try:
-            os.link(mine, path)  # atomic: fails where a hold exists
+            _place(mine, path)
         except FileExistsError:
             holder = _read_hold(path)
             try:
@@ -120,6 +145,9 @@ def _take(folder, what, tidy=False):
                         f"({path}): wait for it to end or stop it, or give this one another folder")
             os.replace(mine, path)
             print(f"taking over the hold on {folder}: {why}", flush=True)
+        except OSError as e:  # the hold cannot be put in place (a full disk): nothing of ours is left behind
+            os.remove(mine)
+            return _cannot_write(folder, e, made)
     finally:
         if os.path.exists(mine):
             os.remove(mine)
