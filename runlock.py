@@ -52,11 +52,58 @@ def _read_hold(path):
         return {}
 
 
+def _to_make(folder):
+    """The folders that os.makedirs(folder) would make, the deepest first: those not there yet."""
+    made, path = [], os.path.abspath(folder)
+    while not os.path.lexists(path) and path != os.path.dirname(path):
+        made.append(path)
+        path = os.path.dirname(path)
+    return made
+
+
+def _remove_empty(folders):
+    """Removes folders, the deepest first (those not there passed over: a makedirs that failed midway), up to the
+    first that is not empty: another's files in it."""
+    for path in filter(os.path.isdir, folders):
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
+
+
+def _place(mine, path):
+    """Puts the hold written in mine at path, or raises FileExistsError where a hold is there: a hard link, whole at
+    once; on a filesystem without them (vfat, exFAT, some FUSE mounts of buckets) an exclusive create, then the
+    holder (read as {} meanwhile, which is never taken over while it is fresh)."""
+    try:
+        os.link(mine, path)
+        return
+    except FileExistsError:
+        raise
+    except OSError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)  # FileExistsError where a hold is there
+    try:
+        with open(fd, 'wb') as f, open(mine, 'rb') as src:
+            f.write(src.read())
+    except BaseException:
+        os.remove(path)  # a hold cut short would read as a live one's for minutes
+        raise
+
+
+def _cannot_write(folder, e, made):
+    """The one-line error of a hold that could not be written, once the folders made for it are removed."""
+    _remove_empty(made)
+    fix = 'free some space there, or give another folder' if e.errno in (errno.ENOSPC, errno.EDQUOT) else \
+        'give a folder this user can write in'
+    return f"error: cannot write in {folder} ({e.strerror}): {fix}"
+
+
 def _take(folder, what, tidy=False):
     """Takes the hold on folder for this process, or returns the one-line error that refuses it. tidy: the folder
     is removed at the release where it is left empty, whoever made it (try_hold's: a snapshot folder in RAM, or
     export_hf.py's own temporary folder; never out_dir, which hold() takes)."""
-    created = not os.path.isdir(folder)
+    made = _to_make(folder)
     path = os.path.join(folder, HOLD)
     me = {'host': socket.gethostname(), 'pid': os.getpid(), 'since': time.strftime('%Y-%m-%d %H:%M:%S'),
           'launch': launch_identity()}
@@ -68,18 +115,14 @@ def _take(folder, what, tidy=False):
     except OSError as e:  # a full disk: nothing of ours is left behind
         if os.path.exists(mine):
             os.remove(mine)
-        if created and os.path.isdir(folder) and not os.listdir(folder):
-            os.rmdir(folder)
-        fix = 'free some space there, or give another folder' if e.errno in (errno.ENOSPC, errno.EDQUOT) else \
-            'give a folder this user can write in'
-        return f"error: cannot write in {folder} ({e.strerror}): {fix}"
+        return _cannot_write(folder, e, made)
     if os.path.lexists(path) and not os.path.isfile(path):  # never a hold: no run would ever let it go
         os.remove(mine)
         return (f"error: {path} is no file (a folder, or a link to nothing), where the hold goes: move it out of "
                 f"{folder}")
     try:
         try:
-            os.link(mine, path)  # atomic: fails where a hold exists
+            _place(mine, path)
         except FileExistsError:
             holder = _read_hold(path)
             try:
@@ -102,6 +145,9 @@ def _take(folder, what, tidy=False):
                         f"({path}): wait for it to end or stop it, or give this one another folder")
             os.replace(mine, path)
             print(f"taking over the hold on {folder}: {why}", flush=True)
+        except OSError as e:  # the hold cannot be put in place (a full disk): nothing of ours is left behind
+            os.remove(mine)
+            return _cannot_write(folder, e, made)
     finally:
         if os.path.exists(mine):
             os.remove(mine)
@@ -120,11 +166,8 @@ def _take(folder, what, tidy=False):
         holder = _read_hold(path)
         if holder.get('pid') == me['pid'] and holder.get('host') == me['host']:
             os.remove(path)
-        if created or tidy:
-            try:
-                os.rmdir(folder)  # a folder this run made and left empty (a start that failed), or a dead run's
-            except OSError:
-                pass
+        # the folders this run made and left empty (a start that failed: new/run, and new too), or a dead run's
+        _remove_empty(made or ([folder] if tidy else []))
     threading.Thread(target=beat, daemon=True, name='hold').start()
     atexit.register(release)
     _held[folder] = release

@@ -65,6 +65,10 @@ def test_device_and_out_dir(tmp_path, data_dir):
         assert f"{tmp_path / 'scratch'} is a symbolic link to {tmp_path / 'purged'}, which does not exist: make " \
             "that folder" in fails(tmp_path, data, f'--out_dir={out_dir}')
     (tmp_path / 'scratch').unlink()
+    # the folders above a new out_dir that a failed start made (a name too long for the filesystem; a checkpoint
+    # it cannot start from, found once it holds the folder) are removed with it: nothing is left of that start
+    assert 'File name too long' in fails(tmp_path, data, f'--out_dir=new/{"x" * 300}/run')
+    assert 'afile is not a model checkpoint' in fails(tmp_path, data, '--out_dir=new/run', '--init_from=afile')
     (tmp_path / 'cf').mkdir()  # a NUL byte only a config file can give (os raises ValueError on it)
     for key, value in (('out_dir', 'run\\x00'), ('dataset', f'{data_dir / "shakespeare_char"}\\x00')):
         (tmp_path / 'cf' / f'{key}.py').write_text(f'{key} = "{value}"\n')

@@ -121,3 +121,22 @@ def test_a_hold_that_is_a_folder_or_a_link_to_nothing_is_named_not_taken_for_a_r
                        f"goes: move it out of {folder}"
         assert sorted(os.listdir(folder)) == ['run.lock']  # nothing of ours left beside it
     assert (tmp_path / 'a' / 'run.lock' / 'mine').read_text() == 'kept'
+
+
+def test_a_folder_on_a_filesystem_without_hard_links_is_held_all_the_same(tmp_path, monkeypatch):
+    # vfat, exFAT and some FUSE mounts of buckets refuse link(): every start there stopped in a traceback
+    sys.path.insert(0, str(REPO))
+    import errno
+    import runlock
+
+    def no_links(*args, **kwargs):
+        raise PermissionError(errno.EPERM, 'Operation not permitted')
+    monkeypatch.setattr(os, 'link', no_links)
+    folder = tmp_path / 'new' / 'run'
+    assert runlock._take(str(folder), 'a run') is None
+    assert json.loads((folder / 'run.lock').read_text())['pid'] == os.getpid() and os.listdir(folder) == ['run.lock']
+    runlock._held.pop(str(folder))()  # the release at the exit: nothing left of the run that made the folders
+    assert not (tmp_path / 'new').exists()
+    plant(folder, pid=1)  # alive on this host: a second run is refused, its hold left as it was
+    assert 'is in use by a run on host' in runlock._take(str(folder), 'a run')
+    assert json.loads((folder / 'run.lock').read_text())['pid'] == 1 and os.listdir(folder) == ['run.lock']
