@@ -18,36 +18,38 @@ SHARED_DATA = REPO.parent / 'shared' / 'data'
 SHAKESPEARE = SHARED_DATA / 'tinyshakespeare' / 'input.txt'
 
 # The test files, slowest first, by their time in `pytest -n 3 --dist loadfile --durations=0 tests` on the 2-core
-# machine (seconds, summed over their tests): each xdist worker takes the next file when it is done with one, so with
-# the slow ones first the workers end within seconds of each other. xdist would otherwise order the files by their
-# number of tests, which put the slowest last and left a worker idle for up to two minutes at the end. A file not
-# listed goes after these. CPU: the CPU seconds of the file's whole process tree, `pytest -q` on that file alone,
-# before and after a change (the figure that counts on 2 cores; wall time there is the other jobs' noise).
-SLOWEST_FIRST = ['test_fault.py',  # 170; CPU alone 243 -> 215 s (its SIGTERM runs ride on the SIGKILL jobs)
-                 'test_interrupt.py',  # 55 with Ctrl-C in every entrypoint, prepare.py and bench.py; CPU 49 -> 43 s
-                 'test_fault_write.py',  # 144; CPU alone 124 -> 96 s (8 steps, a save every 2)
-                 'test_ds.py',  # 123; CPU 89 s (91 with its runs without deepspeed in fresh interpreters)
-                 'test_pp.py',  # 198 in the suite (4-rank runs: sharded pipelines, pp 2 x tp 2); CPU 145 s
-                 'test_cluster.py',  # 96 in the suite, with bench_network.py's smoke runs forked from the test server
-                 'test_slurm.py',  # 109; 93 s of CPU
-                 'test_interop.py',  # 76
-                 'test_saved_state.py',  # 89 with the shared runs' setup, on a busy machine (load 6); 53 s of CPU
-                 'test_gpu_check.py',  # 122 in the suite (its dry run's part A three runs at a time); 104 s of CPU
-                 'test_fault_single.py',  # 67 with its killed and signalled runs forked (117-180 in fresh interpreters)
-                 'test_hellaswag.py',  # 64; 58 s of CPU (70 with 2-step runs, full evals in the loop)
-                 'test_fault_resize.py',  # 55
-                 'test_compat.py',  # 42
-                 'test_keep.py',  # 42
-                 'test_fsdp.py',  # 39
-                 'test_fineweb.py',  # 29
-                 'test_random_data.py',  # 117 with other jobs on the 2 cores; not timed idle
-                 'test_decent.py',  # 25
-                 'test_prepare.py',  # 21
-                 'test_runlock.py',  # 134 with other jobs on the cores (71 of it the shared data's setup)
-                 'test_names_from_files.py',  # 48 with other jobs on the cores
-                 'test_coming_from.py',  # 14
-                 'test_tools_bad_input.py',  # 13
-                 'test_diloco.py']  # 12 (10.5 idle with Streaming DiLoCo's, 7 before); the rest under 10 each
+# machine (seconds, summed over their tests; the figures are 8e7e89f's run: 811 tests in 625 s, 1,825 s summed, 608 s
+# a worker on average, so the order, an earlier run's, leaves little idle): each xdist worker takes the next file
+# when it is done with one, so with the slow ones first the workers end within seconds of each other. xdist would
+# otherwise order the files by their number of tests, which put the slowest last and left a worker idle for up to
+# two minutes at the end. A file not listed goes after these. CPU: the CPU seconds of the file's whole process tree,
+# `pytest -q` on that file alone, before and after a change (the figure that counts on 2 cores; wall time there is
+# the other jobs' noise).
+SLOWEST_FIRST = ['test_fault.py',  # 249; CPU alone 243 -> 215 s (its SIGTERM runs ride on the SIGKILL jobs)
+                 'test_interrupt.py',  # 63 (Ctrl-C in every entrypoint, prepare.py, bench.py; forked); CPU 49 -> 43 s
+                 'test_fault_write.py',  # 118; CPU alone 124 -> 96 s (8 steps, a save every 2)
+                 'test_ds.py',  # 111; CPU 89 s (91 with its runs without deepspeed in fresh interpreters)
+                 'test_pp.py',  # 212 (4-rank runs: sharded pipelines, pp 2 x tp 2; 8 ranks sharded x tp 2); CPU 145 s
+                 'test_cluster.py',  # 103, with bench_network.py's smoke runs forked from the test server
+                 'test_slurm.py',  # 114; 93 s of CPU
+                 'test_interop.py',  # 87
+                 'test_saved_state.py',  # 69 with the shared runs' setup; 53 s of CPU
+                 'test_gpu_check.py',  # 89 (its dry run's part A three runs at a time); 104 s of CPU
+                 'test_fault_single.py',  # 69 with its killed and signalled runs forked (117-180 in fresh interpreters)
+                 'test_hellaswag.py',  # 62; 58 s of CPU (70 with 2-step runs, full evals in the loop)
+                 'test_fault_resize.py',  # 45
+                 'test_compat.py',  # 40
+                 'test_keep.py',  # 52
+                 'test_fsdp.py',  # 45
+                 'test_fineweb.py',  # 51
+                 'test_random_data.py',  # 17
+                 'test_decent.py',  # 22
+                 'test_prepare.py',  # 48
+                 'test_runlock.py',  # 5 (the shared data's setup elsewhere)
+                 'test_names_from_files.py',  # 8
+                 'test_coming_from.py',  # 9
+                 'test_tools_bad_input.py',  # 19
+                 'test_diloco.py']  # 16; the rest under 15 each
 
 
 def pytest_configure(config):
