@@ -1291,12 +1291,18 @@ def set_aside_damaged(out_dir, damaged):
                 os.replace(os.path.join(root, name), aside)
                 print(f"the damaged {os.path.join(root, name)} is kept as {aside}, out of the folders that this "
                       f"run's saves replace and prune", flush=True)
-                left = [n for n in step_folders(root) if os.path.basename(n) < name]
-                if read_name(os.path.join(root, 'latest')) == name and left:
-                    write_name(os.path.join(root, 'latest'), os.path.basename(left[0]))
-                elif read_name(os.path.join(root, 'latest')) == name:
-                    os.remove(os.path.join(root, 'latest'))
+                latest_before(root, name)
     return moved
+
+
+def latest_before(root, name):
+    """Where latest named the step folder name, just moved aside: it names the newest folder before it, or goes."""
+    if read_name(os.path.join(root, 'latest')) == name:
+        left = [n for n in step_folders(root) if os.path.basename(n) < name]
+        if left:
+            write_name(os.path.join(root, 'latest'), os.path.basename(left[0]))
+        else:
+            os.remove(os.path.join(root, 'latest'))
 
 
 def set_aside_others(out_dir, run_id, resume_path):
@@ -1320,12 +1326,7 @@ def set_aside_others(out_dir, run_id, resume_path):
             os.replace(folder, aside)
             print(f"{folder} was saved by another run (id {theirs}, not this run's {run_id}): kept as {aside}, out of "
                   f"the folders that this run's saves replace and prune", flush=True)
-            if read_name(os.path.join(root, 'latest')) == name:
-                left = [n for n in step_folders(root) if os.path.basename(n) < name]
-                if left:
-                    write_name(os.path.join(root, 'latest'), os.path.basename(left[0]))
-                else:
-                    os.remove(os.path.join(root, 'latest'))
+            latest_before(root, name)
 
 
 _kept = {}  # out_dir -> (the folder that keep_earlier_run moved the earlier run's saved states into, their names)

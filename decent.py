@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from checkpoint import checkpoint_iter, note_failure, point_latest, take_settings, unused, wait_for_copies
+from checkpoint import (checkpoint_iter, latest_before, note_failure, point_latest, take_settings, unused,
+                        wait_for_copies)
 from distributed import launch_with
 
 
@@ -382,6 +383,8 @@ def set_aside_incomplete(folder):
         if not whole:
             aside = unused(os.path.join(os.path.dirname(folder), 'incomplete-' + os.path.basename(folder)))
             os.replace(folder, aside)
+            # latest names the whole one before it until the save is done (a failed save leaves it there)
+            latest_before(os.path.dirname(folder), os.path.basename(folder))
             print(f"{folder} lacks a rank's file (a save cut short, or a file removed): kept as {aside}, and the "
                   f"step saved anew", flush=True)
     dist.barrier()

@@ -381,3 +381,29 @@ def test_at_another_world_size_every_rank_starts_from_the_average_of_the_replica
     assert not (folder.parent / 'best-step-00000003').exists()
     assert {f.name: f.read_bytes() for f in (folder.parent / 'best-step-00000006').iterdir()} == before
     assert torch.load(tmp_path / 'run' / 'best.pt', weights_only=True)['iter_num'] == 6
+
+
+SET_ASIDE = '''
+import os, sys
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[2])  # the repo
+from decent import set_aside_incomplete
+dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)
+root = os.path.join(sys.argv[1], 'decent')
+set_aside_incomplete(os.path.join(root, 'step-00000009'))
+dist.destroy_process_group()
+'''
+
+
+def test_latest_never_names_a_folder_set_aside_as_incomplete(tmp_path):
+    # step 9's folder lacking a rank's file, named by latest (its other file removed by hand): set aside before the
+    # save of step 9, latest named that missing folder until the save was done, and for good where it failed
+    root = tmp_path / 'decent'
+    for step in (8, 9):
+        (root / f'step-{step:08d}').mkdir(parents=True)
+    (root / 'step-00000009' / 'rank-1.pt').write_bytes(b'')
+    (root / 'latest').write_text('step-00000009')
+    (tmp_path / 'set_aside.py').write_text(SET_ASIDE)
+    run(tmp_path / 'set_aside.py', tmp_path, REPO, cwd=tmp_path)
+    assert sorted(f.name for f in root.iterdir()) == ['incomplete-step-00000009', 'latest', 'step-00000008']
+    assert (root / 'latest').read_text() == 'step-00000008'
