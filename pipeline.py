@@ -96,13 +96,13 @@ def untaken(schedule, m, pp, dp=1):
             + (f" (counted over the {dp} pipelines)" if dp > 1 else "") + ", or use --pp_schedule=gpipe")
 
 
-def sharding_refused(schedule, pp, v, v_shape, dp_shard, adamw_on_shards):
-    """None where pp_train.py builds the sharding asked for (dp_shard, adamw_on_shards) with these stages (v a
-    rank, in a V or not), tensor parallel or not; else the one-line error that says why not and what to change."""
-    if dp_shard and (v_shape or pp == 1 and v > 1):  # two FSDP roots cannot share the tied embedding's weight
-        return (f"dp_shard=True shards each stage on its own, and {schedule} at pp_size={pp} puts the first and the "
-                f"last stage, which share the tied embedding, on one rank: use "
-                + ("--pp_schedule=interleaved-zb" if v_shape else "--pp_size=2 or more, or fsdp_train.py"))
+def sharding_refused(pp, v, dp_shard, adamw_on_shards=False):
+    """None where pp_train.py builds the sharding asked for (dp_shard, adamw_on_shards) with v stages a rank at
+    pp_size=pp; else the one-line error that says why not and what to change."""
+    if dp_shard and pp == 1 and v > 3:  # the first stage would be let go while the last still computes with its tie
+        return (f"dp_shard=True with {v} stages on one rank (pp_size=1): the first stage gathers the tied embedding "
+                f"for the last, and torch's schedules hold 3 stages of a rank gathered at a time: set "
+                f"--stages_per_rank=3 or less, or use fsdp_train.py")
     if adamw_on_shards and not dp_shard:  # plain stages' parameters are plain tensors: there is no dispatch to skip
         return "adamw_on_shards=True steps AdamW on the shards of dp_shard=True: add --dp_shard=True, or drop it"
     return None
@@ -174,13 +174,22 @@ def shard_stages(stages, raw_model, dp_mesh, dtype):
     schedules send and receive them in the dtype that their first step finds. The GPT's head is tied to the sharded
     embedding again where no stage of this rank holds it, so that its parameters' names stay the GPT's own (a copy
     left behind would be one name too many in the optimizer's count). Tensor parallel blocks are sharded as
-    fsdp_train.py's: their matrices' pieces become 2-D DTensors (dp's shard of each tp piece), the rest dp's alone."""
+    fsdp_train.py's: their matrices' pieces become 2-D DTensors (dp's shard of each tp piece), the rest dp's alone.
+    Where one rank holds the first and the last stage (zbv's V, or pp 1), the tied weight is the first stage's root's
+    alone: the head is put in its tree too, so that FSDP sets the gathered weight on it (as on any module sharing a
+    parameter), and the last stage's root leaves the weight out. The last stage computes with it, and its gradient
+    adds to the first stage's before their root reduce-scatters it once: torch's schedules gather the first stage
+    before its first forward, which comes before the last's, and let it go after its final backward, which comes
+    after the last's, while a rank holds 3 stages or fewer (sharding_refused)."""
     fsdp = dict(mesh=dp_mesh, reshard_after_forward=False,
                 mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
+    both_ends = len(stages) > 1 and stages[0].first and stages[-1].last
+    if both_ends:
+        stages[0].lm_head = stages[-1].lm_head
     for stage in stages:
         for block in stage.transformer.h.values():
             fully_shard(block, **fsdp)
-        fully_shard(stage, **fsdp)
+        fully_shard(stage, **fsdp, ignored_params={stage.lm_head.weight} if both_ends and stage.last else None)
     raw_model.lm_head.weight = raw_model.transformer.wte.weight
 
 

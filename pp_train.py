@@ -8,6 +8,8 @@ PP x DP, 2 nodes: torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --r
 Zero bubble:      torchrun --standalone --nproc_per_node=4 pp_train.py config/train_gpt2.py --pp_size=4 \
                       --pp_schedule=interleaved-zb --compile=False
 PP x FSDP:        torchrun --standalone --nproc_per_node=8 pp_train.py config/train_gpt2.py --pp_size=4 --dp_shard=True
+ZBV x FSDP:       torchrun --standalone --nproc_per_node=8 pp_train.py ... --pp_size=4 --pp_schedule=zbv --dp_shard=True \
+                      --compile=False  (the first rank's two stages: the tied embedding's shards in the first's)
 DP x PP x TP:     torchrun --standalone --nproc_per_node=8 pp_train.py config/train_gpt2.py --pp_size=2 --tp_size=2
 FSDP x PP x TP:   torchrun --standalone --nproc_per_node=8 pp_train.py ... --pp_size=2 --tp_size=2 --dp_shard=True
 
@@ -126,7 +128,7 @@ if pp_schedule in ZERO_BUBBLE and compile:  # a compiled block's backward is one
     sys.exit(f"error: {pp_schedule} computes a stage's input gradients and its weights' apart, which torch.compile'd "
              f"blocks cannot: add --compile=False, or use --pp_schedule=interleaved-1f1b")
 v, v_shape = placement(pp_schedule, stages_per_rank)  # the stages each rank holds, and whether in a V
-if message := sharding_refused(pp_schedule, pp_size, v, v_shape, dp_shard, adamw_on_shards):
+if message := sharding_refused(pp_size, v, dp_shard, adamw_on_shards):
     sys.exit(f"error: {message}")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'

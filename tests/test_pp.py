@@ -71,6 +71,8 @@ def sizes(tmp_path_factory):
     (1, 1, 'interleaved-1f1b', False, 1),
     # each stage sharded over the 2 pipelines (FSDP): a rank holds half its stages' state
     (4, 2, '1f1b', True, 1), (4, 2, 'interleaved-1f1b', True, 1),
+    # and in zbv's V, whose first rank holds both ends of the tied weight: its first stage's FSDP root owns it
+    (4, 2, 'zbv', True, 1),
     # each stage tensor parallel over 2 ranks (3-D: dp 1 x pp 2 x tp 2), stopped and resumed below
     (4, 2, '1f1b', False, 2),
     # and sharded over 2 pipelines besides (FSDP over TP stages, 2-D DTensors: dp 2 x pp 2 x tp 2), the same
@@ -78,7 +80,7 @@ def sizes(tmp_path_factory):
 ], ids=['pp2-gpipe', 'pp2-1f1b', 'pp2-interleaved', 'pp4-gpipe', 'pp4-1f1b', 'pp4-interleaved',
         'dp2xpp2-gpipe', 'dp2xpp2-1f1b', 'dp2xpp2-interleaved', 'pp2-zero-bubble', 'dp2xpp2-zero-bubble', 'pp2-zbv',
         'dp2xpp2-zbv', 'pp2-dualpipev', 'pp1-interleaved', 'sharded-dp2xpp2-1f1b', 'sharded-dp2xpp2-interleaved',
-        'pp2xtp2-1f1b', 'sharded-dp2xpp2xtp2'])
+        'sharded-dp2xpp2-zbv', 'pp2xtp2-1f1b', 'sharded-dp2xpp2xtp2'])
 def test_pipeline_matches_single_process(tmp_path, data_dir, ref, sizes, nproc, pp, schedule, shard, tp):
     launch('pp_train.py', tmp_path, data_dir, 'pp', f'--max_iters={STEPS}', f'--pp_size={pp}',
            f'--pp_schedule={schedule}', '--save_consolidated=True', f'--dp_shard={shard}', f'--tp_size={tp}',
@@ -126,10 +128,12 @@ def test_pipeline_matches_single_process(tmp_path, data_dir, ref, sizes, nproc, 
             assert abs(got - whole / 2) <= 0.1 * got, (rank, got, row)
             got = sum(measured[rank % (pp * tp)::pp * tp])  # the stage's ranks of this tp rank
         assert abs(got - whole) <= 0.01 * got, (rank, got, row)
-    if tp > 1:
-        # stopped at step 4 (its checkpoint there: the tp groups' pieces of the matrices, as DTensors) and resumed: in
-        # its own layout bit for bit, and in a pipeline of 2 ranks without tensor parallelism on train.py's curve
-        for out, n, flags in (('again', nproc, [f'--tp_size={tp}', f'--dp_shard={shard}']), ('whole', 2, [])):
+    if tp > 1 or shard and schedule == 'zbv':
+        # stopped at step 4 (its checkpoint there: the tp groups' pieces of the matrices, as DTensors; in the V the
+        # tied weight's shards once, the first stage's) and resumed: in its own layout bit for bit, and in a pipeline
+        # of 2 ranks, neither tensor parallel nor sharded, on train.py's curve
+        for out, n, flags in (('again', nproc, [f'--tp_size={tp}', f'--dp_shard={shard}',
+                                                f'--pp_schedule={schedule}']), ('whole', 2, [])):
             shutil.copytree(tmp_path / 'pp', tmp_path / out)
             for f in [*(tmp_path / out).glob('*.pt'), *(tmp_path / out / 'dcp').glob('*-00000006')]:
                 shutil.rmtree(f) if f.is_dir() else f.unlink()
@@ -338,10 +342,12 @@ def test_stages_per_rank_below_one_is_a_one_line_error(tmp_path, data_dir):
     (2, ['--pp_schedule=dualpipev', '--compile=False', '--gradient_accumulation_steps=2'],
      "error: dualpipev does not run 2 micro-batches per pipeline (it needs one for each of its 4 stages at least): set "
      "--gradient_accumulation_steps=4, or use --pp_schedule=gpipe"),
-    # two FSDP roots would share the tied weight on the V's first rank
-    (2, ['--pp_schedule=zbv', '--compile=False', '--dp_shard=True'],
-     "error: dp_shard=True shards each stage on its own, and zbv at pp_size=2 puts the first and the last stage, which "
-     "share the tied embedding, on one rank: use --pp_schedule=interleaved-zb"),
+    # a rank of 4 sharded stages: torch's schedules let the first go (it gathers the tied weight for the last), and
+    # the last stage's head got the sharded weight: a DTensor error, after the group had started
+    (1, ['--pp_size=1', '--pp_schedule=interleaved-1f1b', '--stages_per_rank=4', '--dp_shard=True'],
+     "error: dp_shard=True with 4 stages on one rank (pp_size=1): the first stage gathers the tied embedding for the "
+     "last, and torch's schedules hold 3 stages of a rank gathered at a time: set --stages_per_rank=3 or less, or use "
+     "fsdp_train.py"),
     # plain python: it said 'does not divide the world size 1', and not how to start 2 ranks
     (1, [], "error: pp_size=2 needs 2 processes (or a multiple), and plain python starts one process: launch with "
      "`torchrun --nproc_per_node=2 pp_train.py ...`"),
@@ -350,16 +356,12 @@ def test_stages_per_rank_below_one_is_a_one_line_error(tmp_path, data_dir):
      "error: adamw_on_shards=True steps AdamW on the shards of dp_shard=True: add --dp_shard=True, or drop it"),
     # tensor parallel stages: over the ranks of a stage
     (2, ['--tp_size=2'], "error: tp_size=2 does not divide world size / pp_size = 1: use a divisor of it"),
-    # sharded TP stages in zbv's V: the V's refusal, naming interleaved-zb, which runs them
-    (4, ['--tp_size=2', '--dp_shard=True', '--pp_schedule=zbv', '--compile=False'],
-     "error: dp_shard=True shards each stage on its own, and zbv at pp_size=2 puts the first and the last stage, which "
-     "share the tied embedding, on one rank: use --pp_schedule=interleaved-zb"),
     # TP stages take --dp_shard=True, and AdamW on its shards
     (2, ['--tp_size=2', '--adamw_on_shards=True'],
      "error: adamw_on_shards=True steps AdamW on the shards of dp_shard=True: add --dp_shard=True, or drop it"),
 ], ids=['interleaved-pp2', 'interleaved-dp2xpp2', '1f1b-dp2xpp2', 'zero-bubble-compiled', 'zbv-compiled',
-        'dualpipev-micro-batches', 'zbv-sharded', 'plain-python', 'adamw-on-shards-unsharded', 'tp-world',
-        'tp-sharded', 'tp-adamw-on-shards'])
+        'dualpipev-micro-batches', 'sharded-pp1-4-stages', 'plain-python', 'adamw-on-shards-unsharded', 'tp-world',
+        'tp-adamw-on-shards'])
 def test_micro_batches_a_schedule_cannot_run_are_a_one_line_error_naming_counts_it_runs(tmp_path, data_dir, nproc,
                                                                                         args, message):
     p = launch('pp_train.py', tmp_path, data_dir, 'out', '--pp_size=2', *args, nproc=nproc, check=False)
