@@ -14,6 +14,7 @@ Checkpoints, shared by every entrypoint and tool. Three parts:
 What goes into a checkpoint, and loading the optimizer, RNG and data position, stays in each entrypoint.
 """
 
+import atexit
 import functools
 import io
 import json
@@ -1330,12 +1331,13 @@ def set_aside_others(out_dir, run_id, resume_path):
 
 
 _kept = {}  # out_dir -> (the folder that keep_earlier_run moved the earlier run's saved states into, their names)
+_unsettled = {}  # out_dir -> (before-RUN_ID.tmp, before-RUN_ID): an earlier run set aside by a start not yet training
 
 
 def where_kept(path):
     """path, or where keep_earlier_run has moved what it names: a run started afresh over out_dir from the weights
     of out_dir (or of a file or folder in it) reads them there."""
-    for out_dir, (kept_as, names) in _kept.items():
+    for out_dir, (kept_as, names) in _kept.items():  # (the .tmp folder, until the start settles: settle_earlier_run)
         rel = os.path.relpath(os.path.abspath(path), out_dir)
         if rel == '.':
             return kept_as
@@ -1352,10 +1354,11 @@ RUN_NAMES = re.compile(r'(ckpt|best)(\.prev\d*)?\.pt|(diverged|damaged)-.+|dcp|d
 def keep_earlier_run(out_dir, earlier):
     """A run started afresh in an out_dir that holds another run's saved states (--auto_resume=False, or a run
     whose own state was never saved) would rotate and prune them, replace its best by a worse one and its
-    config.json by its own. They move, as they are, into out_dir/before-RUN_ID/ (renames, nothing copied or lost);
-    `earlier` is the id in out_dir/run_id, if any. A log with no saved state is kept by runlog.open_log. Returns
-    (that folder, the names moved), or None where there was nothing to move. Its memory snapshots, which
-    keep_earlier_snapshots put in out_dir, count as saved states: a run that saved only those keeps its config.json."""
+    config.json by its own. They move, as they are, into out_dir/before-RUN_ID.tmp/ (renames, nothing copied or
+    lost), named before-RUN_ID/ once the run begins (settle_earlier_run); `earlier` is the id in out_dir/run_id, if
+    any. A log with no saved state is kept by runlog.open_log. Returns (the .tmp folder, the names moved), or None
+    where there was nothing to move. Its memory snapshots, which keep_earlier_snapshots put in out_dir, count as
+    saved states: a run that saved only those keeps its config.json."""
     snapshots = re.compile(rf'snapshots\.before-{re.escape(earlier or "")}-.+')
     names = sorted(n for n in os.listdir(out_dir) if RUN_NAMES.fullmatch(n) or earlier and snapshots.fullmatch(n)) \
         if os.path.isdir(out_dir) else []
@@ -1366,20 +1369,46 @@ def keep_earlier_run(out_dir, earlier):
     while os.path.lexists(kept_as) or os.path.lexists(kept_as + '.tmp'):
         n += 1
         kept_as = f'{base}.{n}'
-    # into a folder of a temporary name, renamed once they are all in: the run moves whole or not at all (a start
-    # killed midway leaves the .tmp, which the next one puts back, put_back_earlier_run)
+    # into a folder of a temporary name, renamed once the new run begins (settle_earlier_run): the run moves whole
+    # or not at all, and a start that stops before it trains (a bad flag, an init_from that cannot be read, a
+    # killed start) leaves it where a plain restart resumes it: put back at its exit, or by the next start
     os.mkdir(kept_as + '.tmp')
+    _unsettled[os.path.abspath(out_dir)] = (kept_as + '.tmp', kept_as)
+    atexit.register(_put_back_unsettled)  # now: it runs before distributed.start's exit, registered earlier
     for name in names:
         os.rename(os.path.join(out_dir, name), os.path.join(kept_as + '.tmp', name))
-    os.rename(kept_as + '.tmp', kept_as)
-    print(f"{out_dir} holds an earlier run's saved states: kept, as they were, in {kept_as}", flush=True)
-    return os.path.abspath(kept_as), names
+    return os.path.abspath(kept_as + '.tmp'), names
 
 
-def put_back_earlier_run(out_dir):
-    """A start killed while keep_earlier_run moved an earlier run's saved states left that run in two parts, in
-    out_dir/before-RUN_ID.tmp/ and out_dir, which no resume or tool reads as the run: they go back where they were,
-    as if that start had never begun, and this start keeps them whole, or resumes them, as it is told."""
+def settle_earlier_run(out_dir):
+    """Called as a new run begins to write (runlog.open_log, rank 0): the earlier run that keep_earlier_run moved
+    aside takes its own name, before-RUN_ID/."""
+    tmp, kept_as = _unsettled.pop(os.path.abspath(out_dir), (None, None))
+    if tmp:
+        os.rename(tmp, kept_as)
+        print(f"{out_dir} holds an earlier run's saved states: kept, as they were, in {kept_as}", flush=True)
+
+
+def _put_back_unsettled():
+    """A start that exits before its run begins (an error after find_resume) leaves out_dir as it found it."""
+    while _unsettled:
+        put_back_earlier_run(_unsettled.popitem()[0], say=False)
+
+
+def as_settled(path):
+    """path, named as it is once the start settles: in before-RUN_ID/, not in the .tmp folder it is read from now."""
+    for tmp, kept_as in _unsettled.values():
+        rel = os.path.relpath(os.path.abspath(path), os.path.abspath(tmp))
+        if rel.split(os.sep)[0] != os.pardir:
+            return os.path.normpath(os.path.join(kept_as, rel))
+    return path
+
+
+def put_back_earlier_run(out_dir, say=True):
+    """A start that stopped before its run began, once keep_earlier_run had moved an earlier run's saved states,
+    left them in out_dir/before-RUN_ID.tmp/ (killed midway, in two parts: there and in out_dir), which no resume or
+    tool reads as the run: they go back where they were, as if that start had never begun, and this start keeps
+    them whole, or resumes them, as it is told. say: a line that says so."""
     for tmp in sorted(os.listdir(out_dir) if os.path.isdir(out_dir) else []):
         if not (re.fullmatch(r'before-.+\.tmp', tmp) and os.path.isdir(os.path.join(out_dir, tmp))):
             continue
@@ -1390,8 +1419,9 @@ def put_back_earlier_run(out_dir):
                 os.rename(os.path.join(out_dir, tmp, name), os.path.join(out_dir, name))
         if not os.listdir(os.path.join(out_dir, tmp)):
             os.rmdir(os.path.join(out_dir, tmp))
-        print(f"a start over {out_dir} was killed while it moved an earlier run's saved states into "
-              f"{os.path.join(out_dir, tmp)}: put back in {out_dir}, as they were", flush=True)
+        if say:
+            print(f"a start over {out_dir} was killed before its run began, with an earlier run's saved states in "
+                  f"{os.path.join(out_dir, tmp)}: put back in {out_dir}, as they were", flush=True)
 
 
 def unused(path):
@@ -1763,7 +1793,7 @@ def create_model(resume_path, read, init_from, model_args, config, given):
         model, ckpt, read = checkpoint_or_exit(init_from, "give a ckpt.pt, a sharded checkpoint or a run folder",
                                                model_args['dropout'])
         take_shape(model_args, ckpt['model_args'], config, given)
-        print0(f"initializing from the weights of {read}")
+        print0(f"initializing from the weights of {as_settled(read)}")
     else:
         model = GPT(GPTConfig(**model_args))
     block_size = config['block_size']

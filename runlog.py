@@ -17,7 +17,7 @@ import time
 
 import torch.distributed as dist
 
-from checkpoint import reason, wait_for_saves
+from checkpoint import reason, settle_earlier_run, wait_for_saves
 from distributed import verdicts
 from keep import set_aside
 
@@ -31,8 +31,11 @@ def open_log(out_dir, run_id, settings, resumed_at=None, write=True, eval_only=F
     the checkpoint, and are kept unless the resumed run logs them again (the last eval of a finished run that is
     extended, off eval_interval, is not). An eval_only run writes nothing but its rows, appended and marked
     "eval_only": true: it evaluates a run (or a model), and is no run of its own, so a resume keeps them (read_log).
-    write=False (every rank but the first) makes log do nothing. A file that cannot be written (a full disk) is a
-    one-line error, with nothing half-written left."""
+    write=False (every rank but the first) makes log do nothing (write=True also settles an earlier run that the
+    start set aside: checkpoint.settle_earlier_run). A file that cannot be written (a full disk) is a one-line
+    error, with nothing half-written left."""
+    if write and not eval_only:
+        settle_earlier_run(out_dir)  # the start has passed its checks: the earlier run it set aside stays aside
     t_start, metrics = time.time(), []
     mark = {'eval_only': True} if eval_only else {}
     pending = []  # (kind, line): the evals logged at resumed_at, written once the resumed run has not redone them

@@ -834,6 +834,10 @@ def test_a_start_killed_as_it_keeps_an_earlier_run_leaves_that_run_whole(tmp_pat
     assert not list(out.glob('before-*')) and files(out).keys() == before.keys()
     assert f"put back in {out}, as they were" in p.stdout
     before = files(out)
+    # a start afresh refused after it set the run aside (init_from's shape contradicts a flag) left it in before-*/:
+    # the next plain start, meant to resume it, started a new run over it
+    p = run(REPO / 'train.py', *afresh, f'--init_from={out}', '--n_layer=3', cwd=tmp_path, check=False)
+    assert one_line_error(p).startswith('error: n_layer=3 contradicts') and files(out) == before
     assert run(killed, REPO / 'train.py', *afresh, cwd=tmp_path, check=False).returncode == 9
     start(tmp_path, data_dir, out, '--max_iters=6', '--auto_resume=False')  # the same start again: kept whole
     assert [f.name for f in out.glob('before-*')] == [f'before-{earlier}']
