@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from data import data_dir, meta_vocab, vocabulary
 from model import GPT, GPTConfig
-from runlock import HOLD, let_go, try_hold
+from runlock import HOLD, launch_identity, let_go, try_hold
 
 
 def find_checkpoint(path):
@@ -1079,6 +1079,10 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         dist.barrier()  # before any rank reads out_dir
     # an eval of another model is no resume; an eval of out_dir (init_from=scratch) is one of its newest state
     wanted = init_from == 'resume' or (auto_resume and (not eval_only or init_from == 'scratch'))
+    # a start afresh that its launcher restarts (a worker lost under torchrun, a SLURM requeue) goes on with the run
+    # it began: afresh again, each restart would set aside the steps since and train from step 0
+    relaunch = not auto_resume and not eval_only and relaunched(out_dir)
+    wanted = wanted or relaunch
     run_id_path = os.path.join(out_dir, 'run_id')
     # the run there, read before rank 0 moves it (keep_earlier_run); an eval of another model has no business with it
     earlier = read_run_id(run_id_path) if os.path.isfile(run_id_path) and (wanted or not eval_only) else None
@@ -1234,6 +1238,10 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                f"{resume_from[0]}; nothing in {out_dir} is written but its eval rows in metrics.jsonl")
     elif eval_only and init_from == 'scratch':
         print0(f"eval_only: {out_dir} holds no run, so this evaluates a new, untrained model")
+    elif resume_from is not None and relaunch and init_from != 'resume':
+        print0(f"auto-resume: {out_dir} holds the state of the run that this launch started (iter {resume_from[0]}), "
+               f"and its launcher has restarted it, so it continues: --auto_resume=False started it afresh over the "
+               f"run before, never over itself")
     elif resume_from is not None and init_from != 'resume':
         # init_from names where a new run starts, which this one did long ago: one who meant a new run is told
         start = "--auto_resume=False starts afresh" if init_from == 'scratch' else \
@@ -1255,6 +1263,18 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     if first and not eval_only and not holds_a_copys_snapshots():
         try_hold(snapshot_dir(run_id), "a run of a copy of this run's folder")  # a new run's (held above otherwise)
     return run_id, resume_from
+
+
+def relaunched(out_dir):
+    """Whether the run in out_dir was started, or last resumed, by this very launch (a torchrun job's rendezvous,
+    a SLURM job), which runlog.open_log writes into its config.json: the launcher has restarted it."""
+    if launch_identity() is None:  # a launch with no name of its own (plain python, a static rendezvous)
+        return False
+    try:
+        with open(os.path.join(out_dir, 'config.json'), encoding='utf-8') as f:
+            return json.loads(f.read(1 << 20)).get('launch') == launch_identity()
+    except (OSError, ValueError, AttributeError):  # none, or not a run's: no launch to compare
+        return False
 
 
 def set_aside_damaged(out_dir, damaged):

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from checkpoint import reason, settle_earlier_run, wait_for_saves
 from distributed import verdicts
 from keep import set_aside
+from runlock import launch_identity
 
 EVALS = ('val_loss', 'hellaswag_acc_norm')  # the rows of an iteration's evals, which come before its checkpoint
 
@@ -107,6 +108,8 @@ def _start(out_dir, run_id, settings, resumed_at, eval_only, first_row, made, pe
             n += 1  # never over another one kept so
         os.replace(path, aside)
         print(f"{path} holds an earlier run's log: kept as {aside}", flush=True)
+    # the launch, so that its launcher's restart of a run started afresh resumes it (checkpoint.relaunched)
+    settings = {**settings, 'launch': launch_identity()}
     for name, text in (('run_id', run_id), ('config.json', json.dumps(settings, indent=1)),
                        ('metrics.jsonl', ''.join(kept) + settle() + first_row)):
         if not os.path.exists(os.path.join(out_dir, name)):

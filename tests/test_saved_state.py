@@ -803,6 +803,19 @@ def test_a_run_started_afresh_over_another_keeps_that_runs_states_whole_beside_i
     assert f'initializing from the weights of {out / f"before-{third}"}' in p.stdout, p.stdout[-2000:]
 
 
+def test_a_start_afresh_that_its_launcher_restarts_resumes_its_own_run(tmp_path, data_dir, shared_run, monkeypatch):
+    # a SLURM requeue (or torchrun's restart of its workers) of a job started with --auto_resume=False started afresh
+    # again: each restart set aside the steps since and trained from step 0
+    shutil.copytree(shared_run('train.py', *ARGS), tmp_path / 'run')
+    out = tmp_path / 'run'
+    monkeypatch.setenv('SLURM_JOB_ID', '4242')
+    start(tmp_path, data_dir, out, '--max_iters=6', '--auto_resume=False')  # the job's first run: afresh over the run
+    first = (out / 'run_id').read_text()
+    p = start(tmp_path, data_dir, out, '--max_iters=8', '--auto_resume=False')  # the job requeued
+    assert f"resuming from {out / 'ckpt.pt'} at iter 6" in p.stdout and "its launcher has restarted it" in p.stdout
+    assert (out / 'run_id').read_text() == first and len(list(out.glob('before-*'))) == 1
+
+
 KILLED_MIDWAY = '''import os, runpy, sys
 moved, real = [], os.rename
 def rename(src, dst):  # dies as a SIGKILL would, with two of the earlier run's names moved aside
