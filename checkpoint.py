@@ -1266,9 +1266,16 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
 
 
 def relaunched(out_dir):
-    """Whether the run in out_dir was started, or last resumed, by this very launch (a torchrun job's rendezvous,
-    a SLURM job), which runlog.open_log writes into its config.json: the launcher has restarted it."""
-    if launch_identity() is None:  # a launch with no name of its own (plain python, a static rendezvous)
+    """Whether this start is its launcher's restart (torchrun's of its workers, a SLURM requeue: their restart
+    counts, on any rank) of the launch (a torchrun job's rendezvous, a SLURM job) that started, or last resumed, the
+    run in out_dir, as runlog.open_log writes it into config.json. A collective. A new launch of the same name (a
+    second command in one SLURM allocation, a torchrun job started again with its --rdzv-id) is no restart."""
+    again = [any(int(os.environ.get(k) or 0) > 0 for k in ('SLURM_RESTART_COUNT', 'TORCHELASTIC_RESTART_COUNT'))]
+    if dist.is_initialized() and dist.get_world_size() > 1:  # torchrun counts it only where workers failed
+        counts = [None] * dist.get_world_size()
+        dist.all_gather_object(counts, again[0])
+        again = counts
+    if not any(again) or launch_identity() is None:  # (plain python, a static rendezvous: a launch with no name)
         return False
     try:
         with open(os.path.join(out_dir, 'config.json'), encoding='utf-8') as f:

@@ -811,9 +811,14 @@ def test_a_start_afresh_that_its_launcher_restarts_resumes_its_own_run(tmp_path,
     monkeypatch.setenv('SLURM_JOB_ID', '4242')
     start(tmp_path, data_dir, out, '--max_iters=6', '--auto_resume=False')  # the job's first run: afresh over the run
     first = (out / 'run_id').read_text()
+    monkeypatch.setenv('SLURM_RESTART_COUNT', '1')
     p = start(tmp_path, data_dir, out, '--max_iters=8', '--auto_resume=False')  # the job requeued
     assert f"resuming from {out / 'ckpt.pt'} at iter 6" in p.stdout and "its launcher has restarted it" in p.stdout
     assert (out / 'run_id').read_text() == first and len(list(out.glob('before-*'))) == 1
+    monkeypatch.delenv('SLURM_RESTART_COUNT')  # a second command of the job, no restart: afresh, as it says
+    p = start(tmp_path, data_dir, out, '--max_iters=2', '--auto_resume=False')
+    assert 'resuming' not in p.stdout and (out / 'run_id').read_text() != first
+    assert len(list(out.glob('before-*'))) == 2
 
 
 KILLED_MIDWAY = '''import os, runpy, sys
