@@ -1,12 +1,12 @@
 """
 What a run writes about itself into out_dir besides checkpoints, from rank 0: run_id (which names its snapshots
 and is written into its checkpoints, so that a run started afresh over an old out_dir never takes the old run's
-state for its own), config.json (its settings, beside its results) and metrics.jsonl (one JSON object a logged
-step, eval or event, which plot.py and the tests read).
+state for its own), config.json (its settings, beside its results, and the launch that last started it) and
+metrics.jsonl (one JSON object a logged step, eval or event, which plot.py and the tests read).
 
 Nothing is touched until the first row is logged, once training has begun: a run that fails to start (a bad key,
 data that do not fit the model, a damaged checkpoint) leaves the files of the run it would have resumed as they
-were.
+were, and those of a run it was to start afresh over (open_log settles their move aside).
 """
 
 import json
