@@ -296,8 +296,8 @@ def test_a_signalled_job_is_requeued_and_resumes_from_its_checkpoint(signalled_j
     node_log = ''.join(p.read_text() for p in sorted((tmp_path / 'logs' / f'gpt-train-{job}').glob('*.log')))
     # the requeued run was started with the first one's arguments: it resumed by itself (train.py's auto_resume), also
     # where they said --auto_resume=False (USR1's job): that started the job's first run afresh, not its requeued one
-    auto = re.findall(rf"auto-resume: {re.escape(str(out))} holds (?:this run's state at iter |the state of the run that "
-                      rf"this launch started \(iter )(\d+)", node_log)
+    auto = re.findall(rf"auto-resume: {re.escape(str(out))} holds (?:this run's state at iter |the state of the run "
+                      rf"that this launch started \(iter )(\d+)", node_log)
     resumed = re.findall(r'resuming from .*ckpt\.pt at iter (\d+)', node_log)
     assert len(resumed) == 1 and 100 <= int(resumed[0]) < 1000 and auto == resumed, node_log[-3000:]
     # the run SLURM stopped got SIGTERM and saved a checkpoint at the end of its step: nothing is redone
