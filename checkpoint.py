@@ -14,6 +14,7 @@ Checkpoints, shared by every entrypoint and tool. Three parts:
 What goes into a checkpoint, and loading the optimizer, RNG and data position, stays in each entrypoint.
 """
 
+import atexit
 import functools
 import io
 import json
@@ -41,7 +42,7 @@ import torch.distributed as dist
 
 from data import data_dir, meta_vocab, vocabulary
 from model import GPT, GPTConfig
-from runlock import HOLD, let_go, try_hold
+from runlock import HOLD, launch_identity, let_go, try_hold
 
 
 def find_checkpoint(path):
@@ -1078,6 +1079,10 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         dist.barrier()  # before any rank reads out_dir
     # an eval of another model is no resume; an eval of out_dir (init_from=scratch) is one of its newest state
     wanted = init_from == 'resume' or (auto_resume and (not eval_only or init_from == 'scratch'))
+    # a start afresh that its launcher restarts (a worker lost under torchrun, a SLURM requeue) goes on with the run
+    # it began: afresh again, each restart would set aside the steps since and train from step 0
+    relaunch = not auto_resume and not eval_only and relaunched(out_dir)
+    wanted = wanted or relaunch
     run_id_path = os.path.join(out_dir, 'run_id')
     # the run there, read before rank 0 moves it (keep_earlier_run); an eval of another model has no business with it
     earlier = read_run_id(run_id_path) if os.path.isfile(run_id_path) and (wanted or not eval_only) else None
@@ -1233,6 +1238,10 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                f"{resume_from[0]}; nothing in {out_dir} is written but its eval rows in metrics.jsonl")
     elif eval_only and init_from == 'scratch':
         print0(f"eval_only: {out_dir} holds no run, so this evaluates a new, untrained model")
+    elif resume_from is not None and relaunch and init_from != 'resume':
+        print0(f"auto-resume: {out_dir} holds the state of the run that this launch started (iter {resume_from[0]}), "
+               f"and its launcher has restarted it, so it continues: --auto_resume=False started it afresh over the "
+               f"run before, never over itself")
     elif resume_from is not None and init_from != 'resume':
         # init_from names where a new run starts, which this one did long ago: one who meant a new run is told
         start = "--auto_resume=False starts afresh" if init_from == 'scratch' else \
@@ -1254,6 +1263,25 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     if first and not eval_only and not holds_a_copys_snapshots():
         try_hold(snapshot_dir(run_id), "a run of a copy of this run's folder")  # a new run's (held above otherwise)
     return run_id, resume_from
+
+
+def relaunched(out_dir):
+    """Whether this start is its launcher's restart (torchrun's of its workers, a SLURM requeue: their restart
+    counts, on any rank) of the launch (a torchrun job's rendezvous, a SLURM job) that started, or last resumed, the
+    run in out_dir, as runlog.open_log writes it into config.json. A collective. A new launch of the same name (a
+    second command in one SLURM allocation, a torchrun job started again with its --rdzv-id) is no restart."""
+    again = [any(int(os.environ.get(k) or 0) > 0 for k in ('SLURM_RESTART_COUNT', 'TORCHELASTIC_RESTART_COUNT'))]
+    if dist.is_initialized() and dist.get_world_size() > 1:  # torchrun counts it only where workers failed
+        counts = [None] * dist.get_world_size()
+        dist.all_gather_object(counts, again[0])
+        again = counts
+    if not any(again) or launch_identity() is None:  # (plain python, a static rendezvous: a launch with no name)
+        return False
+    try:
+        with open(os.path.join(out_dir, 'config.json'), encoding='utf-8') as f:
+            return json.loads(f.read(1 << 20)).get('launch') == launch_identity()
+    except (OSError, ValueError, AttributeError):  # none, or not a run's: no launch to compare
+        return False
 
 
 def set_aside_damaged(out_dir, damaged):
@@ -1330,12 +1358,13 @@ def set_aside_others(out_dir, run_id, resume_path):
 
 
 _kept = {}  # out_dir -> (the folder that keep_earlier_run moved the earlier run's saved states into, their names)
+_unsettled = {}  # out_dir -> (before-RUN_ID.tmp, before-RUN_ID): an earlier run set aside by a start not yet training
 
 
 def where_kept(path):
     """path, or where keep_earlier_run has moved what it names: a run started afresh over out_dir from the weights
     of out_dir (or of a file or folder in it) reads them there."""
-    for out_dir, (kept_as, names) in _kept.items():
+    for out_dir, (kept_as, names) in _kept.items():  # (the .tmp folder, until the start settles: settle_earlier_run)
         rel = os.path.relpath(os.path.abspath(path), out_dir)
         if rel == '.':
             return kept_as
@@ -1352,10 +1381,11 @@ RUN_NAMES = re.compile(r'(ckpt|best)(\.prev\d*)?\.pt|(diverged|damaged)-.+|dcp|d
 def keep_earlier_run(out_dir, earlier):
     """A run started afresh in an out_dir that holds another run's saved states (--auto_resume=False, or a run
     whose own state was never saved) would rotate and prune them, replace its best by a worse one and its
-    config.json by its own. They move, as they are, into out_dir/before-RUN_ID/ (renames, nothing copied or lost);
-    `earlier` is the id in out_dir/run_id, if any. A log with no saved state is kept by runlog.open_log. Returns
-    (that folder, the names moved), or None where there was nothing to move. Its memory snapshots, which
-    keep_earlier_snapshots put in out_dir, count as saved states: a run that saved only those keeps its config.json."""
+    config.json by its own. They move, as they are, into out_dir/before-RUN_ID.tmp/ (renames, nothing copied or
+    lost), named before-RUN_ID/ once the run begins (settle_earlier_run); `earlier` is the id in out_dir/run_id, if
+    any. A log with no saved state is kept by runlog.open_log. Returns (the .tmp folder, the names moved), or None
+    where there was nothing to move. Its memory snapshots, which keep_earlier_snapshots put in out_dir, count as
+    saved states: a run that saved only those keeps its config.json."""
     snapshots = re.compile(rf'snapshots\.before-{re.escape(earlier or "")}-.+')
     names = sorted(n for n in os.listdir(out_dir) if RUN_NAMES.fullmatch(n) or earlier and snapshots.fullmatch(n)) \
         if os.path.isdir(out_dir) else []
@@ -1366,20 +1396,46 @@ def keep_earlier_run(out_dir, earlier):
     while os.path.lexists(kept_as) or os.path.lexists(kept_as + '.tmp'):
         n += 1
         kept_as = f'{base}.{n}'
-    # into a folder of a temporary name, renamed once they are all in: the run moves whole or not at all (a start
-    # killed midway leaves the .tmp, which the next one puts back, put_back_earlier_run)
+    # into a folder of a temporary name, renamed once the new run begins (settle_earlier_run): the run moves whole
+    # or not at all, and a start that stops before it trains (a bad flag, an init_from that cannot be read, a
+    # killed start) leaves it where a plain restart resumes it: put back at its exit, or by the next start
     os.mkdir(kept_as + '.tmp')
+    _unsettled[os.path.abspath(out_dir)] = (kept_as + '.tmp', kept_as)
+    atexit.register(_put_back_unsettled)  # now: it runs before distributed.start's exit, registered earlier
     for name in names:
         os.rename(os.path.join(out_dir, name), os.path.join(kept_as + '.tmp', name))
-    os.rename(kept_as + '.tmp', kept_as)
-    print(f"{out_dir} holds an earlier run's saved states: kept, as they were, in {kept_as}", flush=True)
-    return os.path.abspath(kept_as), names
+    return os.path.abspath(kept_as + '.tmp'), names
 
 
-def put_back_earlier_run(out_dir):
-    """A start killed while keep_earlier_run moved an earlier run's saved states left that run in two parts, in
-    out_dir/before-RUN_ID.tmp/ and out_dir, which no resume or tool reads as the run: they go back where they were,
-    as if that start had never begun, and this start keeps them whole, or resumes them, as it is told."""
+def settle_earlier_run(out_dir):
+    """Called as a new run begins to write (runlog.open_log, rank 0): the earlier run that keep_earlier_run moved
+    aside takes its own name, before-RUN_ID/."""
+    tmp, kept_as = _unsettled.pop(os.path.abspath(out_dir), (None, None))
+    if tmp:
+        os.rename(tmp, kept_as)
+        print(f"{out_dir} holds an earlier run's saved states: kept, as they were, in {kept_as}", flush=True)
+
+
+def _put_back_unsettled():
+    """A start that exits before its run begins (an error after find_resume) leaves out_dir as it found it."""
+    while _unsettled:
+        put_back_earlier_run(_unsettled.popitem()[0], say=False)
+
+
+def as_settled(path):
+    """path, named as it is once the start settles: in before-RUN_ID/, not in the .tmp folder it is read from now."""
+    for tmp, kept_as in _unsettled.values():
+        rel = os.path.relpath(os.path.abspath(path), os.path.abspath(tmp))
+        if rel.split(os.sep)[0] != os.pardir:
+            return os.path.normpath(os.path.join(kept_as, rel))
+    return path
+
+
+def put_back_earlier_run(out_dir, say=True):
+    """A start that stopped before its run began, once keep_earlier_run had moved an earlier run's saved states,
+    left them in out_dir/before-RUN_ID.tmp/ (killed midway, in two parts: there and in out_dir), which no resume or
+    tool reads as the run: they go back where they were, as if that start had never begun, and this start keeps
+    them whole, or resumes them, as it is told. say: a line that says so."""
     for tmp in sorted(os.listdir(out_dir) if os.path.isdir(out_dir) else []):
         if not (re.fullmatch(r'before-.+\.tmp', tmp) and os.path.isdir(os.path.join(out_dir, tmp))):
             continue
@@ -1390,8 +1446,9 @@ def put_back_earlier_run(out_dir):
                 os.rename(os.path.join(out_dir, tmp, name), os.path.join(out_dir, name))
         if not os.listdir(os.path.join(out_dir, tmp)):
             os.rmdir(os.path.join(out_dir, tmp))
-        print(f"a start over {out_dir} was killed while it moved an earlier run's saved states into "
-              f"{os.path.join(out_dir, tmp)}: put back in {out_dir}, as they were", flush=True)
+        if say:
+            print(f"a start over {out_dir} was killed before its run began, with an earlier run's saved states in "
+                  f"{os.path.join(out_dir, tmp)}: put back in {out_dir}, as they were", flush=True)
 
 
 def unused(path):
@@ -1763,7 +1820,7 @@ def create_model(resume_path, read, init_from, model_args, config, given):
         model, ckpt, read = checkpoint_or_exit(init_from, "give a ckpt.pt, a sharded checkpoint or a run folder",
                                                model_args['dropout'])
         take_shape(model_args, ckpt['model_args'], config, given)
-        print0(f"initializing from the weights of {read}")
+        print0(f"initializing from the weights of {as_settled(read)}")
     else:
         model = GPT(GPTConfig(**model_args))
     block_size = config['block_size']

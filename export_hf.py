@@ -17,7 +17,7 @@ import tempfile
 
 import torch
 
-from checkpoint import checkpoint_or_exit, reason
+from checkpoint import RUN_NAMES, checkpoint_or_exit, reason
 from configurator import configure, quiet_interrupt
 from runlock import abandoned, let_go, try_hold
 
@@ -82,6 +82,13 @@ def main():
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         sys.exit(f"error: cannot write {out}: {parent} is not a writable folder; give --out=PATH in one")
+    # in a run's folder, a name that the run or the tools read: RUN/best would hide the run's best from
+    # --init_from=best and --ckpt=RUN/best, RUN/dcp would be taken for a run's step folders
+    name = os.path.basename(os.path.abspath(out))
+    if (name == 'best' or RUN_NAMES.fullmatch(name)) and any(os.path.isfile(os.path.join(parent, f))
+                                                             for f in ('run_id', 'ckpt.pt')):
+        sys.exit(f"error: {out} is a name that the run in {parent} uses for its own state: give --out another "
+                 f"name, e.g. --out={os.path.join(os.path.dirname(out), 'hf-' + name)}")
     model, checkpoint, _ = checkpoint_or_exit(ckpt,
                                               "give --ckpt=a run folder, a ckpt.pt or a sharded checkpoint folder")
     try:
@@ -119,7 +126,6 @@ def main():
             'tokenizer_class': 'GPT2Tokenizer', 'model_max_length': cfg.block_size, 'bos_token': '<|endoftext|>',
             'eos_token': '<|endoftext|>', 'unk_token': '<|endoftext|>'}).encode()
     # a folder of our own beside out, never one whose name a user may have taken (out.tmp): only it is removed
-    name = os.path.basename(os.path.abspath(out))
     remove_dead_exports(parent, name)
     tmp = tempfile.mkdtemp(prefix=f'.{name}.', suffix='.tmp', dir=parent)
     try_hold(tmp, 'export_hf.py')  # until it is complete: a later export removes it where this one is killed

@@ -56,11 +56,15 @@ def read_run(path):
 
 
 def check_out():
-    """A bad --out fails before any reading or plotting: an empty one, a folder, or one in no folder."""
+    """A bad --out fails before any reading or plotting: an empty one, a folder, one in no folder, or a file there
+    whose name has no extension, which is no image that plot.py wrote (a run's run_id, a step folder's latest)."""
     if not out:
         sys.exit("error: --out is empty: name the image to write, e.g. --out=loss.png")
     if os.path.isdir(out):
         sys.exit(f"error: --out={out} is a folder: name a file in it, e.g. --out={os.path.join(out, 'loss.png')}")
+    if os.path.lexists(out) and not os.path.splitext(out)[1]:
+        sys.exit(f"error: --out={out} is a file with no extension, which plot.py would replace by an image: name the "
+                 f"image with its format's extension, e.g. --out={out}.png")
     folder = os.path.dirname(out) or '.'
     if not os.path.isdir(folder):
         problem = 'is not a folder' if os.path.exists(folder) else 'does not exist'

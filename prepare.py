@@ -463,7 +463,10 @@ def prepare_documents(dataset, out_dir):
 
 def prepare_hellaswag(out_dir):
     """HellaSwag's validation set as data/hellaswag/hellaswag_val.jsonl, every example checked (hellaswag.py) before
-    the file is put in place: a bad local copy is refused before anything is written."""
+    the file is put in place: a bad local copy is refused before anything is written. Other examples there (another
+    --input's, a subset of the user's), which the runs' logged scores counted, are kept and the prep refused, unless
+    --force."""
+    import filecmp
     import shutil
     from hellaswag import load_examples
     path = os.path.join(out_dir, 'hellaswag_val.jsonl')
@@ -476,6 +479,10 @@ def prepare_hellaswag(out_dir):
             make_out_dir(out_dir)  # a failed download removes the folders it made
             download(HELLASWAG_URL, path + '.tmp')
             n = len(load_examples(path + '.tmp'))
+        if os.path.isfile(path) and not force and not filecmp.cmp(path, path + '.tmp', shallow=False):
+            sys.exit(f"error: {path} holds other examples, on which the HellaSwag scores logged so far were counted: "
+                     f"pass --force=True to replace them, or prepare into another folder (--name, --out_root or "
+                     f"--out_dir)")
         os.replace(path + '.tmp', path)
     except (ValueError, OSError) as e:
         if input:

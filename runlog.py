@@ -1,12 +1,12 @@
 """
 What a run writes about itself into out_dir besides checkpoints, from rank 0: run_id (which names its snapshots
 and is written into its checkpoints, so that a run started afresh over an old out_dir never takes the old run's
-state for its own), config.json (its settings, beside its results) and metrics.jsonl (one JSON object a logged
-step, eval or event, which plot.py and the tests read).
+state for its own), config.json (its settings, beside its results, and the launch that last started it) and
+metrics.jsonl (one JSON object a logged step, eval or event, which plot.py and the tests read).
 
 Nothing is touched until the first row is logged, once training has begun: a run that fails to start (a bad key,
 data that do not fit the model, a damaged checkpoint) leaves the files of the run it would have resumed as they
-were.
+were, and those of a run it was to start afresh over (open_log settles their move aside).
 """
 
 import json
@@ -17,9 +17,10 @@ import time
 
 import torch.distributed as dist
 
-from checkpoint import reason, wait_for_saves
+from checkpoint import reason, settle_earlier_run, wait_for_saves
 from distributed import verdicts
 from keep import set_aside
+from runlock import launch_identity
 
 EVALS = ('val_loss', 'hellaswag_acc_norm')  # the rows of an iteration's evals, which come before its checkpoint
 
@@ -31,8 +32,11 @@ def open_log(out_dir, run_id, settings, resumed_at=None, write=True, eval_only=F
     the checkpoint, and are kept unless the resumed run logs them again (the last eval of a finished run that is
     extended, off eval_interval, is not). An eval_only run writes nothing but its rows, appended and marked
     "eval_only": true: it evaluates a run (or a model), and is no run of its own, so a resume keeps them (read_log).
-    write=False (every rank but the first) makes log do nothing. A file that cannot be written (a full disk) is a
-    one-line error, with nothing half-written left."""
+    write=False (every rank but the first) makes log do nothing (write=True also settles an earlier run that the
+    start set aside: checkpoint.settle_earlier_run). A file that cannot be written (a full disk) is a one-line
+    error, with nothing half-written left."""
+    if write and not eval_only:
+        settle_earlier_run(out_dir)  # the start has passed its checks: the earlier run it set aside stays aside
     t_start, metrics = time.time(), []
     mark = {'eval_only': True} if eval_only else {}
     pending = []  # (kind, line): the evals logged at resumed_at, written once the resumed run has not redone them
@@ -104,6 +108,8 @@ def _start(out_dir, run_id, settings, resumed_at, eval_only, first_row, made, pe
             n += 1  # never over another one kept so
         os.replace(path, aside)
         print(f"{path} holds an earlier run's log: kept as {aside}", flush=True)
+    # the launch, so that its launcher's restart of a run started afresh resumes it (checkpoint.relaunched)
+    settings = {**settings, 'launch': launch_identity()}
     for name, text in (('run_id', run_id), ('config.json', json.dumps(settings, indent=1)),
                        ('metrics.jsonl', ''.join(kept) + settle() + first_row)):
         if not os.path.exists(os.path.join(out_dir, name)):

@@ -318,6 +318,14 @@ def test_prepare_hellaswag_checks_the_file_and_writes_it_whole(setup, tmp_path):
     out = tmp_path / 'data' / 'hellaswag' / 'hellaswag_val.jsonl'
     assert out.read_bytes() == data.read_bytes() and '12 examples' in p.stdout
     assert os.listdir(out.parent) == ['hellaswag_val.jsonl']
+    # other examples (a subset) were put in its place without a word, under the scores that runs had logged on it
+    subset = write_jsonl(tmp_path / 'subset.jsonl', data.read_text().splitlines()[:3])
+    p = run('prepare.py', 'hellaswag', f'--input={subset}', f'--out_root={tmp_path / "data"}', cwd=tmp_path,
+            check=False)
+    assert one_line_error(p).startswith(f"error: {out} holds other examples") and '--force=True' in p.stderr
+    assert out.read_bytes() == data.read_bytes() and os.listdir(out.parent) == ['hellaswag_val.jsonl']
+    run('prepare.py', 'hellaswag', f'--input={subset}', f'--out_root={tmp_path / "data"}', '--force=True', cwd=tmp_path)
+    assert out.read_bytes() == subset.read_bytes()
     bad = write_jsonl(tmp_path / 'bad.jsonl', [json.dumps(r) for r in made_up_examples(3)] + ['{"ctx": 1}'])
     p = run('prepare.py', 'hellaswag', f'--input={bad}', f'--out_root={tmp_path / "fresh"}', cwd=tmp_path, check=False)
     assert one_line_error(p).startswith(f"error: {bad}:4: ctx must be a non-empty string")

@@ -251,16 +251,23 @@ def test_temperature_zero_takes_the_likeliest_token_every_time(char_run, data_di
 
 def test_export_hf_bad_input(char_run, tmp_path):
     (tmp_path / 'file').write_text('not a folder')
+    (tmp_path / 'run').mkdir()
+    (tmp_path / 'run' / 'run_id').write_text('abc')
     for out, message in ((tmp_path / 'file' / 'hf', f"cannot write {tmp_path / 'file' / 'hf'}: {tmp_path / 'file'} "
                           "is not a writable folder; give --out=PATH in one"),
                          (tmp_path / 'file', f"{tmp_path / 'file'} exists: give a new folder with --out=PATH"),
                          # a link to a folder not made yet is the user's name too: it said "cannot write" at the end
-                         (tmp_path / 'link', f"{tmp_path / 'link'} exists: give a new folder with --out=PATH")):
+                         (tmp_path / 'link', f"{tmp_path / 'link'} exists: give a new folder with --out=PATH"),
+                         # it hid the run's best from sample.py --init_from=best and export_hf.py --ckpt=RUN/best
+                         (tmp_path / 'run' / 'best', f"{tmp_path / 'run' / 'best'} is a name that the run in "
+                          f"{tmp_path / 'run'} uses for its own state: give --out another name, e.g. "
+                          f"--out={tmp_path / 'run' / 'hf-best'}")):
         (tmp_path / 'link').unlink(missing_ok=True)
         (tmp_path / 'link').symlink_to(tmp_path / 'later')
         p = run('export_hf.py', f'--ckpt={char_run}', f'--out={out}', cwd=tmp_path, check=False)
         assert message in one_line_error(p)
-    assert sorted(f.name for f in tmp_path.iterdir()) == ['file', 'link']
+    assert sorted(f.name for f in tmp_path.iterdir()) == ['file', 'link', 'run']
+    assert os.listdir(tmp_path / 'run') == ['run_id']
 
 
 def test_export_hf_removes_what_a_killed_export_to_its_out_left_and_nothing_else(char_run, tmp_path):

@@ -803,6 +803,24 @@ def test_a_run_started_afresh_over_another_keeps_that_runs_states_whole_beside_i
     assert f'initializing from the weights of {out / f"before-{third}"}' in p.stdout, p.stdout[-2000:]
 
 
+def test_a_start_afresh_that_its_launcher_restarts_resumes_its_own_run(tmp_path, data_dir, shared_run, monkeypatch):
+    # a SLURM requeue (or torchrun's restart of its workers) of a job started with --auto_resume=False started afresh
+    # again: each restart set aside the steps since and trained from step 0
+    shutil.copytree(shared_run('train.py', *ARGS), tmp_path / 'run')
+    out = tmp_path / 'run'
+    monkeypatch.setenv('SLURM_JOB_ID', '4242')
+    start(tmp_path, data_dir, out, '--max_iters=6', '--auto_resume=False')  # the job's first run: afresh over the run
+    first = (out / 'run_id').read_text()
+    monkeypatch.setenv('SLURM_RESTART_COUNT', '1')
+    p = start(tmp_path, data_dir, out, '--max_iters=8', '--auto_resume=False')  # the job requeued
+    assert f"resuming from {out / 'ckpt.pt'} at iter 6" in p.stdout and "its launcher has restarted it" in p.stdout
+    assert (out / 'run_id').read_text() == first and len(list(out.glob('before-*'))) == 1
+    monkeypatch.delenv('SLURM_RESTART_COUNT')  # a second command of the job, no restart: afresh, as it says
+    p = start(tmp_path, data_dir, out, '--max_iters=2', '--auto_resume=False')
+    assert 'resuming' not in p.stdout and (out / 'run_id').read_text() != first
+    assert len(list(out.glob('before-*'))) == 2
+
+
 KILLED_MIDWAY = '''import os, runpy, sys
 moved, real = [], os.rename
 def rename(src, dst):  # dies as a SIGKILL would, with two of the earlier run's names moved aside
@@ -834,6 +852,10 @@ def test_a_start_killed_as_it_keeps_an_earlier_run_leaves_that_run_whole(tmp_pat
     assert not list(out.glob('before-*')) and files(out).keys() == before.keys()
     assert f"put back in {out}, as they were" in p.stdout
     before = files(out)
+    # a start afresh refused after it set the run aside (init_from's shape contradicts a flag) left it in before-*/:
+    # the next plain start, meant to resume it, started a new run over it
+    p = run(REPO / 'train.py', *afresh, f'--init_from={out}', '--n_layer=3', cwd=tmp_path, check=False)
+    assert one_line_error(p).startswith('error: n_layer=3 contradicts') and files(out) == before
     assert run(killed, REPO / 'train.py', *afresh, cwd=tmp_path, check=False).returncode == 9
     start(tmp_path, data_dir, out, '--max_iters=6', '--auto_resume=False')  # the same start again: kept whole
     assert [f.name for f in out.glob('before-*')] == [f'before-{earlier}']

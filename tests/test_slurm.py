@@ -260,7 +260,8 @@ def signalled(cluster, tmp_path, data_dir, sig):
     out = tmp_path / 'out'
     job = cluster.sbatch(tmp_path, 'train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}',
                          '--gradient_accumulation_steps=1', '--max_iters=1000', '--eval_interval=100',
-                         '--always_save_checkpoint=True', nodes=1, nproc=1)
+                         '--always_save_checkpoint=True', *(['--auto_resume=False'] if sig == 'USR1' else []),
+                         nodes=1, nproc=1)
     cluster.wait_for(lambda: (out / 'ckpt.pt').exists() or cluster.job(job)['JobState'] not in ('PENDING', 'RUNNING'),
                      120, 'the first checkpoint')
     assert (out / 'ckpt.pt').exists(), job_logs(cluster.job(job))
@@ -293,8 +294,10 @@ def test_a_signalled_job_is_requeued_and_resumes_from_its_checkpoint(signalled_j
     assert f'SIG{sig}: requeueing job {job}' in batch_log, batch_log
     # both runs, appended (each node's log, should the requeued run have landed on the other node)
     node_log = ''.join(p.read_text() for p in sorted((tmp_path / 'logs' / f'gpt-train-{job}').glob('*.log')))
-    # the requeued run was started with the first one's arguments: it resumed by itself (train.py's auto_resume)
-    auto = re.findall(rf"auto-resume: {re.escape(str(out))} holds this run's state at iter (\d+)", node_log)
+    # the requeued run was started with the first one's arguments: it resumed by itself (train.py's auto_resume), also
+    # where they said --auto_resume=False (USR1's job): that started the job's first run afresh, not its requeued one
+    auto = re.findall(rf"auto-resume: {re.escape(str(out))} holds (?:this run's state at iter |the state of the run "
+                      rf"that this launch started \(iter )(\d+)", node_log)
     resumed = re.findall(r'resuming from .*ckpt\.pt at iter (\d+)', node_log)
     assert len(resumed) == 1 and 100 <= int(resumed[0]) < 1000 and auto == resumed, node_log[-3000:]
     # the run SLURM stopped got SIGTERM and saved a checkpoint at the end of its step: nothing is redone

@@ -183,6 +183,17 @@ def test_plot_refuses_an_output_it_cannot_write(tmp_path, metrics, out, message)
     assert sorted(p.name for p in run_dir.iterdir()) == ['metrics.jsonl']
 
 
+def test_plot_never_writes_an_image_over_a_file_with_no_extension(tmp_path, metrics):
+    # --out=RUN/run_id (no extension: a PNG) replaced the run's id, which its resume then could not read
+    run_dir = metrics(STEP)
+    (run_dir / 'run_id').write_text('abc')
+    msg = fails(tmp_path, 'plot.py', run_dir, f'--out={run_dir / "run_id"}')
+    assert msg == f"error: --out={run_dir / 'run_id'} is a file with no extension, which plot.py would replace by an " \
+        f"image: name the image with its format's extension, e.g. --out={run_dir / 'run_id'}.png"
+    assert (run_dir / 'run_id').read_text() == 'abc'
+    assert sorted(p.name for p in run_dir.iterdir()) == ['metrics.jsonl', 'run_id']
+
+
 def test_plot_a_format_whose_backend_is_missing_is_one_line_and_leaves_nothing(tmp_path, metrics):
     import os
     import subprocess
