@@ -517,6 +517,18 @@ def _whole_step_iter(folder, kind, run_id):
         return None
 
 
+def _whole_iter(folder, run_id):
+    """The iteration of a step folder of any entrypoint where it is whole and of the run (run_id, None: any), as far
+    as a tool can tell, else None."""
+    kind = os.path.basename(os.path.dirname(folder))
+    if kind in ('ds', 'decent'):
+        return _whole_step_iter(folder, kind, run_id)
+    try:
+        return checkpoint_iter(folder, run_id)
+    except Exception:
+        return None
+
+
 def _whole(path):
     """Whether the checkpoint at path (a file, or a step folder of any entrypoint) is complete and loads, as far as
     a tool can tell."""
@@ -833,22 +845,52 @@ def checkpoint_iter(path, run_id=None):
     return iters.pop()
 
 
-def step_folders(root):
-    """The checkpoint folders root/step-N, newest first (none where root is missing)."""
-    return [os.path.join(root, f) for f in sorted(os.listdir(root), reverse=True) if f.startswith('step-')] \
+def step_folders(root, prefix='step-'):
+    """The checkpoint folders root/step-N (prefix 'best-step-': the kept bests), newest first (none where root is
+    missing)."""
+    return [os.path.join(root, f) for f in sorted(os.listdir(root), reverse=True) if f.startswith(prefix)] \
         if os.path.isdir(root) else []
+
+
+def folder_run(folder):
+    """The run id that the files of a step folder carry, read from the first that loads of its extra.pt (DCP),
+    rank-K.pt (any rank's, decent_train.py) and model-states file (DeepSpeed); '' where that file holds none (saved
+    before runs had ids, which counts as any run's), None where no file tells: none there (a folder copied in by
+    hand without them, a save cut short before its first), or none loads."""
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    for name in (n for n in names if n == 'extra.pt' or re.fullmatch(r'rank-\d+\.pt', n) or
+                 n.endswith('model_states.pt')):
+        try:
+            return str(torch.load(os.path.join(folder, name), map_location='cpu', weights_only=True,
+                                  mmap=True).get('run_id') or '')
+        except Exception:  # damaged: another file may tell
+            continue
+    return None
+
+
+def same_run(folder, run_id):
+    """Whether the step folder is provably of the run run_id (folder_run's; None: no run's), as pruning needs before
+    it removes one: its files say so, or they hold no id (saved before runs had ids). A folder whose run no file
+    tells is not, unless it holds nothing at all: there is nothing in it to lose."""
+    theirs = folder_run(folder)
+    if theirs is None:
+        return os.path.isdir(folder) and not os.listdir(folder)
+    return '' in (theirs, run_id) or theirs == run_id
 
 
 def point_latest(folder, iter_of=None, keep=2, best=False):
     """Once the checkpoint folder out_dir/<kind>/step-N is complete: rewrites the latest file beside it to name it,
-    and removes the older step folders (complete, cut short or damaged) but for the newest keep - 1 complete ones,
-    the fallbacks should this one ever turn out damaged. Newer ones (a save cut short, or one passed over as damaged
-    at a resume) are left alone: another rank may be writing the next one already, and a save to the same step
-    replaces them. With best, the folder is also kept as best-step-N (hard links: never pruned, nor changed by a
-    later save to step-N), which the best file names, in place of the best before. The best file names a whole
-    folder at every moment: while best-step-N of a step saved as the best again is replaced, the step folder itself."""
+    and removes the older step folders of its run (complete, cut short or damaged) but for the newest keep - 1
+    complete ones, the fallbacks should this one ever turn out damaged: one that another run saved (copied in by
+    hand), or whose run no file tells (same_run), is never removed, nor counted. Newer ones (a save cut short, or
+    one passed over as damaged at a resume) are left alone: another rank may be writing the next one already, and a
+    save to the same step replaces them. With best, the folder is also kept as best-step-N (hard links: never
+    pruned, nor changed by a later save to step-N), which the best file names, in place of the best before (the
+    run's own alone). The best file names a whole folder at every moment: while best-step-N of a step saved as the
+    best again is replaced, the step folder itself."""
     root, name = os.path.split(folder)
     write_name(os.path.join(root, 'latest'), name)
+    mine = folder_run(folder)  # the run's own id, which pruning asks of every folder it would remove
     if best:
         before, tmp, kept_as = read_name(os.path.join(root, 'best')), os.path.join(root, 'best.tmp'), \
             os.path.join(root, 'best-' + name)
@@ -867,11 +909,14 @@ def point_latest(folder, iter_of=None, keep=2, best=False):
         # a better one has taken its place (or a crash mid-replacement left its copy, named step-N in best); a name
         # read from a file never leads out of its folder
         stale = before and 'best-' + before.removeprefix('best-')
-        if stale and stale != 'best-' + name and re.fullmatch(r'best-step-\d+', stale):
+        if stale and stale != 'best-' + name and re.fullmatch(r'best-step-\d+', stale) and \
+                same_run(os.path.join(root, stale), mine):
             shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
     fallbacks, named = 0, read_name(os.path.join(root, 'best'))
     # (a step folder that best names, after a crash mid-replacement, is the best: kept until a better one comes)
     for old in sorted((f for f in os.listdir(root) if f.startswith('step-') and f < name and f != named), reverse=True):
+        if not same_run(os.path.join(root, old), mine):
+            continue  # another run's, copied in by hand, or one whose run no file tells: kept, and no fallback
         if fallbacks < keep - 1:
             try:
                 if (iter_of or checkpoint_iter)(os.path.join(root, old)) is not None:
@@ -1324,36 +1369,39 @@ def set_aside_damaged(out_dir, damaged):
 
 
 def latest_before(root, name):
-    """Where latest named the step folder name, just moved aside: it names the newest folder before it, or goes."""
-    if read_name(os.path.join(root, 'latest')) == name:
-        left = [n for n in step_folders(root) if os.path.basename(n) < name]
+    """Where latest named the step folder name, just moved aside (best, a best-step-N): it names the newest folder
+    before it that is whole and of the run (the one in out_dir/run_id), or goes. Never one cut short, nor one
+    copied in by hand from another run, which a resume would pass over and a tool refuse."""
+    pointer, prefix = ('best', 'best-step-') if name.startswith('best-') else ('latest', 'step-')
+    if read_name(os.path.join(root, pointer)) == name:
+        run_id = read_name(os.path.join(os.path.dirname(root), 'run_id'))
+        left = [f for f in step_folders(root, prefix) if os.path.basename(f) < name and
+                _whole_iter(f, run_id) is not None]
         if left:
-            write_name(os.path.join(root, 'latest'), os.path.basename(left[0]))
+            write_name(os.path.join(root, pointer), os.path.basename(left[0]))
         else:
-            os.remove(os.path.join(root, 'latest'))
+            os.remove(os.path.join(root, pointer))
 
 
 def set_aside_others(out_dir, run_id, resume_path):
-    """A run that resumes in out_dir moves aside each step folder there that another run wrote (its run id says so:
-    a folder copied in by hand from another run's out_dir), kept as other-run-step-N: the run's save of that step
-    would remove it to write its own there, and pruning would count it among the run's fallbacks and remove it.
-    latest, where it named one, names the run's newest folder left."""
+    """A run that resumes in out_dir moves aside each step folder there, and each best-step-N, that another run
+    wrote (its run id says so: a folder copied in by hand from another run's out_dir), kept as other-run-step-N
+    (other-run-best-step-N): the run's save of that step would remove it to write its own there, a new best would
+    replace or prune it, and pruning would count it among the run's fallbacks. One whose run no file tells (copied
+    in without the file that tells it, or damaged) is kept as unknown-run-step-N likewise. latest (best), where it
+    named one, names the run's newest whole folder left."""
     for root in sorted({os.path.join(out_dir, kind) for kind in FOLDERS.values()}):
-        for folder in step_folders(root):
-            names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-            file = next((n for n in ('extra.pt', 'rank-0.pt') if n in names), None) or \
-                next((n for n in names if n.endswith('model_states.pt')), None)
-            try:
-                theirs = torch.load(os.path.join(folder, file), map_location='cpu', weights_only=True,
-                                    mmap=True).get('run_id') if file and folder != resume_path else None
-            except Exception:  # damaged: set_aside_damaged's, where the resume read it
-                theirs = None
-            if theirs is None or theirs == run_id:
+        for folder in step_folders(root) + step_folders(root, 'best-step-'):
+            theirs = folder_run(folder) if folder != resume_path else run_id
+            if theirs in ('', run_id) or not os.path.isdir(folder) or not os.listdir(folder):  # (nothing to keep)
                 continue
-            name, aside = os.path.basename(folder), unused(os.path.join(root, 'other-run-' + os.path.basename(folder)))
+            name = os.path.basename(folder)
+            aside = unused(os.path.join(root, ('unknown-run-' if theirs is None else 'other-run-') + name))
             os.replace(folder, aside)
-            print(f"{folder} was saved by another run (id {theirs}, not this run's {run_id}): kept as {aside}, out of "
-                  f"the folders that this run's saves replace and prune", flush=True)
+            why = ": no file in it tells which run saved it" if theirs is None else \
+                f" was saved by another run (id {theirs}, not this run's {run_id})"
+            print(f"{folder}{why}: kept as {aside}, out of the folders that this run's saves replace and prune",
+                  flush=True)
             latest_before(root, name)
 
 

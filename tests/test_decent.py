@@ -397,13 +397,19 @@ dist.destroy_process_group()
 
 def test_latest_never_names_a_folder_set_aside_as_incomplete(tmp_path):
     # step 9's folder lacking a rank's file, named by latest (its other file removed by hand): set aside before the
-    # save of step 9, latest named that missing folder until the save was done, and for good where it failed
+    # save of step 9, latest named that missing folder until the save was done, and for good where it failed; then it
+    # named the folder just before, whatever it was: one cut short, or another run's copied in by hand
     root = tmp_path / 'decent'
-    for step in (8, 9):
+    for step in (6, 7, 8, 9):
         (root / f'step-{step:08d}').mkdir(parents=True)
+    for step, ranks, run_id in ((6, (0, 1), 'mine'), (7, (0, 1), 'theirs'), (8, (1,), 'mine')):
+        for r in ranks:  # 6 whole, 7 another run's, 8 cut short (rank 0's file never written)
+            torch.save({'iter_num': step, 'rng': [0, 0], 'run_id': run_id}, root / f'step-{step:08d}' / f'rank-{r}.pt')
+    (tmp_path / 'run_id').write_text('mine')
     (root / 'step-00000009' / 'rank-1.pt').write_bytes(b'')
     (root / 'latest').write_text('step-00000009')
     (tmp_path / 'set_aside.py').write_text(SET_ASIDE)
     run(tmp_path / 'set_aside.py', tmp_path, REPO, cwd=tmp_path)
-    assert sorted(f.name for f in root.iterdir()) == ['incomplete-step-00000009', 'latest', 'step-00000008']
-    assert (root / 'latest').read_text() == 'step-00000008'
+    assert sorted(f.name for f in root.iterdir()) == ['incomplete-step-00000009', 'latest', 'step-00000006',
+                                                      'step-00000007', 'step-00000008']
+    assert (root / 'latest').read_text() == 'step-00000006'

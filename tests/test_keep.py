@@ -298,3 +298,36 @@ def test_a_crash_as_a_best_saved_again_is_replaced_leaves_best_naming_a_whole_fo
     assert sorted(p.name for p in dcp_dir.iterdir()) == ['best', 'best-step-00000010', 'latest', 'step-00000008',
                                                          'step-00000010']
     assert load_checkpoint(str(run_dir / 'best'))[1]['iter_num'] == 10
+
+
+def test_pruning_removes_only_the_runs_own_folders_never_another_runs_or_one_whose_run_no_file_tells(tmp_path):
+    # another run's folders copied in by hand without the file that tells a folder's run (decent_train.py's rank-0.pt,
+    # DCP's extra.pt): pruning took them for the run's own, counted them among its fallbacks and removed them; a
+    # new best removed the best-step-N of another run that its best file (copied in beside it) named
+    def folder(kind, step, files):
+        (tmp_path / kind / f'step-{step:08d}').mkdir(parents=True, exist_ok=True)
+        for name, content in files.items():
+            path = tmp_path / kind / f'step-{step:08d}' / name
+            torch.save(content, path) if isinstance(content, dict) else path.write_bytes(content)
+        return str(tmp_path / kind / f'step-{step:08d}')
+    replica = lambda step, run_id: {'iter_num': step, 'rng': [0, 0], 'run_id': run_id}
+    for step in (2, 4):
+        folder('decent', step, {f'rank-{r}.pt': replica(step, 'mine') for r in (0, 1)})
+    folder('decent', 3, {'rank-1.pt': replica(3, 'theirs')})  # another run's, without its rank 0's file
+    folder('decent', 1, {'notes.txt': b'a file that tells no run'})
+    folder('decent', 5, {})  # empty: nothing in it to keep
+    shutil.copytree(folder('decent', 0, {f'rank-{r}.pt': replica(0, 'theirs') for r in (0, 1)}),
+                    tmp_path / 'decent' / 'best-step-00000000')  # another run's best, and its best file
+    (tmp_path / 'decent' / 'best').write_text('best-step-00000000')
+    theirs = {p: p.read_bytes() for p in (tmp_path / 'decent').rglob('*') if p.is_file() and
+              re.search(r'step-0000000[013]', str(p))}
+    point_latest(folder('decent', 6, {f'rank-{r}.pt': replica(6, 'mine') for r in (0, 1)}), keep=2, best=True)
+    assert sorted(p.name for p in (tmp_path / 'decent').iterdir()) == [
+        'best', 'best-step-00000000', 'best-step-00000006', 'latest', 'step-00000000', 'step-00000001',
+        'step-00000003', 'step-00000004', 'step-00000006']  # the run's step 4, its one fallback, and none of theirs
+    assert {p: p.read_bytes() for p in theirs} == theirs
+    # a DCP folder of another run without its extra.pt: shards and .metadata tell no run
+    folder('dcp', 3, {'.metadata': b'theirs', '__0_0.distcp': b'theirs'})
+    for step in (4, 6):
+        point_latest(folder('dcp', step, {'extra.pt': {'iter_num': step, 'run_id': 'mine'}}), keep=1)
+    assert sorted(p.name for p in (tmp_path / 'dcp').iterdir()) == ['latest', 'step-00000003', 'step-00000006']

@@ -1030,6 +1030,46 @@ def test_another_runs_ds_step_folder_that_latest_names_is_set_aside_not_removed(
         (run_dir / 'run_id').read_text().strip()
 
 
+def test_a_resume_sets_aside_another_runs_best_and_folders_that_tell_no_run_and_latest_names_the_runs_whole_one(
+        tmp_path):
+    # another run's best-step-N (named best) was left among the run's, which a new best replaced or pruned; its step
+    # folder copied in without its rank-0.pt, or a DCP or DeepSpeed one without the file that tells its run, was
+    # taken for the run's own, to be pruned or written over; latest, where it named a folder set aside, then named
+    # the folder before it, one cut short among them
+    from checkpoint import set_aside_others
+
+    def folder(kind, name, files):
+        (tmp_path / kind / name).mkdir(parents=True)
+        for file, content in files.items():
+            torch.save(content, tmp_path / kind / name / file) if isinstance(content, dict) else \
+                (tmp_path / kind / name / file).write_bytes(content)
+    ranks = lambda step, run_id, of=(0, 1): {f'rank-{r}.pt': {'iter_num': step, 'rng': [0, 0], 'run_id': run_id}
+                                              for r in of}
+    (tmp_path / 'run_id').write_text('mine')
+    folder('decent', 'step-00000002', ranks(2, 'mine'))
+    folder('decent', 'best-step-00000002', ranks(2, 'mine'))
+    folder('decent', 'step-00000004', ranks(4, 'mine', of=(1,)))  # the run's own, cut short: left as it is
+    folder('decent', 'step-00000005', ranks(5, 'theirs', of=(1,)))  # another run's, without its rank-0.pt
+    folder('decent', 'step-00000006', ranks(6, 'theirs'))
+    folder('decent', 'best-step-00000007', ranks(7, 'theirs'))
+    (tmp_path / 'decent' / 'latest').write_text('step-00000006')
+    (tmp_path / 'decent' / 'best').write_text('best-step-00000007')
+    folder('dcp', 'step-00000003', {'.metadata': b'theirs', '__0_0.distcp': b'theirs'})  # without its extra.pt
+    folder('ds', 'step-00000003', {'zero_pp_rank_0_mp_rank_00_optim_states.pt': b'theirs'})  # nor model states
+    before = files(tmp_path)
+    set_aside_others(str(tmp_path), 'mine', str(tmp_path / 'decent' / 'step-00000002'))
+    moved = {'decent/step-00000005': 'decent/other-run-step-00000005',
+             'decent/step-00000006': 'decent/other-run-step-00000006',
+             'decent/best-step-00000007': 'decent/other-run-best-step-00000007',
+             'dcp/step-00000003': 'dcp/unknown-run-step-00000003', 'ds/step-00000003': 'ds/unknown-run-step-00000003'}
+    renamed = lambda path: next((to + path[len(at):] for at, to in moved.items() if path.startswith(at + '/')), path)
+    after = files(tmp_path)
+    assert after == {renamed(p): md5 for p, md5 in before.items() if p not in ('decent/latest', 'decent/best')} | \
+        {'decent/latest': after['decent/latest'], 'decent/best': after['decent/best']}  # every byte kept
+    assert (tmp_path / 'decent' / 'latest').read_text() == 'step-00000002'  # whole and the run's, not step 4
+    assert (tmp_path / 'decent' / 'best').read_text() == 'best-step-00000002'
+
+
 def test_a_failed_save_into_the_damaged_folder_that_latest_names_never_calls_it_intact(tmp_path, monkeypatch):
     # ds_train.py removes the folder that latest names where it is damaged, to write the step anew there: where that
     # write fails, the error called the folder, cut short and removed, "the newest complete one, ..., is intact"
