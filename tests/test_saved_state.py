@@ -99,6 +99,11 @@ def test_eval_only_writes_nothing_but_its_rows_and_evaluates_the_runs_newest_sta
     error = one_line_error(start(tmp_path, data_dir, tmp_path / 'run', '--eval_only=True', '--auto_resume=False',
                                  script=script, check=False))
     assert error.startswith('error: eval_only with auto_resume=False evaluates a new, untrained model'), error
+    # a mistyped out_dir evaluated a new, untrained model, whose loss was read as the run's, and exited 0
+    error = one_line_error(start(tmp_path, data_dir, tmp_path / 'rn', '--eval_only=True', script=script, check=False))
+    assert error == (f"error: eval_only: {tmp_path / 'rn'} holds no saved state of a run to evaluate: point --out_dir "
+                     f"at a run's folder, or evaluate a checkpoint or GPT-2 with --init_from=PATH or --init_from=gpt2")
+    assert not (tmp_path / 'rn').exists()
     after = files(tmp_path / 'run')
     assert after.keys() == before.keys()  # no checkpoint, no ckpt.prev.pt rotated, no step folder
     assert all(after[k] == before[k] for k in before if k != 'metrics.jsonl')  # config.json, run_id, checkpoints
