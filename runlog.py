@@ -2,7 +2,8 @@
 What a run writes about itself into out_dir besides checkpoints, from rank 0: run_id (which names its snapshots
 and is written into its checkpoints, so that a run started afresh over an old out_dir never takes the old run's
 state for its own), config.json (its settings, beside its results, and the launch that last started it) and
-metrics.jsonl (one JSON object a logged step, eval or event, which plot.py and the tests read).
+metrics.jsonl (one JSON object a logged step, eval or event, which plot.py and the tests read; a resume that
+changes the settings logs what they were, {"iter": N, "settings_changed": {key: [before, now]}}).
 
 Nothing is touched until the first row is logged, once training has begun: a run that fails to start (a bad key,
 data that do not fit the model, a damaged checkpoint) leaves the files of the run it would have resumed as they
@@ -110,8 +111,11 @@ def _start(out_dir, run_id, settings, resumed_at, eval_only, first_row, made, pe
         print(f"{path} holds an earlier run's log: kept as {aside}", flush=True)
     # the launch, so that its launcher's restart of a run started afresh resumes it (checkpoint.relaunched)
     settings = {**settings, 'launch': launch_identity()}
+    changed = settings_changed(os.path.join(out_dir, 'config.json'), settings) if resumed_at is not None else {}
+    # config.json says what the run runs with now; what it said before a resume that changed it stays in the log
+    row = json.dumps({'iter': resumed_at, 'settings_changed': changed}) + '\n' if changed else ''
     for name, text in (('run_id', run_id), ('config.json', json.dumps(settings, indent=1)),
-                       ('metrics.jsonl', ''.join(kept) + settle() + first_row)):
+                       ('metrics.jsonl', ''.join(kept) + settle() + row + first_row)):
         if not os.path.exists(os.path.join(out_dir, name)):
             made.append(os.path.join(out_dir, name))
         try:
@@ -119,6 +123,20 @@ def _start(out_dir, run_id, settings, resumed_at, eval_only, first_row, made, pe
         except OSError as e:  # a write's error names no file
             raise OSError(e.errno, e.strerror, e.filename or os.path.join(out_dir, name)) from None
     return open(path, 'ab', buffering=0)
+
+
+def settings_changed(path, settings):
+    """{key: [before, now]} of the settings that differ from those in the run's config.json at path ({} where it is
+    missing or unreadable: then there is nothing to compare)."""
+    try:
+        with open(path, encoding='utf-8') as f:
+            before = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(before, dict):
+        return {}
+    now = json.loads(json.dumps(settings))  # as config.json holds them: tuples as lists
+    return {k: [before.get(k), now.get(k)] for k in sorted(before.keys() | now.keys()) if before.get(k) != now.get(k)}
 
 
 def append(f, text):
@@ -145,7 +163,7 @@ def _last_byte(path):
 
 def read_log(path, before):
     """The lines of the log at path whose rows precede iteration `before`, and those of eval_only runs (which the
-    resumed run does not log again); and [(kind, line)] of the evals at `before` (EVALS). Lines that are not a JSON
+    resumed run does not log again) and of the settings that resumes changed (the only record of them); and [(kind, line)] of the evals at `before` (EVALS). Lines that are not a JSON
     object of a row (cut short by a crash, not UTF-8, edited by hand), or a folder in the log's place, are set aside
     into path.damaged-TIME, never lost, with a one-line warning: a damaged log never blocks a resume."""
     if not os.path.lexists(path):
@@ -167,7 +185,7 @@ def read_log(path, before):
                 if line.strip():
                     bad.append(line if line.endswith(b'\n') else line + b'\n')
                 continue
-            if row.get('iter', 0) < before or row.get('eval_only') is True:
+            if row.get('iter', 0) < before or row.get('eval_only') is True or 'settings_changed' in row:
                 kept.append(line.decode('utf-8').rstrip('\n') + '\n')
             elif row.get('iter') == before and (kinds := [kind for kind in EVALS if kind in row]):
                 evals.append((kinds[0], line.decode('utf-8').rstrip('\n') + '\n'))

@@ -117,6 +117,12 @@ def test_eval_only_writes_nothing_but_its_rows_and_evaluates_the_runs_newest_sta
         start(tmp_path, data_dir, tmp_path / 'run', '--max_iters=12')
         log = (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()
         assert log[:len(lines) + 1] == lines[:-1] + now[-2:]  # the run's eval at 10 gone, logged again below
+        # config.json says max_iters=12 now; the log keeps what the run was started with (config.json alone lost it)
+        row = json.loads(log[len(lines) + 1])  # (out_dir too: the run was copied here)
+        assert row['iter'] == 10 and row['settings_changed'].keys() == {'max_iters', 'out_dir'}, row
+        assert row['settings_changed']['max_iters'] == [10, 12], row
+        assert row['settings_changed']['out_dir'][1] == str(tmp_path / 'run'), row
+        assert json.loads((tmp_path / 'run' / 'config.json').read_text())['max_iters'] == 12
         losses, evals = read_metrics(tmp_path / 'run')
         assert sorted(losses) == list(range(12)) and [r['iter'] for r in evals] == [0, 5, 10, 10, 10, 12]
 
@@ -982,6 +988,22 @@ def test_a_log_row_on_a_full_disk_is_a_warning_and_never_left_half_written(small
     rows = (out / 'metrics.jsonl').read_bytes().split(b'\n')
     assert rows[-1] == b'' and 100 < len(rows) < 2000  # whole rows only, up to the one that did not fit
     assert [json.loads(row)['iter'] for row in rows[:-1]] == list(range(len(rows) - 1))
+
+
+def test_each_resume_that_changes_the_settings_logs_what_they_were(tmp_path):
+    # every resume wrote its own flags over config.json: the settings a run was started with were lost
+    from runlog import open_log
+    out = str(tmp_path / 'run')
+    for resumed_at, max_iters in ((None, 10), (10, 20), (20, 20), (5, 30)):  # the last from an older checkpoint
+        log = open_log(out, 'abc', {'out_dir': out, 'max_iters': max_iters, 'batch': [1, 2]}, resumed_at=resumed_at)
+        for i in range(resumed_at or 0, max_iters, 5):
+            log(i, loss=1.0)
+    rows = [json.loads(line) for line in (tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()]
+    changes = [r for r in rows if 'settings_changed' in r]  # none where nothing changed; kept past a resume at 5
+    assert changes == [{'iter': 10, 'settings_changed': {'max_iters': [10, 20]}},
+                       {'iter': 5, 'settings_changed': {'max_iters': [20, 30]}}], rows
+    assert [r['iter'] for r in rows if 'loss' in r] == [0, 5, 10, 15, 20, 25]
+    assert json.loads((tmp_path / 'run' / 'config.json').read_text())['max_iters'] == 30
 
 
 def test_run_best_names_the_newer_best_where_another_entrypoint_continued_the_run(tmp_path, data_dir, shared_run):
