@@ -136,7 +136,9 @@ def settings_changed(path, settings):
     if not isinstance(before, dict):
         return {}
     now = json.loads(json.dumps(settings))  # as config.json holds them: tuples as lists
-    return {k: [before.get(k), now.get(k)] for k in sorted(before.keys() | now.keys()) if before.get(k) != now.get(k)}
+    # (not the launch: a torchrun's differs at each start, and it names no setting)
+    return {k: [before.get(k), now.get(k)] for k in sorted((before.keys() | now.keys()) - {'launch'})
+            if before.get(k) != now.get(k)}
 
 
 def append(f, text):
@@ -163,9 +165,10 @@ def _last_byte(path):
 
 def read_log(path, before):
     """The lines of the log at path whose rows precede iteration `before`, and those of eval_only runs (which the
-    resumed run does not log again) and of the settings that resumes changed (the only record of them); and [(kind, line)] of the evals at `before` (EVALS). Lines that are not a JSON
-    object of a row (cut short by a crash, not UTF-8, edited by hand), or a folder in the log's place, are set aside
-    into path.damaged-TIME, never lost, with a one-line warning: a damaged log never blocks a resume."""
+    resumed run does not log again) and of the settings that resumes changed (the only record of them); and
+    [(kind, line)] of the evals at `before` (EVALS). Lines that are not a JSON object of a row (cut short by a crash,
+    not UTF-8, edited by hand), or a folder in the log's place, are set aside into path.damaged-TIME, never lost, with
+    a one-line warning: a damaged log never blocks a resume."""
     if not os.path.lexists(path):
         return [], []
     aside = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"

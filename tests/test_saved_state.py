@@ -990,11 +990,12 @@ def test_a_log_row_on_a_full_disk_is_a_warning_and_never_left_half_written(small
     assert [json.loads(row)['iter'] for row in rows[:-1]] == list(range(len(rows) - 1))
 
 
-def test_each_resume_that_changes_the_settings_logs_what_they_were(tmp_path):
+def test_each_resume_that_changes_the_settings_logs_what_they_were(tmp_path, monkeypatch):
     # every resume wrote its own flags over config.json: the settings a run was started with were lost
     from runlog import open_log
     out = str(tmp_path / 'run')
     for resumed_at, max_iters in ((None, 10), (10, 20), (20, 20), (5, 30)):  # the last from an older checkpoint
+        monkeypatch.setenv('TORCHELASTIC_RUN_ID', f'{max_iters}-{resumed_at}')  # each start a launch of its own
         log = open_log(out, 'abc', {'out_dir': out, 'max_iters': max_iters, 'batch': [1, 2]}, resumed_at=resumed_at)
         for i in range(resumed_at or 0, max_iters, 5):
             log(i, loss=1.0)
