@@ -28,6 +28,8 @@ import sys
 import time
 from contextlib import nullcontext
 
+from configurator import check_config, configure, quiet_interrupt
+quiet_interrupt()  # before torch's ~3 s import: a Ctrl-C there ends with one line, not a traceback
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -35,7 +37,6 @@ import torch.distributed as dist
 from checkpoint import (commit, create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, load_failed,
                         previous, remove_snapshots, save_in_background, snapshot_dir, step_folders, take_settings,
                         upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
-from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from decent import (average_moments, average_replicas, check_optimizers, check_resumed, global_model, make_buckets,
                     make_mixing_groups, make_optimizers, make_outer, mixing_rounds, moments_from_adamw, name_best,

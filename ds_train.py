@@ -23,6 +23,8 @@ import time
 import warnings
 from contextlib import nullcontext
 
+from configurator import check_config, configure, quiet_interrupt
+quiet_interrupt()  # before torch's ~3 s import: a Ctrl-C there ends with one line, not a traceback
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -30,7 +32,6 @@ import torch.distributed as dist
 from checkpoint import (commit, create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, load_failed,
                         reason, remove_snapshots, same_step, save_in_background, snapshot_dir, take_settings,
                         upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
-from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
                          stop_signal, use_deterministic_algorithms)

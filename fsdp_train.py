@@ -17,6 +17,8 @@ import sys
 import time
 from contextlib import nullcontext
 
+from configurator import check_config, configure, quiet_interrupt
+quiet_interrupt()  # before torch's ~3 s import: a Ctrl-C there ends with one line, not a traceback
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -27,7 +29,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, load_failed, previous,
                         remove_snapshots, save_in_background, snapshot_dir, step_folders, take_settings,
                         wait_for_copies, wait_for_saves, where_saved)
-from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, groups_of, pick_device, restore_rng, split_accumulation,
                          start, skip_on_device, state_bytes, stop_signal, use_deterministic_algorithms)

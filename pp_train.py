@@ -25,6 +25,8 @@ import sys
 import time
 from contextlib import nullcontext
 
+from configurator import check_config, configure, quiet_interrupt
+quiet_interrupt()  # before torch's ~3 s import: a Ctrl-C there ends with one line, not a traceback
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -34,7 +36,6 @@ from torch.distributed.pipelining import PipelineStage
 from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, load_failed, previous,
                         remove_snapshots, save_in_background, snapshot_dir, step_folders, take_settings,
                         wait_for_copies, wait_for_saves, where_saved)
-from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, groups_of, pick_device, restore_rng, split_accumulation,
                          start, skip_on_device, state_bytes, stop_signal, torchrun_env, use_deterministic_algorithms)
@@ -145,9 +146,8 @@ if message := untaken(pp_schedule, accum_steps, pp_size, dp_size):
     sys.exit(f"error: {message}")
 rank, local_rank, world_size = start(backend, device)
 master_process = rank == 0  # does all the logging and checkpoint writing
-# the mesh is (dp, pp, tp) with tp innermost, then pp: a tp group is tp_size consecutive ranks (the GPUs of a node:
-# TP's all-reduces need its links), a pipeline pp_size x tp_size (only activations cross a stage boundary, from a rank
-# to the same tp rank of the next stage); a pipeline's ranks read the same batches
+# the mesh is (dp, pp, tp), tp innermost: a tp group is tp_size consecutive ranks (a node's GPUs: TP's all-reduces
+# need its links), a pipeline pp_size x tp_size (only activations cross stages, to the same tp rank), reading one batch
 dp_rank, pp_rank = rank // (pp_size * tp_size), rank // tp_size % pp_size
 mesh = init_device_mesh(device_type, (dp_size, pp_size, tp_size), mesh_dim_names=('dp', 'pp', 'tp'))
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size

@@ -15,6 +15,8 @@ import sys
 import time
 from contextlib import nullcontext
 
+from configurator import check_config, configure, quiet_interrupt
+quiet_interrupt()  # before torch's ~3 s import: a Ctrl-C there ends with one line, not a traceback
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -23,7 +25,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, load_failed,
                         remove_snapshots, save_in_background, snapshot_dir, take_settings, upgrade_optimizer_state,
                         wait_for_copies, wait_for_saves, where_saved)
-from configurator import check_config, configure
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
                          skip_on_device, state_bytes, stop_signal, use_deterministic_algorithms)

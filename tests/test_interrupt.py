@@ -286,6 +286,19 @@ def test_ctrl_c_in_a_tool_is_one_line_and_a_non_zero_exit(tmp_path, data_dir, sh
         assert os.listdir(tmp_path / 'bench') == ['BENCH_CHECKPOINT']  # the saves it was timing are gone
 
 
+def test_ctrl_c_while_an_entrypoint_imports_torch_is_one_line_and_exit_130(tmp_path):
+    # Ctrl-C in the first ~3 s of a run, while torch loads, printed a KeyboardInterrupt traceback: a stand-in torch
+    # that takes the Ctrl-C on import makes the moment exact
+    (tmp_path / 'torch.py').write_text("import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(30)\n")
+    for script in ('train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py', 'pp_train.py'):
+        p = subprocess.run([sys.executable, str(REPO / script)], cwd=tmp_path, capture_output=True, text=True,
+                           env=dict(env(), PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}"), preexec_fn=as_at_a_terminal,
+                           timeout=60)
+        assert (p.returncode, p.stderr.strip(), p.stdout) == \
+            (130, "error: interrupted (Ctrl-C); nothing half-written is kept: rerun to start over", ''), script
+    assert os.listdir(tmp_path) == ['torch.py']  # nothing written: the run had not begun
+
+
 def test_ctrl_c_in_prepare_keeps_the_folder_as_it_was(tmp_path):
     """A GPT-2 prep over an earlier char-level one (--force), interrupted while it writes: the earlier files stay
     whole, and the partial ones are gone."""
