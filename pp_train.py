@@ -8,8 +8,8 @@ PP x DP, 2 nodes: torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --r
 Zero bubble:      torchrun --standalone --nproc_per_node=4 pp_train.py config/train_gpt2.py --pp_size=4 \
                       --pp_schedule=interleaved-zb --compile=False
 PP x FSDP:        torchrun --standalone --nproc_per_node=8 pp_train.py config/train_gpt2.py --pp_size=4 --dp_shard=True
-ZBV x FSDP:       torchrun --standalone --nproc_per_node=8 pp_train.py ... --pp_size=4 --pp_schedule=zbv --dp_shard=True \
-                      --compile=False  (the first rank's two stages: the tied embedding's shards in the first's)
+ZBV x FSDP:       torchrun --standalone --nproc_per_node=8 pp_train.py ... --pp_size=4 --pp_schedule=zbv \
+                      --dp_shard=True --compile=False  (the tied embedding's shards in the first rank's first stage)
 DP x PP x TP:     torchrun --standalone --nproc_per_node=8 pp_train.py config/train_gpt2.py --pp_size=2 --tp_size=2
 FSDP x PP x TP:   torchrun --standalone --nproc_per_node=8 pp_train.py ... --pp_size=2 --tp_size=2 --dp_shard=True
 
