@@ -1281,9 +1281,13 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     if eval_only and resume_from is not None:
         print0(f"eval_only: evaluating the newest state of the run in {out_dir}, {resume_from[1]} at iter "
                f"{resume_from[0]}; nothing in {out_dir} is written but its eval rows in metrics.jsonl")
-    elif eval_only and init_from == 'scratch':  # a mistyped out_dir: an untrained model's loss, read as the run's
+    elif eval_only and init_from == 'scratch' and auto_resume:  # a mistyped out_dir: an untrained model's loss,
+        # read as the run's; who wants that loss says so with --auto_resume=False (no run to resume, on purpose)
         sys.exit(f"error: eval_only: {out_dir} holds no saved state of a run to evaluate: point --out_dir at a run's "
-                 f"folder, or evaluate a checkpoint or GPT-2 with --init_from=PATH or --init_from=gpt2")
+                 f"folder, or evaluate a checkpoint or GPT-2 with --init_from=PATH or --init_from=gpt2 "
+                 f"(--auto_resume=False evaluates a new, untrained model)")
+    elif eval_only and init_from == 'scratch':
+        print0("eval_only: --auto_resume=False: evaluating a new, untrained model")
     elif resume_from is not None and relaunch and init_from != 'resume':
         print0(f"auto-resume: {out_dir} holds the state of the run that this launch started (iter {resume_from[0]}), "
                f"and its launcher has restarted it, so it continues: --auto_resume=False started it afresh over the "

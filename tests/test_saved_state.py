@@ -102,8 +102,12 @@ def test_eval_only_writes_nothing_but_its_rows_and_evaluates_the_runs_newest_sta
     # a mistyped out_dir evaluated a new, untrained model, whose loss was read as the run's, and exited 0
     error = one_line_error(start(tmp_path, data_dir, tmp_path / 'rn', '--eval_only=True', script=script, check=False))
     assert error == (f"error: eval_only: {tmp_path / 'rn'} holds no saved state of a run to evaluate: point --out_dir "
-                     f"at a run's folder, or evaluate a checkpoint or GPT-2 with --init_from=PATH or --init_from=gpt2")
+                     f"at a run's folder, or evaluate a checkpoint or GPT-2 with --init_from=PATH or --init_from=gpt2 "
+                     f"(--auto_resume=False evaluates a new, untrained model)")
     assert not (tmp_path / 'rn').exists()
+    if script == 'train.py':  # an untrained model's loss, asked for (find_resume decides it alike for all five)
+        p = start(tmp_path, data_dir, tmp_path / 'new', '--eval_only=True', '--auto_resume=False', script=script)
+        assert 'evaluating a new, untrained model' in p.stdout and 'val loss 4.' in p.stdout, p.stdout
     after = files(tmp_path / 'run')
     assert after.keys() == before.keys()  # no checkpoint, no ckpt.prev.pt rotated, no step folder
     assert all(after[k] == before[k] for k in before if k != 'metrics.jsonl')  # config.json, run_id, checkpoints
