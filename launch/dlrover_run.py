@@ -11,11 +11,14 @@ DLRover's ElasticJob the master runs in its own pod and plain dlrover-run works.
 
 DLRover's nanoGPT example runs `dlrover-run --nnodes=1 --max_restarts=2 --nproc_per_node=2 train.py ...` without
 --standalone, which outside an ElasticJob (no DLROVER_MASTER_ADDR) stops in a traceback; here one node then means
-the standalone mode, said in a line, and more nodes a one-line error.
+the standalone mode, said in a line, and more nodes a one-line error. The local master's port is picked below the
+kernel's ephemeral ports (master_port), where no other process's connection takes it before the master binds it.
 """
 import functools
 import inspect
 import os
+import random
+import socket
 import sys
 
 try:
@@ -26,6 +29,38 @@ except ImportError as e:
 
 if 'numa_options' in inspect.signature(elastic_run.SubprocessHandler).parameters:
     elastic_run.SubprocessHandler = functools.partial(elastic_run.SubprocessHandler, numa_options=None)
+
+
+
+def master_port():
+    """A free port for the local job master, below the kernel's ephemeral ports (ip_local_port_range). dlrover's own
+    pick, bind(0) then closed, is an ephemeral port that the master binds only after seconds of imports: on a busy
+    host another process's connection may take it meanwhile, and the agent's first call is then refused."""
+    try:
+        with open('/proc/sys/net/ipv4/ip_local_port_range') as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+    for _ in range(100):
+        port = random.SystemRandom().randrange(max(1024, low - 5000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(('127.0.0.1', port))
+                return port
+            except OSError:  # in use
+                continue
+    return 0
+
+
+local_master = elastic_run._launch_dlrover_local_master
+
+
+def launch_local_master(master_addr, job_name):  # an address given (DLROVER_MASTER_ADDR) is used as it is
+    port = master_port()
+    return local_master(master_addr or (f'127.0.0.1:{port}' if port else ''), job_name)
+
+
+elastic_run._launch_dlrover_local_master = launch_local_master
 
 if __name__ == '__main__':
     argv = sys.argv[1:]
