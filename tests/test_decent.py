@@ -390,7 +390,7 @@ sys.path.insert(0, sys.argv[2])  # the repo
 from decent import set_aside_incomplete
 dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)
 root = os.path.join(sys.argv[1], 'decent')
-set_aside_incomplete(os.path.join(root, 'step-00000009'))
+set_aside_incomplete(os.path.join(root, 'step-00000009'), 'mine')
 dist.destroy_process_group()
 '''
 
@@ -411,5 +411,17 @@ def test_latest_never_names_a_folder_set_aside_as_incomplete(tmp_path):
     (tmp_path / 'set_aside.py').write_text(SET_ASIDE)
     run(tmp_path / 'set_aside.py', tmp_path, REPO, cwd=tmp_path)
     assert sorted(f.name for f in root.iterdir()) == ['incomplete-step-00000009', 'latest', 'step-00000006',
-                                                      'step-00000007', 'step-00000008']
+                                                      'step-00000007', 'step-00000008', 'step-00000009']
     assert (root / 'latest').read_text() == 'step-00000006'
+    # the save begun in step 9 tells its run from the start: SIGKILLed mid-write (temporaries alone), a resume took
+    # it for no run's, set aside as unknown-run-step-9 at each crash (pruning never reached it) until the disk filled
+    assert [f.name for f in (root / 'step-00000009').iterdir()] == ['run_id']
+    (root / 'step-00000009' / 'rank-0.pt.tmp').write_bytes(b'cut short')
+    from checkpoint import point_latest, set_aside_others
+    set_aside_others(str(tmp_path), 'mine', str(root / 'step-00000006'))
+    assert (root / 'step-00000009').is_dir() and not list(root.glob('unknown-run-*'))
+    (root / 'step-00000010').mkdir()
+    for r in (0, 1):
+        torch.save({'iter_num': 10, 'rng': [0, 0], 'run_id': 'mine'}, root / 'step-00000010' / f'rank-{r}.pt')
+    point_latest(str(root / 'step-00000010'), keep=2)
+    assert not (root / 'step-00000009').exists()  # pruned as the run's own
