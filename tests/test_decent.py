@@ -202,7 +202,7 @@ def test_alternating_exp_ring_runs_on_two_nodes_of_two(two_nodes):
     assert 'topology alternating-exp-ring, a cycle of 2 mixing rounds' in stdout
     # the export is the average of the four replicas
     folder = out / 'decent' / 'step-00000006'
-    assert sorted(p.name for p in folder.iterdir()) == [f'rank-{r}.pt' for r in range(4)]
+    assert sorted(p.name for p in folder.iterdir()) == [f'rank-{r}.pt' for r in range(4)] + ['run_id']
     replicas = torch.stack([replicas_of(folder / f'rank-{r}.pt') for r in range(4)])
     assert (replicas - replicas.mean(0)).abs().max() > 1e-5
     assert (replicas_of(out / 'ckpt.pt') - replicas.mean(0)).abs().max() < 1e-6
@@ -294,9 +294,9 @@ def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path, data_dir):
                '--beta2=0.9', nproc=2)
     aside = tmp_path / 'split' / 'decent' / 'incomplete-step-00000009'
     assert f"{nine} lacks a rank's file (a save cut short, or a file removed): kept as {aside}" in p.stdout
-    assert sorted(f.name for f in aside.iterdir()) == ['rank-0.pt']
+    assert sorted(f.name for f in aside.iterdir()) == ['rank-0.pt', 'run_id']
     assert ((aside / 'rank-0.pt').read_bytes(), (aside / 'rank-0.pt').stat().st_ino) == kept
-    assert sorted(f.name for f in nine.iterdir()) == ['rank-0.pt', 'rank-1.pt']
+    assert sorted(f.name for f in nine.iterdir()) == ['rank-0.pt', 'rank-1.pt', 'run_id']
 
 
 def test_train_checkpoint_starts_the_replicas_and_their_average_goes_to_sample_and_train(tmp_path, data_dir,
