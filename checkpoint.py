@@ -854,9 +854,9 @@ def step_folders(root, prefix='step-'):
 
 def folder_run(folder):
     """The run id that the files of a step folder carry, read from the first that loads of its extra.pt (DCP),
-    rank-K.pt (any rank's, decent_train.py) and model-states file (DeepSpeed); '' where that file holds none (saved
-    before runs had ids, which counts as any run's), None where no file tells: none there (a folder copied in by
-    hand without them, a save cut short before its first), or none loads."""
+    rank-K.pt (any rank's, decent_train.py) and model-states file (DeepSpeed), else the run_id that its save wrote
+    first (mark_run); '' where that file holds none (saved before runs had ids, which counts as any run's), None
+    where no file tells: none there (a folder copied in by hand without them), or none loads."""
     names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
     for name in (n for n in names if n == 'extra.pt' or re.fullmatch(r'rank-\d+\.pt', n) or
                  n.endswith('model_states.pt')):
@@ -865,7 +865,19 @@ def folder_run(folder):
                                   mmap=True).get('run_id') or '')
         except Exception:  # damaged: another file may tell
             continue
-    return None
+    # a save cut short before its first file (temporaries alone): the run it names as it begins (mark_run)
+    return read_name(os.path.join(folder, 'run_id')) if 'run_id' in names else None
+
+
+def mark_run(folder, run_id):
+    """Where a save begins the step folder (before any rank writes into it): the run's id in it, so that a save cut
+    short before its first file (a kill leaves temporaries, or one rank's optimizer shard) is the run's own: pruned,
+    not set aside as unknown-run-step-N at every resume, one more each crash, until the disk fills."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        write_name(os.path.join(folder, 'run_id'), run_id)
+    except OSError:
+        pass  # a full disk: the save's own files fail next, and say so
 
 
 def same_run(folder, run_id):

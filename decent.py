@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from checkpoint import (checkpoint_iter, latest_before, note_failure, point_latest, take_settings, unused,
+from checkpoint import (checkpoint_iter, latest_before, mark_run, note_failure, point_latest, take_settings, unused,
                         wait_for_copies)
 from distributed import launch_with
 
@@ -371,10 +371,11 @@ def replicas_in(folder):
     return len(torch.load(os.path.join(folder, 'rank-0.pt'), map_location='cpu', weights_only=True, mmap=True)['rng'])
 
 
-def set_aside_incomplete(folder):
+def set_aside_incomplete(folder, run_id):
     """Before a save into the step folder out_dir/decent/step-N: where one is there that lacks a rank's file (a save
     cut short, a file removed), rank 0 renames it incomplete-step-N, so that the files it holds (a replica of that
-    step, maybe of another state) are kept rather than written over. A collective: no rank writes before."""
+    step, maybe of another state) are kept rather than written over, and marks the folder the run's (mark_run). A
+    collective: no rank writes before."""
     if dist.get_rank() == 0 and os.path.isdir(folder):
         try:
             whole = checkpoint_iter(folder) is not None
@@ -387,6 +388,8 @@ def set_aside_incomplete(folder):
             latest_before(os.path.dirname(folder), os.path.basename(folder))
             print(f"{folder} lacks a rank's file (a save cut short, or a file removed): kept as {aside}, and the "
                   f"step saved anew", flush=True)
+    if dist.get_rank() == 0:
+        mark_run(folder, run_id)
     dist.barrier()
 
 

@@ -362,7 +362,7 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         folder = os.path.join(decent_dir, f'step-{iter_num:08d}')
         # a resumed run's first eval finds it there; a new best names it (another world size's replicas: kept whole)
         if folder != resume_path or best and replicas_in(folder) == world_size:
-            set_aside_incomplete(folder)  # a folder there cut short keeps its files
+            set_aside_incomplete(folder, run_id)  # a folder there cut short keeps its files
             save_in_background(checkpoint, os.path.join(folder, f'rank-{rank}.pt'), slot='decent',
                                then=lambda ok: commit(folder, ok, checkpoint_group, master_process,
                                                       keep=keep_checkpoints, best=best))

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import (commit, create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, load_failed,
-                        reason, remove_snapshots, same_step, save_in_background, snapshot_dir, take_settings,
+                        mark_run, reason, remove_snapshots, same_step, save_in_background, snapshot_dir, take_settings,
                         upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
@@ -366,6 +366,8 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         writer = master_process if to == 'storage' else local_rank == 0  # of latest, and of the folder's cleaning
         if writer and os.path.isdir(folder) and not whole:
             shutil.rmtree(folder)  # cut short, damaged, or not what latest names: written anew (after the barrier)
+        if writer and to == 'storage' and not whole:
+            mark_run(folder, run_id)  # before the engine's barrier: a kill mid-write leaves a folder of the run's
         # The engine writes its model-states file (our state in it) from the first data-parallel rank only; a
         # snapshot needs one in every node's folder, so there the first rank of each node writes it too
         first_only = model.save_non_zero_checkpoint

@@ -202,7 +202,7 @@ def test_alternating_exp_ring_runs_on_two_nodes_of_two(two_nodes):
     assert 'topology alternating-exp-ring, a cycle of 2 mixing rounds' in stdout
     # the export is the average of the four replicas
     folder = out / 'decent' / 'step-00000006'
-    assert sorted(p.name for p in folder.iterdir()) == [f'rank-{r}.pt' for r in range(4)]
+    assert sorted(p.name for p in folder.iterdir()) == [f'rank-{r}.pt' for r in range(4)] + ['run_id']
     replicas = torch.stack([replicas_of(folder / f'rank-{r}.pt') for r in range(4)])
     assert (replicas - replicas.mean(0)).abs().max() > 1e-5
     assert (replicas_of(out / 'ckpt.pt') - replicas.mean(0)).abs().max() < 1e-6
@@ -294,9 +294,9 @@ def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path, data_dir):
                '--beta2=0.9', nproc=2)
     aside = tmp_path / 'split' / 'decent' / 'incomplete-step-00000009'
     assert f"{nine} lacks a rank's file (a save cut short, or a file removed): kept as {aside}" in p.stdout
-    assert sorted(f.name for f in aside.iterdir()) == ['rank-0.pt']
+    assert sorted(f.name for f in aside.iterdir()) == ['rank-0.pt', 'run_id']
     assert ((aside / 'rank-0.pt').read_bytes(), (aside / 'rank-0.pt').stat().st_ino) == kept
-    assert sorted(f.name for f in nine.iterdir()) == ['rank-0.pt', 'rank-1.pt']
+    assert sorted(f.name for f in nine.iterdir()) == ['rank-0.pt', 'rank-1.pt', 'run_id']
 
 
 def test_train_checkpoint_starts_the_replicas_and_their_average_goes_to_sample_and_train(tmp_path, data_dir,
@@ -390,7 +390,7 @@ sys.path.insert(0, sys.argv[2])  # the repo
 from decent import set_aside_incomplete
 dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)
 root = os.path.join(sys.argv[1], 'decent')
-set_aside_incomplete(os.path.join(root, 'step-00000009'))
+set_aside_incomplete(os.path.join(root, 'step-00000009'), 'mine')
 dist.destroy_process_group()
 '''
 
@@ -411,5 +411,17 @@ def test_latest_never_names_a_folder_set_aside_as_incomplete(tmp_path):
     (tmp_path / 'set_aside.py').write_text(SET_ASIDE)
     run(tmp_path / 'set_aside.py', tmp_path, REPO, cwd=tmp_path)
     assert sorted(f.name for f in root.iterdir()) == ['incomplete-step-00000009', 'latest', 'step-00000006',
-                                                      'step-00000007', 'step-00000008']
+                                                      'step-00000007', 'step-00000008', 'step-00000009']
     assert (root / 'latest').read_text() == 'step-00000006'
+    # the save begun in step 9 tells its run from the start: SIGKILLed mid-write (temporaries alone), a resume took
+    # it for no run's, set aside as unknown-run-step-9 at each crash (pruning never reached it) until the disk filled
+    assert [f.name for f in (root / 'step-00000009').iterdir()] == ['run_id']
+    (root / 'step-00000009' / 'rank-0.pt.tmp').write_bytes(b'cut short')
+    from checkpoint import point_latest, set_aside_others
+    set_aside_others(str(tmp_path), 'mine', str(root / 'step-00000006'))
+    assert (root / 'step-00000009').is_dir() and not list(root.glob('unknown-run-*'))
+    (root / 'step-00000010').mkdir()
+    for r in (0, 1):
+        torch.save({'iter_num': 10, 'rng': [0, 0], 'run_id': 'mine'}, root / 'step-00000010' / f'rank-{r}.pt')
+    point_latest(str(root / 'step-00000010'), keep=2)
+    assert not (root / 'step-00000009').exists()  # pruned as the run's own

@@ -1060,6 +1060,9 @@ def test_another_runs_ds_step_folder_that_latest_names_is_set_aside_not_removed(
     assert (ds / 'latest').read_text() == 'step-00000015'  # the run's own, saved at 15
     assert torch.load(ds / 'step-00000015' / 'mp_rank_00_model_states.pt', weights_only=True)['run_id'] == \
         (run_dir / 'run_id').read_text().strip()
+    # begun by the run's id (mark_run): a save SIGKILLed before the engine's files were whole left none that told the
+    # run, set aside at every resume as unknown-run-step-N, out of pruning's reach, one more at each crash
+    assert (ds / 'step-00000015' / 'run_id').read_text() == (run_dir / 'run_id').read_text().strip()
 
 
 def test_a_resume_sets_aside_another_runs_best_and_folders_that_tell_no_run_and_latest_names_the_runs_whole_one(
