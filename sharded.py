@@ -23,8 +23,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.optim.adamw import adamw
 from torch.utils._pytree import tree_flatten_with_path, tree_map_only
 
-from checkpoint import (atomic_save, dcp_load, in_background, note_failure, point_latest, print0, same_step,
-                        save_in_background, upgrade_optimizer_state, wait_for_saves)
+from checkpoint import (atomic_save, dcp_load, in_background, mark_run, note_failure, point_latest, print0,
+                        same_step, save_in_background, upgrade_optimizer_state, wait_for_saves)
 
 
 def tensor_parallel(block, tp_mesh):
@@ -203,6 +203,7 @@ def save_dcp(state, extra, path, resume_path, keep=2, best=False):
         shutil.rmtree(path, ignore_errors=True)  # what a save cut short left there
         try:
             os.makedirs(path)
+            mark_run(path, extra.get('run_id', ''))  # a kill while extra.pt is written leaves a folder of the run's
             atomic_save(extra, os.path.join(path, 'extra.pt'))
         except OSError as e:  # a full disk: the run stops at the next agreement, as for a write that fails later
             note_failure([path], e)

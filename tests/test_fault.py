@@ -111,6 +111,17 @@ def run_with_kills(cmd, out_dir, kill_after, cwd, timeout=300, sigterm_after=Non
     return out, killed_at, out[signalled:]  # torchrun itself ends on SIGTERM with a traceback (SignalException)
 
 
+def kill_resumes(out, killed_at, eval_interval=30):
+    """The step each kill resumed from, read in the job's output: a memory snapshot's, or, where a poller held up on a
+    busy machine killed only once the storage save at an eval was written (the step after the kill), that newer
+    checkpoint's, which a restart rightly takes. At least one kill must have resumed from a memory snapshot."""
+    found = re.findall(r'resuming from (\S+) at iter (\d+)', out)
+    assert len(found) == len(killed_at) and any('/nanogpt-' in path for path, _ in found), (killed_at, out[-5000:])
+    for (path, start), last in zip(found, killed_at):
+        assert '/nanogpt-' in path or int(start) == last + 1 and int(start) % eval_interval == 0, (killed_at, found)
+    return [int(start) for _, start in found]
+
+
 def assert_resumed_near(killed_at, resumed, interval=4):
     """Each kill resumed from a snapshot no later than the killed step and at most two intervals older: the killed
     worker was at most in step last + 1 and the newest snapshot is at most one interval older, but its file is
@@ -216,9 +227,7 @@ def test_sigkilled_workers_resume_from_their_memory_snapshots_and_finish_the_sam
         assert f'at iter {stopped}' in p.stdout
     ref = ref.result()
     # the node's snapshot (train.py, ds_train.py) or each rank's of its own shards, stage or replica (fsdp, pp, decent)
-    resumed = [int(m) for m in re.findall(r'resuming from \S+/nanogpt-\w+/\S+ at iter (\d+)', out)]
-    assert len(resumed) == len(killed_at), out[-5000:]
-    assert_resumed_near(killed_at, resumed)
+    assert_resumed_near(killed_at, kill_resumes(out, killed_at))
     # the same ranks take back exactly what they held: bit for bit (DeepSpeed: within 1e-5, all the issue asks)
     assert_same_run(ref, tmp_path / 'ft', script, exact=script != 'ds_train.py')
     run_id = (tmp_path / 'ft' / 'run_id').read_text()
@@ -418,9 +427,7 @@ def test_dlrover_run_restarts_sigkilled_workers_and_train_py_finishes_bit_exact(
     # the storage checkpoint at 50, between evals: saved before that step
     steps = [line for line in out.splitlines() if line.startswith(('iter ', 'saving checkpoint to '))]
     assert steps[steps.index(next(x for x in steps if x.startswith('iter 50:'))) - 1].startswith('saving checkpoint')
-    resumed = [int(m) for m in re.findall(r'resuming from \S+/nanogpt-\w+/ckpt\.pt at iter (\d+)', out)]
-    assert len(resumed) == len(killed_at), out[-5000:]
-    assert_resumed_near(killed_at, resumed)
+    assert_resumed_near(killed_at, kill_resumes(out, killed_at))
     ref_dir = ref_dir.result()
     (ref, ref_evals), (ft, ft_evals) = read_metrics(ref_dir), read_metrics(tmp_path / 'ft')
     assert ft == ref and [e['val_loss'] for e in ft_evals] == [e['val_loss'] for e in ref_evals]

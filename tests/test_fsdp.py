@@ -52,6 +52,8 @@ def test_fsdp_two_ranks_match_single_process(ref, fsdp2):
     assert_same_curve(ref[1], fsdp2[1], range(10))
     assert_same_weights(ref[0] / 'ckpt.pt', fsdp2[0] / 'ckpt.pt')  # the consolidated export
     assert (fsdp2[0] / 'dcp' / 'latest').read_text() == 'step-00000010'
+    # begun by the run's id (mark_run): a save killed while extra.pt was written left no file that told the run
+    assert (fsdp2[0] / 'dcp' / 'step-00000010' / 'run_id').read_text() == (fsdp2[0] / 'run_id').read_text().strip()
 
 
 @pytest.mark.parametrize('nproc, tp', [(2, 2), (4, 2)], ids=['tp2', 'dp2xtp2'])
