@@ -20,8 +20,8 @@ B: bench.py on GPT-2 124M (T=1024) at a few micro-batches, and a profiler trace 
    with its verdict left on the device against a step that waits for it (the host sync it saves).
 L: the levers, one at a time against the plain step at one batch, side by side: the loss a chunk of logits at a
    time, a bf16 residual stream, SDPA's cuDNN and flash kernels, one fused QKV matmul, those that paid together,
-   and a compile mode; the plain step timed again last, for the spread. Each must also train to the plain step's
-   loss.
+   and a compile mode; the plain step timed again last, for the spread (its first timing part B's, where the call
+   ran B at that batch). Each must also train to the plain step's loss.
 C: tok/s of fsdp_train.py, ds_train.py (ZeRO-2) and decent_train.py against train.py at the same batch, each one's
    peak GPU memory, and where its host's time goes (py-spy on its worker as it runs); and tests/host_time.py, the
    host's time per part of a step, plain against FSDP2.
@@ -381,9 +381,10 @@ def sigkill():
     if left() < 60:
         return row('A', 'SIGKILL under elastic torchrun', False, exited(None))
     # no eval (so no storage checkpoint) before the end: the restart has the memory snapshots alone to resume from
-    # long enough to be killed while it runs (a snapshot may be written late on a busy CPU), short enough to end well
-    # within part A on a GPU once resumed
-    steps = STEPS * (50 if dry else 4)
+    # long enough to be killed while it runs, short enough to end well within part A on a GPU once resumed. Dry, the
+    # kill lands a step or two past step 4 (the step-2 snapshot is whole by then: a save waits for the one before), and
+    # every step resumed writes a snapshot every 2: 120 steps leave a margin of over 100, where 400 took 2.5 s more CPU
+    steps = STEPS * (15 if dry else 4)
     cmd = torchrun('train.py', [f'--out_dir={name}', f'--eval_interval={steps}', '--save_memory_interval=2',
                                 f'--max_iters={steps}', f'--lr_decay_iters={steps}'], elastic=True)
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -472,7 +473,7 @@ def part_b():
         if r and (best is None or r['tokens_per_sec'] > best['tokens_per_sec']):
             best = r
     if best:
-        parts['batch'] = best['batch_size']
+        parts['batch'], parts['timed'] = best['batch_size'], best
     b = args.batch or parts.get('batch') or (2 if dry else 12)
     if wanted(f'profile at batch {b}'):
         # where the device's time goes, and how much of the step it is idle (the step's time is the timed run's)
@@ -541,7 +542,11 @@ def part_l():
     # the likeliest to pay first (the profile's memory-bound kernels: the loss, the layer norms), should time run out
     levers = [('loss_rows', [f'--loss_rows={50 if dry else 4096}']),
               ('autocast_residual', ['--autocast_residual=True'])] + on_gpu + [('fused_qkv', ['--fused_qkv=True'])]
-    base, failed = bench('lever-plain', [f'--batch_size={batch}'])
+    # part B's run of this batch, where it ran in this call, is the same command: its timing is the first (on a GPU
+    # a compile and a minute fewer)
+    timed = parts.get('timed')
+    base, failed = (timed, '') if timed and timed['batch_size'] == batch else \
+        bench('lever-plain', [f'--batch_size={batch}'])
     row('L', f'plain step, batch {batch}', base, speed(base) if base else failed)
     if not base:
         return
@@ -667,8 +672,8 @@ def part_c():
         if script not in chosen or not wanted(what) and not (script in bases and not lever):
             continue
         # enough steps after the 5th for the host profile's samples at 50 Hz: train.py's 26 ms steps on an H100 about
-        # 120, the tiny model's 2 ms on CPU about 50
-        steps = 500 if dry else 100
+        # 120, the tiny model's 2 to 3 ms on CPU about 25 (500 steps, 50 samples, took 0.7 s more CPU)
+        steps = 250 if dry else 100
         name = f'speed-{script[:-3]}' + (f"-{re.sub('[^A-Za-z0-9_=]+', '-', lever).strip('-')}" if lever else '')
         done = threading.Event()
         with ThreadPoolExecutor(1) as pool:  # the profile beside the run
