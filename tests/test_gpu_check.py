@@ -34,7 +34,7 @@ def dry_runs(tmp_path_factory):
     """The two dry runs that take long, both started before either is waited for: each runs one process at a time
     (part A three, --jobs), on a CPU the other leaves half idle. {name: (its folder, its Popen)}."""
     runs = {'all': ['--entrypoints=train.py'],
-            'only': ['--entrypoints=train.py', '--parts=ABL', '--only=zero_stage=3,Verdict,fused_qkv']}
+            'only': ['--entrypoints=train.py', '--parts=ABL', '--only=zero_stage=3,bench.py batch,fused_qkv']}
     folders = {name: tmp_path_factory.mktemp(f'gpu_check-{name}') for name in runs}
     started = {name: (folders[name], gpu_check(folders[name], *args)) for name, args in runs.items()}
     yield started
@@ -144,16 +144,20 @@ def test_a_run_out_of_time_is_stopped_with_the_workers_torchrun_started_in_sessi
 
 
 def test_gpu_check_runs_only_the_checks_named(dry_runs):
-    # a later GPU call runs what an earlier one did not reach, and nothing it did: here part B's verdict timing alone
-    # (part A's ZeRO-3 check is of ds_train.py, which --entrypoints leaves out), and of part L's levers one, against
-    # the plain step timed before and after it
+    # a later GPU call runs what an earlier one did not reach, and nothing it did: here part B's bench.py alone (part
+    # A's ZeRO-3 check is of ds_train.py, which --entrypoints leaves out), and of part L's levers one, against the
+    # plain step timed before and after it, the first time by part B's run of its batch
     tmp_path, popen = dry_runs['only']
     p = finished(popen)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = json.loads((tmp_path / 'out' / 'table.json').read_text())
     assert [(part, what, ok) for part, what, ok, _ in rows] == [
-        ('B', 'verdict a step late vs every step', True), ('L', 'plain step, batch 2', True), ('L', 'fused_qkv', True),
+        ('B', 'bench.py batch 2', True), ('L', 'plain step, batch 2', True), ('L', 'fused_qkv', True),
         ('L', 'plain step again (the spread)', True)]
+    assert rows[0][3] == rows[1][3]  # one run's figure
+    with tarfile.open(tmp_path / 'out' / 'logs-ABL.tar.gz') as logs:  # a log a run: these and no other
+        assert sorted(logs.getnames()) == ['.', './bench-b2.log', './lever-fused_qkv.log', './lever-plain-again.log',
+                                           './prepare.log']
 
 
 def test_host_profile_counts_the_main_and_autograd_threads_samples_in_the_loops_lines_and_functions_each_once(
