@@ -34,7 +34,7 @@ SLOWEST_FIRST = ['test_fault.py',  # 249; CPU alone 243 -> 215 s (its SIGTERM ru
                  'test_slurm.py',  # 114; 93 s of CPU
                  'test_interop.py',  # 87
                  'test_saved_state.py',  # 69 with the shared runs' setup; 53 s of CPU
-                 'test_gpu_check.py',  # 89 (its dry run's part A three runs at a time); 104 s of CPU
+                 'test_gpu_check.py',  # 89 (its dry run's part A three runs at a time); CPU alone 89-94 -> 80-84 s
                  'test_fault_single.py',  # 69 with its killed and signalled runs forked (117-180 in fresh interpreters)
                  'test_hellaswag.py',  # 62; 58 s of CPU (70 with 2-step runs, full evals in the loop)
                  'test_fault_resize.py',  # 45
