@@ -26,8 +26,9 @@ SHAKESPEARE = SHARED_DATA / 'tinyshakespeare' / 'input.txt'
 # `pytest -q` on that file alone, before and after a change (the figure that counts on 2 cores; wall time there is
 # the other jobs' noise).
 SLOWEST_FIRST = ['test_fault.py',  # 249; CPU alone 243 -> 215 s (its SIGTERM runs ride on the SIGKILL jobs);
-                 # 170 -> 111 s with torchrun's workers forked (tests/forked_torchrun.py; the figures from here
-                 # on count every process of the tree, sampled from /proc, the forkserver's children too)
+                 # 170 -> 111 s with torchrun's workers forked (tests/forked_torchrun.py; this figure and the
+                 # 94 -> 67, 58 -> 36 and 40 -> 14 below count every process of the tree, sampled from /proc,
+                 # the forkserver's children too)
                  'test_interrupt.py',  # 63 (Ctrl-C in every entrypoint, prepare.py, bench.py; forked); CPU 49 -> 43 s
                  'test_fault_write.py',  # 118; CPU alone 124 -> 96 s (8 steps, a save every 2); 94 -> 67 forked
                  'test_ds.py',  # 111; CPU 89 s (91 with its runs without deepspeed in fresh interpreters)
