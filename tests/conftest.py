@@ -25,20 +25,23 @@ SHAKESPEARE = SHARED_DATA / 'tinyshakespeare' / 'input.txt'
 # two minutes at the end. A file not listed goes after these. CPU: the CPU seconds of the file's whole process tree,
 # `pytest -q` on that file alone, before and after a change (the figure that counts on 2 cores; wall time there is
 # the other jobs' noise).
-SLOWEST_FIRST = ['test_fault.py',  # 249; CPU alone 243 -> 215 s (its SIGTERM runs ride on the SIGKILL jobs)
+SLOWEST_FIRST = ['test_fault.py',  # 249; CPU alone 243 -> 215 s (its SIGTERM runs ride on the SIGKILL jobs);
+                 # 170 -> 111 s with torchrun's workers forked (tests/forked_torchrun.py; this figure and the
+                 # 94 -> 67, 58 -> 36 and 40 -> 14 below count every process of the tree, sampled from /proc,
+                 # the forkserver's children too)
                  'test_interrupt.py',  # 63 (Ctrl-C in every entrypoint, prepare.py, bench.py; forked); CPU 49 -> 43 s
-                 'test_fault_write.py',  # 118; CPU alone 124 -> 96 s (8 steps, a save every 2)
+                 'test_fault_write.py',  # 118; CPU alone 124 -> 96 s (8 steps, a save every 2); 94 -> 67 forked
                  'test_ds.py',  # 111; CPU 89 s (91 with its runs without deepspeed in fresh interpreters)
                  'test_pp.py',  # 212 (4-rank runs: sharded pipelines, pp 2 x tp 2; 8 ranks sharded x tp 2); CPU 145 s
                  'test_cluster.py',  # 103, with bench_network.py's smoke runs forked from the test server
                  'test_slurm.py',  # 114; 93 s of CPU
-                 'test_interop.py',  # 87
+                 'test_interop.py',  # 87; CPU alone 58 -> 36 s (its deterministic 2-rank reruns forked)
                  'test_saved_state.py',  # 69 with the shared runs' setup; 53 s of CPU
                  'test_gpu_check.py',  # 89 (its dry run's part A three runs at a time); CPU alone 89-94 -> 80-84 s
                  'test_fault_single.py',  # 69 with its killed and signalled runs forked (117-180 in fresh interpreters)
                  'test_hellaswag.py',  # 62; 58 s of CPU (70 with 2-step runs, full evals in the loop)
                  'test_fault_resize.py',  # 45
-                 'test_compat.py',  # 40
+                 'test_compat.py',  # 40; CPU alone 40 -> 14 s (the old code's runs forked)
                  'test_keep.py',  # 52
                  'test_fsdp.py',  # 45
                  'test_fineweb.py',  # 51

@@ -61,6 +61,12 @@ def _child(script, args, env, cwd, out, err, path):
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    as_main(script, args, path)
+
+
+def as_main(script, args, path):
+    """Runs script with args in this process as `python script args` would (path: sys.path past the script's
+    folder), to the process's exit."""
     sys.argv = [script, *args]
     sys.path[:] = [os.path.dirname(script), *path]
     code = 0

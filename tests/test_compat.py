@@ -4,11 +4,11 @@ checkpoint at step 4, continues here with the losses that the old code logged fo
 
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 from conftest import REPO, TINY, env, read_metrics, run
+from launcher import launch
 
 OLD = '760f13c'
 ARGS = ['--max_iters=6', '--eval_interval=4', '--gradient_accumulation_steps=2']
@@ -37,13 +37,13 @@ def back_to_step_4(out, script):
                                            ('ds_train.py', 2)])
 def test_old_checkpoints_resume_exactly(tmp_path, data_dir, old_code, script, nproc):
     args = [*TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path / "run"}', *ARGS]
-    launcher = ['-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}'] if nproc > 1 else []
     for attempt in range(2):
-        # the old code's gloo teardown aborts now and then at the interpreter's end under load ('terminate called
-        # without an active exception', the flake that 5d34ab8 documents): that run is made again from scratch
+        # the old code's gloo teardown aborted now and then at the interpreter's end under load ('terminate called
+        # without an active exception', the flake that 5d34ab8 documents) when it ran in fresh interpreters: that run
+        # is made again from scratch. Forked as run() forks the new code's ranks (its modules are old_code's, the
+        # script's folder first on sys.path), it skips 2.4 s of CPU a process importing torch
         shutil.rmtree(tmp_path / 'run', ignore_errors=True)
-        p = subprocess.run([sys.executable, *launcher, str(old_code / script), *args], cwd=tmp_path, env=env(),
-                           capture_output=True, text=True, timeout=600)
+        p = launch(str(old_code / script), args, env(), tmp_path, nproc=nproc)
         if p.returncode == 0 or 'terminate called without an active exception' not in p.stderr:
             break
     assert p.returncode == 0, p.stderr[-3000:]

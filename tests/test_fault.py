@@ -23,24 +23,37 @@ from checkpoint import snapshot_dir
 from conftest import REPO, TINY, begin, counts_tokens, env, free_port, one_line_error, read_metrics, run
 
 
+# torchrun, its own command line, forking its workers (every restarted group's too) from itself once it has imported
+# torch (tests/forked_torchrun.py): a fresh interpreter's 2.4 s of CPU importing torch and torch._dynamo was most of
+# these tests' CPU (5 or 6 of them a job). What the tests prove is torchrun's: its rendezvous, its restarts of the
+# group after a worker's death, the environment and store it gives the workers, the SIGTERM it passes on
+TORCHRUN = [sys.executable, str(REPO / 'tests' / 'forked_torchrun.py'), '--run-path', '--start-method=fork']
+
+
 def elastic(script, *args, nproc=2, max_restarts=3):
     """The command of an elastic torchrun job of one node (1 to 2 allowed), with the rendezvous settings that make
     restarts quick (see the README)."""
-    return [sys.executable, '-m', 'torch.distributed.run', '--nnodes=1:2', f'--nproc_per_node={nproc}',
+    return [*TORCHRUN, '--nnodes=1:2', f'--nproc_per_node={nproc}',
             f'--max-restarts={max_restarts}', '--rdzv-backend=c10d', f'--rdzv-endpoint=127.0.0.1:{free_port()}',
             '--rdzv-conf=last_call_timeout=1', str(REPO / script), *map(str, args)]
 
 
 def workers(pid):
-    """The training processes that the launcher (pid) started (dlrover-run's children include its job master)."""
+    """The training processes that the launcher (pid) started (dlrover-run's children include its job master): where
+    torchrun forks its workers (TORCHRUN), the process under each worker that runs the script."""
     def read(path):  # a process that ends meanwhile makes /proc answer ENOENT or, while it is reaped, ESRCH
         try:
             with open(path, 'rb') as f:
                 return f.read()
         except (FileNotFoundError, ProcessLookupError):
             return b''
-    children = [int(c) for c in read(f'/proc/{pid}/task/{pid}/children').split()]
-    return [c for c in children if b'train.py' in read(f'/proc/{c}/cmdline')]
+
+    def training(pid):
+        children = [int(c) for c in read(f'/proc/{pid}/task/{pid}/children').split()]
+        return [c for c in children if b'train.py' in read(f'/proc/{c}/cmdline')]
+    if b'forked_torchrun.py' not in read(f'/proc/{pid}/cmdline'):
+        return training(pid)
+    return [runs for worker in training(pid) for runs in training(worker)]
 
 
 def logged_iters(out_dir):
@@ -238,7 +251,7 @@ def two_nodes_with_a_dev_shm_each(script, args, out_dir, kill_after=None):
     """An elastic job of two nodes of one rank, each node with a /dev/shm of its own (a mount namespace), as on a
     cluster; with kill_after, the second node's rank is SIGKILLed once that iteration is logged. Returns the two
     nodes' output and the last iteration logged before the kill (None without one)."""
-    torchrun = [sys.executable, '-m', 'torch.distributed.run', '--nnodes=2', '--nproc_per_node=1', '--max-restarts=2',
+    torchrun = [*TORCHRUN, '--nnodes=2', '--nproc_per_node=1', '--max-restarts=2',
                 '--rdzv-backend=c10d', f'--rdzv-endpoint=127.0.0.1:{free_port()}', '--rdzv-conf=last_call_timeout=1',
                 str(REPO / script), *args]
     own_shm = ['unshare', '--mount', '--propagation', 'private', 'sh', '-c',
