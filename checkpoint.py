@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from data import data_dir, meta_vocab, vocabulary
 from model import GPT, GPTConfig
-from runlock import HOLD, launch_identity, let_go, try_hold
+from runlock import HOLD, launch_identity, launch_pods, let_go, try_hold
 
 
 def find_checkpoint(path):
@@ -1136,10 +1136,11 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         dist.barrier()  # before any rank reads out_dir
     # an eval of another model is no resume; an eval of out_dir (init_from=scratch) is one of its newest state
     wanted = init_from == 'resume' or (auto_resume and (not eval_only or init_from == 'scratch'))
-    # a start afresh that its launcher restarts (a worker lost under torchrun, a SLURM requeue) goes on with the run
-    # it began: afresh again, each restart would set aside the steps since and train from step 0
+    # a start afresh that its launcher restarts (a worker lost under torchrun, a SLURM requeue, a container restarted
+    # by Kubernetes) goes on with the run it began: afresh again, each restart would set aside the steps since and
+    # train from step 0
     relaunch = not auto_resume and not eval_only and relaunched(out_dir)
-    wanted = wanted or relaunch
+    wanted = wanted or bool(relaunch)
     run_id_path = os.path.join(out_dir, 'run_id')
     # the run there, read before rank 0 moves it (keep_earlier_run); an eval of another model has no business with it
     earlier = read_run_id(run_id_path) if os.path.isfile(run_id_path) and (wanted or not eval_only) else None
@@ -1302,8 +1303,8 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         print0("eval_only: --auto_resume=False: evaluating a new, untrained model")
     elif resume_from is not None and relaunch and init_from != 'resume':
         print0(f"auto-resume: {out_dir} holds the state of the run that this launch started (iter {resume_from[0]}), "
-               f"and its launcher has restarted it, so it continues: --auto_resume=False started it afresh over the "
-               f"run before, never over itself")
+               f"and {relaunch}, so it continues: --auto_resume=False started it afresh over the run before, never "
+               f"over itself")
     elif resume_from is not None and init_from != 'resume':
         # init_from names where a new run starts, which this one did long ago: one who meant a new run is told
         start = "--auto_resume=False starts afresh" if init_from == 'scratch' else \
@@ -1328,22 +1329,32 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
 
 
 def relaunched(out_dir):
-    """Whether this start is its launcher's restart (torchrun's of its workers, a SLURM requeue: their restart
-    counts, on any rank) of the launch (a torchrun job's rendezvous, a SLURM job) that started, or last resumed, the
-    run in out_dir, as runlog.open_log writes it into config.json. A collective. A new launch of the same name (a
-    second command in one SLURM allocation, a torchrun job started again with its --rdzv-id) is no restart."""
+    """Why this start is a restart of the launch that started, or last resumed, the run in out_dir (as runlog.open_log
+    writes it into config.json), or None where it is not: its launcher's restart (torchrun's of its workers, a SLURM
+    requeue: their restart counts, on any rank) of that launch (a torchrun job's rendezvous, a SLURM job), or a pod
+    of that launch running again (Kubernetes restarted its container in place, which counts no restart, or another
+    pod's restart made its torchrun restart its workers: runlock.launch_pods). A collective. A new launch of the same
+    name (a second command in one SLURM allocation, a torchrun job started again with its --rdzv-id, a Kubernetes job
+    deleted and made again) is no restart."""
     again = [any(int(os.environ.get(k) or 0) > 0 for k in ('SLURM_RESTART_COUNT', 'TORCHELASTIC_RESTART_COUNT'))]
     if dist.is_initialized() and dist.get_world_size() > 1:  # torchrun counts it only where workers failed
         counts = [None] * dist.get_world_size()
         dist.all_gather_object(counts, again[0])
         again = counts
-    if not any(again) or launch_identity() is None:  # (plain python, a static rendezvous: a launch with no name)
-        return False
+    pods = launch_pods()
     try:
         with open(os.path.join(out_dir, 'config.json'), encoding='utf-8') as f:
-            return json.loads(f.read(1 << 20)).get('launch') == launch_identity()
-    except (OSError, ValueError, AttributeError):  # none, or not a run's: no launch to compare
-        return False
+            before = json.loads(f.read(1 << 20))
+        before = before if isinstance(before, dict) else {}
+    except (OSError, ValueError):  # none, or not a run's: no launch to compare
+        before = {}
+    # (plain python, a static rendezvous: a launch with no name)
+    if any(again) and launch_identity() is not None and before.get('launch') == launch_identity():
+        return "its launcher has restarted it"
+    ran = sorted(set(pods) & set(p for p in before.get('pods') or [] if isinstance(p, str)))
+    if ran:
+        return f"its pod {ran[0]} runs it again (Kubernetes restarted a container of the job)"
+    return None
 
 
 def set_aside_damaged(out_dir, damaged):

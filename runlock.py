@@ -1,8 +1,9 @@
 """
 One run at a time per folder, for every entrypoint (out_dir) and prepare.py (its dataset folder): a run holds the
 folder for its lifetime (hold()), and a second start over it is refused in one line naming the holder. A run's
-snapshot folder in RAM, which a copy of its out_dir shares, is held too (try_hold: checkpoint.find_resume). It does not
-decide what a run resumes or keeps: checkpoint.py does.
+snapshot folder in RAM, which a copy of its out_dir shares, is held too (try_hold: checkpoint.find_resume). It names
+the launch that a start belongs to (launch_identity, launch_pods), but does not decide what a run resumes or keeps:
+checkpoint.py does.
 """
 
 import atexit
@@ -32,14 +33,42 @@ def launch_identity():
     return None
 
 
-def _alive(pid):
+def launch_pods():
+    """The Kubernetes pods of this start's ranks, by their uids (sorted; [] elsewhere): a collective where a process
+    group is up. The manifests in k8s/ give each pod's uid in POD_UID (the downward API's metadata.uid, the only
+    thing in it that tells one pod from the next of the same name). A pod is its job's alone, and runs its command
+    again only where the kubelet restarts its container in place, which tells the processes no restart count
+    (torchrun's starts at 0 again): so a start in a pod that started or last resumed a run restarts that run's
+    launch, and a job made anew (under the same name too) runs in pods of its own."""
+    import torch.distributed as dist  # here: prepare.py holds its folder without torch (0.7 s to import)
+    pods = [os.environ.get('POD_UID') or None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        pods = [None] * dist.get_world_size()
+        dist.all_gather_object(pods, os.environ.get('POD_UID') or None)
+    return sorted({p for p in pods if p})
+
+
+def _started(pid):
+    """When process pid started (clock ticks since boot, /proc's), or None where that is unknown (no /proc, no such
+    process). A pid and its start name one process, where a pid alone may name another since: a container that
+    the kubelet restarts in its pod starts its processes at the same pids as before."""
+    try:
+        with open(f'/proc/{pid}/stat', 'rb') as f:
+            return int(f.read().rsplit(b')', 1)[1].split()[19])  # field 22, counted from the state after the name
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(pid, started=None):
+    """Whether process pid lives, and where started is given (its holder's start), is the process that started
+    then."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    return started is None or _started(pid) in (None, started)
 
 
 def _read_hold(path):
@@ -99,14 +128,14 @@ def _cannot_write(folder, e, made):
     return f"error: cannot write in {folder} ({e.strerror}): {fix}"
 
 
-def _take(folder, what, tidy=False):
+def _take(folder, what, tidy=False, pods=()):
     """Takes the hold on folder for this process, or returns the one-line error that refuses it. tidy: the folder
     is removed at the release where it is left empty, whoever made it (try_hold's: a snapshot folder in RAM, or
-    export_hf.py's own temporary folder; never out_dir, which hold() takes)."""
+    export_hf.py's own temporary folder; never out_dir, which hold() takes). pods: this start's (launch_pods)."""
     made = _to_make(folder)
     path = os.path.join(folder, HOLD)
     me = {'host': socket.gethostname(), 'pid': os.getpid(), 'since': time.strftime('%Y-%m-%d %H:%M:%S'),
-          'launch': launch_identity()}
+          'launch': launch_identity(), 'started': _started(os.getpid()), **({'pods': list(pods)} if pods else {})}
     mine = f'{path}.{me["host"]}.{me["pid"]}.tmp'
     try:
         os.makedirs(folder, exist_ok=True)
@@ -130,11 +159,14 @@ def _take(folder, what, tidy=False):
             except FileNotFoundError:
                 age = 0.0
             host, pid = holder.get('host'), holder.get('pid')
-            if (host, pid) == (me['host'], me['pid']):
+            if (host, pid) == (me['host'], me['pid']) and holder.get('started') in (None, me['started']):
                 return None  # held already, by this process
+            ran = sorted(set(pods) & set(p for p in holder.get('pods') or [] if isinstance(p, str)))
             if holder.get('launch') and holder.get('launch') == me['launch']:
                 why = "this run's launcher restarted it"
-            elif host == me['host'] and isinstance(pid, int) and not _alive(pid):
+            elif ran and host != me['host']:  # (on this host, its pid and start tell whether it lives)
+                why = f"a pod of its launch, {ran[0]}, runs this start (Kubernetes restarted a container of the job)"
+            elif host == me['host'] and isinstance(pid, int) and not _alive(pid, holder.get('started')):
                 why = f"its holder, pid {pid} since {holder.get('since')}, is gone"
             elif host != me['host'] and age > STALE_S:
                 why = f"its holder on {host} has not touched it for {age:.0f} s"
@@ -189,7 +221,7 @@ def abandoned(folder):
     except FileNotFoundError:
         return False
     if host == socket.gethostname():
-        return isinstance(pid, int) and not _alive(pid)
+        return isinstance(pid, int) and not _alive(pid, holder.get('started'))
     return bool(host) and age > STALE_S
 
 
@@ -209,13 +241,15 @@ def try_hold(folder, what):
 def hold(folder, what='another run', collective=True):
     """Holds folder for the rest of this process (released at its exit, whichever way out): a second run over it
     is refused in one line naming the holder. A hold whose holder died (on this host), whose heartbeat stopped (on
-    another host sharing the folder), or that this run's own launcher left (a torchrun restart, a SLURM requeue) is
-    taken over. collective: rank 0 takes it and every rank learns the verdict (a collective)."""
+    another host sharing the folder), or that this run's own launcher left (a torchrun restart, a SLURM requeue, a
+    container of its Kubernetes job restarted: another pod's rank 0 may take it then) is taken over. collective:
+    rank 0 takes it and every rank learns the verdict (a collective)."""
     if not collective:
         verdict = [_take(folder, what)]
     else:
         import torch.distributed as dist  # here: prepare.py holds its folder without torch (0.7 s to import)
-        verdict = [_take(folder, what) if dist.get_rank() == 0 else None]
+        pods = launch_pods()
+        verdict = [_take(folder, what, pods=pods) if dist.get_rank() == 0 else None]
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(verdict, src=0)
     if verdict[0]:

@@ -1,9 +1,9 @@
 """
 What a run writes about itself into out_dir besides checkpoints, from rank 0: run_id (which names its snapshots
 and is written into its checkpoints, so that a run started afresh over an old out_dir never takes the old run's
-state for its own), config.json (its settings, beside its results, and the launch that last started it) and
-metrics.jsonl (one JSON object a logged step, eval or event, which plot.py and the tests read; a resume that
-changes the settings logs what they were, {"iter": N, "settings_changed": {key: [before, now]}}).
+state for its own), config.json (its settings, beside its results, and the launch that last started it, with its
+Kubernetes pods) and metrics.jsonl (one JSON object a logged step, eval or event, which plot.py and the tests read; a
+resume that changes the settings logs what they were, {"iter": N, "settings_changed": {key: [before, now]}}).
 
 Nothing is touched until the first row is logged, once training has begun: a run that fails to start (a bad key,
 data that do not fit the model, a damaged checkpoint) leaves the files of the run it would have resumed as they
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from checkpoint import reason, settle_earlier_run, wait_for_saves
 from distributed import verdicts
 from keep import set_aside
-from runlock import launch_identity
+from runlock import launch_identity, launch_pods
 
 EVALS = ('val_loss', 'hellaswag_acc_norm')  # the rows of an iteration's evals, which come before its checkpoint
 
@@ -38,6 +38,7 @@ def open_log(out_dir, run_id, settings, resumed_at=None, write=True, eval_only=F
     error, with nothing half-written left."""
     if write and not eval_only:
         settle_earlier_run(out_dir)  # the start has passed its checks: the earlier run it set aside stays aside
+    pods = launch_pods() if not eval_only else []  # (a collective: every rank opens the log)
     t_start, metrics = time.time(), []
     mark = {'eval_only': True} if eval_only else {}
     pending = []  # (kind, line): the evals logged at resumed_at, written once the resumed run has not redone them
@@ -67,7 +68,7 @@ def open_log(out_dir, run_id, settings, resumed_at=None, write=True, eval_only=F
         made, error = [], None  # the files that the first row's writes create, removed again should one fail
         if write:
             try:
-                metrics.append(_start(out_dir, run_id, settings, resumed_at, eval_only, text, made, pending,
+                metrics.append(_start(out_dir, run_id, settings, resumed_at, eval_only, text, made, pending, pods,
                                       lambda: settle(iter_num, row)))
             except OSError as e:
                 for path in made:
@@ -86,7 +87,7 @@ def open_log(out_dir, run_id, settings, resumed_at=None, write=True, eval_only=F
     return log
 
 
-def _start(out_dir, run_id, settings, resumed_at, eval_only, first_row, made, pending, settle):
+def _start(out_dir, run_id, settings, resumed_at, eval_only, first_row, made, pending, pods, settle):
     """The log file with its first row, opened to append to, once the files of the run are written (each whole or
     not at all; those it makes listed in made); pending gets the evals at resumed_at, and settle() those of them that
     go before the first row. The log is read first (a damaged one set aside, see read_log), so that nothing is
@@ -109,8 +110,9 @@ def _start(out_dir, run_id, settings, resumed_at, eval_only, first_row, made, pe
             n += 1  # never over another one kept so
         os.replace(path, aside)
         print(f"{path} holds an earlier run's log: kept as {aside}", flush=True)
-    # the launch, so that its launcher's restart of a run started afresh resumes it (checkpoint.relaunched)
-    settings = {**settings, 'launch': launch_identity()}
+    # the launch (and its Kubernetes pods), so that its restart of a run started afresh resumes it
+    # (checkpoint.relaunched)
+    settings = {**settings, 'launch': launch_identity(), **({'pods': pods} if pods else {})}
     changed = settings_changed(os.path.join(out_dir, 'config.json'), settings) if resumed_at is not None else {}
     # config.json says what the run runs with now; what it said before a resume that changed it stays in the log
     row = json.dumps({'iter': resumed_at, 'settings_changed': changed}) + '\n' if changed else ''
@@ -136,8 +138,8 @@ def settings_changed(path, settings):
     if not isinstance(before, dict):
         return {}
     now = json.loads(json.dumps(settings))  # as config.json holds them: tuples as lists
-    # (not the launch: a torchrun's differs at each start, and it names no setting)
-    return {k: [before.get(k), now.get(k)] for k in sorted((before.keys() | now.keys()) - {'launch'})
+    # (not the launch: a torchrun's differs at each start, and it names no setting; nor its pods)
+    return {k: [before.get(k), now.get(k)] for k in sorted((before.keys() | now.keys()) - {'launch', 'pods'})
             if before.get(k) != now.get(k)}
 
 

@@ -163,9 +163,18 @@ def pod_problems(where, template, launcher, kind, custom):
             found.append(f"{name}: workingDir {c['workingDir']}: the repo is at {WORKDIR}")
         argv = (launcher or c.get('command') or []) + (c.get('args') or [])
         env = {e.get('name') for e in c.get('env') or []}
+        # the API server's check, which the schemas leave out: the fields that the downward API gives as a variable
+        found += [f"{name}: env {e.get('name')}: {path} is not a field that the downward API gives a variable"
+                  for e in c.get('env') or [] if (path := ((e.get('valueFrom') or {}).get('fieldRef') or {}).get(
+                      'fieldPath')) and not re.fullmatch(DOWNWARD, path)]
         found += [f"{name}: {p}" for p in command_problems(argv, env, kind)]
     return found
 
+
+# the pod's fields that a container's env may take (fieldRef), as Kubernetes' API reference lists them: no
+# restart count of a container among them
+DOWNWARD = (r"metadata\.(name|namespace|uid|(labels|annotations)\['[^']+'\])|spec\.(nodeName|serviceAccountName)"
+            r"|status\.(hostIPs?|podIPs?)")
 
 # what the operators set in every pod, which a command may refer to
 INJECTED = {'PyTorchJob': {'MASTER_ADDR', 'MASTER_PORT', 'WORLD_SIZE', 'RANK'}, 'ElasticJob': {'NODE_NUM'}}
@@ -293,6 +302,9 @@ def test_each_training_job_has_its_own_out_dir_and_resumes_from_it(monkeypatch):
                 if script != 'prepare.py':
                     config = script_config(script, args)
                     assert config['auto_resume'], (path.name, args)
+                    # and a container restarted in its pod resumes the run that the pod trained, also where
+                    # --auto_resume=False is put in (checkpoint.relaunched)
+                    assert {'name': 'POD_UID', 'valueFrom': {'fieldRef': {'fieldPath': 'metadata.uid'}}} in c['env']
                     pairs.add((doc['metadata']['name'], config['out_dir']))
     jobs, out_dirs = {job for job, _ in pairs}, {d for _, d in pairs}
     assert len(jobs) == len(out_dirs) == len(pairs) == 11, sorted(pairs)  # one to one
@@ -401,6 +413,9 @@ BROKEN = {
                                  replace_arg('--zero_stage', '--zero_stag')),
     'undefined variable': ('pytorchjob-train.yaml', '$MASTER_ADR is neither set',
                            replace_arg('$(MASTER_ADDR)', '$(MASTER_ADR)')),
+    'restart count from the downward API': ('t9k-train.yaml', 'is not a field that the downward API gives',
+                                            lambda d: first_container(d)['env'][0]['valueFrom']['fieldRef'].update(
+                                                fieldPath='status.containerStatuses[0].restartCount')),
 }
 
 

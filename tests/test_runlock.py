@@ -1,6 +1,7 @@
 """One run at a time per folder (runlock.py): a second start over a run's out_dir is refused in one line naming
 the holder while the first goes on untouched; a hold whose process died, whose host stopped touching it, or that
-this run's own launcher left (a SLURM requeue) is taken over; prepare.py holds its dataset folder the same way.
+this run's own launcher left (a SLURM requeue) is taken over, also where a container restarted in its pod gave the
+dead holder's pid to another process; prepare.py holds its dataset folder the same way.
 (An elastic restart taking over its dead workers' hold is in test_fault.py's kill tests.)"""
 
 import json
@@ -63,6 +64,16 @@ def test_holds_of_the_dead_of_stale_hosts_and_of_a_requeue_are_taken_over(tmp_pa
     lock = plant(tmp_path / 'stale', host='another-host', pid=1)
     os.utime(lock, (time.time() - 600, time.time() - 600))
     assert 'has not touched it for' in start(tmp_path / 'stale').stdout
+    # a container restarted in its pod (Kubernetes) starts its processes at the pids of the last one's: the pid of
+    # the hold's dead holder is another live process's now, which only its start tells apart
+    plant(tmp_path / 'restarted', pid=os.getpid(), started=1)
+    assert 'taking over the hold' in start(tmp_path / 'restarted').stdout
+    # and on a job of several pods, rank 0 may come back on another pod than the holder's, which touched its hold a
+    # moment ago: that pod running this start again says its holder is gone
+    plant(tmp_path / 'moved', host='job-worker-0', pid=1, pods=['pod-a', 'pod-b'])
+    monkeypatch.setenv('POD_UID', 'pod-b')
+    assert 'a pod of its launch, pod-b, runs this start' in start(tmp_path / 'moved').stdout
+    monkeypatch.delenv('POD_UID')
     plant(tmp_path / 'fresh', host='another-host', pid=1)  # touched just now: alive over there
     assert 'is in use by another run on host another-host' in one_line_error(start(tmp_path / 'fresh', check=False))
     # a SLURM requeue: the same job and step, whose old process may still be in its last moments

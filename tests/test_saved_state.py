@@ -834,6 +834,46 @@ def test_a_start_afresh_that_its_launcher_restarts_resumes_its_own_run(tmp_path,
     p = start(tmp_path, data_dir, out, '--max_iters=2', '--auto_resume=False')
     assert 'resuming' not in p.stdout and (out / 'run_id').read_text() != first
     assert len(list(out.glob('before-*'))) == 2
+    # on Kubernetes, a container that the kubelet restarts in its pod runs torchrun again with no restart count, and
+    # a static rendezvous names no launch: it started afresh, setting aside hours of training. The pod's uid
+    # (POD_UID, from the downward API in k8s/'s manifests) names it; a job made anew has pods of its own
+    monkeypatch.delenv('SLURM_JOB_ID')
+    monkeypatch.setenv('POD_UID', 'pod-a')
+    afresh = ['--gradient_accumulation_steps=2', '--auto_resume=False']
+    killed, started = begin('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}', *ARGS,
+                            '--max_iters=100000', '--save_storage_interval=3', *afresh, cwd=tmp_path)
+    while not (out / 'ckpt.pt').exists() or (out / 'run_id').read_text() == first or iter_of(out / 'ckpt.pt') < 3:
+        assert killed.exitcode is None
+        time.sleep(0.01)
+    killed.kill()  # the container fails, and its hold is left behind
+    finish(started)
+    job, at = (out / 'run_id').read_text(), iter_of(out / 'ckpt.pt')
+    assert len(list(out.glob('before-*'))) == 3
+    p = start(tmp_path, data_dir, out, '--max_iters=12', *afresh)  # the same pod again: its container restarted
+    assert f"resuming from {out / 'ckpt.pt'} at iter {at}" in p.stdout, p.stdout[-2000:]
+    assert "its pod pod-a runs it again" in p.stdout and (out / 'run_id').read_text() == job
+    # one pod of a 2-pod job restarted in place (rank 1's), the other made anew by the operator (rank 0's): the
+    # restarted pod alone knows the launch
+    (tmp_path / 'pods.py').write_text(PODS)
+    monkeypatch.setenv('POD_UIDS', 'pod-b,pod-a')
+    p = run(tmp_path / 'pods.py', REPO / 'train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}',
+            f'--out_dir={out}', *ARGS, '--max_iters=14', *afresh, nproc=2, cwd=tmp_path)
+    assert "at iter 12" in p.stdout and "its pod pod-a runs it again" in p.stdout, p.stdout[-2000:]
+    assert (out / 'run_id').read_text() == job and len(list(out.glob('before-*'))) == 3
+    assert json.loads((out / 'config.json').read_text())['pods'] == ['pod-a', 'pod-b']
+    # the job deleted and made again under its name (new pods): a new launch, afresh as it says, the run kept aside
+    monkeypatch.setenv('POD_UID', 'pod-c')
+    p = start(tmp_path, data_dir, out, '--max_iters=2', *afresh)
+    assert 'resuming' not in p.stdout and (out / 'run_id').read_text() != job
+    assert (out / f'before-{job.strip()}').is_dir() and len(list(out.glob('before-*'))) == 4
+
+
+PODS = '''import os, runpy, sys
+os.environ['POD_UID'] = os.environ['POD_UIDS'].split(',')[int(os.environ['RANK'])]  # each rank's own pod
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))  # the repo, as for the script run alone
+runpy.run_path(sys.argv[0], run_name='__main__')
+'''
 
 
 KILLED_MIDWAY = '''import os, runpy, sys
