@@ -839,10 +839,16 @@ def test_a_start_afresh_that_its_launcher_restarts_resumes_its_own_run(tmp_path,
     # (POD_UID, from the downward API in k8s/'s manifests) names it; a job made anew has pods of its own
     monkeypatch.delenv('SLURM_JOB_ID')
     monkeypatch.setenv('POD_UID', 'pod-a')
-    afresh = ['--gradient_accumulation_steps=2', '--auto_resume=False']
+    afresh, earlier = ['--gradient_accumulation_steps=2', '--auto_resume=False'], (out / 'run_id').read_text()
+
+    def saved():  # the iteration of the new run's newest checkpoint, 0 while it has none
+        try:
+            return iter_of(out / 'ckpt.pt') if (out / 'run_id').read_text() != earlier else 0
+        except FileNotFoundError:  # the earlier run is being moved aside, or the new one has saved nothing yet
+            return 0
     killed, started = begin('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}', *ARGS,
                             '--max_iters=100000', '--save_storage_interval=3', *afresh, cwd=tmp_path)
-    while not (out / 'ckpt.pt').exists() or (out / 'run_id').read_text() == first or iter_of(out / 'ckpt.pt') < 3:
+    while saved() < 3:
         assert killed.exitcode is None
         time.sleep(0.01)
     killed.kill()  # the container fails, and its hold is left behind
