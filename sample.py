@@ -155,4 +155,4 @@ with torch.no_grad(), ctx:
     for k in range(num_samples):
         y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k or None)
         print(decode(y[0].tolist()))
-        print('---------------')
+        print('---------------', flush=True)  # each sample as it comes, also into a pipe or a file

@@ -249,6 +249,17 @@ def test_temperature_zero_takes_the_likeliest_token_every_time(char_run, data_di
     assert p.stdout.count('---------------') == 1 and p.stdout != outs[0]
 
 
+def test_sample_into_a_pipe_whose_reader_left_ends_quietly(char_run):
+    # `python sample.py | head -1`: the next sample's print raised BrokenPipeError, a traceback and exit 1
+    p = subprocess.Popen([sys.executable, str(REPO / 'sample.py'), f'--out_dir={char_run}', '--device=cpu',
+                          '--num_samples=1000', '--max_new_tokens=20', '--start=ROMEO:'], cwd=char_run, env=env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.readline().startswith(b'ROMEO:')  # the first sample has come
+    p.stdout.close()  # as head does once it has its line
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 141 and err == b''
+
+
 def test_export_hf_bad_input(char_run, tmp_path):
     (tmp_path / 'file').write_text('not a folder')
     (tmp_path / 'run').mkdir()
