@@ -1607,6 +1607,13 @@ SHAPE_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size')
 PRETRAINED = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
 
 
+def hf_folder(path):
+    """Whether path is a Hugging Face model folder (export_hf.py's, save_pretrained's): it holds the weights file,
+    which no run folder does (both have a config.json)."""
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in
+                                       ('model.safetensors', 'model.safetensors.index.json', 'pytorch_model.bin'))
+
+
 def pretrained_or_exit(name, dropout=0.0):
     """OpenAI's GPT-2 (gpt2 ... gpt2-xl) from the Hugging Face hub, or a GPT-2 folder that save_pretrained or
     export_hf.py wrote, or a one-line error saying what is missing or damaged."""
@@ -1873,8 +1880,9 @@ def create_model(resume_path, read, init_from, model_args, config, given):
                 pruned_under_eval(resume_path, config['out_dir'])
             sys.exit(f"error: checkpoint {resume_path} is corrupt or not a training checkpoint ({reason(e)}): "
                      f"{aside_or_restore(config.get('eval_only'))}")
-    elif init_from in PRETRAINED:
-        print0(f"initializing from OpenAI GPT-2 weights: {init_from}")
+    elif init_from in PRETRAINED or init_from not in ('scratch', 'resume') and hf_folder(init_from):  # export_hf.py's
+        print0(f"initializing from OpenAI GPT-2 weights: {init_from}" if init_from in PRETRAINED else
+               f"initializing from the weights of the Hugging Face folder {init_from}")
         model = pretrained_or_exit(init_from, model_args['dropout'])
         for k in ('n_layer', 'n_head', 'n_embd', 'bias', 'vocab_size'):
             model_args[k] = getattr(model.config, k)

@@ -14,12 +14,12 @@ from contextlib import nullcontext
 import torch
 
 from configurator import check_seed, configure, quiet_interrupt
-from checkpoint import checkpoint_or_exit, find_checkpoint, pretrained_or_exit
+from checkpoint import PRETRAINED, checkpoint_or_exit, find_checkpoint, hf_folder, pretrained_or_exit
 from data import read_meta, vocabulary_of
 
 # -----------------------------------------------------------------------------
-init_from = 'resume'  # 'resume' (out_dir's newest checkpoint), 'best' (its best by val loss), 'gpt2'..'gpt2-xl', or
-# a checkpoint's path
+init_from = 'resume'  # 'resume' (out_dir's newest checkpoint), 'best' (its best by val loss), 'gpt2'..'gpt2-xl',
+# a checkpoint's path, or a Hugging Face GPT-2 folder (export_hf.py's, save_pretrained's)
 out_dir = 'out'
 start = "\n"  # the prompt; "FILE:prompt.txt" reads it from a file
 num_samples = 10
@@ -68,7 +68,8 @@ if device_type == 'cuda':
 
 # model
 dataset, trained_on = None, None
-if init_from in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
+# an export_hf.py folder too (no meta.pkl is named in it); resume and best name out_dir's, never a folder so named
+if init_from in PRETRAINED or init_from not in ('resume', 'best') and hf_folder(init_from):
     model = pretrained_or_exit(init_from)
 else:
     try:  # a path, or RUN/best, which names a file or folder of another name (best.pt, dcp/best-step-N)
