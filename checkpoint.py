@@ -1106,6 +1106,14 @@ def saved_for(snapshot, out_dir, run_id, state_of=None, say=True):
     return False
 
 
+def say_resumed(path, iter_num, max_iters, eval_only, print0):
+    """The resume's line. A run started again once done (or with max_iters lowered below its state) has nothing to
+    train: it evaluates and ends, which the line says, as the auto-resume line before it says that the run continues."""
+    where = '' if iter_num < max_iters or eval_only else 'at' if iter_num == max_iters else 'past'
+    print0(f"resuming from {path} at iter {iter_num}" + (f", {where} max_iters={max_iters}: the run evaluates and "
+                                                         f"ends (raise --max_iters to train on)" if where else ""))
+
+
 def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, where, iter_of=None, script=None,
                 state_of=None, whole=None, check=None):
     """(run_id, (iter_num, path) to resume from or None), the same on every rank (a collective). out_dir/run_id

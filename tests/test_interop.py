@@ -28,12 +28,16 @@ def trip(tmp_path_factory, data_dir):
     tmp = tmp_path_factory.mktemp('trip')
     launch('train.py', tmp, data_dir, 'a', '--max_iters=3')
     shutil.copytree(tmp / 'a', tmp / 'b')
-    # a resume at its last iteration evaluates and saves (an eval_only run would write nothing)
-    launch('fsdp_train.py', tmp, data_dir, 'b', '--init_from=resume', '--max_iters=3', '--save_consolidated=True',
-           nproc=2)
+    # a resume at its last iteration evaluates and saves (an eval_only run would write nothing), and says that it
+    # trains nothing (the auto-resume line says that the run continues)
+    done = 'at iter 3, at max_iters=3: the run evaluates and ends (raise --max_iters to train on)'
+    p = launch('fsdp_train.py', tmp, data_dir, 'b', '--init_from=resume', '--max_iters=3', '--save_consolidated=True',
+               nproc=2)
+    assert done in p.stdout
     shutil.copytree(tmp / 'b', tmp / 'c')
     shutil.rmtree(tmp / 'c' / 'dcp')
-    launch('train.py', tmp, data_dir, 'c', '--init_from=resume', '--max_iters=3')
+    p = launch('train.py', tmp, data_dir, 'c', '--init_from=resume', '--max_iters=3')
+    assert done in p.stdout
     return tmp
 
 
