@@ -18,8 +18,9 @@ import torch.distributed as dist
 
 from checkpoint import PRETRAINED, checkpoint_or_exit, find_checkpoint, pretrained_or_exit
 from configurator import configure, quiet_interrupt
+from data import gpt2_encoding_or_exit
 from distributed import finish, pick_device, torchrun_env
-from hellaswag import DEFAULT_PATH, encoding, evaluate, load_or_exit
+from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 
 quiet_interrupt()  # Ctrl-C: one line, no traceback
 
@@ -71,11 +72,7 @@ else:
 examples = load_or_exit(input, model.config.vocab_size)
 if limit:
     examples = examples[:limit]
-try:
-    encoding()
-except Exception as e:  # its first use downloads two files
-    sys.exit(f"error: could not load the GPT-2 tokenizer ({type(e).__name__}): connect to the internet once, or "
-             f"point TIKTOKEN_CACHE_DIR at a folder that holds tiktoken's gpt2 files")
+gpt2_encoding_or_exit()  # its first use downloads two files: offline, a one-line error here
 
 # under torchrun every rank holds the whole model and scores its share of the examples; the counts are all-reduced.
 # (distributed.start is the training loops': it would hold back a SIGTERM until a step ends, and here none does)

@@ -15,7 +15,7 @@ import torch
 
 from configurator import check_seed, configure, quiet_interrupt
 from checkpoint import PRETRAINED, checkpoint_or_exit, find_checkpoint, hf_folder, pretrained_or_exit
-from data import read_meta, vocabulary_of
+from data import gpt2_encoding_or_exit, read_meta, vocabulary_of
 
 # -----------------------------------------------------------------------------
 init_from = 'resume'  # 'resume' (out_dir's newest checkpoint), 'best' (its best by val loss), 'gpt2'..'gpt2-xl',
@@ -129,8 +129,7 @@ else:
     if model.config.vocab_size < 50257:
         sys.exit(f"error: the model's vocabulary has {model.config.vocab_size} tokens, but no meta.pkl was found "
                  f"({meta_path or where}): pass --meta_path={hint}")
-    import tiktoken
-    enc = tiktoken.get_encoding('gpt2')
+    enc = gpt2_encoding_or_exit()
 
     def encode(s):
         return enc.encode(s, allowed_special={"<|endoftext|>"})

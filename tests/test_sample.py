@@ -14,6 +14,7 @@ import torch
 
 from checkpoint import snapshot_dir
 from conftest import REPO, TINY, env, one_line_error, run
+from launcher import launch
 from test_fault import cut_short
 
 
@@ -70,6 +71,14 @@ def test_sample_from_a_bpe_model(tmp_path, data_dir):
             '--device=cpu', cwd=tmp_path)
     samples = p.stdout.split('---------------\n')[:-1]
     assert len(samples) == 2 and all(s.startswith('To be') and len(s) > len('To be') + 5 for s in samples)
+    # offline, with no copy of the tokenizer's files (an unreachable proxy fails the download here, with a network
+    # or without): a requests traceback, where it now names the fix as export_hf.py and eval_hellaswag.py do
+    (tmp_path / 'empty').mkdir()
+    offline = dict(env(), TIKTOKEN_CACHE_DIR=str(tmp_path / 'empty'), HTTPS_PROXY='http://127.0.0.1:9',
+                   https_proxy='http://127.0.0.1:9')
+    p = launch(str(REPO / 'sample.py'), [f'--out_dir={tmp_path}', '--device=cpu'], offline, tmp_path)
+    assert p.returncode == 1 and one_line_error(p).startswith("error: could not load the GPT-2 tokenizer (")
+    assert one_line_error(p).endswith("point TIKTOKEN_CACHE_DIR at a folder that holds tiktoken's gpt2 files")
 
 
 def test_sample_errors(char_run, tmp_path):
