@@ -252,6 +252,10 @@ def test_temperature_zero_takes_the_likeliest_token_every_time(char_run, data_di
             ids.append(model.eval()(torch.tensor([ids[-32:]]))[0][0, -1].argmax().item())
     greedy = ''.join(meta['itos'][i] for i in ids)
     assert outs[0] == f'{greedy}\n---------------\n' * 2
+    # a temperature near 0 samples the likeliest token too: in float16 autocast its logits overflowed to nan
+    near, zero = (run('sample.py', f'--out_dir={char_run}', '--start=ROMEO:', '--num_samples=1', '--max_new_tokens=30',
+                      f'--temperature={t}', '--dtype=float16', '--device=cpu', cwd=char_run).stdout for t in (1e-6, 0))
+    assert near == zero and near.startswith('ROMEO:') and len(near) > 30
     # top_k=0 samples from every token
     p = run('sample.py', f'--out_dir={char_run}', '--top_k=0', '--num_samples=1', '--max_new_tokens=30',
             '--device=cpu', cwd=char_run)
