@@ -135,14 +135,13 @@ def test_export_hf_gives_transformers_the_same_logits(tmp_path, data_dir):
     b = theirs(idx).logits
     assert b.shape == (2, 32, 50257) and (a - b).abs().max().item() < 1e-5
     generator = transformers.pipeline('text-generation', model=str(tmp_path / 'hf'), device='cpu')
-    text = generator('To be', max_new_tokens=8, do_sample=False)[0]['generated_text']
-    assert text.startswith('To be') and len(text) > len('To be')
+    greedy = generator('To be', max_new_tokens=8, do_sample=False)[0]['generated_text']
+    assert greedy.startswith('To be') and len(greedy) > len('To be')
     # as the README calls it: the pipeline's default of 256 new tokens ran past this model's 32 positions
     text = generator('To be')[0]['generated_text']
     assert text.startswith('To be') and len(text) > len('To be')
     # the folder goes back in, as init_from: sample.py's greedy text is the pipeline's (it was "no checkpoint at
     # hf/ckpt.pt"), and train.py starts from its weights (at learning rate 0, the step leaves them as they were)
-    greedy = generator('To be', max_new_tokens=8, do_sample=False)[0]['generated_text']
     p = run('sample.py', f'--init_from={tmp_path / "hf"}', '--start=To be', '--temperature=0', '--num_samples=1',
             '--max_new_tokens=8', '--device=cpu', cwd=tmp_path)
     assert p.stdout == f'{greedy}\n---------------\n'
