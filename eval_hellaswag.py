@@ -16,7 +16,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from checkpoint import PRETRAINED, checkpoint_or_exit, find_checkpoint, pretrained_or_exit
+from checkpoint import PRETRAINED, checkpoint_or_exit, find_checkpoint, hf_folder, pretrained_or_exit
 from configurator import configure, quiet_interrupt
 from data import gpt2_encoding_or_exit
 from distributed import finish, pick_device, torchrun_env
@@ -66,6 +66,9 @@ if init_from:
         sys.exit(f"error: {init_from} is a checkpoint file or a run folder, not a Hugging Face folder: evaluate a "
                  f"checkpoint of this repo with --ckpt={init_from}")
     model, name = pretrained_or_exit(init_from), init_from
+elif hf_folder(ckpt):  # export_hf.py's: --ckpt said "no checkpoint at FOLDER/ckpt.pt"
+    sys.exit(f"error: {ckpt} is a Hugging Face folder, not a checkpoint of this repo: evaluate it with "
+             f"--init_from={ckpt}")
 else:
     model, _, name = checkpoint_or_exit(ckpt, "give --ckpt=a run folder, a ckpt.pt or a sharded checkpoint folder, or "
                                            "--init_from=gpt2")
