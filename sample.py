@@ -1,6 +1,6 @@
 """
 Samples text from a trained model: any entrypoint's checkpoint (train.py's or nanoGPT's ckpt.pt, fsdp_train.py's
-sharded folders), or OpenAI's GPT-2.
+sharded folders), OpenAI's GPT-2, or a Hugging Face GPT-2 folder (export_hf.py's).
 
 python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples=3 --max_new_tokens=200
 python sample.py --init_from=gpt2-xl --start=FILE:prompt.txt
