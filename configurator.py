@@ -435,11 +435,11 @@ def quiet_interrupt():
 
 
 def reader_gone(stream):
-    """Whether stream is a pipe whose reader has exited: poll reports it as an error."""
+    """Whether stream is a pipe whose reader has exited: poll reports it as an error (Linux) or a hang-up."""
     try:
         poll = select.poll()
         poll.register(stream.fileno(), select.POLLOUT)
-        return any(events & select.POLLERR for _, events in poll.poll(0))
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
     except (AttributeError, OSError, ValueError):  # no stream, or not a file
         return False
 
