@@ -1106,6 +1106,14 @@ def saved_for(snapshot, out_dir, run_id, state_of=None, say=True):
     return False
 
 
+def say_resumed(path, iter_num, max_iters, eval_only, print0):
+    """The resume's line. A run started again once done (or with max_iters lowered below its state) has nothing to
+    train: it evaluates and ends, which the line says, as the auto-resume line before it says that the run continues."""
+    where = '' if iter_num < max_iters or eval_only else 'at' if iter_num == max_iters else 'past'
+    print0(f"resuming from {path} at iter {iter_num}" + (f", {where} max_iters={max_iters}: the run evaluates and "
+                                                         f"ends (raise --max_iters to train on)" if where else ""))
+
+
 def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, where, iter_of=None, script=None,
                 state_of=None, whole=None, check=None):
     """(run_id, (iter_num, path) to resume from or None), the same on every rank (a collective). out_dir/run_id
@@ -1618,6 +1626,13 @@ SHAPE_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size')
 PRETRAINED = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
 
 
+def hf_folder(path):
+    """Whether path is a Hugging Face model folder (export_hf.py's, save_pretrained's): it holds the weights file,
+    which no run folder does (both have a config.json)."""
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in
+                                       ('model.safetensors', 'model.safetensors.index.json', 'pytorch_model.bin'))
+
+
 def pretrained_or_exit(name, dropout=0.0):
     """OpenAI's GPT-2 (gpt2 ... gpt2-xl) from the Hugging Face hub, or a GPT-2 folder that save_pretrained or
     export_hf.py wrote, or a one-line error saying what is missing or damaged."""
@@ -1884,8 +1899,9 @@ def create_model(resume_path, read, init_from, model_args, config, given):
                 pruned_under_eval(resume_path, config['out_dir'])
             sys.exit(f"error: checkpoint {resume_path} is corrupt or not a training checkpoint ({reason(e)}): "
                      f"{aside_or_restore(config.get('eval_only'))}")
-    elif init_from in PRETRAINED:
-        print0(f"initializing from OpenAI GPT-2 weights: {init_from}")
+    elif init_from in PRETRAINED or init_from not in ('scratch', 'resume') and hf_folder(init_from):  # export_hf.py's
+        print0(f"initializing from OpenAI GPT-2 weights: {init_from}" if init_from in PRETRAINED else
+               f"initializing from the weights of the Hugging Face folder {init_from}")
         model = pretrained_or_exit(init_from, model_args['dropout'])
         for k in ('n_layer', 'n_head', 'n_embd', 'bias', 'vocab_size'):
             model_args[k] = getattr(model.config, k)

@@ -23,6 +23,7 @@ import ast
 import difflib
 import os
 import re
+import select
 import sys
 import tempfile
 import types
@@ -417,8 +418,12 @@ def check_schedule(config):
 
 def quiet_interrupt():
     """Ctrl-C in a tool ends it with one line and exit status 130, not a traceback (finally blocks still run and
-    remove temporary files)."""
+    remove temporary files); so does a reader of its output that has left (`| head`), silently, with 141."""
     def hook(kind, value, tb, default=sys.excepthook):
+        if issubclass(kind, BrokenPipeError) and reader_gone(sys.__stdout__):
+            # the reader took what it wanted: as other Unix tools, no traceback and 128 + SIGPIPE (os._exit, since
+            # the interpreter's flush of what is left would raise again)
+            os._exit(141)
         if issubclass(kind, KeyboardInterrupt):
             # to the process's own stderr: torch's init_process_group wraps this hook in one that points sys.stderr
             # at a buffer while it runs (to prefix the rank), which os._exit would leave unwritten
@@ -427,6 +432,16 @@ def quiet_interrupt():
             os._exit(130)
         default(kind, value, tb)
     sys.excepthook = hook
+
+
+def reader_gone(stream):
+    """Whether stream is a pipe whose reader has exited: poll reports it as an error (Linux) or a hang-up."""
+    try:
+        poll = select.poll()
+        poll.register(stream.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no stream, or not a file
+        return False
 
 
 def check_model_name(model, given):

@@ -21,6 +21,16 @@ class _PlainUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names {module}.{name}, and a vocabulary holds only dicts, strings and ints")
 
 
+def gpt2_encoding_or_exit():
+    """tiktoken's GPT-2 BPE, or a one-line error: its first use downloads two files, which fails offline."""
+    import tiktoken
+    try:
+        return tiktoken.get_encoding('gpt2')
+    except Exception as e:
+        sys.exit(f"error: could not load the GPT-2 tokenizer ({type(e).__name__}): connect to the internet once, or "
+                 f"point TIKTOKEN_CACHE_DIR at a folder that holds tiktoken's gpt2 files")
+
+
 RECORD = 'prep.json'  # what prepare.py prepared in a folder: {'settings': ..., 'complete': bool}
 
 

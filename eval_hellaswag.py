@@ -16,10 +16,11 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from checkpoint import PRETRAINED, checkpoint_or_exit, find_checkpoint, pretrained_or_exit
+from checkpoint import PRETRAINED, checkpoint_or_exit, find_checkpoint, hf_folder, pretrained_or_exit
 from configurator import configure, quiet_interrupt
+from data import gpt2_encoding_or_exit
 from distributed import finish, pick_device, torchrun_env
-from hellaswag import DEFAULT_PATH, encoding, evaluate, load_or_exit
+from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 
 quiet_interrupt()  # Ctrl-C: one line, no traceback
 
@@ -65,17 +66,16 @@ if init_from:
         sys.exit(f"error: {init_from} is a checkpoint file or a run folder, not a Hugging Face folder: evaluate a "
                  f"checkpoint of this repo with --ckpt={init_from}")
     model, name = pretrained_or_exit(init_from), init_from
+elif hf_folder(ckpt):  # export_hf.py's: --ckpt said "no checkpoint at FOLDER/ckpt.pt"
+    sys.exit(f"error: {ckpt} is a Hugging Face folder, not a checkpoint of this repo: evaluate it with "
+             f"--init_from={ckpt}")
 else:
     model, _, name = checkpoint_or_exit(ckpt, "give --ckpt=a run folder, a ckpt.pt or a sharded checkpoint folder, or "
                                            "--init_from=gpt2")
 examples = load_or_exit(input, model.config.vocab_size)
 if limit:
     examples = examples[:limit]
-try:
-    encoding()
-except Exception as e:  # its first use downloads two files
-    sys.exit(f"error: could not load the GPT-2 tokenizer ({type(e).__name__}): connect to the internet once, or "
-             f"point TIKTOKEN_CACHE_DIR at a folder that holds tiktoken's gpt2 files")
+gpt2_encoding_or_exit()  # its first use downloads two files: offline, a one-line error here
 
 # under torchrun every rank holds the whole model and scores its share of the examples; the counts are all-reduced.
 # (distributed.start is the training loops': it would hold back a SIGTERM until a step ends, and here none does)

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, load_failed, previous,
-                        remove_snapshots, save_in_background, snapshot_dir, step_folders, take_settings,
+                        remove_snapshots, save_in_background, say_resumed, snapshot_dir, step_folders, take_settings,
                         wait_for_copies, wait_for_saves, where_saved)
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, groups_of, pick_device, restore_rng, split_accumulation,
@@ -243,7 +243,7 @@ if checkpoint is not None:
     if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
         data_gen.set_state(checkpoint['data_rng'])
     restore_rng(checkpoint.get('rng', []), print0, mesh['tp'].get_group())
-    print0(f"resuming from {resume_path} at iter {iter_num}")
+    say_resumed(resume_path, iter_num, max_iters, eval_only, print0)
     checkpoint = None  # free the memory
 
 eval_model = model  # under FSDP every rank takes part in each forward, evaluation's too

@@ -291,7 +291,10 @@ class GPT(nn.Module):
         for _ in range(max_new_tokens):
             idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
             logits, _ = self(idx_cond)
-            logits = logits[:, -1, :] / temperature
+            # in float32, less the largest first: a small temperature sends the others to -inf, and never (in float16
+            # autocast's logits, from about 1e-4) the largest to inf, which softmax makes nan
+            logits = logits[:, -1, :].float()
+            logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                 logits[logits < v[:, [-1]]] = -float('Inf')

@@ -1,6 +1,6 @@
 """
 Samples text from a trained model: any entrypoint's checkpoint (train.py's or nanoGPT's ckpt.pt, fsdp_train.py's
-sharded folders), or OpenAI's GPT-2.
+sharded folders), OpenAI's GPT-2, or a Hugging Face GPT-2 folder (export_hf.py's).
 
 python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples=3 --max_new_tokens=200
 python sample.py --init_from=gpt2-xl --start=FILE:prompt.txt
@@ -14,12 +14,12 @@ from contextlib import nullcontext
 import torch
 
 from configurator import check_seed, configure, quiet_interrupt
-from checkpoint import checkpoint_or_exit, find_checkpoint, pretrained_or_exit
-from data import read_meta, vocabulary_of
+from checkpoint import PRETRAINED, checkpoint_or_exit, find_checkpoint, hf_folder, pretrained_or_exit
+from data import gpt2_encoding_or_exit, read_meta, vocabulary_of
 
 # -----------------------------------------------------------------------------
-init_from = 'resume'  # 'resume' (out_dir's newest checkpoint), 'best' (its best by val loss), 'gpt2'..'gpt2-xl', or
-# a checkpoint's path
+init_from = 'resume'  # 'resume' (out_dir's newest checkpoint), 'best' (its best by val loss), 'gpt2'..'gpt2-xl',
+# a checkpoint's path, or a Hugging Face GPT-2 folder (export_hf.py's, save_pretrained's)
 out_dir = 'out'
 start = "\n"  # the prompt; "FILE:prompt.txt" reads it from a file
 num_samples = 10
@@ -68,7 +68,8 @@ if device_type == 'cuda':
 
 # model
 dataset, trained_on = None, None
-if init_from in ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
+# an export_hf.py folder too (no meta.pkl is named in it); resume and best name out_dir's, never a folder so named
+if init_from in PRETRAINED or init_from not in ('resume', 'best') and hf_folder(init_from):
     model = pretrained_or_exit(init_from)
 else:
     try:  # a path, or RUN/best, which names a file or folder of another name (best.pt, dcp/best-step-N)
@@ -128,8 +129,7 @@ else:
     if model.config.vocab_size < 50257:
         sys.exit(f"error: the model's vocabulary has {model.config.vocab_size} tokens, but no meta.pkl was found "
                  f"({meta_path or where}): pass --meta_path={hint}")
-    import tiktoken
-    enc = tiktoken.get_encoding('gpt2')
+    enc = gpt2_encoding_or_exit()
 
     def encode(s):
         return enc.encode(s, allowed_special={"<|endoftext|>"})
@@ -155,4 +155,4 @@ with torch.no_grad(), ctx:
     for k in range(num_samples):
         y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k or None)
         print(decode(y[0].tolist()))
-        print('---------------')
+        print('---------------', flush=True)  # each sample as it comes, also into a pipe or a file

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, load_failed,
-                        remove_snapshots, save_in_background, snapshot_dir, take_settings, upgrade_optimizer_state,
-                        wait_for_copies, wait_for_saves, where_saved)
+                        remove_snapshots, save_in_background, say_resumed, snapshot_dir, take_settings,
+                        upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
                          skip_on_device, state_bytes, stop_signal, use_deterministic_algorithms)
@@ -211,7 +211,7 @@ if checkpoint is not None:
     if 'data_rng' in checkpoint:  # nanoGPT's checkpoints carry no RNG: their data stream starts afresh
         data_gen.set_state(checkpoint['data_rng'])
     restore_rng(checkpoint.get('rng', []), print0)
-    print0(f"resuming from {resume_path} at iter {iter_num}")
+    say_resumed(resume_path, iter_num, max_iters, eval_only, print0)
     checkpoint = None  # free the memory
 
 if compile:

@@ -263,7 +263,8 @@ def test_bad_input_is_a_one_line_error(setup, tmp_path):
 
 def test_init_from_a_folder_that_is_no_intact_hugging_face_model_is_one_line(setup, tmp_path):
     """A run folder (which --ckpt takes), a planted pickle beside a good config.json (refused unread, and torch's
-    advice to read it as code is not passed on), a cut-short model.safetensors: one line each, naming the fix."""
+    advice to read it as code is not passed on), a cut-short model.safetensors, and a Hugging Face folder given to
+    --ckpt: one line each, naming the fix."""
     tmp, data, _, _ = setup
     planted, cut = tmp_path / 'planted', tmp_path / 'cut'
     planted.mkdir()
@@ -288,6 +289,11 @@ def test_init_from_a_folder_that_is_no_intact_hugging_face_model_is_one_line(set
         assert one_line_error(p).startswith(f'error: {folder} {says}')
         assert 'weights_only' not in p.stderr
     assert not (tmp_path / 'MARKER').exists()
+    # and the other way: an export given to --ckpt
+    p = run('eval_hellaswag.py', f'--ckpt={tmp / "hf_bias"}', f'--input={data}', '--device=cpu', cwd=tmp_path,
+            check=False)
+    assert one_line_error(p) == (f'error: {tmp / "hf_bias"} is a Hugging Face folder, not a checkpoint of this repo: '
+                                 f'evaluate it with --init_from={tmp / "hf_bias"}')
 
 
 @pytest.mark.parametrize('line, message', [

@@ -28,12 +28,16 @@ def trip(tmp_path_factory, data_dir):
     tmp = tmp_path_factory.mktemp('trip')
     launch('train.py', tmp, data_dir, 'a', '--max_iters=3')
     shutil.copytree(tmp / 'a', tmp / 'b')
-    # a resume at its last iteration evaluates and saves (an eval_only run would write nothing)
-    launch('fsdp_train.py', tmp, data_dir, 'b', '--init_from=resume', '--max_iters=3', '--save_consolidated=True',
-           nproc=2)
+    # a resume at its last iteration evaluates and saves (an eval_only run would write nothing), and says that it
+    # trains nothing (the auto-resume line says that the run continues)
+    done = 'at iter 3, at max_iters=3: the run evaluates and ends (raise --max_iters to train on)'
+    p = launch('fsdp_train.py', tmp, data_dir, 'b', '--init_from=resume', '--max_iters=3', '--save_consolidated=True',
+               nproc=2)
+    assert done in p.stdout
     shutil.copytree(tmp / 'b', tmp / 'c')
     shutil.rmtree(tmp / 'c' / 'dcp')
-    launch('train.py', tmp, data_dir, 'c', '--init_from=resume', '--max_iters=3')
+    p = launch('train.py', tmp, data_dir, 'c', '--init_from=resume', '--max_iters=3')
+    assert done in p.stdout
     return tmp
 
 
@@ -131,11 +135,21 @@ def test_export_hf_gives_transformers_the_same_logits(tmp_path, data_dir):
     b = theirs(idx).logits
     assert b.shape == (2, 32, 50257) and (a - b).abs().max().item() < 1e-5
     generator = transformers.pipeline('text-generation', model=str(tmp_path / 'hf'), device='cpu')
-    text = generator('To be', max_new_tokens=8, do_sample=False)[0]['generated_text']
-    assert text.startswith('To be') and len(text) > len('To be')
+    greedy = generator('To be', max_new_tokens=8, do_sample=False)[0]['generated_text']
+    assert greedy.startswith('To be') and len(greedy) > len('To be')
     # as the README calls it: the pipeline's default of 256 new tokens ran past this model's 32 positions
     text = generator('To be')[0]['generated_text']
     assert text.startswith('To be') and len(text) > len('To be')
+    # the folder goes back in, as init_from: sample.py's greedy text is the pipeline's (it was "no checkpoint at
+    # hf/ckpt.pt"), and train.py starts from its weights (at learning rate 0, the step leaves them as they were)
+    p = run('sample.py', f'--init_from={tmp_path / "hf"}', '--start=To be', '--temperature=0', '--num_samples=1',
+            '--max_new_tokens=8', '--device=cpu', cwd=tmp_path)
+    assert p.stdout == f'{greedy}\n---------------\n'
+    p = launch('train.py', tmp_path, data_dir, 'ft', f'--init_from={tmp_path / "hf"}', '--max_iters=1',
+               '--learning_rate=0', '--min_lr=0', dataset='shakespeare')
+    assert f'initializing from the weights of the Hugging Face folder {tmp_path / "hf"}' in p.stdout
+    a, b = ours.state_dict(), weights(tmp_path / 'ft' / 'ckpt.pt')
+    assert set(a) == set(b) and all(torch.equal(a[k][:50257], b[k]) for k in a)  # the padding rows cropped
     # the folder exists now: a second export refuses to write over it
     p = run('export_hf.py', f'--ckpt={tmp_path / "bpe"}', f'--out={tmp_path / "hf"}', cwd=tmp_path, check=False)
     assert p.returncode != 0 and 'exists' in p.stderr and len(p.stderr.strip().splitlines()) == 1

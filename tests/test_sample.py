@@ -14,6 +14,7 @@ import torch
 
 from checkpoint import snapshot_dir
 from conftest import REPO, TINY, env, one_line_error, run
+from launcher import launch
 from test_fault import cut_short
 
 
@@ -70,6 +71,14 @@ def test_sample_from_a_bpe_model(tmp_path, data_dir):
             '--device=cpu', cwd=tmp_path)
     samples = p.stdout.split('---------------\n')[:-1]
     assert len(samples) == 2 and all(s.startswith('To be') and len(s) > len('To be') + 5 for s in samples)
+    # offline, with no copy of the tokenizer's files (an unreachable proxy fails the download here, with a network
+    # or without): a requests traceback, where it now names the fix as export_hf.py and eval_hellaswag.py do
+    (tmp_path / 'empty').mkdir()
+    offline = dict(env(), TIKTOKEN_CACHE_DIR=str(tmp_path / 'empty'), HTTPS_PROXY='http://127.0.0.1:9',
+                   https_proxy='http://127.0.0.1:9')
+    p = launch(str(REPO / 'sample.py'), [f'--out_dir={tmp_path}', '--device=cpu'], offline, tmp_path)
+    assert p.returncode == 1 and one_line_error(p).startswith("error: could not load the GPT-2 tokenizer (")
+    assert one_line_error(p).endswith("point TIKTOKEN_CACHE_DIR at a folder that holds tiktoken's gpt2 files")
 
 
 def test_sample_errors(char_run, tmp_path):
@@ -243,10 +252,25 @@ def test_temperature_zero_takes_the_likeliest_token_every_time(char_run, data_di
             ids.append(model.eval()(torch.tensor([ids[-32:]]))[0][0, -1].argmax().item())
     greedy = ''.join(meta['itos'][i] for i in ids)
     assert outs[0] == f'{greedy}\n---------------\n' * 2
+    # a temperature near 0 samples the likeliest token too: in float16 autocast its logits overflowed to nan
+    near, zero = (run('sample.py', f'--out_dir={char_run}', '--start=ROMEO:', '--num_samples=1', '--max_new_tokens=30',
+                      f'--temperature={t}', '--dtype=float16', '--device=cpu', cwd=char_run).stdout for t in (1e-6, 0))
+    assert near == zero and near.startswith('ROMEO:') and len(near) > 30
     # top_k=0 samples from every token
     p = run('sample.py', f'--out_dir={char_run}', '--top_k=0', '--num_samples=1', '--max_new_tokens=30',
             '--device=cpu', cwd=char_run)
     assert p.stdout.count('---------------') == 1 and p.stdout != outs[0]
+
+
+def test_sample_into_a_pipe_whose_reader_left_ends_quietly(char_run):
+    # `python sample.py | head -1`: the next sample's print raised BrokenPipeError, a traceback and exit 1
+    p = subprocess.Popen([sys.executable, str(REPO / 'sample.py'), f'--out_dir={char_run}', '--device=cpu',
+                          '--num_samples=1000', '--max_new_tokens=20', '--start=ROMEO:'], cwd=char_run, env=env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.readline().startswith(b'ROMEO:')  # the first sample has come
+    p.stdout.close()  # as head does once it has its line
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 141 and err == b''
 
 
 def test_export_hf_bad_input(char_run, tmp_path):
