@@ -29,6 +29,7 @@ top_k = 200  # sample from the k most likely tokens only; 0 for all
 seed = 1337
 device = 'auto'  # 'auto' (cuda if there is a GPU, else cpu), 'cpu', 'cuda', 'cuda:1'
 dtype = 'auto'  # 'auto' (bfloat16 on GPUs that have it, else float16 on CUDA, float32 on CPU), or one of those
+compile = False  # torch.compile the model (nanoGPT's key): the first sample waits for it, longer ones then go faster
 meta_path = ''  # a char-level vocabulary (meta.pkl); by default data/<the checkpoint's dataset>/meta.pkl
 # -----------------------------------------------------------------------------
 quiet_interrupt()  # Ctrl-C: one line, no traceback
@@ -89,6 +90,8 @@ else:
     dataset, trained_on = checkpoint.get('config', {}).get('dataset'), checkpoint.get('vocabulary')
 model.eval()
 model.to(device)
+if compile:  # the module's own call, which generate makes (torch.compile(model) would wrap one it never calls);
+    model.compile(dynamic=True)  # dynamic: the prompt grows by a token each step, one graph for every length
 
 # tokenizer: the char vocabulary the data was prepared with, else GPT-2's BPE. The checkpoint's dataset leads to
 # data/<dataset>/meta.pkl only where it is a folder's name: a path in a checkpoint is not followed out of data/

@@ -39,9 +39,9 @@ def test_sample_writes_text_in_the_models_vocabulary(char_run, data_dir):
     for s in samples:
         assert s.startswith('ROMEO:') and len(s.rstrip('\n')) >= len('ROMEO:') + 40  # 50 new chars, some may be \n
         assert set(s) <= vocab
-    # the same seed gives the same text
+    # the same seed gives the same text (nanoGPT's --compile taken: True compiles the model, same text, checked by hand)
     again = run('sample.py', f'--out_dir={char_run}', '--start=ROMEO:', '--num_samples=3', '--max_new_tokens=50',
-                '--device=cpu', cwd=char_run)
+                '--device=cpu', '--compile=False', cwd=char_run)
     assert again.stdout == p.stdout
 
 
