@@ -79,6 +79,11 @@ def test_sample_from_a_bpe_model(tmp_path, data_dir):
     p = launch(str(REPO / 'sample.py'), [f'--out_dir={tmp_path}', '--device=cpu'], offline, tmp_path)
     assert p.returncode == 1 and one_line_error(p).startswith("error: could not load the GPT-2 tokenizer (")
     assert one_line_error(p).endswith("point TIKTOKEN_CACHE_DIR at a folder that holds tiktoken's gpt2 files")
+    # GPT-2 with the hub offline (HF_HUB_OFFLINE=1) and no copy cached: the fix is not to set what is set
+    p = launch(str(REPO / 'sample.py'), ['--init_from=gpt2', '--device=cpu'],
+               dict(offline, HF_HOME=str(tmp_path / 'empty'), HF_HUB_OFFLINE='1'), tmp_path)
+    assert p.returncode == 1 and one_line_error(p).startswith("error: could not load gpt2 from the Hugging Face hub (")
+    assert one_line_error(p).endswith("on a machine with the network, or give an export_hf.py folder"), p.stderr[-500:]
 
 
 def test_sample_errors(char_run, tmp_path):
