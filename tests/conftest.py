@@ -31,7 +31,8 @@ SLOWEST_FIRST = ['test_fault.py',  # 249; CPU alone 243 -> 215 s (its SIGTERM ru
                  # the forkserver's children too)
                  'test_interrupt.py',  # 63 (Ctrl-C in every entrypoint, prepare.py, bench.py; forked); CPU 49 -> 43 s
                  'test_fault_write.py',  # 118; CPU alone 124 -> 96 s (8 steps, a save every 2); 94 -> 67 forked
-                 'test_ds.py',  # 111; CPU 89 s (91 with its runs without deepspeed in fresh interpreters)
+                 'test_ds.py',  # 111; CPU 89 s (91 with its runs without deepspeed in fresh interpreters); 82-84 ->
+                 # 77-80 s (a cpuacct cgroup's count) with deepspeed imported by the forkserver (launcher.PRELOAD)
                  'test_pp.py',  # 212 (4-rank runs: sharded pipelines, pp 2 x tp 2; 8 ranks sharded x tp 2); CPU 145 s
                  'test_cluster.py',  # 103, with bench_network.py's smoke runs forked from the test server
                  'test_slurm.py',  # 114; 93 s of CPU
@@ -75,12 +76,16 @@ def env(nthreads=1):
     """The environment of a run: tiktoken offline, and nthreads threads per process (None: the environment's).
     torchrun gives each rank one thread; a process started alone takes one per core, and its OpenMP threads spin
     while the other xdist worker's runs hold a core: a 40-step run of the tiny model, with other jobs on the 2
-    cores, took 713 s (181 s of CPU) with 2 threads and 58 s (12 s of CPU) with one."""
+    cores, took 713 s (181 s of CPU) with 2 threads and 58 s (12 s of CPU) with one. Where a test needs torch's own
+    threads (nthreads=None), they wait for work asleep (OMP_WAIT_POLICY=PASSIVE), not spinning on a core that another
+    worker's runs need: the same threads, the same sums."""
     e = dict(os.environ)
     e['TIKTOKEN_CACHE_DIR'] = str(SHARED_DATA / 'tiktoken_cache')  # tiktoken offline
     e['PYTHONUNBUFFERED'] = '1'
     if nthreads:
         e['OMP_NUM_THREADS'] = str(nthreads)
+    else:
+        e.setdefault('OMP_WAIT_POLICY', 'PASSIVE')
     e.pop('RANK', None)
     return e
 

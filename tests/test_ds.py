@@ -272,13 +272,10 @@ def test_without_deepspeed_a_one_line_error_says_how_to_install_it(tmp_path, dat
     shim = tmp_path / 'shim'
     shim.mkdir()
     (shim / 'deepspeed.py').write_text("raise ImportError('No module named deepspeed')\n")
-    # ds_train.py forked as run() forks it (the server has not imported deepspeed), its imports finding the shim's
-    # folder first, as PYTHONPATH=shim would have them
-    (shim / 'with_shim.py').write_text("import os, runpy, sys\nsys.argv = sys.argv[1:]\n"
-                                       "sys.path.insert(1, os.path.dirname(sys.argv[0]))\n"
-                                       "runpy.run_path(sys.argv[0], run_name='__main__')\n")
-    p = run(shim / 'with_shim.py', REPO / 'ds_train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}',
-            f'--out_dir={tmp_path / "out"}', cwd=tmp_path, check=False)
+    # a fresh interpreter (run()'s server has imported deepspeed), its imports finding the shim first
+    p = subprocess.run([sys.executable, str(REPO / 'ds_train.py'), *TINY, f'--dataset={data_dir / "shakespeare_char"}',
+                        f'--out_dir={tmp_path / "out"}'], cwd=tmp_path, env={**env(), 'PYTHONPATH': str(shim)},
+                       capture_output=True, text=True, timeout=600)
     assert 'pip install deepspeed==0.19.8' in one_line_error(p)
     assert not (tmp_path / 'out').exists()
 
@@ -386,7 +383,7 @@ def test_a_home_it_cannot_write_in_is_one_line_naming_torch_extensions_dir(tmp_p
     # (a container's arbitrary user) was a traceback
     e = {**env(), 'HOME': '/proc'}
     e.pop('TORCH_EXTENSIONS_DIR', None)
-    # forked as run() forks it: the server has not imported deepspeed, which finds its build folder from HOME
+    # forked as run() forks it: deepspeed finds its build folder from HOME when it builds, in the run, not at import
     p = launcher.launch(str(REPO / 'ds_train.py'), [*TINY, f'--dataset={data_dir / "shakespeare_char"}',
                                                     f'--out_dir={tmp_path / "run"}', '--max_iters=2'], e, tmp_path,
                         timeout=300)
