@@ -55,7 +55,7 @@ def _check(key, value, defaults, where, script=''):
         if owners:  # another entrypoint's key: the user meant that mode
             sys.exit(f"error: {where}: {key} is a key of {' and '.join(owners)}, not of {script}: run "
                      f"{owners[0]} in its place, with the same flags and launcher (`torchrun ... {owners[0]} ...`)")
-        close = difflib.get_close_matches(key, defaults, n=3, cutoff=0.6)
+        close = difflib.get_close_matches(key, [*defaults, *seeds.names(defaults)], n=3, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(sorted(defaults))}"
         sys.exit(f"error: {where}: unknown config key '{key}'; {hint}")
     want = type(defaults[key])
@@ -234,6 +234,8 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
                     sys.exit(f"error: argument '{arg}' is neither a config file (*.py, *.toml) nor --key=value")
                 settings, source = [(key, value, arg) for key, value in positional(arg)], 'file'
         else:
+            if '.' in key:  # a Hydra override given dashes, --trainer_config.batch_size=4: its line, not an unknown key's
+                seeds.check_positional(f"{key}={'True' if text is None else text}", script)
             settings, source = [(key, _parse(text, key, defaults), arg)], 'flag'
         # a name that neither this script nor a seed's flag knows, alone: its translation may need a value (--lr)
         alone = source == 'flag' and text is None and _default(key, defaults) is None

@@ -6,6 +6,7 @@ means something else is a one-line error naming our command. Not for our own key
 entrypoints' and the configurator's.
 """
 
+import difflib
 import math
 import os
 import re
@@ -84,6 +85,12 @@ _epochs = None
 
 def flag_default(key):
     return FLAG_DEFAULTS.get(key)
+
+
+def names(keys):
+    """The seeds' flag names that a script of these keys takes, for a typo's 'did you mean' (--epoch, --data-dir)."""
+    renamed = [k for k, (_, ours) in RENAMES.items() if ours in keys]
+    return renamed + [k for k in FLAG_DEFAULTS if k not in RENAMES] if 'max_iters' in keys else renamed
 
 
 def needs_value(arg):
@@ -502,6 +509,10 @@ def check_positional(arg, script=None):
     key, value = m.groups()
     if key in HYDRA:
         sys.exit(f"error: {arg} is a Hydra override (minGPT-DDP's): here {_hydra_ours(key, value, script)}")
+    close = difflib.get_close_matches(key, HYDRA, n=1, cutoff=0.8)  # a typo of its key, which Hydra refuses too
+    if close:
+        sys.exit(f"error: {arg} is a Hydra override (minGPT-DDP's) of no key in its file: did you mean {close[0]}? "
+                 f"here that is {_hydra_ours(close[0], value, script)}")
     sys.exit(f"error: {arg} is a Hydra override (minGPT-DDP's): here keys are flags, --key=value, and config "
              f"files (docs/coming-from.md)")
 

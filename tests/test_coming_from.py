@@ -91,6 +91,9 @@ def test_space_separated_values_and_bare_booleans():
     assert "flag '--global_batch_size' needs a value" in error_of('train.py', ['--global_batch_size'])
     assert config_of('train.py', ['--dtype=float32', '--amp'])['dtype'] == 'auto'  # and its bool, alone
     assert "unknown config key 'eval-only'; did you mean eval_only?" in error_of('train.py', ['--eval-only'])
+    # a typo of a seed's flag: its name, not every key of ours
+    assert "unknown config key 'epoch'; did you mean epochs?" in error_of('train.py', ['--epoch', '2'])
+    assert "unknown config key 'data-dir'; did you mean data_dir?" in error_of('fsdp_train.py', ['--data-dir', './'])
     assert 'DEFAULT_PATH' not in error_of('train.py', ['--xyzzy=1'])
 
 
@@ -237,6 +240,11 @@ def test_every_key_of_mingpt_ddps_yaml_names_ours():
     for override in MINGPT_YAML:
         msg = error_of('train.py', [override])
         assert msg.startswith(f'error: {override} is a Hydra override') and 'keys are flags' not in msg, msg
+    # with dashes, as our flags are written, and a typo of its key: its line, not an unknown key's
+    assert error_of('train.py', ['--trainer_config.batch_size', '4']).endswith('Hydra override (minGPT-DDP\'s): here '
+                                                                             '--batch_size=4')
+    assert error_of('train.py', ['trainer_config.max_epoch=4']).endswith('did you mean trainer_config.max_epochs? '
+                                                                        'here that is --epochs=4')
     # the file itself, given as a config: not read, and one line says how its keys are given
     assert error_of('train.py', ['gpt2_train_cfg.yaml']).startswith("error: gpt2_train_cfg.yaml is a YAML config "
                                                                     "(minGPT-DDP's Hydra file), which is not read here")
