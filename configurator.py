@@ -127,6 +127,9 @@ def _arguments(argv, defaults):
             key, after = arg[2:], argv[i] if i < len(argv) else None
             default = _default(key, defaults)
             missing = after is None or after.startswith('--')
+            if type(default) is bool and after not in BOOLS and str(after).lower() in BOOL_WORDS:
+                # argparse's str flags read any word (DLRover's --compile FALSE): here a bool's value is one of BOOLS
+                sys.exit(f"error: {arg} {after}: {key} takes True or False (or true, false), or the flag alone for True")
             if type(default) is bool and after not in BOOLS or default is None and missing or key == 'help':
                 # argparse's store_true, and --help, which takes no value (`--help config/x.py` asks for help);
                 # or a name this script lacks (--eval_onyl), which configure() answers
@@ -140,6 +143,7 @@ def _arguments(argv, defaults):
 
 
 BOOLS = {'True': True, 'False': False, 'true': True, 'false': False}  # Python's, and argparse users' lower case
+BOOL_WORDS = ('true', 'false', '1', '0', 'yes', 'no', 'on', 'off')  # meant as a bool's value, in another spelling
 
 
 def _parse(text, key, defaults):

@@ -86,6 +86,8 @@ def test_space_separated_values_and_bare_booleans():
     assert (c['n_layer'], c['n_head'], c['eval_only'], c['bias'], c['decay_lr'], c['compile']) == \
         (48, 16, True, True, True, False)
     assert 'needs a value' in error_of('train.py', ['--n_layer'])
+    # DLRover's --compile is argparse's str: a bool's value in another spelling is named, not taken for a file
+    assert error_of('train.py', ['--compile', 'FALSE']).startswith('error: --compile FALSE: compile takes True or False')
     assert 'needs a value' in error_of('train.py', ['--lr'])  # Decent-DP's name for learning_rate: it takes one
     assert "flag '--betas' needs a value" in error_of('train.py', ['--betas'])  # translated with checks of its own
     assert "flag '--global_batch_size' needs a value" in error_of('train.py', ['--global_batch_size'])
