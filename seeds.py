@@ -290,8 +290,12 @@ def translate(key, value, where, source, ctx):
             sys.exit(f"error: {where}: global_batch_size must be a whole number of sequences, 1 or more, "
                      f"got {value!r}")
         # Decent-DP's is the step's sequences over all workers (480 = 16 GPUs x 30); ours counts micro-steps over
-        # all ranks, so 16 of them run on 16, 8, 4, 2 or 1 ranks alike
-        accum = math.gcd(value, 16)
+        # all ranks, so 16 of them run on 16, 8, 4, 2 or 1 ranks alike; on more ranks, or a count that does not
+        # divide 16, a multiple of the ranks (480 on 32: 32 x 15), as its workers split it there. Where none splits
+        # it, the run's own check of the data-parallel ranks (fewer than these with tp_size or pp_size) says so
+        accum, world = math.gcd(value, 16), int(os.environ.get('WORLD_SIZE', '1'))
+        if accum % world and value % math.lcm(accum, world) == 0:
+            accum = math.lcm(accum, world)
         _note(ctx, where, source, shown, f"--gradient_accumulation_steps={accum} --batch_size={value // accum}",
               "Decent-DP's")
         pairs = (('gradient_accumulation_steps', accum), ('batch_size', value // accum))

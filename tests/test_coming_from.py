@@ -117,7 +117,7 @@ def test_another_entrypoints_key_names_that_entrypoint(tmp_path):
     assert "unknown config key 'zero_stage'" in error_of('sample.py', ['--zero_stage=2'])
 
 
-def test_decent_dp_toml_as_published_takes_its_hyperparameters(tmp_path):
+def test_decent_dp_toml_as_published_takes_its_hyperparameters(tmp_path, monkeypatch):
     (tmp_path / 'decent.toml').write_text(SEED_DECENT_TOML)
     c = config_of('decent_train.py', [str(tmp_path / 'decent.toml')])
     assert c['gradient_accumulation_steps'] * c['batch_size'] == 480 and c['gradient_accumulation_steps'] == 16
@@ -128,6 +128,11 @@ def test_decent_dp_toml_as_published_takes_its_hyperparameters(tmp_path):
     for script in ('train.py', 'fsdp_train.py', 'ds_train.py', 'pp_train.py'):  # its AllReduce file, in every one
         c = config_of(script, [str(REPO / 'config' / 'gpt2-small.toml')])
         assert (c['beta2'], c['gradient_accumulation_steps'] * c['batch_size'], c['max_iters']) == (0.95, 480, 600000)
+    # its 480 on 32 workers is 15 each: 16 micro-steps cannot split over 32 ranks, 32 of 15 sequences can
+    monkeypatch.setenv('WORLD_SIZE', '32')
+    c = config_of('train.py', [str(REPO / 'config' / 'gpt2-small.toml')])
+    assert (c['gradient_accumulation_steps'], c['batch_size']) == (32, 15)
+    monkeypatch.delenv('WORLD_SIZE')
     msg = error_of('train.py', [str(REPO / 'config' / 'decent-gpt2-small.toml')])
     assert "backend='decentdp'" in msg and 'decent_train.py /' in msg and msg.endswith('not train.py')
 
