@@ -335,6 +335,10 @@ def test_a_dataset_name_finds_nnscalers_checkout_or_a_folder_here_in_its_error(t
     assert str(e.value.code).startswith(f"error: {os.path.join('data', 'mydata', 'train.bin')} not found, but "
                                         f"./mydata holds one (a folder here, where a name is one in data/): give "
                                         f"--dataset=./mydata, or run")
+    # DLRover's --data_dir '' (its required flag, left empty): not data/ itself, nor a prep of no name
+    with pytest.raises(SystemExit) as e:
+        find_bins('', 32)
+    assert str(e.value.code).startswith('error: dataset is empty: give --dataset=NAME')
 
 
 def test_decent_dp_names_on_the_command_line():
