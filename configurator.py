@@ -238,7 +238,7 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
                     sys.exit(f"error: argument '{arg}' is neither a config file (*.py, *.toml) nor --key=value")
                 settings, source = [(key, value, arg) for key, value in positional(arg)], 'file'
         else:
-            if '.' in key:  # a Hydra override given dashes, --trainer_config.batch_size=4: its line, not an unknown key's
+            if key.split('.')[0] in seeds.HYDRA_SECTIONS:  # a Hydra override given dashes: its line, not an unknown key's
                 seeds.check_positional(f"{key}={'True' if text is None else text}", script)
             settings, source = [(key, _parse(text, key, defaults), arg)], 'flag'
         # a name that neither this script nor a seed's flag knows, alone: its translation may need a value (--lr)

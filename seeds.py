@@ -77,6 +77,8 @@ HYDRA = {
     'hydra.run.dir': '--out_dir={} (the folder of the run\'s files)',
 }
 
+HYDRA_SECTIONS = {key.split('.')[0] for key in HYDRA}  # trainer_config, gpt_config, ...: its --section.key flags
+
 
 # DLRover's --epochs as finish() read it, for start_tokens: (the tokens to train, the max_iters that may end the run
 # first); None where no --epochs bounds the run

@@ -252,6 +252,7 @@ def test_every_key_of_mingpt_ddps_yaml_names_ours():
                                                                              '--batch_size=4')
     assert error_of('train.py', ['trainer_config.max_epoch=4']).endswith('did you mean trainer_config.max_epochs? '
                                                                         'here that is --epochs=4')
+    assert config_of('train.py', ['--optim.name=adamw'])['n_layer'] == 12  # Decent-DP's table.key is no Hydra's
     # the file itself, given as a config: not read, and one line says how its keys are given
     assert error_of('train.py', ['gpt2_train_cfg.yaml']).startswith("error: gpt2_train_cfg.yaml is a YAML config "
                                                                     "(minGPT-DDP's Hydra file), which is not read here")
