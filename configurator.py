@@ -55,6 +55,7 @@ def _check(key, value, defaults, where, script=''):
         if owners:  # another entrypoint's key: the user meant that mode
             sys.exit(f"error: {where}: {key} is a key of {' and '.join(owners)}, not of {script}: run "
                      f"{owners[0]} in its place, with the same flags and launcher (`torchrun ... {owners[0]} ...`)")
+        seeds.launcher_option(key, where, script)
         close = difflib.get_close_matches(key, [*defaults, *seeds.names(defaults)], n=3, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(sorted(defaults))}"
         sys.exit(f"error: {where}: unknown config key '{key}'; {hint}")

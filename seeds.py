@@ -85,6 +85,18 @@ HYDRA_SECTIONS = {key.split('.')[0] for key in HYDRA}  # trainer_config, gpt_con
 _epochs = None
 
 
+# the launchers' options (torchrun's, dlrover-run's, deepspeed's), which go before the script, not after it
+LAUNCHER_OPTIONS = ('nproc_per_node', 'nnodes', 'standalone', 'max_restarts', 'rdzv_backend', 'rdzv_endpoint',
+                    'rdzv_id', 'node_rank', 'master_addr', 'master_port', 'network_check', 'num_gpus', 'num_nodes')
+
+
+def launcher_option(key, where, script):
+    """A one-line error where a launcher's option (DLRover's `--nproc_per_node=2`) follows the script."""
+    if key.replace('-', '_') in LAUNCHER_OPTIONS and script in TRAINERS:
+        sys.exit(f"error: {where}: a launcher's option (torchrun's, dlrover-run's, deepspeed's), not {script}'s: give "
+                 f"it before the script, as in `torchrun --{key}{'' if key == 'standalone' else '=N'} {script} ...`")
+
+
 def flag_default(key):
     return FLAG_DEFAULTS.get(key)
 

@@ -96,6 +96,10 @@ def test_space_separated_values_and_bare_booleans():
     # a typo of a seed's flag: its name, not every key of ours
     assert "unknown config key 'epoch'; did you mean epochs?" in error_of('train.py', ['--epoch', '2'])
     assert "unknown config key 'data-dir'; did you mean data_dir?" in error_of('fsdp_train.py', ['--data-dir', './'])
+    # DLRover's launcher options after the script, where its command has them before it
+    assert error_of('train.py', ['--data_dir', './', '--nproc_per_node=2']) == "error: --nproc_per_node=2: a " \
+        "launcher's option (torchrun's, dlrover-run's, deepspeed's), not train.py's: give it before the script, as " \
+        "in `torchrun --nproc_per_node=N train.py ...`"
     assert 'DEFAULT_PATH' not in error_of('train.py', ['--xyzzy=1'])
 
 
