@@ -130,7 +130,8 @@ def _arguments(argv, defaults):
             missing = after is None or after.startswith('--')
             if type(default) is bool and after not in BOOLS and str(after).lower() in BOOL_WORDS:
                 # argparse's str flags read any word (DLRover's --compile FALSE): here a bool's value is one of BOOLS
-                sys.exit(f"error: {arg} {after}: {key} takes True or False (or true, false), or the flag alone for True")
+                sys.exit(f"error: {arg} {after}: {key} takes True or False (or true, false), or the flag alone for "
+                         f"True")
             if type(default) is bool and after not in BOOLS or default is None and missing or key == 'help':
                 # argparse's store_true, and --help, which takes no value (`--help config/x.py` asks for help);
                 # or a name this script lacks (--eval_onyl), which configure() answers
@@ -239,7 +240,7 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
                     sys.exit(f"error: argument '{arg}' is neither a config file (*.py, *.toml) nor --key=value")
                 settings, source = [(key, value, arg) for key, value in positional(arg)], 'file'
         else:
-            if key.split('.')[0] in seeds.HYDRA_SECTIONS:  # a Hydra override given dashes: its line, not an unknown key's
+            if key.split('.')[0] in seeds.HYDRA_SECTIONS:  # a Hydra override with dashes: its line, not unknown key's
                 seeds.check_positional(f"{key}={'True' if text is None else text}", script)
             settings, source = [(key, _parse(text, key, defaults), arg)], 'flag'
         # a name that neither this script nor a seed's flag knows, alone: its translation may need a value (--lr)

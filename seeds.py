@@ -216,6 +216,15 @@ def translate(key, value, where, source, ctx):
                 ctx['notes'].append((None, f"nnScaler's --plan_ngpus=1 --runtime_ngpus={given}: nothing to set here: "
                                            f"data parallel, a whole model on each of the {world} ranks, is train.py"))
             return []
+        if script == 'fsdp_train.py' and type(plan) is int and plan > 1 and runtime in ('N', world) and \
+                world % plan == 0:  # what fsdp_train.py --tp_size=plan does on these ranks
+            if key == 'plan_ngpus' or 'plan_ngpus' not in ctx['flags']:  # one line for the pair
+                dp = f"the {world // plan} groups data parallel with FSDP" if world > plan else "no data parallel"
+                ctx['notes'].append((None, f"nnScaler's --plan_ngpus={plan} --runtime_ngpus="
+                                           f"{pair.get('runtime_ngpus', -1)} is --tp_size={plan} here: each model "
+                                           f"split over {plan} of the {world} ranks by tensor parallelism, {dp}"))
+                return [('tp_size', plan)]
+            return []
         if plan == 1:
             ours = f"torchrun --nproc_per_node={runtime} train.py ... (data parallel, a whole model on each GPU)"
         elif plan == runtime:

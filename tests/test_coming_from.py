@@ -87,7 +87,8 @@ def test_space_separated_values_and_bare_booleans():
         (48, 16, True, True, True, False)
     assert 'needs a value' in error_of('train.py', ['--n_layer'])
     # DLRover's --compile is argparse's str: a bool's value in another spelling is named, not taken for a file
-    assert error_of('train.py', ['--compile', 'FALSE']).startswith('error: --compile FALSE: compile takes True or False')
+    msg = error_of('train.py', ['--compile', 'FALSE'])
+    assert msg.startswith('error: --compile FALSE: compile takes True or False')
     assert 'needs a value' in error_of('train.py', ['--lr'])  # Decent-DP's name for learning_rate: it takes one
     assert "flag '--betas' needs a value" in error_of('train.py', ['--betas'])  # translated with checks of its own
     assert "flag '--global_batch_size' needs a value" in error_of('train.py', ['--global_batch_size'])
@@ -275,6 +276,14 @@ def test_nnscalers_plan_flags_are_taken_where_they_mean_what_ours_do(monkeypatch
         assert capsys.readouterr().out == "nnScaler's --plan_ngpus=1 --runtime_ngpus=%s: nothing to set here: data " \
             "parallel, a whole model on each of the 4 ranks, is train.py\n" % (-1 if '-1' in argv else 4)
     assert '`torchrun --nproc_per_node=8 train.py ...' in error_of('train.py', ['--plan_ngpus=1', '--runtime_ngpus=8'])
+    # --plan_ngpus=N on fsdp_train.py over these ranks is its --tp_size=N (its README's hybrid and model parallel)
+    for argv, tp, runtime, dp in ((['--plan_ngpus=2', '--runtime_ngpus=4'], 2, 4,
+                                   'the 2 groups data parallel with FSDP'),
+                                  (['--runtime_ngpus', '-1', '--plan_ngpus', '4'], 4, -1, 'no data parallel')):
+        assert config_of('fsdp_train.py', argv)['tp_size'] == tp
+        assert capsys.readouterr().out == f"nnScaler's --plan_ngpus={tp} --runtime_ngpus={runtime} is --tp_size={tp} " \
+            f"here: each model split over {tp} of the 4 ranks by tensor parallelism, {dp}\n"
+    assert 'fsdp_train.py --tp_size=3' in error_of('fsdp_train.py', ['--plan_ngpus=3'])  # 4 ranks split in no 3s
     # without nnScaler its script reads neither (Lightning's DDP on every rank): unused, in any order
     for argv, flag in ((['--use_nnscaler=False', '--plan_ngpus=2', '--runtime_ngpus=4'], '--plan_ngpus=2'),
                        (['--plan_ngpus', '2', '--use_nnscaler', 'false'], '--plan_ngpus 2')):
