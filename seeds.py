@@ -79,22 +79,14 @@ HYDRA = {
 
 HYDRA_SECTIONS = {key.split('.')[0] for key in HYDRA}  # trainer_config, gpt_config, ...: its --section.key flags
 
-
-# DLRover's --epochs as finish() read it, for start_tokens: (the tokens to train, the max_iters that may end the run
-# first); None where no --epochs bounds the run
-_epochs = None
-
-
 # the launchers' options (torchrun's, dlrover-run's, deepspeed's), which go before the script, not after it
 LAUNCHER_OPTIONS = ('nproc_per_node', 'nnodes', 'standalone', 'max_restarts', 'rdzv_backend', 'rdzv_endpoint',
                     'rdzv_id', 'node_rank', 'master_addr', 'master_port', 'network_check', 'num_gpus', 'num_nodes')
 
 
-def launcher_option(key, where, script):
-    """A one-line error where a launcher's option (DLRover's `--nproc_per_node=2`) follows the script."""
-    if key.replace('-', '_') in LAUNCHER_OPTIONS and script in TRAINERS:
-        sys.exit(f"error: {where}: a launcher's option (torchrun's, dlrover-run's, deepspeed's), not {script}'s: give "
-                 f"it before the script, as in `torchrun --{key}{'' if key == 'standalone' else '=N'} {script} ...`")
+# DLRover's --epochs as finish() read it, for start_tokens: (the tokens to train, the max_iters that may end the run
+# first); None where no --epochs bounds the run
+_epochs = None
 
 
 def flag_default(key):
@@ -105,6 +97,13 @@ def names(keys):
     """The seeds' flag names that a script of these keys takes, for a typo's 'did you mean' (--epoch, --data-dir)."""
     renamed = [k for k, (_, ours) in RENAMES.items() if ours in keys]
     return renamed + [k for k in FLAG_DEFAULTS if k not in RENAMES] if 'max_iters' in keys else renamed
+
+
+def launcher_option(key, where, script):
+    """A one-line error where a launcher's option (DLRover's `--nproc_per_node=2`) follows the script."""
+    if key.replace('-', '_') in LAUNCHER_OPTIONS and script in TRAINERS:
+        sys.exit(f"error: {where}: a launcher's option (torchrun's, dlrover-run's, deepspeed's), not {script}'s: give "
+                 f"it before the script, as in `torchrun --{key}{'' if key == 'standalone' else '=N'} {script} ...`")
 
 
 def needs_value(arg):
