@@ -96,7 +96,8 @@ def flag_default(key):
 def names(keys):
     """The seeds' flag names that a script of these keys takes, for a typo's 'did you mean' (--epoch, --data-dir)."""
     renamed = [k for k, (_, ours) in RENAMES.items() if ours in keys]
-    return renamed + [k for k in FLAG_DEFAULTS if k not in RENAMES] if 'max_iters' in keys else renamed
+    translated = [k for k in FLAG_DEFAULTS if k not in RENAMES] + ['global_batch_size', 'n_steps', 'betas']
+    return renamed + translated if 'max_iters' in keys else renamed
 
 
 def launcher_option(key, where, script):

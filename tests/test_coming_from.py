@@ -96,6 +96,7 @@ def test_space_separated_values_and_bare_booleans():
     assert "unknown config key 'eval-only'; did you mean eval_only?" in error_of('train.py', ['--eval-only'])
     # a typo of a seed's flag: its name, not every key of ours
     assert "unknown config key 'epoch'; did you mean epochs?" in error_of('train.py', ['--epoch', '2'])
+    assert "did you mean global_batch_size?" in error_of('train.py', ['--global_batch', '8'])  # Decent-DP's
     assert "unknown config key 'data-dir'; did you mean data_dir?" in error_of('fsdp_train.py', ['--data-dir', './'])
     # DLRover's launcher options after the script, where its command has them before it
     assert error_of('train.py', ['--data_dir', './', '--nproc_per_node=2']) == "error: --nproc_per_node=2: a " \
