@@ -521,7 +521,8 @@ def _hydra_ours(key, value, script=None):
             value = round(1 - float(value), 6)
         except ValueError:
             value = '1-SPLIT'
-    return HYDRA[key].format(value)
+    ours = HYDRA[key].format(value)
+    return ours[len(f'{script} '):] if script and ours.startswith(f'{script} ') else ours  # the flag of this script
 
 
 def check_positional(arg, script=None):

@@ -221,6 +221,7 @@ def test_data_dir_is_a_path_that_decent_dps_dataset_label_does_not_replace(tmp_p
     # it said 'here fsdp_train.py as the script torchrun runs' to a user running fsdp_train.py
     ('fsdp_train.py', ['trainer_config.distributed_method=fsdp'],
      'here nothing to set, fsdp_train.py is what it names: drop it'),
+    ('fsdp_train.py', ['trainer_config.cpu_offload=True'], "(minGPT-DDP's): here --cpu_offload=True"),  # its fork's
     ('train.py', ['--topology=exp'], 'decent_train.py'),
     ('train.py', ['--lora_rank', '4'], 'no counterpart'),
     ('train.py', ['data_config.path=in.txt'], 'python prepare.py text --input=in.txt --tokenizer=char'),  # CharDataset
