@@ -55,7 +55,8 @@ def _check(key, value, defaults, where, script=''):
         if owners:  # another entrypoint's key: the user meant that mode
             sys.exit(f"error: {where}: {key} is a key of {' and '.join(owners)}, not of {script}: run "
                      f"{owners[0]} in its place, with the same flags and launcher (`torchrun ... {owners[0]} ...`)")
-        close = difflib.get_close_matches(key, defaults, n=3, cutoff=0.6)
+        seeds.launcher_option(key, where, script)
+        close = difflib.get_close_matches(key, [*defaults, *seeds.names(defaults)], n=3, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(sorted(defaults))}"
         sys.exit(f"error: {where}: unknown config key '{key}'; {hint}")
     want = type(defaults[key])
@@ -127,6 +128,10 @@ def _arguments(argv, defaults):
             key, after = arg[2:], argv[i] if i < len(argv) else None
             default = _default(key, defaults)
             missing = after is None or after.startswith('--')
+            if type(default) is bool and after not in BOOLS and str(after).lower() in BOOL_WORDS:
+                # argparse's str flags read any word (DLRover's --compile FALSE): here a bool's value is one of BOOLS
+                sys.exit(f"error: {arg} {after}: {key} takes True or False (or true, false), or the flag alone for "
+                         f"True")
             if type(default) is bool and after not in BOOLS or default is None and missing or key == 'help':
                 # argparse's store_true, and --help, which takes no value (`--help config/x.py` asks for help);
                 # or a name this script lacks (--eval_onyl), which configure() answers
@@ -140,6 +145,7 @@ def _arguments(argv, defaults):
 
 
 BOOLS = {'True': True, 'False': False, 'true': True, 'false': False}  # Python's, and argparse users' lower case
+BOOL_WORDS = ('true', 'false', '1', '0', 'yes', 'no', 'on', 'off')  # meant as a bool's value, in another spelling
 
 
 def _parse(text, key, defaults):
@@ -234,6 +240,8 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
                     sys.exit(f"error: argument '{arg}' is neither a config file (*.py, *.toml) nor --key=value")
                 settings, source = [(key, value, arg) for key, value in positional(arg)], 'file'
         else:
+            if key.split('.')[0] in seeds.HYDRA_SECTIONS:  # a Hydra override with dashes: its line, not unknown key's
+                seeds.check_positional(f"{key}={'True' if text is None else text}", script)
             settings, source = [(key, _parse(text, key, defaults), arg)], 'flag'
         # a name that neither this script nor a seed's flag knows, alone: its translation may need a value (--lr)
         alone = source == 'flag' and text is None and _default(key, defaults) is None

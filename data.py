@@ -142,6 +142,8 @@ def find_bins(dataset, block_size, random_data=False):
     if random_data:
         return ({split: RandomTokens(split) for split in ('train', 'val')},
                 {split: RandomTokens.SIZE for split in ('train', 'val')})
+    if not dataset:  # data/ itself, whose prepare.py line would name no dataset (`--data_dir ''`, `--dataset=`)
+        sys.exit("error: dataset is empty: give --dataset=NAME (a folder under data/) or a folder's path (./mydata)")
     folder = data_dir(dataset)
     check_whole(folder)
     files, n_tokens = {}, {}

@@ -6,6 +6,7 @@ means something else is a one-line error naming our command. Not for our own key
 entrypoints' and the configurator's.
 """
 
+import difflib
 import math
 import os
 import re
@@ -76,6 +77,12 @@ HYDRA = {
     'hydra.run.dir': '--out_dir={} (the folder of the run\'s files)',
 }
 
+HYDRA_SECTIONS = {key.split('.')[0] for key in HYDRA}  # trainer_config, gpt_config, ...: its --section.key flags
+
+# the launchers' options (torchrun's, dlrover-run's, deepspeed's), which go before the script, not after it
+LAUNCHER_OPTIONS = ('nproc_per_node', 'nnodes', 'standalone', 'max_restarts', 'rdzv_backend', 'rdzv_endpoint',
+                    'rdzv_id', 'node_rank', 'master_addr', 'master_port', 'network_check', 'num_gpus', 'num_nodes')
+
 
 # DLRover's --epochs as finish() read it, for start_tokens: (the tokens to train, the max_iters that may end the run
 # first); None where no --epochs bounds the run
@@ -84,6 +91,20 @@ _epochs = None
 
 def flag_default(key):
     return FLAG_DEFAULTS.get(key)
+
+
+def names(keys):
+    """The seeds' flag names that a script of these keys takes, for a typo's 'did you mean' (--epoch, --data-dir)."""
+    renamed = [k for k, (_, ours) in RENAMES.items() if ours in keys]
+    translated = [k for k in FLAG_DEFAULTS if k not in RENAMES] + ['global_batch_size', 'n_steps', 'betas']
+    return renamed + translated if 'max_iters' in keys else renamed
+
+
+def launcher_option(key, where, script):
+    """A one-line error where a launcher's option (DLRover's `--nproc_per_node=2`) follows the script."""
+    if key.replace('-', '_') in LAUNCHER_OPTIONS and script in TRAINERS:
+        sys.exit(f"error: {where}: a launcher's option (torchrun's, dlrover-run's, deepspeed's), not {script}'s: give "
+                 f"it before the script, as in `torchrun --{key}{'' if key == 'standalone' else '=N'} {script} ...`")
 
 
 def needs_value(arg):
@@ -195,6 +216,15 @@ def translate(key, value, where, source, ctx):
                 ctx['notes'].append((None, f"nnScaler's --plan_ngpus=1 --runtime_ngpus={given}: nothing to set here: "
                                            f"data parallel, a whole model on each of the {world} ranks, is train.py"))
             return []
+        if script == 'fsdp_train.py' and type(plan) is int and plan > 1 and runtime in ('N', world) and \
+                world % plan == 0:  # what fsdp_train.py --tp_size=plan does on these ranks
+            if key == 'plan_ngpus' or 'plan_ngpus' not in ctx['flags']:  # one line for the pair
+                dp = f"the {world // plan} groups data parallel with FSDP" if world > plan else "no data parallel"
+                ctx['notes'].append((None, f"nnScaler's --plan_ngpus={plan} --runtime_ngpus="
+                                           f"{pair.get('runtime_ngpus', -1)} is --tp_size={plan} here: each model "
+                                           f"split over {plan} of the {world} ranks by tensor parallelism, {dp}"))
+                return [('tp_size', plan)]
+            return []
         if plan == 1:
             ours = f"torchrun --nproc_per_node={runtime} train.py ... (data parallel, a whole model on each GPU)"
         elif plan == runtime:
@@ -283,8 +313,12 @@ def translate(key, value, where, source, ctx):
             sys.exit(f"error: {where}: global_batch_size must be a whole number of sequences, 1 or more, "
                      f"got {value!r}")
         # Decent-DP's is the step's sequences over all workers (480 = 16 GPUs x 30); ours counts micro-steps over
-        # all ranks, so 16 of them run on 16, 8, 4, 2 or 1 ranks alike
-        accum = math.gcd(value, 16)
+        # all ranks, so 16 of them run on 16, 8, 4, 2 or 1 ranks alike; on more ranks, or a count that does not
+        # divide 16, a multiple of the ranks (480 on 32: 32 x 15), as its workers split it there. Where none splits
+        # it, the run's own check of the data-parallel ranks (fewer than these with tp_size or pp_size) says so
+        accum, world = math.gcd(value, 16), int(os.environ.get('WORLD_SIZE', '1'))
+        if accum % world and value % math.lcm(accum, world) == 0:
+            accum = math.lcm(accum, world)
         _note(ctx, where, source, shown, f"--gradient_accumulation_steps={accum} --batch_size={value // accum}",
               "Decent-DP's")
         pairs = (('gradient_accumulation_steps', accum), ('batch_size', value // accum))
@@ -487,7 +521,8 @@ def _hydra_ours(key, value, script=None):
             value = round(1 - float(value), 6)
         except ValueError:
             value = '1-SPLIT'
-    return HYDRA[key].format(value)
+    ours = HYDRA[key].format(value)
+    return ours[len(f'{script} '):] if script and ours.startswith(f'{script} ') else ours  # the flag of this script
 
 
 def check_positional(arg, script=None):
@@ -502,6 +537,10 @@ def check_positional(arg, script=None):
     key, value = m.groups()
     if key in HYDRA:
         sys.exit(f"error: {arg} is a Hydra override (minGPT-DDP's): here {_hydra_ours(key, value, script)}")
+    close = difflib.get_close_matches(key, HYDRA, n=1, cutoff=0.8)  # a typo of its key, which Hydra refuses too
+    if close:
+        sys.exit(f"error: {arg} is a Hydra override (minGPT-DDP's) of no key in its file: did you mean {close[0]}? "
+                 f"here that is {_hydra_ours(close[0], value, script)}")
     sys.exit(f"error: {arg} is a Hydra override (minGPT-DDP's): here keys are flags, --key=value, and config "
              f"files (docs/coming-from.md)")
 

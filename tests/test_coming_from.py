@@ -86,11 +86,22 @@ def test_space_separated_values_and_bare_booleans():
     assert (c['n_layer'], c['n_head'], c['eval_only'], c['bias'], c['decay_lr'], c['compile']) == \
         (48, 16, True, True, True, False)
     assert 'needs a value' in error_of('train.py', ['--n_layer'])
+    # DLRover's --compile is argparse's str: a bool's value in another spelling is named, not taken for a file
+    msg = error_of('train.py', ['--compile', 'FALSE'])
+    assert msg.startswith('error: --compile FALSE: compile takes True or False')
     assert 'needs a value' in error_of('train.py', ['--lr'])  # Decent-DP's name for learning_rate: it takes one
     assert "flag '--betas' needs a value" in error_of('train.py', ['--betas'])  # translated with checks of its own
     assert "flag '--global_batch_size' needs a value" in error_of('train.py', ['--global_batch_size'])
     assert config_of('train.py', ['--dtype=float32', '--amp'])['dtype'] == 'auto'  # and its bool, alone
     assert "unknown config key 'eval-only'; did you mean eval_only?" in error_of('train.py', ['--eval-only'])
+    # a typo of a seed's flag: its name, not every key of ours
+    assert "unknown config key 'epoch'; did you mean epochs?" in error_of('train.py', ['--epoch', '2'])
+    assert "did you mean global_batch_size?" in error_of('train.py', ['--global_batch', '8'])  # Decent-DP's
+    assert "unknown config key 'data-dir'; did you mean data_dir?" in error_of('fsdp_train.py', ['--data-dir', './'])
+    # DLRover's launcher options after the script, where its command has them before it
+    assert error_of('train.py', ['--data_dir', './', '--nproc_per_node=2']) == "error: --nproc_per_node=2: a " \
+        "launcher's option (torchrun's, dlrover-run's, deepspeed's), not train.py's: give it before the script, as " \
+        "in `torchrun --nproc_per_node=N train.py ...`"
     assert 'DEFAULT_PATH' not in error_of('train.py', ['--xyzzy=1'])
 
 
@@ -112,7 +123,7 @@ def test_another_entrypoints_key_names_that_entrypoint(tmp_path):
     assert "unknown config key 'zero_stage'" in error_of('sample.py', ['--zero_stage=2'])
 
 
-def test_decent_dp_toml_as_published_takes_its_hyperparameters(tmp_path):
+def test_decent_dp_toml_as_published_takes_its_hyperparameters(tmp_path, monkeypatch):
     (tmp_path / 'decent.toml').write_text(SEED_DECENT_TOML)
     c = config_of('decent_train.py', [str(tmp_path / 'decent.toml')])
     assert c['gradient_accumulation_steps'] * c['batch_size'] == 480 and c['gradient_accumulation_steps'] == 16
@@ -123,6 +134,11 @@ def test_decent_dp_toml_as_published_takes_its_hyperparameters(tmp_path):
     for script in ('train.py', 'fsdp_train.py', 'ds_train.py', 'pp_train.py'):  # its AllReduce file, in every one
         c = config_of(script, [str(REPO / 'config' / 'gpt2-small.toml')])
         assert (c['beta2'], c['gradient_accumulation_steps'] * c['batch_size'], c['max_iters']) == (0.95, 480, 600000)
+    # its 480 on 32 workers is 15 each: 16 micro-steps cannot split over 32 ranks, 32 of 15 sequences can
+    monkeypatch.setenv('WORLD_SIZE', '32')
+    c = config_of('train.py', [str(REPO / 'config' / 'gpt2-small.toml')])
+    assert (c['gradient_accumulation_steps'], c['batch_size']) == (32, 15)
+    monkeypatch.delenv('WORLD_SIZE')
     msg = error_of('train.py', [str(REPO / 'config' / 'decent-gpt2-small.toml')])
     assert "backend='decentdp'" in msg and 'decent_train.py /' in msg and msg.endswith('not train.py')
 
@@ -205,6 +221,7 @@ def test_data_dir_is_a_path_that_decent_dps_dataset_label_does_not_replace(tmp_p
     # it said 'here fsdp_train.py as the script torchrun runs' to a user running fsdp_train.py
     ('fsdp_train.py', ['trainer_config.distributed_method=fsdp'],
      'here nothing to set, fsdp_train.py is what it names: drop it'),
+    ('fsdp_train.py', ['trainer_config.cpu_offload=True'], "(minGPT-DDP's): here --cpu_offload=True"),  # its fork's
     ('train.py', ['--topology=exp'], 'decent_train.py'),
     ('train.py', ['--lora_rank', '4'], 'no counterpart'),
     ('train.py', ['data_config.path=in.txt'], 'python prepare.py text --input=in.txt --tokenizer=char'),  # CharDataset
@@ -237,6 +254,12 @@ def test_every_key_of_mingpt_ddps_yaml_names_ours():
     for override in MINGPT_YAML:
         msg = error_of('train.py', [override])
         assert msg.startswith(f'error: {override} is a Hydra override') and 'keys are flags' not in msg, msg
+    # with dashes, as our flags are written, and a typo of its key: its line, not an unknown key's
+    assert error_of('train.py', ['--trainer_config.batch_size', '4']).endswith('Hydra override (minGPT-DDP\'s): here '
+                                                                             '--batch_size=4')
+    assert error_of('train.py', ['trainer_config.max_epoch=4']).endswith('did you mean trainer_config.max_epochs? '
+                                                                        'here that is --epochs=4')
+    assert config_of('train.py', ['--optim.name=adamw'])['n_layer'] == 12  # Decent-DP's table.key is no Hydra's
     # the file itself, given as a config: not read, and one line says how its keys are given
     assert error_of('train.py', ['gpt2_train_cfg.yaml']).startswith("error: gpt2_train_cfg.yaml is a YAML config "
                                                                     "(minGPT-DDP's Hydra file), which is not read here")
@@ -255,6 +278,14 @@ def test_nnscalers_plan_flags_are_taken_where_they_mean_what_ours_do(monkeypatch
         assert capsys.readouterr().out == "nnScaler's --plan_ngpus=1 --runtime_ngpus=%s: nothing to set here: data " \
             "parallel, a whole model on each of the 4 ranks, is train.py\n" % (-1 if '-1' in argv else 4)
     assert '`torchrun --nproc_per_node=8 train.py ...' in error_of('train.py', ['--plan_ngpus=1', '--runtime_ngpus=8'])
+    # --plan_ngpus=N on fsdp_train.py over these ranks is its --tp_size=N (its README's hybrid and model parallel)
+    for argv, tp, runtime, dp in ((['--plan_ngpus=2', '--runtime_ngpus=4'], 2, 4,
+                                   'the 2 groups data parallel with FSDP'),
+                                  (['--runtime_ngpus', '-1', '--plan_ngpus', '4'], 4, -1, 'no data parallel')):
+        assert config_of('fsdp_train.py', argv)['tp_size'] == tp
+        assert capsys.readouterr().out == f"nnScaler's --plan_ngpus={tp} --runtime_ngpus={runtime} is --tp_size={tp} " \
+            f"here: each model split over {tp} of the 4 ranks by tensor parallelism, {dp}\n"
+    assert 'fsdp_train.py --tp_size=3' in error_of('fsdp_train.py', ['--plan_ngpus=3'])  # 4 ranks split in no 3s
     # without nnScaler its script reads neither (Lightning's DDP on every rank): unused, in any order
     for argv, flag in ((['--use_nnscaler=False', '--plan_ngpus=2', '--runtime_ngpus=4'], '--plan_ngpus=2'),
                        (['--plan_ngpus', '2', '--use_nnscaler', 'false'], '--plan_ngpus 2')):
@@ -320,6 +351,10 @@ def test_a_dataset_name_finds_nnscalers_checkout_or_a_folder_here_in_its_error(t
     assert str(e.value.code).startswith(f"error: {os.path.join('data', 'mydata', 'train.bin')} not found, but "
                                         f"./mydata holds one (a folder here, where a name is one in data/): give "
                                         f"--dataset=./mydata, or run")
+    # DLRover's --data_dir '' (its required flag, left empty): not data/ itself, nor a prep of no name
+    with pytest.raises(SystemExit) as e:
+        find_bins('', 32)
+    assert str(e.value.code).startswith('error: dataset is empty: give --dataset=NAME')
 
 
 def test_decent_dp_names_on_the_command_line():
