@@ -181,3 +181,21 @@ def test_negative_save_intervals_and_no_nonfinite_steps_allowed(tmp_path, data_d
     msg = fails(tmp_path, data, '--out_dir=out', '--max_nonfinite_steps=0', script=script)
     assert 'max_nonfinite_steps=0 must be 1 or more' in msg
     assert not (tmp_path / 'out').exists()
+
+
+def test_an_out_dir_on_each_nodes_own_disk_is_refused_before_training(tmp_path, data_dir):
+    # two nodes of one rank, each in a folder of its own, and a relative out_dir: one folder by name, two on disk.
+    # Trained on, FSDP's checkpoints had each node's shards on its disk, committed as whole on rank 0's (never loadable)
+    nodes = [tmp_path / 'node0', tmp_path / 'node1']
+    for node in nodes:
+        node.mkdir()
+    args = ['fsdp_train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out', '--max_iters=2',
+            '--eval_interval=2', '--gradient_accumulation_steps=2']
+    p = run(*args, nproc=2, nodes=nodes, cwd=tmp_path, check=False)
+    msg = one_line_error(p, 2)
+    assert msg.startswith('error: out is not one folder on every node: what rank 1 wrote there on host ') and \
+        msg.endswith('give a folder on a filesystem that every node shares (NFS, Lustre, a ReadWriteMany volume)'), msg
+    assert '[rank' not in p.stderr and not any((node / 'out').exists() for node in nodes), p.stderr[-3000:]
+    # one folder that both nodes see: the run trains, and leaves nothing of the check behind
+    run(*args, nproc=2, nodes=[tmp_path, tmp_path], cwd=tmp_path)
+    assert (tmp_path / 'out' / 'dcp' / 'latest').exists() and not list((tmp_path / 'out').glob('.node-*'))
