@@ -37,6 +37,15 @@ def torchrun_env():
     return rank, local_rank, world_size, int(os.environ.get('LOCAL_WORLD_SIZE', world_size))
 
 
+def ranks_per_node():
+    """LOCAL_WORLD_SIZE, where every node runs as many ranks, else None (a collective): torchrun lets each node start
+    its own --nproc_per_node, and a layout by nodes that each rank built from its own node's count would differ
+    between nodes, whose groups then wait on each other with no end and no message."""
+    sizes = [None] * dist.get_world_size()
+    dist.all_gather_object(sizes, torchrun_env()[3])
+    return sizes[0] if len(set(sizes)) == 1 else None
+
+
 def launch_with(nproc, nnodes=1):
     """The torchrun command that starts this script on nproc ranks a node, for an error where a setting needs
     several ranks and the run was started by plain python (a group of one, which cannot hold them)."""

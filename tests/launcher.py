@@ -92,7 +92,7 @@ def as_main(script, args, path):
 def start(script, args, env, cwd, nproc=1, nodes=None):
     """Starts script with args on nproc ranks and returns at once: (the ranks' processes, what finish() needs). A
     test that signals or kills a rank (its .pid) mid-run, as a fault, saves a fresh interpreter's start-up. nodes:
-    each node's folder (its cwd), for ranks shared out over them as torchrun's agents on that many nodes number them."""
+    (folder, ranks) of each node, its ranks run there (their cwd), numbered as torchrun's agents number them."""
     import torch.distributed as dist  # the agents' store; the test process has imported torch already
     context = _start_server(env)
     tmp = tempfile.mkdtemp(prefix='launch-')
@@ -109,10 +109,11 @@ def start(script, args, env, cwd, nproc=1, nodes=None):
         envs = [dict(common, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r)) for r in range(nproc)]
     cwds = [cwd] * nproc
     if nodes:
-        per = nproc // len(nodes)
-        cwds = [nodes[r // per] for r in range(nproc)]
-        for r, e in enumerate(envs):
-            e.update(LOCAL_RANK=str(r % per), LOCAL_WORLD_SIZE=str(per), GROUP_RANK=str(r // per),
+        places = [(folder, i, local, size) for i, (folder, size) in enumerate(nodes) for local in range(size)]
+        assert len(places) == nproc, (nodes, nproc)
+        cwds = [folder for folder, *_ in places]
+        for e, (_, i, local, size) in zip(envs, places):
+            e.update(LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(size), GROUP_RANK=str(i),
                      GROUP_WORLD_SIZE=str(len(nodes)))
     procs = [context.Process(target=_child, args=(script, args, e, str(c), out, err, _clean_path))
              for e, c in zip(envs, cwds)]

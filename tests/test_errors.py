@@ -191,11 +191,11 @@ def test_an_out_dir_on_each_nodes_own_disk_is_refused_before_training(tmp_path, 
         node.mkdir()
     args = ['fsdp_train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out', '--max_iters=2',
             '--eval_interval=2', '--gradient_accumulation_steps=2']
-    p = run(*args, nproc=2, nodes=nodes, cwd=tmp_path, check=False)
+    p = run(*args, nproc=2, nodes=[(node, 1) for node in nodes], cwd=tmp_path, check=False)
     msg = one_line_error(p, 2)
     assert msg.startswith('error: out is not one folder on every node: what rank 1 wrote there on host ') and \
         msg.endswith('give a folder on a filesystem that every node shares (NFS, Lustre, a ReadWriteMany volume)'), msg
     assert '[rank' not in p.stderr and not any((node / 'out').exists() for node in nodes), p.stderr[-3000:]
     # one folder that both nodes see: the run trains, and leaves nothing of the check behind
-    run(*args, nproc=2, nodes=[tmp_path, tmp_path], cwd=tmp_path)
+    run(*args, nproc=2, nodes=[(tmp_path, 1), (tmp_path, 1)], cwd=tmp_path)
     assert (tmp_path / 'out' / 'dcp' / 'latest').exists() and not list((tmp_path / 'out').glob('.node-*'))
