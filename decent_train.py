@@ -42,7 +42,7 @@ from decent import (average_moments, average_replicas, check_optimizers, check_r
                     make_mixing_groups, make_optimizers, make_outer, mixing_rounds, moments_from_adamw, name_best,
                     outer_bytes, outer_state, plan_words, read_replica, replicas_in, restore_outer, restore_replica,
                     set_aside_incomplete, start_outer_step, wait_for)
-from distributed import (agree, check_fits, finish, gather_rng, pick_device, ranks_per_node, restore_rng,
+from distributed import (agree, check_fits, finish, gather_rng, on_every_rank, pick_device, ranks_per_node, restore_rng,
                          split_accumulation, start, state_bytes, stop_signal, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import saves_at_eval, skips_save
@@ -171,7 +171,7 @@ print0(plan_words(config, rounds))  # DiLoCo's window and fragments, or the topo
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin
-bin_path, n_tokens = find_bins(dataset, block_size, random_data)
+bin_path, n_tokens = on_every_rank(find_bins, dataset, block_size, random_data)  # on one node only: every rank says so
 
 
 def get_batch(split, offsets):

@@ -46,6 +46,27 @@ def ranks_per_node():
     return sizes[0] if len(set(sizes)) == 1 else None
 
 
+def on_every_rank(check, *args):
+    """check(*args), whose bad input exits in one line, on every rank (a collective): where it fails on some ranks
+    only (the data missing on one node), every rank exits with the first such rank's line, which names its host;
+    the others would fail at their next collective with gloo's traceback, and the line be in one node's log alone."""
+    try:
+        result, failed = check(*args), None
+    except SystemExit as e:
+        result, failed = None, str(e.code)
+    verdicts = [failed and (socket.gethostname(), failed)] * dist.get_world_size()
+    if len(verdicts) > 1:
+        dist.all_gather_object(verdicts, verdicts[0])
+    bad = [(r, v) for r, v in enumerate(verdicts) if v]
+    if len(bad) == len(verdicts):  # alike on every rank: its own line says it all
+        sys.exit(failed)
+    if bad:
+        r, (host, line) = bad[0]
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        sys.exit(f"error: rank {r} on host {host}{more}: {line.removeprefix('error: ')}")
+    return result
+
+
 def launch_with(nproc, nnodes=1):
     """The torchrun command that starts this script on nproc ranks a node, for an error where a setting needs
     several ranks and the run was started by plain python (a group of one, which cannot hold them)."""

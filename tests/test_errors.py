@@ -4,6 +4,7 @@ import argparse
 import ctypes
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -183,7 +184,7 @@ def test_negative_save_intervals_and_no_nonfinite_steps_allowed(tmp_path, data_d
     assert not (tmp_path / 'out').exists()
 
 
-def test_an_out_dir_on_each_nodes_own_disk_is_refused_before_training(tmp_path, data_dir):
+def test_an_out_dir_or_data_on_each_nodes_own_disk_is_one_line_on_every_rank_before_training(tmp_path, data_dir):
     # two nodes of one rank, each in a folder of its own, and a relative out_dir: one folder by name, two on disk.
     # Trained on, FSDP's checkpoints had each node's shards on its disk, committed as whole on rank 0's (never loadable)
     nodes = [tmp_path / 'node0', tmp_path / 'node1']
@@ -196,6 +197,14 @@ def test_an_out_dir_on_each_nodes_own_disk_is_refused_before_training(tmp_path, 
     assert msg.startswith('error: out is not one folder on every node: what rank 1 wrote there on host ') and \
         msg.endswith('give a folder on a filesystem that every node shares (NFS, Lustre, a ReadWriteMany volume)'), msg
     assert '[rank' not in p.stderr and not any((node / 'out').exists() for node in nodes), p.stderr[-3000:]
+    # the data under data/ on node 0 alone: every rank says which node lacks it (node 0's ranks went on to gloo's
+    # traceback, "Connection closed by peer", the line in node 1's log alone)
+    shutil.copytree(data_dir / 'shakespeare_char', nodes[0] / 'data' / 'shakespeare_char')
+    p = run(*args, '--dataset=shakespeare_char', nproc=2, nodes=[(node, 1) for node in nodes], cwd=tmp_path,
+            check=False)
+    errors = [line for line in p.stderr.splitlines() if line.startswith('error: ')]
+    assert errors == ['error: rank 1 on host ' + socket.gethostname() + ': data/shakespeare_char/train.bin not found: '
+                      'run `python prepare.py shakespeare_char` first'] * 2 and '[rank' not in p.stderr, p.stderr[-3000:]
     # one folder that both nodes see: the run trains, and leaves nothing of the check behind
     run(*args, nproc=2, nodes=[(tmp_path, 1), (tmp_path, 1)], cwd=tmp_path)
     assert (tmp_path / 'out' / 'dcp' / 'latest').exists() and not list((tmp_path / 'out').glob('.node-*'))
