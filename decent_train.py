@@ -133,7 +133,7 @@ if message := check_optimizers(config, n_layer):
     sys.exit(f"error: {message}")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
-rank, local_rank, world_size = start(backend, device)
+rank, local_rank, world_size = start(backend, device, config=config)
 master_process = rank == 0  # does all the logging and checkpoint writing
 dp_rank, dp_size = rank, world_size  # every rank is a data-parallel rank with a replica of its own
 local_world_size = ranks_per_node()  # None where the nodes run different counts

@@ -101,9 +101,10 @@ def pick_device(device):
     return device, device_type
 
 
-def start(backend, device, deepspeed=False):
+def start(backend, device, deepspeed=False, config=None):
     """Joins the process group (or makes a group of one), tears it down at exit whatever the way out, and notes a
-    SIGTERM for agree(). Returns (rank, local_rank, world_size)."""
+    SIGTERM for agree(); with config, refuses ranks started with other settings than rank 0's (same_settings).
+    Returns (rank, local_rank, world_size)."""
     rank, local_rank, world_size, _ = torchrun_env()
     if 'RANK' in os.environ:  # torchrun starts each rank in a session of its own, which its death leaves running
         _launcher.append(os.getppid())
@@ -138,7 +139,26 @@ def start(backend, device, deepspeed=False):
     # `... | tee log`: the Ctrl-C ends tee too, and every print after it (the handler's first) would raise
     # BrokenPipeError, a traceback in place of the save
     sys.stdout, sys.stderr = (s if isinstance(s, Unread) else Unread(s) for s in (sys.stdout, sys.stderr))
+    if config is not None and dist.is_initialized() and dist.get_world_size() > 1:
+        same_settings(config)
     return rank, local_rank, world_size
+
+
+def same_settings(config):
+    """A one-line error on every rank (a collective) where a rank was started with other settings than rank 0's:
+    torchrun passes each node's ranks the command typed on that node, and two nodes given another --batch_size each
+    trained on with no word, config.json saying rank 0's. Paths may differ between nodes (where each mounts the
+    data), and so may wandb's run name (config/finetune_shakespeare.py's is the time)."""
+    mine = {k: v for k, v in config.items() if not k.startswith('wandb_') and not (isinstance(v, str) and '/' in v)}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (socket.gethostname(), mine))
+    first = every[0][1]
+    for r, (host, theirs) in enumerate(every):
+        differ = sorted(k for k in theirs.keys() | first.keys() if theirs.get(k) != first.get(k))
+        if differ:
+            key = differ[0]
+            sys.exit(f"error: rank {r} on host {host} was started with --{key}={theirs.get(key)}, rank 0 with "
+                     f"--{key}={first.get(key)}: start every node with the same command and config file")
 
 
 class Unread:

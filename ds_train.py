@@ -143,7 +143,7 @@ check_offload(offload_optimizer, offload_params, zero_stage)
 by_norm = by_norm_where_zero_checks(overflow_by_norm, 'overflow_by_norm' in given, zero_stage, dtype, offload_optimizer)
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
-rank, local_rank, world_size = start(backend, device, deepspeed=True)
+rank, local_rank, world_size = start(backend, device, deepspeed=True, config=config)
 try:
     deepspeed.init_distributed(dist_backend=backend)  # takes the group start() made, or makes it under its launcher
 except OSError as e:  # on a CPU it compiles its collectives first, into ~/.cache unless told otherwise

@@ -115,7 +115,7 @@ if device_type not in ('cuda', 'cpu'):
     sys.exit(f"error: FSDP runs on cuda or cpu, not {device_type}: use --device=cuda or cpu, or train.py")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
-rank, local_rank, world_size = start(backend, device)
+rank, local_rank, world_size = start(backend, device, config=config)
 master_process = rank == 0  # does all the logging and checkpoint writing
 if tp_size < 1 or world_size % tp_size != 0:
     sys.exit(f"error: {groups_of('tp_size', tp_size, world_size)}")

@@ -145,7 +145,7 @@ dp_size = world_size // (pp_size * tp_size)
 accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)
 if message := untaken(pp_schedule, accum_steps, pp_size, dp_size):
     sys.exit(f"error: {message}")
-rank, local_rank, world_size = start(backend, device)
+rank, local_rank, world_size = start(backend, device, config=config)
 master_process = rank == 0  # does all the logging and checkpoint writing
 # the mesh is (dp, pp, tp), tp innermost: a tp group is tp_size consecutive ranks (a node's GPUs: TP's all-reduces
 # need its links), a pipeline pp_size x tp_size (only activations cross stages, to the same tp rank), reading one batch

@@ -106,7 +106,7 @@ if dtype not in ('float32', 'bfloat16', 'float16'):
     sys.exit(f"error: dtype={dtype!r} is not one of auto, float32, bfloat16, float16")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
-rank, local_rank, world_size = start(backend, device)
+rank, local_rank, world_size = start(backend, device, config=config)
 master_process = rank == 0  # does all the logging and checkpoint writing
 dp_rank, dp_size = rank, world_size  # with DDP every rank is a data-parallel rank
 accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)  # micro-steps on this rank

@@ -184,7 +184,7 @@ def test_negative_save_intervals_and_no_nonfinite_steps_allowed(tmp_path, data_d
     assert not (tmp_path / 'out').exists()
 
 
-def test_an_out_dir_or_data_on_each_nodes_own_disk_is_one_line_on_every_rank_before_training(tmp_path, data_dir):
+def test_an_out_dir_data_or_settings_of_each_nodes_own_are_one_line_on_every_rank_before_training(tmp_path, data_dir):
     # two nodes of one rank, each in a folder of its own, and a relative out_dir: one folder by name, two on disk.
     # Trained on, FSDP's checkpoints had each node's shards on its disk, committed as whole on rank 0's (never loadable)
     nodes = [tmp_path / 'node0', tmp_path / 'node1']
@@ -204,7 +204,17 @@ def test_an_out_dir_or_data_on_each_nodes_own_disk_is_one_line_on_every_rank_bef
             check=False)
     errors = [line for line in p.stderr.splitlines() if line.startswith('error: ')]
     assert errors == ['error: rank 1 on host ' + socket.gethostname() + ': data/shakespeare_char/train.bin not found: '
-                      'run `python prepare.py shakespeare_char` first'] * 2 and '[rank' not in p.stderr, p.stderr[-3000:]
+                      'run `python prepare.py shakespeare_char` first'] * 2 and '[rank' not in p.stderr, \
+        p.stderr[-3000:]
+    # a config file of one name that says another batch on each node (a copy of the repo per node, one edited): rank
+    # 0's settings went into config.json, and the ranks trained on with no word
+    for node, batch in zip(nodes, (4, 8)):
+        (node / 'mine.py').write_text(f'batch_size = {batch}\n')
+    p = run(*args, 'mine.py', nproc=2, nodes=[(node, 1) for node in nodes], cwd=tmp_path, check=False)
+    errors = [line for line in p.stderr.splitlines() if line.startswith('error: ')]
+    assert errors == ['error: rank 1 on host ' + socket.gethostname() + ' was started with --batch_size=8, rank 0 '
+                      'with --batch_size=4: start every node with the same command and config file'] * 2 and \
+        '[rank' not in p.stderr, p.stderr[-3000:]
     # one folder that both nodes see: the run trains, and leaves nothing of the check behind
     run(*args, nproc=2, nodes=[(tmp_path, 1), (tmp_path, 1)], cwd=tmp_path)
     assert (tmp_path / 'out' / 'dcp' / 'latest').exists() and not list((tmp_path / 'out').glob('.node-*'))
