@@ -43,6 +43,10 @@ def mixing_rounds(topology, world_size, local_world_size):
     if topology == 'alternating-exp-ring':
         # rounds within nodes (the fast links: every node averages its ranks) alternate with rounds between nodes,
         # where nodes pair as in one-peer-exp and each rank averages with the same local rank on the peer node
+        if local_world_size is None:  # distributed.ranks_per_node()'s: the nodes run different counts
+            raise ValueError("topology=alternating-exp-ring needs as many ranks on every node, and torchrun's "
+                             "--nproc_per_node differs between the nodes here: give every node the same, or use "
+                             "--topology=ring")
         nodes = n // local_world_size
         if local_world_size < 2 or n % local_world_size or nodes < 2 or nodes & (nodes - 1):
             here = (f"and {launch_with(2, nnodes=2)}, or use --topology=ring" if n == 1 and 'RANK' not in os.environ

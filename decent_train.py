@@ -42,8 +42,8 @@ from decent import (average_moments, average_replicas, check_optimizers, check_r
                     make_mixing_groups, make_optimizers, make_outer, mixing_rounds, moments_from_adamw, name_best,
                     outer_bytes, outer_state, plan_words, read_replica, replicas_in, restore_outer, restore_replica,
                     set_aside_incomplete, start_outer_step, wait_for)
-from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
-                         state_bytes, stop_signal, torchrun_env, use_deterministic_algorithms)
+from distributed import (agree, check_fits, finish, gather_rng, on_every_rank, pick_device, ranks_per_node, restore_rng,
+                         split_accumulation, start, state_bytes, stop_signal, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import saves_at_eval, skips_save
 from runlock import hold
@@ -133,10 +133,10 @@ if message := check_optimizers(config, n_layer):
     sys.exit(f"error: {message}")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
-rank, local_rank, world_size = start(backend, device)
+rank, local_rank, world_size = start(backend, device, config=config)
 master_process = rank == 0  # does all the logging and checkpoint writing
 dp_rank, dp_size = rank, world_size  # every rank is a data-parallel rank with a replica of its own
-local_world_size = torchrun_env()[3]  # ranks per node
+local_world_size = ranks_per_node()  # None where the nodes run different counts
 try:
     rounds = [] if diloco_steps else mixing_rounds(topology, world_size, local_world_size)  # DiLoCo mixes nothing
 except ValueError as e:
@@ -171,7 +171,7 @@ print0(plan_words(config, rounds))  # DiLoCo's window and fragments, or the topo
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin
-bin_path, n_tokens = find_bins(dataset, block_size, random_data)
+bin_path, n_tokens = on_every_rank(find_bins, dataset, block_size, random_data)  # on one node only: every rank says so
 
 
 def get_batch(split, offsets):

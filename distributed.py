@@ -37,6 +37,36 @@ def torchrun_env():
     return rank, local_rank, world_size, int(os.environ.get('LOCAL_WORLD_SIZE', world_size))
 
 
+def ranks_per_node():
+    """LOCAL_WORLD_SIZE, where every node runs as many ranks, else None (a collective): torchrun lets each node start
+    its own --nproc_per_node, and a layout by nodes that each rank built from its own node's count would differ
+    between nodes, whose groups then wait on each other with no end and no message."""
+    sizes = [None] * dist.get_world_size()
+    dist.all_gather_object(sizes, torchrun_env()[3])
+    return sizes[0] if len(set(sizes)) == 1 else None
+
+
+def on_every_rank(check, *args):
+    """check(*args), whose bad input exits in one line, on every rank (a collective): where it fails on some ranks
+    only (the data missing on one node), every rank exits with the first such rank's line, which names its host;
+    the others would fail at their next collective with gloo's traceback, and the line be in one node's log alone."""
+    try:
+        result, failed = check(*args), None
+    except SystemExit as e:
+        result, failed = None, str(e.code)
+    verdicts = [failed and (socket.gethostname(), failed)] * dist.get_world_size()
+    if len(verdicts) > 1:
+        dist.all_gather_object(verdicts, verdicts[0])
+    bad = [(r, v) for r, v in enumerate(verdicts) if v]
+    if len(bad) == len(verdicts):  # alike on every rank: its own line says it all
+        sys.exit(failed)
+    if bad:
+        r, (host, line) = bad[0]
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        sys.exit(f"error: rank {r} on host {host}{more}: {line.removeprefix('error: ')}")
+    return result
+
+
 def launch_with(nproc, nnodes=1):
     """The torchrun command that starts this script on nproc ranks a node, for an error where a setting needs
     several ranks and the run was started by plain python (a group of one, which cannot hold them)."""
@@ -71,9 +101,10 @@ def pick_device(device):
     return device, device_type
 
 
-def start(backend, device, deepspeed=False):
+def start(backend, device, deepspeed=False, config=None):
     """Joins the process group (or makes a group of one), tears it down at exit whatever the way out, and notes a
-    SIGTERM for agree(). Returns (rank, local_rank, world_size)."""
+    SIGTERM for agree(); with config, refuses ranks started with other settings than rank 0's (same_settings).
+    Returns (rank, local_rank, world_size)."""
     rank, local_rank, world_size, _ = torchrun_env()
     if 'RANK' in os.environ:  # torchrun starts each rank in a session of its own, which its death leaves running
         _launcher.append(os.getppid())
@@ -108,7 +139,26 @@ def start(backend, device, deepspeed=False):
     # `... | tee log`: the Ctrl-C ends tee too, and every print after it (the handler's first) would raise
     # BrokenPipeError, a traceback in place of the save
     sys.stdout, sys.stderr = (s if isinstance(s, Unread) else Unread(s) for s in (sys.stdout, sys.stderr))
+    if config is not None and dist.is_initialized() and dist.get_world_size() > 1:
+        same_settings(config)
     return rank, local_rank, world_size
+
+
+def same_settings(config):
+    """A one-line error on every rank (a collective) where a rank was started with other settings than rank 0's:
+    torchrun passes each node's ranks the command typed on that node, and two nodes given another --batch_size each
+    trained on with no word, config.json saying rank 0's. Paths may differ between nodes (where each mounts the
+    data), and so may wandb's run name (config/finetune_shakespeare.py's is the time)."""
+    mine = {k: v for k, v in config.items() if not k.startswith('wandb_') and not (isinstance(v, str) and '/' in v)}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (socket.gethostname(), mine))
+    first = every[0][1]
+    for r, (host, theirs) in enumerate(every):
+        differ = sorted(k for k in theirs.keys() | first.keys() if theirs.get(k) != first.get(k))
+        if differ:
+            key = differ[0]
+            sys.exit(f"error: rank {r} on host {host} was started with --{key}={theirs.get(key)}, rank 0 with "
+                     f"--{key}={first.get(key)}: start every node with the same command and config file")
 
 
 class Unread:

@@ -33,8 +33,8 @@ from checkpoint import (commit, create_model, find_resume, finish_saves, is_snap
                         mark_run, reason, remove_snapshots, same_step, save_in_background, say_resumed, snapshot_dir,
                         take_settings, upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
-from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
-                         stop_signal, use_deterministic_algorithms)
+from distributed import (agree, check_fits, finish, gather_rng, on_every_rank, pick_device, restore_rng,
+                         split_accumulation, start, stop_signal, use_deterministic_algorithms)
 from model import GPT
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import saves_at_eval, skips_save
@@ -143,7 +143,7 @@ check_offload(offload_optimizer, offload_params, zero_stage)
 by_norm = by_norm_where_zero_checks(overflow_by_norm, 'overflow_by_norm' in given, zero_stage, dtype, offload_optimizer)
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
-rank, local_rank, world_size = start(backend, device, deepspeed=True)
+rank, local_rank, world_size = start(backend, device, deepspeed=True, config=config)
 try:
     deepspeed.init_distributed(dist_backend=backend)  # takes the group start() made, or makes it under its launcher
 except OSError as e:  # on a CPU it compiles its collectives first, into ~/.cache unless told otherwise
@@ -180,7 +180,7 @@ print0(f"world size {world_size}, {accum_steps} micro-step{'s' * (accum_steps > 
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin
-bin_path, n_tokens = find_bins(dataset, block_size, random_data)
+bin_path, n_tokens = on_every_rank(find_bins, dataset, block_size, random_data)  # on one node only: every rank says so
 
 
 def get_batch(split, offsets):

@@ -30,8 +30,9 @@ from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, ke
                         remove_snapshots, save_in_background, say_resumed, snapshot_dir, step_folders, take_settings,
                         wait_for_copies, wait_for_saves, where_saved)
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
-from distributed import (agree, check_fits, finish, gather_rng, groups_of, pick_device, restore_rng, split_accumulation,
-                         start, skip_on_device, state_bytes, stop_signal, use_deterministic_algorithms)
+from distributed import (agree, check_fits, finish, gather_rng, groups_of, on_every_rank, pick_device, restore_rng,
+                         skip_on_device, split_accumulation, start, state_bytes, stop_signal,
+                         use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import saves_at_eval, skips_save
 from runlock import hold
@@ -114,7 +115,7 @@ if device_type not in ('cuda', 'cpu'):
     sys.exit(f"error: FSDP runs on cuda or cpu, not {device_type}: use --device=cuda or cpu, or train.py")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
-rank, local_rank, world_size = start(backend, device)
+rank, local_rank, world_size = start(backend, device, config=config)
 master_process = rank == 0  # does all the logging and checkpoint writing
 if tp_size < 1 or world_size % tp_size != 0:
     sys.exit(f"error: {groups_of('tp_size', tp_size, world_size)}")
@@ -147,7 +148,7 @@ print0(f"world size {world_size} (dp {dp_size} x tp {tp_size}), {accum_steps} mi
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin
-bin_path, n_tokens = find_bins(dataset, block_size, random_data)
+bin_path, n_tokens = on_every_rank(find_bins, dataset, block_size, random_data)  # on one node only: every rank says so
 
 
 def get_batch(split, offsets):

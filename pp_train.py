@@ -37,8 +37,9 @@ from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, ke
                         remove_snapshots, save_in_background, say_resumed, snapshot_dir, step_folders, take_settings,
                         wait_for_copies, wait_for_saves, where_saved)
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
-from distributed import (agree, check_fits, finish, gather_rng, groups_of, pick_device, restore_rng, split_accumulation,
-                         start, skip_on_device, state_bytes, stop_signal, torchrun_env, use_deterministic_algorithms)
+from distributed import (agree, check_fits, finish, gather_rng, groups_of, on_every_rank, pick_device, restore_rng,
+                         skip_on_device, split_accumulation, start, state_bytes, stop_signal, torchrun_env,
+                         use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import saves_at_eval, skips_save
 from pipeline import (SCHEDULES, ZERO_BUBBLE, Forward, Part, check_snapshot_layout, clip, embedding_group, loss_fn,
@@ -144,7 +145,7 @@ dp_size = world_size // (pp_size * tp_size)
 accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)
 if message := untaken(pp_schedule, accum_steps, pp_size, dp_size):
     sys.exit(f"error: {message}")
-rank, local_rank, world_size = start(backend, device)
+rank, local_rank, world_size = start(backend, device, config=config)
 master_process = rank == 0  # does all the logging and checkpoint writing
 # the mesh is (dp, pp, tp), tp innermost: a tp group is tp_size consecutive ranks (a node's GPUs: TP's all-reduces
 # need its links), a pipeline pp_size x tp_size (only activations cross stages, to the same tp rank), reading one batch
@@ -174,7 +175,7 @@ print0(f"world size {world_size} (dp {dp_size} x pp {pp_size} x tp {tp_size}, {p
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin
-bin_path, n_tokens = find_bins(dataset, block_size, random_data)
+bin_path, n_tokens = on_every_rank(find_bins, dataset, block_size, random_data)  # on one node only: every rank says so
 
 
 def get_batch(split, offsets):
@@ -306,8 +307,7 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         'best_val_loss': best_val_loss,
         'config': config,
         'vocabulary': data_vocab,
-        'rng': gather_rng(),
-        'data_rng': data_gen.get_state(),
+        'rng': gather_rng(), 'data_rng': data_gen.get_state(),
         'run_id': run_id,  # so that a run started afresh over this out_dir never takes it for its own
         **where_saved(out_dir),  # the folder it is saved for, however named, and its inode (saved_for)
         'val_loss': val_loss,  # the eval's it was saved at (None: a save between evals)

@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 
 HOLD = 'run.lock'
 HEARTBEAT_S = 10  # the holder touches its hold this often; one untouched for STALE_S is a dead host's
@@ -252,5 +253,44 @@ def hold(folder, what='another run', collective=True):
         verdict = [_take(folder, what, pods=pods) if dist.get_rank() == 0 else None]
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(verdict, src=0)
+            verdict[0] = verdict[0] or _not_shared(folder)
     if verdict[0]:
         sys.exit(verdict[0])
+
+
+def _not_shared(folder):
+    """None where every node sees the folder that rank 0 holds, else the one-line error (a collective). On each
+    node's own disk a run trains on, but a sharded checkpoint's files are split over the nodes (none can load it) and
+    a resume finds rank 0's checkpoint on its node alone. Each node's first rank writes a file of a new name there
+    and rank 0 looks it up: a new name is asked of the server, never answered from a cache of names looked up
+    before, as NFS answers for up to a minute that a folder made since is not there."""
+    import torch.distributed as dist
+    rank, mine, made, failed = dist.get_rank(), None, [], None
+    if rank != 0 and os.environ.get('LOCAL_RANK', '0') == '0':
+        made, mine = _to_make(folder), os.path.join(folder, f'.node-{uuid.uuid4().hex}')
+        try:
+            os.makedirs(folder, exist_ok=True)
+            open(mine, 'x').close()
+        except OSError as e:
+            failed = e.strerror
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (socket.gethostname(), mine, failed))
+    verdict = [None]
+    if rank == 0:
+        here = socket.gethostname()
+        for r, (host, mark, why) in enumerate(seen):
+            if why:
+                verdict[0] = f"error: cannot write in {folder} on host {host}, rank {r} ({why}): give a folder " \
+                             f"that every node can write in"
+            elif mark and not os.path.exists(mark):
+                verdict[0] = (f"error: {folder} is not one folder on every node: what rank {r} wrote there on host "
+                              f"{host} is not in rank 0's on host {here}, and every node writes its ranks' part of "
+                              f"a checkpoint there and reads the others' to resume: give a folder on a filesystem "
+                              f"that every node shares (NFS, Lustre, a ReadWriteMany volume)")
+            if verdict[0]:
+                break
+    dist.broadcast_object_list(verdict, src=0)
+    if mine and os.path.exists(mine):
+        os.remove(mine)
+    _remove_empty(made)  # the folder it made on a node's own disk, where the run is refused
+    return verdict[0]

@@ -26,8 +26,8 @@ from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, ke
                         remove_snapshots, save_in_background, say_resumed, snapshot_dir, take_settings,
                         upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
-from distributed import (agree, check_fits, finish, gather_rng, pick_device, restore_rng, split_accumulation, start,
-                         skip_on_device, state_bytes, stop_signal, use_deterministic_algorithms)
+from distributed import (agree, check_fits, finish, gather_rng, on_every_rank, pick_device, restore_rng, skip_on_device,
+                         split_accumulation, start, state_bytes, stop_signal, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import saves_at_eval, skips_save
 from runlock import hold
@@ -106,7 +106,7 @@ if dtype not in ('float32', 'bfloat16', 'float16'):
     sys.exit(f"error: dtype={dtype!r} is not one of auto, float32, bfloat16, float16")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
-rank, local_rank, world_size = start(backend, device)
+rank, local_rank, world_size = start(backend, device, config=config)
 master_process = rank == 0  # does all the logging and checkpoint writing
 dp_rank, dp_size = rank, world_size  # with DDP every rank is a data-parallel rank
 accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)  # micro-steps on this rank
@@ -133,7 +133,7 @@ print0(f"world size {world_size}, {accum_steps} micro-step{'s' * (accum_steps > 
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin
-bin_path, n_tokens = find_bins(dataset, block_size, random_data)
+bin_path, n_tokens = on_every_rank(find_bins, dataset, block_size, random_data)  # on one node only: every rank says so
 
 
 def get_batch(split, offsets):

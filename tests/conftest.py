@@ -90,12 +90,12 @@ def env(nthreads=1):
     return e
 
 
-def run(script, *args, nproc=1, cwd, check=True, nthreads=1):
+def run(script, *args, nproc=1, cwd, check=True, nthreads=1, nodes=None):
     """Runs one of the repo's scripts, on nproc ranks, in processes forked from a server that has imported torch
     (launcher.py: as torchrun would start them, in milliseconds instead of seconds). nthreads=None, the environment's
     threads, runs a fresh interpreter (under torchrun for several ranks): the server's OpenMP has one thread."""
     if nthreads == 1:
-        p = launch(str(REPO / script), list(map(str, args)), env(), cwd, nproc=nproc)
+        p = launch(str(REPO / script), list(map(str, args)), env(), cwd, nproc=nproc, nodes=nodes)
     else:
         launcher = [] if nproc == 1 else ['-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}']
         p = subprocess.run([sys.executable, *launcher, str(REPO / script), *map(str, args)], cwd=cwd, env=env(nthreads),

@@ -94,9 +94,10 @@ def as_main(script, args, path):
     os._exit(code)
 
 
-def start(script, args, env, cwd, nproc=1):
+def start(script, args, env, cwd, nproc=1, nodes=None):
     """Starts script with args on nproc ranks and returns at once: (the ranks' processes, what finish() needs). A
-    test that signals or kills a rank (its .pid) mid-run, as a fault, saves a fresh interpreter's start-up."""
+    test that signals or kills a rank (its .pid) mid-run, as a fault, saves a fresh interpreter's start-up. nodes:
+    (folder, ranks) of each node, its ranks run there (their cwd), numbered as torchrun's agents number them."""
     import torch.distributed as dist  # the agents' store; the test process has imported torch already
     context = _start_server(env)
     tmp = tempfile.mkdtemp(prefix='launch-')
@@ -111,7 +112,16 @@ def start(script, args, env, cwd, nproc=1):
                       ROLE_NAME='default', TORCHELASTIC_USE_AGENT_STORE='True', TORCHELASTIC_RESTART_COUNT='0',
                       TORCHELASTIC_MAX_RESTARTS='0', TORCHELASTIC_RUN_ID='none')
         envs = [dict(common, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r)) for r in range(nproc)]
-    procs = [context.Process(target=_child, args=(script, args, e, str(cwd), out, err, _clean_path)) for e in envs]
+    cwds = [cwd] * nproc
+    if nodes:
+        places = [(folder, i, local, size) for i, (folder, size) in enumerate(nodes) for local in range(size)]
+        assert len(places) == nproc, (nodes, nproc)
+        cwds = [folder for folder, *_ in places]
+        for e, (_, i, local, size) in zip(envs, places):
+            e.update(LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(size), GROUP_RANK=str(i),
+                     GROUP_WORLD_SIZE=str(len(nodes)))
+    procs = [context.Process(target=_child, args=(script, args, e, str(c), out, err, _clean_path))
+             for e, c in zip(envs, cwds)]
     for p in procs:
         p.start()
     return procs, (script, args, tmp, store)
@@ -146,6 +156,6 @@ def finish(started, timeout=600):
     return subprocess.CompletedProcess([script, *args], code, stdout, stderr)
 
 
-def launch(script, args, env, cwd, nproc=1, timeout=600):
+def launch(script, args, env, cwd, nproc=1, timeout=600, nodes=None):
     """Runs script with args on nproc ranks to its end: finish()'s CompletedProcess."""
-    return finish(start(script, args, env, cwd, nproc), timeout)
+    return finish(start(script, args, env, cwd, nproc, nodes), timeout)

@@ -113,6 +113,20 @@ def test_topologies_refuse_world_sizes_they_cannot_serve(topology, n, per_node, 
         mixing_rounds(topology, n, per_node)
 
 
+def test_alternating_exp_ring_on_nodes_of_different_sizes_is_one_line_on_every_rank(tmp_path, data_dir):
+    # torchrun lets each node start its own --nproc_per_node: nodes of 1, 1 and 2 ranks. Each rank built its rounds
+    # from its own node's size, so ranks 2 and 3 (2 nodes of 2) went on to make groups that the others never made
+    # (nodes of 2, 2 and 4 waited on each other with no end and no message)
+    p = run('decent_train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out',
+            '--topology=alternating-exp-ring', '--gradient_accumulation_steps=4', nproc=4,
+            nodes=[(tmp_path, 1), (tmp_path, 1), (tmp_path, 2)], cwd=tmp_path, check=False)
+    errors = [line for line in p.stderr.splitlines() if line.startswith('error: ')]
+    assert errors == ["error: topology=alternating-exp-ring needs as many ranks on every node, and torchrun's "
+                      "--nproc_per_node differs between the nodes here: give every node the same, or use "
+                      "--topology=ring"] * 4 and '[rank' not in p.stderr, p.stderr[-3000:]
+    assert not (tmp_path / 'out').exists()
+
+
 def test_accumadamw_is_adamw_at_one_step_and_feeds_its_moments_every_accum_steps():
     torch.manual_seed(0)
     x0, grads = torch.randn(5, 3), [torch.randn(5, 3) for _ in range(6)]

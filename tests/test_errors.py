@@ -4,6 +4,7 @@ import argparse
 import ctypes
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -181,3 +182,39 @@ def test_negative_save_intervals_and_no_nonfinite_steps_allowed(tmp_path, data_d
     msg = fails(tmp_path, data, '--out_dir=out', '--max_nonfinite_steps=0', script=script)
     assert 'max_nonfinite_steps=0 must be 1 or more' in msg
     assert not (tmp_path / 'out').exists()
+
+
+def test_an_out_dir_data_or_settings_of_each_nodes_own_are_one_line_on_every_rank_before_training(tmp_path, data_dir):
+    # two nodes of one rank, each in a folder of its own, and a relative out_dir: one folder by name, two on disk.
+    # Trained on, FSDP's checkpoints had each node's shards on its disk, committed as whole on rank 0's (never loadable)
+    nodes = [tmp_path / 'node0', tmp_path / 'node1']
+    for node in nodes:
+        node.mkdir()
+    args = ['fsdp_train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out', '--max_iters=2',
+            '--eval_interval=2', '--gradient_accumulation_steps=2']
+    p = run(*args, nproc=2, nodes=[(node, 1) for node in nodes], cwd=tmp_path, check=False)
+    msg = one_line_error(p, 2)
+    assert msg.startswith('error: out is not one folder on every node: what rank 1 wrote there on host ') and \
+        msg.endswith('give a folder on a filesystem that every node shares (NFS, Lustre, a ReadWriteMany volume)'), msg
+    assert '[rank' not in p.stderr and not any((node / 'out').exists() for node in nodes), p.stderr[-3000:]
+    # the data under data/ on node 0 alone: every rank says which node lacks it (node 0's ranks went on to gloo's
+    # traceback, "Connection closed by peer", the line in node 1's log alone)
+    shutil.copytree(data_dir / 'shakespeare_char', nodes[0] / 'data' / 'shakespeare_char')
+    p = run(*args, '--dataset=shakespeare_char', nproc=2, nodes=[(node, 1) for node in nodes], cwd=tmp_path,
+            check=False)
+    errors = [line for line in p.stderr.splitlines() if line.startswith('error: ')]
+    assert errors == ['error: rank 1 on host ' + socket.gethostname() + ': data/shakespeare_char/train.bin not found: '
+                      'run `python prepare.py shakespeare_char` first'] * 2 and '[rank' not in p.stderr, \
+        p.stderr[-3000:]
+    # a config file of one name that says another batch on each node (a copy of the repo per node, one edited): rank
+    # 0's settings went into config.json, and the ranks trained on with no word
+    for node, batch in zip(nodes, (4, 8)):
+        (node / 'mine.py').write_text(f'batch_size = {batch}\n')
+    p = run(*args, 'mine.py', nproc=2, nodes=[(node, 1) for node in nodes], cwd=tmp_path, check=False)
+    errors = [line for line in p.stderr.splitlines() if line.startswith('error: ')]
+    assert errors == ['error: rank 1 on host ' + socket.gethostname() + ' was started with --batch_size=8, rank 0 '
+                      'with --batch_size=4: start every node with the same command and config file'] * 2 and \
+        '[rank' not in p.stderr, p.stderr[-3000:]
+    # one folder that both nodes see: the run trains, and leaves nothing of the check behind
+    run(*args, nproc=2, nodes=[(tmp_path, 1), (tmp_path, 1)], cwd=tmp_path)
+    assert (tmp_path / 'out' / 'dcp' / 'latest').exists() and not list((tmp_path / 'out').glob('.node-*'))
