@@ -31,8 +31,7 @@ SLOWEST_FIRST = ['test_fault.py',  # 249; CPU alone 243 -> 215 s (its SIGTERM ru
                  # the forkserver's children too)
                  'test_interrupt.py',  # 63 (Ctrl-C in every entrypoint, prepare.py, bench.py; forked); CPU 49 -> 43 s
                  'test_fault_write.py',  # 118; CPU alone 124 -> 96 s (8 steps, a save every 2); 94 -> 67 forked
-                 'test_ds.py',  # 111; CPU 89 s (91 with its runs without deepspeed in fresh interpreters); 82-84 ->
-                 # 77-80 s (a cpuacct cgroup's count) with deepspeed imported by the forkserver (launcher.PRELOAD)
+                 'test_ds.py',  # 111; CPU 89 s (91 with its runs without deepspeed in fresh interpreters)
                  'test_pp.py',  # 212 (4-rank runs: sharded pipelines, pp 2 x tp 2; 8 ranks sharded x tp 2); CPU 145 s
                  'test_cluster.py',  # 103, with bench_network.py's smoke runs forked from the test server
                  'test_slurm.py',  # 114; 93 s of CPU

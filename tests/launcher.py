@@ -27,13 +27,11 @@ import traceback
 # what every entrypoint imports and would take a fresh interpreter seconds; none of them starts a thread on import.
 # inductor's compile_fx: deepspeed.initialize imports it in every ds_train.py process (its Muon optimizer's
 # torch.compile, at the optimizer's check), 0.7 s of CPU each time, the larger part of a forked rank's start.
-# deepspeed (with what ds_train.py takes from it) and torch's pipelining: 0.26 s and 0.05 s of CPU in each ds_train.py
-# and pp_train.py process. Importing them changes none of torch's functions, RNG, threads or warning filters, which
-# the other entrypoints' runs would share; deepspeed picks its accelerator then (the CPU here): a run that must not
-# find deepspeed, or wants another accelerator, is a fresh interpreter
+# torch's pipelining: 0.05 s in each pp_train.py process. Not deepspeed: it would save 0.26 s of CPU in each
+# ds_train.py process, but every other fork of the larger server cost more (test_pp.py with -n 2: 101-103 s without,
+# 110-114 s with it, in turns on the 2-core machine)
 PRELOAD = ['torch', 'torch._dynamo', 'torch.distributed.checkpoint', 'torch.distributed.fsdp', 'numpy',
-           'torch._inductor.compile_fx', 'torch.distributed.pipelining', 'deepspeed', 'deepspeed.accelerator',
-           'deepspeed.ops.adam']
+           'torch._inductor.compile_fx', 'torch.distributed.pipelining']
 _context = None
 _clean_path = None
 
