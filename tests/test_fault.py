@@ -306,11 +306,11 @@ def test_ds_memory_snapshots_of_two_nodes_with_a_dev_shm_each_resume_a_sigkilled
     assert_same_run(ref, ft, 'ds_train.py')
 
 
-def nodes_of_one_rank(script, args, shms, cwd, kill_after=None):
+def nodes_of_one_rank(script, args, shms, cwd, kill_after=None, until=lambda: True):
     """A job of nodes of one rank each, rank r on the node whose /dev/shm is the folder shms[r] (own_shm.py: a test
     sets what each node's memory holds, and which node each rank lands on), forked as torchrun starts its workers,
     under one SLURM job id (a requeue takes over its holds). With kill_after, every rank is SIGKILLed (the job lost
-    with its nodes) once that iteration is logged. The CompletedProcess (exit 1 after a kill)."""
+    with its nodes) once that iteration is logged and until() holds. The CompletedProcess (exit 1 after a kill)."""
     out_dir = Path(next(a for a in args if a.startswith('--out_dir='))[len('--out_dir='):])
     job = dict(env(), GLOO_SOCKET_IFNAME='lo', SLURM_JOB_ID='4242',
                **{f'NODE_SHM_{r}': str(shm) for r, shm in enumerate(shms)})
@@ -319,9 +319,29 @@ def nodes_of_one_rank(script, args, shms, cwd, kill_after=None):
     while kill_after is not None and not (logged_iters(out_dir) and logged_iters(out_dir)[-1] >= kill_after):
         assert all(rank.exitcode is None for rank in started[0]), launcher.finish(started)
         time.sleep(0.005)
+    deadline = time.time() + 120  # (a run that writes no such snapshot fails here, not at the test's timeout)
+    while kill_after is not None and not until():
+        assert all(rank.exitcode is None for rank in started[0]), launcher.finish(started)
+        if time.time() > deadline:
+            for rank in started[0]:
+                os.kill(rank.pid, signal.SIGKILL)
+            p = launcher.finish(started)
+            raise AssertionError(f"the snapshots waited for were not written in 120 s: {p.stdout[-3000:]}")
+        time.sleep(0.05)
     for rank in started[0] if kill_after is not None else []:
         os.kill(rank.pid, signal.SIGKILL)
     return launcher.finish(started, timeout=300)
+
+
+def snapshots_past(folders, n):
+    """nodes_of_one_rank's until: every folder holds a whole memory snapshot past iteration n. Logged iterations
+    alone do not say it: on a loaded machine a step's snapshot may still be being written three steps later."""
+    def until():
+        try:
+            return all(max(snapshots_of(f).values(), default=0) > n for f in folders)
+        except (OSError, RuntimeError):  # ds_train.py's latest not written yet, a file as it is renamed into place
+            return False
+    return until
 
 
 def snapshots_of(folder):
@@ -365,9 +385,10 @@ def test_ds_job_requeued_with_its_nodes_in_another_order_goes_on_from_its_checkp
     for node in (a, b):
         node.mkdir()
     nodes_of_one_rank('ds_train.py', tiny(data_dir, out, *args, '--max_iters=6'), [a, b], tmp_path)
+    run_id = (out / 'run_id').read_text()  # the run that the next command resumes
     nodes_of_one_rank('ds_train.py', tiny(data_dir, out, *args, '--max_iters=100000'), [a, b], tmp_path,
-                      kill_after=11)
-    run_id = (out / 'run_id').read_text()
+                      kill_after=11, until=snapshots_past([a / f'nanogpt-{run_id}', b / f'nanogpt-{run_id}'], 6))
+    assert (out / 'run_id').read_text() == run_id
     assert all(snapshots_of(node / f'nanogpt-{run_id}') for node in (a, b))  # each node's, past the checkpoint
     p = nodes_of_one_rank('ds_train.py', tiny(data_dir, out, *args, '--max_iters=12'), [b, a], tmp_path)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -387,8 +408,10 @@ def test_a_job_back_on_fewer_nodes_goes_on_from_its_checkpoint(tmp_path, data_di
     for node in (a, b):
         node.mkdir()
     nodes_of_one_rank(script, tiny(data_dir, out, *args, '--max_iters=6'), [a, b], tmp_path)
-    nodes_of_one_rank(script, tiny(data_dir, out, *args, '--max_iters=100000'), [a, b], tmp_path, kill_after=11)
-    run_id = (out / 'run_id').read_text()
+    run_id = (out / 'run_id').read_text()  # the run that the next command resumes
+    nodes_of_one_rank(script, tiny(data_dir, out, *args, '--max_iters=100000'), [a, b], tmp_path, kill_after=11,
+                      until=snapshots_past([a / f'nanogpt-{run_id}'], 6))
+    assert (out / 'run_id').read_text() == run_id
     assert max(snapshots_of(a / f'nanogpt-{run_id}').values()) > 6  # the node's half, past the checkpoint
     p = nodes_of_one_rank(script, tiny(data_dir, out, *args, '--max_iters=12'), [a], tmp_path)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
