@@ -136,8 +136,9 @@ def test_bench_network_measures_bytes_as_designed_and_the_time_to_a_loss(tmp_pat
     rows = [json.loads(line) for line in next(tmp_path.glob('*/results.jsonl')).read_text().splitlines()]
     assert [r['mode'] for r in rows] == ['ddp', 'diloco-4', 'allreduce', 'pp', 'pp-shard'], p.stdout
     for r in rows[:4]:
-        # a busy machine may read the counters a step late, past one more of DiLoCo's bursts (one in 4 steps)
-        slack = 4 / r['steps'] if r['mode'].startswith('diloco') else 0
+        # a busy machine may read the counters a step late, past one more of DiLoCo's bursts (one in 4 steps); the
+        # pipeline's first stage (node 0) may send a step's activations ahead of the log that marks the window's ends
+        slack = 4 / r['steps'] if r['mode'].startswith('diloco') else 1 / r['steps'] if r['mode'] == 'pp' else 0
         assert 0.9 - slack < r['sent_over_design'] < 1.1 + slack, r
     # the ring alone (launch/allreduce.py): 0.96 of the link on a quiet machine; never above it (the cap holds and
     # the units are right) but for tbf's bucket (Cluster's burst, 256 KB), which an all-reduce after the idle barrier
