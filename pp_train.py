@@ -307,7 +307,8 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         'best_val_loss': best_val_loss,
         'config': config,
         'vocabulary': data_vocab,
-        'rng': gather_rng(), 'data_rng': data_gen.get_state(),
+        'rng': gather_rng(),
+        'data_rng': data_gen.get_state(),
         'run_id': run_id,  # so that a run started afresh over this out_dir never takes it for its own
         **where_saved(out_dir),  # the folder it is saved for, however named, and its inode (saved_for)
         'val_loss': val_loss,  # the eval's it was saved at (None: a save between evals)
