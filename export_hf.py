@@ -17,7 +17,7 @@ import tempfile
 
 import torch
 
-from checkpoint import RUN_NAMES, checkpoint_or_exit, reason
+from checkpoint import RUN_NAMES, checkpoint_or_exit, hf_folder, reason
 from configurator import configure, quiet_interrupt
 from runlock import abandoned, let_go, try_hold
 
@@ -89,6 +89,9 @@ def main():
                                                              for f in ('run_id', 'ckpt.pt')):
         sys.exit(f"error: {out} is a name that the run in {parent} uses for its own state: give --out another "
                  f"name, e.g. --out={os.path.join(os.path.dirname(out), 'hf-' + name)}")
+    if hf_folder(ckpt):  # it said "no checkpoint at FOLDER/ckpt.pt"
+        sys.exit(f"error: {ckpt} is a Hugging Face folder already: transformers reads it as it is, and so do sample.py "
+                 f"and every entrypoint with --init_from={ckpt}")
     model, checkpoint, _ = checkpoint_or_exit(ckpt,
                                               "give --ckpt=a run folder, a ckpt.pt or a sharded checkpoint folder")
     try:

@@ -264,7 +264,7 @@ def test_bad_input_is_a_one_line_error(setup, tmp_path):
 def test_init_from_a_folder_that_is_no_intact_hugging_face_model_is_one_line(setup, tmp_path):
     """A run folder (which --ckpt takes), a planted pickle beside a good config.json (refused unread, and torch's
     advice to read it as code is not passed on), a cut-short model.safetensors, and a Hugging Face folder given to
-    --ckpt: one line each, naming the fix."""
+    --ckpt (of eval_hellaswag.py, and of export_hf.py): one line each, naming the fix."""
     tmp, data, _, _ = setup
     planted, cut = tmp_path / 'planted', tmp_path / 'cut'
     planted.mkdir()
@@ -294,6 +294,10 @@ def test_init_from_a_folder_that_is_no_intact_hugging_face_model_is_one_line(set
             check=False)
     assert one_line_error(p) == (f'error: {tmp / "hf_bias"} is a Hugging Face folder, not a checkpoint of this repo: '
                                  f'evaluate it with --init_from={tmp / "hf_bias"}')
+    p = run('export_hf.py', f'--ckpt={tmp / "hf_bias"}', f'--out={tmp_path / "again"}', cwd=tmp_path, check=False)
+    assert one_line_error(p) == (f'error: {tmp / "hf_bias"} is a Hugging Face folder already: transformers reads it as '
+                                 f'it is, and so do sample.py and every entrypoint with --init_from={tmp / "hf_bias"}')
+    assert not (tmp_path / 'again').exists()
 
 
 @pytest.mark.parametrize('line, message', [
