@@ -210,25 +210,37 @@ def log_name(name):
 TIME_UP = 'time up'  # a run's code where the part's seconds or the deadline stopped it
 
 
-def run(name, cmd, timeout=600, check=True, by_deadline=True):
+def run(name, cmd, timeout=600, check=True, by_deadline=True, fork=True):
     """Runs cmd in the work folder, its output in out/<name>.log; returns (returncode, output, seconds). A run
     still going when the part's seconds or the deadline run out is stopped (TIME_UP), one past its own timeout too
-    (124), and one that would start within 20 s of the end is not started (None)."""
+    (124), and one that would start within 20 s of the end is not started (None). fork=False: a process of its own
+    even in a dry run (one that py-spy finds by its command line)."""
     cut = False
     if by_deadline:
         if left() < 20:
             return None, 'not reached: the deadline came first', 0
         cut, timeout = left() < timeout, min(timeout, left())
     t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-        code, text = proc.returncode, stdout + stderr
-    except subprocess.TimeoutExpired:
-        stop(proc.pid)
-        stdout, stderr = proc.communicate()
-        code, text = TIME_UP if cut else 124, f"stopped after {time.time() - t0:.0f} s\n{stdout}{stderr}"
+    if dry and fork and cmd[0] == sys.executable and cmd[1].endswith('.py'):
+        # a script on one process, forked from a server that has imported torch (tests/launcher.py, as the suite's
+        # runs are): a fresh interpreter's 2 to 3 s of CPU, in each of the 20 such runs of a dry run, proves nothing
+        # of this script, whose torchrun runs (elastic, and part C's) still start as on a GPU
+        import launcher
+        try:
+            done = launcher.launch(cmd[1], cmd[2:], env, work, timeout=timeout)
+            code, text = done.returncode, done.stdout + done.stderr
+        except subprocess.TimeoutExpired:
+            code, text = TIME_UP if cut else 124, f"stopped after {time.time() - t0:.0f} s\n"
+    else:
+        proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            code, text = proc.returncode, stdout + stderr
+        except subprocess.TimeoutExpired:
+            stop(proc.pid)
+            stdout, stderr = proc.communicate()
+            code, text = TIME_UP if cut else 124, f"stopped after {time.time() - t0:.0f} s\n{stdout}{stderr}"
     with open(log_name(name), 'w') as f:
         f.write(' '.join(cmd) + '\n' + text)
     if check and code != 0:
@@ -681,7 +693,7 @@ def part_c():
             try:
                 code, text, secs = run(name, wrapped('peak+trace', torchrun(script, extra + model + flags + [
                     f'--out_dir={name}', f'--max_iters={steps}', f'--eval_interval={steps * 10}',
-                    '--always_save_checkpoint=False']), script))
+                    '--always_save_checkpoint=False']), script), fork=False)
             finally:  # else the profile would wait for the run's steps for ever
                 done.set()
         try:

@@ -10,6 +10,7 @@ group). As under torchrun, a rank that fails brings the others down (SIGTERM, th
 What is about torchrun itself (its restarts, kills of a worker, signals passed on, SLURM) runs torchrun."""
 
 import atexit
+import importlib.machinery
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -96,14 +97,20 @@ def start(script, args, env, cwd, nproc=1, nodes=None):
     """Starts script with args on nproc ranks and returns at once: (the ranks' processes, what finish() needs). A
     test that signals or kills a rank (its .pid) mid-run, as a fault, saves a fresh interpreter's start-up. nodes:
     (folder, ranks) of each node, its ranks run there (their cwd), numbered as torchrun's agents number them."""
-    import torch.distributed as dist  # the agents' store; the test process has imported torch already
     context = _start_server(env)
+    main = sys.modules['__main__']
+    if getattr(main, '__spec__', None) is None and hasattr(main, '__file__'):
+        # a script's own process (tests/gpu_check.py's dry run), not pytest's: multiprocessing would run the script
+        # again in each child, as __mp_main__, before _child; the child runs a script of its own and needs none of
+        # it (a main module named __main__ is one that multiprocessing leaves alone)
+        main.__spec__ = importlib.machinery.ModuleSpec('__main__', None)
     tmp = tempfile.mkdtemp(prefix='launch-')
     out, err = os.path.join(tmp, 'out'), os.path.join(tmp, 'err')
     open(out, 'w').close()
     open(err, 'w').close()
     store, envs = None, [env]
     if nproc > 1:
+        import torch.distributed as dist  # the agents' store; a test process has imported torch already
         store = dist.TCPStore('127.0.0.1', 0, nproc, is_master=True, wait_for_workers=False)
         common = dict(env, MASTER_ADDR='127.0.0.1', MASTER_PORT=str(store.port), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc), GROUP_RANK='0', GROUP_WORLD_SIZE='1',
