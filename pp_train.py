@@ -446,7 +446,7 @@ while True:
         dist.all_reduce(loss_sum)  # (a last stage's tp ranks add the same)
         lossf = loss_sum.item() / dp_size / tp_size  # .item() waits for the GPU, so the time below is real
         dt = (time.time() - t0) / steps_timed
-        mfu = raw_model.estimate_mfu(batch_size * accum_steps / pp_size / tp_size, dt, device_name)  # pp, tp share it
+        mfu = raw_model.estimate_mfu(batch_size * accum_steps / pp_size / tp_size, dt, device_name, dtype)  # shared
         print0(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f} ms, {tokens_per_iter / dt:,.0f} tok/s"
                + (f", mfu {mfu * 100:.2f}%" if mfu is not None else ""))
         log_metrics(iter_num, loss=lossf, lr=lr, ms=dt * 1000, tokens_per_sec=tokens_per_iter / dt, mfu=mfu)
