@@ -337,6 +337,8 @@ def peak_flops(device_name, dtype='bfloat16'):
     if not device_name:
         return None
     words = device_name.replace('-', ' ').split()
+    if 'Laptop' in words:
+        return None  # a laptop's chip of the same name has fewer cores and lower clocks than the desktop card listed
     for keys, flops in PEAK_BF16_FLOPS:
         if all(k in words for k in keys):
             return flops / 2 if dtype == 'float32' else flops

@@ -84,6 +84,8 @@ def test_peak_flops_by_device_name():
     assert peak_flops('NVIDIA H20') == 148e12  # not H200's
     assert peak_flops('cpu') is None
     assert peak_flops('NVIDIA GeForce GTX 1080') is None
+    assert peak_flops('NVIDIA GeForce RTX 4090') == 165e12
+    assert peak_flops('NVIDIA GeForce RTX 4090 Laptop GPU') is None  # not the desktop card's
     assert peak_flops('') is None
 
 
