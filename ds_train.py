@@ -507,7 +507,7 @@ while True:
         log_metrics(iter_num, **mem)
     steps_timed += 1
 
-    if iter_num % log_interval == 0:
+    if iter_num % log_interval == 0 or local_iter_num == 0:  # a launch's first step (compiling) timed alone
         # the loss of the whole global batch: the mean over ranks of each rank's mean over its micro-steps
         dist.all_reduce(loss_sum)
         lossf = loss_sum.item() / world_size  # .item() waits for the GPU, so the time below is real
