@@ -220,7 +220,7 @@ for _ in range(iters):
     times.append(time.perf_counter() - t0)
 dt = statistics.median(times)
 tokens = batch_size * gradient_accumulation_steps * block_size
-mfu = gpt.estimate_mfu(batch_size * gradient_accumulation_steps, dt, device_name)
+mfu = gpt.estimate_mfu(batch_size * gradient_accumulation_steps, dt, device_name, dtype)
 print(f"median {dt * 1000:.2f} ms/iter (min {min(times) * 1000:.2f}, max {max(times) * 1000:.2f}) over {iters} steps, "
       f"{tokens / dt:,.0f} tok/s" + (f", mfu {mfu * 100:.2f}%" if mfu is not None else ", mfu unknown for this device"))
 peak = torch.cuda.max_memory_allocated(device) if device_type == 'cuda' else None

@@ -277,10 +277,10 @@ class GPT(nn.Module):
         L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
         return 6 * self.get_num_params() + 12 * L * H * Q * T
 
-    def estimate_mfu(self, fwdbwd_per_iter, dt, device_name):
-        """Model FLOPs utilization: achieved FLOP/s over the device's peak dense bf16 FLOP/s. None where the peak
-        is unknown (a CPU, an unlisted GPU): no number beats a wrong one."""
-        peak = peak_flops(device_name)
+    def estimate_mfu(self, fwdbwd_per_iter, dt, device_name, dtype='bfloat16'):
+        """Model FLOPs utilization: achieved FLOP/s over the device's peak dense FLOP/s for the run's dtype. None
+        where the peak is unknown (a CPU, an unlisted GPU): no number beats a wrong one."""
+        peak = peak_flops(device_name, dtype)
         if peak is None or dt <= 0:
             return None
         return self.flops_per_token() * self.config.block_size * fwdbwd_per_iter / dt / peak
@@ -306,7 +306,7 @@ class GPT(nn.Module):
 
 # Peak dense (no sparsity) bf16 tensor-core FLOP/s from NVIDIA's datasheets, matched against
 # torch.cuda.get_device_name() in order: the first entry whose words all appear in the name wins,
-# so the specific variants come before the general ones ('A10' would otherwise match 'A100').
+# so the specific variants come before the general ones (('H100',) would otherwise match the PCIe card).
 PEAK_BF16_FLOPS = [
     (('H100', 'PCIe'), 756e12),
     (('H100', 'NVL'), 835e12),
@@ -314,7 +314,8 @@ PEAK_BF16_FLOPS = [
     (('H800', 'PCIe'), 756e12),
     (('H800',), 989e12),
     (('GH200',), 989e12),
-    (('H200',), 989e12),
+    (('H200', 'NVL'), 835e12),
+    (('H200',), 989e12),   # SXM
     (('H20',), 148e12),
     (('B200',), 2250e12),
     (('A100',), 312e12),   # SXM4 and PCIe alike
@@ -329,12 +330,16 @@ PEAK_BF16_FLOPS = [
 ]
 
 
-def peak_flops(device_name):
-    """Peak dense bf16 FLOP/s of a device by its name, or None when it is unknown or a CPU."""
+def peak_flops(device_name, dtype='bfloat16'):
+    """Peak dense FLOP/s of a device by its name for a run in dtype, or None when it is unknown or a CPU. float16's
+    is bf16's on every GPU listed; float32 runs its matmuls in TF32 (every entrypoint turns it on), whose peak is half
+    of bf16's on each of them: measured against bf16's, an fp32 run's MFU would read half what it is."""
     if not device_name:
         return None
     words = device_name.replace('-', ' ').split()
+    if 'Laptop' in words:
+        return None  # a laptop's chip of the same name has fewer cores and lower clocks than the desktop card listed
     for keys, flops in PEAK_BF16_FLOPS:
         if all(k in words for k in keys):
-            return flops
+            return flops / 2 if dtype == 'float32' else flops
     return None

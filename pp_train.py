@@ -441,12 +441,12 @@ while True:
     optimizer.zero_grad(set_to_none=True)
     steps_timed += 1
 
-    if iter_num % log_interval == 0:
+    if iter_num % log_interval == 0 or local_iter_num == 0:  # a launch's first step (compiling) timed alone
         # the loss of the whole global batch: the mean over pipelines of each last stage's mean over its micro-batches
         dist.all_reduce(loss_sum)  # (a last stage's tp ranks add the same)
         lossf = loss_sum.item() / dp_size / tp_size  # .item() waits for the GPU, so the time below is real
         dt = (time.time() - t0) / steps_timed
-        mfu = raw_model.estimate_mfu(batch_size * accum_steps / pp_size / tp_size, dt, device_name)  # pp, tp share it
+        mfu = raw_model.estimate_mfu(batch_size * accum_steps / pp_size / tp_size, dt, device_name, dtype)  # shared
         print0(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f} ms, {tokens_per_iter / dt:,.0f} tok/s"
                + (f", mfu {mfu * 100:.2f}%" if mfu is not None else ""))
         log_metrics(iter_num, loss=lossf, lr=lr, ms=dt * 1000, tokens_per_sec=tokens_per_iter / dt, mfu=mfu)

@@ -376,12 +376,12 @@ while True:
     optimizer.zero_grad(set_to_none=True)
     steps_timed += 1
 
-    if iter_num % log_interval == 0:
+    if iter_num % log_interval == 0 or local_iter_num == 0:  # a launch's first step (compiling) timed alone
         # the loss of the whole global batch: the mean over ranks of each rank's mean over its micro-steps
         dist.all_reduce(loss_sum)
         lossf = loss_sum.item() / world_size  # .item() waits for the GPU, so the time below is real
         dt = (time.time() - t0) / steps_timed
-        mfu = raw_model.estimate_mfu(batch_size * accum_steps, dt, device_name)
+        mfu = raw_model.estimate_mfu(batch_size * accum_steps, dt, device_name, dtype)
         print0(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f} ms, {tokens_per_iter / dt:,.0f} tok/s"
                + (f", mfu {mfu * 100:.2f}%" if mfu is not None else ""))
         log_metrics(iter_num, loss=lossf, lr=lr, ms=dt * 1000, tokens_per_sec=tokens_per_iter / dt, mfu=mfu)

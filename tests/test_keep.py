@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from checkpoint import load_checkpoint, point_latest
-from conftest import REPO, counts_tokens, one_line_error, run
+from conftest import REPO, counts_tokens, one_line_error, read_metrics, run
 from model import GPT, GPTConfig
 from test_fault import KIND, final_weights, same_weights, tiny
 
@@ -147,8 +147,9 @@ def test_a_resume_from_before_the_best_keeps_it_best(base, tmp_path, data_dir):
     (best / 'extra.pt').unlink()  # a file of its own, not the step folder's (a hard link)
     torch.save({**extra, 'val_loss': 0.5}, best / 'extra.pt')
     shutil.move(out / 'dcp' / 'step-00000010', tmp_path / 'aside')
-    p = run('pp_train.py', *tiny(data_dir, out, *BASE), cwd=tmp_path)
+    p = run('pp_train.py', *tiny(data_dir, out, *BASE, '--log_interval=3'), cwd=tmp_path)
     assert re.search(rf'resuming from {out}/dcp/step-00000008 at iter 8\b', p.stdout), p.stdout[-3000:]
+    assert [it for it in read_metrics(out)[0] if it >= 8] == [8, 9]  # a launch's first step logged alone
     assert (out / 'dcp' / 'best').read_text() == best.name
     assert torch.load(best / 'extra.pt', weights_only=True)['val_loss'] == 0.5
     extra = torch.load(out / 'dcp' / 'step-00000010' / 'extra.pt', weights_only=True)
@@ -171,9 +172,11 @@ def test_a_damaged_newest_checkpoint_takes_no_good_state_s_place_among_the_kept(
     shutil.rmtree(out)
     shutil.copytree(base_dir, out)
     (out / 'ckpt.pt').rename(out / 'damaged-ckpt.pt')
-    p = run('train.py', *tiny(data_dir, out, *BASE), cwd=tmp_path)
+    p = run('train.py', *tiny(data_dir, out, *BASE, '--log_interval=3'), cwd=tmp_path)
     assert kept_iters('train.py', out) == ([6, 8, 10], [])
     assert 'ckpt.prev.pt is renamed' in p.stdout and re.search(rf'resuming from {out}/ckpt.pt at iter 8\b', p.stdout)
+    # a launch's first step (its compilation, on a GPU) is timed alone, never averaged into the next ones' ms and MFU
+    assert [it for it in read_metrics(out)[0] if it >= 8] == [8, 9]
 
 
 def test_a_damaged_export_beside_good_step_folders_takes_no_good_versions_place(base, tmp_path, data_dir):
@@ -182,9 +185,10 @@ def test_a_damaged_export_beside_good_step_folders_takes_no_good_versions_place(
     base_dir, _ = base('decent_train.py')
     out = tmp_path / 'run'
     damaged = copy_with_a_damaged_ckpt(base_dir, out)
-    p = run('decent_train.py', *tiny(data_dir, out, '--max_iters=12', '--eval_interval=2', '--keep_checkpoints=3'),
-            cwd=tmp_path)
+    p = run('decent_train.py', *tiny(data_dir, out, '--max_iters=12', '--eval_interval=2', '--keep_checkpoints=3',
+                                     '--log_interval=4'), cwd=tmp_path)
     assert re.search(r'resuming from \S+step-00000010 at iter 10\b', p.stdout), p.stdout[-3000:]
+    assert [it for it in read_metrics(out)[0] if it >= 10] == [10]  # a launch's first step logged alone
     assert (out / 'damaged-ckpt.pt').read_bytes() == damaged
     assert kept_iters('decent_train.py', out) == ([8, 10, 12], [8, 10, 12])
 

@@ -73,10 +73,19 @@ def test_peak_flops_by_device_name():
     assert peak_flops('NVIDIA H100 80GB HBM3') == 989e12
     assert peak_flops('NVIDIA H100 PCIe') == 756e12
     assert peak_flops('NVIDIA H200') == 989e12
+    assert peak_flops('NVIDIA H200 NVL') == 835e12  # the PCIe card: not the SXM's
+    assert peak_flops('NVIDIA H100 NVL') == 835e12
+    # float16 peaks with bf16; float32's matmuls run in TF32 (the entrypoints turn it on), at half of it
+    assert peak_flops('NVIDIA H100 80GB HBM3', 'float16') == 989e12
+    assert peak_flops('NVIDIA H100 80GB HBM3', 'float32') == 494.5e12
+    assert peak_flops('NVIDIA A100-SXM4-80GB', 'float32') == 156e12
+    assert peak_flops('cpu', 'float32') is None
     assert peak_flops('NVIDIA A10') == 125e12  # not A100's
     assert peak_flops('NVIDIA H20') == 148e12  # not H200's
     assert peak_flops('cpu') is None
     assert peak_flops('NVIDIA GeForce GTX 1080') is None
+    assert peak_flops('NVIDIA GeForce RTX 4090') == 165e12
+    assert peak_flops('NVIDIA GeForce RTX 4090 Laptop GPU') is None  # not the desktop card's
     assert peak_flops('') is None
 
 
@@ -86,6 +95,9 @@ def test_estimate_mfu_counts_flops_and_is_none_where_the_peak_is_unknown():
     per_token = 6 * model.get_num_params() + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * cfg.block_size
     expected = per_token * cfg.block_size * 8 / 0.5 / 989e12
     assert model.estimate_mfu(8, 0.5, 'NVIDIA H100 80GB HBM3') == pytest.approx(expected, rel=1e-12)
+    assert model.estimate_mfu(8, 0.5, 'NVIDIA H100 80GB HBM3', 'float32') == pytest.approx(2 * expected, rel=1e-12)
+    # N counts the tied token embedding once (the lm_head's matmul), the position embedding not at all (a lookup)
+    assert model.get_num_params() == sum(p.numel() for n, p in model.named_parameters() if n != 'transformer.wpe.weight')
     assert model.estimate_mfu(8, 0.5, 'cpu') is None
     assert model.estimate_mfu(8, 0.5, 'Some Future GPU') is None
 
