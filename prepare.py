@@ -30,6 +30,7 @@ import os
 import pickle
 import sys
 import tempfile
+import unicodedata
 
 import numpy as np
 
@@ -120,20 +121,38 @@ def text_blocks(path, start, stop):
 
 
 def safe_pieces(blocks):
-    """Regroups text blocks into pieces that end just before a whitespace character that follows a non-space one.
-    No pre-token of GPT-2's tokenizer spans such a point, and a whitespace run is kept whole in the next piece,
-    so encoding piece by piece gives the tokens of encoding the whole text at once."""
+    """Regroups text blocks into pieces that end where no pre-token of GPT-2's tokenizer spans, so that encoding
+    piece by piece gives the tokens of encoding the whole text at once: just before a whitespace character that
+    follows a non-space one (a whitespace run is kept whole in the next piece), or, in a block with none (digits, a
+    minified line, text without spaces), where letters, digits and other characters meet (not after an apostrophe:
+    's is one pre-token). A piece stays within two blocks, so memory stays flat whatever the text: where even a
+    block and what is left of the one before hold no such point (a run of a million digits), they go as one piece."""
     buf = ''
     for block in blocks:
+        looked = max(len(buf), 1)  # the cuts before this block were looked for already: each character once
         buf += block
-        cut = len(buf) - 1
-        while cut > 0 and not (buf[cut].isspace() and not buf[cut - 1].isspace()):
-            cut -= 1
+        cut = safe_cut(buf, looked)
+        if cut == 0 and len(buf) > len(block):
+            cut = len(buf)
         if cut > 0:
             yield buf[:cut]
             buf = buf[cut:]
     if buf:
         yield buf
+
+
+def safe_cut(buf, start):
+    """The last point of safe_pieces' in buf[start:] (one with a character on each side), or 0 where there is none."""
+    for i in range(len(buf) - 1, start - 1, -1):
+        if buf[i].isspace() and not buf[i - 1].isspace():
+            return i
+    kind = [('S' if c.isspace() else 'L' if unicodedata.category(c)[0] == 'L' else
+             'N' if unicodedata.category(c)[0] == 'N' else 'P') for c in buf[start - 1:]]
+    for i in range(len(buf) - 1, start - 1, -1):
+        a, b = kind[i - start], kind[i - start + 1]
+        if a != b and 'S' not in (a, b) and buf[i - 1] != "'":
+            return i
+    return 0
 
 
 def gpt2_encoding():
@@ -302,7 +321,9 @@ def prepare_text(src, out_dir, kind):
         with tqdm(total=n_chars, unit='char', unit_scale=True, desc=f'tokenizing {os.path.basename(src)}') as bar:
             for split, (start, stop) in (('train', (0, n_train)), ('val', (n_train, n_chars))):
                 batch = []
-                for piece in safe_pieces(text_blocks(src, start, stop)):
+                # a character is a token: any block boundary cuts the text as well as another
+                blocks = text_blocks(src, start, stop)
+                for piece in blocks if kind == 'char' else safe_pieces(blocks):
                     batch.append(piece)
                     if len(batch) == num_proc * 4:
                         for ids in encode(batch):

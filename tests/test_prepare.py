@@ -49,6 +49,45 @@ def test_bpe_in_small_pieces_gives_the_tokens_of_the_whole(tmp_path, data_dir):
         assert np.array_equal(tokens(ours), tokens(whole))
 
 
+def test_bpe_pieces_of_text_without_spaces_stay_small_and_give_the_tokens_of_the_whole():
+    # minified JSON and CJK text have no whitespace to cut at: the pieces (and memory) grew to the whole file, and
+    # each block rescanned them all (a 40 MB line of digits took 49 s and 488 MB as characters; 1.6 s and 88 MB now)
+    os.environ.update(TIKTOKEN_CACHE_DIR=env()['TIKTOKEN_CACHE_DIR'])
+    import tiktoken
+    from prepare import safe_pieces
+    enc = tiktoken.get_encoding('gpt2')
+    for text in ('{"id":12,"tags":["it\'s","a1b2"],"n":3.5e-7}' * 3000, '我们的模型，很小。第1章：它读了3本书！' * 3000):
+        pieces = list(safe_pieces(text[i:i + 1000] for i in range(0, len(text), 1000)))
+        assert ''.join(pieces) == text and max(map(len, pieces)) <= 2000
+        assert [t for piece in pieces for t in enc.encode_ordinary(piece)] == enc.encode_ordinary(text)
+    digits = '31415926' * 1000  # one pre-token: cut at the end of a second block that holds no cut either
+    assert [len(piece) for piece in safe_pieces(digits[i:i + 1000] for i in range(0, len(digits), 1000))] == [2000] * 4
+
+
+def test_token_check_of_a_big_file_keeps_the_peak_memory_flat(tmp_path, monkeypatch):
+    # one mapping over a whole train.bin kept each page it read: each rank's peak RSS was the dataset's size
+    import data
+    path = tmp_path / 'train.bin'
+    ids = np.full((32 << 20) + 5, 7, dtype=np.uint16)  # 64 MB, and a partial last chunk that holds the largest id
+    ids[-1] = 300
+    ids.tofile(path)
+    del ids
+    monkeypatch.setattr(data, 'CHUNK', 1 << 20)
+
+    def peak_kb():
+        with open('/proc/self/status') as f:
+            return int(next(line for line in f if line.startswith('VmHWM')).split()[1])
+
+    with open(path, 'rb') as f:
+        with open('/proc/self/clear_refs', 'w') as clear:
+            clear.write('5')  # the peak RSS counts from here
+        before = peak_kb()
+        data.check_token_ids({'train': f}, 301)
+        assert peak_kb() - before < 16 << 10  # kB: a chunk or two of 2 MB, not the file's 64 MB
+        with pytest.raises(SystemExit, match='holds token id 300, past the model'):
+            data.check_token_ids({'train': f}, 300)
+
+
 def test_bpe_prep_over_a_char_folder_removes_its_vocabulary(tmp_path):
     src = tmp_path / 'poem.txt'
     src.write_text('the quick brown fox jumps over the lazy dog\n' * 50)
