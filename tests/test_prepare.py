@@ -56,7 +56,8 @@ def test_bpe_pieces_of_text_without_spaces_stay_small_and_give_the_tokens_of_the
     import tiktoken
     from prepare import safe_pieces
     enc = tiktoken.get_encoding('gpt2')
-    for text in ('{"id":12,"tags":["it\'s","a1b2"],"n":3.5e-7}' * 3000, '我们的模型，很小。第1章：它读了3本书！' * 3000):
+    json_line, chinese = '{"id":12,"tags":["it\'s","a1b2"],"n":3.5e-7}', '我们的模型，很小。第1章：它读了3本书！'
+    for text in (json_line * 3000, chinese * 3000):
         pieces = list(safe_pieces(text[i:i + 1000] for i in range(0, len(text), 1000)))
         assert ''.join(pieces) == text and max(map(len, pieces)) <= 2000
         assert [t for piece in pieces for t in enc.encode_ordinary(piece)] == enc.encode_ordinary(text)
@@ -109,12 +110,16 @@ def test_text_prep_of_any_file_with_char_tokenizer(tmp_path):
     assert meta['vocab_size'] == len(set(src.read_text()))
 
 
-def test_document_files_get_an_eot_after_each_document(tmp_path):
-    docs = [f"document number {i} says hello {'world ' * (i % 7)}" for i in range(40)]
+def test_document_files_get_an_eot_after_each_document(tmp_path, monkeypatch):
+    docs = [f"document number {i} says hello {'world ' * (i % 7) * 40}" for i in range(40)]
     src = tmp_path / 'docs.jsonl'
     src.write_text(''.join(json.dumps({'text': d}) + '\n' for d in docs))
+    monkeypatch.setenv('HF_DATASETS_CACHE', str(tmp_path / 'hf'))
     run('prepare.py', 'openwebtext-10k', f'--data_files={src}', '--val_fraction=0.1', '--name=owt',
         f'--out_root={tmp_path}', '--num_proc=1', cwd=tmp_path)
+    # the cache holds the documents once; a tokenized copy of them (8 bytes a token) stayed there too, 2.4x the input
+    cached = sum(f.stat().st_size for f in (tmp_path / 'hf').rglob('*') if f.is_file())
+    assert cached < 1.5 * src.stat().st_size, (cached, src.stat().st_size)
     os.environ.update(TIKTOKEN_CACHE_DIR=env()['TIKTOKEN_CACHE_DIR'])
     import tiktoken
     enc = tiktoken.get_encoding('gpt2')
@@ -256,7 +261,7 @@ def test_document_files_as_parquet(tmp_path):
 
 
 
-def test_a_document_prep_on_a_full_disk_is_one_line_and_keeps_the_prep_before(tmp_path, small_disk):
+def test_a_document_prep_on_a_full_disk_is_one_line_and_keeps_the_prep_before(tmp_path, small_disk, monkeypatch):
     # its tokens went into a memmap, whose first page past the disk's end killed prepare.py with SIGBUS, its
     # temporary file taking the rest of the disk
     disk = small_disk('256k')
@@ -273,6 +278,15 @@ def test_a_document_prep_on_a_full_disk_is_one_line_and_keeps_the_prep_before(tm
     assert p.stderr.strip().splitlines()[-1] == f"error: writing in {disk / 'owt'} failed (No space left on device): " \
                                                 f"free some space or choose another --out_root"
     assert {p.name: p.read_bytes() for p in (disk / 'owt').iterdir()} == before  # no .tmp, no lock left
+    # its first step writes the documents into datasets' cache: a traceback there, or 'cannot read --data_files'
+    monkeypatch.setenv('HF_DATASETS_CACHE', str(small_disk('64k')))
+    p = run('prepare.py', 'openwebtext-10k', '--data_files=big.jsonl', '--force=True', *args, cwd=tmp_path,
+            check=False)
+    assert p.returncode == 1 and 'Traceback' not in p.stderr, p.stderr[-2000:]
+    cache = os.environ['HF_DATASETS_CACHE']
+    assert p.stderr.strip().splitlines()[-1].startswith(f"error: writing in datasets' cache {cache} failed (No space "
+                                                        f"left on device): "), p.stderr[-500:]
+    assert {p.name: p.read_bytes() for p in (disk / 'owt').iterdir()} == before
 
 # -----------------------------------------------------------------------------
 # nanoGPT's layout (data/<name>/prepare.py) and DLRover's command (prepare.py --src_data_path FILE)
