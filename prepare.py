@@ -4,7 +4,7 @@ data a meta.pkl with the vocabulary, so nanoGPT's data folders and ours are inte
 
 python prepare.py shakespeare_char              # tiny Shakespeare, characters  (--input=FILE for a local copy)
 python prepare.py shakespeare                   # tiny Shakespeare, GPT-2 BPE   (--input=FILE)
-python prepare.py openwebtext                   # OpenWebText, GPT-2 BPE        (--data_files=a.parquet,b.json)
+python prepare.py openwebtext                   # OpenWebText, GPT-2 BPE        (--data_files=a.json,dir/*.jsonl)
 python prepare.py openwebtext-10k               # its first 10k documents       (--data_files=...)
 python prepare.py fineweb-edu                   # FineWeb-Edu's sample-10BT     (--data_files=a.parquet,...)
 python prepare.py fineweb                       # FineWeb's sample-10BT         (--data_files=a.parquet,...)
@@ -25,6 +25,7 @@ of other input or settings is kept and the new one refused, unless --force=True.
 """
 
 import errno
+import glob
 import hashlib
 import json
 import os
@@ -42,7 +43,7 @@ from runlock import hold, let_go
 
 # -----------------------------------------------------------------------------
 input = ''  # a local text file (for shakespeare*, instead of downloading it; for text, required)
-data_files = ''  # comma-separated local json, jsonl, parquet or txt files for openwebtext* (instead of the hub)
+data_files = ''  # local json, jsonl, parquet or txt files, or patterns (shards/*.jsonl), comma-separated: not the hub's
 text_column = 'text'  # the field that holds a document's text in data_files
 tokenizer = 'gpt2'  # for text: 'char' or 'gpt2'
 name = ''  # folder under out_root to write to; defaults to the dataset's name, or the input file's stem for text
@@ -743,6 +744,21 @@ def prepare_fineweb(dataset, out_dir):
           f"{val_docs:,} of {total:,} documents)")
 
 
+def matching_files(given):
+    """--data_files's files, each glob pattern in it (shards/*.jsonl) replaced by the files it matches, sorted: a few
+    thousand paths overrun one argument's 128 KB. A pattern that matches none is a one-line error."""
+    files = []
+    for f in given.split(','):
+        if glob.has_magic(f):
+            found = sorted(glob.glob(os.path.expanduser(f)))
+            if not found:
+                sys.exit(f"error: --data_files={f} matches no file: check the pattern")
+            files += found
+        else:
+            files.append(f)
+    return files
+
+
 def prepare_here(script):
     """What data/<name>/prepare.py runs, as nanoGPT lays data out: <name> prepared into the script's own folder,
     whatever the working folder, with this script's flags after it."""
@@ -753,6 +769,7 @@ def prepare_here(script):
 
 
 def main(argv=None):
+    global data_files  # its patterns expanded
     quiet_interrupt()  # Ctrl-C: one line, no traceback
     argv = sys.argv[1:] if argv is None else argv
     argv = seeds.prepare_args(argv) or argv  # DLRover's --src_data_path FILE, as ours
@@ -772,6 +789,7 @@ def main(argv=None):
         sys.exit(f"error: --input={input} is not a file")
     if data_files and dataset not in HUB and dataset not in FINEWEB:
         sys.exit(f"error: --data_files is for openwebtext*, fineweb and fineweb-edu; use --input=FILE for {dataset}")
+    data_files = ','.join(matching_files(data_files)) if data_files else ''
     if dataset in FINEWEB and 'val_fraction' in set_keys:
         sys.exit(f"error: {dataset}'s val is its first --val_docs documents, a fixed split: set val_docs, not "
                  f"val_fraction")

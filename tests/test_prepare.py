@@ -112,14 +112,18 @@ def test_text_prep_of_any_file_with_char_tokenizer(tmp_path):
 
 def test_document_files_get_an_eot_after_each_document(tmp_path, monkeypatch):
     docs = [f"document number {i} says hello {'world ' * (i % 7) * 40}" for i in range(40)]
-    src = tmp_path / 'docs.jsonl'
-    src.write_text(''.join(json.dumps({'text': d}) + '\n' for d in docs))
+    for part in range(4):  # shards, given by a pattern: thousands of paths overran one argument
+        rows = docs[part * 10:(part + 1) * 10]
+        (tmp_path / f'docs-{part}.jsonl').write_text(''.join(json.dumps({'text': d}) + '\n' for d in rows))
     monkeypatch.setenv('HF_DATASETS_CACHE', str(tmp_path / 'hf'))
-    run('prepare.py', 'openwebtext-10k', f'--data_files={src}', '--val_fraction=0.1', '--name=owt',
+    run('prepare.py', 'openwebtext-10k', f'--data_files={tmp_path}/docs-*.jsonl', '--val_fraction=0.1', '--name=owt',
         f'--out_root={tmp_path}', '--num_proc=1', cwd=tmp_path)
     # the cache holds the documents once; a tokenized copy of them (8 bytes a token) stayed there too, 2.4x the input
     cached = sum(f.stat().st_size for f in (tmp_path / 'hf').rglob('*') if f.is_file())
-    assert cached < 1.5 * src.stat().st_size, (cached, src.stat().st_size)
+    given = sum(f.stat().st_size for f in tmp_path.glob('docs-*.jsonl'))
+    assert cached < 1.5 * given, (cached, given)
+    assert json.loads((tmp_path / 'owt' / 'prep.json').read_text())['settings']['documents'] == \
+        [str(tmp_path / f'docs-{part}.jsonl') for part in range(4)]  # the files, so that a new shard is a new prep
     os.environ.update(TIKTOKEN_CACHE_DIR=env()['TIKTOKEN_CACHE_DIR'])
     import tiktoken
     enc = tiktoken.get_encoding('gpt2')
@@ -156,6 +160,7 @@ def test_text_that_is_not_utf8(tmp_path):
     (['text', '--input=/no/such/file.txt'], 'is not a file'),
     (['shakespeare', '--tokenizer=words'], "tokenizer='words'"),
     (['openwebtext', '--data_files=/no/such.parquet'], 'does not exist'),
+    (['openwebtext', '--data_files=/no/such/*.parquet'], '--data_files=/no/such/*.parquet matches no file'),
 ])
 def test_bad_prepare_arguments(tmp_path, args, message):
     p = run('prepare.py', *args, f'--out_root={tmp_path}/data', cwd=tmp_path, check=False)
