@@ -150,6 +150,12 @@ def find_bins(dataset, block_size, random_data=False):
     for split in ('train', 'val'):
         path = os.path.join(folder, f'{split}.bin')
         if not os.path.isfile(path):
+            others = sorted(f for f in os.listdir(folder) if f.endswith(('.bin', '.npy')) and
+                            f not in ('train.bin', 'val.bin')) if os.path.isdir(folder) else []
+            if others:  # shards, as llm.c and build-nanogpt write them: a prep's advice would read as a text's
+                sys.exit(f"error: {path} not found, and {folder} holds {len(others)} other token file(s) ({others[0]}"
+                         f"{', ...' if len(others) > 1 else ''}): a run reads one train.bin and one val.bin; prepare "
+                         f"the corpus with prepare.py, or join shards of headerless uint16 tokens with cat")
             from prepare import DATASETS  # here: only this error needs them
             name = os.path.basename(os.path.normpath(folder))
             known = name in DATASETS and name not in ('text', 'hellaswag')  # those that prepare.py NAME makes
