@@ -150,6 +150,12 @@ def find_bins(dataset, block_size, random_data=False):
     for split in ('train', 'val'):
         path = os.path.join(folder, f'{split}.bin')
         if not os.path.isfile(path):
+            others = sorted(f for f in os.listdir(folder) if f.endswith(('.bin', '.npy')) and
+                            f not in ('train.bin', 'val.bin')) if os.path.isdir(folder) else []
+            if others:  # shards, as llm.c and build-nanogpt write them: a prep's advice would read as a text's
+                sys.exit(f"error: {path} not found, and {folder} holds {len(others)} other token file(s) ({others[0]}"
+                         f"{', ...' if len(others) > 1 else ''}): a run reads one train.bin and one val.bin; prepare "
+                         f"the corpus with prepare.py, or join shards of headerless uint16 tokens with cat")
             from prepare import DATASETS  # here: only this error needs them
             name = os.path.basename(os.path.normpath(folder))
             known = name in DATASETS and name not in ('text', 'hellaswag')  # those that prepare.py NAME makes
@@ -192,11 +198,15 @@ def check_token_ids(paths, vocab_size):
                      f"vocabulary of {vocab_size}: use a model with GPT-2's vocabulary, or real data")
         return
     for source in paths.values():
-        data, path = np.memmap(source, dtype=np.uint16, mode='r'), getattr(source, 'name', source)
-        largest = max((int(data[i:i + CHUNK].max()) for i in range(0, len(data), CHUNK)), default=0)
+        path = getattr(source, 'name', source)
+        n = (os.fstat(source.fileno()).st_size if hasattr(source, 'fileno') else os.path.getsize(source)) // 2
+        # a mapping a chunk, each dropped before the next: one over the whole file keeps every page it read, and
+        # each rank's peak RSS would be the dataset's size (what a cluster's memory accounting kills a job for)
+        largest = max((int(np.memmap(source, dtype=np.uint16, mode='r', offset=2 * i, shape=(min(CHUNK, n - i),)).max())
+                       for i in range(0, n, CHUNK)), default=0)
         if largest >= vocab_size:
             sys.exit(f"error: {path} holds token id {largest}, past the model's vocabulary of {vocab_size}: prepare "
                      f"the data with the model's tokenizer (its meta.pkl for a char-level model), or train a new model")
 
 
-CHUNK = 1 << 26  # tokens a chunk: 128 MB
+CHUNK = 1 << 24  # tokens a chunk: 32 MB

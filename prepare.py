@@ -4,7 +4,7 @@ data a meta.pkl with the vocabulary, so nanoGPT's data folders and ours are inte
 
 python prepare.py shakespeare_char              # tiny Shakespeare, characters  (--input=FILE for a local copy)
 python prepare.py shakespeare                   # tiny Shakespeare, GPT-2 BPE   (--input=FILE)
-python prepare.py openwebtext                   # OpenWebText, GPT-2 BPE        (--data_files=a.parquet,b.json)
+python prepare.py openwebtext                   # OpenWebText, GPT-2 BPE        (--data_files=a.json,dir/*.jsonl)
 python prepare.py openwebtext-10k               # its first 10k documents       (--data_files=...)
 python prepare.py fineweb-edu                   # FineWeb-Edu's sample-10BT     (--data_files=a.parquet,...)
 python prepare.py fineweb                       # FineWeb's sample-10BT         (--data_files=a.parquet,...)
@@ -24,12 +24,15 @@ A folder's prep.json records its prep's input and settings: the same prep again 
 of other input or settings is kept and the new one refused, unless --force=True.
 """
 
+import errno
+import glob
 import hashlib
 import json
 import os
 import pickle
 import sys
 import tempfile
+import unicodedata
 
 import numpy as np
 
@@ -40,7 +43,7 @@ from runlock import hold, let_go
 
 # -----------------------------------------------------------------------------
 input = ''  # a local text file (for shakespeare*, instead of downloading it; for text, required)
-data_files = ''  # comma-separated local json, jsonl, parquet or txt files for openwebtext* (instead of the hub)
+data_files = ''  # local json, jsonl, parquet or txt files, or patterns (shards/*.jsonl), comma-separated: not the hub's
 text_column = 'text'  # the field that holds a document's text in data_files
 tokenizer = 'gpt2'  # for text: 'char' or 'gpt2'
 name = ''  # folder under out_root to write to; defaults to the dataset's name, or the input file's stem for text
@@ -61,6 +64,7 @@ FINEWEB_CONFIG = 'sample-10BT'  # each repo's ~10B-token sample
 DATASETS = ('shakespeare_char', 'shakespeare', 'openwebtext', 'openwebtext-10k', 'text', 'hellaswag') + tuple(FINEWEB)
 HELLASWAG_URL = 'https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl'
 EOT = 50256  # GPT-2's <|endoftext|>
+DOCS_A_BATCH = 1024  # openwebtext*: documents tokenized and written at a time
 created = []  # the folders this run made, deepest first: a failed run removes those still empty
 
 
@@ -120,20 +124,38 @@ def text_blocks(path, start, stop):
 
 
 def safe_pieces(blocks):
-    """Regroups text blocks into pieces that end just before a whitespace character that follows a non-space one.
-    No pre-token of GPT-2's tokenizer spans such a point, and a whitespace run is kept whole in the next piece,
-    so encoding piece by piece gives the tokens of encoding the whole text at once."""
+    """Regroups text blocks into pieces that end where no pre-token of GPT-2's tokenizer spans, so that encoding
+    piece by piece gives the tokens of encoding the whole text at once: just before a whitespace character that
+    follows a non-space one (a whitespace run is kept whole in the next piece), or, in a block with none (digits, a
+    minified line, text without spaces), where letters, digits and other characters meet (not after an apostrophe:
+    's is one pre-token). A piece stays within two blocks, so memory stays flat whatever the text: where even a
+    block and what is left of the one before hold no such point (a run of a million digits), they go as one piece."""
     buf = ''
     for block in blocks:
+        looked = max(len(buf), 1)  # the cuts before this block were looked for already: each character once
         buf += block
-        cut = len(buf) - 1
-        while cut > 0 and not (buf[cut].isspace() and not buf[cut - 1].isspace()):
-            cut -= 1
+        cut = safe_cut(buf, looked)
+        if cut == 0 and len(buf) > len(block):
+            cut = len(buf)
         if cut > 0:
             yield buf[:cut]
             buf = buf[cut:]
     if buf:
         yield buf
+
+
+def safe_cut(buf, start):
+    """The last point of safe_pieces' in buf[start:] (one with a character on each side), or 0 where there is none."""
+    for i in range(len(buf) - 1, start - 1, -1):
+        if buf[i].isspace() and not buf[i - 1].isspace():
+            return i
+    kind = [('S' if c.isspace() else 'L' if unicodedata.category(c)[0] == 'L' else
+             'N' if unicodedata.category(c)[0] == 'N' else 'P') for c in buf[start - 1:]]
+    for i in range(len(buf) - 1, start - 1, -1):
+        a, b = kind[i - start], kind[i - start + 1]
+        if a != b and 'S' not in (a, b) and buf[i - 1] != "'":
+            return i
+    return 0
 
 
 def gpt2_encoding():
@@ -302,7 +324,9 @@ def prepare_text(src, out_dir, kind):
         with tqdm(total=n_chars, unit='char', unit_scale=True, desc=f'tokenizing {os.path.basename(src)}') as bar:
             for split, (start, stop) in (('train', (0, n_train)), ('val', (n_train, n_chars))):
                 batch = []
-                for piece in safe_pieces(text_blocks(src, start, stop)):
+                # a character is a token: any block boundary cuts the text as well as another
+                blocks = text_blocks(src, start, stop)
+                for piece in blocks if kind == 'char' else safe_pieces(blocks):
                     batch.append(piece)
                     if len(batch) == num_proc * 4:
                         for ids in encode(batch):
@@ -346,6 +370,18 @@ def first_bad_line(files):
     return None
 
 
+def cache_full(e):
+    """A one-line error (and exit) where e, or an error it wraps, is a full disk or quota: a document prep's first step
+    writes the documents into datasets' cache as Arrow files (3.1 MB for 3.2 MB of JSON lines), kept there after it."""
+    import datasets
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            sys.exit(f"error: writing in datasets' cache {datasets.config.HF_DATASETS_CACHE} failed ({e.strerror}): "
+                     f"it takes a copy of the documents; free some space there, or point HF_DATASETS_CACHE at a "
+                     f"disk with room")
+        e = e.__cause__ or e.__context__
+
+
 def load_local(files, builder):
     """Local document files as a dataset, or a one-line error that names what is wrong with them."""
     import datasets
@@ -357,6 +393,7 @@ def load_local(files, builder):
     try:
         return datasets.load_dataset(builder, data_files=files, split='train')
     except Exception as e:
+        cache_full(e)
         bad = first_bad_line(files) if files[0].endswith('.jsonl') else None
         if bad:
             sys.exit(f"error: {bad}: not a JSON object: each line of a .jsonl file must be one document such as "
@@ -375,6 +412,7 @@ def load_local(files, builder):
 def prepare_documents(dataset, out_dir):
     """A document dataset (the hub's, or local json / parquet / txt files), GPT-2 BPE with EOT after each document."""
     import datasets
+    from tqdm import tqdm
     if data_files:
         files = data_files.split(',')
         ext = os.path.splitext(files[0])[1].lstrip('.')
@@ -402,6 +440,7 @@ def prepare_documents(dataset, out_dir):
         try:
             ds = datasets.load_dataset(HUB[dataset], split='train', num_proc=num_proc)
         except Exception as e:
+            cache_full(e)
             sys.exit(f"error: could not load {HUB[dataset]} from the Hugging Face hub ({type(e).__name__}): "
                      f"download its files and pass --data_files=FILE[,FILE...]")
     if text_column not in ds.column_names:
@@ -424,32 +463,30 @@ def prepare_documents(dataset, out_dir):
     if len(ds) < 2:
         sys.exit(f"error: {len(ds)} document(s): train and val need at least 2")
     n_val = min(max(1, round(len(ds) * frac)), len(ds) - 1)  # at least one document each
-    split = ds.train_test_split(test_size=n_val, seed=2357, shuffle=True)
+    try:
+        split = ds.train_test_split(test_size=n_val, seed=2357, shuffle=True)
+    except OSError as e:  # it writes the order it draws into datasets' cache
+        cache_full(e)
+        raise
     enc = gpt2_encoding()
-
-    def tokenize(example):
-        ids = enc.encode_ordinary(example[text_column]) + [EOT]
-        return {'ids': ids, 'len': len(ids)}
-
     if make_out_dir(out_dir, settings):
         return
     interrupted_prep(out_dir, drop=True)  # again under the hold: one interrupted since the first look is kept too
-    tokenized = {}
-    for name_, dset in (('train', split['train']), ('val', split['test'])):
-        # tokenized documents go to datasets' on-disk cache, not to memory; then stream into a memmap
-        tokenized[name_] = dset.map(tokenize, remove_columns=dset.column_names, num_proc=num_proc,
-                                    desc=f'tokenizing {name_}')
-    paths = {name_: os.path.join(out_dir, f'{name_}.bin') for name_ in tokenized}
+    paths = {name_: os.path.join(out_dir, f'{name_}.bin') for name_ in ('train', 'val')}
     outputs = {}
     try:
-        # appended, as the text prep's: a full disk is an OSError here, where a memmap's page would kill the process
-        for name_, dset in tokenized.items():
+        # a batch of documents at a time, straight into the .bin: no tokenized copy in datasets' cache (8 bytes a
+        # token, kept there after the prep: 0.9 GB for 202 MB of JSON lines). Appended, as the text prep's: a full
+        # disk is an OSError here, where a memmap's page would kill the process
+        for name_, dset in (('train', split['train']), ('val', split['test'])):
             outputs[name_] = Output(paths[name_])
-            n_shards = min(1024, len(dset))
-            for i in range(n_shards):
-                shard = dset.shard(num_shards=n_shards, index=i, contiguous=True).with_format('numpy')
-                if len(shard):
-                    outputs[name_].write(np.concatenate(shard['ids']))
+            dset = dset.select_columns(text_column)
+            for i in tqdm(range(0, len(dset), DOCS_A_BATCH), desc=f'tokenizing {name_}', unit='batch'):
+                flat = []
+                for ids in enc.encode_ordinary_batch(dset[i:i + DOCS_A_BATCH][text_column], num_threads=num_proc):
+                    flat += ids
+                    flat.append(EOT)
+                outputs[name_].write(flat)
             outputs[name_].f.close()
         commit(out_dir, settings, paths.values())
     except OSError as e:
@@ -707,6 +744,21 @@ def prepare_fineweb(dataset, out_dir):
           f"{val_docs:,} of {total:,} documents)")
 
 
+def matching_files(given):
+    """--data_files's files, each glob pattern in it (shards/*.jsonl) replaced by the files it matches, sorted: a few
+    thousand paths overrun one argument's 128 KB. A pattern that matches none is a one-line error."""
+    files = []
+    for f in given.split(','):
+        if glob.has_magic(f):
+            found = sorted(glob.glob(os.path.expanduser(f)))
+            if not found:
+                sys.exit(f"error: --data_files={f} matches no file: check the pattern")
+            files += found
+        else:
+            files.append(f)
+    return files
+
+
 def prepare_here(script):
     """What data/<name>/prepare.py runs, as nanoGPT lays data out: <name> prepared into the script's own folder,
     whatever the working folder, with this script's flags after it."""
@@ -717,6 +769,7 @@ def prepare_here(script):
 
 
 def main(argv=None):
+    global data_files  # its patterns expanded
     quiet_interrupt()  # Ctrl-C: one line, no traceback
     argv = sys.argv[1:] if argv is None else argv
     argv = seeds.prepare_args(argv) or argv  # DLRover's --src_data_path FILE, as ours
@@ -736,6 +789,7 @@ def main(argv=None):
         sys.exit(f"error: --input={input} is not a file")
     if data_files and dataset not in HUB and dataset not in FINEWEB:
         sys.exit(f"error: --data_files is for openwebtext*, fineweb and fineweb-edu; use --input=FILE for {dataset}")
+    data_files = ','.join(matching_files(data_files)) if data_files else ''
     if dataset in FINEWEB and 'val_fraction' in set_keys:
         sys.exit(f"error: {dataset}'s val is its first --val_docs documents, a fixed split: set val_docs, not "
                  f"val_fraction")

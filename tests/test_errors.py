@@ -70,6 +70,17 @@ def test_missing_data_names_a_prep_that_makes_it(tmp_path, dataset, folder):
     assert (tmp_path / folder / 'train.bin').is_file() and (tmp_path / folder / 'val.bin').is_file()
 
 
+def test_a_folder_of_shards_is_named_as_one(tmp_path):
+    # llm.c's and build-nanogpt's layouts: the advice was a text prep of a FILE into the folder
+    sys.path.insert(0, str(REPO))
+    from data import find_bins
+    for name in ('fineweb_val_000000.bin', 'fineweb_train_000001.bin', 'fineweb_train_000002.bin'):
+        (tmp_path / name).write_bytes(b'\0' * 1024)
+    with pytest.raises(SystemExit, match=f"error: {tmp_path}/train.bin not found, and {tmp_path} holds 3 other token "
+                                         r"file\(s\) \(fineweb_train_000001.bin, ...\): a run reads one train.bin"):
+        find_bins(str(tmp_path), 32)
+
+
 def test_bin_shorter_than_a_block(tmp_path, data_dir):
     short = tmp_path / 'short'
     shutil.copytree(data_dir / 'shakespeare_char', short)

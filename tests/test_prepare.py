@@ -49,6 +49,46 @@ def test_bpe_in_small_pieces_gives_the_tokens_of_the_whole(tmp_path, data_dir):
         assert np.array_equal(tokens(ours), tokens(whole))
 
 
+def test_bpe_pieces_of_text_without_spaces_stay_small_and_give_the_tokens_of_the_whole():
+    # minified JSON and CJK text have no whitespace to cut at: the pieces (and memory) grew to the whole file, and
+    # each block rescanned them all (a 40 MB line of digits took 49 s and 488 MB as characters; 1.6 s and 88 MB now)
+    os.environ.update(TIKTOKEN_CACHE_DIR=env()['TIKTOKEN_CACHE_DIR'])
+    import tiktoken
+    from prepare import safe_pieces
+    enc = tiktoken.get_encoding('gpt2')
+    json_line, chinese = '{"id":12,"tags":["it\'s","a1b2"],"n":3.5e-7}', '我们的模型，很小。第1章：它读了3本书！'
+    for text in (json_line * 3000, chinese * 3000):
+        pieces = list(safe_pieces(text[i:i + 1000] for i in range(0, len(text), 1000)))
+        assert ''.join(pieces) == text and max(map(len, pieces)) <= 2000
+        assert [t for piece in pieces for t in enc.encode_ordinary(piece)] == enc.encode_ordinary(text)
+    digits = '31415926' * 1000  # one pre-token: cut at the end of a second block that holds no cut either
+    assert [len(piece) for piece in safe_pieces(digits[i:i + 1000] for i in range(0, len(digits), 1000))] == [2000] * 4
+
+
+def test_token_check_of_a_big_file_keeps_the_peak_memory_flat(tmp_path, monkeypatch):
+    # one mapping over a whole train.bin kept each page it read: each rank's peak RSS was the dataset's size
+    import data
+    path = tmp_path / 'train.bin'
+    ids = np.full((32 << 20) + 5, 7, dtype=np.uint16)  # 64 MB, and a partial last chunk that holds the largest id
+    ids[-1] = 300
+    ids.tofile(path)
+    del ids
+    monkeypatch.setattr(data, 'CHUNK', 1 << 20)
+
+    def peak_kb():
+        with open('/proc/self/status') as f:
+            return int(next(line for line in f if line.startswith('VmHWM')).split()[1])
+
+    with open(path, 'rb') as f:
+        with open('/proc/self/clear_refs', 'w') as clear:
+            clear.write('5')  # the peak RSS counts from here
+        before = peak_kb()
+        data.check_token_ids({'train': f}, 301)
+        assert peak_kb() - before < 16 << 10  # kB: a chunk or two of 2 MB, not the file's 64 MB
+        with pytest.raises(SystemExit, match='holds token id 300, past the model'):
+            data.check_token_ids({'train': f}, 300)
+
+
 def test_bpe_prep_over_a_char_folder_removes_its_vocabulary(tmp_path):
     src = tmp_path / 'poem.txt'
     src.write_text('the quick brown fox jumps over the lazy dog\n' * 50)
@@ -70,12 +110,20 @@ def test_text_prep_of_any_file_with_char_tokenizer(tmp_path):
     assert meta['vocab_size'] == len(set(src.read_text()))
 
 
-def test_document_files_get_an_eot_after_each_document(tmp_path):
-    docs = [f"document number {i} says hello {'world ' * (i % 7)}" for i in range(40)]
-    src = tmp_path / 'docs.jsonl'
-    src.write_text(''.join(json.dumps({'text': d}) + '\n' for d in docs))
-    run('prepare.py', 'openwebtext-10k', f'--data_files={src}', '--val_fraction=0.1', '--name=owt',
+def test_document_files_get_an_eot_after_each_document(tmp_path, monkeypatch):
+    docs = [f"document number {i} says hello {'world ' * (i % 7) * 40}" for i in range(40)]
+    for part in range(4):  # shards, given by a pattern: thousands of paths overran one argument
+        rows = docs[part * 10:(part + 1) * 10]
+        (tmp_path / f'docs-{part}.jsonl').write_text(''.join(json.dumps({'text': d}) + '\n' for d in rows))
+    monkeypatch.setenv('HF_DATASETS_CACHE', str(tmp_path / 'hf'))
+    run('prepare.py', 'openwebtext-10k', f'--data_files={tmp_path}/docs-*.jsonl', '--val_fraction=0.1', '--name=owt',
         f'--out_root={tmp_path}', '--num_proc=1', cwd=tmp_path)
+    # the cache holds the documents once; a tokenized copy of them (8 bytes a token) stayed there too, 2.4x the input
+    cached = sum(f.stat().st_size for f in (tmp_path / 'hf').rglob('*') if f.is_file())
+    given = sum(f.stat().st_size for f in tmp_path.glob('docs-*.jsonl'))
+    assert cached < 1.5 * given, (cached, given)
+    assert json.loads((tmp_path / 'owt' / 'prep.json').read_text())['settings']['documents'] == \
+        [str(tmp_path / f'docs-{part}.jsonl') for part in range(4)]  # the files, so that a new shard is a new prep
     os.environ.update(TIKTOKEN_CACHE_DIR=env()['TIKTOKEN_CACHE_DIR'])
     import tiktoken
     enc = tiktoken.get_encoding('gpt2')
@@ -112,6 +160,7 @@ def test_text_that_is_not_utf8(tmp_path):
     (['text', '--input=/no/such/file.txt'], 'is not a file'),
     (['shakespeare', '--tokenizer=words'], "tokenizer='words'"),
     (['openwebtext', '--data_files=/no/such.parquet'], 'does not exist'),
+    (['openwebtext', '--data_files=/no/such/*.parquet'], '--data_files=/no/such/*.parquet matches no file'),
 ])
 def test_bad_prepare_arguments(tmp_path, args, message):
     p = run('prepare.py', *args, f'--out_root={tmp_path}/data', cwd=tmp_path, check=False)
@@ -217,7 +266,7 @@ def test_document_files_as_parquet(tmp_path):
 
 
 
-def test_a_document_prep_on_a_full_disk_is_one_line_and_keeps_the_prep_before(tmp_path, small_disk):
+def test_a_document_prep_on_a_full_disk_is_one_line_and_keeps_the_prep_before(tmp_path, small_disk, monkeypatch):
     # its tokens went into a memmap, whose first page past the disk's end killed prepare.py with SIGBUS, its
     # temporary file taking the rest of the disk
     disk = small_disk('256k')
@@ -234,6 +283,15 @@ def test_a_document_prep_on_a_full_disk_is_one_line_and_keeps_the_prep_before(tm
     assert p.stderr.strip().splitlines()[-1] == f"error: writing in {disk / 'owt'} failed (No space left on device): " \
                                                 f"free some space or choose another --out_root"
     assert {p.name: p.read_bytes() for p in (disk / 'owt').iterdir()} == before  # no .tmp, no lock left
+    # its first step writes the documents into datasets' cache: a traceback there, or 'cannot read --data_files'
+    monkeypatch.setenv('HF_DATASETS_CACHE', str(small_disk('64k')))
+    p = run('prepare.py', 'openwebtext-10k', '--data_files=big.jsonl', '--force=True', *args, cwd=tmp_path,
+            check=False)
+    assert p.returncode == 1 and 'Traceback' not in p.stderr, p.stderr[-2000:]
+    cache = os.environ['HF_DATASETS_CACHE']
+    assert p.stderr.strip().splitlines()[-1].startswith(f"error: writing in datasets' cache {cache} failed (No space "
+                                                        f"left on device): "), p.stderr[-500:]
+    assert {p.name: p.read_bytes() for p in (disk / 'owt').iterdir()} == before
 
 # -----------------------------------------------------------------------------
 # nanoGPT's layout (data/<name>/prepare.py) and DLRover's command (prepare.py --src_data_path FILE)
