@@ -30,23 +30,26 @@ import traceback
 # torch.compile, at the optimizer's check), 0.7 s of CPU each time, the larger part of a forked rank's start.
 # torch's pipelining: 0.05 s in each pp_train.py process. Not deepspeed: it would save 0.26 s of CPU in each
 # ds_train.py process, but every other fork of the larger server cost more (test_pp.py with -n 2: 101-103 s without,
-# 110-114 s with it, in turns on the 2-core machine)
+# 110-114 s with it, in turns on the 2-core machine). cpuinfo_once: py-cpuinfo's answer asked once a process
 PRELOAD = ['torch', 'torch._dynamo', 'torch.distributed.checkpoint', 'torch.distributed.fsdp', 'numpy',
-           'torch._inductor.compile_fx', 'torch.distributed.pipelining']
+           'torch._inductor.compile_fx', 'torch.distributed.pipelining', 'cpuinfo_once']
 _context = None
 _clean_path = None
 
 
 def _start_server(env):
     """The forkserver, started once per test process with the settings its children need from their start:
-    one OpenMP thread (read when torch loads libgomp) and unbuffered stdout (read when the interpreter starts)."""
+    one OpenMP thread (read when torch loads libgomp) and unbuffered stdout (read when the interpreter starts), and
+    this folder on its path, for PRELOAD's modules of it (Python 3.11's forkserver takes no sys.path of ours)."""
     global _context, _clean_path
     if _context is None:
         # sys.path as a fresh `python script.py` has it, past its first entry (the script's folder)
         _clean_path = json.loads(subprocess.check_output([sys.executable, '-c', 'import sys, json; '
                                                           'print(json.dumps(sys.path[1:]))'], env=env, text=True))
         saved = dict(os.environ)
-        os.environ.update(OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
+        here = os.path.dirname(os.path.abspath(__file__))
+        os.environ.update(OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1',
+                          PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get('PYTHONPATH')])))
         try:
             _context = multiprocessing.get_context('forkserver')
             _context.set_forkserver_preload(PRELOAD)
