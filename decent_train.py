@@ -16,10 +16,11 @@ replica and optimizer state (out_dir/decent/step-N/), and out_dir/ckpt.pt the av
 a train.py checkpoint starts every replica here, and so does their average where the world size has changed.
 
 DiLoCo (--diloco_steps=H): no mixing between outer steps; each replica takes H steps of its own optimizer, then the
-replicas average their pseudo-gradients (one all-reduce, bucket by bucket) and an outer Nesterov step moves the
-global model, which every replica starts the next window from; evals and ckpt.pt see the global model. Streaming
-DiLoCo (--diloco_fragments=F --diloco_overlap=τ): runs of blocks take their outer steps in turn, H/F steps apart,
-each landing τ inner steps after its all-reduce started and merged into the replica (--diloco_alpha).
+replicas average their pseudo-gradients (one all-reduce, bucket by bucket; in half the bytes with
+--diloco_dtype=bfloat16) and an outer Nesterov step moves the global model, which every replica starts the next
+window from; evals and ckpt.pt see the global model. Streaming DiLoCo (--diloco_fragments=F --diloco_overlap=τ):
+runs of blocks take their outer steps in turn, H/F steps apart, each landing τ inner steps after its all-reduce
+started and merged into the replica (--diloco_alpha).
 """
 
 import math
