@@ -16,6 +16,7 @@ sudo python bench_network.py --modes=pp,pp-zbv --rates=100mbit --nodes=2,4 --n_l
 sudo python bench_network.py --modes=pp,pp-shard,fsdp --rates=100mbit --nodes=4   # two pipelines, stages sharded
 sudo python bench_network.py --modes=diloco-40,diloco-40-4,diloco-40-4-2 --rates=100mbit  # Streaming DiLoCo: 4
                                                      # fragments (then with 2 steps of overlap): a quarter of the peak
+sudo python bench_network.py --modes=diloco-40,diloco-40-bf16 --rates=100mbit   # pseudo-gradients in bf16: half
 """
 
 import itertools
@@ -91,19 +92,22 @@ SCRIPTS.update({t: ('decent_train.py', [f'--topology={t}', '--grad_clip=0.0'])
 
 
 def diloco_of(mode):
-    """(H, F, τ) of diloco-H, diloco-H-F (Streaming DiLoCo's F fragments) or diloco-H-F-τ (τ steps of overlap)."""
-    n = [int(x) for x in mode.split('-')[1:]]
-    return n[0], n[1] if len(n) > 1 else 1, n[2] if len(n) > 2 else 0
+    """(H, F, τ, dtype) of diloco-H, diloco-H-F (Streaming DiLoCo's F fragments) or diloco-H-F-τ (τ steps of
+    overlap), each with -bf16 after it for pseudo-gradients sent in bfloat16 (float32 without)."""
+    dtype = 'bfloat16' if mode.endswith('-bf16') else 'float32'
+    n = [int(x) for x in mode.removesuffix('-bf16').split('-')[1:]]
+    return n[0], n[1] if len(n) > 1 else 1, n[2] if len(n) > 2 else 0, dtype
 
 
 def script_of(mode):
     if mode.startswith('diloco-'):
-        h, f, t = diloco_of(mode)
+        h, f, t, dtype = diloco_of(mode)
         return 'decent_train.py', [f'--diloco_steps={h}', f'--diloco_fragments={f}', f'--diloco_overlap={t}',
-                                   f'--diloco_alpha={0.5 if t else 0}', '--grad_clip=0.0']  # the paper's α
+                                   f'--diloco_alpha={0.5 if t else 0}', f'--diloco_dtype={dtype}',
+                                   '--grad_clip=0.0']  # the paper's α
     if mode not in SCRIPTS:
-        sys.exit(f"error: unknown mode {mode!r}: use {', '.join(SCRIPTS)}, diloco-H, diloco-H-F, diloco-H-F-τ or "
-                 f"allreduce")
+        sys.exit(f"error: unknown mode {mode!r}: use {', '.join(SCRIPTS)}, diloco-H, diloco-H-F, diloco-H-F-τ "
+                 f"(each with -bf16 after it, or not) or allreduce")
     return SCRIPTS[mode]
 
 
@@ -114,7 +118,7 @@ def design_bytes(mode, sizes, n, per_node, b=4):
     Gossip: each rank of the node in a group that spans nodes all-reduces P within it, averaged over the cycle of
     rounds. Headers (Ethernet, IP, TCP: ~4.5% at a 1500-byte MTU) not counted. Returns the mean over steps and
     nodes, and the most node 0 sends in one step (its counters are read at every step): DiLoCo sends a window's
-    bytes in one step, Streaming DiLoCo a fragment's at a time."""
+    bytes in one step, Streaming DiLoCo a fragment's at a time, in bfloat16 (-bf16) at 2 bytes a parameter."""
     w, n_params = n * per_node, sum(sizes)
     ring = (w - 1) / w * n_params * b  # a reduce-scatter, or an all-gather
     if mode in ('ddp', 'zero2'):
@@ -151,7 +155,8 @@ def design_bytes(mode, sizes, n, per_node, b=4):
             out[node(r)] += sum(k for peer, k in peers if node(peer) != node(r))
         return sum(out) / n, out[0]
     if mode.startswith('diloco-'):
-        h, f, _ = diloco_of(mode)
+        h, f, _, dtype = diloco_of(mode)
+        ring = (w - 1) / w * n_params * {'float32': 4, 'bfloat16': 2}[dtype]  # -bf16: 2 bytes a pseudo-gradient
         at = {}  # the parameters whose pseudo-gradients go out after a step, by its place in the window
         for size, k in zip(sizes, fragment_of(sizes, f)):
             at[k * h // f] = at.get(k * h // f, 0) + size
@@ -252,7 +257,7 @@ def measure(mode, rate, n):
     # DiLoCo sends in bursts, at the end of each window (Streaming DiLoCo: of each fragment's, F a window, each
     # on the wire for τ more steps): the counters are read half-way between two bursts, so that a burst falls
     # wholly inside the measured steps or wholly outside
-    h, f, t = diloco_of(mode) if mode.startswith('diloco-') else (1, 1, 0)
+    h, f, t, _ = diloco_of(mode) if mode.startswith('diloco-') else (1, 1, 0, None)
     start = warmup + ((h // f + t - 2) // 2 - warmup) % h
     measured = -(-steps // h) * h  # whole windows: at least `steps`
     out = os.path.abspath(os.path.join(run_dir, f'{mode}-{rate}-{n}n'))

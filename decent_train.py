@@ -16,10 +16,11 @@ replica and optimizer state (out_dir/decent/step-N/), and out_dir/ckpt.pt the av
 a train.py checkpoint starts every replica here, and so does their average where the world size has changed.
 
 DiLoCo (--diloco_steps=H): no mixing between outer steps; each replica takes H steps of its own optimizer, then the
-replicas average their pseudo-gradients (one all-reduce, bucket by bucket) and an outer Nesterov step moves the
-global model, which every replica starts the next window from; evals and ckpt.pt see the global model. Streaming
-DiLoCo (--diloco_fragments=F --diloco_overlap=τ): runs of blocks take their outer steps in turn, H/F steps apart,
-each landing τ inner steps after its all-reduce started and merged into the replica (--diloco_alpha).
+replicas average their pseudo-gradients (one all-reduce, bucket by bucket; in half the bytes with
+--diloco_dtype=bfloat16) and an outer Nesterov step moves the global model, which every replica starts the next
+window from; evals and ckpt.pt see the global model. Streaming DiLoCo (--diloco_fragments=F --diloco_overlap=τ):
+runs of blocks take their outer steps in turn, H/F steps apart, each landing τ inner steps after its all-reduce
+started and merged into the replica (--diloco_alpha).
 """
 
 import math
@@ -118,6 +119,7 @@ outer_momentum = 0.9
 diloco_fragments = 1  # F: contiguous runs of blocks (the embeddings with the first), one outer step each per window
 diloco_overlap = 0  # τ: inner steps that run while a fragment's all-reduce is on the wire, before its outer step lands
 diloco_alpha = 0.0  # the replica's own weight when a fragment's outer step lands (the paper's 0.5 with overlap)
+diloco_dtype = 'float32'  # the pseudo-gradients' dtype on the wire: 'bfloat16' halves DiLoCo's bytes
 # -----------------------------------------------------------------------------
 config, given = configure(globals())
 check_config(config)  # every key in its range and out_dir writable, before anything is written
@@ -288,7 +290,7 @@ optimizers = make_optimizers(buckets, raw_model, replica_optimizer, learning_rat
                              moment_accum_steps, device_type)
 if diloco_steps:  # θ_global beside the replica, bucket by bucket; each bucket's fragment sets its outer steps' phase
     fragments = make_outer(buckets, diloco_steps, diloco_fragments, outer_optimizer, outer_learning_rate,
-                           outer_momentum, diloco_alpha)
+                           outer_momentum, diloco_alpha, diloco_dtype)
     print0(f"DiLoCo: fragments of the buckets (the embeddings, then each block) {fragments}")
 
 # -----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import TINY, one_line_error, read_metrics, run
-from decent import fragment_of
+from decent import check_optimizers, fragment_of
 from test_fault import killed_past
 
 
@@ -244,6 +244,17 @@ def test_bad_diloco_keys_are_one_line_errors(tmp_path, data_dir, flags, message)
     assert not (tmp_path / 'bad').exists()
 
 
+def test_a_diloco_dtype_other_than_float32_or_bfloat16_or_without_diloco_steps_is_refused():
+    # checked in process, as decent_train.py does before it starts the group (its launch: the cases above)
+    keys = dict(replica_optimizer='adamw', moment_accum_steps=4, diloco_steps=4, outer_optimizer='nesterov',
+                outer_learning_rate=0.7, outer_momentum=0.9, diloco_fragments=1, diloco_overlap=0, diloco_alpha=0.0)
+    assert check_optimizers({**keys, 'diloco_dtype': 'bfloat16'}, 2) is None
+    assert check_optimizers({**keys, 'diloco_dtype': 'float16'}, 2) == ("unknown diloco_dtype='float16': use float32 "
+                                                                        "or bfloat16")
+    assert check_optimizers({**keys, 'diloco_dtype': 'bfloat16', 'diloco_steps': 0}, 2) == (
+        "diloco_dtype takes effect with diloco_steps > 0 only: give diloco_steps")
+
+
 def test_fragments_are_contiguous_runs_of_buckets_of_near_equal_size():
     # GPT-2 124M: the embeddings (the tied head, wpe, ln_f) weigh 5.6 blocks; F=2 cuts after the third block, into
     # 60.7M and 63.7M parameters
@@ -260,15 +271,16 @@ def test_fragments_are_contiguous_runs_of_buckets_of_near_equal_size():
 
 
 # Streaming DiLoCo: 2 fragments of a 4-step window (the first after steps 3 and 7, the second after 1 and 5), each
-# landing one step late (at 5 and 9, at 3 and 7) and merged half and half with the replica
+# landing one step late (at 5 and 9, at 3 and 7) and merged half and half with the replica; the pseudo-gradients
+# travel in bfloat16 (plain DiLoCo's above in float32)
 STREAMING = ['--diloco_steps=4', '--diloco_fragments=2', '--diloco_overlap=1', '--diloco_alpha=0.5', '--dropout=0.1',
-             '--grad_clip=0.0', '--gradient_accumulation_steps=2', '--eval_interval=4']
+             '--grad_clip=0.0', '--gradient_accumulation_steps=2', '--eval_interval=4', '--diloco_dtype=bfloat16']
 
 
 @pytest.fixture(scope='module')
 def streaming(tmp_path_factory, data_dir):
     """2 ranks, 8 steps at once and in two runs split at iter 4, where the first fragment's outer step is in flight
-    (its all-reduce started after step 3, it lands before step 5)."""
+    (its all-reduce started after step 3, in bfloat16; it lands before step 5)."""
     return full_and_split(tmp_path_factory.mktemp('streaming'), data_dir, STREAMING)
 
 
@@ -277,6 +289,8 @@ def test_streaming_resume_with_an_outer_step_in_flight_repeats_the_uninterrupted
     at4 = load(streaming / 'at4' / 'decent' / 'step-00000004' / 'rank-0.pt')['diloco']
     assert [p is not None for p in at4['pending']] == [True, True, False]  # the first fragment's, still to land
     assert at4['lands_at'][:2] == [5, 5] and at4['pending'][0].abs().max() > 0
+    # the ranks' bfloat16 sum, saved in float32 (exactly: it lands the same after the resume)
+    assert all(g.dtype == torch.float32 and torch.equal(g, g.bfloat16().float()) for g in at4['pending'][:2])
     for r in range(2):
         last = f'decent/step-00000008/rank-{r}.pt'
         a, b = load(streaming / 'full' / last), load(streaming / 'split' / last)
@@ -309,24 +323,29 @@ def test_a_sigkilled_streaming_run_resumes_from_its_memory_snapshot_with_an_oute
 
 
 def test_streaming_fragments_take_turns_with_the_same_bytes_per_window(streaming, windows):
-    # fp32 buckets: the embeddings and the first block make the first fragment, the second block the second
+    # bf16 pseudo-gradients, 2 bytes a parameter: the embeddings and the first block make the first fragment, the
+    # second block the second
     saved = load(streaming / 'full' / 'decent' / 'step-00000008' / 'rank-0.pt')['diloco']
-    sizes = [t.numel() * 4 for t in saved['outer']]
+    sizes = [t.numel() * 2 for t in saved['outer']]
     first, second, model = sizes[0] + sizes[1], sizes[2], sum(sizes)
     streamed = sent(streaming / 'full')
     assert streamed == {0: 0, 1: second, 2: 0, 3: first, 4: 0, 5: second, 6: 0, 7: first}
-    # plain DiLoCo (windows of 3) sends the whole model at each window's end: the same bytes per window, all at once
-    assert sent(windows / 'full') == {0: 0, 1: 0, 2: model, 3: 0, 4: 0, 5: model, 6: 0, 7: 0}
+    # plain DiLoCo (windows of 3, fp32: twice the bytes) sends the whole model at each window's end: the same
+    # parameters per window, all at once
+    assert sent(windows / 'full') == {0: 0, 1: 0, 2: 2 * model, 3: 0, 4: 0, 5: 2 * model, 6: 0, 7: 0}
     assert max(streamed.values()) < 0.6 * model and sum(streamed.values()) == 2 * model
 
 
 def test_an_outer_step_in_flight_lands_late_merged_with_the_replica(tmp_path, data_dir, streaming):
     # the 2-rank checkpoint at iter 4 resumed on one rank with the inner learning rate at 0: the replica starts from
     # θ_global and stays there, the first fragment's outer step (Nesterov, on the saved mean pseudo-gradient) lands
-    # at iter 5, and the replica's fragment becomes the mean of its own and the new θ_global (alpha 0.5)
+    # at iter 5, and the replica's fragment becomes the mean of its own and the new θ_global (alpha 0.5). The run
+    # sent its pseudo-gradients in bfloat16 and resumes in float32, as a resume may change any DiLoCo key: the one
+    # that was in flight lands as it was saved
     shutil.copytree(streaming / 'at4', tmp_path / 'run')
     p = launch(tmp_path, data_dir, 'run', *STREAMING, '--max_iters=5', '--eval_interval=5', '--learning_rate=0',
-               '--min_lr=0', '--init_from=resume')
+               '--min_lr=0', '--init_from=resume', '--diloco_dtype=float32')
+    assert 'pseudo-gradients sent in float32' in p.stdout
     assert 'holds the replicas of 2 ranks, not 1' in p.stdout
     before = load(tmp_path / 'run' / 'decent' / 'step-00000004' / 'rank-0.pt')['diloco']
     after = load(tmp_path / 'run' / 'decent' / 'step-00000005' / 'rank-0.pt')
