@@ -37,7 +37,8 @@ SLOWEST_FIRST = ['test_fault.py',  # 249; CPU alone 243 -> 215 s (its SIGTERM ru
                  'test_slurm.py',  # 114; 93 s of CPU
                  'test_interop.py',  # 87; CPU alone 58 -> 36 s (its deterministic 2-rank reruns forked)
                  'test_saved_state.py',  # 69 with the shared runs' setup; 53 s of CPU
-                 'test_gpu_check.py',  # 89 (its dry run's part A three runs at a time); CPU alone 89-94 -> 80-84 s
+                 'test_gpu_check.py',  # 66-78 (its dry run's part A three runs at a time); CPU alone 73 -> 42 s
+                 # with the dry run's one-process scripts forked
                  'test_fault_single.py',  # 69 with its killed and signalled runs forked (117-180 in fresh interpreters)
                  'test_hellaswag.py',  # 62; 58 s of CPU (70 with 2-step runs, full evals in the loop)
                  'test_fault_resize.py',  # 45
