@@ -21,6 +21,7 @@ sudo python bench_network.py --modes=diloco-40,diloco-40-bf16 --rates=100mbit   
 
 import itertools
 import json
+import math
 import os
 import statistics
 import sys
@@ -204,7 +205,8 @@ def time_to_loss(mode, rate, n):
         while reached is None and all(p.poll() is None for p in procs):
             time.sleep(0.5)
             rows = iters_logged(os.path.join(out, 'metrics.jsonl'))[1]
-            reached = next((r['iter'] for r in rows if r.get('val_loss', 1e9) <= target_loss), None)
+            # a val loss that was not finite is logged null
+            reached = next((r['iter'] for r in rows if (r.get('val_loss') or math.inf) <= target_loss), None)
         rows = iters_logged(os.path.join(out, 'metrics.jsonl'))[1]  # the cluster's end stops the run, if not done
     steps_ms = [r['ms'] for r in rows if 'ms' in r and (reached is None or r['iter'] < reached)]
     vals = [(r['iter'], r['val_loss']) for r in rows if 'val_loss' in r]

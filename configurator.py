@@ -21,6 +21,7 @@ check the values of the model's and AdamW's keys, where a script has them.
 
 import ast
 import difflib
+import math
 import os
 import re
 import select
@@ -65,6 +66,8 @@ def _check(key, value, defaults, where, script=''):
     if type(value) is not want:
         sys.exit(f"error: {where}: {key} must be {want.__name__} like its default {defaults[key]!r}, "
                  f"got {type(value).__name__} {value!r}")
+    if want is float and not math.isfinite(value):  # --learning_rate=1e999 reads as inf, a TOML's nan as nan
+        sys.exit(f"error: {where}: {key}={value} is not a finite number: give one like its default {defaults[key]!r}")
     if want is str and '\0' in value:  # a config file's "\x00": no path can hold one (os raises ValueError)
         sys.exit(f"error: {where}: {key}={value!r} holds a NUL byte (\\x00), which no path or name can: remove it")
     if want is str and (value == '~' or value.startswith('~/')):

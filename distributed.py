@@ -264,15 +264,16 @@ def use_deterministic_algorithms(device_type):
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-def agree(nonfinite, iter_num=None):
+def agree(nonfinite, iter_num=None, overflow=None):
     """(nonfinite, stop) as every rank sees them: whether any rank's step was not finite (a tensor, so that the
     check queues on the device), and whether any rank was sent SIGTERM. One small all-reduce carries both, and
     whether any rank's storage checkpoint could not be written in the background: then every rank stops here.
     Given the step's iter_num, the host does not wait for the verdict: it returns at once the device's flag of a
     non-finite step, by which the fused AdamW skips its update there (found_inf), and verdicts() reads the rest
     at the next step, once the host has queued this step's update (a read now would stall the CPU that should run
-    ahead of the GPU)."""
-    flags = torch.empty(3, device=nonfinite.device)
+    ahead of the GPU). overflow (float16's, a tensor): whether a rank's gradients overflowed, a step GradScaler
+    skips by itself; verdicts() hands it on, so that such steps are counted too."""
+    flags = torch.zeros(4, device=nonfinite.device)
     flags[0] = nonfinite  # on the device; the host's flags are filled in, not copied, so nothing waits here either
     if _launcher and os.getppid() != _launcher[0] and 'launcher' not in _stop_signals:
         # a killed torchrun (kill -9, the OOM killer) would leave this rank training on to max_iters, holding out_dir
@@ -280,6 +281,8 @@ def agree(nonfinite, iter_num=None):
         _stop_signals.append('launcher')
     flags[1] = float(bool(_stop_signals))
     flags[2] = float(save_failed())
+    if overflow is not None:
+        flags[3] = overflow
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     if iter_num is None:
         return read_verdict(flags)
@@ -302,7 +305,7 @@ def skip_on_device(optimizer, nonfinite):
 
 
 def read_verdict(flags):
-    nonfinite, stop, failed = flags.tolist()
+    nonfinite, stop, failed, _ = flags.tolist()
     if failed:
         exit_after_failed_save()
     return bool(nonfinite), bool(stop)
@@ -310,12 +313,12 @@ def read_verdict(flags):
 
 def verdicts():
     """The verdicts agree() queued (a step's, read at the next: the device has long reached them), as
-    (iter_num, nonfinite, stop)."""
+    (iter_num, nonfinite, stop, overflow)."""
     while _queued:
         iter_num, flags, done = _queued.pop(0)
         if done is not None:
             done.synchronize()
-        yield iter_num, *read_verdict(flags)
+        yield iter_num, *read_verdict(flags), bool(flags[3])
 
 
 def gather_rng():

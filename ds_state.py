@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from checkpoint import (checkpoint_iter, is_snapshot, kept, point_latest, read_name, reason, same_step, saved_for,
                         step_folders)
+from runlog import stop_diverged
 
 # the classes that DeepSpeed 0.19.8 pickles into its checkpoints besides tensors and containers
 DS_SAFE_GLOBALS = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
@@ -464,6 +465,19 @@ def guard_step(optimizer):
         if not optimizer.overflow:
             adamw_step()
     optimizer.step = guarded_step
+
+
+def step_or_stop(model, in_a_row, iter_num, out_dir, run_id):
+    """model.step(), which in float16 raises a bare Exception on every rank alike where gradients overflow with the
+    loss scale already at DeepSpeed's min_loss_scale: the run stops there as max_nonfinite_steps would stop it
+    (runlog.stop_diverged), in one line naming the last good state rather than in a traceback."""
+    try:
+        model.step()
+    except Exception as e:
+        if 'loss scale already at minimum' not in str(e):  # DeepSpeed's DynamicLossScaler.update_scale
+            raise
+        stop_diverged(in_a_row + 1, iter_num, out_dir, run_id, "gradient in float16 at DeepSpeed's min_loss_scale",
+                      dtype='float16')
 
 
 def by_norm_where_zero_checks(asked, given, zero_stage, dtype, offload_optimizer):

@@ -41,6 +41,8 @@ def read_run(path):
             for kind, rows in (('loss', steps), ('val_loss', evals), ('hellaswag_acc_norm', hellaswag)):
                 if kind not in row:
                     continue
+                if row[kind] is None:  # a loss that was not finite (older logs wrote NaN, which reads as nan too)
+                    row[kind] = float('nan')
                 bad = [k for k in ('iter', 'time', kind) if type(row.get(k)) not in (int, float)]
                 if bad:
                     sys.exit(f"error: {path}:{n}: a row with '{kind}' lacks a number for '{bad[0]}': plot.py reads "

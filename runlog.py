@@ -54,6 +54,8 @@ def open_log(out_dir, run_id, settings, resumed_at=None, write=True, eval_only=F
         return lines
 
     def log(iter_num, **row):
+        # a loss that is not finite is written null: NaN and Infinity are no JSON, which many readers refuse
+        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
         text = json.dumps({'iter': iter_num, **row, **mark, 'time': round(time.time() - t_start, 3)}) + '\n'
         if metrics:
             if write and metrics[0] is not None:
@@ -216,7 +218,7 @@ def replace_text(path, text):
         raise
 
 
-def count_skipped(nonfinite, in_a_row, limit, iter_num, log, out_dir, run_id, what='loss or gradient'):
+def count_skipped(nonfinite, in_a_row, limit, iter_num, log, out_dir, run_id, what='loss or gradient', dtype=None):
     """The non-finite steps in a row after this one, which the loop skipped: each is logged, and `limit` in a row
     stop the run (stop_diverged)."""
     if not nonfinite:
@@ -226,19 +228,37 @@ def count_skipped(nonfinite, in_a_row, limit, iter_num, log, out_dir, run_id, wh
         print(f"iter {iter_num}: non-finite {what}, step skipped ({in_a_row} in a row)", flush=True)
     log(iter_num, skipped=f'non-finite {what}')
     if in_a_row >= limit:
-        stop_diverged(in_a_row, iter_num, out_dir, run_id, what)
+        stop_diverged(in_a_row, iter_num, out_dir, run_id, what, dtype=dtype)
     return in_a_row
 
 
-def ends_diverged(in_a_row, losses, iter_num, out_dir, run_id, what='loss or gradient'):
+MIN_LOSS_SCALE = 1.0  # DeepSpeed's min_loss_scale too, below which its float16 runs stop
+
+
+def count_overflow(in_a_row, iter_num, scale, log, out_dir, run_id):
+    """As count_skipped, for a float16 step whose gradients overflowed, which GradScaler skipped and whose loss scale
+    it halved (to scale): a few in a row are its way of finding its scale, but one below MIN_LOSS_SCALE means the
+    gradients overflow whatever the scale, and the run would skip every step from then on: it stops."""
+    in_a_row += 1
+    if int(os.environ.get('RANK', 0)) == 0:
+        print(f"iter {iter_num}: float16 gradient overflow, step skipped, loss scale now {scale:g} ({in_a_row} in a "
+              f"row)", flush=True)
+    log(iter_num, skipped='float16 gradient overflow', loss_scale=scale)
+    if scale < MIN_LOSS_SCALE:
+        stop_diverged(in_a_row, iter_num, out_dir, run_id, f'gradient in float16 (loss scale down to {scale:g})',
+                      dtype='float16')
+    return in_a_row
+
+
+def ends_diverged(in_a_row, losses, iter_num, out_dir, run_id, what='loss or gradient', dtype=None):
     """At the run's last eval (every rank alike): where its last steps were non-finite and so is that eval, its
     weights went bad before max_nonfinite_steps could stop it, and a save made right after the step that spoiled
     them (before a loss showed it: a periodic or memory one) holds them; the run stops as the limit would."""
     if in_a_row and not all(math.isfinite(v) for v in losses.values()):
-        stop_diverged(in_a_row, iter_num - 1, out_dir, run_id, what, ', and so had the final eval')
+        stop_diverged(in_a_row, iter_num - 1, out_dir, run_id, what, ', and so had the final eval', dtype)
 
 
-def stop_diverged(in_a_row, iter_num, out_dir, run_id, what, also=''):
+def stop_diverged(in_a_row, iter_num, out_dir, run_id, what, also='', dtype=None):
     """Stops the run whose in_a_row steps up to iter_num were non-finite with an error (every rank calls this
     alike), once the saves in flight are written and what was saved since the weights went bad (at the first of
     these steps) is set aside: out_dir's newest state is the last good one, which the error names."""
@@ -250,15 +270,25 @@ def stop_diverged(in_a_row, iter_num, out_dir, run_id, what, also=''):
         dist.broadcast_object_list(newest)  # rank 0's view of out_dir
     held = f"{newest[0]} (iter {newest[1]}) holds the last good state" if newest[0] else \
         f"{out_dir} holds no state saved before the weights went bad"
-    sys.exit(f"error: {in_a_row} steps in a row up to iter {iter_num} had a non-finite {what}{also}; {held}: lower "
-             f"learning_rate, use bfloat16 rather than float16, or check the data")
+    sys.exit(f"error: {in_a_row} steps in a row up to iter {iter_num} had a non-finite {what}{also}; {held}: "
+             f"{diverged_fix(dtype)}")
 
 
-def heed(in_a_row, limit, log, out_dir, run_id):
-    """The verdict on the step before, which agree() left on the device: a non-finite step counted (count_skipped)
-    and whether the ranks were asked to stop. Returns (in_a_row, stop)."""
-    stop = False
-    for iter_num, nonfinite, stopped in verdicts():
-        in_a_row = count_skipped(nonfinite, in_a_row, limit, iter_num, log, out_dir, run_id)
+def diverged_fix(dtype):
+    """What to try when a run diverges: bfloat16's range is float32's, float16's overflows far sooner."""
+    return f"lower learning_rate, {'use bfloat16 rather than float16, ' if dtype == 'float16' else ''}or check the data"
+
+
+def heed(in_a_row, limit, log, out_dir, run_id, scaler=None):
+    """The verdict on the step before, which agree() left on the device: a non-finite step counted (count_skipped),
+    or with float16's GradScaler (scaler) an overflow it skipped (count_overflow), and whether the ranks were asked
+    to stop. Returns (in_a_row, stop)."""
+    stop, float16 = False, scaler is not None and scaler.is_enabled()
+    for iter_num, nonfinite, stopped, overflow in verdicts():
+        if float16 and overflow and not nonfinite:  # the scale it halved to, read now the device is past that step
+            in_a_row = count_overflow(in_a_row, iter_num, scaler.get_scale(), log, out_dir, run_id)
+        else:
+            in_a_row = count_skipped(nonfinite, in_a_row, limit, iter_num, log, out_dir, run_id,
+                                     dtype='float16' if float16 else None)
         stop = stop or stopped
     return in_a_row, stop

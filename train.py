@@ -306,7 +306,7 @@ loss_sum = torch.zeros((), device=device)
 nonfinite_steps = 0  # in a row
 while True:
     # the step before's verdict (agree), read only now: a non-finite step is counted, a SIGTERM or Ctrl-C stops here
-    nonfinite_steps, stop = heed(nonfinite_steps, max_nonfinite_steps, log_metrics, out_dir, run_id)
+    nonfinite_steps, stop = heed(nonfinite_steps, max_nonfinite_steps, log_metrics, out_dir, run_id, scaler)
     if stop:
         print0(f"{stop_signal()}: saving a checkpoint at iter {iter_num} and exiting")
         save_checkpoint(wait=True)
@@ -339,7 +339,7 @@ while True:
         t0, steps_timed = time.time(), 0
     if iter_num >= max_iters or eval_only:
         # a run that ends in non-finite steps stops as max_nonfinite_steps would: a save since may hold bad weights
-        ends_diverged(nonfinite_steps, losses, iter_num, out_dir, run_id)
+        ends_diverged(nonfinite_steps, losses, iter_num, out_dir, run_id, dtype=dtype)
         break
     if save_memory_interval and iter_num % save_memory_interval == 0 and local_iter_num > 0:
         save_checkpoint('memory')
@@ -363,8 +363,9 @@ while True:
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     # A non-finite loss or gradient would spoil the weights for good, so the step is skipped; the ranks decide alike,
     # as about SIGTERM, on the device, where the fused AdamW skips by the verdict (found_inf) with no wait for it
-    # (float16's scaler skips overflowing gradients by itself, and sets found_inf so: there only the loss counts)
-    nonfinite = agree(~torch.isfinite(loss_sum if dtype == 'float16' else loss_sum + grad_norm), iter_num)
+    # (float16's scaler skips overflowing gradients by itself, and sets found_inf so: heed counts its skips apart)
+    nonfinite = agree(~torch.isfinite(loss_sum if dtype == 'float16' else loss_sum + grad_norm), iter_num,
+                      ~torch.isfinite(grad_norm))
     skip_on_device(optimizer, nonfinite)
     wait_for_copies()  # a snapshot taken before this step may still be copying the weights it is about to change
     scaler.step(optimizer)

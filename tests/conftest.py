@@ -159,11 +159,12 @@ def counts_tokens(state):
 
 
 def read_metrics(out_dir):
-    """{iter: loss} of the logged steps, and the list of eval rows, from a run's metrics.jsonl."""
+    """{iter: loss} of the logged steps, and the list of eval rows, from a run's metrics.jsonl (where a loss that
+    was not finite is null: NaN here)."""
     losses, evals = {}, []
     with open(Path(out_dir) / 'metrics.jsonl') as f:
         for line in f:
-            row = json.loads(line)
+            row = {k: float('nan') if v is None else v for k, v in json.loads(line).items()}
             if 'loss' in row:
                 losses[row['iter']] = row['loss']
             if 'val_loss' in row:

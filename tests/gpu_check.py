@@ -270,7 +270,8 @@ def metrics(out_dir):
     if not os.path.exists(path):
         return []
     with open(path) as f:  # a row without its newline is still being written (host_profile reads as the run goes)
-        return [json.loads(line) for line in f if line.strip() and line.endswith('\n')]
+        rows = [json.loads(line) for line in f if line.strip() and line.endswith('\n')]
+    return [{k: float('nan') if v is None else v for k, v in row.items()} for row in rows]  # null: not finite
 
 
 def row(part, what, ok, figure=''):

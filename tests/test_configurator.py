@@ -68,6 +68,15 @@ def test_wrong_type_names_the_expected_type(capsys):
     assert 'compile must be bool' in msg
 
 
+def test_a_float_key_takes_finite_numbers_only(tmp_path, capsys):
+    # 1e999 reads as inf and a file may give nan: AdamW would take either and turn every weight to nan
+    msg = fails(defaults(), ['--learning_rate=1e999'], capsys)
+    assert msg == "error: --learning_rate=1e999: learning_rate=inf is not a finite number: give one like its " \
+        "default 0.0006"
+    (tmp_path / 'nan.toml').write_text('learning_rate = nan\n')
+    assert 'learning_rate=nan is not a finite number' in fails(defaults(), [str(tmp_path / 'nan.toml')], capsys)
+
+
 def test_an_int_key_takes_a_step_number_as_a_folder_name_writes_it():
     # fsdp.md: --max_iters at the N of dcp/latest, which names step-00000006; Python's syntax refuses 00000006
     ns = defaults()

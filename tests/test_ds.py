@@ -165,6 +165,24 @@ def test_zero_buckets_are_the_models_size_unless_a_config_sets_them():
     assert zero == {'reduce_bucket_size': 1_687_390, 'allgather_bucket_size': 1_687_390}
 
 
+def test_a_float16_overflow_at_deepspeeds_least_loss_scale_stops_in_one_line(tmp_path):
+    # DeepSpeed's float16 needs a GPU: its own loss scaler, at min_loss_scale, raises as the engine's step would
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from ds_state import step_or_stop
+    scaler = DynamicLossScaler(init_scale=1, scale_window=1000, min_scale=1, delayed_shift=1,
+                               consecutive_hysteresis=False, raise_error_at_min_scale=True, dtype=torch.half)
+    model = type('Engine', (), {'step': lambda self: scaler.update_scale(True)})()
+    with pytest.raises(SystemExit) as e:
+        step_or_stop(model, 2, 7, str(tmp_path), 'run')
+    assert e.value.code == (f"error: 3 steps in a row up to iter 7 had a non-finite gradient in float16 at "
+                            f"DeepSpeed's min_loss_scale; {tmp_path} holds no state saved before the weights went bad: "
+                            f"lower learning_rate, use bfloat16 rather than float16, or check the data")
+    model.step = lambda: 1 / 0  # any other error is DeepSpeed's to raise
+    with pytest.raises(ZeroDivisionError):
+        step_or_stop(model, 0, 7, str(tmp_path), 'run')
+
+
+
 def test_per_rank_optimizer_state_at_stage_1_and_up_is_at_most_0_6_of_stage_0(stages):
     mem = {stage: logged_state(out) for stage, out in stages.items()}
     assert mem[0]['optim_bytes'] > 0

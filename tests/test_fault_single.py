@@ -5,6 +5,7 @@ old one; non-finite losses skip the step, and several in a row stop the run. One
 (dropout, memory snapshots and storage checkpoints) is made once (shared_run): the reference of the first two, the
 old run of the third."""
 
+import json
 import math
 import os
 import re
@@ -116,8 +117,11 @@ sys.path.insert(0, os.environ['REPO'])
 import model, pipeline
 forward, loss_fn, calls = model.GPT.forward, pipeline.loss_fn, [0]
 bad = {int(s) for s in os.environ['NAN_STEPS'].split(',')}
+overflow_from = int(os.environ.get('OVERFLOW_FROM') or 1 << 30)  # from then on, a finite loss, inf gradients
 def nan(loss):
     calls[0] += 1
+    if calls[0] >= overflow_from:
+        loss.register_hook(lambda grad: grad * float('inf'))
     return loss * float('nan') if calls[0] in bad else loss
 def nan_forward(self, idx, targets=None):
     logits, loss = forward(self, idx, targets)
@@ -140,11 +144,12 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 '''
 
 
-def run_with_nans(tmp_path, nan_steps, *args, script='train.py', nproc=1, launcher=(), poison_step=''):
+def run_with_nans(tmp_path, nan_steps, *args, script='train.py', nproc=1, launcher=(), poison_step='',
+                  overflow_from=''):
     wrapper = tmp_path / 'nan_wrapper.py'
     wrapper.write_text(NAN_WRAPPER)
     environ = {**env(), 'REPO': str(REPO), 'NAN_STEPS': nan_steps, 'OMP_NUM_THREADS': '1',
-               'POISON_STEP': str(poison_step)}
+               'POISON_STEP': str(poison_step), 'OVERFLOW_FROM': str(overflow_from)}
     if not launcher:  # the ranks as tests/launcher.py starts them, each with the wrapper
         return launch(str(wrapper), [str(REPO / script), *map(str, args)], environ, tmp_path, nproc=nproc)
     return subprocess.run([sys.executable, *launcher, str(wrapper), str(REPO / script), *args], cwd=tmp_path,
@@ -173,6 +178,25 @@ def test_train_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(t
     assert ckpt['iter_num'] == 6 and all(torch.isfinite(t).all() for t in ckpt['model'].values())
 
 
+def test_float16_overflows_are_counted_and_a_loss_scale_below_1_stops_the_run(tmp_path, data_dir):
+    """From the 6th step on every gradient overflows, whatever GradScaler's scale: each skip is said and logged,
+    with the scale it halved to, and the 17th, from 65536 to 0.5, stops the run as non-finite losses would."""
+    out = tmp_path / 'run'
+    p = run_with_nans(tmp_path, '0', *tiny(data_dir, out, '--gradient_accumulation_steps=1', '--max_iters=40',
+                                           '--eval_interval=4', '--dtype=float16'), overflow_from=6)
+    assert p.returncode == 1, p.stdout[-2000:]
+    assert 'iter 5: float16 gradient overflow, step skipped, loss scale now 32768 (1 in a row)' in p.stdout
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"error: 17 steps in a row up to iter 21 had a non-finite gradient in float16 (loss scale down to 0.5); "
+        f"{out / 'ckpt.pt'} (iter 4) holds the last good state: lower learning_rate, use bfloat16 rather than "
+        f"float16, or check the data")
+    rows = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines()]
+    assert [r['loss_scale'] for r in rows if r.get('skipped') == 'float16 gradient overflow'] == \
+        [2.0 ** -k for k in range(-15, 2)]
+    ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+    assert ckpt['iter_num'] == 4 and all(torch.isfinite(t).all() for t in ckpt['model'].values())
+
+
 def test_weights_spoiled_by_a_step_with_a_finite_loss_are_never_left_the_newest_state(tmp_path, data_dir):
     """The 4th optimizer step (iter 3) puts an inf into the weights while its own loss and gradient were finite: the
     periodic save at iter 4 comes before any loss shows it, and holds them. The run ends (max_iters) before
@@ -184,8 +208,8 @@ def test_weights_spoiled_by_a_step_with_a_finite_loss_are_never_left_the_newest_
     assert p.returncode == 1, p.stdout[-2000:]
     assert p.stderr.strip().splitlines()[-1] == (
         f"error: 2 steps in a row up to iter 5 had a non-finite loss or gradient, and so had the final eval; "
-        f"{out / 'ckpt.pt'} (iter 3) holds the last good state: lower learning_rate, use bfloat16 rather than "
-        f"float16, or check the data")
+        f"{out / 'ckpt.pt'} (iter 3) holds the last good state: lower learning_rate, or check the data")  # float32
+
     ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
     assert ckpt['iter_num'] == 3 and all(torch.isfinite(t).all() for t in ckpt['model'].values())
     bad = out / 'diverged-ckpt-4.pt'

@@ -2,6 +2,7 @@
 and deterministic runs."""
 
 import json
+import math
 import os
 import shutil
 
@@ -206,11 +207,15 @@ def test_plot_puts_a_resumed_launch_after_the_one_before_in_wall_time(tmp_path):
     # each launch logs its time from 0; a run resumed at iter 2 must not be drawn back at the start of the time axis
     rows = [{'iter': 0, 'train_loss': 4.0, 'val_loss': 4.1, 'time': 0.5}, {'iter': 0, 'loss': 4.0, 'time': 1.0},
             {'iter': 1, 'loss': 3.9, 'time': 2.0}, {'iter': 2, 'param_bytes': 8, 'time': 0.1},
-            {'iter': 2, 'loss': 3.8, 'time': 0.5}, {'iter': 4, 'train_loss': 3.0, 'val_loss': 3.1, 'time': 1.5}]
+            {'iter': 2, 'loss': 3.8, 'time': 0.5}, {'iter': 4, 'train_loss': 3.0, 'val_loss': 3.1, 'time': 1.5},
+            # a loss that was not finite: null now, NaN in older logs; either is drawn as a gap
+            {'iter': 5, 'loss': None, 'time': 1.6}, {'iter': 6, 'loss': float('nan'), 'time': 1.7}]
     (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
     import plot
     steps, evals, _ = plot.read_run(str(tmp_path))
-    assert [r['time'] for r in steps] == [1.0, 2.0, 2.5] and [r['time'] for r in evals] == [0.5, 3.5]
+    assert [r['time'] for r in steps] == [1.0, 2.0, 2.5, 3.6, 3.7] and [r['time'] for r in evals] == [0.5, 3.5]
+    assert all(math.isnan(r['loss']) for r in steps[3:])
+
 
 
 def logged_state(out):

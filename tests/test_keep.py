@@ -6,6 +6,7 @@ DCP folder of the run keeps that folder, and one to the step folder a run resume
 the best. One base run per entrypoint (10 steps, an eval every 2,
 keep_checkpoints=3) is shared by the tests."""
 
+import json
 import os
 import re
 import shutil
@@ -104,6 +105,12 @@ def test_a_diverged_run_leaves_its_last_good_state_newest(base, tmp_path, data_d
     assert one_line_error(p).startswith("error: 5 steps in a row up to iter 15 had a non-finite loss"), p.stderr
     assert f"{newest} (iter 10) holds the last good state" in p.stderr
     assert "step 15: train loss nan, val loss nan" in p.stdout
+    assert 'bfloat16' not in one_line_error(p)  # a float32 run: no advice to leave float16
+    # standard JSON, which has no NaN: the NaN eval is logged null
+    lines = (out / 'metrics.jsonl').read_text().splitlines()
+    rows = [json.loads(line, parse_constant=lambda word: pytest.fail(f'{word} in metrics.jsonl')) for line in lines]
+    assert any(r['iter'] == 15 and 'val_loss' in r and r['val_loss'] is None for r in rows)
+
     assert "the eval's loss is not finite: nothing saved" in p.stdout
     files, folders = kept_iters(script, out)
     # 11's set aside, nothing saved after it; 6 pruned when 11 was saved (keep 3), and 10's save again at the

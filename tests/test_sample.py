@@ -218,7 +218,7 @@ NO_GPU = 'cuda' if not torch.cuda.is_available() else f'cuda:{torch.cuda.device_
     ('--dtype=float64', "unknown dtype='float64': use auto, float32, bfloat16, float16"),
     ('--device=gpu', "unknown device='gpu': use auto, cpu, cuda or cuda:N"),
     (f'--device={NO_GPU}', f'device={NO_GPU} but torch sees {torch.cuda.device_count()} GPUs here: use --device=cpu'),
-    ('NAN_CONFIG', 'temperature=nan is not a number from 0 up: give 0 (always the likeliest token) or more'),
+    ('NAN_CONFIG', 'temperature=nan is not a finite number: give one like its default 0.8'),
     ('--seed=99999999999999999999', 'seed=99999999999999999999 must be from 0 to 9223372036854775807'),
     ('SMALL_META', "does not hold the vocabulary of this 65-token model (10 tokens): pass the --meta_path of the data"),
     # as many characters, two swapped: every id decodes, to the wrong character
