@@ -130,8 +130,8 @@ WRAPPERS = {
     # the host made to wait for each step's verdict (distributed.agree), as a read at once would make it
     'sync': """import distributed
 agree = distributed.agree
-def agree_and_wait(nonfinite, iter_num=None):
-    flag = agree(nonfinite, iter_num)
+def agree_and_wait(nonfinite, *args, **kwargs):
+    flag = agree(nonfinite, *args, **kwargs)
     flag.item()
     return flag
 distributed.agree = agree_and_wait
@@ -271,7 +271,8 @@ def metrics(out_dir):
         return []
     with open(path) as f:  # a row without its newline is still being written (host_profile reads as the run goes)
         rows = [json.loads(line) for line in f if line.strip() and line.endswith('\n')]
-    return [{k: float('nan') if v is None else v for k, v in row.items()} for row in rows]  # null: not finite
+    # null: a loss that was not finite; an MFU's, unknown (no peak for the device), as it was before nulls
+    return [{k: float('nan') if v is None and k != 'mfu' else v for k, v in row.items()} for row in rows]
 
 
 def row(part, what, ok, figure=''):
