@@ -97,7 +97,8 @@ def test_estimate_mfu_counts_flops_and_is_none_where_the_peak_is_unknown():
     assert model.estimate_mfu(8, 0.5, 'NVIDIA H100 80GB HBM3') == pytest.approx(expected, rel=1e-12)
     assert model.estimate_mfu(8, 0.5, 'NVIDIA H100 80GB HBM3', 'float32') == pytest.approx(2 * expected, rel=1e-12)
     # N counts the tied token embedding once (the lm_head's matmul), the position embedding not at all (a lookup)
-    assert model.get_num_params() == sum(p.numel() for n, p in model.named_parameters() if n != 'transformer.wpe.weight')
+    counted = sum(p.numel() for n, p in model.named_parameters() if n != 'transformer.wpe.weight')
+    assert model.get_num_params() == counted
     assert model.estimate_mfu(8, 0.5, 'cpu') is None
     assert model.estimate_mfu(8, 0.5, 'Some Future GPU') is None
 
