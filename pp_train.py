@@ -259,8 +259,7 @@ tied = model.transformer['wte'].weight if 'wte' in model.transformer else None  
 tie_group = embedding_group(mesh, v_shape)  # this rank's and its peer's at the other end, sharing the tied weight
 pp_group = mesh['pp'].get_group()
 pipeline = [PipelineStage(stage, s, n_stages, device, group=pp_group) for stage, s in zip(stages, ids)]
-# the gradients are summed over the micro-batches, and divided by their number after (tied_grads_and_norm), as
-# train.py divides each micro-step's loss
+# gradients summed over the micro-batches, then divided by their number (tied_grads_and_norm): train.py's mean
 schedule = make_schedule(pp_schedule, pipeline, accum_steps, loss_fn, scale_grads=False)
 
 # -----------------------------------------------------------------------------
