@@ -431,7 +431,7 @@ log_metrics = open_log(out_dir, run_id, {**config, 'world_size': world_size}, re
                        write=master_process, eval_only=eval_only)
 if wandb_log and master_process:
     import wandb
-    wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+    wandb.init(project=wandb_project, name=wandb_run_name, config=config, id=run_id, resume='allow')  # one run's curves
 device_name = torch.cuda.get_device_name(device) if device_type == 'cuda' else device_type
 
 # -----------------------------------------------------------------------------

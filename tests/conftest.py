@@ -172,6 +172,29 @@ def read_metrics(out_dir):
     return losses, evals
 
 
+WANDB_STUB = """import json, os
+def _record(*call):
+    with open(os.environ['WANDB_CALLS'], 'a') as f:
+        f.write(json.dumps(call, default=str) + '\\n')
+def init(**kwargs):
+    _record('init', kwargs)
+def log(row, **kwargs):
+    _record('log', row)
+"""
+
+
+@pytest.fixture
+def wandb_calls(tmp_path, monkeypatch):
+    """A stand-in for the wandb package (not installed, and the tests are offline) on the runs' path: () -> the
+    calls that the test's runs with --wandb_log=True made of it, [('init', kwargs), ('log', row), ...]."""
+    (tmp_path / 'wandb_stub').mkdir()
+    (tmp_path / 'wandb_stub' / 'wandb.py').write_text(WANDB_STUB)
+    monkeypatch.setenv('PYTHONPATH', str(tmp_path / 'wandb_stub'))
+    monkeypatch.setenv('WANDB_CALLS', str(tmp_path / 'wandb_calls.jsonl'))
+    calls = tmp_path / 'wandb_calls.jsonl'
+    return lambda: [tuple(json.loads(line)) for line in calls.read_text().splitlines()] if calls.exists() else []
+
+
 @pytest.fixture(scope='session')
 def data_dir(tmp_path_factory):
     """tiny Shakespeare, char-level and GPT-2 BPE, prepared once for the whole session."""

@@ -43,9 +43,11 @@ def _start_server(env):
     this folder on its path, for PRELOAD's modules of it (Python 3.11's forkserver takes no sys.path of ours)."""
     global _context, _clean_path
     if _context is None:
-        # sys.path as a fresh `python script.py` has it, past its first entry (the script's folder)
+        # sys.path as a fresh `python script.py` has it, past its first entry (the script's folder) and without
+        # PYTHONPATH's entries, which each child puts first from its own environment
+        bare = {k: v for k, v in env.items() if k != 'PYTHONPATH'}
         _clean_path = json.loads(subprocess.check_output([sys.executable, '-c', 'import sys, json; '
-                                                          'print(json.dumps(sys.path[1:]))'], env=env, text=True))
+                                                          'print(json.dumps(sys.path[1:]))'], env=bare, text=True))
         saved = dict(os.environ)
         here = os.path.dirname(os.path.abspath(__file__))
         os.environ.update(OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1',
@@ -68,7 +70,8 @@ def _child(script, args, env, cwd, out, err, path):
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    as_main(script, args, path)
+    given = [os.path.abspath(p) for p in env.get('PYTHONPATH', '').split(os.pathsep) if p]  # a test's stand-in modules
+    as_main(script, args, [*given, *path])
 
 
 def as_main(script, args, path):

@@ -41,6 +41,14 @@ def iter_of(path):
     return load_checkpoint(str(path))[1]['iter_num']
 
 
+def logged_in_its_wandb_run(calls, out):
+    """Whether a resumed launch (--wandb_log=True, conftest's stand-in for wandb) went on with its run's own wandb
+    run, its id the run_id that the run's first launch wrote and took too, and logged its evals there."""
+    (call, kwargs), *logs = calls
+    return (call, kwargs['id'], kwargs['resume']) == ('init', (out / 'run_id').read_text().strip(), 'allow') and \
+        logs and all(call == 'log' and 'val/loss' in row for call, row in logs)
+
+
 def kept_iters(script, out):
     """The iterations of the states kept in out_dir: train.py's ckpt.pt and its versions, the others' step
     folders (and the versions of their consolidated ckpt.pt, where they write one)."""
@@ -144,7 +152,7 @@ def copy_with_a_damaged_ckpt(base_dir, out):
     return damaged
 
 
-def test_a_resume_from_before_the_best_keeps_it_best(base, tmp_path, data_dir):
+def test_a_resume_from_before_the_best_keeps_it_best(base, tmp_path, data_dir, wandb_calls):
     # the newest step folder moved away by hand (or damaged): the run resumed from 8 with 8's best_val_loss, and
     # its eval at 10 replaced the best kept at 10 whatever that best's loss (here made lower than any eval's)
     out = tmp_path / 'run'
@@ -154,8 +162,9 @@ def test_a_resume_from_before_the_best_keeps_it_best(base, tmp_path, data_dir):
     (best / 'extra.pt').unlink()  # a file of its own, not the step folder's (a hard link)
     torch.save({**extra, 'val_loss': 0.5}, best / 'extra.pt')
     shutil.move(out / 'dcp' / 'step-00000010', tmp_path / 'aside')
-    p = run('pp_train.py', *tiny(data_dir, out, *BASE, '--log_interval=3'), cwd=tmp_path)
+    p = run('pp_train.py', *tiny(data_dir, out, *BASE, '--log_interval=3', '--wandb_log=True'), cwd=tmp_path)
     assert re.search(rf'resuming from {out}/dcp/step-00000008 at iter 8\b', p.stdout), p.stdout[-3000:]
+    assert logged_in_its_wandb_run(wandb_calls(), out)
     assert [it for it in read_metrics(out)[0] if it >= 8] == [8, 9]  # a launch's first step logged alone
     assert (out / 'dcp' / 'best').read_text() == best.name
     assert torch.load(best / 'extra.pt', weights_only=True)['val_loss'] == 0.5
@@ -163,7 +172,8 @@ def test_a_resume_from_before_the_best_keeps_it_best(base, tmp_path, data_dir):
     assert extra['best_val_loss'] == 0.5 and counts_tokens(extra)  # pp_train.py's, resumed at 8
 
 
-def test_a_damaged_newest_checkpoint_takes_no_good_state_s_place_among_the_kept(base, tmp_path, data_dir):
+def test_a_damaged_newest_checkpoint_takes_no_good_state_s_place_among_the_kept(base, tmp_path, data_dir,
+                                                                                  wandb_calls):
     # ckpt.pt (10) damaged: the run resumes from ckpt.prev.pt (8). Moved down with the versions, the damaged file
     # would push 6 out at the first save and 8 at the next; it is kept aside, and the good ones move up in its place
     base_dir, _ = base('train.py')
@@ -179,9 +189,10 @@ def test_a_damaged_newest_checkpoint_takes_no_good_state_s_place_among_the_kept(
     shutil.rmtree(out)
     shutil.copytree(base_dir, out)
     (out / 'ckpt.pt').rename(out / 'damaged-ckpt.pt')
-    p = run('train.py', *tiny(data_dir, out, *BASE, '--log_interval=3'), cwd=tmp_path)
+    p = run('train.py', *tiny(data_dir, out, *BASE, '--log_interval=3', '--wandb_log=True'), cwd=tmp_path)
     assert kept_iters('train.py', out) == ([6, 8, 10], [])
     assert 'ckpt.prev.pt is renamed' in p.stdout and re.search(rf'resuming from {out}/ckpt.pt at iter 8\b', p.stdout)
+    assert logged_in_its_wandb_run(wandb_calls(), out)
     # a launch's first step (its compilation, on a GPU) is timed alone, never averaged into the next ones' ms and MFU
     assert [it for it in read_metrics(out)[0] if it >= 8] == [8, 9]
 
@@ -202,7 +213,7 @@ def test_a_damaged_export_beside_good_step_folders_takes_no_good_versions_place(
 
 @pytest.mark.parametrize('script', ['fsdp_train.py', 'ds_train.py', 'decent_train.py'])
 def test_the_first_eval_of_a_run_resumed_from_its_step_folder_that_is_a_new_best_names_that_folder_the_best(
-        base, tmp_path, data_dir, script):
+        base, tmp_path, data_dir, script, wandb_calls):
     # resumed from the step folder of a save between evals (SIGTERM's, save_storage_interval's), whose step's eval is
     # a new best: the save found the folder there and wrote nothing, and best went on naming the older best, whose
     # folder pruning keeps while the better one is pruned
@@ -223,9 +234,10 @@ def test_the_first_eval_of_a_run_resumed_from_its_step_folder_that_is_a_new_best
         saved = torch.load(path, weights_only=True)
     os.remove(path)  # a file of its own: best-step-N's links keep theirs
     torch.save({**saved, 'val_loss': None, 'best_val_loss': 1e9}, path)  # saved before the eval at 10
-    p = run(script, *tiny(data_dir, tmp_path / 'run', *BASE), cwd=tmp_path)
+    p = run(script, *tiny(data_dir, tmp_path / 'run', *BASE, '--wandb_log=True'), cwd=tmp_path)
     assert re.search(r'resuming from \S+step-00000010 at iter 10\b', p.stdout), p.stdout[-3000:]
     assert (kind / 'best').read_text() == 'best-step-00000010'
+    assert logged_in_its_wandb_run(wandb_calls(), tmp_path / 'run')
     assert sorted(f.name for f in kind.glob('best-*')) == ['best-step-00000010']
     if script != 'fsdp_train.py':  # and the export's best.pt
         assert iter_of(tmp_path / 'run' / 'best.pt') == 10
