@@ -32,11 +32,30 @@ RENAMES = {
     'n_heads': ("Decent-DP's", 'n_head'),
     'accum_steps': ("Decent-DP's", 'moment_accum_steps'),  # AccumAdamW's steps a moment update
     'save_dir': ("DLRover's", 'out_dir'),  # the folder of its checkpoints; its out_dir there is unused
+    # DiLoCo's implementations: the paper's H (Prime's --diloco.inner_steps, OpenDiLoCo's --hv.local_steps, torchft's
+    # sync_every: each fragment's window, torchtitan's sync_steps), its outer learning rate, Streaming DiLoCo's
+    # fragments, τ and α (torchft's names)
+    'inner_steps': ("DiLoCo's and Prime's", 'diloco_steps'),
+    'local_steps': ("OpenDiLoCo's", 'diloco_steps'),
+    'sync_every': ("torchft's", 'diloco_steps'),
+    'sync_steps': ("torchtitan's", 'diloco_steps'),
+    'outer_lr': ("DiLoCo's", 'outer_learning_rate'),
+    'num_fragments': ("torchft's", 'diloco_fragments'),
+    'fragment_sync_delay': ("torchft's", 'diloco_overlap'),
+    'tau': ("Streaming DiLoCo's", 'diloco_overlap'),
+    'fragment_update_alpha': ("torchft's", 'diloco_alpha'),
 }
+DILOCO_KEYS = ('diloco_steps', 'outer_learning_rate', 'outer_optimizer', 'outer_momentum', 'diloco_fragments',
+               'diloco_overlap', 'diloco_alpha', 'diloco_dtype')  # decent_train.py's, named for it by configurator
+# the sections that hold those names (Prime's [diloco], OpenDiLoCo's hv, torchtitan's fault_tolerance) as flags give
+# them: --diloco.inner_steps 50, --hv.local-steps 500
+DILOCO_SECTIONS = ('diloco', 'hv', 'fault_tolerance')
+DILOCO_NAMES = ('inner_steps', 'local_steps', 'sync_every', 'sync_steps', 'outer_lr', 'outer_momentum', 'nesterov',
+                'num_fragments', 'fragment_sync_delay', 'fragment_update_alpha', 'should_quantize', 'compression')
 # the default of a seed's flag, whose type says how `--key VALUE` and a bare `--key` read
 FLAG_DEFAULTS = {'data_dir': '', 'log_dir': '', 'epochs': 0, 'use_nnscaler': False, 'plan_ngpus': 0,
                  'runtime_ngpus': 0, 'in_memory': False, 'amp': False, 'save_dir': '', 'use_fsdp': False,
-                 'use_native_ckpt': False}
+                 'use_native_ckpt': False, 'nesterov': True, 'should_quantize': False}
 
 # DLRover's nanoGPT example's defaults where they differ from ours (add_train_args in its train_utils.py, which its
 # train.py, fsdp_train.py and ds_train.py share), for the keys its command line leaves out. Not its epochs=1: its
@@ -133,8 +152,9 @@ def _safe(name):
 def _note(ctx, where, source, seed, ours, whose):
     if source == 'flag':
         ctx['notes'].append((None, f"{where} is {whose} name: here {ours}"))
-    else:  # one line for a whole file
-        ctx['notes'].append((_file_of(where), f"{seed} is {ours}" if ours.startswith('--') else f"{seed}: {ours}"))
+    else:  # one line for a whole file, a project's names at a time
+        text = f"{seed} is {ours}" if ours.startswith('--') else f"{seed}: {ours}"
+        ctx['notes'].append(((_file_of(where), whose), text))
 
 
 def print_notes(ctx):
@@ -147,8 +167,8 @@ def print_notes(ctx):
             print(text, flush=True)
         else:
             files.setdefault(path, []).append(text)
-    for path, texts in files.items():
-        print(f"{path} is in Decent-DP's names; here: {'; '.join(texts)}", flush=True)
+    for (path, whose), texts in files.items():
+        print(f"{path} is in {whose} names; here: {'; '.join(texts)}", flush=True)
     ctx['notes'].clear()
 
 
@@ -198,6 +218,12 @@ def translate(key, value, where, source, ctx):
     keys, script = ctx['keys'], ctx['script']
     toml = ctx['toml'] if source == 'toml' else {}
     shown = key  # in a file's one line; a flag's line shows the flag as written
+    section, _, name = key.rpartition('.')
+    if section in DILOCO_SECTIONS and name.replace('-', '_') in DILOCO_NAMES:
+        key = name.replace('-', '_')  # the name alone: --diloco.inner_steps 50 is inner_steps, as its TOML's [diloco]
+    elif section == 'hv' and script in TRAINERS:
+        sys.exit(f"error: {where}: OpenDiLoCo's hivemind setting has no counterpart: decent_train.py --diloco_steps=H "
+                 f"runs its workers as torchrun's ranks, which meet at its --rdzv-endpoint; leave it out")
     if key in ('plan_ngpus', 'runtime_ngpus') and ctx['flags'].get('use_nnscaler', True) in (False, 0):
         # its script reads them only for nnScaler: without it, Lightning's DDP runs on every rank, as here
         _note(ctx, where, source, shown, "unused with --use_nnscaler=False, as there", "nnScaler's")
@@ -296,13 +322,27 @@ def translate(key, value, where, source, ctx):
     if key == 'dataset' and 'data_dir' in in_file:  # Decent-DP's label beside its data_dir, which names the folder
         _note(ctx, where, source, f"dataset={value!r}", "a label there, unused (data_dir is the folder)", "Decent-DP's")
         return []
+    if key in ('nesterov', 'should_quantize', 'compression') and script in TRAINERS:
+        if key == 'nesterov' and type(value) is not bool:
+            sys.exit(f"error: {where}: nesterov must be True or False, got {value!r}")
+        if key == 'nesterov':  # the outer SGD's (DiLoCo's outer optimizer is SGD with Nesterov momentum)
+            key, value = 'outer_optimizer', 'nesterov' if value else 'sgd'
+            if key in keys:
+                _note(ctx, where, source, shown, f"--outer_optimizer={value}", "DiLoCo's")
+        elif value in (False, 'no', 'NO', 'none'):
+            _note(ctx, where, source, shown, "nothing to set (pseudo-gradients travel in float32 by default)",
+                  "torchft's" if key == 'should_quantize' else "Prime's")
+            return []
+        else:
+            sys.exit(f"error: {where}: {'torchft' if key == 'should_quantize' else 'Prime'}'s 8-bit pseudo-gradients "
+                     f"are not built here: decent_train.py --diloco_dtype=bfloat16 sends them in half float32's bytes")
     if key in RENAMES:
         whose, ours = RENAMES[key]
         if ours in keys:
             _note(ctx, where, source, shown, f"--{ours}={value}", whose)
             key = ours
-        elif ours in DECENT_ONLY:
-            key = ours  # decent_train.py's key, which this entrypoint lacks: said below
+        elif ours in DECENT_ONLY or ours in DILOCO_KEYS and script in TRAINERS:
+            key = ours  # decent_train.py's key, which this entrypoint lacks: said below, or by the configurator
     if key == 'n_steps' and 'max_iters' in keys:
         _note(ctx, where, source, shown, f"--max_iters={value} --lr_decay_iters={value}", "Decent-DP's")
         return [('max_iters', value), ('lr_decay_iters', value)]

@@ -362,6 +362,33 @@ def test_decent_dp_names_on_the_command_line():
     assert (c['topology'], c['replica_optimizer'], c['moment_accum_steps']) == ('one-peer-exp', 'accumadamw', 8)
 
 
+def test_diloco_implementations_names_are_taken_or_name_ours(tmp_path, capsys):
+    # the paper's and Prime's H in its section (space-separated, as its tests write it), the outer SGD's words
+    keys = ('diloco_steps', 'outer_learning_rate', 'outer_optimizer', 'diloco_fragments', 'diloco_overlap',
+            'diloco_alpha')
+    c = config_of('decent_train.py', ['--diloco.inner_steps', '20', '--outer_lr', '0.5', '--nesterov', 'False'])
+    assert [c[k] for k in keys[:3]] == [20, 0.5, 'sgd']
+    assert '--diloco.inner_steps 20 is DiLoCo\'s and Prime\'s name: here --diloco_steps=20' in capsys.readouterr().out
+    # torchft's Streaming DiLoCo (sync_every is each fragment's window, as H here), OpenDiLoCo's, torchtitan's
+    c = config_of('decent_train.py', ['--sync_every=8', '--num_fragments=2', '--fragment_sync_delay=1',
+                                      '--fragment_update_alpha=0.5', '--should_quantize=False', '--nesterov'])
+    assert [c[k] for k in keys] == [8, 0.7, 'nesterov', 2, 1, 0.5]
+    assert config_of('decent_train.py', ['--hv.local-steps', '500'])['diloco_steps'] == 500
+    assert config_of('decent_train.py', ['--fault_tolerance.sync_steps=30', '--tau=2'])['diloco_overlap'] == 2
+    (tmp_path / 'prime.toml').write_text('[diloco]\ninner_steps = 50\nouter_lr = 0.7\n')  # its TOML's table
+    assert config_of('decent_train.py', [str(tmp_path / 'prime.toml')])['diloco_steps'] == 50
+    assert "prime.toml is in DiLoCo's and Prime's names; here: inner_steps is --diloco_steps=50" in \
+        capsys.readouterr().out
+    # what has no counterpart, and another entrypoint, in one line naming ours
+    assert error_of('decent_train.py', ['--should_quantize']).endswith('--diloco_dtype=bfloat16 sends them in half '
+                                                                        "float32's bytes")
+    assert '--diloco_dtype=bfloat16' in error_of('decent_train.py', ['--diloco.compression=uint8'])
+    assert 'leave it out' in error_of('decent_train.py', ['--hv.galaxy_size=2'])
+    assert error_of('train.py', ['--inner_steps=5']).startswith('error: --inner_steps=5: diloco_steps is a key of '
+                                                                'decent_train.py, not of train.py')
+    assert 'outer_optimizer is a key of decent_train.py' in error_of('fsdp_train.py', ['--nesterov'])
+
+
 @pytest.fixture(scope='module')
 def here(tmp_path_factory, data_dir):
     """DLRover's layout: train.bin, val.bin and meta.pkl in the folder it runs in (and in mydata/, as its prep's
