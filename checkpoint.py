@@ -654,11 +654,13 @@ def commit(folder, ok, group, writer, iter_of=None, keep=2, best=False):
     be: the ranks agree over group (a gloo group of the writer threads' own, since two threads' collectives on one
     group would pair up wrongly), and only if every rank's files are in does the writer point latest at the folder
     and prune the ones before (point_latest, with keep and best). A crash before leaves latest naming the previous
-    folder."""
+    folder. Returns whether this rank pointed latest at it."""
     written = torch.tensor(float(ok))
     dist.all_reduce(written, op=dist.ReduceOp.MIN, group=group)
     if written.item() and writer:
         point_latest(folder, iter_of, keep, best)
+        return True
+    return False
 
 
 def wait_for_copies():

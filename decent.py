@@ -7,13 +7,15 @@ its step folders kept as they are (one that lacks a rank's file set aside, anoth
 
 import math
 import os
+import re
+import shutil
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from checkpoint import (checkpoint_iter, latest_before, mark_run, note_failure, point_latest, take_settings, unused,
-                        wait_for_copies)
+from checkpoint import (checkpoint_iter, latest_before, mark_run, note_failure, point_latest, read_name, take_settings,
+                        unused, wait_for_copies)
 from distributed import launch_with
 
 
@@ -414,6 +416,46 @@ def set_aside_incomplete(folder, run_id):
     if dist.get_rank() == 0:
         mark_run(folder, run_id)
     dist.barrier()
+
+
+def prune_incomplete(folder, run_id):
+    """On rank 0, once the step folder out_dir/decent/step-N is whole and latest names it: removes each
+    incomplete-step-M (set_aside_incomplete) with M < N that this run alone wrote (written_by). It is a save of the
+    run cut short, which pruning removes as it removes a step-M folder of the run cut short once a newer one is
+    whole: a rank's file is missing, so it is never a fallback. One of another run, of no run that a file tells, or
+    holding anything else (a file put there by hand) is kept, and so is one at step N until a later save is whole."""
+    root, name = os.path.split(folder)
+    for aside in sorted(os.listdir(root)):
+        m = re.fullmatch(r'incomplete-step-(\d+)(\.\d+)?', aside)  # unused() numbers a second one of a step .2, ...
+        if m and int(m.group(1)) < int(name.removeprefix('step-')) and written_by(os.path.join(root, aside), run_id):
+            shutil.rmtree(os.path.join(root, aside), ignore_errors=True)
+            print(f"removed {os.path.join(root, aside)}, a save of this run cut short: {folder}, newer, is whole",
+                  flush=True)
+
+
+def written_by(folder, run_id):
+    """Whether the folder holds this run's files alone: its run_id file and each rank-R.pt (loaded to read its id)
+    name run_id, at least one of them is there, and nothing else is but their temporaries (rank-R.pt.tmp)."""
+    told = False
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path) or os.path.islink(path):
+            return False
+        if re.fullmatch(r'rank-\d+\.pt\.tmp', name):
+            continue
+        if name == 'run_id':
+            theirs = read_name(path)
+        elif re.fullmatch(r'rank-\d+\.pt', name):
+            try:
+                theirs = torch.load(path, map_location='cpu', weights_only=True, mmap=True).get('run_id')
+            except Exception:  # damaged: which run wrote it, no one can tell
+                return False
+        else:
+            return False
+        if theirs != run_id:
+            return False
+        told = True
+    return told
 
 
 def name_best(folder, keep):

@@ -41,8 +41,8 @@ from checkpoint import (commit, create_model, find_resume, finish_saves, is_snap
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from decent import (average_moments, average_replicas, check_optimizers, check_resumed, global_model, make_buckets,
                     make_mixing_groups, make_optimizers, make_outer, mixing_rounds, moments_from_adamw, name_best,
-                    outer_bytes, outer_state, plan_words, read_replica, replicas_in, restore_outer, restore_replica,
-                    set_aside_incomplete, start_outer_step, wait_for)
+                    outer_bytes, outer_state, plan_words, prune_incomplete, read_replica, replicas_in, restore_outer,
+                    restore_replica, set_aside_incomplete, start_outer_step, wait_for)
 from distributed import (agree, check_fits, finish, gather_rng, on_every_rank, pick_device, ranks_per_node, restore_rng,
                          split_accumulation, start, state_bytes, stop_signal, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
@@ -367,7 +367,8 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
             set_aside_incomplete(folder, run_id)  # a folder there cut short keeps its files
             save_in_background(checkpoint, os.path.join(folder, f'rank-{rank}.pt'), slot='decent',
                                then=lambda ok: commit(folder, ok, checkpoint_group, master_process,
-                                                      keep=keep_checkpoints, best=best))
+                                                      keep=keep_checkpoints, best=best)
+                               and prune_incomplete(folder, run_id))  # older saves of this run set aside cut short
             print0(f"saving checkpoint to {folder}")
         elif best and master_process:  # another world size's replicas, whose average best.pt holds: named best as is
             name_best(folder, keep_checkpoints)

@@ -311,6 +311,13 @@ def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path, data_dir):
     assert sorted(f.name for f in aside.iterdir()) == ['rank-0.pt', 'run_id']
     assert ((aside / 'rank-0.pt').read_bytes(), (aside / 'rank-0.pt').stat().st_ino) == kept
     assert sorted(f.name for f in nine.iterdir()) == ['rank-0.pt', 'rank-1.pt', 'run_id']
+    # kept while step 9 is the newest; once a newer save of the run is whole, removed as pruning removes a step folder
+    # of the run cut short (it never accumulated, one more each crash mid-save, until the disk filled)
+    p = launch(tmp_path, data_dir, 'split', *args, '--max_iters=10', '--moment_accum_steps=2', '--weight_decay=0.5',
+               '--beta2=0.9', nproc=2)
+    ten = nine.parent / 'step-00000010'
+    assert f"removed {aside}, a save of this run cut short: {ten}, newer, is whole" in p.stdout
+    assert not aside.exists() and sorted(f.name for f in nine.iterdir()) == ['rank-0.pt', 'rank-1.pt', 'run_id']
 
 
 def test_train_checkpoint_starts_the_replicas_and_their_average_goes_to_sample_and_train(tmp_path, data_dir,
@@ -439,3 +446,22 @@ def test_latest_never_names_a_folder_set_aside_as_incomplete(tmp_path):
         torch.save({'iter_num': 10, 'rng': [0, 0], 'run_id': 'mine'}, root / 'step-00000010' / f'rank-{r}.pt')
     point_latest(str(root / 'step-00000010'), keep=2)
     assert not (root / 'step-00000009').exists()  # pruned as the run's own
+    # then the folders set aside as incomplete before step 10 that hold this run's files alone: removed, as pruning
+    # removed step 9; any other kept: another run's, one saved before runs had ids, one with a file put there by hand,
+    # one no file tells the run of, one damaged (step 9's, its empty rank-1.pt) and one at step 10 itself
+    from decent import prune_incomplete
+    for name, files in (('00000008', {'rank-0.pt': 'mine', 'run_id': 'mine', 'rank-1.pt.tmp': 'cut short'}),
+                        ('00000008.2', {'rank-1.pt': 'mine'}),  # a second one of step 8 (unused() names it so)
+                        ('00000007', {'rank-0.pt': 'theirs', 'run_id': 'theirs'}), ('00000006', {'rank-0.pt': ''}),
+                        ('00000005', {'rank-0.pt': 'mine', 'notes.txt': 'mine'}),
+                        ('00000004', {'rank-0.pt.tmp': 'cut short'}), ('00000010', {'rank-0.pt': 'mine'})):
+        folder = root / f'incomplete-step-{name}'
+        folder.mkdir()
+        for file, run_id in files.items():
+            if file.endswith('.pt'):
+                torch.save({'iter_num': 8, 'rng': [0, 0], 'run_id': run_id}, folder / file)
+            else:
+                (folder / file).write_text(run_id)
+    prune_incomplete(str(root / 'step-00000010'), 'mine')
+    assert sorted(f.name for f in root.glob('incomplete-*')) == [f'incomplete-step-{n:08d}'
+                                                                 for n in (4, 5, 6, 7, 9, 10)]
