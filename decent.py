@@ -424,7 +424,7 @@ def prune_incomplete(folder, run_id):
     run cut short, which pruning removes as it removes a step-M folder of the run cut short once a newer one is
     whole: a rank's file is missing, so it is never a fallback. One of another run, of no run that a file tells, or
     holding anything else (a file put there by hand) is kept, and so is one at step N until a later save is whole."""
-    root, name = os.path.split(folder)
+    root, name = os.path.split(folder)  # (no error of its own can fail the save, which is whole)
     for aside in sorted(os.listdir(root)):
         m = re.fullmatch(r'incomplete-step-(\d+)(\.\d+)?', aside)  # unused() numbers a second one of a step .2, ...
         if m and int(m.group(1)) < int(name.removeprefix('step-')) and written_by(os.path.join(root, aside), run_id):
@@ -437,7 +437,11 @@ def written_by(folder, run_id):
     """Whether the folder holds this run's files alone: its run_id file and each rank-R.pt (loaded to read its id)
     name run_id, at least one of them is there, and nothing else is but their temporaries (rank-R.pt.tmp)."""
     told = False
-    for name in os.listdir(folder):
+    try:
+        names = os.listdir(folder)
+    except OSError:  # gone meanwhile, or unreadable: nothing here to remove
+        return False
+    for name in names:
         path = os.path.join(folder, name)
         if not os.path.isfile(path) or os.path.islink(path):
             return False

@@ -1,8 +1,9 @@
 """
-The names that the projects this one grew from (DLRover, TensorStack t9k, nnScaler, minGPT-DDP, Decent-DP) give our
-keys and values, and TOML config files (Decent-DP's and torchtitan's format), for configurator.py, and DLRover's prep
-flags for prepare.py: a name that means exactly one of ours is taken and the run says once what it is here; one that
-means something else is a one-line error naming our command. Not for our own keys and rules: those are the
+The names that the projects this one grew from (DLRover, TensorStack t9k, nnScaler, minGPT-DDP, Decent-DP) and
+DiLoCo's implementations (the papers', OpenDiLoCo's, Prime's, torchft's) give our keys and values, and TOML config
+files (Decent-DP's and torchtitan's format), for configurator.py, and DLRover's prep flags for prepare.py: a name
+that means exactly one of ours is taken and the run says once what it is here; one that means something else is a
+one-line error naming our command. Not for our own keys and rules: those are the
 entrypoints' and the configurator's.
 """
 
@@ -329,7 +330,7 @@ def translate(key, value, where, source, ctx):
             key, value = 'outer_optimizer', 'nesterov' if value else 'sgd'
             if key in keys:
                 _note(ctx, where, source, shown, f"--outer_optimizer={value}", "DiLoCo's")
-        elif value in (False, 'no', 'NO', 'none'):
+        elif value is False or str(value).lower() in ('no', 'none'):  # Prime's compression = "no": its default
             _note(ctx, where, source, shown, "nothing to set (pseudo-gradients travel in float32 by default)",
                   "torchft's" if key == 'should_quantize' else "Prime's")
             return []
