@@ -153,9 +153,9 @@ def _safe(name):
 def _note(ctx, where, source, seed, ours, whose):
     if source == 'flag':
         ctx['notes'].append((None, f"{where} is {whose} name: here {ours}"))
-    else:  # one line for a whole file, a project's names at a time
+    else:  # one line for a whole file, a project's names at a time (DLRover has no files: data_dir is Decent-DP's)
         text = f"{seed} is {ours}" if ours.startswith('--') else f"{seed}: {ours}"
-        ctx['notes'].append(((_file_of(where), whose), text))
+        ctx['notes'].append(((_file_of(where), "Decent-DP's" if "Decent-DP's" in whose else whose), text))
 
 
 def print_notes(ctx):

@@ -379,6 +379,9 @@ def test_diloco_implementations_names_are_taken_or_name_ours(tmp_path, capsys):
     assert config_of('decent_train.py', [str(tmp_path / 'prime.toml')])['diloco_steps'] == 50
     assert "prime.toml is in DiLoCo's and Prime's names; here: inner_steps is --diloco_steps=50" in \
         capsys.readouterr().out
+    config_of('decent_train.py', [str(REPO / 'config' / 'decent-gpt2-small.toml')])  # Decent-DP's: one line still
+    said = capsys.readouterr().out
+    assert said.count("names; here") == 1 and "decent-gpt2-small.toml is in Decent-DP's names; here: log_dir" in said
     # what has no counterpart, and another entrypoint, in one line naming ours
     assert error_of('decent_train.py', ['--should_quantize']).endswith('--diloco_dtype=bfloat16 sends them in half '
                                                                         "float32's bytes")
