@@ -71,12 +71,30 @@ def plan_words(config, rounds):
     n = lambda count, word: f"{count} {word}{'s' * (count != 1)}"
     if config['diloco_steps']:
         fragments = config['diloco_fragments']
+        late = in_flight_at_end(config['max_iters'], config['diloco_steps'], fragments, config['diloco_overlap'])
         return (f"DiLoCo: an outer {config['outer_optimizer']} step every {n(config['diloco_steps'], 'step')} on "
                 f"{f'each of {fragments} fragments' if fragments > 1 else 'the whole model'}, landing "
                 f"{n(config['diloco_overlap'], 'step')} later, pseudo-gradients sent in {config['diloco_dtype']}; "
-                f"inner optimizer {config['replica_optimizer']}")
+                f"inner optimizer {config['replica_optimizer']}" + late)
     return (f"topology {config['topology']}, a cycle of {n(len(rounds), 'mixing round')}; optimizer "
             f"{config['replica_optimizer']}")
+
+
+def in_flight_at_end(max_iters, window, fragments, overlap):
+    """Where a run that ends at max_iters leaves outer steps in flight (fragment f's window ends after the steps t
+    where (t + 1) % window == f * window // fragments, and its outer step lands overlap steps later), a sentence
+    saying that its last eval and ckpt.pt leave them out (they land when the run goes on), with the nearest max_iters
+    past it that leaves none; '' where none is."""
+    def late(end):  # the fragments whose last outer step started within overlap steps of the end
+        return [f for f in range(fragments) if (end - f * window // fragments) % window < min(overlap, end)]
+    if not late(max_iters):
+        return ''
+    which, one = late(max_iters), len(late(max_iters)) == 1
+    fix = next((end for end in range(max_iters + 1, max_iters + window + 1) if not late(end)), None)
+    of = 'the whole model' if fragments == 1 else f"fragment{'s' * (not one)} {', '.join(map(str, which))}"
+    return (f"; the last outer step{'' if one else 's'} of {of} {'is' if one else 'are'} still in flight at "
+            f"max_iters={max_iters}, left out of the last eval and ckpt.pt"
+            + (f" (max_iters={fix} lands {'it' if one else 'them'})" if fix else ""))
 
 
 def check_optimizers(config, n_layer):

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import TINY, one_line_error, read_metrics, run
-from decent import check_optimizers, fragment_of
+from decent import check_optimizers, fragment_of, plan_words
 from test_fault import killed_past
 
 
@@ -334,6 +334,22 @@ def test_streaming_fragments_take_turns_with_the_same_bytes_per_window(streaming
     # parameters per window, all at once
     assert sent(windows / 'full') == {0: 0, 1: 0, 2: 2 * model, 3: 0, 4: 0, 5: 2 * model, 6: 0, 7: 0}
     assert max(streamed.values()) < 0.6 * model and sum(streamed.values()) == 2 * model
+
+
+def test_a_run_that_ends_with_an_outer_step_in_flight_says_so_at_its_start(streaming):
+    # the fixture's 8 steps end with the first fragment's last outer step in flight (it lands at 9), which its
+    # ckpt.pt keeps aside: the start-up line says so, and names the max_iters that lands it
+    assert [p is not None for p in load(streaming / 'full' / 'ckpt.pt')['diloco']['pending']] == [True, True, False]
+    config = dict(diloco_steps=4, diloco_fragments=2, diloco_overlap=1, outer_optimizer='nesterov', max_iters=8,
+                  diloco_dtype='bfloat16', replica_optimizer='adamw')
+    assert plan_words(config, []).endswith("adamw; the last outer step of fragment 0 is still in flight at "
+                                           "max_iters=8, left out of the last eval and ckpt.pt (max_iters=9 lands it)")
+    assert plan_words({**config, 'max_iters': 9}, []).endswith('inner optimizer adamw')  # it landed at 9
+    assert plan_words({**config, 'diloco_overlap': 0}, []).endswith('inner optimizer adamw')  # lands at once
+    # τ at least H/F: some fragment's is always in flight, and no max_iters is named
+    words = plan_words({**config, 'diloco_fragments': 4, 'diloco_overlap': 3, 'max_iters': 100}, [])
+    assert words.endswith('the last outer steps of fragments 0, 2, 3 are still in flight at max_iters=100, left out '
+                          'of the last eval and ckpt.pt')
 
 
 def test_an_outer_step_in_flight_lands_late_merged_with_the_replica(tmp_path, data_dir, streaming):
