@@ -143,7 +143,7 @@ def context(script, keys, flags, files):
     global _epochs
     _epochs = None  # a configure() before this one (a test's, in the same process) set no --epochs of this run
     return dict(script=script, keys=keys, flags=flags, files=files, toml={}, notes=[], epochs=None,
-                virtual=None)
+                virtual=None, global_batch=None)
 
 
 def _file_of(where):
@@ -240,6 +240,11 @@ def translate(key, value, where, source, ctx):
         if ours != value or key != 'pp_schedule':
             _note(ctx, where, source, shown, f"--pp_schedule={ours}", "torchtitan's")
         return [('pp_schedule', ours)]
+    if key == 'global-batch-size' and 'gradient_accumulation_steps' in keys:  # Megatron-LM's, not Decent-DP's
+        if type(value) is not int or value < 1:
+            sys.exit(f"error: {where}: {key} must be a whole number of sequences, 1 or more, got {value!r}")
+        ctx['global_batch'] = (value, where)  # in micro-batches of the final batch_size (finish())
+        return []
     if key in MEGATRON_VIRTUAL and 'stages_per_rank' in keys:
         if type(value) is not int or value < 1:
             sys.exit(f"error: {where}: {key} must be a whole number, 1 or more, got {value!r}")
@@ -487,7 +492,22 @@ def dlrover_defaults(ctx, given):
 def finish(ctx):
     """[(key, value, where)] that need the final config: Megatron-LM's layers a virtual stage, and DLRover's
     --epochs, passes over train.bin, which bounds max_iters (the smaller of the two ends the run, as there)."""
-    return _virtual_stages(ctx) + _epochs_iters(ctx)
+    return _global_batch(ctx) + _virtual_stages(ctx) + _epochs_iters(ctx)
+
+
+def _global_batch(ctx):
+    """Megatron-LM's --global-batch-size: the sequences of a step over all ranks, in micro-batches of its
+    --micro-batch-size (our batch_size), which is our gradient_accumulation_steps (micro-steps over all ranks)."""
+    if ctx['global_batch'] is None:
+        return []
+    sequences, where = ctx['global_batch']
+    batch = ctx['keys']['batch_size']
+    if sequences % batch:
+        sys.exit(f"error: {where}: {sequences} sequences are no whole number of micro-batches of batch_size={batch} "
+                 f"(Megatron-LM's --micro-batch-size): give a multiple of it")
+    ctx['notes'].append((None, f"{where} is Megatron-LM's name: here --gradient_accumulation_steps="
+                               f"{sequences // batch} (micro-batches of --batch_size={batch}, over all ranks)"))
+    return [('gradient_accumulation_steps', sequences // batch, where)]
 
 
 def _virtual_stages(ctx):

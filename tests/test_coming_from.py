@@ -384,12 +384,15 @@ def test_torchtitans_and_megatrons_pipeline_names_are_taken_or_name_ours(tmp_pat
     # Megatron-LM's dashes; its layers a virtual stage are stages a rank, in the interleaved schedule it runs
     c = config_of('pp_train.py', ['--pipeline-model-parallel-size', '2', '--tensor-model-parallel-size=2',
                                   '--micro-batch-size', '3', '--num-layers', '8',
-                                  '--num-layers-per-virtual-pipeline-stage', '2'])
+                                  '--num-layers-per-virtual-pipeline-stage', '2', '--global-batch-size', '12'])
     assert (c['pp_size'], c['tp_size'], c['batch_size'], c['pp_schedule'], c['stages_per_rank']) == \
         (2, 2, 3, 'interleaved-1f1b', 2)
-    assert capsys.readouterr().out.endswith("--num-layers-per-virtual-pipeline-stage 2 is Megatron-LM's name: here "
-                                            "--stages_per_rank=2 --pp_schedule=interleaved-1f1b (8 layers in 2 x 2 "
-                                            "stages of 2)\n")
+    assert c['gradient_accumulation_steps'] == 4  # its global batch: micro-batches over all ranks, as ours
+    out = capsys.readouterr().out
+    assert "--num-layers-per-virtual-pipeline-stage 2 is Megatron-LM's name: here --stages_per_rank=2 " \
+        "--pp_schedule=interleaved-1f1b (8 layers in 2 x 2 stages of 2)" in out
+    assert "--global-batch-size 12 is Megatron-LM's name: here --gradient_accumulation_steps=4 (micro-batches of " \
+        "--batch_size=3, over all ranks)" in out
     c = config_of('pp_train.py', ['--pp_schedule=InterleavedZeroBubble', '--num-virtual-stages-per-pipeline-rank=3'])
     assert (c['pp_schedule'], c['stages_per_rank']) == ('interleaved-zb', 3)  # the schedule named stays
     assert error_of('pp_train.py', ['--pipeline-model-parallel-size=4', '--num-layers-per-virtual-pipeline-stage=2']) \
