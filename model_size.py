@@ -127,7 +127,7 @@ if dp_shard and not pp_size:
     sys.exit("error: dp_shard=True shards the stages of pp_train.py's pipelines: give --pp_size too")
 if pp_size:
     # stage_blocks: stages > layers, one line
-    from pipeline import SCHEDULES, placement, sharding_refused, stage_blocks, stage_ids
+    from pipeline import SCHEDULES, placement, stage_blocks, stage_ids
     if pp_size < 1 or stages_per_rank < 1:
         sys.exit(f"error: pp_size={pp_size} and stages_per_rank={stages_per_rank} must be 1 or more")
     if pp_schedule not in SCHEDULES:
@@ -135,8 +135,6 @@ if pp_size:
     # pp_train.py's stages a rank for its schedule: the interleaved ones' stages_per_rank, zbv's two, one otherwise;
     # a schedule not named keeps stages_per_rank as given
     v, v_shape = placement(pp_schedule, stages_per_rank) if 'pp_schedule' in given else (stages_per_rank, False)
-    if message := sharding_refused(pp_size, v, dp_shard):  # as pp_train.py refuses it
-        sys.exit(f"error: {message}")
     stage_blocks(0, pp_size * v, n_layer)
     if dp_shard and world_size % (pp_size * (tp_size or 1)):
         sys.exit(f"error: dp_shard=True shards each stage over world_size / (pp_size x tp_size) pipelines, and "

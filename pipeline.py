@@ -16,11 +16,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _add_reduce_grad, _add_unshard_reshard
 from torch.utils._pytree import tree_map_only
 
 from checkpoint import print0, save_in_background
@@ -54,10 +54,18 @@ def placement(schedule, stages_per_rank):
 
 
 def make_schedule(name, stages, micro_batches, loss_fn, **kwargs):
-    """torch's schedule of that name over this rank's stages (a list)."""
+    """torch's schedule of that name over this rank's stages (a list). Where the rank holds every stage (pp 1) and
+    they are sharded (dp_shard), all of them stay gathered through the step, as under fsdp_train.py's
+    reshard_after_forward=False: torch's plan keeps 3 of a rank's stages gathered, and would let the first go (its
+    root gathers the tied embedding, shard_stages) while the last still computes with it."""
     Schedule = SCHEDULES[name]
-    return Schedule(stages[0] if issubclass(Schedule, PipelineScheduleSingle) else stages, micro_batches,
-                    loss_fn=loss_fn, **kwargs)
+    schedule = Schedule(stages[0] if issubclass(Schedule, PipelineScheduleSingle) else stages, micro_batches,
+                        loss_fn=loss_fn, **kwargs)
+    if len(stages) > 3 and stages[0].is_first and stages[-1].is_last and isinstance(stages[0].submod, FSDPModule):
+        schedule._prepare_schedule_with_comms({rank: _add_reduce_grad(_add_unshard_reshard(order, len(stages)),
+                                                                      micro_batches)
+                                               for rank, order in schedule.pipeline_order.items()}, 'compute_comms')
+    return schedule
 
 
 def stage_rank(stage, pp_size, v_shape=False):
@@ -96,13 +104,9 @@ def untaken(schedule, m, pp, dp=1):
             + (f" (counted over the {dp} pipelines)" if dp > 1 else "") + ", or use --pp_schedule=gpipe")
 
 
-def sharding_refused(pp, v, dp_shard, adamw_on_shards=False):
-    """None where pp_train.py builds the sharding asked for (dp_shard, adamw_on_shards) with v stages a rank at
-    pp_size=pp; else the one-line error that says why not and what to change."""
-    if dp_shard and pp == 1 and v > 3:  # the first stage would be let go while the last still computes with its tie
-        return (f"dp_shard=True with {v} stages on one rank (pp_size=1): the first stage gathers the tied embedding "
-                f"for the last, and torch's schedules hold 3 stages of a rank gathered at a time: set "
-                f"--stages_per_rank=3 or less, or use fsdp_train.py")
+def sharding_refused(dp_shard, adamw_on_shards):
+    """None where pp_train.py builds the sharding asked for (dp_shard, adamw_on_shards); else the one-line error that
+    says why not and what to change."""
     if adamw_on_shards and not dp_shard:  # plain stages' parameters are plain tensors: there is no dispatch to skip
         return "adamw_on_shards=True steps AdamW on the shards of dp_shard=True: add --dp_shard=True, or drop it"
     return None
@@ -180,7 +184,7 @@ def shard_stages(stages, raw_model, dp_mesh, dtype):
     parameter), and the last stage's root leaves the weight out. The last stage computes with it, and its gradient
     adds to the first stage's before their root reduce-scatters it once: torch's schedules gather the first stage
     before its first forward, which comes before the last's, and let it go after its final backward, which comes
-    after the last's, while a rank holds 3 stages or fewer (sharding_refused)."""
+    after the last's, while a rank holds 3 stages or fewer, or all of them (make_schedule)."""
     fsdp = dict(mesh=dp_mesh, reshard_after_forward=False,
                 mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
     both_ends = len(stages) > 1 and stages[0].first and stages[-1].last

@@ -130,7 +130,7 @@ if pp_schedule in ZERO_BUBBLE and compile:  # a compiled block's backward is one
     sys.exit(f"error: {pp_schedule} computes a stage's input gradients and its weights' apart, which torch.compile'd "
              f"blocks cannot: add --compile=False, or use --pp_schedule=interleaved-1f1b")
 v, v_shape = placement(pp_schedule, stages_per_rank)  # the stages each rank holds, and whether in a V
-if message := sharding_refused(pp_size, v, dp_shard, adamw_on_shards):
+if message := sharding_refused(dp_shard, adamw_on_shards):
     sys.exit(f"error: {message}")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'

@@ -1,9 +1,10 @@
 """
-The names that the projects this one grew from (DLRover, TensorStack t9k, nnScaler, minGPT-DDP, Decent-DP) and
-DiLoCo's implementations (the papers', OpenDiLoCo's, Prime's, torchft's) give our keys and values, and TOML config
-files (Decent-DP's and torchtitan's format), for configurator.py, and DLRover's prep flags for prepare.py: a name
-that means exactly one of ours is taken and the run says once what it is here; one that means something else is a
-one-line error naming our command. Not for our own keys and rules: those are the
+The names that the projects this one grew from (DLRover, TensorStack t9k, nnScaler, minGPT-DDP, Decent-DP),
+DiLoCo's implementations (the papers', OpenDiLoCo's, Prime's, torchft's) and the pipeline's users (torchtitan,
+Megatron-LM) give our keys and values, and TOML config files (Decent-DP's and torchtitan's format), for
+configurator.py, and DLRover's prep flags for prepare.py: a name that means exactly one of ours is taken and the run
+says once what it is here; one that means something else is a one-line error naming our command. Not for our own
+keys and rules: those are the
 entrypoints' and the configurator's.
 """
 
@@ -45,14 +46,37 @@ RENAMES = {
     'fragment_sync_delay': ("torchft's", 'diloco_overlap'),
     'tau': ("Streaming DiLoCo's", 'diloco_overlap'),
     'fragment_update_alpha': ("torchft's", 'diloco_alpha'),
+    # torchtitan's [parallelism] keys (--parallelism.KEY on its command line)
+    'pipeline_parallel_degree': ("torchtitan's", 'pp_size'),
+    'tensor_parallel_degree': ("torchtitan's", 'tp_size'),
+    'pipeline_parallel_microbatch_size': ("torchtitan's", 'batch_size'),  # sequences a micro-batch, as ours
+    'pipeline_parallel_schedule': ("torchtitan's", 'pp_schedule'),  # its names for the values too (translate)
+    # Megatron-LM's flags, written with dashes there (--pipeline-model-parallel-size 4)
+    'pipeline_model_parallel_size': ("Megatron-LM's", 'pp_size'),
+    'tensor_model_parallel_size': ("Megatron-LM's", 'tp_size'),
+    'micro_batch_size': ("Megatron-LM's", 'batch_size'),
+    'num_layers': ("Megatron-LM's", 'n_layer'),
+    'hidden_size': ("Megatron-LM's", 'n_embd'),
+    'num_attention_heads': ("Megatron-LM's", 'n_head'),
+    'seq_length': ("Megatron-LM's", 'block_size'),
+    # its virtual pipeline: the stages a rank (two names for one), or the layers of a stage (translate)
+    'num_virtual_stages_per_pipeline_rank': ("Megatron-LM's", 'stages_per_rank'),
+    'virtual_pipeline_model_parallel_size': ("Megatron-LM's", 'stages_per_rank'),
+    'num_layers_per_virtual_pipeline_stage': ("Megatron-LM's", 'stages_per_rank'),
 }
-DILOCO_KEYS = ('diloco_steps', 'outer_learning_rate', 'outer_optimizer', 'outer_momentum', 'diloco_fragments',
-               'diloco_overlap', 'diloco_alpha', 'diloco_dtype')  # decent_train.py's, named for it by configurator
 # the sections that hold those names (Prime's [diloco], OpenDiLoCo's hv, torchtitan's fault_tolerance) as flags give
 # them: --diloco.inner_steps 50, --hv.local-steps 500
 DILOCO_SECTIONS = ('diloco', 'hv', 'fault_tolerance')
 DILOCO_NAMES = ('inner_steps', 'local_steps', 'sync_every', 'sync_steps', 'outer_lr', 'outer_momentum', 'nesterov',
                 'num_fragments', 'fragment_sync_delay', 'fragment_update_alpha', 'should_quantize', 'compression')
+TITAN = {k for k, (whose, _) in RENAMES.items() if whose == "torchtitan's"}
+TITAN_SECTION = 'parallelism.'  # torchtitan's table of its keys, which its flags name
+TITAN_KEYS = ('pipeline_parallel_schedule', 'pp_schedule')  # its schedule's key, and ours, which take its names
+# torchtitan's schedule names (torch's classes, any case, as its get_schedule_class reads them) and ours
+TITAN_SCHEDULES = {'gpipe': 'gpipe', '1f1b': '1f1b', 'interleaved1f1b': 'interleaved-1f1b',
+                   'interleavedzerobubble': 'interleaved-zb', 'zbvzerobubble': 'zbv', 'dualpipev': 'dualpipev'}
+MEGATRON = {k for k, (whose, _) in RENAMES.items() if whose == "Megatron-LM's"}
+MEGATRON_VIRTUAL = [k for k in MEGATRON if RENAMES[k][1] == 'stages_per_rank']
 # the default of a seed's flag, whose type says how `--key VALUE` and a bare `--key` read
 FLAG_DEFAULTS = {'data_dir': '', 'log_dir': '', 'epochs': 0, 'use_nnscaler': False, 'plan_ngpus': 0,
                  'runtime_ngpus': 0, 'in_memory': False, 'amp': False, 'save_dir': '', 'use_fsdp': False,
@@ -136,7 +160,8 @@ def context(script, keys, flags, files):
     flag of the command line (nnScaler's come in pairs) and its config files (.py, .toml)."""
     global _epochs
     _epochs = None  # a configure() before this one (a test's, in the same process) set no --epochs of this run
-    return dict(script=script, keys=keys, flags=flags, files=files, toml={}, notes=[], epochs=None)
+    return dict(script=script, keys=keys, flags=flags, files=files, toml={}, notes=[], epochs=None,
+                virtual=None, global_batch=None)
 
 
 def _file_of(where):
@@ -225,6 +250,36 @@ def translate(key, value, where, source, ctx):
     elif section == 'hv' and script in TRAINERS:
         sys.exit(f"error: {where}: OpenDiLoCo's hivemind setting has no counterpart: decent_train.py --diloco_steps=H "
                  f"runs its workers as torchrun's ranks, which meet at its --rdzv-endpoint; leave it out")
+    if source == 'flag' and key.startswith(TITAN_SECTION) and key[len(TITAN_SECTION):] in TITAN:
+        key = key[len(TITAN_SECTION):]  # torchtitan's --parallelism.pipeline_parallel_degree: its TOML table's key
+    if key.replace('-', '_') in MEGATRON:
+        key = key.replace('-', '_')  # Megatron-LM's dashes
+    if key in TITAN_KEYS and 'pp_schedule' in keys:  # the schedule, by torchtitan's name or ours
+        name = re.sub(r'[-_]', '', str(value).lower()).removeprefix('schedule')
+        if name == 'loopedbfs':
+            sys.exit(f"error: {where}: torchtitan's LoopedBFS has no counterpart here: its looped placement runs "
+                     f"--pp_schedule=interleaved-1f1b (or interleaved-zb), depth first")
+        ours = TITAN_SCHEDULES.get(name, value)
+        if ours != value or key != 'pp_schedule':
+            _note(ctx, where, source, shown, f"--pp_schedule={ours}", "torchtitan's")
+        return [('pp_schedule', ours)]
+    if key == 'global-batch-size' and 'gradient_accumulation_steps' in keys:  # Megatron-LM's, not Decent-DP's
+        if type(value) is not int or value < 1:
+            sys.exit(f"error: {where}: {key} must be a whole number of sequences, 1 or more, got {value!r}")
+        ctx['global_batch'] = (value, where)  # in micro-batches of the final batch_size (finish())
+        return []
+    if key in MEGATRON_VIRTUAL and 'stages_per_rank' in keys:
+        if type(value) is not int or value < 1:
+            sys.exit(f"error: {where}: {key} must be a whole number, 1 or more, got {value!r}")
+        if key == 'num_layers_per_virtual_pipeline_stage':  # the stages a rank, once n_layer and pp_size are known
+            ctx['virtual'] = (value, where)
+            return []
+        # the interleaved schedule, which Megatron-LM runs on these stages, unless the command names one
+        looped = str(ctx['flags'].get('pp_schedule', keys['pp_schedule'])).lower().startswith('interleaved')
+        schedule = [] if looped else [('pp_schedule', 'interleaved-1f1b')]
+        _note(ctx, where, source, shown, f"--stages_per_rank={value}" + " --pp_schedule=interleaved-1f1b" * bool(
+            schedule), "Megatron-LM's")
+        return [*schedule, ('stages_per_rank', value)]
     if key in ('plan_ngpus', 'runtime_ngpus') and ctx['flags'].get('use_nnscaler', True) in (False, 0):
         # its script reads them only for nnScaler: without it, Lightning's DDP runs on every rank, as here
         _note(ctx, where, source, shown, "unused with --use_nnscaler=False, as there", "nnScaler's")
@@ -342,8 +397,8 @@ def translate(key, value, where, source, ctx):
         if ours in keys:
             _note(ctx, where, source, shown, f"--{ours}={value}", whose)
             key = ours
-        elif ours in DECENT_ONLY or ours in DILOCO_KEYS and script in TRAINERS:
-            key = ours  # decent_train.py's key, which this entrypoint lacks: said below, or by the configurator
+        elif ours in DECENT_ONLY or script in TRAINERS:
+            key = ours  # another entrypoint's key (pp_size), which this one lacks: said below, or by the configurator
     if key == 'n_steps' and 'max_iters' in keys:
         _note(ctx, where, source, shown, f"--max_iters={value} --lr_decay_iters={value}", "Decent-DP's")
         return [('max_iters', value), ('lr_decay_iters', value)]
@@ -472,8 +527,46 @@ def dlrover_defaults(ctx, given):
 
 
 def finish(ctx):
-    """[(key, value, where)] that need the final config: DLRover's --epochs, passes over train.bin, bounds
-    max_iters (the smaller of the two ends the run, as there)."""
+    """[(key, value, where)] that need the final config: Megatron-LM's layers a virtual stage, and DLRover's
+    --epochs, passes over train.bin, which bounds max_iters (the smaller of the two ends the run, as there)."""
+    return _global_batch(ctx) + _virtual_stages(ctx) + _epochs_iters(ctx)
+
+
+def _global_batch(ctx):
+    """Megatron-LM's --global-batch-size: the sequences of a step over all ranks, in micro-batches of its
+    --micro-batch-size (our batch_size), which is our gradient_accumulation_steps (micro-steps over all ranks)."""
+    if ctx['global_batch'] is None:
+        return []
+    sequences, where = ctx['global_batch']
+    batch = ctx['keys']['batch_size']
+    if sequences % batch:
+        sys.exit(f"error: {where}: {sequences} sequences are no whole number of micro-batches of batch_size={batch} "
+                 f"(Megatron-LM's --micro-batch-size): give a multiple of it")
+    ctx['notes'].append((None, f"{where} is Megatron-LM's name: here --gradient_accumulation_steps="
+                               f"{sequences // batch} (micro-batches of --batch_size={batch}, over all ranks)"))
+    return [('gradient_accumulation_steps', sequences // batch, where)]
+
+
+def _virtual_stages(ctx):
+    """Megatron-LM's --num-layers-per-virtual-pipeline-stage N: stages_per_rank = n_layer / (pp_size x N), in the
+    interleaved schedule that it runs them with, unless the command names one."""
+    if ctx['virtual'] is None:
+        return []
+    per_stage, where = ctx['virtual']
+    layers, pp, schedule = ctx['keys']['n_layer'], ctx['keys']['pp_size'], ctx['keys']['pp_schedule']
+    if pp < 1:  # model_size.py's 0: no pipeline
+        sys.exit(f"error: {where}: the layers of a pipeline's stages need its ranks: give --pp_size too")
+    if layers % (pp * per_stage):
+        sys.exit(f"error: {where}: n_layer={layers} is no whole number of stages of {per_stage} layers on each of "
+                 f"pp_size={pp} ranks: give --stages_per_rank=S (S stages a rank, which need not hold equal layers)")
+    looped = [] if schedule.startswith('interleaved') else [('pp_schedule', 'interleaved-1f1b', where)]
+    ctx['notes'].append((None, f"{where} is Megatron-LM's name: here --stages_per_rank={layers // (pp * per_stage)}"
+                               + " --pp_schedule=interleaved-1f1b" * bool(looped)
+                               + f" ({layers} layers in {pp} x {layers // (pp * per_stage)} stages of {per_stage})"))
+    return [*looped, ('stages_per_rank', layers // (pp * per_stage), where)]
+
+
+def _epochs_iters(ctx):
     if ctx['epochs'] is None:
         return []
     epochs, where = ctx['epochs']

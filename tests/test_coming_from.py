@@ -392,6 +392,47 @@ def test_diloco_implementations_names_are_taken_or_name_ours(tmp_path, capsys):
     assert 'outer_optimizer is a key of decent_train.py' in error_of('fsdp_train.py', ['--nesterov'])
 
 
+def test_torchtitans_and_megatrons_pipeline_names_are_taken_or_name_ours(tmp_path, capsys, monkeypatch):
+    # each was an unknown key or schedule; now pp_train.py takes them, saying once what each is here
+    monkeypatch.delenv('RANK', raising=False)
+    for theirs, ours in (('1F1B', '1f1b'), ('GPipe', 'gpipe'), ('Interleaved1F1B', 'interleaved-1f1b'),
+                         ('InterleavedZeroBubble', 'interleaved-zb'), ('ZBVZeroBubble', 'zbv'),
+                         ('DualPipeV', 'dualpipev')):
+        assert config_of('pp_train.py', [f'--pp_schedule={theirs}'])['pp_schedule'] == ours
+        assert capsys.readouterr().out == f"--pp_schedule={theirs} is torchtitan's name: here --pp_schedule={ours}\n"
+    c = config_of('pp_train.py', ['--parallelism.pipeline_parallel_degree', '4', '--tensor_parallel_degree=2',
+                                  '--pipeline_parallel_schedule=interleaved1f1b',
+                                  '--pipeline_parallel_microbatch_size=3'])
+    assert (c['pp_size'], c['tp_size'], c['pp_schedule'], c['batch_size']) == (4, 2, 'interleaved-1f1b', 3)
+    assert "--parallelism.pipeline_parallel_degree 4 is torchtitan's name: here --pp_size=4\n" in \
+        capsys.readouterr().out
+    (tmp_path / 'titan.toml').write_text('[parallelism]\npipeline_parallel_degree = 2\n'
+                                         'pipeline_parallel_schedule = "ZBVZeroBubble"\n')
+    assert (config_of('pp_train.py', [str(tmp_path / 'titan.toml')])['pp_schedule']) == 'zbv'
+    assert capsys.readouterr().out == f"{tmp_path / 'titan.toml'} is in torchtitan's names; here: " \
+        "pipeline_parallel_degree is --pp_size=2; pipeline_parallel_schedule is --pp_schedule=zbv\n"
+    # Megatron-LM's dashes; its layers a virtual stage are stages a rank, in the interleaved schedule it runs
+    c = config_of('pp_train.py', ['--pipeline-model-parallel-size', '2', '--tensor-model-parallel-size=2',
+                                  '--micro-batch-size', '3', '--num-layers', '8',
+                                  '--num-layers-per-virtual-pipeline-stage', '2', '--global-batch-size', '12'])
+    assert (c['pp_size'], c['tp_size'], c['batch_size'], c['pp_schedule'], c['stages_per_rank']) == \
+        (2, 2, 3, 'interleaved-1f1b', 2)
+    assert c['gradient_accumulation_steps'] == 4  # its global batch: micro-batches over all ranks, as ours
+    out = capsys.readouterr().out
+    assert "--num-layers-per-virtual-pipeline-stage 2 is Megatron-LM's name: here --stages_per_rank=2 " \
+        "--pp_schedule=interleaved-1f1b (8 layers in 2 x 2 stages of 2)" in out
+    assert "--global-batch-size 12 is Megatron-LM's name: here --gradient_accumulation_steps=4 (micro-batches of " \
+        "--batch_size=3, over all ranks)" in out
+    c = config_of('pp_train.py', ['--pp_schedule=InterleavedZeroBubble', '--num-virtual-stages-per-pipeline-rank=3'])
+    assert (c['pp_schedule'], c['stages_per_rank']) == ('interleaved-zb', 3)  # the schedule named stays
+    assert error_of('pp_train.py', ['--pipeline-model-parallel-size=4', '--num-layers-per-virtual-pipeline-stage=2']) \
+        .endswith("n_layer=12 is no whole number of stages of 2 layers on each of pp_size=4 ranks: give "
+                  "--stages_per_rank=S (S stages a rank, which need not hold equal layers)")
+    assert "LoopedBFS has no counterpart here" in error_of('pp_train.py', ['--pp_schedule=LoopedBFS'])
+    assert error_of('train.py', ['--pipeline-model-parallel-size', '2']).startswith(
+        "error: --pipeline-model-parallel-size 2: pp_size is a key of pp_train.py, not of train.py: run pp_train.py")
+
+
 @pytest.fixture(scope='module')
 def here(tmp_path_factory, data_dir):
     """DLRover's layout: train.bin, val.bin and meta.pkl in the folder it runs in (and in mydata/, as its prep's

@@ -35,11 +35,8 @@ def fails(tmp_path, script, *args):
     (['/nowhere'], 'error: /nowhere is neither a config file (*.py, *.toml) nor a checkpoint or a run folder with a '
                    'ckpt.pt'),
     (['gpt_config.n_layer=8'], "error: gpt_config.n_layer=8 is a Hydra override (minGPT-DDP's): here --n_layer=8"),
-    # pp_train.py's sharded stages: none without a pipeline, and not 4 stages or more on one rank at pp 1 (its first
-    # stage holds the tied weight gathered for the last, which torch's schedules would let go)
+    # pp_train.py's sharded stages: none without a pipeline
     (['--dp_shard=True'], "error: dp_shard=True shards the stages of pp_train.py's pipelines: give --pp_size too"),
-    (['--dp_shard=True', '--pp_size=1', '--stages_per_rank=4'], "error: dp_shard=True with 4 stages on one rank "
-     "(pp_size=1): the first stage gathers the tied embedding for the last"),
     (['--dp_shard=True', '--pp_size=2', '--tp_size=2'],  # sharded TP stages: pipelines of pp_size x tp_size ranks
      "error: dp_shard=True shards each stage over world_size / (pp_size x tp_size) pipelines, and pp_size=2 x "
      "tp_size=2 does not divide world_size=2"),
