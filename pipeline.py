@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _add_reduce_grad, _add_unshard_reshard
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.utils._pytree import tree_map_only
 
 from checkpoint import print0, save_in_background
@@ -62,6 +62,8 @@ def make_schedule(name, stages, micro_batches, loss_fn, **kwargs):
     schedule = Schedule(stages[0] if issubclass(Schedule, PipelineScheduleSingle) else stages, micro_batches,
                         loss_fn=loss_fn, **kwargs)
     if len(stages) > 3 and stages[0].is_first and stages[-1].is_last and isinstance(stages[0].submod, FSDPModule):
+        # torch's own planning, private: imported here, so that another torch (a GPU machine's) fails only this case
+        from torch.distributed.pipelining.schedules import _add_reduce_grad, _add_unshard_reshard
         schedule._prepare_schedule_with_comms({rank: _add_reduce_grad(_add_unshard_reshard(order, len(stages)),
                                                                       micro_batches)
                                                for rank, order in schedule.pipeline_order.items()}, 'compute_comms')
