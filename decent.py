@@ -5,6 +5,7 @@ a schedule of its own), AccumAdamW, the average of a checkpoint's replicas (to r
 its step folders kept as they are (one that lacks a rank's file set aside, another world size's named best).
 """
 
+import copy
 import math
 import os
 import re
@@ -71,30 +72,12 @@ def plan_words(config, rounds):
     n = lambda count, word: f"{count} {word}{'s' * (count != 1)}"
     if config['diloco_steps']:
         fragments = config['diloco_fragments']
-        late = in_flight_at_end(config['max_iters'], config['diloco_steps'], fragments, config['diloco_overlap'])
         return (f"DiLoCo: an outer {config['outer_optimizer']} step every {n(config['diloco_steps'], 'step')} on "
                 f"{f'each of {fragments} fragments' if fragments > 1 else 'the whole model'}, landing "
                 f"{n(config['diloco_overlap'], 'step')} later, pseudo-gradients sent in {config['diloco_dtype']}; "
-                f"inner optimizer {config['replica_optimizer']}" + late)
+                f"inner optimizer {config['replica_optimizer']}")
     return (f"topology {config['topology']}, a cycle of {n(len(rounds), 'mixing round')}; optimizer "
             f"{config['replica_optimizer']}")
-
-
-def in_flight_at_end(max_iters, window, fragments, overlap):
-    """Where a run that ends at max_iters leaves outer steps in flight (fragment f's window ends after the steps t
-    where (t + 1) % window == f * window // fragments, and its outer step lands overlap steps later), a sentence
-    saying that its last eval and ckpt.pt leave them out (they land when the run goes on), with the nearest max_iters
-    past it that leaves none; '' where none is."""
-    def late(end):  # the fragments whose last outer step started within overlap steps of the end
-        return [f for f in range(fragments) if (end - f * window // fragments) % window < min(overlap, end)]
-    if not late(max_iters):
-        return ''
-    which, one = late(max_iters), len(late(max_iters)) == 1
-    fix = next((end for end in range(max_iters + 1, max_iters + window + 1) if not late(end)), None)
-    of = 'the whole model' if fragments == 1 else f"fragment{'s' * (not one)} {', '.join(map(str, which))}"
-    return (f"; the last outer step{'' if one else 's'} of {of} {'is' if one else 'are'} still in flight at "
-            f"max_iters={max_iters}, left out of the last eval and ckpt.pt"
-            + (f" (max_iters={fix} lands {'it' if one else 'them'})" if fix else ""))
 
 
 def check_optimizers(config, n_layer):
@@ -274,12 +257,23 @@ def make_outer(buckets, window, fragments, optimizer, lr, momentum, alpha, wire)
     return of
 
 
-def outer_state(buckets):
+def outer_state(buckets, land=False):
     """DiLoCo's state beside the replica: θ_global, its optimizer's momentum, and the mean pseudo-gradients whose
     outer steps have not landed yet (None where none) with the iteration they land at: in float32, which holds one
-    that travelled in bfloat16 exactly, so that it lands the same after a resume at either diloco_dtype."""
-    return {'outer': [b.outer for b in buckets], 'outer_optimizers': [b.outer_optimizer.state_dict() for b in buckets],
-            'pending': [b.outer.grad for b in buckets], 'lands_at': [b.lands_at for b in buckets]}
+    that travelled in bfloat16 exactly, so that it lands the same after a resume at either diloco_dtype.
+    land=True (a run's end, its all-reduces done): θ_global and the momentum as those outer steps leave them when
+    they land, each the same step on a copy (no inner step moves θ_global meanwhile), the buckets' own still in
+    flight, as the step folders keep them for a longer run to land on time."""
+    state = {'outer': [b.outer for b in buckets], 'outer_optimizers': [b.outer_optimizer.state_dict() for b in buckets],
+             'pending': [b.outer.grad for b in buckets], 'lands_at': [b.lands_at for b in buckets]}
+    for i, bucket in enumerate(buckets):
+        if land and bucket.outer.grad is not None:
+            optimizer = copy.deepcopy(bucket.outer_optimizer)  # θ_global, its gradient and momentum copied with it
+            optimizer.step()
+            landed = optimizer.param_groups[0]['params'][0]
+            landed.grad = None
+            state['outer'][i], state['outer_optimizers'][i], state['pending'][i] = landed, optimizer.state_dict(), None
+    return state
 
 
 @torch.no_grad()
@@ -309,11 +303,12 @@ def outer_bytes(buckets, now):
 
 
 @torch.no_grad()
-def global_model(buckets):
-    """Puts DiLoCo's θ_global in place of this rank's replica (every rank holds the same one: no communication);
-    returns the replica, to put back with restore_replica."""
+def global_model(buckets, land=False):
+    """Puts DiLoCo's θ_global in place of this rank's replica (every rank holds the same one: no communication),
+    with the outer steps in flight landed where land (outer_state's); returns the replica, to put back with
+    restore_replica."""
     own = [bucket.flat.clone() for bucket in buckets]
-    restore_replica(buckets, [bucket.outer for bucket in buckets])
+    restore_replica(buckets, outer_state(buckets, land)['outer'])
     return own
 
 

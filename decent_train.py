@@ -328,7 +328,7 @@ if compile:
 eval_model = model
 
 
-def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
+def save_checkpoint(to='storage', wait=False, val_loss=None, best=False, land=False):
     """Every rank calls this (RNG states are gathered). to='storage': a checkpoint in out_dir; to='memory': a
     snapshot in the node's folder in /dev/shm. A thread copies the state to host memory while the next step's
     forward and backward run (the optimizer step waits for the copy), then writes it to temporary files, renamed
@@ -336,7 +336,8 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     state, into out_dir/decent/step-N/rank-R.pt (once every rank's is in, rank 0 points latest at the folder) or
     its snapshot; storage also writes out_dir/ckpt.pt in train.py's format: the average of the replicas and of
     their Adam moments, for sample.py and train.py. keep_checkpoints of each are kept; a new best is named by
-    decent/best, and best.pt holds its average."""
+    decent/best, and best.pt holds its average. land (DiLoCo, a run's end): ckpt.pt's θ_global takes the outer steps
+    still in flight, which the step folder keeps in flight for a longer run to land on time."""
     if skips_save(to, nonfinite_steps, iter_num, print0):
         return
     finish_mixing()  # the last step's averages may still be on their way into the replica
@@ -374,11 +375,11 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
             name_best(folder, keep_checkpoints)
         # the export: train.py's optimizer over the averaged model holds the averaged moments (sgd has none)
         wait_for_copies()  # the replica is copied before it is averaged in place
-        own = global_model(buckets) if diloco_steps else average_replicas(buckets)[0]
+        own = global_model(buckets, land) if diloco_steps else average_replicas(buckets)[0]
         adamw = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
         average_moments(bucket_of, adamw)
         if diloco_steps:
-            extra['diloco'] = {k: v for k, v in checkpoint['diloco'].items() if k != 'outer'}
+            extra['diloco'] = {k: v for k, v in outer_state(buckets, land).items() if k != 'outer'}
         if master_process:
             save_in_background({'model': raw_model.state_dict(), 'optimizer': adamw.state_dict(), **extra}, ckpt_path,
                                keep=keep_checkpoints, best=best and best_path)
@@ -396,8 +397,8 @@ def estimate_loss():
     own replica is put back after; the consensus distance comes along."""
     finish_mixing()
     own, consensus = average_replicas(buckets)
-    if diloco_steps:
-        global_model(buckets)  # evals see θ_global, the model of ckpt.pt
+    if diloco_steps:  # evals see θ_global, the model of ckpt.pt: at the run's end with its last outer steps landed
+        global_model(buckets, land=iter_num >= max_iters)
     out = {}
     eval_model.eval()
     for i, split in enumerate(('train', 'val')):
@@ -463,13 +464,13 @@ while True:
         if save:
             best_val_loss = min(best_val_loss, losses['val'])
             if iter_num > 0 and not eval_only:  # an eval of a run writes no checkpoint
-                save_checkpoint(val_loss=losses['val'], best=best)
+                save_checkpoint(val_loss=losses['val'], best=best, land=iter_num >= max_iters)
         t0, steps_timed = time.time(), 0  # leave evals out of the step time
     elif save_storage_interval and iter_num % save_storage_interval == 0 and local_iter_num > 0:
         save_checkpoint()
     if hellaswag_interval and (iter_num % hellaswag_interval == 0 or iter_num == max_iters):
         finish_mixing()
-        own = global_model(buckets) if diloco_steps else average_replicas(buckets)[0]  # the model evals see
+        own = global_model(buckets, iter_num >= max_iters) if diloco_steps else average_replicas(buckets)[0]  # evals'
         hs = evaluate(eval_model, hellaswag, device, ctx, block_size, dp_rank, dp_size)
         restore_replica(buckets, own)
         print0(f"step {iter_num}: hellaswag acc {hs['acc']:.4f}, acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")

@@ -2,8 +2,9 @@
 step of learning rate 1 and no momentum it is the complete topology, in one fragment or several; a resume in the
 middle of a window repeats the uninterrupted run bit for bit, with Streaming DiLoCo's outer step in flight too; at
 another world size every replica starts from θ_global; Streaming DiLoCo's fragments take turns (the bytes of each
-step) and an outer step in flight lands τ steps late, merged by α; ckpt.pt holds θ_global and goes through sample.py
-and export_hf.py; bad DiLoCo keys are one-line errors."""
+step) and an outer step in flight lands τ steps late, merged by α, or at once in the last eval and ckpt.pt of a run
+that ends before it lands; ckpt.pt holds θ_global and goes through sample.py and export_hf.py; bad DiLoCo keys are
+one-line errors."""
 
 import json
 import shutil
@@ -13,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import TINY, one_line_error, read_metrics, run
-from decent import check_optimizers, fragment_of, plan_words
+from decent import check_optimizers, fragment_of
 from test_fault import killed_past
 
 
@@ -288,6 +289,8 @@ def test_streaming_resume_with_an_outer_step_in_flight_repeats_the_uninterrupted
     assert_split_is_full(streaming)
     at4 = load(streaming / 'at4' / 'decent' / 'step-00000004' / 'rank-0.pt')['diloco']
     assert [p is not None for p in at4['pending']] == [True, True, False]  # the first fragment's, still to land
+    # the first run ended there: its ckpt.pt took it landed, its step folder kept it in flight for the resume
+    assert load(streaming / 'at4' / 'ckpt.pt')['diloco']['pending'] == [None] * 3
     assert at4['lands_at'][:2] == [5, 5] and at4['pending'][0].abs().max() > 0
     # the ranks' bfloat16 sum, saved in float32 (exactly: it lands the same after the resume)
     assert all(g.dtype == torch.float32 and torch.equal(g, g.bfloat16().float()) for g in at4['pending'][:2])
@@ -336,20 +339,46 @@ def test_streaming_fragments_take_turns_with_the_same_bytes_per_window(streaming
     assert max(streamed.values()) < 0.6 * model and sum(streamed.values()) == 2 * model
 
 
-def test_a_run_that_ends_with_an_outer_step_in_flight_says_so_at_its_start(streaming):
-    # the fixture's 8 steps end with the first fragment's last outer step in flight (it lands at 9), which its
-    # ckpt.pt keeps aside: the start-up line says so, and names the max_iters that lands it
-    assert [p is not None for p in load(streaming / 'full' / 'ckpt.pt')['diloco']['pending']] == [True, True, False]
-    config = dict(diloco_steps=4, diloco_fragments=2, diloco_overlap=1, outer_optimizer='nesterov', max_iters=8,
-                  diloco_dtype='bfloat16', replica_optimizer='adamw')
-    assert plan_words(config, []).endswith("adamw; the last outer step of fragment 0 is still in flight at "
-                                           "max_iters=8, left out of the last eval and ckpt.pt (max_iters=9 lands it)")
-    assert plan_words({**config, 'max_iters': 9}, []).endswith('inner optimizer adamw')  # it landed at 9
-    assert plan_words({**config, 'diloco_overlap': 0}, []).endswith('inner optimizer adamw')  # lands at once
-    # τ at least H/F: some fragment's is always in flight, and no max_iters is named
-    words = plan_words({**config, 'diloco_fragments': 4, 'diloco_overlap': 3, 'max_iters': 100}, [])
-    assert words.endswith('the last outer steps of fragments 0, 2, 3 are still in flight at max_iters=100, left out '
-                          'of the last eval and ckpt.pt')
+def test_a_run_that_ends_with_an_outer_step_in_flight_lands_it_in_its_last_eval_and_export(tmp_path, data_dir,
+                                                                                           streaming):
+    # the fixture's 8 steps end with the first fragment's last outer step in flight (its window ended after step 7,
+    # it lands at 9): the step folder keeps it so, for a longer run to land on time, and the last eval and ckpt.pt
+    # take it as it lands (no inner step moves θ_global meanwhile); they left it out
+    full = streaming / 'full'
+    saved = load(full / 'decent' / 'step-00000008' / 'rank-0.pt')['diloco']
+    assert [p is not None for p in saved['pending']] == [True, True, False] and saved['lands_at'][:2] == [9, 9]
+    export = load(full / 'ckpt.pt')
+    model = export['model']
+    first = [k for k in model if not k.startswith('transformer.h.') and k != 'lm_head.weight']
+    blocks = [[k for k in model if k.startswith(f'transformer.h.{i}.')] for i in range(2)]
+    # at iter 8, with the data position and the replicas' moments of 8, and the outer state past that step: a resume
+    # from ckpt.pt alone (its step folders lost) does not take it again
+    assert export['iter_num'] == 8 and export['diloco']['pending'] == [None] * 3
+    for i, keys in enumerate([first, *blocks]):
+        old, g, state = saved['outer'][i], saved['pending'][i], saved['outer_optimizers'][i]
+        landed = old.clone()
+        if g is not None:  # by hand: the saved Nesterov step (lr 0.7, momentum 0.9) on θ_global and its momentum
+            outer = torch.optim.SGD([landed], lr=0.7, momentum=0.9, nesterov=True)
+            outer.load_state_dict(state)
+            landed.grad = g
+            outer.step()
+            state = outer.state_dict()
+            assert (landed - old).abs().max() > 1e-4
+        assert torch.equal(torch.cat([model[k].flatten() for k in keys]), landed)
+        momentum = export['diloco']['outer_optimizers'][i]['state'][0]['momentum_buffer']
+        assert torch.equal(momentum, state['state'][0]['momentum_buffer'])
+    # the same run resumed from its step folder for τ = 1 more step lands it on time: its last eval and export are
+    # the same, bit for bit (the second fragment's θ_global waits for its window ending after step 9)
+    shutil.copytree(full, tmp_path / 'run')
+    launch(tmp_path, data_dir, 'run', *STREAMING, '--max_iters=9', '--init_from=resume', nproc=2)
+    longer = load(tmp_path / 'run' / 'ckpt.pt')
+    assert longer['iter_num'] == 9 and longer['diloco']['pending'] == [None] * 3
+    assert torch.equal(flat(longer['model']), flat(model))
+    assert all(torch.equal(a['state'][0]['momentum_buffer'], b['state'][0]['momentum_buffer'])
+               for a, b in zip(longer['diloco']['outer_optimizers'], export['diloco']['outer_optimizers']))
+    evals, longer_evals = read_metrics(full)[1], read_metrics(tmp_path / 'run')[1]
+    assert longer_evals[-1]['iter'] == 9 and longer_evals[-1]['val_loss'] == evals[-1]['val_loss']
+    assert longer_evals[-2]['iter'] == 8 and longer_evals[-2]['val_loss'] != evals[-1]['val_loss']  # in flight
 
 
 def test_an_outer_step_in_flight_lands_late_merged_with_the_replica(tmp_path, data_dir, streaming):
