@@ -343,7 +343,7 @@ def test_a_run_that_ends_with_an_outer_step_in_flight_lands_it_in_its_last_eval_
                                                                                            streaming):
     # the fixture's 8 steps end with the first fragment's last outer step in flight (its window ended after step 7,
     # it lands at 9): the step folder keeps it so, for a longer run to land on time, and the last eval and ckpt.pt
-    # take it as it lands (no inner step moves θ_global meanwhile); they left it out
+    # take it as it lands (no inner step moves θ_global meanwhile), where they used to leave it out
     full = streaming / 'full'
     saved = load(full / 'decent' / 'step-00000008' / 'rank-0.pt')['diloco']
     assert [p is not None for p in saved['pending']] == [True, True, False] and saved['lands_at'][:2] == [9, 9]
@@ -357,7 +357,7 @@ def test_a_run_that_ends_with_an_outer_step_in_flight_lands_it_in_its_last_eval_
     for i, keys in enumerate([first, *blocks]):
         old, g, state = saved['outer'][i], saved['pending'][i], saved['outer_optimizers'][i]
         landed = old.clone()
-        if g is not None:  # by hand: the saved Nesterov step (lr 0.7, momentum 0.9) on θ_global and its momentum
+        if g is not None:  # the saved outer step replayed: Nesterov SGD (lr 0.7, momentum 0.9) on the saved state
             outer = torch.optim.SGD([landed], lr=0.7, momentum=0.9, nesterov=True)
             outer.load_state_dict(state)
             landed.grad = g
