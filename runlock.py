@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -155,8 +156,8 @@ def _take(folder, what, tidy=False, pods=()):
             _place(mine, path)
         except FileExistsError:
             holder = _read_hold(path)
-            try:
-                age = time.time() - os.stat(path).st_mtime
+            try:  # on the clock that stamps the folder's files (mine's, written just now), not on this host's
+                age = os.stat(mine).st_mtime - os.stat(path).st_mtime
             except FileNotFoundError:
                 age = 0.0
             host, pid = holder.get('host'), holder.get('pid')
@@ -218,12 +219,29 @@ def abandoned(folder):
     holder = _read_hold(path)
     host, pid = holder.get('host'), holder.get('pid')
     try:
-        age = time.time() - os.stat(path).st_mtime
+        touched = os.stat(path).st_mtime
     except FileNotFoundError:
         return False
     if host == socket.gethostname():
         return isinstance(pid, int) and not _alive(pid, holder.get('started'))
-    return bool(host) and age > STALE_S
+    return bool(host) and _now_in(os.path.dirname(os.path.abspath(folder))) - touched > STALE_S
+
+
+def _now_in(folder):
+    """The time now on the clock that stamps folder's files: a file made there just now, its mtime. A hold's age is
+    measured on it, never on this host's clock: on a shared filesystem the server stamps the holder's heartbeat (NFS),
+    and a host whose clock is minutes ahead of it (no NTP in a node, a clock stepped after a VM resumed) took a live
+    run's hold, touched a second ago, for a dead host's, and ran a second run over its folder. This host's clock where
+    nothing can be made there."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix='.now-', dir=folder)
+    except OSError:
+        return time.time()
+    try:
+        return os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+        os.remove(probe)
 
 
 def let_go(folder):
