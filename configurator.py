@@ -371,23 +371,25 @@ def check_out_dir(out_dir, evaluates=False):
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         sys.exit(f"error: out_dir={out_dir} is a file, not a folder: give another --out_dir")
     from checkpoint import FOLDERS, is_snapshot, snapshot_dir
-    if is_snapshot(out_dir) and snapshot_dir('').startswith('/dev/shm/'):
-        # a run's memory snapshots (RAM), which that run's end removes, with whatever a run saved there
-        run_id = os.path.abspath(out_dir)[len(snapshot_dir('')):].split(os.sep)[0]
-        sys.exit(f"error: out_dir={out_dir} lies in {snapshot_dir('')}{run_id}, the memory snapshots of run {run_id}, "
-                 f"which that run removes at its end: give that run's own out_dir (whose run_id file holds {run_id}) "
-                 f"to resume it, or another --out_dir")
-    # a run's own checkpoint folders (RUN/dcp, RUN/decent/step-N): the run there prunes its step folders, and with
-    # them the whole state of a run started inside one (it started afresh, where its user meant to resume RUN)
-    kind = os.path.abspath(out_dir)
-    while kind != os.path.dirname(kind):
-        run = os.path.dirname(kind)
-        if os.path.basename(kind) in FOLDERS.values() and os.path.isfile(os.path.join(run, 'run_id')):
-            where = 'is' if kind == os.path.abspath(out_dir) else 'lies in'
-            sys.exit(f"error: out_dir={out_dir} {where} {kind}, where the run in {run} keeps (and prunes) its "
-                     f"checkpoints: to continue that run give --out_dir={run}; for a new run from a checkpoint "
-                     f"there, --init_from=FOLDER and an --out_dir of its own")
-        kind = run
+    # as named, and where a link leads (ln -s RUN/dcp/step-N mine): the files go where it leads
+    for path in dict.fromkeys((os.path.abspath(out_dir), os.path.realpath(out_dir))):
+        if is_snapshot(path) and snapshot_dir('').startswith('/dev/shm/'):
+            # a run's memory snapshots (RAM), which that run's end removes, with whatever a run saved there
+            run_id = path[len(snapshot_dir('')):].split(os.sep)[0]
+            sys.exit(f"error: out_dir={out_dir} lies in {snapshot_dir('')}{run_id}, the memory snapshots of run "
+                     f"{run_id}, which that run removes at its end: give that run's own out_dir (whose run_id file "
+                     f"holds {run_id}) to resume it, or another --out_dir")
+        # a run's own checkpoint folders (RUN/dcp, RUN/decent/step-N): the run there prunes its step folders, and with
+        # them the whole state of a run started inside one (it started afresh, where its user meant to resume RUN)
+        kind = path
+        while kind != os.path.dirname(kind):
+            run = os.path.dirname(kind)
+            if os.path.basename(kind) in FOLDERS.values() and os.path.isfile(os.path.join(run, 'run_id')):
+                where = 'is' if kind == path else 'lies in'
+                sys.exit(f"error: out_dir={out_dir} {where} {kind}, where the run in {run} keeps (and prunes) its "
+                         f"checkpoints: to continue that run give --out_dir={run}; for a new run from a checkpoint "
+                         f"there, --init_from=FOLDER and an --out_dir of its own")
+            kind = run
     parent = os.path.abspath(out_dir)
     while not os.path.exists(parent):
         if os.path.islink(parent):  # a link to a folder not there (scratch space purged, say): no folder can be made
