@@ -847,9 +847,10 @@ def checkpoint_iter(path, run_id=None):
 
 def step_folders(root, prefix='step-'):
     """The checkpoint folders root/step-N (prefix 'best-step-': the kept bests), newest first (none where root is
-    missing)."""
-    return [os.path.join(root, f) for f in sorted(os.listdir(root), reverse=True) if f.startswith(prefix)] \
-        if os.path.isdir(root) else []
+    missing). Only those named so: a copy a user keeps beside them (step-N.bak, step-N keep) is none, which a resume
+    would read and pruning remove."""
+    return [os.path.join(root, f) for f in sorted(os.listdir(root), reverse=True)
+            if re.fullmatch(re.escape(prefix) + r'\d+', f)] if os.path.isdir(root) else []
 
 
 def folder_run(folder):
@@ -926,7 +927,7 @@ def point_latest(folder, iter_of=None, keep=2, best=False):
             shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
     fallbacks, named = 0, read_name(os.path.join(root, 'best'))
     # (a step folder that best names, after a crash mid-replacement, is the best: kept until a better one comes)
-    for old in sorted((f for f in os.listdir(root) if f.startswith('step-') and f < name and f != named), reverse=True):
+    for old in [f for f in map(os.path.basename, step_folders(root)) if f < name and f != named]:
         if not same_run(os.path.join(root, old), mine):
             continue  # another run's, copied in by hand, or one whose run no file tells: kept, and no fallback
         if fallbacks < keep - 1:
@@ -1275,7 +1276,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         print0(f"warning: skipping the damaged {path} ({why}); resuming from the newest one before it")
     # only for a run that continues: a new one moves an earlier run's files aside as they are (keep_earlier_run)
     if wanted and not eval_only and resume_from is not None:  # the same on every rank
-        moved = [set_aside_damaged(out_dir, damaged) if rank == 0 else None]
+        moved = [set_aside_damaged(out_dir, damaged, earlier, resume_from[1]) if rank == 0 else None]
         if rank == 0 and earlier:  # (the id in out_dir/run_id: a folder without one has no other run's to tell)
             set_aside_others(out_dir, earlier, resume_from[1])
         dist.broadcast_object_list(moved)  # renamed before any rank reads the state it resumes from
@@ -1365,24 +1366,33 @@ def relaunched(out_dir):
     return None
 
 
-def set_aside_damaged(out_dir, damaged):
+def set_aside_damaged(out_dir, damaged, run_id=None, resume_path=None):
     """A run that will write to out_dir resumes past damaged versions of its ckpt.pt ((path, why) in damaged): each
     is renamed damaged-NAME, kept but out of the versions that the run's saves move down, where it would take the
     place of a good one, and the good ones are renamed up into the gaps, as if it had never been written. A gap
     left otherwise (a start stopped between these renames, a version deleted by hand) closes too: a save moves the
     versions down one each, so a gap would let the oldest be replaced while a slot stood empty. A damaged step folder
-    is kept as damaged-step-N. Returns {old path: new path} of those renamed up."""
+    is kept as damaged-step-N. run_id (out_dir/run_id's): a version, or a best.pt, that another run saved (copied in
+    by hand: the resume passes it over) is kept as other-run-NAME likewise, where the saves would move it down and
+    out, or a new best replace it, unsaid (never resume_path, the state resumed). Returns {old path: new path} of
+    those renamed up."""
     path = os.path.join(out_dir, 'ckpt.pt')
     bad = {os.path.abspath(p) for p, _ in damaged}
     versions = [v for v in kept(path) if os.path.lexists(v)]
     good, moved = [], {}
-    for v in versions:
+    for v in versions + [os.path.join(out_dir, 'best.pt')]:
+        theirs = _file_run(v) if run_id and v != resume_path and os.path.abspath(v) not in bad else ''
         if os.path.abspath(v) in bad:
             aside = unused(os.path.join(out_dir, 'damaged-' + os.path.basename(v)))
             os.replace(v, aside)
             print(f"the damaged {v} is kept as {aside}, out of the versions that this run's saves move down",
                   flush=True)
-        else:
+        elif theirs not in ('', run_id):
+            aside = unused(os.path.join(out_dir, 'other-run-' + os.path.basename(v)))
+            os.replace(v, aside)
+            print(f"{v} was saved by another run (id {theirs}, not this run's {run_id}): kept as {aside}, out of "
+                  f"the files that this run's saves move down and replace", flush=True)
+        elif v in versions:
             good.append(v)
     for n, v in enumerate(good):  # the n-th good one is at version n or later: the names before it are free
         if v != previous(path, n):
@@ -1402,6 +1412,15 @@ def set_aside_damaged(out_dir, damaged):
                       f"run's saves replace and prune", flush=True)
                 latest_before(root, name)
     return moved
+
+
+def _file_run(path):
+    """The run id in the checkpoint file at path; '' where it holds none (saved before runs had ids, which counts as
+    any run's), is not there, or does not load (a damaged one is judged where it is loaded)."""
+    try:
+        return str(torch.load(path, map_location='cpu', weights_only=True, mmap=True).get('run_id') or '')
+    except Exception:
+        return ''
 
 
 def latest_before(root, name):
@@ -1458,7 +1477,7 @@ def where_kept(path):
 
 
 # the names in out_dir of a run's saved state and its records, which a new run there would rotate, prune or replace
-RUN_NAMES = re.compile(r'(ckpt|best)(\.prev\d*)?\.pt|(diverged|damaged)-.+|dcp|ds|decent|run_id|config\.json'
+RUN_NAMES = re.compile(r'(ckpt|best)(\.prev\d*)?\.pt|(diverged|damaged|other-run)-.+|dcp|ds|decent|run_id|config\.json'
                        r'|metrics\.jsonl(\.damaged-.+)?')
 
 

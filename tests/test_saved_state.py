@@ -1151,6 +1151,29 @@ def test_a_resume_sets_aside_another_runs_best_and_folders_that_tell_no_run_and_
     assert (tmp_path / 'decent' / 'best').read_text() == 'best-step-00000002'
 
 
+def test_a_resume_sets_aside_another_runs_ckpt_pt_and_best_pt_and_closes_the_gap(tmp_path):
+    # another run's ckpt.pt copied in by hand (to go on from it) was passed over by the resume, unsaid, then moved
+    # down the versions and out at the second save; its best.pt was replaced at the run's next best
+    from checkpoint import set_aside_damaged
+    state = lambda it, run_id: {'iter_num': it, 'run_id': run_id}
+    (tmp_path / 'run_id').write_text('mine')
+    for name, saved in (('ckpt.pt', state(15, 'theirs')), ('ckpt.prev.pt', state(10, 'mine')),
+                        ('ckpt.prev2.pt', state(5, '')), ('best.pt', state(15, 'theirs'))):
+        torch.save(saved, tmp_path / name)
+    before = files(tmp_path)
+    moved = set_aside_damaged(str(tmp_path), [], 'mine', str(tmp_path / 'ckpt.prev.pt'))
+    assert moved == {str(tmp_path / 'ckpt.prev.pt'): str(tmp_path / 'ckpt.pt'),
+                     str(tmp_path / 'ckpt.prev2.pt'): str(tmp_path / 'ckpt.prev.pt')}  # (no id: any run's)
+    renamed = {'ckpt.pt': 'other-run-ckpt.pt', 'best.pt': 'other-run-best.pt', 'ckpt.prev.pt': 'ckpt.pt',
+               'ckpt.prev2.pt': 'ckpt.prev.pt'}
+    assert files(tmp_path) == {renamed.get(p, p): md5 for p, md5 in before.items()}  # every byte kept
+    # the state resumed is never set aside (init_from=resume over a run that has none of its own)
+    (tmp_path / 'adopted').mkdir()
+    torch.save(state(15, 'theirs'), tmp_path / 'adopted' / 'ckpt.pt')
+    assert set_aside_damaged(str(tmp_path / 'adopted'), [], 'mine', str(tmp_path / 'adopted' / 'ckpt.pt')) == {}
+    assert os.listdir(tmp_path / 'adopted') == ['ckpt.pt']
+
+
 def test_a_failed_save_into_the_damaged_folder_that_latest_names_never_calls_it_intact(tmp_path, monkeypatch):
     # ds_train.py removes the folder that latest names where it is damaged, to write the step anew there: where that
     # write fails, the error called the folder, cut short and removed, "the newest complete one, ..., is intact"
