@@ -4,6 +4,7 @@ full disk, from a small tmpfs mounted here) stops the run with a one-line error 
 a damaged metrics.jsonl is set aside, never lost, and the run goes on; a start on a full disk leaves nothing
 half-written. One finished 10-step run per entrypoint (evals at 5 and 10) is shared by the tests (shared_run)."""
 
+import errno
 import hashlib
 import json
 import os
@@ -1055,6 +1056,18 @@ def test_each_resume_that_changes_the_settings_logs_what_they_were(tmp_path, mon
                        {'iter': 5, 'settings_changed': {'max_iters': [20, 30]}}], rows
     assert [r['iter'] for r in rows if 'loss' in r] == [0, 5, 10, 15, 20, 25]
     assert json.loads((tmp_path / 'run' / 'config.json').read_text())['max_iters'] == 30
+    # a file the user may not replace (another user's, in a sticky shared folder) named a full disk, and another
+    # --out_dir, which starts the run afresh there
+    def refused(src, dst):
+        raise PermissionError(errno.EPERM, 'Operation not permitted', src, None, dst)
+    before = files(tmp_path / 'run')
+    monkeypatch.setattr(os, 'replace', refused)
+    with pytest.raises(SystemExit) as e:
+        open_log(out, 'abc', {'out_dir': out, 'max_iters': 40}, resumed_at=25)(25, loss=1.0)
+    monkeypatch.undo()
+    assert str(e.value) == f"error: cannot write {out}/run_id (Operation not permitted): let this user replace the " \
+        f"run's files there, and run the same command again"
+    assert files(tmp_path / 'run') == before  # nothing left of the start
 
 
 def test_run_best_names_the_newer_best_where_another_entrypoint_continued_the_run(tmp_path, data_dir, shared_run):
