@@ -61,6 +61,21 @@ def _started(pid):
         return None
 
 
+def _pid_ns():
+    """This process's pid namespace (/proc's name for it), or None where unknown: a pid names a process only there.
+    Containers on one host have one each, and may share its hostname (docker --network=host)."""
+    try:
+        return os.readlink('/proc/self/ns/pid')
+    except OSError:
+        return None
+
+
+def _here(holder, me):
+    """Whether the holder of a hold runs where this process can see it by its pid: on this host, in this pid
+    namespace (a hold that names none is of before they were named: as before, this host's)."""
+    return holder.get('host') == me['host'] and holder.get('pidns') in (None, me.get('pidns'))
+
+
 def _alive(pid, started=None):
     """Whether process pid lives, and where started is given (its holder's start), is the process that started
     then."""
@@ -137,7 +152,8 @@ def _take(folder, what, tidy=False, pods=()):
     made = _to_make(folder)
     path = os.path.join(folder, HOLD)
     me = {'host': socket.gethostname(), 'pid': os.getpid(), 'since': time.strftime('%Y-%m-%d %H:%M:%S'),
-          'launch': launch_identity(), 'started': _started(os.getpid()), **({'pods': list(pods)} if pods else {})}
+          'launch': launch_identity(), 'started': _started(os.getpid()), 'pidns': _pid_ns(),
+          **({'pods': list(pods)} if pods else {})}
     mine = f'{path}.{me["host"]}.{me["pid"]}.tmp'
     try:
         os.makedirs(folder, exist_ok=True)
@@ -161,16 +177,17 @@ def _take(folder, what, tidy=False, pods=()):
             except FileNotFoundError:
                 age = 0.0
             host, pid = holder.get('host'), holder.get('pid')
-            if (host, pid) == (me['host'], me['pid']) and holder.get('started') in (None, me['started']):
+            if _here(holder, me) and pid == me['pid'] and holder.get('started') in (None, me['started']):
                 return None  # held already, by this process
             ran = sorted(set(pods) & set(p for p in holder.get('pods') or [] if isinstance(p, str)))
             if holder.get('launch') and holder.get('launch') == me['launch']:
                 why = "this run's launcher restarted it"
-            elif ran and host != me['host']:  # (on this host, its pid and start tell whether it lives)
+            elif ran and not _here(holder, me):  # (on this host, its pid and start tell whether it lives)
                 why = f"a pod of its launch, {ran[0]}, runs this start (Kubernetes restarted a container of the job)"
-            elif host == me['host'] and isinstance(pid, int) and not _alive(pid, holder.get('started')):
+            elif _here(holder, me) and isinstance(pid, int) and not _alive(pid, holder.get('started')):
                 why = f"its holder, pid {pid} since {holder.get('since')}, is gone"
-            elif host != me['host'] and age > STALE_S:
+            elif not _here(holder, me) and host and age > STALE_S:  # (another container of this host: its pid is
+                # none of this namespace's, alive or not, so its heartbeat tells)
                 why = f"its holder on {host} has not touched it for {age:.0f} s"
             elif not holder and age > STALE_S:
                 why = "it is unreadable and untouched"
@@ -189,7 +206,8 @@ def _take(folder, what, tidy=False, pods=()):
     def beat():
         while True:
             time.sleep(HEARTBEAT_S)
-            if _read_hold(path).get('pid') != me['pid'] or _read_hold(path).get('host') != me['host']:
+            holder = _read_hold(path)
+            if holder.get('pid') != me['pid'] or not _here(holder, me):
                 return
             try:
                 os.utime(path)
@@ -198,7 +216,7 @@ def _take(folder, what, tidy=False, pods=()):
 
     def release():
         holder = _read_hold(path)
-        if holder.get('pid') == me['pid'] and holder.get('host') == me['host']:
+        if holder.get('pid') == me['pid'] and _here(holder, me):
             os.remove(path)
         # the folders this run made and left empty (a start that failed: new/run, and new too), or a dead run's
         _remove_empty(made or ([folder] if tidy else []))
@@ -222,7 +240,7 @@ def abandoned(folder):
         touched = os.stat(path).st_mtime
     except FileNotFoundError:
         return False
-    if host == socket.gethostname():
+    if _here(holder, {'host': socket.gethostname(), 'pidns': _pid_ns()}):
         return isinstance(pid, int) and not _alive(pid, holder.get('started'))
     return bool(host) and _now_in(os.path.dirname(os.path.abspath(folder))) - touched > STALE_S
 
