@@ -23,6 +23,7 @@ import os
 import pathlib
 import pickle
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -1232,8 +1233,9 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                  f"checkpoint to {out_dir} (SIGTERM does) before changing it, or start afresh with "
                  f"--auto_resume=False (the snapshots are then kept in {out_dir})")
     # an eval of a run's newest state is the eval of the entrypoint that reads it (one started afresh is refused)
-    evaluate = lambda writer: f"evaluate it with `{writer} --out_dir={out_dir} --eval_only=True` (under torchrun as " \
-                              f"before)"
+    # (quoted where the shell would split it: a name with spaces)
+    evaluate = lambda writer: f"evaluate it with `{writer} --out_dir={shlex.quote(out_dir)} --eval_only=True` (under " \
+                              f"torchrun as before)"
     if others and (resume_from is None or resume_from[0] < others[0]) and wanted and eval_only:
         it, folder, writer = others
         sys.exit(f"error: {out_dir} holds a run of {writer}, whose newest state ({folder}, iter {it}) {script} cannot "
@@ -1241,17 +1243,18 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     if others and (resume_from is None or resume_from[0] < others[0]) and not eval_only:
         it, folder, writer = others
         sys.exit(f"error: {out_dir} holds a run of {writer}, whose newest state ({folder}, iter {it}) "
-                 f"{script} cannot resume: continue it with `{writer} --out_dir={out_dir}` (under torchrun as "
-                 f"before), or start a new run from its weights with --init_from={out_dir} and another --out_dir")
+                 f"{script} cannot resume: continue it with `{writer} --out_dir={shlex.quote(out_dir)}` (under "
+                 f"torchrun as before), or start a new run from its weights with "
+                 f"--init_from={shlex.quote(out_dir)} and another --out_dir")
     it, path, writer = max((v[10] for v in views), key=lambda v: -1 if v[0] is None else v[0])
     if it is not None and (resume_from is None or resume_from[0] < it) and eval_only:
         sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of {writer}, which "
                  f"{script} does not read: {evaluate(writer)}")
     if it is not None and (resume_from is None or resume_from[0] < it):
         sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of {writer}, which "
-                 f"{script} does not read: continue the run with `{writer} --out_dir={out_dir}` (under torchrun as "
-                 f"before) and let it save a checkpoint to {out_dir} (SIGTERM does) before switching, or start "
-                 f"afresh with --auto_resume=False (the snapshots are then kept in {out_dir})")
+                 f"{script} does not read: continue the run with `{writer} --out_dir={shlex.quote(out_dir)}` "
+                 f"(under torchrun as before) and let it save a checkpoint to {out_dir} (SIGTERM does) before "
+                 f"switching, or start afresh with --auto_resume=False (the snapshots are then kept in {out_dir})")
     if resume_from is None and damaged:
         path, why = damaged[0]
         afresh = "" if eval_only else " (or start afresh over it with --auto_resume=False)"
@@ -1707,7 +1710,7 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
         run, kind = os.path.dirname(os.path.dirname(os.path.normpath(folder))), step_folder_kind(folder)
         # ds_train.py run again with it writes the export of the state it resumes (at once where the run is finished)
         # at an eval that saves: its final one is no new best, and a config may leave always_save_checkpoint off
-        export = lambda run: (f"`ds_train.py --out_dir={run}{EXPORTS['ds_train.py']}`, "
+        export = lambda run: (f"`ds_train.py --out_dir={shlex.quote(run)}{EXPORTS['ds_train.py']}`, "
                               f"with the run's other flags and ranks, writes {os.path.join(run, 'ckpt.pt')}: at once "
                               f"where the run has finished, else at its next save")
         if kind:  # their step folders: ZeRO's shards, or the replicas
@@ -1716,8 +1719,8 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
             # ds: save_consolidated=False; decent_train.py exports at every save, and this one did not complete
             how = f"(save_consolidated=False): {export(run)}" if kind == 'ds' else \
                 f"(its export did not complete): give this step's rank-R.pt (one replica), or continue the run " \
-                f"with `decent_train.py --out_dir={run}{EXPORTS['decent_train.py']}` (its other flags and ranks as " \
-                f"before), which exports at once where the run has finished, else at its next save"
+                f"with `decent_train.py --out_dir={shlex.quote(run)}{EXPORTS['decent_train.py']}` (its other flags " \
+                f"and ranks as before), which exports at once where the run has finished, else at its next save"
             if not os.path.exists(os.path.join(run, 'best.pt' if best else 'ckpt.pt')):
                 sys.exit(f"error: {folder} is a step folder of {what}, and {run} holds no whole model beside it {how}")
             whole = f"give its best, {os.path.join(run, 'best.pt')}" if best else \
@@ -1825,8 +1828,8 @@ def newer_state(path, model, checkpoint, dropout):
               f"the run's newest state, which it has not saved since", file=sys.stderr, flush=True)
         return *whole, state
     print(f"warning: reading {read} (iter {saved}), an older state than {what} {state} (iter {it}), which only "
-          f"{writer} reads back: continue it with `{writer} --out_dir={run}{EXPORTS.get(writer, '')}` until it saves, "
-          f"for that state", file=sys.stderr, flush=True)
+          f"{writer} reads back: continue it with `{writer} --out_dir={shlex.quote(run)}{EXPORTS.get(writer, '')}` "
+          f"until it saves, for that state", file=sys.stderr, flush=True)
     return model, checkpoint, path
 
 

@@ -25,6 +25,7 @@ import math
 import os
 import re
 import select
+import shlex
 import sys
 import tempfile
 import types
@@ -404,8 +405,9 @@ def check_out_dir(out_dir, evaluates=False):
         sys.exit(f"error: out_dir={out_dir} {found[0]}: give that run's own out_dir (whose run_id file holds "
                  f"{found[2]}) to resume it, or another --out_dir")
     if found:  # (it started afresh there, where its user meant to resume RUN, and was pruned with the step folder)
-        sys.exit(f"error: out_dir={out_dir} {found[0]}: to continue that run give --out_dir={found[1]}; for a new run "
-                 f"from a checkpoint there, --init_from=FOLDER and an --out_dir of its own")
+        sys.exit(f"error: out_dir={out_dir} {found[0]}: to continue that run give "
+                 f"--out_dir={shlex.quote(found[1])}; for a new run from a checkpoint there, --init_from=FOLDER and an "
+                 f"--out_dir of its own")
     parent = os.path.abspath(out_dir)
     while not os.path.exists(parent):
         if os.path.islink(parent):  # a link to a folder not there (scratch space purged, say): no folder can be made
@@ -417,8 +419,8 @@ def check_out_dir(out_dir, evaluates=False):
     try:
         tempfile.TemporaryFile(dir=parent).close()
     except OSError as e:
-        fix = f"to evaluate its checkpoint, give it as --init_from={out_dir}, and a folder you can write to, for " \
-            "the log, as --out_dir" if evaluates else "give a folder you can write to with --out_dir"
+        fix = f"to evaluate its checkpoint, give it as --init_from={shlex.quote(out_dir)}, and a folder you can " \
+            "write to, for the log, as --out_dir" if evaluates else "give a folder you can write to with --out_dir"
         sys.exit(f"error: cannot write in {parent} for out_dir={out_dir} ({e.strerror}): {fix}")
 
 

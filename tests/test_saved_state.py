@@ -206,27 +206,28 @@ def test_an_eval_of_a_read_only_run_names_how_to_evaluate_it(tmp_path, data_dir,
 
 
 def test_another_entrypoints_run_is_refused_in_one_line_and_left_as_it_was(tmp_path, data_dir, shared_run):
-    shutil.copytree(shared_run('fsdp_train.py', *ARGS), tmp_path / 'fsdp')  # dcp/ only: no ckpt.pt to resume
-    before = files(tmp_path / 'fsdp')
+    fsdp = tmp_path / 'an fsdp run'  # a name the shell splits: the commands the errors name quote it
+    shutil.copytree(shared_run('fsdp_train.py', *ARGS), fsdp)  # dcp/ only: no ckpt.pt to resume
+    before = files(fsdp)
     for args in (['--max_iters=3'], ['--eval_only=True'], ['--auto_resume=False']):
-        error = one_line_error(start(tmp_path, data_dir, tmp_path / 'fsdp', *args, check=False))
+        error = one_line_error(start(tmp_path, data_dir, fsdp, *args, check=False))
         assert 'holds a run of fsdp_train.py' in error and 'dcp/step-00000010, iter 10' in error, error
         # an eval was told to resume it, or to start a new run from its weights
-        fix = f'`fsdp_train.py --out_dir={tmp_path / "fsdp"} --eval_only=True`' if 'eval' in args[0] else \
-            f'--init_from={tmp_path / "fsdp"}'
+        fix = f"`fsdp_train.py --out_dir='{fsdp}' --eval_only=True`" if 'eval' in args[0] else \
+            f"--init_from='{fsdp}'"
         assert fix in error, error
-        assert files(tmp_path / 'fsdp') == before  # no new run_id, its log whole, no ckpt.pt
-    p = start(tmp_path, data_dir, tmp_path / 'fsdp', '--eval_only=True', script='fsdp_train.py')
+        assert files(fsdp) == before  # no new run_id, its log whole, no ckpt.pt
+    p = start(tmp_path, data_dir, fsdp, '--eval_only=True', script='fsdp_train.py')
     assert 'eval_only: evaluating the newest state of the run' in p.stdout and 'at iter 10' in p.stdout
     # its weights start a new run elsewhere, as the error says; a consolidated ckpt.pt as new resumes under train.py
-    start(tmp_path, data_dir, tmp_path / 'new', f'--init_from={tmp_path / "fsdp"}', '--max_iters=1')
-    start(tmp_path, data_dir, tmp_path / 'fsdp', '--init_from=resume', '--max_iters=10', '--save_consolidated=True',
+    start(tmp_path, data_dir, tmp_path / 'new', f'--init_from={fsdp}', '--max_iters=1')
+    start(tmp_path, data_dir, fsdp, '--init_from=resume', '--max_iters=10', '--save_consolidated=True',
           script='fsdp_train.py')
-    p = start(tmp_path, data_dir, tmp_path / 'fsdp', '--max_iters=12')
-    assert 'at iter 10' in p.stdout and iter_of(tmp_path / 'fsdp' / 'ckpt.pt') == 12
+    p = start(tmp_path, data_dir, fsdp, '--max_iters=12')
+    assert 'at iter 10' in p.stdout and iter_of(fsdp / 'ckpt.pt') == 12
     # the run's newest, for the tools, is now train.py's ckpt.pt, not the older step folder that dcp/latest names
     from checkpoint import find_checkpoint
-    assert find_checkpoint(str(tmp_path / 'fsdp')) == str(tmp_path / 'fsdp' / 'ckpt.pt')
+    assert find_checkpoint(str(fsdp)) == str(fsdp / 'ckpt.pt')
 
 
 def test_a_damaged_log_is_set_aside_and_the_run_goes_on(tmp_path, data_dir, shared_run):
