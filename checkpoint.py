@@ -23,6 +23,7 @@ import os
 import pathlib
 import pickle
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -849,9 +850,10 @@ def checkpoint_iter(path, run_id=None):
 
 def step_folders(root, prefix='step-'):
     """The checkpoint folders root/step-N (prefix 'best-step-': the kept bests), newest first (none where root is
-    missing)."""
-    return [os.path.join(root, f) for f in sorted(os.listdir(root), reverse=True) if f.startswith(prefix)] \
-        if os.path.isdir(root) else []
+    missing). Only those named so: a copy a user keeps beside them (step-N.bak, step-N keep) is none, which a resume
+    would read and pruning remove."""
+    return [os.path.join(root, f) for f in sorted(os.listdir(root), reverse=True)
+            if re.fullmatch(re.escape(prefix) + r'\d+', f)] if os.path.isdir(root) else []
 
 
 def folder_run(folder):
@@ -928,7 +930,7 @@ def point_latest(folder, iter_of=None, keep=2, best=False):
             shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
     fallbacks, named = 0, read_name(os.path.join(root, 'best'))
     # (a step folder that best names, after a crash mid-replacement, is the best: kept until a better one comes)
-    for old in sorted((f for f in os.listdir(root) if f.startswith('step-') and f < name and f != named), reverse=True):
+    for old in [f for f in map(os.path.basename, step_folders(root)) if f < name and f != named]:
         if not same_run(os.path.join(root, old), mine):
             continue  # another run's, copied in by hand, or one whose run no file tells: kept, and no fallback
         if fallbacks < keep - 1:
@@ -1233,8 +1235,9 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
                  f"checkpoint to {out_dir} (SIGTERM does) before changing it, or start afresh with "
                  f"--auto_resume=False (the snapshots are then kept in {out_dir})")
     # an eval of a run's newest state is the eval of the entrypoint that reads it (one started afresh is refused)
-    evaluate = lambda writer: f"evaluate it with `{writer} --out_dir={out_dir} --eval_only=True` (under torchrun as " \
-                              f"before)"
+    # (quoted where the shell would split it: a name with spaces)
+    evaluate = lambda writer: f"evaluate it with `{writer} --out_dir={shlex.quote(out_dir)} --eval_only=True` (under " \
+                              f"torchrun as before)"
     if others and (resume_from is None or resume_from[0] < others[0]) and wanted and eval_only:
         it, folder, writer = others
         sys.exit(f"error: {out_dir} holds a run of {writer}, whose newest state ({folder}, iter {it}) {script} cannot "
@@ -1242,17 +1245,18 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
     if others and (resume_from is None or resume_from[0] < others[0]) and not eval_only:
         it, folder, writer = others
         sys.exit(f"error: {out_dir} holds a run of {writer}, whose newest state ({folder}, iter {it}) "
-                 f"{script} cannot resume: continue it with `{writer} --out_dir={out_dir}` (under torchrun as "
-                 f"before), or start a new run from its weights with --init_from={out_dir} and another --out_dir")
+                 f"{script} cannot resume: continue it with `{writer} --out_dir={shlex.quote(out_dir)}` (under "
+                 f"torchrun as before), or start a new run from its weights with "
+                 f"--init_from={shlex.quote(out_dir)} and another --out_dir")
     it, path, writer = max((v[10] for v in views), key=lambda v: -1 if v[0] is None else v[0])
     if it is not None and (resume_from is None or resume_from[0] < it) and eval_only:
         sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of {writer}, which "
                  f"{script} does not read: {evaluate(writer)}")
     if it is not None and (resume_from is None or resume_from[0] < it):
         sys.exit(f"error: this run's newest state (iter {it}) is the memory snapshot {path} of {writer}, which "
-                 f"{script} does not read: continue the run with `{writer} --out_dir={out_dir}` (under torchrun as "
-                 f"before) and let it save a checkpoint to {out_dir} (SIGTERM does) before switching, or start "
-                 f"afresh with --auto_resume=False (the snapshots are then kept in {out_dir})")
+                 f"{script} does not read: continue the run with `{writer} --out_dir={shlex.quote(out_dir)}` "
+                 f"(under torchrun as before) and let it save a checkpoint to {out_dir} (SIGTERM does) before "
+                 f"switching, or start afresh with --auto_resume=False (the snapshots are then kept in {out_dir})")
     if resume_from is None and damaged:
         path, why = damaged[0]
         afresh = "" if eval_only else " (or start afresh over it with --auto_resume=False)"
@@ -1277,7 +1281,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         print0(f"warning: skipping the damaged {path} ({why}); resuming from the newest one before it")
     # only for a run that continues: a new one moves an earlier run's files aside as they are (keep_earlier_run)
     if wanted and not eval_only and resume_from is not None:  # the same on every rank
-        moved = [set_aside_damaged(out_dir, damaged) if rank == 0 else None]
+        moved = [set_aside_damaged(out_dir, damaged, earlier, resume_from[1]) if rank == 0 else None]
         if rank == 0 and earlier:  # (the id in out_dir/run_id: a folder without one has no other run's to tell)
             set_aside_others(out_dir, earlier, resume_from[1])
         dist.broadcast_object_list(moved)  # renamed before any rank reads the state it resumes from
@@ -1367,24 +1371,33 @@ def relaunched(out_dir):
     return None
 
 
-def set_aside_damaged(out_dir, damaged):
+def set_aside_damaged(out_dir, damaged, run_id=None, resume_path=None):
     """A run that will write to out_dir resumes past damaged versions of its ckpt.pt ((path, why) in damaged): each
     is renamed damaged-NAME, kept but out of the versions that the run's saves move down, where it would take the
     place of a good one, and the good ones are renamed up into the gaps, as if it had never been written. A gap
     left otherwise (a start stopped between these renames, a version deleted by hand) closes too: a save moves the
     versions down one each, so a gap would let the oldest be replaced while a slot stood empty. A damaged step folder
-    is kept as damaged-step-N. Returns {old path: new path} of those renamed up."""
+    is kept as damaged-step-N. run_id (out_dir/run_id's): a version, or a best.pt, that another run saved (copied in
+    by hand: the resume passes it over) is kept as other-run-NAME likewise, where the saves would move it down and
+    out, or a new best replace it, unsaid (never resume_path, the state resumed). Returns {old path: new path} of
+    those renamed up."""
     path = os.path.join(out_dir, 'ckpt.pt')
     bad = {os.path.abspath(p) for p, _ in damaged}
     versions = [v for v in kept(path) if os.path.lexists(v)]
     good, moved = [], {}
-    for v in versions:
+    for v in versions + [os.path.join(out_dir, 'best.pt')]:
+        theirs = _file_run(v) if run_id and v != resume_path and os.path.abspath(v) not in bad else ''
         if os.path.abspath(v) in bad:
             aside = unused(os.path.join(out_dir, 'damaged-' + os.path.basename(v)))
             os.replace(v, aside)
             print(f"the damaged {v} is kept as {aside}, out of the versions that this run's saves move down",
                   flush=True)
-        else:
+        elif theirs not in ('', run_id):
+            aside = unused(os.path.join(out_dir, 'other-run-' + os.path.basename(v)))
+            os.replace(v, aside)
+            print(f"{v} was saved by another run (id {theirs}, not this run's {run_id}): kept as {aside}, out of "
+                  f"the files that this run's saves move down and replace", flush=True)
+        elif v in versions:
             good.append(v)
     for n, v in enumerate(good):  # the n-th good one is at version n or later: the names before it are free
         if v != previous(path, n):
@@ -1404,6 +1417,15 @@ def set_aside_damaged(out_dir, damaged):
                       f"run's saves replace and prune", flush=True)
                 latest_before(root, name)
     return moved
+
+
+def _file_run(path):
+    """The run id in the checkpoint file at path; '' where it holds none (saved before runs had ids, which counts as
+    any run's), is not there, or does not load (a damaged one is judged where it is loaded)."""
+    try:
+        return str(torch.load(path, map_location='cpu', weights_only=True, mmap=True).get('run_id') or '')
+    except Exception:
+        return ''
 
 
 def latest_before(root, name):
@@ -1460,7 +1482,7 @@ def where_kept(path):
 
 
 # the names in out_dir of a run's saved state and its records, which a new run there would rotate, prune or replace
-RUN_NAMES = re.compile(r'(ckpt|best)(\.prev\d*)?\.pt|(diverged|damaged)-.+|dcp|ds|decent|run_id|config\.json'
+RUN_NAMES = re.compile(r'(ckpt|best)(\.prev\d*)?\.pt|(diverged|damaged|other-run)-.+|dcp|ds|decent|run_id|config\.json'
                        r'|metrics\.jsonl(\.damaged-.+)?')
 
 
@@ -1690,7 +1712,7 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
         run, kind = os.path.dirname(os.path.dirname(os.path.normpath(folder))), step_folder_kind(folder)
         # ds_train.py run again with it writes the export of the state it resumes (at once where the run is finished)
         # at an eval that saves: its final one is no new best, and a config may leave always_save_checkpoint off
-        export = lambda run: (f"`ds_train.py --out_dir={run}{EXPORTS['ds_train.py']}`, "
+        export = lambda run: (f"`ds_train.py --out_dir={shlex.quote(run)}{EXPORTS['ds_train.py']}`, "
                               f"with the run's other flags and ranks, writes {os.path.join(run, 'ckpt.pt')}: at once "
                               f"where the run has finished, else at its next save")
         if kind:  # their step folders: ZeRO's shards, or the replicas
@@ -1699,8 +1721,8 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
             # ds: save_consolidated=False; decent_train.py exports at every save, and this one did not complete
             how = f"(save_consolidated=False): {export(run)}" if kind == 'ds' else \
                 f"(its export did not complete): give this step's rank-R.pt (one replica), or continue the run " \
-                f"with `decent_train.py --out_dir={run}{EXPORTS['decent_train.py']}` (its other flags and ranks as " \
-                f"before), which exports at once where the run has finished, else at its next save"
+                f"with `decent_train.py --out_dir={shlex.quote(run)}{EXPORTS['decent_train.py']}` (its other flags " \
+                f"and ranks as before), which exports at once where the run has finished, else at its next save"
             if not os.path.exists(os.path.join(run, 'best.pt' if best else 'ckpt.pt')):
                 sys.exit(f"error: {folder} is a step folder of {what}, and {run} holds no whole model beside it {how}")
             whole = f"give its best, {os.path.join(run, 'best.pt')}" if best else \
@@ -1808,8 +1830,8 @@ def newer_state(path, model, checkpoint, dropout):
               f"the run's newest state, which it has not saved since", file=sys.stderr, flush=True)
         return *whole, state
     print(f"warning: reading {read} (iter {saved}), an older state than {what} {state} (iter {it}), which only "
-          f"{writer} reads back: continue it with `{writer} --out_dir={run}{EXPORTS.get(writer, '')}` until it saves, "
-          f"for that state", file=sys.stderr, flush=True)
+          f"{writer} reads back: continue it with `{writer} --out_dir={shlex.quote(run)}{EXPORTS.get(writer, '')}` "
+          f"until it saves, for that state", file=sys.stderr, flush=True)
     return model, checkpoint, path
 
 

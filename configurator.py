@@ -25,6 +25,7 @@ import math
 import os
 import re
 import select
+import shlex
 import sys
 import tempfile
 import types
@@ -362,6 +363,35 @@ def check_config(config):
                      f"another --out_dir")
 
 
+def runs_own(path):
+    """Where path lies in what a run removes: its checkpoint folders (RUN/dcp, RUN/decent/step-N: its saves prune
+    the step folders, a new best replaces best-step-N) or its memory snapshots in RAM (its end removes them), as named
+    or where a link leads (ln -s RUN/dcp/step-N mine): (the words that say so, RUN, the run id of the snapshots),
+    else None. What a run or a tool writes there goes with them."""
+    from checkpoint import FOLDERS, is_snapshot, snapshot_dir
+    for p in dict.fromkeys((os.path.abspath(path), os.path.realpath(path))):
+        if is_snapshot(p) and snapshot_dir('').startswith('/dev/shm/'):
+            run_id = p[len(snapshot_dir('')):].split(os.sep)[0]
+            return (f"lies in {snapshot_dir('')}{run_id}, the memory snapshots of run {run_id}, which that run "
+                    f"removes at its end"), None, run_id
+        kind = p
+        while kind != os.path.dirname(kind):
+            run = os.path.dirname(kind)
+            if os.path.basename(kind) in FOLDERS.values() and os.path.isfile(os.path.join(run, 'run_id')):
+                return (f"{'is' if kind == p else 'lies in'} {kind}, where the run in {run} keeps (and prunes) its "
+                        f"checkpoints"), run, None
+            kind = run
+    return None
+
+
+def outside_runs_or_exit(path, flag):
+    """A tool's output (flag=path) in what a run removes (runs_own) is a one-line error: it would go with them."""
+    found = runs_own(path)
+    if found:
+        sys.exit(f"error: {flag}={path} {found[0]}, and what is written there goes with them: give {flag} a path "
+                 f"outside it")
+
+
 def check_out_dir(out_dir, evaluates=False):
     """out_dir must be a folder this process can write in, or one it can make; nothing is written to find out
     but a temporary file, removed at once, in the nearest folder that exists. evaluates: an eval_only run of the
@@ -370,24 +400,14 @@ def check_out_dir(out_dir, evaluates=False):
         sys.exit("error: out_dir is empty: give --out_dir=FOLDER")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         sys.exit(f"error: out_dir={out_dir} is a file, not a folder: give another --out_dir")
-    from checkpoint import FOLDERS, is_snapshot, snapshot_dir
-    if is_snapshot(out_dir) and snapshot_dir('').startswith('/dev/shm/'):
-        # a run's memory snapshots (RAM), which that run's end removes, with whatever a run saved there
-        run_id = os.path.abspath(out_dir)[len(snapshot_dir('')):].split(os.sep)[0]
-        sys.exit(f"error: out_dir={out_dir} lies in {snapshot_dir('')}{run_id}, the memory snapshots of run {run_id}, "
-                 f"which that run removes at its end: give that run's own out_dir (whose run_id file holds {run_id}) "
-                 f"to resume it, or another --out_dir")
-    # a run's own checkpoint folders (RUN/dcp, RUN/decent/step-N): the run there prunes its step folders, and with
-    # them the whole state of a run started inside one (it started afresh, where its user meant to resume RUN)
-    kind = os.path.abspath(out_dir)
-    while kind != os.path.dirname(kind):
-        run = os.path.dirname(kind)
-        if os.path.basename(kind) in FOLDERS.values() and os.path.isfile(os.path.join(run, 'run_id')):
-            where = 'is' if kind == os.path.abspath(out_dir) else 'lies in'
-            sys.exit(f"error: out_dir={out_dir} {where} {kind}, where the run in {run} keeps (and prunes) its "
-                     f"checkpoints: to continue that run give --out_dir={run}; for a new run from a checkpoint "
-                     f"there, --init_from=FOLDER and an --out_dir of its own")
-        kind = run
+    found = runs_own(out_dir)
+    if found and found[2]:
+        sys.exit(f"error: out_dir={out_dir} {found[0]}: give that run's own out_dir (whose run_id file holds "
+                 f"{found[2]}) to resume it, or another --out_dir")
+    if found:  # (it started afresh there, where its user meant to resume RUN, and was pruned with the step folder)
+        sys.exit(f"error: out_dir={out_dir} {found[0]}: to continue that run give "
+                 f"--out_dir={shlex.quote(found[1])}; for a new run from a checkpoint there, --init_from=FOLDER and an "
+                 f"--out_dir of its own")
     parent = os.path.abspath(out_dir)
     while not os.path.exists(parent):
         if os.path.islink(parent):  # a link to a folder not there (scratch space purged, say): no folder can be made
@@ -399,8 +419,8 @@ def check_out_dir(out_dir, evaluates=False):
     try:
         tempfile.TemporaryFile(dir=parent).close()
     except OSError as e:
-        fix = f"to evaluate its checkpoint, give it as --init_from={out_dir}, and a folder you can write to, for " \
-            "the log, as --out_dir" if evaluates else "give a folder you can write to with --out_dir"
+        fix = f"to evaluate its checkpoint, give it as --init_from={shlex.quote(out_dir)}, and a folder you can " \
+            "write to, for the log, as --out_dir" if evaluates else "give a folder you can write to with --out_dir"
         sys.exit(f"error: cannot write in {parent} for out_dir={out_dir} ({e.strerror}): {fix}")
 
 

@@ -18,7 +18,7 @@ import tempfile
 import torch
 
 from checkpoint import RUN_NAMES, checkpoint_or_exit, hf_folder, reason
-from configurator import configure, quiet_interrupt
+from configurator import configure, outside_runs_or_exit, quiet_interrupt
 from runlock import abandoned, let_go, try_hold
 
 quiet_interrupt()  # Ctrl-C: one line, no traceback
@@ -79,6 +79,7 @@ def remove_dead_exports(parent, name):
 def main():
     if os.path.lexists(out):  # a link too, to a folder not made yet: the name is taken
         sys.exit(f"error: {out} exists: give a new folder with --out=PATH")
+    outside_runs_or_exit(out, '--out')  # (beside its checkpoint in RUN/dcp/step-N, it was pruned with it)
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         sys.exit(f"error: cannot write {out}: {parent} is not a writable folder; give --out=PATH in one")

@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -58,6 +59,21 @@ def _started(pid):
             return int(f.read().rsplit(b')', 1)[1].split()[19])  # field 22, counted from the state after the name
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _pid_ns():
+    """This process's pid namespace (/proc's name for it), or None where unknown: a pid names a process only there.
+    Containers on one host have one each, and may share its hostname (docker --network=host)."""
+    try:
+        return os.readlink('/proc/self/ns/pid')
+    except OSError:
+        return None
+
+
+def _here(holder, me):
+    """Whether the holder of a hold runs where this process can see it by its pid: on this host, in this pid
+    namespace (a hold that names none is of before they were named: as before, this host's)."""
+    return holder.get('host') == me['host'] and holder.get('pidns') in (None, me.get('pidns'))
 
 
 def _alive(pid, started=None):
@@ -136,7 +152,8 @@ def _take(folder, what, tidy=False, pods=()):
     made = _to_make(folder)
     path = os.path.join(folder, HOLD)
     me = {'host': socket.gethostname(), 'pid': os.getpid(), 'since': time.strftime('%Y-%m-%d %H:%M:%S'),
-          'launch': launch_identity(), 'started': _started(os.getpid()), **({'pods': list(pods)} if pods else {})}
+          'launch': launch_identity(), 'started': _started(os.getpid()), 'pidns': _pid_ns(),
+          **({'pods': list(pods)} if pods else {})}
     mine = f'{path}.{me["host"]}.{me["pid"]}.tmp'
     try:
         os.makedirs(folder, exist_ok=True)
@@ -155,21 +172,22 @@ def _take(folder, what, tidy=False, pods=()):
             _place(mine, path)
         except FileExistsError:
             holder = _read_hold(path)
-            try:
-                age = time.time() - os.stat(path).st_mtime
+            try:  # on the clock that stamps the folder's files (mine's, written just now), not on this host's
+                age = os.stat(mine).st_mtime - os.stat(path).st_mtime
             except FileNotFoundError:
                 age = 0.0
             host, pid = holder.get('host'), holder.get('pid')
-            if (host, pid) == (me['host'], me['pid']) and holder.get('started') in (None, me['started']):
+            if _here(holder, me) and pid == me['pid'] and holder.get('started') in (None, me['started']):
                 return None  # held already, by this process
             ran = sorted(set(pods) & set(p for p in holder.get('pods') or [] if isinstance(p, str)))
             if holder.get('launch') and holder.get('launch') == me['launch']:
                 why = "this run's launcher restarted it"
-            elif ran and host != me['host']:  # (on this host, its pid and start tell whether it lives)
+            elif ran and not _here(holder, me):  # (on this host, its pid and start tell whether it lives)
                 why = f"a pod of its launch, {ran[0]}, runs this start (Kubernetes restarted a container of the job)"
-            elif host == me['host'] and isinstance(pid, int) and not _alive(pid, holder.get('started')):
+            elif _here(holder, me) and isinstance(pid, int) and not _alive(pid, holder.get('started')):
                 why = f"its holder, pid {pid} since {holder.get('since')}, is gone"
-            elif host != me['host'] and age > STALE_S:
+            elif not _here(holder, me) and host and age > STALE_S:  # (another container of this host: its pid is
+                # none of this namespace's, alive or not, so its heartbeat tells)
                 why = f"its holder on {host} has not touched it for {age:.0f} s"
             elif not holder and age > STALE_S:
                 why = "it is unreadable and untouched"
@@ -188,7 +206,8 @@ def _take(folder, what, tidy=False, pods=()):
     def beat():
         while True:
             time.sleep(HEARTBEAT_S)
-            if _read_hold(path).get('pid') != me['pid'] or _read_hold(path).get('host') != me['host']:
+            holder = _read_hold(path)
+            if holder.get('pid') != me['pid'] or not _here(holder, me):
                 return
             try:
                 os.utime(path)
@@ -197,7 +216,7 @@ def _take(folder, what, tidy=False, pods=()):
 
     def release():
         holder = _read_hold(path)
-        if holder.get('pid') == me['pid'] and holder.get('host') == me['host']:
+        if holder.get('pid') == me['pid'] and _here(holder, me):
             os.remove(path)
         # the folders this run made and left empty (a start that failed: new/run, and new too), or a dead run's
         _remove_empty(made or ([folder] if tidy else []))
@@ -218,12 +237,29 @@ def abandoned(folder):
     holder = _read_hold(path)
     host, pid = holder.get('host'), holder.get('pid')
     try:
-        age = time.time() - os.stat(path).st_mtime
+        touched = os.stat(path).st_mtime
     except FileNotFoundError:
         return False
-    if host == socket.gethostname():
+    if _here(holder, {'host': socket.gethostname(), 'pidns': _pid_ns()}):
         return isinstance(pid, int) and not _alive(pid, holder.get('started'))
-    return bool(host) and age > STALE_S
+    return bool(host) and _now_in(os.path.dirname(os.path.abspath(folder))) - touched > STALE_S
+
+
+def _now_in(folder):
+    """The time now on the clock that stamps folder's files: a file made there just now, its mtime. A hold's age is
+    measured on it, never on this host's clock: on a shared filesystem the server stamps the holder's heartbeat (NFS),
+    and a host whose clock is minutes ahead of it (no NTP in a node, a clock stepped after a VM resumed) took a live
+    run's hold, touched a second ago, for a dead host's, and ran a second run over its folder. This host's clock where
+    nothing can be made there."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix='.now-', dir=folder)
+    except OSError:
+        return time.time()
+    try:
+        return os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+        os.remove(probe)
 
 
 def let_go(folder):

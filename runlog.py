@@ -10,6 +10,7 @@ data that do not fit the model, a damaged checkpoint) leaves the files of the ru
 were, and those of a run it was to start afresh over (open_log settles their move aside).
 """
 
+import errno
 import json
 import math
 import os
@@ -76,8 +77,12 @@ def open_log(out_dir, run_id, settings, resumed_at=None, write=True, eval_only=F
                 for path in made:
                     if os.path.isfile(path):
                         os.remove(path)
+                # (another --out_dir for a full disk only: for a file this user may not replace, one that a user of a
+                # sticky shared folder owns, it would start the run afresh there rather than go on with it)
+                fix = 'free space there, or give another --out_dir' if e.errno in (errno.ENOSPC, errno.EDQUOT) \
+                    else "let this user replace the run's files there, and run the same command again"
                 error = (f"error: cannot write {e.filename or os.path.join(out_dir, 'metrics.jsonl')} "
-                         f"({e.strerror or reason(e)}): free space there, or give another --out_dir")
+                         f"({e.strerror or reason(e)}): {fix}")
         else:
             metrics.append(None)
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -125,7 +130,7 @@ def _start(out_dir, run_id, settings, resumed_at, eval_only, first_row, made, pe
         try:
             replace_text(os.path.join(out_dir, name), text)
         except OSError as e:  # a write's error names no file
-            raise OSError(e.errno, e.strerror, e.filename or os.path.join(out_dir, name)) from None
+            raise OSError(e.errno, e.strerror, os.path.join(out_dir, name)) from None  # (not its .tmp)
     return open(path, 'ab', buffering=0)
 
 

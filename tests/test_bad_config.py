@@ -87,12 +87,25 @@ def test_an_out_dir_in_a_runs_checkpoint_folders_or_snapshots_is_refused(tmp_pat
             configurator.check_out_dir(str(tmp_path / 'run' / out))
         assert f"where the run in {tmp_path / 'run'} keeps (and prunes) its checkpoints: to continue that run give " \
             f"--out_dir={tmp_path / 'run'}" in str(e.value.code), e.value.code
+    # and through a link to one (ln -s RUN/dcp/step-N mine): RUN's pruning removed the run's whole folder all the same
+    (tmp_path / 'mine').symlink_to(tmp_path / 'run' / 'dcp' / 'step-00000006')
+    for out in ('mine', 'mine/new'):
+        with pytest.raises(SystemExit) as e:
+            configurator.check_out_dir(str(tmp_path / out))
+        assert f"out_dir={tmp_path / out} lies in {tmp_path / 'run' / 'dcp'}, where the run" in str(e.value.code) \
+            and f"give --out_dir={tmp_path / 'run'}" in str(e.value.code), e.value.code
     assert sorted(p.name for p in (tmp_path / 'run' / 'dcp').iterdir()) == ['step-00000006']
+    (tmp_path / 'my run' / 'dcp').mkdir(parents=True)  # the command it names is quoted where the shell would split it
+    (tmp_path / 'my run' / 'run_id').write_text('abc')
+    with pytest.raises(SystemExit) as e:
+        configurator.check_out_dir(str(tmp_path / 'my run' / 'dcp'))
+    assert f"to continue that run give --out_dir='{tmp_path / 'my run'}';" in str(e.value.code), e.value.code
     for out in ('run/new', 'other/dcp', 'run/before-abc'):  # a run's own folder inside, and a dcp of no run's: taken
         configurator.check_out_dir(str(tmp_path / out))
     # nor in a run's memory snapshots in RAM (where its snapshots are resumed from, as the docs say), which the end
     # of that run removes
-    for out in ('/dev/shm/nanogpt-0123abc', '/dev/shm/nanogpt-0123abc/run'):
+    (tmp_path / 'ram').symlink_to('/dev/shm/nanogpt-0123abc')
+    for out in ('/dev/shm/nanogpt-0123abc', '/dev/shm/nanogpt-0123abc/run', str(tmp_path / 'ram')):
         with pytest.raises(SystemExit) as e:
             configurator.check_out_dir(out)
         assert "the memory snapshots of run 0123abc, which that run removes at its end: give that run's own " \

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from checkpoint import load_checkpoint, point_latest
+from checkpoint import load_checkpoint, point_latest, step_folders
 from conftest import REPO, counts_tokens, one_line_error, read_metrics, run
 from model import GPT, GPTConfig
 from test_fault import KIND, final_weights, same_weights, tiny
@@ -342,13 +342,19 @@ def test_pruning_removes_only_the_runs_own_folders_never_another_runs_or_one_who
     shutil.copytree(folder('decent', 0, {f'rank-{r}.pt': replica(0, 'theirs') for r in (0, 1)}),
                     tmp_path / 'decent' / 'best-step-00000000')  # another run's best, and its best file
     (tmp_path / 'decent' / 'best').write_text('best-step-00000000')
+    # a user's copies of the run's own folders beside them: a resume read step-N.bak as a step folder, pruning
+    # counted one among the fallbacks and removed the other
+    shutil.copytree(tmp_path / 'decent' / 'step-00000002', tmp_path / 'decent' / 'step-00000002.bak')
+    shutil.copytree(tmp_path / 'decent' / 'step-00000004', tmp_path / 'decent' / 'step-00000004 keep')
     theirs = {p: p.read_bytes() for p in (tmp_path / 'decent').rglob('*') if p.is_file() and
-              re.search(r'step-0000000[013]', str(p))}
+              re.search(r'step-0000000([013]|2\.bak|4 keep)', str(p))}
     point_latest(folder('decent', 6, {f'rank-{r}.pt': replica(6, 'mine') for r in (0, 1)}), keep=2, best=True)
     assert sorted(p.name for p in (tmp_path / 'decent').iterdir()) == [
         'best', 'best-step-00000000', 'best-step-00000006', 'latest', 'step-00000000', 'step-00000001',
-        'step-00000003', 'step-00000004', 'step-00000006']  # the run's step 4, its one fallback, and none of theirs
-    assert {p: p.read_bytes() for p in theirs} == theirs
+        'step-00000002.bak', 'step-00000003', 'step-00000004', 'step-00000004 keep', 'step-00000006']  # the run's
+    assert {p: p.read_bytes() for p in theirs} == theirs  # step 4, its one fallback, and none of theirs or the user's
+    assert [os.path.basename(f) for f in step_folders(str(tmp_path / 'decent'))] == [
+        'step-00000006', 'step-00000004', 'step-00000003', 'step-00000001', 'step-00000000']  # what a resume reads
     # a DCP folder of another run without its extra.pt: shards and .metadata tell no run
     folder('dcp', 3, {'.metadata': b'theirs', '__0_0.distcp': b'theirs'})
     for step in (4, 6):

@@ -151,3 +151,37 @@ def test_a_folder_on_a_filesystem_without_hard_links_is_held_all_the_same(tmp_pa
     plant(folder, pid=1)  # alive on this host: a second run is refused, its hold left as it was
     assert 'is in use by a run on host' in runlock._take(str(folder), 'a run')
     assert json.loads((folder / 'run.lock').read_text())['pid'] == 1 and os.listdir(folder) == ['run.lock']
+
+
+def test_a_host_whose_clock_is_ahead_leaves_a_live_hold_alone(tmp_path, monkeypatch):
+    # a host minutes ahead of the clock that stamps the shared folder's files (NFS: its server's; no NTP in a node,
+    # or a clock stepped as a VM resumed) took a hold touched a second ago for a dead host's, and ran over the run
+    sys.path.insert(0, str(REPO))
+    import types
+    import runlock
+    monkeypatch.setattr(runlock, 'time', types.SimpleNamespace(time=lambda: time.time() + 3600,
+                                                                strftime=time.strftime, sleep=time.sleep))
+    live = plant(tmp_path / 'live', host='another-host', pid=1)  # touched just now, on the folder's clock
+    assert 'is in use by a run on host another-host' in runlock._take(str(tmp_path / 'live'), 'a run')
+    assert json.loads(live.read_text())['host'] == 'another-host' and not runlock.abandoned(str(tmp_path / 'live'))
+    dead = plant(tmp_path / 'dead', host='another-host', pid=1)  # untouched for 10 minutes, on that clock too
+    os.utime(dead, (time.time() - 600, time.time() - 600))
+    assert runlock.abandoned(str(tmp_path / 'dead')) and runlock._take(str(tmp_path / 'dead'), 'a run') is None
+    runlock._held.pop(str(tmp_path / 'dead'))()
+    assert sorted(os.listdir(tmp_path)) == ['dead', 'live'] and os.listdir(tmp_path / 'live') == ['run.lock']
+
+
+def test_a_start_in_another_container_of_the_host_leaves_a_live_hold_alone(tmp_path):
+    # containers of one host may share its hostname (docker --network=host), each with pids of its own: a start in
+    # one looked up the holder's pid in its own namespace, found none, and ran a second run over the live one
+    sys.path.insert(0, str(REPO))
+    import runlock
+    for folder, pid in (('dead-here', dead_pid()), ('mine-here', os.getpid())):  # (as this namespace sees them)
+        plant(tmp_path / folder, pid=pid, pidns='pid:[1]')  # touched just now, in another namespace
+        assert 'is in use by a run on host' in runlock._take(str(tmp_path / folder), 'a run')
+        assert not runlock.abandoned(str(tmp_path / folder)) and os.listdir(tmp_path / folder) == ['run.lock']
+    lock = plant(tmp_path / 'stale', pid=dead_pid(), pidns='pid:[1]')  # its heartbeat stopped: taken over
+    os.utime(lock, (time.time() - 600, time.time() - 600))
+    assert runlock._take(str(tmp_path / 'stale'), 'a run') is None
+    assert json.loads(lock.read_text())['pidns'] == os.readlink('/proc/self/ns/pid')
+    runlock._held.pop(str(tmp_path / 'stale'))()

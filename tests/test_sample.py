@@ -280,7 +280,7 @@ def test_sample_into_a_pipe_whose_reader_left_ends_quietly(char_run):
 
 def test_export_hf_bad_input(char_run, tmp_path):
     (tmp_path / 'file').write_text('not a folder')
-    (tmp_path / 'run').mkdir()
+    (step := tmp_path / 'run' / 'dcp' / 'step-00000004').mkdir(parents=True)
     (tmp_path / 'run' / 'run_id').write_text('abc')
     for out, message in ((tmp_path / 'file' / 'hf', f"cannot write {tmp_path / 'file' / 'hf'}: {tmp_path / 'file'} "
                           "is not a writable folder; give --out=PATH in one"),
@@ -290,13 +290,18 @@ def test_export_hf_bad_input(char_run, tmp_path):
                          # it hid the run's best from sample.py --init_from=best and export_hf.py --ckpt=RUN/best
                          (tmp_path / 'run' / 'best', f"{tmp_path / 'run' / 'best'} is a name that the run in "
                           f"{tmp_path / 'run'} uses for its own state: give --out another name, e.g. "
-                          f"--out={tmp_path / 'run' / 'hf-best'}")):
+                          f"--out={tmp_path / 'run' / 'hf-best'}"),
+                         # beside its checkpoint, in the run's step folder: pruned with it at the run's next saves
+                         (step / 'hf', f"{step / 'hf'} lies in {tmp_path / 'run' / 'dcp'}, where the run in "
+                          f"{tmp_path / 'run'} keeps (and prunes) its checkpoints, and what is written there goes "
+                          f"with them: give --out a path outside it")):
         (tmp_path / 'link').unlink(missing_ok=True)
         (tmp_path / 'link').symlink_to(tmp_path / 'later')
         p = run('export_hf.py', f'--ckpt={char_run}', f'--out={out}', cwd=tmp_path, check=False)
         assert message in one_line_error(p)
     assert sorted(f.name for f in tmp_path.iterdir()) == ['file', 'link', 'run']
-    assert os.listdir(tmp_path / 'run') == ['run_id']
+    assert sorted(os.listdir(tmp_path / 'run')) == ['dcp', 'run_id']
+    assert os.listdir(tmp_path / 'run' / 'dcp' / 'step-00000004') == []
 
 
 def test_export_hf_removes_what_a_killed_export_to_its_out_left_and_nothing_else(char_run, tmp_path):

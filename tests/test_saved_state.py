@@ -4,6 +4,7 @@ full disk, from a small tmpfs mounted here) stops the run with a one-line error 
 a damaged metrics.jsonl is set aside, never lost, and the run goes on; a start on a full disk leaves nothing
 half-written. One finished 10-step run per entrypoint (evals at 5 and 10) is shared by the tests (shared_run)."""
 
+import errno
 import hashlib
 import json
 import os
@@ -205,27 +206,28 @@ def test_an_eval_of_a_read_only_run_names_how_to_evaluate_it(tmp_path, data_dir,
 
 
 def test_another_entrypoints_run_is_refused_in_one_line_and_left_as_it_was(tmp_path, data_dir, shared_run):
-    shutil.copytree(shared_run('fsdp_train.py', *ARGS), tmp_path / 'fsdp')  # dcp/ only: no ckpt.pt to resume
-    before = files(tmp_path / 'fsdp')
+    fsdp = tmp_path / 'an fsdp run'  # a name the shell splits: the commands the errors name quote it
+    shutil.copytree(shared_run('fsdp_train.py', *ARGS), fsdp)  # dcp/ only: no ckpt.pt to resume
+    before = files(fsdp)
     for args in (['--max_iters=3'], ['--eval_only=True'], ['--auto_resume=False']):
-        error = one_line_error(start(tmp_path, data_dir, tmp_path / 'fsdp', *args, check=False))
+        error = one_line_error(start(tmp_path, data_dir, fsdp, *args, check=False))
         assert 'holds a run of fsdp_train.py' in error and 'dcp/step-00000010, iter 10' in error, error
         # an eval was told to resume it, or to start a new run from its weights
-        fix = f'`fsdp_train.py --out_dir={tmp_path / "fsdp"} --eval_only=True`' if 'eval' in args[0] else \
-            f'--init_from={tmp_path / "fsdp"}'
+        fix = f"`fsdp_train.py --out_dir='{fsdp}' --eval_only=True`" if 'eval' in args[0] else \
+            f"--init_from='{fsdp}'"
         assert fix in error, error
-        assert files(tmp_path / 'fsdp') == before  # no new run_id, its log whole, no ckpt.pt
-    p = start(tmp_path, data_dir, tmp_path / 'fsdp', '--eval_only=True', script='fsdp_train.py')
+        assert files(fsdp) == before  # no new run_id, its log whole, no ckpt.pt
+    p = start(tmp_path, data_dir, fsdp, '--eval_only=True', script='fsdp_train.py')
     assert 'eval_only: evaluating the newest state of the run' in p.stdout and 'at iter 10' in p.stdout
     # its weights start a new run elsewhere, as the error says; a consolidated ckpt.pt as new resumes under train.py
-    start(tmp_path, data_dir, tmp_path / 'new', f'--init_from={tmp_path / "fsdp"}', '--max_iters=1')
-    start(tmp_path, data_dir, tmp_path / 'fsdp', '--init_from=resume', '--max_iters=10', '--save_consolidated=True',
+    start(tmp_path, data_dir, tmp_path / 'new', f'--init_from={fsdp}', '--max_iters=1')
+    start(tmp_path, data_dir, fsdp, '--init_from=resume', '--max_iters=10', '--save_consolidated=True',
           script='fsdp_train.py')
-    p = start(tmp_path, data_dir, tmp_path / 'fsdp', '--max_iters=12')
-    assert 'at iter 10' in p.stdout and iter_of(tmp_path / 'fsdp' / 'ckpt.pt') == 12
+    p = start(tmp_path, data_dir, fsdp, '--max_iters=12')
+    assert 'at iter 10' in p.stdout and iter_of(fsdp / 'ckpt.pt') == 12
     # the run's newest, for the tools, is now train.py's ckpt.pt, not the older step folder that dcp/latest names
     from checkpoint import find_checkpoint
-    assert find_checkpoint(str(tmp_path / 'fsdp')) == str(tmp_path / 'fsdp' / 'ckpt.pt')
+    assert find_checkpoint(str(fsdp)) == str(fsdp / 'ckpt.pt')
 
 
 def test_a_damaged_log_is_set_aside_and_the_run_goes_on(tmp_path, data_dir, shared_run):
@@ -1055,6 +1057,18 @@ def test_each_resume_that_changes_the_settings_logs_what_they_were(tmp_path, mon
                        {'iter': 5, 'settings_changed': {'max_iters': [20, 30]}}], rows
     assert [r['iter'] for r in rows if 'loss' in r] == [0, 5, 10, 15, 20, 25]
     assert json.loads((tmp_path / 'run' / 'config.json').read_text())['max_iters'] == 30
+    # a file the user may not replace (another user's, in a sticky shared folder) named a full disk, and another
+    # --out_dir, which starts the run afresh there
+    def refused(src, dst):
+        raise PermissionError(errno.EPERM, 'Operation not permitted', src, None, dst)
+    before = files(tmp_path / 'run')
+    monkeypatch.setattr(os, 'replace', refused)
+    with pytest.raises(SystemExit) as e:
+        open_log(out, 'abc', {'out_dir': out, 'max_iters': 40}, resumed_at=25)(25, loss=1.0)
+    monkeypatch.undo()
+    assert str(e.value) == f"error: cannot write {out}/run_id (Operation not permitted): let this user replace the " \
+        f"run's files there, and run the same command again"
+    assert files(tmp_path / 'run') == before  # nothing left of the start
 
 
 def test_run_best_names_the_newer_best_where_another_entrypoint_continued_the_run(tmp_path, data_dir, shared_run):
@@ -1149,6 +1163,29 @@ def test_a_resume_sets_aside_another_runs_best_and_folders_that_tell_no_run_and_
         {'decent/latest': after['decent/latest'], 'decent/best': after['decent/best']}  # every byte kept
     assert (tmp_path / 'decent' / 'latest').read_text() == 'step-00000002'  # whole and the run's, not step 4
     assert (tmp_path / 'decent' / 'best').read_text() == 'best-step-00000002'
+
+
+def test_a_resume_sets_aside_another_runs_ckpt_pt_and_best_pt_and_closes_the_gap(tmp_path):
+    # another run's ckpt.pt copied in by hand (to go on from it) was passed over by the resume, unsaid, then moved
+    # down the versions and out at the second save; its best.pt was replaced at the run's next best
+    from checkpoint import set_aside_damaged
+    state = lambda it, run_id: {'iter_num': it, 'run_id': run_id}
+    (tmp_path / 'run_id').write_text('mine')
+    for name, saved in (('ckpt.pt', state(15, 'theirs')), ('ckpt.prev.pt', state(10, 'mine')),
+                        ('ckpt.prev2.pt', state(5, '')), ('best.pt', state(15, 'theirs'))):
+        torch.save(saved, tmp_path / name)
+    before = files(tmp_path)
+    moved = set_aside_damaged(str(tmp_path), [], 'mine', str(tmp_path / 'ckpt.prev.pt'))
+    assert moved == {str(tmp_path / 'ckpt.prev.pt'): str(tmp_path / 'ckpt.pt'),
+                     str(tmp_path / 'ckpt.prev2.pt'): str(tmp_path / 'ckpt.prev.pt')}  # (no id: any run's)
+    renamed = {'ckpt.pt': 'other-run-ckpt.pt', 'best.pt': 'other-run-best.pt', 'ckpt.prev.pt': 'ckpt.pt',
+               'ckpt.prev2.pt': 'ckpt.prev.pt'}
+    assert files(tmp_path) == {renamed.get(p, p): md5 for p, md5 in before.items()}  # every byte kept
+    # the state resumed is never set aside (init_from=resume over a run that has none of its own)
+    (tmp_path / 'adopted').mkdir()
+    torch.save(state(15, 'theirs'), tmp_path / 'adopted' / 'ckpt.pt')
+    assert set_aside_damaged(str(tmp_path / 'adopted'), [], 'mine', str(tmp_path / 'adopted' / 'ckpt.pt')) == {}
+    assert os.listdir(tmp_path / 'adopted') == ['ckpt.pt']
 
 
 def test_a_failed_save_into_the_damaged_folder_that_latest_names_never_calls_it_intact(tmp_path, monkeypatch):
