@@ -154,7 +154,8 @@ def _take(folder, what, tidy=False, pods=()):
     me = {'host': socket.gethostname(), 'pid': os.getpid(), 'since': time.strftime('%Y-%m-%d %H:%M:%S'),
           'launch': launch_identity(), 'started': _started(os.getpid()), 'pidns': _pid_ns(),
           **({'pods': list(pods)} if pods else {})}
-    mine = f'{path}.{me["host"]}.{me["pid"]}.tmp'
+    # a name of its own: containers of one host may share its hostname and number their processes alike
+    mine = f'{path}.{me["host"]}.{me["pid"]}.{uuid.uuid4().hex[:8]}.tmp'
     try:
         os.makedirs(folder, exist_ok=True)
         with open(mine, 'w') as f:
