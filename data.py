@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import pickle
+import shlex
 import sys
 
 import numpy as np
@@ -165,14 +166,14 @@ def find_bins(dataset, block_size, random_data=False):
             for seed, whose in ((os.path.join('nanoGPT', 'data', dataset), "nnScaler's nanoGPT checkout"),
                                 (os.path.join('.', dataset), "a folder here, where a name is one in data/")):
                 if not is_path(dataset) and os.path.isfile(os.path.join(seed, f'{split}.bin')):
-                    sys.exit(f"error: {path} not found, but {seed} holds one ({whose}): give --dataset={seed}, or run "
-                             f"`python prepare.py {prep}` for {folder}")
+                    sys.exit(f"error: {path} not found, but {seed} holds one ({whose}): give --dataset="
+                             f"{shlex.quote(seed)}, or run `python prepare.py {prep}` for {folder}")
             if not is_path(dataset):
                 sys.exit(f"error: {path} not found: run `python prepare.py {prep}` first")
             # a path: prepare.py's --out_dir is the folder itself, absolute or relative, whatever data/ holds
             sys.exit(f"error: {path} not found: run `python prepare.py "
-                     f"{name if known else 'text --input=FILE'} --out_dir={folder}` first, or give --dataset the "
-                     f"folder that holds train.bin and val.bin")
+                     f"{name if known else 'text --input=FILE'} --out_dir={shlex.quote(folder)}` first, or give "
+                     f"--dataset the folder that holds train.bin and val.bin")
         try:
             files[split] = open(path, 'rb')
         except OSError as e:

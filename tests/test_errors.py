@@ -81,6 +81,15 @@ def test_a_folder_of_shards_is_named_as_one(tmp_path):
         find_bins(str(tmp_path), 32)
 
 
+def test_a_missing_folder_with_a_space_is_quoted_in_the_prep_command(tmp_path):
+    # the command the error names is pasted into a shell, which would split `--out_dir=my data`
+    sys.path.insert(0, str(REPO))
+    from data import find_bins
+    with pytest.raises(SystemExit, match=f"run `python prepare.py text --input=FILE --out_dir='{tmp_path}/my data'` "
+                                         "first"):
+        find_bins(str(tmp_path / 'my data'), 32)
+
+
 def test_bin_shorter_than_a_block(tmp_path, data_dir):
     short = tmp_path / 'short'
     shutil.copytree(data_dir / 'shakespeare_char', short)
