@@ -64,13 +64,13 @@ RENAMES = {
     'virtual_pipeline_model_parallel_size': ("Megatron-LM's", 'stages_per_rank'),
     'num_layers_per_virtual_pipeline_stage': ("Megatron-LM's", 'stages_per_rank'),
 }
-# the sections that hold those names (Prime's [diloco], OpenDiLoCo's hv, torchtitan's fault_tolerance) as flags give
-# them: --diloco.inner_steps 50, --hv.local-steps 500
-DILOCO_SECTIONS = ('diloco', 'hv', 'fault_tolerance')
 DILOCO_NAMES = ('inner_steps', 'local_steps', 'sync_every', 'sync_steps', 'outer_lr', 'outer_momentum', 'nesterov',
                 'num_fragments', 'fragment_sync_delay', 'fragment_update_alpha', 'should_quantize', 'compression')
 TITAN = {k for k, (whose, _) in RENAMES.items() if whose == "torchtitan's"}
-TITAN_SECTION = 'parallelism.'  # torchtitan's table of its keys, which its flags name
+# the tables that hold those names, as their projects' flags name them (--diloco.inner_steps 50, --hv.local-steps 500,
+# --parallelism.pipeline_parallel_degree 4): Prime's [diloco], OpenDiLoCo's hv, torchtitan's fault_tolerance and
+# parallelism
+SECTIONS = {'diloco': DILOCO_NAMES, 'hv': DILOCO_NAMES, 'fault_tolerance': DILOCO_NAMES, 'parallelism': TITAN}
 TITAN_KEYS = ('pipeline_parallel_schedule', 'pp_schedule')  # its schedule's key, and ours, which take its names
 # torchtitan's schedule names (torch's classes, any case, as its get_schedule_class reads them) and ours
 TITAN_SCHEDULES = {'gpipe': 'gpipe', '1f1b': '1f1b', 'interleaved1f1b': 'interleaved-1f1b',
@@ -245,13 +245,11 @@ def translate(key, value, where, source, ctx):
     toml = ctx['toml'] if source == 'toml' else {}
     shown = key  # in a file's one line; a flag's line shows the flag as written
     section, _, name = key.rpartition('.')
-    if section in DILOCO_SECTIONS and name.replace('-', '_') in DILOCO_NAMES:
+    if name.replace('-', '_') in SECTIONS.get(section, ()):
         key = name.replace('-', '_')  # the name alone: --diloco.inner_steps 50 is inner_steps, as its TOML's [diloco]
     elif section == 'hv' and script in TRAINERS:
         sys.exit(f"error: {where}: OpenDiLoCo's hivemind setting has no counterpart: decent_train.py --diloco_steps=H "
                  f"runs its workers as torchrun's ranks, which meet at its --rdzv-endpoint; leave it out")
-    if source == 'flag' and key.startswith(TITAN_SECTION) and key[len(TITAN_SECTION):] in TITAN:
-        key = key[len(TITAN_SECTION):]  # torchtitan's --parallelism.pipeline_parallel_degree: its TOML table's key
     if key.replace('-', '_') in MEGATRON:
         key = key.replace('-', '_')  # Megatron-LM's dashes
     if key in TITAN_KEYS and 'pp_schedule' in keys:  # the schedule, by torchtitan's name or ours
