@@ -5,7 +5,6 @@ a schedule of its own), AccumAdamW, the average of a checkpoint's replicas (to r
 its step folders kept as they are (one that lacks a rank's file set aside, another world size's named best).
 """
 
-import copy
 import math
 import os
 import re
@@ -251,8 +250,9 @@ def make_outer(buckets, window, fragments, optimizer, lr, momentum, alpha, wire)
     of = fragment_of([bucket.flat.numel() for bucket in buckets], fragments)
     for bucket, f in zip(buckets, of):
         bucket.outer = bucket.flat.clone()
+        # one tensor each: foreach kernels (CUDA's default) gain nothing, and the step is landed()'s ops on any device
         bucket.outer_optimizer = torch.optim.SGD([bucket.outer], lr=lr, momentum=momentum,
-                                                 nesterov=optimizer == 'nesterov')
+                                                 nesterov=optimizer == 'nesterov', foreach=False)
         bucket.phase, bucket.alpha, bucket.wire = f * window // fragments, alpha, getattr(torch, wire)
     return of
 
@@ -261,19 +261,39 @@ def outer_state(buckets, land=False):
     """DiLoCo's state beside the replica: θ_global, its optimizer's momentum, and the mean pseudo-gradients whose
     outer steps have not landed yet (None where none) with the iteration they land at: in float32, which holds one
     that travelled in bfloat16 exactly, so that it lands the same after a resume at either diloco_dtype.
-    land=True (a run's end, its all-reduces done): θ_global and the momentum as those outer steps leave them when
-    they land, each the same step on a copy (no inner step moves θ_global meanwhile), the buckets' own still in
-    flight, as the step folders keep them for a longer run to land on time."""
+    land=True (the export at a run's end, its all-reduces done, θ_global in the model: global_model's): the momentum
+    as those outer steps leave it when they land (landed's, the one copy of the buckets in flight), none pending, no
+    θ_global; the buckets' own still in flight, as the step folders keep them for a longer run to land on time."""
     state = {'outer': [b.outer for b in buckets], 'outer_optimizers': [b.outer_optimizer.state_dict() for b in buckets],
              'pending': [b.outer.grad for b in buckets], 'lands_at': [b.lands_at for b in buckets]}
+    if land:
+        del state['outer']
     for i, bucket in enumerate(buckets):
         if land and bucket.outer.grad is not None:
-            optimizer = copy.deepcopy(bucket.outer_optimizer)  # θ_global, its gradient and momentum copied with it
-            optimizer.step()
-            landed = optimizer.param_groups[0]['params'][0]
-            landed.grad = None
-            state['outer'][i], state['outer_optimizers'][i], state['pending'][i] = landed, optimizer.state_dict(), None
+            saved, momentum = state['outer_optimizers'][i], landed(bucket)
+            if momentum is not None:  # (a copy of the dicts: the optimizer's own hold the momentum before it lands)
+                state['outer_optimizers'][i] = {**saved, 'state': {0: {**saved['state'].get(0, {}),
+                                                                       'momentum_buffer': momentum}}}
+            state['pending'][i] = None
     return state
+
+
+@torch.no_grad()
+def landed(bucket, into=None):
+    """The outer step in flight on the bucket as it will land, without taking it: θ_global moved by it written into
+    `into` (where given: the replica's flat, put aside), and its momentum returned (None without momentum), the one
+    bucket-sized tensor this allocates. Op for op torch's single-tensor SGD step (no weight decay or maximize), which
+    make_outer's outer optimizers take, so bit for bit what wait_for's outer_optimizer.step() will give (the tests
+    check it): a copy of the optimizer to step would copy θ_global, its gradient and its momentum."""
+    group = bucket.outer_optimizer.param_groups[0]
+    g, m, momentum = bucket.outer.grad, group['momentum'], None
+    if m:
+        buf = bucket.outer_optimizer.state.get(bucket.outer, {}).get('momentum_buffer')
+        momentum = g.clone() if buf is None else buf.mul(m).add_(g, alpha=1 - group['dampening'])
+    if into is not None:
+        step = g if momentum is None else torch.add(g, momentum, alpha=m, out=into) if group['nesterov'] else momentum
+        torch.add(bucket.outer, step, alpha=-group['lr'], out=into)
+    return momentum
 
 
 @torch.no_grad()
@@ -289,7 +309,8 @@ def restore_outer(buckets, saved, own, optimizer, lr, momentum):
         bucket.outer.copy_(saved['outer'][i] if saved is not None and 'outer' in saved else bucket.flat)
         if saved is not None:
             bucket.outer_optimizer.load_state_dict(saved['outer_optimizers'][i])
-            bucket.outer_optimizer.param_groups[0].update(lr=lr, momentum=momentum, nesterov=optimizer == 'nesterov')
+            bucket.outer_optimizer.param_groups[0].update(lr=lr, momentum=momentum, nesterov=optimizer == 'nesterov',
+                                                          foreach=False)  # (a checkpoint from before saved None)
             if saved.get('pending', [None] * len(buckets))[i] is not None:  # an outer step still to land
                 bucket.outer.grad, bucket.lands_at = saved['pending'][i].to(bucket.outer), saved['lands_at'][i]
         if not own:
@@ -303,12 +324,16 @@ def outer_bytes(buckets, now):
 
 
 @torch.no_grad()
-def global_model(buckets, land=False):
+def global_model(buckets, land=False, own=None):
     """Puts DiLoCo's θ_global in place of this rank's replica (every rank holds the same one: no communication),
-    with the outer steps in flight landed where land (outer_state's); returns the replica, to put back with
-    restore_replica."""
-    own = [bucket.flat.clone() for bucket in buckets]
-    restore_replica(buckets, outer_state(buckets, land)['outer'])
+    with the outer steps in flight landed where land (landed's, one bucket at a time); returns the replica (own,
+    where the caller has copied it already), to put back with restore_replica."""
+    own = own or [bucket.flat.clone() for bucket in buckets]
+    for bucket in buckets:
+        if land and bucket.outer.grad is not None:
+            landed(bucket, into=bucket.flat)
+        else:
+            bucket.flat.copy_(bucket.outer)
     return own
 
 

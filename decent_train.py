@@ -398,7 +398,7 @@ def estimate_loss():
     finish_mixing()
     own, consensus = average_replicas(buckets)
     if diloco_steps:  # evals see θ_global, the model of ckpt.pt: at the run's end with its last outer steps landed
-        global_model(buckets, land=iter_num >= max_iters)
+        global_model(buckets, land=iter_num >= max_iters, own=own)
     out = {}
     eval_model.eval()
     for i, split in enumerate(('train', 'val')):

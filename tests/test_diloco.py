@@ -6,6 +6,7 @@ step) and an outer step in flight lands τ steps late, merged by α, or at once 
 that ends before it lands; ckpt.pt holds θ_global and goes through sample.py and export_hf.py; bad DiLoCo keys are
 one-line errors."""
 
+import copy
 import json
 import shutil
 
@@ -14,7 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import TINY, one_line_error, read_metrics, run
-from decent import check_optimizers, fragment_of
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves
+
+from decent import Bucket, check_optimizers, fragment_of, global_model, outer_state
 from test_fault import killed_past
 
 
@@ -379,6 +383,61 @@ def test_a_run_that_ends_with_an_outer_step_in_flight_lands_it_in_its_last_eval_
     evals, longer_evals = read_metrics(full)[1], read_metrics(tmp_path / 'run')[1]
     assert longer_evals[-1]['iter'] == 9 and longer_evals[-1]['val_loss'] == evals[-1]['val_loss']
     assert longer_evals[-2]['iter'] == 8 and longer_evals[-2]['val_loss'] != evals[-1]['val_loss']  # in flight
+
+
+class Allocations(TorchDispatchMode):
+    """The bytes of the new tensors that the ops run inside it return (not views, not ones written in place)."""
+    bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)}
+        self.bytes += sum(t.untyped_storage().nbytes() for t in tree_leaves(out) if torch.is_tensor(t)
+                          and t.untyped_storage().data_ptr() not in given)
+        return out
+
+
+def same(a, b):
+    """Whether two optimizer states are equal, bit for bit."""
+    (x, tree), (y, other) = tree_flatten(a), tree_flatten(b)
+    return tree == other and all(torch.equal(u, v) if torch.is_tensor(u) else u == v for u, v in zip(x, y))
+
+
+@pytest.mark.parametrize('optimizer, momentum', [('nesterov', 0.9), ('sgd', 0.9), ('sgd', 0.0)])
+def test_landing_the_outer_steps_in_flight_at_a_runs_end_takes_one_copy_of_their_buckets(optimizer, momentum):
+    # the last eval and ckpt.pt take the outer steps in flight as they will land, while the step folder keeps them in
+    # flight: a copy of each outer optimizer took θ_global, its gradient and its momentum (three copies of the buckets
+    # in flight, of the whole model in plain DiLoCo). Now θ_global lands into the replica's place (put aside by then)
+    # and only the momentum is new, bit for bit torch's step, with a momentum already or the first step's none
+    torch.manual_seed(0)
+    buckets = [Bucket([], torch.randn(n)) for n in (3000, 5000, 7000)]
+    for i, bucket in enumerate(buckets):
+        bucket.outer = torch.randn(bucket.flat.numel())
+        bucket.outer_optimizer = torch.optim.SGD([bucket.outer], lr=0.7, momentum=momentum,
+                                                 nesterov=optimizer == 'nesterov')
+        if i == 1:  # a window before: a momentum to take up
+            bucket.outer.grad = torch.randn_like(bucket.outer)
+            bucket.outer_optimizer.step()
+        bucket.outer.grad = torch.randn_like(bucket.outer) if i < 2 else None  # the last bucket's has landed
+    in_flight = 4 * (3000 + 5000)
+    saved = [(b.outer.clone(), b.outer.grad, copy.deepcopy(b.outer_optimizer.state_dict())) for b in buckets]
+    own = [b.flat.clone() for b in buckets]
+    with Allocations() as new:
+        assert global_model(buckets, land=True, own=own) is own
+    assert new.bytes == in_flight * (momentum > 0)  # each bucket's momentum, given back before the next's
+    with Allocations() as new:
+        export = outer_state(buckets, land=True)
+    assert new.bytes == in_flight * (momentum > 0)
+    assert export['pending'] == [None] * 3 and 'outer' not in export
+    for bucket, (outer, g, state), mine in zip(buckets, saved, export['outer_optimizers']):
+        steps = copy.deepcopy(bucket.outer_optimizer)  # what wait_for will do when the step lands
+        if g is not None:
+            steps.step()
+        assert torch.equal(bucket.flat, steps.param_groups[0]['params'][0])
+        assert same(mine, steps.state_dict())
+        # and the outer state itself is the one still in flight
+        assert torch.equal(bucket.outer, outer) and bucket.outer.grad is g
+        assert same(bucket.outer_optimizer.state_dict(), state)
 
 
 def test_an_outer_step_in_flight_lands_late_merged_with_the_replica(tmp_path, data_dir, streaming):
