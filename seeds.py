@@ -67,10 +67,25 @@ RENAMES = {
 DILOCO_NAMES = ('inner_steps', 'local_steps', 'sync_every', 'sync_steps', 'outer_lr', 'outer_momentum', 'nesterov',
                 'num_fragments', 'fragment_sync_delay', 'fragment_update_alpha', 'should_quantize', 'compression')
 TITAN = {k for k, (whose, _) in RENAMES.items() if whose == "torchtitan's"}
+# torchtitan's other --fault_tolerance keys (its TorchFTManager's: torchft's replica groups), which no key here means:
+# what to use instead. process_group (our backend) and semi_sync_method (DiLoCo, or local SGD) are taken
+TORCHFT = {
+    'enable': "torchft's replica groups are not built here: torchrun restarts the ranks after a failure "
+              "(--max-restarts=N; elastic: --nnodes=MIN:MAX) and the run resumes from its newest state (auto_resume)",
+    'replica_id': "each replica is a torchrun rank here, numbered by its RANK: leave it out",
+    'group_size': "the replicas are torchrun's ranks, --nnodes x --nproc_per_node: leave it out",
+    'min_replica_size': "torchrun --nnodes=MIN:MAX goes on with MIN nodes (and --max-restarts=N brings them back): "
+                        "leave it out",
+    'process_group_timeout_ms': "no key here: a rank that fails is torchrun's to restart (--max-restarts=N), and the "
+                                "run resumes from its newest state: leave it out",
+    'module_fqns_per_model_fragment': "fragments here are contiguous runs of blocks of near-equal size (the "
+                                      "embeddings with the first): give --diloco_fragments=F",
+}
 # the tables that hold those names, as their projects' flags name them (--diloco.inner_steps 50, --hv.local-steps 500,
 # --parallelism.pipeline_parallel_degree 4): Prime's [diloco], OpenDiLoCo's hv, torchtitan's fault_tolerance and
 # parallelism
-SECTIONS = {'diloco': DILOCO_NAMES, 'hv': DILOCO_NAMES, 'fault_tolerance': DILOCO_NAMES, 'parallelism': TITAN}
+SECTIONS = {'diloco': DILOCO_NAMES, 'hv': DILOCO_NAMES, 'parallelism': TITAN,
+            'fault_tolerance': (*DILOCO_NAMES, *TORCHFT, 'process_group', 'semi_sync_method')}
 TITAN_KEYS = ('pipeline_parallel_schedule', 'pp_schedule')  # its schedule's key, and ours, which take its names
 # torchtitan's schedule names (torch's classes, any case, as its get_schedule_class reads them) and ours
 TITAN_SCHEDULES = {'gpipe': 'gpipe', '1f1b': '1f1b', 'interleaved1f1b': 'interleaved-1f1b',
@@ -161,7 +176,34 @@ def context(script, keys, flags, files):
     global _epochs
     _epochs = None  # a configure() before this one (a test's, in the same process) set no --epochs of this run
     return dict(script=script, keys=keys, flags=flags, files=files, toml={}, notes=[], epochs=None,
-                virtual=None, global_batch=None)
+                virtual=None, global_batch=None, semi_sync=None)
+
+
+def _torchft(key, value, where, source, shown, ctx):
+    """translate()'s answer to torchtitan's --fault_tolerance.KEY (torchft's): process_group is our backend;
+    semi_sync_method 'diloco' is decent_train.py's DiLoCo, 'local_sgd' its outer step of plain averaging (at the
+    window of sync_steps, 5 there where none is given: finish()); the rest have no counterpart (TORCHFT)."""
+    if key == 'process_group' and value in ('gloo', 'nccl'):
+        _note(ctx, where, source, shown, f"--backend={value}", "torchtitan's")
+        return [('backend', value)]
+    if key == 'process_group':
+        sys.exit(f"error: {where}: torchft's process group {value!r} has no counterpart: use --backend=nccl or gloo")
+    if key == 'semi_sync_method' and str(value).lower() in ('diloco', 'local_sgd'):
+        local = str(value).lower() == 'local_sgd'  # torchft's LocalSGD: the replicas averaged every sync_every steps
+        outer = [('outer_optimizer', 'sgd'), ('outer_learning_rate', 1.0), ('outer_momentum', 0.0)] if local else []
+        if ctx['script'] != 'decent_train.py':  # the configurator names decent_train.py
+            return outer or [('diloco_steps', 5)]
+        ctx['semi_sync'] = where
+        _note(ctx, where, source, shown, "--diloco_steps=H (its sync_steps)" +
+              " --outer_optimizer=sgd --outer_learning_rate=1 --outer_momentum=0" * local, "torchtitan's")
+        return outer
+    if key == 'semi_sync_method':
+        sys.exit(f"error: {where}: semi_sync_method={value!r}: torchtitan's are diloco and local_sgd "
+                 f"(decent_train.py --diloco_steps=H); its synchronous training is train.py's or fsdp_train.py's")
+    if key == 'enable' and value is False:
+        _note(ctx, where, source, shown, "nothing to set (no torchft here)", "torchtitan's")
+        return []
+    sys.exit(f"error: {where}: {TORCHFT[key]}")
 
 
 def _file_of(where):
@@ -250,6 +292,8 @@ def translate(key, value, where, source, ctx):
     elif section == 'hv' and script in TRAINERS:
         sys.exit(f"error: {where}: OpenDiLoCo's hivemind setting has no counterpart: decent_train.py --diloco_steps=H "
                  f"runs its workers as torchrun's ranks, which meet at its --rdzv-endpoint; leave it out")
+    if section == 'fault_tolerance' and key in (*TORCHFT, 'process_group', 'semi_sync_method') and script in TRAINERS:
+        return _torchft(key, value, where, source, shown, ctx)
     if key.replace('-', '_') in MEGATRON:
         key = key.replace('-', '_')  # Megatron-LM's dashes
     if key in TITAN_KEYS and 'pp_schedule' in keys:  # the schedule, by torchtitan's name or ours
@@ -525,9 +569,20 @@ def dlrover_defaults(ctx, given):
 
 
 def finish(ctx):
-    """[(key, value, where)] that need the final config: Megatron-LM's layers a virtual stage, and DLRover's
-    --epochs, passes over train.bin, which bounds max_iters (the smaller of the two ends the run, as there)."""
-    return _global_batch(ctx) + _virtual_stages(ctx) + _epochs_iters(ctx)
+    """[(key, value, where)] that need the final config: Megatron-LM's layers a virtual stage, DLRover's
+    --epochs, passes over train.bin, which bounds max_iters (the smaller of the two ends the run, as there), and
+    torchtitan's DiLoCo window where its semi_sync_method came without one."""
+    return _global_batch(ctx) + _virtual_stages(ctx) + _epochs_iters(ctx) + _semi_sync(ctx)
+
+
+def _semi_sync(ctx):
+    """torchtitan's --fault_tolerance.semi_sync_method without a window (its sync_steps, our diloco_steps): its
+    default, 5 steps."""
+    if ctx['semi_sync'] is None or ctx['keys']['diloco_steps']:
+        return []
+    ctx['notes'].append((None, f"{ctx['semi_sync']}: torchtitan's sync_steps is 5 where none is given: here "
+                               f"--diloco_steps=5"))
+    return [('diloco_steps', 5, ctx['semi_sync'])]
 
 
 def _global_batch(ctx):
@@ -703,7 +758,8 @@ def _toml_lines(text):
 
 def read_toml(path, text, ctx):
     """[(key, value, where)] of a TOML config file's text. Tables only group keys: [model] n_layer = 12 sets n_layer,
-    whatever the table; a key named `name` keeps its table's name (optim.name, lr_schedule.name)."""
+    whatever the table; a key named `name` keeps its table's name (optim.name, lr_schedule.name), and so do torchft's
+    in torchtitan's [fault_tolerance] (fault_tolerance.enable)."""
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -728,6 +784,8 @@ def read_toml(path, text, ctx):
     settings = []
     for dotted, value in flat.items():
         parts = dotted.split('.')
-        key = '.'.join(parts[-2:]) if parts[-1] == 'name' else parts[-1]
+        # torchft's names, too generic (enable, group_size) to mean one thing out of torchtitan's [fault_tolerance]
+        torchft = parts[-2:-1] == ['fault_tolerance'] and parts[-1] in (*TORCHFT, 'process_group', 'semi_sync_method')
+        key = '.'.join(parts[-2:]) if parts[-1] == 'name' or torchft else parts[-1]
         settings.append((key, value, f"{path}:{lines[dotted]}" if dotted in lines else path))
     return settings

@@ -375,6 +375,22 @@ def test_diloco_implementations_names_are_taken_or_name_ours(tmp_path, capsys):
     assert [c[k] for k in keys] == [8, 0.7, 'nesterov', 2, 1, 0.5]
     assert config_of('decent_train.py', ['--hv.local-steps', '500'])['diloco_steps'] == 500
     assert config_of('decent_train.py', ['--fault_tolerance.sync_steps=30', '--tau=2'])['diloco_overlap'] == 2
+    # torchtitan's other --fault_tolerance keys: torchft's process group is our backend, its semi-sync methods
+    # DiLoCo (at its sync_steps' default of 5 where none is given) or local SGD; the rest name what stands for them
+    c = config_of('decent_train.py', ['--fault_tolerance.semi_sync_method=local_sgd',
+                                      '--fault_tolerance.process_group', 'gloo'])
+    assert [c[k] for k in ('diloco_steps', 'outer_optimizer', 'outer_learning_rate', 'outer_momentum', 'backend')] == \
+        [5, 'sgd', 1.0, 0.0, 'gloo']
+    (tmp_path / 'titan.toml').write_text('[fault_tolerance]\nsemi_sync_method = "diloco"\nsync_steps = 20\n')
+    assert config_of('decent_train.py', [str(tmp_path / 'titan.toml')])['diloco_steps'] == 20
+    assert '--max-restarts=N' in error_of('decent_train.py', ['--fault_tolerance.enable'])
+    (tmp_path / 'ft.toml').write_text('[fault_tolerance]\nenable = true\n')
+    assert 'ft.toml:2: torchft' in error_of('decent_train.py', [str(tmp_path / 'ft.toml')])
+    assert 'give --diloco_fragments=F' in error_of('decent_train.py', [
+        '--fault_tolerance.module_fqns_per_model_fragment=[["tok_embeddings"]]'])
+    for key in ('replica_id=1', 'group_size=2', 'min_replica_size=1', 'process_group_timeout_ms=1000'):
+        assert error_of('decent_train.py', [f'--fault_tolerance.{key}']).endswith('leave it out')
+    assert 'use --backend=nccl or gloo' in error_of('decent_train.py', ['--fault_tolerance.process_group=mccl'])
     (tmp_path / 'prime.toml').write_text('[diloco]\ninner_steps = 50\nouter_lr = 0.7\n')  # its TOML's table
     assert config_of('decent_train.py', [str(tmp_path / 'prime.toml')])['diloco_steps'] == 50
     assert "prime.toml is in DiLoCo's and Prime's names; here: inner_steps is --diloco_steps=50" in \
