@@ -3,7 +3,7 @@ step of learning rate 1 and no momentum it is the complete topology, in one frag
 middle of a window repeats the uninterrupted run bit for bit, with Streaming DiLoCo's outer step in flight too; at
 another world size every replica starts from θ_global; Streaming DiLoCo's fragments take turns (the bytes of each
 step) and an outer step in flight lands τ steps late, merged by α, or at once in the last eval and ckpt.pt of a run
-that ends before it lands; ckpt.pt holds θ_global and goes through sample.py and export_hf.py; bad DiLoCo keys are
+that ends before it lands (with one copy of its buckets, bit for bit torch's step, no α); ckpt.pt holds θ_global and goes through sample.py and export_hf.py; bad DiLoCo keys are
 one-line errors."""
 
 import copy
