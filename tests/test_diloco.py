@@ -3,8 +3,8 @@ step of learning rate 1 and no momentum it is the complete topology, in one frag
 middle of a window repeats the uninterrupted run bit for bit, with Streaming DiLoCo's outer step in flight too; at
 another world size every replica starts from θ_global; Streaming DiLoCo's fragments take turns (the bytes of each
 step) and an outer step in flight lands τ steps late, merged by α, or at once in the last eval and ckpt.pt of a run
-that ends before it lands (with one copy of its buckets, bit for bit torch's step, no α); ckpt.pt holds θ_global and goes through sample.py and export_hf.py; bad DiLoCo keys are
-one-line errors."""
+that ends before it lands (with one copy of its buckets, bit for bit torch's step, no α); ckpt.pt holds θ_global and
+goes through sample.py and export_hf.py; bad DiLoCo keys are one-line errors."""
 
 import copy
 import json
@@ -18,7 +18,7 @@ from conftest import TINY, one_line_error, read_metrics, run
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves
 
-from decent import Bucket, check_optimizers, fragment_of, global_model, outer_state
+from decent import Bucket, check_optimizers, fragment_of, global_model, make_outer, outer_state, restore_outer
 from test_fault import killed_past
 
 
@@ -411,10 +411,15 @@ def test_landing_the_outer_steps_in_flight_at_a_runs_end_takes_one_copy_of_their
     # and only the momentum is new, bit for bit torch's step, with a momentum already or the first step's none
     torch.manual_seed(0)
     buckets = [Bucket([], torch.randn(n)) for n in (3000, 5000, 7000)]
+    make_outer(buckets, 4, 1, optimizer, 0.7, momentum, 0.5, 'float32')
+    # their single-tensor step on every device (not CUDA's foreach kernels), the ops that landed() takes, also where a
+    # checkpoint from before saved foreach=None
+    restore_outer(buckets, outer_state(buckets) | {'outer_optimizers': [{
+        'state': {}, 'param_groups': [{**b.outer_optimizer.param_groups[0], 'foreach': None, 'params': [0]}]}
+        for b in buckets]}, True, optimizer, 0.7, momentum)
+    assert all(b.outer_optimizer.param_groups[0]['foreach'] is False for b in buckets)
     for i, bucket in enumerate(buckets):
-        bucket.outer = torch.randn(bucket.flat.numel())
-        bucket.outer_optimizer = torch.optim.SGD([bucket.outer], lr=0.7, momentum=momentum,
-                                                 nesterov=optimizer == 'nesterov')
+        bucket.outer.normal_()
         if i == 1:  # a window before: a momentum to take up
             bucket.outer.grad = torch.randn_like(bucket.outer)
             bucket.outer_optimizer.step()
