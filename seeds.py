@@ -676,8 +676,11 @@ def _global_batch(ctx):
         sys.exit(f"error: {where}: {sequences} sequences are no whole number of micro-batches of batch_size={batch} "
                  f"({whose} {'local_batch_size' if 'torchtitan' in whose else '--micro-batch-size'}): give a "
                  f"multiple of it")
-    ctx['notes'].append((None, f"{where} is {whose} name: here --gradient_accumulation_steps="
-                               f"{sequences // batch} (micro-batches of --batch_size={batch}, over all ranks)"))
+    ours = f"--gradient_accumulation_steps={sequences // batch} (micro-batches of --batch_size={batch}, over all ranks)"
+    if "torchtitan" in whose:  # a key of its TOML file, said in the file's line
+        _note(ctx, where, 'toml', 'training.global_batch_size', ours, whose)
+    else:
+        ctx['notes'].append((None, f"{where} is {whose} name: here {ours}"))
     return [('gradient_accumulation_steps', sequences // batch, where)]
 
 
