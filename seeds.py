@@ -177,6 +177,15 @@ def names(keys):
     return renamed + translated if 'max_iters' in keys else renamed
 
 
+def config_file_flag(arguments):
+    """configure()'s arguments with torchtitan's `--job.config_file FILE` as FILE alone, the way a config file is
+    given here, and the lines that say so."""
+    ours = [(text, None, None) if key == 'job.config_file' and text else (arg, key, text)
+            for arg, key, text in arguments]
+    return ours, [(None, f"{arg} is torchtitan's flag: here the file's path alone, `{text}`")
+                  for arg, key, text in arguments if key == 'job.config_file' and text]
+
+
 def launcher_option(key, where, script):
     """A one-line error where a launcher's option (DLRover's `--nproc_per_node=2`) follows the script."""
     if key.replace('-', '_') in LAUNCHER_OPTIONS and script in TRAINERS:

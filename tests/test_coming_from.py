@@ -434,8 +434,8 @@ def test_torchtitans_and_megatrons_pipeline_names_are_taken_or_name_ours(tmp_pat
     assert (c['pp_schedule'], c['stages_per_rank']) == ('1f1b', 2)
     # stages_per_rank beside a schedule that places its own stages was silently ignored: one line naming the fix
     p = run('pp_train.py', '--device=cpu', '--stages_per_rank=3', cwd=tmp_path, check=False)
-    assert one_line_error(p) == "error: stages_per_rank=3 is the interleaved schedules' (1f1b runs one stage a rank): " \
-        "add --pp_schedule=interleaved-1f1b (or interleaved-zb), or drop --stages_per_rank"
+    assert one_line_error(p) == "error: stages_per_rank=3 is the interleaved schedules' (1f1b runs one stage a " \
+        "rank): add --pp_schedule=interleaved-1f1b (or interleaved-zb), or drop --stages_per_rank"
     # model_size.py takes Megatron-LM's --global-batch-size as every entrypoint does: a rank holds a micro-batch
     p = run('model_size.py', '--global-batch-size', '512', '--micro-batch-size=4', '--pp_size=2',
             '--pp_schedule=gpipe', cwd=tmp_path)
@@ -687,6 +687,9 @@ def test_torchtitans_toml_as_published_takes_what_maps_and_names_the_rest(tmp_pa
                                                          f"--out_dir=./outputs; job.description: nothing to set")
         assert 'training.steps is --max_iters=1000 --lr_decay_iters=1000' in said and \
             'unused here: profiling.save_traces_folder, profiling.profile_freq, metrics.save_tb_folder' in said
+    assert config_of('train.py', ['--job.config_file', toml, *shape, '--dataset=x/y'])['block_size'] == 8192
+    assert capsys.readouterr().out.startswith(f"--job.config_file {toml} is torchtitan's flag: here the file's path "
+                                              f"alone, `{toml}`\n")
     # its selective mode: whole blocks in fsdp_train.py, the one that recomputes them
     assert config_of('fsdp_train.py', [toml, *shape, '--dataset=x/y'])['activation_checkpointing'] is True
     (tmp_path / 'debug_model.toml').write_text(TITAN_DEBUG)
