@@ -218,7 +218,7 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
     argv = sys.argv[1:] if argv is None else argv
     defaults = config_keys(namespace)
     given, flagged = set(), {}  # flagged: the flag that set each key
-    arguments = _arguments(argv, defaults)
+    arguments, said = seeds.config_file_flag(_arguments(argv, defaults))  # torchtitan's --job.config_file FILE
     if any(arg in ('-h', '--help') and text is None for arg, _, text in arguments):  # alone, not a flag's value
         print(f"{(namespace.get('__doc__') or '').strip()}\n\nits keys, with their defaults (set by config files, *.py "
               f"or *.toml, and --key=value or --key value, in order):\n" +
@@ -229,6 +229,7 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
     context = seeds.context(script, defaults,
                             {key: _parse(text, key, defaults) for _, key, text in arguments if key},
                             [arg for arg, key, _ in arguments if key is None and arg.endswith(('.py', '.toml'))])
+    context['notes'] += said
     for arg, key, text in arguments:
         if key is None:
             if arg.endswith('.py'):

@@ -127,11 +127,13 @@ if dp_shard and not pp_size:
     sys.exit("error: dp_shard=True shards the stages of pp_train.py's pipelines: give --pp_size too")
 if pp_size:
     # stage_blocks: stages > layers, one line
-    from pipeline import SCHEDULES, placement, stage_blocks, stage_ids
+    from pipeline import SCHEDULES, placement, stage_blocks, stage_ids, stages_refused
     if pp_size < 1 or stages_per_rank < 1:
         sys.exit(f"error: pp_size={pp_size} and stages_per_rank={stages_per_rank} must be 1 or more")
     if pp_schedule not in SCHEDULES:
         sys.exit(f"error: pp_schedule={pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if 'pp_schedule' in given and (message := stages_refused(pp_schedule, stages_per_rank, given)):
+        sys.exit(f"error: {message}")
     # pp_train.py's stages a rank for its schedule: the interleaved ones' stages_per_rank, zbv's two, one otherwise;
     # a schedule not named keeps stages_per_rank as given
     v, v_shape = placement(pp_schedule, stages_per_rank) if 'pp_schedule' in given else (stages_per_rank, False)

@@ -106,6 +106,18 @@ def untaken(schedule, m, pp, dp=1):
             + (f" (counted over the {dp} pipelines)" if dp > 1 else "") + ", or use --pp_schedule=gpipe")
 
 
+def stages_refused(schedule, stages_per_rank, given):
+    """None where schedule runs the stages_per_rank that the command gave (given: the keys it set); else the one-line
+    error naming the fix: the others place their own stages on a rank, and would leave it unused without a word."""
+    if 'stages_per_rank' not in given or stages_per_rank == placement(schedule, stages_per_rank)[0]:
+        return None
+    if schedule in V_SHAPED:
+        return (f"stages_per_rank={stages_per_rank}: {schedule} places two stages on each rank, in a V: drop "
+                f"--stages_per_rank, or use --pp_schedule=interleaved-1f1b (or interleaved-zb) for {stages_per_rank}")
+    return (f"stages_per_rank={stages_per_rank} is the interleaved schedules' ({schedule} runs one stage a rank): add "
+            f"--pp_schedule=interleaved-1f1b (or interleaved-zb), or drop --stages_per_rank")
+
+
 def sharding_refused(dp_shard, adamw_on_shards):
     """None where pp_train.py builds the sharding asked for (dp_shard, adamw_on_shards); else the one-line error that
     says why not and what to change."""
@@ -207,8 +219,9 @@ def check_snapshot_layout(checkpoint, path, layout, dp_shard, eval_only, out_dir
     shard = saved.get('dp_shard', False)
     if (placement(saved.get('pp_schedule', '1f1b'), saved.get('stages_per_rank', 1)), shard) == (layout, dp_shard):
         return
-    flags = (f"--pp_schedule={saved.get('pp_schedule')} --stages_per_rank={saved.get('stages_per_rank')}"
-             + (f" --dp_shard={shard}" if shard != dp_shard else ""))
+    schedule = saved.get('pp_schedule')  # its stages_per_rank only where that places them (stages_refused)
+    looped = f" --stages_per_rank={saved.get('stages_per_rank')}" if str(schedule).startswith('interleaved') else ''
+    flags = f"--pp_schedule={schedule}{looped}" + (f" --dp_shard={shard}" if shard != dp_shard else "")
     sys.exit(f"error: the memory snapshot {path} holds the stages that {flags} place on this rank: " +
              ("evaluate it with these flags" if eval_only else f"resume with these flags, and let it save a "
               f"checkpoint to {out_dir} (SIGTERM does) before changing them"))

@@ -44,7 +44,7 @@ from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import saves_at_eval, skips_save
 from pipeline import (SCHEDULES, ZERO_BUBBLE, Forward, Part, check_snapshot_layout, clip, embedding_group, loss_fn,
                       make_schedule, placement, save_full, shard_stages, sharded_state, sharding_refused, stage_blocks,
-                      stage_ids, stage_rank, tied_grads_and_norm, untaken)
+                      stage_ids, stage_rank, stages_refused, tied_grads_and_norm, untaken)
 from runlock import hold
 from runlog import ends_diverged, heed, open_log
 from seeds import start_tokens
@@ -130,7 +130,7 @@ if pp_schedule in ZERO_BUBBLE and compile:  # a compiled block's backward is one
     sys.exit(f"error: {pp_schedule} computes a stage's input gradients and its weights' apart, which torch.compile'd "
              f"blocks cannot: add --compile=False, or use --pp_schedule=interleaved-1f1b")
 v, v_shape = placement(pp_schedule, stages_per_rank)  # the stages each rank holds, and whether in a V
-if message := sharding_refused(dp_shard, adamw_on_shards):
+if message := stages_refused(pp_schedule, stages_per_rank, given) or sharding_refused(dp_shard, adamw_on_shards):
     sys.exit(f"error: {message}")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'

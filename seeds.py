@@ -15,7 +15,7 @@ import re
 import sys
 import tomllib
 
-from data import find_bins, is_path
+from data import data_dir, find_bins, is_path
 
 TRAINERS = ('train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py', 'pp_train.py')
 DECENT_ONLY = ('topology', 'replica_optimizer', 'moment_accum_steps')  # decent_train.py's keys and no other's
@@ -90,6 +90,39 @@ TITAN_KEYS = ('pipeline_parallel_schedule', 'pp_schedule')  # its schedule's key
 # torchtitan's schedule names (torch's classes, any case, as its get_schedule_class reads them) and ours
 TITAN_SCHEDULES = {'gpipe': 'gpipe', '1f1b': '1f1b', 'interleaved1f1b': 'interleaved-1f1b',
                    'interleavedzerobubble': 'interleaved-zb', 'zbvzerobubble': 'zbv', 'dualpipev': 'dualpipev'}
+# torchtitan's train_configs/*.toml (its JobConfig's tables, run as `--job.config_file FILE`): a key that means one of
+# ours (its older names too: training.batch_size, training.warmup_steps), and the keys that set nothing here, with why
+TITAN_TOML = {
+    'job.dump_folder': 'out_dir', 'training.local_batch_size': 'batch_size', 'training.batch_size': 'batch_size',
+    'training.seq_len': 'block_size', 'training.max_norm': 'grad_clip', 'training.dataset_path': 'dataset',
+    'training.enable_cpu_offload': 'cpu_offload', 'training.seed': 'seed', 'training.warmup_steps': 'warmup_iters',
+    'debug.seed': 'seed', 'debug.deterministic': 'deterministic', 'optimizer.lr': 'learning_rate',
+    'lr_scheduler.warmup_steps': 'warmup_iters', 'checkpoint.interval': 'save_storage_interval',
+    'checkpoint.keep_latest_k': 'keep_checkpoints', 'metrics.log_freq': 'log_interval',
+    'metrics.enable_wandb': 'wandb_log', 'compile.enable': 'compile', 'validation.freq': 'eval_interval',
+    'validation.steps': 'eval_iters',
+}
+TITAN_UNUSED = {
+    'job.description': 'a label', 'job.print_args': 'the run prints its config', 'job.use_for_integration_test': '',
+    'model.tokenizer_path': "the tokenizer is the prepared dataset's, prepare.py --tokenizer",
+    'model.hf_assets_path': "the tokenizer is the prepared dataset's, prepare.py --tokenizer",
+    'lr_scheduler.decay_ratio': 'the decay runs from warmup_iters to lr_decay_iters',
+    'checkpoint.enable_checkpoint': 'checkpoints are written at each eval and every save_storage_interval steps',
+    'checkpoint.folder': "checkpoints are out_dir's own", 'checkpoint.async_mode': 'checkpoints are written in the '
+    'background', 'checkpoint.model_weights_only': '', 'checkpoint.last_save_model_only': '',
+    'checkpoint.export_dtype': '', 'metrics.enable_tensorboard': "every step is a row of out_dir's metrics.jsonl, "
+    "which plot.py draws", 'metrics.save_tb_folder': '', 'metrics.enable_color_printing': '',
+    'metrics.disable_color_printing': '', 'profiling.enable_profiling': 'no profiler traces here',
+    'profiling.save_traces_folder': '', 'profiling.profile_freq': '', 'profiling.enable_memory_snapshot': '',
+    'profiling.save_memory_snapshot_folder': '', 'parallelism.fsdp_reshard_after_forward': '',
+    'parallelism.enable_async_tensor_parallel': '', 'activation_checkpoint.selective_ac_option': '',
+    'compile.components': '', 'validation.enabled': 'evals run every eval_interval steps',
+    'validation.dataset': "the eval reads the dataset's val.bin", 'training.gc_freq': '',
+}
+TITAN_TABLES = ('job', 'model', 'training', 'lr_scheduler', 'checkpoint', 'metrics', 'profiling', 'parallelism',
+                'activation_checkpoint', 'float8', 'compile', 'validation', 'comm', 'debug')  # answered in _titan
+# its Llama 3 flavors' depth, heads and width (torchtitan/models/llama3's), for the GPT-2 shape its line names
+LLAMA3 = {'debugmodel': (6, 16, 256), '8B': (32, 32, 4096), '70B': (80, 64, 8192), '405B': (126, 128, 16384)}
 MEGATRON = {k for k, (whose, _) in RENAMES.items() if whose == "Megatron-LM's"}
 MEGATRON_VIRTUAL = [k for k in MEGATRON if RENAMES[k][1] == 'stages_per_rank']
 # the default of a seed's flag, whose type says how `--key VALUE` and a bare `--key` read
@@ -159,6 +192,15 @@ def names(keys):
     return renamed + translated if 'max_iters' in keys else renamed
 
 
+def config_file_flag(arguments):
+    """configure()'s arguments with torchtitan's `--job.config_file FILE` as FILE alone, the way a config file is
+    given here, and the lines that say so."""
+    ours = [(text, None, None) if key == 'job.config_file' and text else (arg, key, text)
+            for arg, key, text in arguments]
+    return ours, [(None, f"{arg} is torchtitan's flag: here the file's path alone, `{text}`")
+                  for arg, key, text in arguments if key == 'job.config_file' and text]
+
+
 def launcher_option(key, where, script):
     """A one-line error where a launcher's option (DLRover's `--nproc_per_node=2`) follows the script."""
     if key.replace('-', '_') in LAUNCHER_OPTIONS and script in TRAINERS:
@@ -222,7 +264,11 @@ def _note(ctx, where, source, seed, ours, whose):
         ctx['notes'].append((None, f"{where} is {whose} name: here {ours}"))
     else:  # one line for a whole file, a project's names at a time (DLRover has no files: data_dir is Decent-DP's)
         text = f"{seed} is {ours}" if ours.startswith('--') else f"{seed}: {ours}"
+        whose = "torchtitan's" if ctx.get('titan') == _file_of(where) else whose
         ctx['notes'].append(((_file_of(where), "Decent-DP's" if "Decent-DP's" in whose else whose), text))
+
+
+UNUSED = ': unused here'  # a file's key that sets nothing here and needs no word of why
 
 
 def print_notes(ctx):
@@ -236,6 +282,8 @@ def print_notes(ctx):
         else:
             files.setdefault(path, []).append(text)
     for (path, whose), texts in files.items():
+        unused = [t.removesuffix(UNUSED) for t in texts if t.endswith(UNUSED)]  # named together, at the end
+        texts = [t for t in texts if not t.endswith(UNUSED)] + [f"unused here: {', '.join(unused)}"] * bool(unused)
         print(f"{path} is in {whose} names; here: {'; '.join(texts)}", flush=True)
     ctx['notes'].clear()
 
@@ -285,6 +333,12 @@ def translate(key, value, where, source, ctx):
     back unchanged, for the configurator's unknown-key error."""
     keys, script = ctx['keys'], ctx['script']
     toml = ctx['toml'] if source == 'toml' else {}
+    if key.startswith('titan:'):  # a torchtitan file's key, with its table (read_toml)
+        key = key.removeprefix('titan:')
+        taken = _titan(key, value, where, source, ctx)
+        if taken is not None:
+            return taken
+        key = key.rpartition('.')[2]  # a key of ours in its tables, or a name of its [parallelism]'s
     shown = key  # in a file's one line; a flag's line shows the flag as written
     section, _, name = key.rpartition('.')
     if name.replace('-', '_') in SECTIONS.get(section, ()):
@@ -305,10 +359,16 @@ def translate(key, value, where, source, ctx):
         if ours != value or key != 'pp_schedule':
             _note(ctx, where, source, shown, f"--pp_schedule={ours}", "torchtitan's")
         return [('pp_schedule', ours)]
+    if key == 'global-batch-size' and script == 'model_size.py':  # a rank's memory holds a micro-batch, not a step's
+        if type(value) is not int or value < 1:
+            sys.exit(f"error: {where}: {key} must be a whole number of sequences, 1 or more, got {value!r}")
+        _note(ctx, where, source, shown, "not a size, left out (a rank's activations are a micro-batch's: "
+                                         "--batch_size, its --micro-batch-size)", "Megatron-LM's")
+        return []
     if key == 'global-batch-size' and 'gradient_accumulation_steps' in keys:  # Megatron-LM's, not Decent-DP's
         if type(value) is not int or value < 1:
             sys.exit(f"error: {where}: {key} must be a whole number of sequences, 1 or more, got {value!r}")
-        ctx['global_batch'] = (value, where)  # in micro-batches of the final batch_size (finish())
+        ctx['global_batch'] = (value, where, "Megatron-LM's")  # in micro-batches of the final batch_size (finish())
         return []
     if key in MEGATRON_VIRTUAL and 'stages_per_rank' in keys:
         if type(value) is not int or value < 1:
@@ -316,9 +376,9 @@ def translate(key, value, where, source, ctx):
         if key == 'num_layers_per_virtual_pipeline_stage':  # the stages a rank, once n_layer and pp_size are known
             ctx['virtual'] = (value, where)
             return []
-        # the interleaved schedule, which Megatron-LM runs on these stages, unless the command names one
-        looped = str(ctx['flags'].get('pp_schedule', keys['pp_schedule'])).lower().startswith('interleaved')
-        schedule = [] if looped else [('pp_schedule', 'interleaved-1f1b')]
+        # the interleaved schedule, which Megatron-LM runs on these stages, unless the command names one (another
+        # one is pp_train.py's error, stages_refused, not overruled here)
+        schedule = [] if _schedule_named(ctx) else [('pp_schedule', 'interleaved-1f1b')]
         _note(ctx, where, source, shown, f"--stages_per_rank={value}" + " --pp_schedule=interleaved-1f1b" * bool(
             schedule), "Megatron-LM's")
         return [*schedule, ('stages_per_rank', value)]
@@ -539,6 +599,86 @@ def translate(key, value, where, source, ctx):
     return [(key, value)]
 
 
+def _titan(key, value, where, source, ctx):
+    """[(our key, value)] for a key of torchtitan's TOML file (table.name), said in its one line, or a one-line error;
+    None where its name alone says it (a key of ours, its [parallelism]'s names)."""
+    keys, flags, toml, script = ctx['keys'], ctx['flags'], ctx['toml'], ctx['script']
+    table, name = key.split('.', 1)
+
+    def note(ours):
+        _note(ctx, where, source, key, ours, "torchtitan's")
+    if key in TITAN_TOML and (TITAN_TOML[key] in keys or value in (False, 0)):
+        ours = TITAN_TOML[key]
+        note(f"--{ours}={value}" if ours in keys else f"nothing to set ({script} has no {ours})")
+        return [(ours, value)] if ours in keys else []
+    if key in TITAN_TOML:
+        return [(TITAN_TOML[key], value)]  # another entrypoint's key (cpu_offload): the configurator names it
+    float8 = table == 'float8' and (not value or not name.startswith(('enable', 'precompute')))  # none turned on
+    if key in TITAN_UNUSED or table in ('comm', 'profiling') or float8 or key == 'model.converters' and not value:
+        note(f"nothing to set ({TITAN_UNUSED[key]})" if TITAN_UNUSED.get(key) else UNUSED[2:])
+        return []
+    if table == 'model' and name in ('name', 'flavor'):
+        if name == 'name' and 'model.flavor' in toml:
+            return []  # one line for the pair, the flavor's
+        shape = [f"--{k}" for k in ('n_layer', 'n_head', 'n_embd', 'init_from') if k in flags]
+        if shape:
+            note(f"unused: the model is a GPT-2 of {' '.join(shape)}")
+            return []
+        model, flavor = toml.get('model.name', ''), toml.get('model.flavor', '')
+        layers, heads, width = LLAMA3.get(str(flavor), (12, 12, 768))
+        sys.exit(f"error: {where}: torchtitan's {model} {flavor!r} is not built here (the model is GPT-2's): give a "
+                 f"shape after the file, --n_layer={layers} --n_head={heads} --n_embd={width}"
+                 + (" (that flavor's depth, heads and width)" if str(flavor) in LLAMA3 else " (GPT-2 small's)"))
+    if key == 'training.steps':
+        note(f"--max_iters={value} --lr_decay_iters={value}")
+        return [('max_iters', value), ('lr_decay_iters', value)]
+    if key == 'training.global_batch_size' and 'gradient_accumulation_steps' in keys:
+        if type(value) is not int or not (value >= 1 or value == -1):
+            sys.exit(f"error: {where}: global_batch_size must be a whole number of sequences, or -1, got {value!r}")
+        ctx['global_batch'] = (value, where, "torchtitan's")  # in micro-batches of the final batch_size (finish())
+        return []
+    if key == 'training.dataset':
+        if any(k in flags for k in ('dataset', 'data_dir')) or 'training.dataset_path' in toml:
+            note("unused (the dataset is the command's)")
+            return []
+        if not os.path.isdir(data_dir(str(value))) and script != 'model_size.py':  # which needs only its meta.pkl
+            sys.exit(f"error: {where}: torchtitan's dataset {value!r} is not prepared here: prepare one (python "
+                     f"prepare.py openwebtext) and give --dataset=NAME after the file")
+        return [('dataset', value)]
+    if key == 'training.mixed_precision_param' and value in ('bfloat16', 'float32') and 'dtype' in keys:
+        dtype = 'auto' if value == 'bfloat16' else 'float32'
+        note(f"--dtype={dtype}" + " (bfloat16 on GPUs)" * (dtype == 'auto'))
+        return [('dtype', dtype)]
+    if key == 'training.dtype' and value == 'float32' or key == 'training.mixed_precision_reduce':
+        note("nothing to set (float32 weights and gradients)")
+        return []
+    if key == 'lr_scheduler.decay_type' and 'decay_lr' in keys:
+        note("--decay_lr=True" + (f" (a cosine decay: {value} is not built here)" if value != 'cosine' else ''))
+        return [('decay_lr', True)]
+    if key == 'lr_scheduler.min_lr_factor' and 'min_lr' in keys and type(value) in (int, float):
+        lr = toml.get('optimizer.lr', keys['learning_rate'])
+        note(f"--min_lr={value * lr:g} (min_lr_factor x lr)")
+        return [('min_lr', value * lr)]
+    if key == 'activation_checkpoint.mode' and value in ('none', 'selective', 'full'):
+        if 'activation_checkpointing' not in keys:
+            note(f"nothing to set ({script} stores the activations; fsdp_train.py --activation_checkpointing=True "
+                 f"recomputes them)" if value != 'none' else "nothing to set")
+            return []
+        note(f"--activation_checkpointing={value != 'none'}" + " (whole blocks)" * (value == 'selective'))
+        return [('activation_checkpointing', value != 'none')]
+    if table == 'parallelism' and name.startswith('data_parallel_'):
+        note("nothing to set (data parallel over the ranks that tp_size and pp_size leave)")
+        return []
+    if table == 'parallelism' and name.endswith('_degree') and value == 1:  # none: every script's default
+        note("nothing to set (1)")
+        return []
+    if table == 'parallelism' and name.endswith('_degree') and name not in RENAMES or table == 'float8' or \
+            key == 'model.converters':
+        sys.exit(f"error: {where}: torchtitan's {key} = {value!r} has no counterpart here (no context or expert "
+                 f"parallelism, no float8): leave it out, or at 1 or false")
+    return None
+
+
 def _dlrover_command(ctx):
     """Whether the command line is DLRover's example's: one of its scripts, its --data_dir flag, no config file."""
     return ctx['script'] in DLROVER_SCRIPTS and 'data_dir' in ctx['flags'] and not ctx['files']
@@ -590,13 +730,21 @@ def _global_batch(ctx):
     --micro-batch-size (our batch_size), which is our gradient_accumulation_steps (micro-steps over all ranks)."""
     if ctx['global_batch'] is None:
         return []
-    sequences, where = ctx['global_batch']
-    batch = ctx['keys']['batch_size']
+    sequences, where, whose = ctx['global_batch']
+    keys = ctx['keys']
+    batch = keys['batch_size']
+    if sequences == -1:  # torchtitan's default: a micro-batch on each data-parallel rank
+        sequences = batch * max(1, int(os.environ.get('WORLD_SIZE', '1')) // keys.get('tp_size', 1) //
+                                keys.get('pp_size', 1))
     if sequences % batch:
         sys.exit(f"error: {where}: {sequences} sequences are no whole number of micro-batches of batch_size={batch} "
-                 f"(Megatron-LM's --micro-batch-size): give a multiple of it")
-    ctx['notes'].append((None, f"{where} is Megatron-LM's name: here --gradient_accumulation_steps="
-                               f"{sequences // batch} (micro-batches of --batch_size={batch}, over all ranks)"))
+                 f"({whose} {'local_batch_size' if 'torchtitan' in whose else '--micro-batch-size'}): give a "
+                 f"multiple of it")
+    ours = f"--gradient_accumulation_steps={sequences // batch} (micro-batches of --batch_size={batch}, over all ranks)"
+    if "torchtitan" in whose:  # a key of its TOML file, said in the file's line
+        _note(ctx, where, 'toml', 'training.global_batch_size', ours, whose)
+    else:
+        ctx['notes'].append((None, f"{where} is {whose} name: here {ours}"))
     return [('gradient_accumulation_steps', sequences // batch, where)]
 
 
@@ -612,11 +760,17 @@ def _virtual_stages(ctx):
     if layers % (pp * per_stage):
         sys.exit(f"error: {where}: n_layer={layers} is no whole number of stages of {per_stage} layers on each of "
                  f"pp_size={pp} ranks: give --stages_per_rank=S (S stages a rank, which need not hold equal layers)")
-    looped = [] if schedule.startswith('interleaved') else [('pp_schedule', 'interleaved-1f1b', where)]
+    looped = [] if schedule.startswith('interleaved') or _schedule_named(ctx) else \
+        [('pp_schedule', 'interleaved-1f1b', where)]
     ctx['notes'].append((None, f"{where} is Megatron-LM's name: here --stages_per_rank={layers // (pp * per_stage)}"
                                + " --pp_schedule=interleaved-1f1b" * bool(looped)
                                + f" ({layers} layers in {pp} x {layers // (pp * per_stage)} stages of {per_stage})"))
     return [*looped, ('stages_per_rank', layers // (pp * per_stage), where)]
+
+
+def _schedule_named(ctx):
+    """Whether the command line names a pipeline schedule, by our name or torchtitan's."""
+    return any(k.rpartition('.')[2] in TITAN_KEYS for k in [*ctx['flags'], *ctx['toml']])
 
 
 def _epochs_iters(ctx):
@@ -781,11 +935,15 @@ def read_toml(path, text, ctx):
                 flat[dotted] = value
     walk(doc, '')
     ctx['toml'] = flat
+    if 'job' in doc or 'model.flavor' in flat or 'training.seq_len' in flat:  # torchtitan's: its tables name them
+        ctx['titan'] = path
     settings = []
     for dotted, value in flat.items():
         parts = dotted.split('.')
         # torchft's names, too generic (enable, group_size) to mean one thing out of torchtitan's [fault_tolerance]
         torchft = parts[-2:-1] == ['fault_tolerance'] and parts[-1] in (*TORCHFT, 'process_group', 'semi_sync_method')
         key = '.'.join(parts[-2:]) if parts[-1] == 'name' or torchft else parts[-1]
+        if ctx.get('titan') == path and (dotted in TITAN_TOML or dotted in TITAN_UNUSED or parts[0] in TITAN_TABLES):
+            key = f'titan:{dotted}'  # translate(): its own meaning, which the key's last name alone may not say
         settings.append((key, value, f"{path}:{lines[dotted]}" if dotted in lines else path))
     return settings

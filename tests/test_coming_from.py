@@ -445,6 +445,19 @@ def test_torchtitans_and_megatrons_pipeline_names_are_taken_or_name_ours(tmp_pat
         .endswith("n_layer=12 is no whole number of stages of 2 layers on each of pp_size=4 ranks: give "
                   "--stages_per_rank=S (S stages a rank, which need not hold equal layers)")
     assert "LoopedBFS has no counterpart here" in error_of('pp_train.py', ['--pp_schedule=LoopedBFS'])
+    # a schedule the command names is not overruled: pp_train.py's own check (below) says what its stages need
+    c = config_of('pp_train.py', ['--pp_schedule=1f1b', '--num-virtual-stages-per-pipeline-rank=2'])
+    assert (c['pp_schedule'], c['stages_per_rank']) == ('1f1b', 2)
+    # stages_per_rank beside a schedule that places its own stages was silently ignored: one line naming the fix
+    p = run('pp_train.py', '--device=cpu', '--stages_per_rank=3', cwd=tmp_path, check=False)
+    assert one_line_error(p) == "error: stages_per_rank=3 is the interleaved schedules' (1f1b runs one stage a " \
+        "rank): add --pp_schedule=interleaved-1f1b (or interleaved-zb), or drop --stages_per_rank"
+    # model_size.py takes Megatron-LM's --global-batch-size as every entrypoint does: a rank holds a micro-batch
+    p = run('model_size.py', '--global-batch-size', '512', '--micro-batch-size=4', '--pp_size=2',
+            '--pp_schedule=gpipe', cwd=tmp_path)
+    assert "--global-batch-size 512 is Megatron-LM's name: here not a size, left out" in p.stdout
+    p = run('model_size.py', '--pp_size=2', '--pp_schedule=zbv', '--stages_per_rank=3', cwd=tmp_path, check=False)
+    assert one_line_error(p).startswith("error: stages_per_rank=3: zbv places two stages on each rank, in a V")
     assert error_of('train.py', ['--pipeline-model-parallel-size', '2']).startswith(
         "error: --pipeline-model-parallel-size 2: pp_size is a key of pp_train.py, not of train.py: run pp_train.py")
 
@@ -589,6 +602,121 @@ def test_decent_toml_trains_at_tiny_size(tmp_path, data_dir):
     assert re.search(r'^step 3: train loss [\d.]+, val loss [\d.]+, consensus distance [\d.e+-]+$', p.stdout, re.M)
     row = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines()][-1]
     assert set(re.findall(r'"(\w+)"', doc)) | {'consensus_distance'} == set(row) and 'consensus_distance' in doc
+
+
+# torchtitan's train_configs/llama3_8b.toml, as published (its keys and values), and the newer names of its
+# debug_model.toml (local_batch_size, global_batch_size, [lr_scheduler]'s decay, [compile], [validation])
+TITAN_8B = """[job]
+dump_folder = "./outputs"
+description = "Llama 3 8B training"
+[profiling]
+enable_profiling = true
+save_traces_folder = "profile_trace"
+profile_freq = 100
+[metrics]
+log_freq = 10
+enable_tensorboard = true
+save_tb_folder = "tb"
+[model]
+name = "llama3"
+flavor = "8B"
+tokenizer_path = "./assets/tokenizer/original/tokenizer.model"
+[optimizer]
+name = "AdamW"
+lr = 3e-4
+eps = 1e-8
+[lr_scheduler]
+warmup_steps = 200
+[training]
+batch_size = 1
+seq_len = 8192
+max_norm = 1.0
+steps = 1000
+compile = false
+dataset = "c4"
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+tensor_parallel_degree = 1
+pipeline_parallel_degree = 1
+context_parallel_degree = 1
+[checkpoint]
+enable_checkpoint = false
+folder = "checkpoint"
+interval = 500
+model_weights_only = false
+export_dtype = "float32"
+async_mode = "disabled"
+[activation_checkpoint]
+mode = 'selective'
+selective_ac_option = 'op'
+[float8]
+enable_fsdp_float8_all_gather = false
+precompute_float8_dynamic_scale_for_fsdp = false
+filter_fqns = "output"
+"""
+TITAN_DEBUG = """[job]
+dump_folder = "./outputs"
+[model]
+name = "llama3"
+flavor = "debugmodel"
+[optimizer]
+lr = 8e-4
+[lr_scheduler]
+warmup_steps = 2
+decay_ratio = 0.8
+decay_type = "linear"
+min_lr_factor = 0.1
+[training]
+local_batch_size = 8
+global_batch_size = 32
+seq_len = 2048
+steps = 10
+[compile]
+enable = false
+[validation]
+enabled = false
+freq = 5
+steps = 10
+"""
+
+
+def test_torchtitans_toml_as_published_takes_what_maps_and_names_the_rest(tmp_path, capsys, monkeypatch):
+    # only its [parallelism] was read: [job], [training], [model] ... were unknown keys (steps, seq_len, flavor)
+    monkeypatch.delenv('RANK', raising=False)
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    (tmp_path / 'llama3_8b.toml').write_text(TITAN_8B)
+    toml, shape = str(tmp_path / 'llama3_8b.toml'), ['--n_layer=2', '--n_head=2', '--n_embd=32']
+    assert error_of('fsdp_train.py', [toml]) == f"error: {toml}:14: torchtitan's llama3 '8B' is not built here (the " \
+        "model is GPT-2's): give a shape after the file, --n_layer=32 --n_head=32 --n_embd=4096 (that flavor's " \
+        "depth, heads and width)"
+    assert error_of('fsdp_train.py', [toml, *shape]) == f"error: {toml}:28: torchtitan's dataset 'c4' is not " \
+        "prepared here: prepare one (python prepare.py openwebtext) and give --dataset=NAME after the file"
+    capsys.readouterr()
+    for script in ('train.py', 'fsdp_train.py', 'pp_train.py'):
+        c = config_of(script, [toml, *shape, '--dataset=shakespeare_char'])
+        assert (c['out_dir'], c['batch_size'], c['block_size'], c['grad_clip'], c['max_iters'], c['lr_decay_iters'],
+                c['learning_rate'], c['warmup_iters'], c['log_interval'], c['save_storage_interval'], c['n_layer']) == \
+            ('./outputs', 1, 8192, 1.0, 1000, 1000, 3e-4, 200, 10, 500, 2)
+        said = capsys.readouterr().out
+        assert said.count('\n') == 1 and said.startswith(f"{toml} is in torchtitan's names; here: job.dump_folder is "
+                                                         f"--out_dir=./outputs; job.description: nothing to set")
+        assert 'training.steps is --max_iters=1000 --lr_decay_iters=1000' in said and \
+            'unused here: profiling.save_traces_folder, profiling.profile_freq, metrics.save_tb_folder' in said
+    assert config_of('train.py', ['--job.config_file', toml, *shape, '--dataset=x/y'])['block_size'] == 8192
+    assert capsys.readouterr().out.startswith(f"--job.config_file {toml} is torchtitan's flag: here the file's path "
+                                              f"alone, `{toml}`\n")
+    # its selective mode: whole blocks in fsdp_train.py, the one that recomputes them
+    assert config_of('fsdp_train.py', [toml, *shape, '--dataset=x/y'])['activation_checkpointing'] is True
+    (tmp_path / 'debug_model.toml').write_text(TITAN_DEBUG)
+    c = config_of('train.py', [str(tmp_path / 'debug_model.toml'), *shape, '--dataset=x/y'])
+    assert (c['batch_size'], c['gradient_accumulation_steps'], c['decay_lr'], c['min_lr'], c['eval_interval'],
+            c['eval_iters'], c['compile']) == (8, 4, True, pytest.approx(8e-5), 5, 10, False)
+    said = capsys.readouterr().out
+    assert "lr_scheduler.decay_type is --decay_lr=True (a cosine decay: linear is not built here)" in said
+    assert "training.global_batch_size is --gradient_accumulation_steps=4 (micro-batches of --batch_size=8" in said
+    (tmp_path / 'cp.toml').write_text('[job]\n[parallelism]\ncontext_parallel_degree = 2\n')
+    assert "context_parallel_degree = 2 has no counterpart here" in error_of('pp_train.py', [str(tmp_path / 'cp.toml')])
 
 
 def test_toml_with_our_keys_in_tables_and_its_errors_name_the_line(tmp_path):
