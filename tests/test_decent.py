@@ -6,13 +6,13 @@ resume; the averaged export through sample.py and train.py; bad input."""
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from conftest import REPO, TINY, counts_tokens, env, free_port, one_line_error, read_metrics, run
 from decent import AccumAdamW, mixing_rounds
+from test_fault import TORCHRUN
 
 
 def launch(tmp_path, data_dir, out, *extra, nproc=1, script='decent_train.py', check=True):
@@ -25,8 +25,9 @@ def launch_two_nodes(tmp_path, data_dir, out, *extra):
     on a free port): each process sees LOCAL_WORLD_SIZE=2 in a world of 4."""
     port = free_port()
     args = [*TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path / out}', *extra]
-    nodes = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--nnodes=2', '--nproc_per_node=2',
-                               f'--node_rank={i}', '--master_addr=127.0.0.1', f'--master_port={port}',
+    # torchrun forking its workers (tests/test_fault.py's TORCHRUN): 2 interpreters' start-up in place of 6
+    nodes = [subprocess.Popen([*TORCHRUN, '--nnodes=2', '--nproc_per_node=2', f'--node_rank={i}',
+                               '--master_addr=127.0.0.1', f'--master_port={port}',
                                str(REPO / 'decent_train.py'), *args],
                               cwd=tmp_path, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
