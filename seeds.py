@@ -12,6 +12,7 @@ import difflib
 import math
 import os
 import re
+import shlex
 import sys
 import tomllib
 
@@ -320,7 +321,7 @@ def _job_folder(log_dir, where, source, files):
     if run_id not in ('', 'none'):
         folder = os.path.join(log_dir, _safe(run_id), *name)
         return folder, f"torchrun's run id's folder{this}: its restarts resume in it, a launch under another id " \
-                       f"starts afresh in another (--out_dir={folder} continues this one)"
+                       f"starts afresh in another (--out_dir={shlex.quote(folder)} continues this one)"
     if config:
         return os.path.join(log_dir, *name), \
             "this config file's folder, with no SLURM job or torchrun run id to name a job's: a rerun resumes in it"
@@ -473,7 +474,7 @@ def translate(key, value, where, source, ctx):
         return []
     if key == 'log_dir' and 'out_dir' in keys and isinstance(value, str) and value:
         folder, why = _job_folder(value, where, source, ctx['files'])
-        _note(ctx, where, source, shown, f"--out_dir={folder} ({why})", "Decent-DP's")
+        _note(ctx, where, source, shown, f"--out_dir={shlex.quote(folder)} ({why})", "Decent-DP's")
         return [('out_dir', folder)]
     if key == 'data_dir' and isinstance(value, str) and value and not is_path(value):
         value = os.path.join('.', value)  # a path there, always: mydata is ./mydata, not data/mydata
@@ -846,7 +847,9 @@ def prepare_args(args):
     src = flags['src_data_path']
     ours = ['text', f'--input={src}', '--tokenizer=char',
             f"--out_dir={flags.get('output_dir') or os.path.dirname(src) or '.'}", *rest]
-    print(f"DLRover's --src_data_path: here that is `python prepare.py {' '.join(ours)}`")
+    shown = [f"{key}={shlex.quote(value)}" if eq else shlex.quote(arg) for arg in ours
+             for key, eq, value in [arg.partition('=')]]  # a command to copy: its folders quoted as a shell wants
+    print(f"DLRover's --src_data_path: here that is `python prepare.py {' '.join(shown)}`")
     return ours
 
 

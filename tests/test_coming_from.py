@@ -169,6 +169,14 @@ def test_decent_dp_log_dir_is_a_folder_per_job_and_config_that_its_restarts_shar
     for environ in ({'TORCHELASTIC_RUN_ID': 'none'}, {}):  # a static rendezvous, or no launcher: the file names it
         assert out_dirs(**environ) == ['./log/config/gpt2-small', './log/config/decent-gpt2-small']
     assert out_dirs('--out_dir=mine') == ['mine'] * 2
+    # a folder with a space: the lines' --out_dir are commands to copy
+    (tmp_path / 'my log.toml').write_text('log_dir = "./my log"\n')
+    config_of('train.py', [str(tmp_path / 'my log.toml')])
+    assert "log_dir is --out_dir='./my log" in capsys.readouterr().out
+    monkeypatch.setenv('TORCHELASTIC_RUN_ID', 'a1')
+    config_of('train.py', ['--log_dir=./my log'])
+    assert "starts afresh in another (--out_dir='./my log/a1' continues this one)" in capsys.readouterr().out
+    monkeypatch.delenv('TORCHELASTIC_RUN_ID')
     # a sweep's files of one name in two folders, in one job: two runs, not one continuing the other
     monkeypatch.chdir(tmp_path)
     for lr in ('6e-4', '1e-3'):

@@ -1,6 +1,7 @@
 import json
 import os
 import pickle
+import shlex
 import shutil
 import signal
 import subprocess
@@ -342,15 +343,15 @@ def test_a_folder_script_prepares_into_its_own_folder_from_anywhere(tmp_path):
 
 @pytest.mark.parametrize('args, where', [
     (['--src_data_path', 'corpus/data.txt'], 'corpus'),  # DLRover's argparse form: beside the text file
-    (['--src_data_path=corpus/data.txt', '--output_dir', 'elsewhere'], 'elsewhere'),
+    (['--src_data_path=corpus/data.txt', '--output_dir', 'my data'], 'my data'),  # the command it names, quoted
 ], ids=['beside', 'output_dir'])
 def test_dlrover_src_data_path_is_a_char_prep_and_names_ours(tmp_path, args, where):
     (tmp_path / 'corpus').mkdir()
     text = SHAKESPEARE.read_text()[:5000]
     (tmp_path / 'corpus' / 'data.txt').write_text(text)
     p = run('prepare.py', *args, cwd=tmp_path)
-    assert (f"here that is `python prepare.py text --input=corpus/data.txt --tokenizer=char --out_dir={where}`"
-            in p.stdout), p.stdout
+    command = f"python prepare.py text --input=corpus/data.txt --tokenizer=char --out_dir={shlex.quote(where)}"
+    assert f"here that is `{command}`" in p.stdout, p.stdout
     meta = pickle.loads((tmp_path / where / 'meta.pkl').read_bytes())
     ids = np.concatenate([tokens(tmp_path / where / 'train.bin'), tokens(tmp_path / where / 'val.bin')])
     assert len(tokens(tmp_path / where / 'train.bin')) == 4500  # nanoGPT's 90% split, as DLRover's prep
