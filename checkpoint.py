@@ -28,7 +28,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -43,7 +42,7 @@ import torch.distributed as dist
 
 from data import data_dir, meta_vocab, vocabulary
 from model import GPT, GPTConfig
-from runlock import HOLD, launch_identity, launch_pods, let_go, try_hold
+from runlock import FOLDERS, HOLD, RUN_ID, is_snapshot, launch_identity, launch_pods, let_go, snapshot_dir, try_hold
 
 
 def find_checkpoint(path):
@@ -702,9 +701,6 @@ def tensors(obj):
             yield from tensors(v)
 
 
-RUN_ID = re.compile(r'[A-Za-z0-9_-]{1,64}')
-
-
 def read_run_id(path):
     """The run id in the file at path. It names a folder (snapshot_dir), so it is checked like any name read from a
     file: one that could lead out of that folder (a planted `../..`) is an error, never a path."""
@@ -717,19 +713,6 @@ def read_run_id(path):
         sys.exit(f"error: {path} holds {run_id[:40]!r}, which is no run id (letters, digits, - and _): delete it "
                  f"(the run then resumes from its checkpoints)")
     return run_id
-
-
-def snapshot_dir(run_id):
-    """The node-local folder of a run's memory snapshots: /dev/shm lives in RAM, so it outlives a training
-    process (killed, crashed, restarted by torchrun) but not a reboot or a lost node."""
-    if run_id and not RUN_ID.fullmatch(str(run_id)):  # read_run_id checked it; a new one is a uuid's hex
-        raise ValueError(f"{run_id!r} is no run id")
-    return os.path.join('/dev/shm' if os.path.isdir('/dev/shm') else tempfile.gettempdir(), f'nanogpt-{run_id}')
-
-
-def is_snapshot(path):
-    """Whether path lies in a run's snapshot folder (node-local memory), not in out_dir (None: no path)."""
-    return path is not None and os.path.abspath(path).startswith(snapshot_dir(''))
 
 
 def newest_loadable(paths, run_id=None, or_any=False, iter_of=None):
@@ -993,8 +976,8 @@ def kept_best(out_dir, run_id, best_val_loss):
 # one; train.py has none), and beside them the whole ckpt.pt (and ckpt.prev.pt) that every entrypoint reads:
 # train.py's own checkpoint, the others' export. The config saved in a checkpoint tells its writer by a key that
 # only that entrypoint has.
-# pp_train.py's DCP folders are fsdp_train.py's: each resumes the other's (the model's own parameter names)
-FOLDERS = {'fsdp_train.py': 'dcp', 'pp_train.py': 'dcp', 'ds_train.py': 'ds', 'decent_train.py': 'decent'}
+# pp_train.py's DCP folders are fsdp_train.py's: each resumes the other's (the model's own parameter names). FOLDERS is
+# runlock's, which the tools that import no torch check their outputs against (configurator.runs_own)
 OWN_KEY = {'pp_train.py': 'pp_size', 'fsdp_train.py': 'tp_size', 'ds_train.py': 'zero_stage',
            'decent_train.py': 'topology'}
 

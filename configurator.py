@@ -369,7 +369,7 @@ def runs_own(path):
     the step folders, a new best replaces best-step-N) or its memory snapshots in RAM (its end removes them), as named
     or where a link leads (ln -s RUN/dcp/step-N mine): (the words that say so, RUN, the run id of the snapshots),
     else None. What a run or a tool writes there goes with them."""
-    from checkpoint import FOLDERS, is_snapshot, snapshot_dir
+    from runlock import FOLDERS, is_snapshot, snapshot_dir  # (no torch: the light tools check their outputs)
     for p in dict.fromkeys((os.path.abspath(path), os.path.realpath(path))):
         if is_snapshot(p) and snapshot_dir('').startswith('/dev/shm/'):
             run_id = p[len(snapshot_dir('')):].split(os.sep)[0]

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from configurator import configure, quiet_interrupt
+from configurator import configure, outside_runs_or_exit, quiet_interrupt
 
 quiet_interrupt()  # Ctrl-C: one line, no traceback
 
@@ -71,6 +71,7 @@ def check_out():
     if not os.path.isdir(folder):
         problem = 'is not a folder' if os.path.exists(folder) else 'does not exist'
         sys.exit(f"error: --out={out}: {folder} {problem}: create that folder or choose another --out")
+    outside_runs_or_exit(out, '--out')  # (in a run's step folder, the image went with its pruning)
 
 
 def main():

@@ -37,7 +37,7 @@ import unicodedata
 import numpy as np
 
 import seeds
-from configurator import configure, quiet_interrupt
+from configurator import configure, outside_runs_or_exit, quiet_interrupt
 from data import RECORD, read_record
 from runlock import hold, let_go
 
@@ -72,6 +72,7 @@ def make_out_dir(out_dir, settings=None):
     """Creates out_dir once the inputs have passed their checks, tries writing in it before any tokenizing, and
     holds it. True where, by the time it is held, another prepare.py has finished the prep of these settings there:
     already_prepared again, as a prep of other settings finished since the first look would be replaced."""
+    outside_runs_or_exit(out_dir, '--out_dir')  # (in a run's step folder, the bins went with its pruning)
     d = out_dir
     while d and not os.path.isdir(d):
         created.append(d)

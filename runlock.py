@@ -3,13 +3,15 @@ One run at a time per folder, for every entrypoint (out_dir) and prepare.py (its
 folder for its lifetime (hold()), and a second start over it is refused in one line naming the holder. A run's
 snapshot folder in RAM, which a copy of its out_dir shares, is held too (try_hold: checkpoint.find_resume). It names
 the launch that a start belongs to (launch_identity, launch_pods), but does not decide what a run resumes or keeps:
-checkpoint.py does.
+checkpoint.py does. Where a run's step folders and snapshots lie (FOLDERS, snapshot_dir) is said here, without
+torch, for the tools that must not write into them (configurator.runs_own).
 """
 
 import atexit
 import errno
 import json
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -18,6 +20,9 @@ import time
 import uuid
 
 HOLD = 'run.lock'
+RUN_ID = re.compile(r'[A-Za-z0-9_-]{1,64}')
+# each entrypoint's folder of step folders in out_dir (checkpoint.py's storage; train.py has none)
+FOLDERS = {'fsdp_train.py': 'dcp', 'pp_train.py': 'dcp', 'ds_train.py': 'ds', 'decent_train.py': 'decent'}
 HEARTBEAT_S = 10  # the holder touches its hold this often; one untouched for STALE_S is a dead host's
 STALE_S = 120
 
@@ -331,3 +336,16 @@ def _not_shared(folder):
         os.remove(mine)
     _remove_empty(made)  # the folder it made on a node's own disk, where the run is refused
     return verdict[0]
+
+
+def snapshot_dir(run_id):
+    """The node-local folder of a run's memory snapshots: /dev/shm lives in RAM, so it outlives a training
+    process (killed, crashed, restarted by torchrun) but not a reboot or a lost node."""
+    if run_id and not RUN_ID.fullmatch(str(run_id)):  # read_run_id checked it; a new one is a uuid's hex
+        raise ValueError(f"{run_id!r} is no run id")
+    return os.path.join('/dev/shm' if os.path.isdir('/dev/shm') else tempfile.gettempdir(), f'nanogpt-{run_id}')
+
+
+def is_snapshot(path):
+    """Whether path lies in a run's snapshot folder (node-local memory), not in out_dir (None: no path)."""
+    return path is not None and os.path.abspath(path).startswith(snapshot_dir(''))

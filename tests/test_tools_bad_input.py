@@ -2,6 +2,7 @@
 that names the fix, a non-zero exit, and nothing written."""
 
 import json
+import os
 
 import pytest
 
@@ -203,6 +204,24 @@ def test_plot_a_format_whose_backend_is_missing_is_one_line_and_leaves_nothing(t
                        text=True, timeout=300)
     assert 'matplotlib cannot write' in one_line_error(p) and 'choose another format' in p.stderr, p.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ['run']  # its temporary file removed
+
+
+def test_plot_and_prepare_write_nothing_into_a_runs_step_folders(tmp_path, metrics):
+    # an image or a prepared dataset in RUN/dcp/step-N (named, or through a link) went with the run's next prune
+    run_dir = metrics(STEP)
+    (run_dir / 'run_id').write_text('abc')
+    (step := run_dir / 'dcp' / 'step-00000004').mkdir(parents=True)
+    (tmp_path / 'mine').symlink_to(step)
+    (tmp_path / 'in.txt').write_text('some text to prepare, ' * 50)
+    for script, flag, out in (('plot.py', '--out', step / 'loss.png'), ('plot.py', '--out', 'mine/loss.png'),
+                              ('prepare.py', '--out_dir', step / 'data'), ('prepare.py', '--out_dir', 'mine/data')):
+        args = [run_dir] if script == 'plot.py' else ['text', '--input=in.txt', '--tokenizer=char']
+        msg = fails(tmp_path, script, *args, f'{flag}={out}')
+        assert msg == f"error: {flag}={out} lies in {run_dir / 'dcp'}, where the run in {run_dir} keeps (and prunes) " \
+            f"its checkpoints, and what is written there goes with them: give {flag} a path outside it", msg
+    assert os.listdir(step) == [] and sorted(os.listdir(tmp_path)) == ['in.txt', 'mine', 'run']
+    run('plot.py', run_dir, f'--out={run_dir / "loss.png"}', cwd=tmp_path)  # beside the step folders: the run's own
+    assert (run_dir / 'loss.png').exists()
 
 
 @pytest.mark.parametrize('script', ['plot.py', 'prepare.py', 'model_size.py'])
