@@ -608,6 +608,10 @@ def _titan(key, value, where, source, ctx):
 
     def note(ours):
         _note(ctx, where, source, key, ours, "torchtitan's")
+    if key == 'checkpoint.keep_latest_k' and value == 0 and 'keep_checkpoints' in keys and \
+            'keep_checkpoints' not in flags:  # its "keep every checkpoint"
+        sys.exit(f"error: {where}: torchtitan's keep_latest_k = 0 keeps every checkpoint; here the newest "
+                 f"keep_checkpoints states and the best are kept: give keep_latest_k = N (N states), 1 or more")
     if key in TITAN_TOML and (TITAN_TOML[key] in keys or value in (False, 0)):
         ours = TITAN_TOML[key]
         note(f"--{ours}={value}" if ours in keys else f"nothing to set ({script} has no {ours})")
@@ -627,7 +631,8 @@ def _titan(key, value, where, source, ctx):
             return []
         model, flavor = toml.get('model.name', ''), toml.get('model.flavor', '')
         layers, heads, width = LLAMA3.get(str(flavor), (12, 12, 768))
-        sys.exit(f"error: {where}: torchtitan's {model} {flavor!r} is not built here (the model is GPT-2's): give a "
+        named = f"{model} {flavor!r}" if flavor != '' else model or 'model'
+        sys.exit(f"error: {where}: torchtitan's {named} is not built here (the model is GPT-2's): give a "
                  f"shape after the file, --n_layer={layers} --n_head={heads} --n_embd={width}"
                  + (" (that flavor's depth, heads and width)" if str(flavor) in LLAMA3 else " (GPT-2 small's)"))
     if key == 'training.steps':

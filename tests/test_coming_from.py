@@ -723,6 +723,13 @@ def test_torchtitans_toml_as_published_takes_what_maps_and_names_the_rest(tmp_pa
     said = capsys.readouterr().out
     assert "lr_scheduler.decay_type is --decay_lr=True (a cosine decay: linear is not built here)" in said
     assert "training.global_batch_size is --gradient_accumulation_steps=4 (micro-batches of --batch_size=8" in said
+    # its "keep every checkpoint" is none of ours; its model named without a flavor is named so
+    (tmp_path / 'k.toml').write_text('[job]\n[checkpoint]\nkeep_latest_k = 0\n[model]\nname = "llama3"\n')
+    assert error_of('train.py', [str(tmp_path / 'k.toml'), *shape]) == f"error: {tmp_path / 'k.toml'}:3: " \
+        "torchtitan's keep_latest_k = 0 keeps every checkpoint; here the newest keep_checkpoints states and the " \
+        "best are kept: give keep_latest_k = N (N states), 1 or more"
+    assert error_of('train.py', [str(tmp_path / 'k.toml'), '--keep_checkpoints=3']).startswith(
+        f"error: {tmp_path / 'k.toml'}:5: torchtitan's llama3 is not built here (the model is GPT-2's)")
     (tmp_path / 'cp.toml').write_text('[job]\n[parallelism]\ncontext_parallel_degree = 2\n')
     assert "context_parallel_degree = 2 has no counterpart here" in error_of('pp_train.py', [str(tmp_path / 'cp.toml')])
 
