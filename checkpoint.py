@@ -300,6 +300,7 @@ def atomic_save(obj, path, keep=1, best=None):
     the next start needs, and raises. The folder is made here where it is missing (a memory snapshot's, in /dev/shm),
     so that a folder that cannot be made (a read-only or full /dev/shm) fails the write like any other cause."""
     os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    _writing.add(path + '.tmp')
     with open(path + '.tmp', 'wb') as f:
         errors = []
 
@@ -338,6 +339,7 @@ def atomic_save(obj, path, keep=1, best=None):
                 # at every moment, which a crash here leaves to the tools that read it
                 (same_file if n == 1 else os.replace)(previous(path, n - 1), previous(path, n))
         os.replace(path + '.tmp', path)
+        _writing.discard(path + '.tmp')
     except BaseException:
         if os.path.exists(path + '.tmp'):  # a Ctrl-C may come once it is renamed
             os.remove(path + '.tmp')  # a copy in place of a link that did not fit: the space goes back, path is whole
@@ -400,6 +402,18 @@ def kept(path):
 _host_copies = {}  # slot -> the host copy of the state last saved in it, reused so that no save allocates
 _writers = {}  # slot -> (the thread saving it, an event set once its copy of the state is complete)
 _failed = []  # (path, reason) of each storage checkpoint of this process that could not be written
+_writing = set()  # the temporary files that atomic_save is writing (or left by a failure, which removes them itself)
+
+
+def remove_unfinished_writes():
+    """Removes the temporary files of the checkpoints being written, for a process that leaves at once (a second
+    Ctrl-C) and takes their writers with it: a half-written file is no state, and one the size of a checkpoint
+    holds space (or, in /dev/shm, memory) that the next start needs. The newest whole checkpoint is never touched."""
+    for tmp in list(_writing):
+        try:
+            os.remove(tmp)
+        except OSError:  # renamed into place a moment ago, or removed by its writer
+            pass
 
 
 def note_failure(paths, e):

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from checkpoint import exit_after_failed_save, save_failed
+from checkpoint import exit_after_failed_save, remove_unfinished_writes, save_failed
 
 _stop_signals = []
 _launcher = []  # the pid of the launcher that started this rank (torchrun's agent), whose end stops the run
@@ -196,7 +196,8 @@ def _interrupted(signum, frame):
             print("Ctrl-C: finishing this step and saving a checkpoint (Ctrl-C again to leave at once)", flush=True)
         return
     # a second Ctrl-C leaves now: checkpoints are written to temporary files and renamed when complete, so one
-    # being written is lost, never the one before it
+    # being written is lost (its temporary file removed), never the one before it
+    remove_unfinished_writes()
     print("error: interrupted twice: left without saving; out_dir keeps its newest complete checkpoint, rerun to "
           "resume from it", file=sys.stderr, flush=True)
     os._exit(130)

@@ -215,12 +215,13 @@ def test_a_second_ctrl_c_during_the_save_leaves_at_once_and_the_newest_checkpoin
     while 'write held\n' not in open(stdout).read():  # the checkpoint of the stop is being written
         assert p.exitcode is None
         time.sleep(0.01)
+    assert (out_dir / 'ckpt.pt.tmp').stat().st_size  # half of it written
     os.kill(p.pid, signal.SIGINT)
     done = finish(started, timeout=120)
     err = done.stderr
     assert done.returncode == 130
     assert err.strip().startswith('error: interrupted twice: left without saving'), err[-3000:]
-    assert (out_dir / 'ckpt.pt.tmp').exists()  # it left in the middle of the write
+    assert not (out_dir / 'ckpt.pt.tmp').exists()  # it left in the middle of the write, and removed the half
     newest = [torch.load(f, weights_only=True)['iter_num'] for f in (out_dir / 'ckpt.pt', out_dir / 'ckpt.prev.pt')
               if f.exists()]
     assert newest and max(newest) >= 4
