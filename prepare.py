@@ -15,8 +15,8 @@ python data/shakespeare_char/prepare.py         # nanoGPT's layout: each data/<n
 python prepare.py --src_data_path=data.txt      # DLRover's: text --input=data.txt --tokenizer=char, beside it
 
 A text file is one document, split as nanoGPT does: its first 90% of characters for train, the rest for val.
-Document datasets (json, parquet) get an end-of-text token (50256) after each document and a random 0.05% of
-documents for val. Token ids stream to disk: the corpus is never held in memory.
+Document datasets (json, parquet; txt files, each a document) get an end-of-text token (50256) after each
+document and a random 0.05% of documents for val. Token ids stream to disk: the corpus is never held in memory.
 FineWeb's samples (~10B tokens) stream from their parquet files instead, with a fixed val split: the first val_docs
 documents (files in sorted order). An interrupted prep of them resumes where it stopped; a text or document prep
 would write over its partial files, and is refused unless --force.
@@ -43,7 +43,7 @@ from runlock import hold, let_go
 
 # -----------------------------------------------------------------------------
 input = ''  # a local text file (for shakespeare*, instead of downloading it; for text, required)
-data_files = ''  # local json, jsonl, parquet or txt files, or patterns (shards/*.jsonl), comma-separated: not the hub's
+data_files = ''  # local json, jsonl, parquet or txt (a file a document) files, or patterns (shards/*.jsonl), comma-separated
 text_column = 'text'  # the field that holds a document's text in data_files
 tokenizer = 'gpt2'  # for text: 'char' or 'gpt2'
 name = ''  # folder under out_root to write to; defaults to the dataset's name, or the input file's stem for text
@@ -392,7 +392,10 @@ def load_local(files, builder):
     datasets.disable_progress_bars()
     print(f"reading {len(files)} {builder} file(s)")
     try:
-        return datasets.load_dataset(builder, data_files=files, split='train')
+        # a text file is one document, its line breaks kept (the text reader's default is a document a line, each
+        # line's break dropped and an end-of-text token after it)
+        by_file = {'sample_by': 'document'} if builder == 'text' else {}
+        return datasets.load_dataset(builder, data_files=files, split='train', **by_file)
     except Exception as e:
         cache_full(e)
         bad = first_bad_line(files) if files[0].endswith('.jsonl') else None
@@ -414,6 +417,7 @@ def prepare_documents(dataset, out_dir):
     """A document dataset (the hub's, or local json / parquet / txt files), GPT-2 BPE with EOT after each document."""
     import datasets
     from tqdm import tqdm
+    builder = None  # the hub's
     if data_files:
         files = data_files.split(',')
         ext = os.path.splitext(files[0])[1].lstrip('.')
@@ -431,7 +435,8 @@ def prepare_documents(dataset, out_dir):
                 sys.exit(f"error: --data_files names {f}, which is empty: give files that hold documents")
     frac = 0.0005 if val_fraction < 0 else val_fraction
     source = sorted(os.path.abspath(f) for f in data_files.split(',')) if data_files else HUB[dataset]
-    settings = {'documents': source, 'text_column': text_column, 'val_fraction': frac}
+    settings = {'documents': source, 'text_column': text_column, 'val_fraction': frac,
+                **({'document': 'a .txt file'} if builder == 'text' else {})}
     if already_prepared(out_dir, settings):
         return
     interrupted_prep(out_dir)
@@ -462,7 +467,9 @@ def prepare_documents(dataset, out_dir):
         sys.exit(f"error: {bad or 'a document'}: its '{text_column}' is not UTF-8 text ({str(e)[:100]}): convert the "
                  f"files to UTF-8, e.g. with iconv")
     if len(ds) < 2:
-        sys.exit(f"error: {len(ds)} document(s): train and val need at least 2")
+        sys.exit(f"error: {len(ds)} document(s): train and val need at least 2" + (
+            " (a .txt file is one): give more files, or split one by characters with prepare.py text --input=FILE"
+            if builder == 'text' else ''))
     n_val = min(max(1, round(len(ds) * frac)), len(ds) - 1)  # at least one document each
     try:
         split = ds.train_test_split(test_size=n_val, seed=2357, shuffle=True)

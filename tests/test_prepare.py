@@ -134,6 +134,14 @@ def test_document_files_get_an_eot_after_each_document(tmp_path, monkeypatch):
         assert ids.count(50256) == n_docs and ids[-1] == 50256
         got += enc.decode(ids).split('<|endoftext|>')[:-1]
     assert sorted(got) == sorted(docs)
+    # text files: each one a document, its lines and blank lines kept (they were a document a line, breaks dropped)
+    books = [f"book {i}\n\nits second paragraph,\nover two lines\n" + 'more words ' * i for i in range(5)]
+    for i, book in enumerate(books):
+        (tmp_path / f'book-{i}.txt').write_text(book)
+    run('prepare.py', 'openwebtext-10k', f'--data_files={tmp_path}/book-*.txt', '--val_fraction=0.2', '--name=books',
+        f'--out_root={tmp_path}', '--num_proc=1', cwd=tmp_path)
+    got = [enc.decode(tokens(tmp_path / 'books' / f'{split}.bin').tolist()) for split in ('train', 'val')]
+    assert sorted(''.join(got).split('<|endoftext|>')[:-1]) == books and got[1].count('<|endoftext|>') == 1
 
 
 def test_vocab_larger_than_uint16_is_refused_without_output(tmp_path):
@@ -190,6 +198,8 @@ def jsonl(rows, tail=''):
     ({'d.jsonl': jsonl(DOCS).encode() + b'{"text": "caf\xe9"}\n'}, [], "d.jsonl:21: its 'text' is not UTF-8 text"),
     ({'d.jsonl': ''}, [], '--data_files names d.jsonl, which is empty'),
     ({'d.jsonl': jsonl(DOCS), 'e.txt': 'text\n'}, [], 'mixes .jsonl and .txt files: give files of one type'),
+    ({'d.txt': 'one book\nof two lines\n'}, [], '1 document(s): train and val need at least 2 (a .txt file is one): '
+     'give more files, or split one by characters with prepare.py text --input=FILE'),
     ({'d.parquet': 'not parquet at all'}, [], 'cannot read --data_files as parquet (ArrowInvalid: Parquet magic bytes'),
     ({'d.jsonl': jsonl(DOCS)}, ['--val_fraction=0.0'],
      'val_fraction=0.0 must be above 0 and below 1 (e.g. 0.1), or -1 for the default'),
