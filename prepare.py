@@ -43,7 +43,7 @@ from runlock import hold, let_go
 
 # -----------------------------------------------------------------------------
 input = ''  # a local text file (for shakespeare*, instead of downloading it; for text, required)
-data_files = ''  # local json, jsonl, parquet or txt files (a .txt a document), or patterns (shards/*.jsonl), with commas
+data_files = ''  # local json, jsonl, parquet or txt files (a .txt a document), or patterns (shards/*.jsonl), by commas
 text_column = 'text'  # the field that holds a document's text in data_files
 tokenizer = 'gpt2'  # for text: 'char' or 'gpt2'
 name = ''  # folder under out_root to write to; defaults to the dataset's name, or the input file's stem for text
