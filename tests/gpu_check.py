@@ -466,7 +466,13 @@ def part_a():
                 ('pp_train.py', ['--pp_schedule=zbv', '--compile=False'], 'pp-zbv'),
                 # each stage an FSDP root and its blocks units (over a dp of one here: FSDP's hooks, under the schedule,
                 # gathered in bf16), stepped on its shards
-                ('pp_train.py', ['--dp_shard=True', '--adamw_on_shards=True'], 'pp-sharded')]
+                ('pp_train.py', ['--dp_shard=True', '--adamw_on_shards=True'], 'pp-sharded'),
+                # one rank of 4 sharded stages, all kept gathered through the step (pipeline.make_schedule's plan)
+                ('pp_train.py', ['--dp_shard=True', '--pp_schedule=interleaved-1f1b', '--stages_per_rank=4'] +
+                 ['--n_layer=4'] * dry, 'pp-4-sharded-stages'),  # (a block a stage: the baby GPT has 6)
+                # Streaming DiLoCo: its outer steps are torch's single-tensor SGD (foreach=False), which
+                # decent.landed() copies op for op to land the ones in flight at the end
+                ('decent_train.py', ['--diloco_steps=4', '--diloco_fragments=2', '--diloco_overlap=1'], 'diloco')]
     if not dry:  # float16 and its scaler are for GPUs: on CPU autocast in float16 is not what is being proven
         variants.append(('train.py', ['--dtype=float16'], 'train-fp16'))
     work_list += [(variant, v) for v in variants if v[0] in chosen and wanted(f'{v[0]} {" ".join(v[1])}')]
