@@ -1635,11 +1635,17 @@ def print0(*args):
         print(*args, flush=True)
 
 
-def remove_snapshots(run_id, eval_only=False):
+def remove_snapshots(run_id, eval_only=False, nonfinite_steps=0):
     """At the end of a run, once every rank's saves are written (out_dir holds the final state): the node's
-    snapshots go, to free the RAM they hold. Not after an eval_only run: they are the run's it evaluated."""
+    snapshots go, to free the RAM they hold. Not after an eval_only run: they are the run's it evaluated. Nor where
+    the run ended in nonfinite_steps (a SIGTERM or max_iters right after a skipped step): its last save was skipped
+    (keep.skips_save), so its newest good state may be a snapshot, which the next start resumes from."""
     dist.barrier()
-    if int(os.environ.get('LOCAL_RANK', 0)) == 0 and not eval_only and not holds_a_copys_snapshots():
+    if nonfinite_steps and int(os.environ.get('RANK', 0)) == 0 and os.path.isdir(snapshot_dir(run_id)):
+        print(f"the memory snapshots in {snapshot_dir(run_id)} stay: no save after the non-finite step, so the run's "
+              f"last good state may be there; the next start resumes from it", flush=True)
+    if int(os.environ.get('LOCAL_RANK', 0)) == 0 and not eval_only and not nonfinite_steps \
+            and not holds_a_copys_snapshots():
         shutil.rmtree(snapshot_dir(run_id), ignore_errors=True)
 
 

@@ -209,7 +209,12 @@ def stop_signal():
         return 'SIGINT (Ctrl-C)'
     if signal.SIGHUP in _stop_signals:
         return 'SIGHUP (its terminal closed)'
-    return 'SIGTERM' if signal.SIGTERM in _stop_signals else f'the launcher (pid {_launcher[0]}) is gone'
+    if signal.SIGTERM in _stop_signals:
+        return 'SIGTERM'
+    # the ranks stop together: where another rank's signal (or launcher's end) stopped this one, it says so
+    if _launcher and ('launcher' in _stop_signals or os.getppid() != _launcher[0]):
+        return f'the launcher (pid {_launcher[0]}) is gone'
+    return 'another rank was stopped'
 
 
 def device_memory(device):

@@ -35,18 +35,20 @@ def set_aside(out_dir, first_bad, run_id):
     the states saved at first_bad or later hold the weights that gave it (skipped steps change nothing), so they
     are renamed diverged-... (kept, not deleted, but out of every resume's and tool's sight) and the good ones
     before take the newest names: ckpt.pt stays the newest. Rank 0 does it in out_dir, the first rank of each node
-    in its memory snapshots. Returns (path, iter) of out_dir's newest good state, or (None, None)."""
+    in its memory snapshots. Returns (path, iter) of out_dir's newest good state, or (None, None), and the iter of
+    rank 0's newest good snapshot where it is newer (the next start resumes from it), else None."""
+    snapshot = (None, -1)
     # (not where the folder holds a copy's snapshots: this run took none, and those are the copy's newest states)
     if int(os.environ.get('LOCAL_RANK', 0)) == 0 and os.path.isdir(snapshot_dir(run_id)) \
             and not holds_a_copys_snapshots():
-        _set_aside_in(snapshot_dir(run_id), first_bad, files=[f for f in os.listdir(snapshot_dir(run_id))
-                                                             if f.endswith('.pt') and not f.startswith('diverged')])
+        snapshot = _set_aside_in(snapshot_dir(run_id), first_bad, files=[
+            f for f in os.listdir(snapshot_dir(run_id)) if f.endswith('.pt') and not f.startswith('diverged')])
     if int(os.environ.get('RANK', 0)) != 0:
-        return None, None
+        return None, None, None
     newest = _set_aside_in(out_dir, first_bad, files=['ckpt.pt'])
     for kind in KINDS:
         newest = max(newest, _set_aside_in(os.path.join(out_dir, kind), first_bad, files=[]), key=lambda n: n[1])
-    return newest if newest[0] is not None else (None, None)
+    return (*(newest if newest[0] is not None else (None, None)), snapshot[1] if snapshot[1] > newest[1] else None)
 
 
 def _iter(path):

@@ -393,5 +393,5 @@ while True:
     tokens_trained += tokens_per_iter
 
 finish_saves()  # a storage checkpoint that could not be written stops the run with an error
-remove_snapshots(run_id, eval_only)  # out_dir holds the final state: free the RAM
+remove_snapshots(run_id, eval_only, nonfinite_steps)  # out_dir holds the final state: free the RAM
 finish()

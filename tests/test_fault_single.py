@@ -139,17 +139,26 @@ if os.environ.get('POISON_STEP'):  # that optimizer step leaves an inf in the we
         if steps[0] == int(os.environ['POISON_STEP']):
             optimizer.param_groups[0]['params'][0].data.fill_(float('inf'))
     register_optimizer_step_post_hook(poison)
+if os.environ.get('TERM_STEP'):  # SIGTERM right after that optimizer step (a preemption), heeded a step later
+    import signal
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    taken = [0]
+    def term(optimizer, args, kwargs):
+        taken[0] += 1
+        if taken[0] == int(os.environ['TERM_STEP']):
+            os.kill(os.getpid(), signal.SIGTERM)
+    register_optimizer_step_post_hook(term)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name='__main__')
 '''
 
 
 def run_with_nans(tmp_path, nan_steps, *args, script='train.py', nproc=1, launcher=(), poison_step='',
-                  overflow_from=''):
+                  overflow_from='', term_step=''):
     wrapper = tmp_path / 'nan_wrapper.py'
     wrapper.write_text(NAN_WRAPPER)
     environ = {**env(), 'REPO': str(REPO), 'NAN_STEPS': nan_steps, 'OMP_NUM_THREADS': '1',
-               'POISON_STEP': str(poison_step), 'OVERFLOW_FROM': str(overflow_from)}
+               'POISON_STEP': str(poison_step), 'OVERFLOW_FROM': str(overflow_from), 'TERM_STEP': str(term_step)}
     if not launcher:  # the ranks as tests/launcher.py starts them, each with the wrapper
         return launch(str(wrapper), [str(REPO / script), *map(str, args)], environ, tmp_path, nproc=nproc)
     return subprocess.run([sys.executable, *launcher, str(wrapper), str(REPO / script), *args], cwd=tmp_path,
@@ -167,13 +176,28 @@ def test_train_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(t
     # the skipped step left AdamW's step count too (its bias correction): 11 steps of 12
     state = torch.load(tmp_path / 'one' / 'ckpt.pt', weights_only=True)['optimizer']['state']
     assert state and all(s['step'].item() == 11 for s in state.values())
+    # the same run preempted (SIGTERM) right after its non-finite step, which saves nothing: its memory snapshot of
+    # iter 2 stays (the end of the run had removed it, and the next start began afresh), and the next start goes on
+    # from it exactly, its step 3 again non-finite
+    p = run_with_nans(tmp_path, '4', *tiny(data_dir, tmp_path / 'term', *args, '--save_memory_interval=2'),
+                      term_step=3)
+    assert p.returncode == 0 and 'iter 4: no storage save after 1 non-finite steps' in p.stdout, p.stdout[-2000:]
+    p = run_with_nans(tmp_path, '2', *tiny(data_dir, tmp_path / 'term', *args, '--save_memory_interval=2'))
+    assert re.search(r'resuming from \S+/nanogpt-\w+/ckpt\.pt at iter 2\n', p.stdout), p.stdout[-2000:]
+    term, _ = read_metrics(tmp_path / 'term')
+    assert term.keys() == losses.keys() and all(term[i] == losses[i] for i in losses if i != 3)
+    assert all(torch.equal(t, weights(tmp_path / 'one' / 'ckpt.pt')[k]) for k, t in
+               weights(tmp_path / 'term' / 'ckpt.pt').items())
 
-    # from the 8th step on every loss is NaN: after max_nonfinite_steps=3 the run stops, the checkpoint of
-    # iter 6 intact
-    p = run_with_nans(tmp_path, ','.join(map(str, range(8, 40))), *tiny(data_dir, tmp_path / 'many', *args),
-                      '--max_nonfinite_steps=3')
+    # from the 9th step on every loss is NaN: after max_nonfinite_steps=3 the run stops, the checkpoint of
+    # iter 6 intact, and the error names the newer memory snapshot of iter 7, which a restart resumes
+    p = run_with_nans(tmp_path, ','.join(map(str, range(9, 40))), *tiny(data_dir, tmp_path / 'many', *args),
+                      '--max_nonfinite_steps=3', '--save_memory_interval=7')
     assert p.returncode != 0
-    assert p.stderr.strip().splitlines()[-1].startswith('error: 3 steps in a row up to iter 9 had a non-finite loss')
+    error = p.stderr.strip().splitlines()[-1]
+    assert error.startswith('error: 3 steps in a row up to iter 10 had a non-finite loss') and \
+        re.search(r'ckpt\.pt \(iter 6\) holds the last good state \(the memory snapshot of iter 7 in \S+ is newer: a '
+                  r'restart resumes it\)', error), error
     ckpt = torch.load(tmp_path / 'many' / 'ckpt.pt', weights_only=True)
     assert ckpt['iter_num'] == 6 and all(torch.isfinite(t).all() for t in ckpt['model'].values())
 

@@ -358,3 +358,14 @@ def test_ctrl_c_inside_a_checkpoint_write_is_the_keyboard_interrupt_and_leaves_n
     with pytest.raises(KeyboardInterrupt):
         checkpoint.atomic_save({'x': torch.zeros(100000)}, str(tmp_path / 'ckpt.pt'))
     assert len(writes) == 3 and os.listdir(tmp_path) == []
+
+
+def test_a_rank_stopped_by_another_ranks_signal_says_so_not_that_its_launcher_is_gone(monkeypatch):
+    # one rank's SIGTERM (a pod's, a node's) stops every rank at the same step; rank 0, which prints the line, had
+    # said "the launcher (pid N) is gone" of its live launcher
+    import distributed
+    monkeypatch.setattr(distributed, '_stop_signals', [])
+    monkeypatch.setattr(distributed, '_launcher', [os.getppid()])
+    assert distributed.stop_signal() == 'another rank was stopped'
+    monkeypatch.setattr(distributed, '_launcher', [-1])  # the pid of a launcher that is gone: this one's parent is not
+    assert distributed.stop_signal() == 'the launcher (pid -1) is gone'
