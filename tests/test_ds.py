@@ -298,10 +298,10 @@ def test_without_deepspeed_a_one_line_error_says_how_to_install_it(tmp_path, dat
     shim = tmp_path / 'shim'
     shim.mkdir()
     (shim / 'deepspeed.py').write_text("raise ImportError('No module named deepspeed')\n")
-    # a fresh interpreter (run()'s server has imported deepspeed), its imports finding the shim first
-    p = subprocess.run([sys.executable, str(REPO / 'ds_train.py'), *TINY, f'--dataset={data_dir / "shakespeare_char"}',
-                        f'--out_dir={tmp_path / "out"}'], cwd=tmp_path, env={**env(), 'PYTHONPATH': str(shim)},
-                       capture_output=True, text=True, timeout=600)
+    # forked as run() forks it (its server has not imported deepspeed), its imports finding the shim first
+    p = launcher.launch(str(REPO / 'ds_train.py'), [*TINY, f'--dataset={data_dir / "shakespeare_char"}',
+                                                    f'--out_dir={tmp_path / "out"}'], {**env(), 'PYTHONPATH': str(shim)},
+                        tmp_path)
     assert 'pip install deepspeed==0.19.8' in one_line_error(p)
     assert not (tmp_path / 'out').exists()
 
