@@ -61,6 +61,9 @@ SlurmdParameters=config_overrides
 MinJobAge=3600
 # a stopped run's processes get 5 s between SIGTERM and SIGKILL (30 by default): requeues are quicker
 KillWait=5
+# the main scheduler tests the pending jobs every second: a requeued job waited for it (60 s by default) or for the
+# backfill scheduler (30 s) to start it once its begin time had passed, 21 s and more
+SchedulerParameters=sched_interval=1
 NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port={ports['n1']} CPUs=2 State=UNKNOWN
 NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port={ports['n2']} CPUs=2 State=UNKNOWN
 PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
