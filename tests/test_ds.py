@@ -213,17 +213,25 @@ def test_a_zero_run_resumes_exactly_with_its_own_optimizer_settings_or_those_giv
     assert [(g['weight_decay'], tuple(g['betas'])) for g in groups] == [(0.5, (0.8, 0.9)), (0.0, (0.8, 0.9))]
 
 
-def test_compiled_zero_stage_3_compiles_each_block_once_and_matches_train_py(ref, tmp_path, data_dir, monkeypatch):
+def test_compiled_zero_stage_3_compiles_each_block_once_and_matches_train_py(ref, tmp_path, data_dir):
     # ZeRO-3's hooks on every module had dynamo compile each Linear apart, again for each shape and grad mode, and
     # their own frames once per module: 88 recompiles on 2 ranks in 7 steps, past the limit of 8 twice. With each Block
     # a ZeRO leaf its forward compiles once, then once more for the evals' no_grad (which came first). Dynamo decides
     # what recompiles: its graphs run in aot_eager (autograd traced, no inductor), 10 s of CPU cold where inductor's
-    # C++ builds took 29. Both settings are read at `import torch`: a fresh interpreter, as torchrun starts it
-    monkeypatch.setenv('TORCH_LOGS', 'recompiles')
-    monkeypatch.setenv('TORCH_COMPILE_OVERRIDE_BACKENDS', '>=0:aot_eager')
-    p = run('ds_train.py', *TINY, *BASE, '--compile=True', '--zero_stage=3', '--max_iters=10',
-            f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path / "out"}', nproc=2, cwd=tmp_path,
-            nthreads=None)
+    # C++ builds took 29. The ranks are forked as run() forks them, torch imported (fresh interpreters under torchrun
+    # took 4.8 s more of CPU): what TORCH_LOGS=recompiles and TORCH_COMPILE_OVERRIDE_BACKENDS=">=0:aot_eager" set at
+    # `import torch`, a script sets before it runs ds_train.py
+    (tmp_path / 'compiled.py').write_text(
+        "import runpy, sys, torch._dynamo, torch._logging\n"
+        "torch._logging.set_logs(recompiles=True)\n"
+        "torch._dynamo.config.debug_backend_override = '>=0:aot_eager'\n"
+        f"sys.argv[0] = {str(REPO / 'ds_train.py')!r}\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    p = launcher.launch(str(tmp_path / 'compiled.py'), [*TINY, *BASE, '--compile=True', '--zero_stage=3',
+                                                        '--max_iters=10', f'--dataset={data_dir / "shakespeare_char"}',
+                                                        f'--out_dir={tmp_path / "out"}'], env(), tmp_path, nproc=2)
+    assert p.returncode == 0, p.stderr[-3000:]
     assert 'recompile_limit' not in p.stderr
     recompiled = [line for line in p.stderr.splitlines() if 'Recompiling function' in line]
     assert len(recompiled) == 2 and all('model.py' in line for line in recompiled), recompiled
@@ -290,10 +298,10 @@ def test_without_deepspeed_a_one_line_error_says_how_to_install_it(tmp_path, dat
     shim = tmp_path / 'shim'
     shim.mkdir()
     (shim / 'deepspeed.py').write_text("raise ImportError('No module named deepspeed')\n")
-    # a fresh interpreter (run()'s server has imported deepspeed), its imports finding the shim first
-    p = subprocess.run([sys.executable, str(REPO / 'ds_train.py'), *TINY, f'--dataset={data_dir / "shakespeare_char"}',
-                        f'--out_dir={tmp_path / "out"}'], cwd=tmp_path, env={**env(), 'PYTHONPATH': str(shim)},
-                       capture_output=True, text=True, timeout=600)
+    # forked as run() forks it (its server has not imported deepspeed), its imports finding the shim first
+    p = launcher.launch(str(REPO / 'ds_train.py'), [*TINY, f'--dataset={data_dir / "shakespeare_char"}',
+                                                    f'--out_dir={tmp_path / "out"}'], {**env(), 'PYTHONPATH': str(shim)},
+                        tmp_path)
     assert 'pip install deepspeed==0.19.8' in one_line_error(p)
     assert not (tmp_path / 'out').exists()
 

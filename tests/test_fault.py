@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -375,22 +376,46 @@ def test_train_py_requeued_on_a_fresh_node_resumes_the_other_nodes_whole_snapsho
     assert_same_run(ref.result(), out, 'train.py', exact=True)
 
 
+NODES_ARGS = ['--gradient_accumulation_steps=2', '--eval_interval=1000', '--save_memory_interval=4']
+
+
+@pytest.fixture(scope='module')
+def killed_past_a_checkpoint(tmp_path_factory, data_dir):
+    """script -> a job of two nodes of it with a checkpoint at 6, killed past 11 with each node's snapshots past the
+    checkpoint (made once per script): restored, its folders are put back as the kill left them, at the same paths,
+    so that the run in them stays this out_dir's (saved_for), and the job's (out, node a, node b, run id) returned."""
+    made = {}
+
+    def restored(script):
+        if script not in made:
+            root = tmp_path_factory.mktemp('killed')
+            out, a, b = root / 'job' / 'out', root / 'job' / 'a', root / 'job' / 'b'
+            for node in (a, b):
+                node.mkdir(parents=True)
+            nodes_of_one_rank(script, tiny(data_dir, out, *NODES_ARGS, '--max_iters=6'), [a, b], root)
+            run_id = (out / 'run_id').read_text()  # the run that the next command resumes
+            nodes_of_one_rank(script, tiny(data_dir, out, *NODES_ARGS, '--max_iters=100000'), [a, b], root,
+                              kill_after=11,
+                              until=snapshots_past([a / f'nanogpt-{run_id}', b / f'nanogpt-{run_id}'], 6))
+            assert (out / 'run_id').read_text() == run_id
+            shutil.copytree(root / 'job', root / 'as-killed', symlinks=True)
+            made[script] = root, run_id
+        root, run_id = made[script]
+        shutil.rmtree(root / 'job')
+        shutil.copytree(root / 'as-killed', root / 'job', symlinks=True)
+        return root / 'job' / 'out', root / 'job' / 'a', root / 'job' / 'b', run_id
+    return restored
+
+
 # A job with a checkpoint at 6 and its snapshots past it, killed and requeued with its two nodes in the other order,
 # where no rank finds its own shards in its node's snapshots: each rank took the other's step folder there and
 # failed, calling it corrupt ("move it aside")
-def test_ds_job_requeued_with_its_nodes_in_another_order_goes_on_from_its_checkpoint(tmp_path, data_dir, shared_run):
-    args = ['--gradient_accumulation_steps=2', '--eval_interval=1000', '--save_memory_interval=4']
-    ref = beside(shared_run, 'ds_train.py', *args, '--max_iters=12', nproc=2)
-    out, a, b = tmp_path / 'out', tmp_path / 'a', tmp_path / 'b'
-    for node in (a, b):
-        node.mkdir()
-    nodes_of_one_rank('ds_train.py', tiny(data_dir, out, *args, '--max_iters=6'), [a, b], tmp_path)
-    run_id = (out / 'run_id').read_text()  # the run that the next command resumes
-    nodes_of_one_rank('ds_train.py', tiny(data_dir, out, *args, '--max_iters=100000'), [a, b], tmp_path,
-                      kill_after=11, until=snapshots_past([a / f'nanogpt-{run_id}', b / f'nanogpt-{run_id}'], 6))
-    assert (out / 'run_id').read_text() == run_id
+def test_ds_job_requeued_with_its_nodes_in_another_order_goes_on_from_its_checkpoint(tmp_path, data_dir, shared_run,
+                                                                                     killed_past_a_checkpoint):
+    ref = beside(shared_run, 'ds_train.py', *NODES_ARGS, '--max_iters=12', nproc=2)
+    out, a, b, run_id = killed_past_a_checkpoint('ds_train.py')
     assert all(snapshots_of(node / f'nanogpt-{run_id}') for node in (a, b))  # each node's, past the checkpoint
-    p = nodes_of_one_rank('ds_train.py', tiny(data_dir, out, *args, '--max_iters=12'), [b, a], tmp_path)
+    p = nodes_of_one_rank('ds_train.py', tiny(data_dir, out, *NODES_ARGS, '--max_iters=12'), [b, a], tmp_path)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert f"resuming from {out / 'ds' / 'step-00000006'} at iter 6" in p.stdout, p.stdout[-3000:]
     assert_same_run(ref.result(), out, 'ds_train.py')
@@ -401,19 +426,12 @@ def test_ds_job_requeued_with_its_nodes_in_another_order_goes_on_from_its_checkp
 # and the start refused ("resume with the layout in its name", "use 2 ranks"), which no layout could do without the
 # lost node. It goes on from the checkpoint, resharded (ds_train.py: its consolidated export)
 @pytest.mark.parametrize('script, resumed', [('fsdp_train.py', 'dcp/step-00000006'), ('ds_train.py', 'ckpt.pt')])
-def test_a_job_back_on_fewer_nodes_goes_on_from_its_checkpoint(tmp_path, data_dir, shared_run, script, resumed):
-    args = ['--gradient_accumulation_steps=2', '--eval_interval=1000', '--save_memory_interval=4']
-    ref = beside(shared_run, script, *args, '--max_iters=12', nproc=2)
-    out, a, b = tmp_path / 'out', tmp_path / 'a', tmp_path / 'b'
-    for node in (a, b):
-        node.mkdir()
-    nodes_of_one_rank(script, tiny(data_dir, out, *args, '--max_iters=6'), [a, b], tmp_path)
-    run_id = (out / 'run_id').read_text()  # the run that the next command resumes
-    nodes_of_one_rank(script, tiny(data_dir, out, *args, '--max_iters=100000'), [a, b], tmp_path, kill_after=11,
-                      until=snapshots_past([a / f'nanogpt-{run_id}'], 6))
-    assert (out / 'run_id').read_text() == run_id
+def test_a_job_back_on_fewer_nodes_goes_on_from_its_checkpoint(tmp_path, data_dir, shared_run,
+                                                                killed_past_a_checkpoint, script, resumed):
+    ref = beside(shared_run, script, *NODES_ARGS, '--max_iters=12', nproc=2)
+    out, a, _, run_id = killed_past_a_checkpoint(script)
     assert max(snapshots_of(a / f'nanogpt-{run_id}').values()) > 6  # the node's half, past the checkpoint
-    p = nodes_of_one_rank(script, tiny(data_dir, out, *args, '--max_iters=12'), [a], tmp_path)
+    p = nodes_of_one_rank(script, tiny(data_dir, out, *NODES_ARGS, '--max_iters=12'), [a], tmp_path)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "not in this job (a node lost, or the job back on fewer nodes): no layout resumes it here" in p.stdout
     assert f"resuming from {out / resumed} at iter 6" in p.stdout, p.stdout[-3000:]
