@@ -1743,7 +1743,8 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
             whole = os.path.join(snapshots, 'ckpt.pt')  # train.py's snapshot is a whole ckpt.pt; the others' shards
             sys.exit(f"error: {path} holds no checkpoint yet, only this node's memory snapshots of the run, in "
                      f"{snapshots}: " + (f"give {whole}, or " if os.path.isfile(whole) else "") +
-                     "resume the run (it starts from them) until it saves one")
+                     "resume the run (it starts from them) until it saves one: its command, flags and ranks, with "
+                     "--max_iters=1 saves the newest at once and ends (its own max_iters again trains on)")
         sys.exit(f"error: {e}: {fix}")
     except Exception as e:
         shards_snapshot_or_exit(path)
@@ -1855,7 +1856,7 @@ def shards_snapshot_or_exit(path):
         run_id = os.path.basename(root)[len('nanogpt-'):]
         sys.exit(f"error: {path} is {script}'s memory snapshot of a run, its ranks' own shards, which only that run "
                  f"reads back as it resumes: resume the run (the out_dir whose run_id file holds {run_id}) until it "
-                 f"saves, then give its out_dir")
+                 f"saves, then give its out_dir (its command with --max_iters=1 saves the newest snapshot at once)")
 
 
 def finite_or_exit(model, path):

@@ -350,7 +350,8 @@ def test_a_run_killed_before_its_first_save_names_its_memory_snapshots(char_run,
         shutil.copy(char_run / 'ckpt.pt', shm / 'ckpt.pt')
         p = run('export_hf.py', f'--ckpt={out}', f'--out={tmp_path / "hf"}', cwd=tmp_path, check=False)
         says = f"error: {out} holds no checkpoint yet, only this node's memory snapshots of the run, in {shm}: give " \
-            f"{shm / 'ckpt.pt'}, or resume the run (it starts from them) until it saves one"
+            f"{shm / 'ckpt.pt'}, or resume the run (it starts from them) until it saves one: its command, flags and " \
+            f"ranks, with --max_iters=1 saves the newest at once and ends (its own max_iters again trains on)"
         assert one_line_error(p) == says
         # and so does a fine-tuning run's --init_from (it said: give a run folder, which it was given)
         p = run('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--init_from={out}',
@@ -358,7 +359,9 @@ def test_a_run_killed_before_its_first_save_names_its_memory_snapshots(char_run,
         assert one_line_error(p) == says
         (shm / 'ckpt.pt').rename(shm / 'rank-0-of-1x1.pt')  # fsdp_train.py's: its shards, which only it reads
         p = run('sample.py', f'--out_dir={out}', '--device=cpu', cwd=tmp_path, check=False)
-        assert one_line_error(p).endswith(f"in {shm}: resume the run (it starts from them) until it saves one")
+        assert one_line_error(p).endswith(f"in {shm}: resume the run (it starts from them) until it saves one: its "
+                                          f"command, flags and ranks, with --max_iters=1 saves the newest at once and "
+                                          f"ends (its own max_iters again trains on)")
         assert sorted(os.listdir(out)) == ['run_id'] and not (tmp_path / 'hf').exists()
     finally:
         shutil.rmtree(shm)
@@ -377,7 +380,8 @@ def test_a_sharded_memory_snapshot_given_to_a_tool_says_whose_it_is(tmp_path):
         for name in ('rank-0-of-1x2.pt', 'rank-0-of-1x2pp.pt'):
             torch.save({'shards': {}, 'iter_num': 10, 'model_args': {}}, shm / name)
         fix = f"which only that run reads back as it resumes: resume the run (the out_dir whose run_id file holds " \
-            f"{run_id}) until it saves, then give its out_dir"
+            f"{run_id}) until it saves, then give its out_dir (its command with --max_iters=1 saves the newest " \
+            f"snapshot at once)"
         for tool, path, script in (('sample.py', shm / 'latest', 'ds_train.py'),
                                    ('export_hf.py', shm / 'step-00000010', 'ds_train.py'),
                                    ('sample.py', shm / 'rank-0-of-1x2.pt', 'fsdp_train.py'),
