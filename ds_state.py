@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 from checkpoint import (checkpoint_iter, is_snapshot, kept, point_latest, read_name, reason, same_step, saved_for,
                         step_folders)
-from runlog import stop_diverged
+from runlog import count_overflow, count_skipped, stop_diverged
 
 # the classes that DeepSpeed 0.19.8 pickles into its checkpoints besides tensors and containers
 DS_SAFE_GLOBALS = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
@@ -478,6 +478,18 @@ def step_or_stop(model, in_a_row, iter_num, out_dir, run_id):
             raise
         stop_diverged(in_a_row + 1, iter_num, out_dir, run_id, "gradient in float16 at DeepSpeed's min_loss_scale",
                       dtype='float16')
+
+
+def count_step(model, nonfinite, in_a_row, limit, iter_num, log, out_dir, run_id, dtype):
+    """The non-finite steps in a row after this one (runlog.count_skipped): one of a non-finite loss, or one the
+    engine did not take. In float16 a step of a finite loss that the engine did not take is its loss scaler's skip
+    of overflowing gradients, said and logged with the scale it lowered to, as train.py's are (count_overflow):
+    DeepSpeed's own line for it is at a log level that prints nothing, and a run of them up to its min_loss_scale
+    stopped as "1 steps in a row"."""
+    skipped = not model.was_step_applied()
+    if dtype == 'float16' and skipped and not nonfinite:
+        return count_overflow(in_a_row, iter_num, model.optimizer.loss_scale, log, out_dir, run_id)
+    return count_skipped(nonfinite or skipped, in_a_row, limit, iter_num, log, out_dir, run_id, dtype=dtype)
 
 
 def by_norm_where_zero_checks(asked, given, zero_stage, dtype, offload_optimizer):

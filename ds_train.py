@@ -39,7 +39,7 @@ from model import GPT
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import saves_at_eval, skips_save
 from runlock import hold
-from runlog import count_skipped, diverged_fix, ends_diverged, open_log
+from runlog import diverged_fix, ends_diverged, open_log
 from seeds import start_tokens
 
 # -----------------------------------------------------------------------------
@@ -112,10 +112,10 @@ try:
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from ds_state import (ZERO3_COMPILED, DeferredWrites, add_config_file, best_behind, bucket_sizes, check_offload,
-                          by_norm_where_zero_checks, checkpoint_iter_at, copy_recovery_scripts, engine_folders,
-                          engine_state, folder_iter, gather_state, guard_step, load_state, norm_is_read, offload,
-                          overflow_by_norm_alone, read_engine_state, refuse_other_layouts, remove_shm_buffer_name,
-                          state_bytes, step_or_stop, whole_at)
+                          by_norm_where_zero_checks, checkpoint_iter_at, copy_recovery_scripts, count_step,
+                          engine_folders, engine_state, folder_iter, gather_state, guard_step, load_state,
+                          norm_is_read, offload, overflow_by_norm_alone, read_engine_state, refuse_other_layouts,
+                          remove_shm_buffer_name, state_bytes, step_or_stop, whole_at)
 except ImportError as e:
     sys.exit(f"error: ds_train.py needs DeepSpeed ({e}): pip install deepspeed==0.19.8")
 # DeepSpeed 0.19.8 calls collectives that torch 2.13 deprecates, and torch says so at each call
@@ -494,13 +494,12 @@ while True:
     # A non-finite loss or gradient would spoil the weights for good. The engine skips a step whose gradients are
     # not finite (ZeRO and the bf16/fp16 optimizers check, our guard below does at stage 0 in fp32), and a
     # non-finite loss gives non-finite gradients. float16's loss scaler skips overflows as a matter of course:
-    # there only the loss counts.
+    # those are counted apart.
     if nonfinite and model.was_step_applied():
         sys.exit(f"error: iter {iter_num} had a non-finite loss but DeepSpeed took the step; {ds_dir} holds the last "
                  f"good state: {diverged_fix(dtype)}")
-    nonfinite = nonfinite or (dtype != 'float16' and not model.was_step_applied())
-    nonfinite_steps = count_skipped(nonfinite, nonfinite_steps, max_nonfinite_steps, iter_num, log_metrics,
-                                    out_dir, run_id, dtype=dtype)
+    nonfinite_steps = count_step(model, nonfinite, nonfinite_steps, max_nonfinite_steps, iter_num, log_metrics,
+                                 out_dir, run_id, dtype)
     if local_iter_num == 0:  # gradients and optimizer state exist from the first step on
         mem = {**state_bytes(model, raw_model, optimizer), 'grad_bytes': grad_bytes}
         print0("per-rank memory: " + ", ".join(f"{k[:-6]} {v / 2**20:.2f} MiB" for k, v in mem.items()))

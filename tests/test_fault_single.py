@@ -221,6 +221,27 @@ def test_float16_overflows_are_counted_and_a_loss_scale_below_1_stops_the_run(tm
     assert ckpt['iter_num'] == 4 and all(torch.isfinite(t).all() for t in ckpt['model'].values())
 
 
+def test_deepspeed_float16_overflows_are_counted_and_its_min_loss_scale_stops_the_run(tmp_path, data_dir):
+    """ds_train.py's float16 as train.py's: a step whose gradients overflow, which DeepSpeed's loss scaler skips, is
+    said and logged with the scale it lowered to (DeepSpeed's own line is at a log level that prints nothing), and
+    counted: the evals in a run of them save nothing, and the stop at its min_loss_scale says how many in a row (it
+    said 1) and names the state from before them."""
+    out = tmp_path / 'run'
+    p = run_with_nans(tmp_path, '0', *tiny(data_dir, out, '--gradient_accumulation_steps=1', '--max_iters=40',
+                                           '--eval_interval=4', '--dtype=float16', '--zero_stage=2'),
+                      script='ds_train.py', overflow_from=6)
+    assert p.returncode == 1, p.stdout[-2000:]
+    assert 'iter 6: float16 gradient overflow, step skipped, loss scale now 8192 (2 in a row)' in p.stdout
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"error: 16 steps in a row up to iter 20 had a non-finite gradient in float16 at DeepSpeed's min_loss_scale; "
+        f"{out / 'ckpt.pt'} (iter 4) holds the last good state: lower learning_rate, use bfloat16 rather than "
+        f"float16, or check the data")
+    rows = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines()]
+    assert [r['loss_scale'] for r in rows if r.get('skipped') == 'float16 gradient overflow' and r['iter'] >= 5] \
+        == [2.0 ** k for k in range(14, -1, -1)]
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 4
+
+
 def test_weights_spoiled_by_a_step_with_a_finite_loss_are_never_left_the_newest_state(tmp_path, data_dir):
     """The 4th optimizer step (iter 3) puts an inf into the weights while its own loss and gradient were finite: the
     periodic save at iter 4 comes before any loss shows it, and holds them. The run ends (max_iters) before
