@@ -166,7 +166,8 @@ def test_zero_buckets_are_the_models_size_unless_a_config_sets_them():
 
 
 def test_a_float16_overflow_at_deepspeeds_least_loss_scale_stops_in_one_line(tmp_path):
-    # DeepSpeed's float16 needs a GPU: its own loss scaler, at min_loss_scale, raises as the engine's step would
+    # its own loss scaler, at min_loss_scale, raises as the engine's step would (a whole float16 run to that stop:
+    # test_fault_single.py)
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
     from ds_state import step_or_stop
     scaler = DynamicLossScaler(init_scale=1, scale_window=1000, min_scale=1, delayed_shift=1,
