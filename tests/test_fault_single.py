@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoint import snapshot_dir
 from conftest import REPO, begin, env, one_line_error, read_metrics, run
 from launcher import finish, launch
 from test_fault import (KIND, assert_same_run, beside, cut_short, final_weights, killed_past, logged_iters, tiny,
@@ -200,6 +201,8 @@ def test_train_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(t
                   r'restart resumes it\)', error), error
     ckpt = torch.load(tmp_path / 'many' / 'ckpt.pt', weights_only=True)
     assert ckpt['iter_num'] == 6 and all(torch.isfinite(t).all() for t in ckpt['model'].values())
+    # the stop keeps its memory snapshot, which a restart would resume: the test's own, in RAM, removed here
+    shutil.rmtree(snapshot_dir((tmp_path / 'many' / 'run_id').read_text().strip()))
 
 
 def test_float16_overflows_are_counted_and_a_loss_scale_below_1_stops_the_run(tmp_path, data_dir):
