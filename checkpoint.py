@@ -1720,6 +1720,11 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
                               f"where the run has finished, else at its next save")
         if kind:  # their step folders: ZeRO's shards, or the replicas
             run, best = run or '.', os.path.basename(os.path.normpath(folder)).startswith('best')
+            same = export_of(folder, run)  # the whole model of that step, saved beside it at the same save
+            if same:
+                print(f"note: reading {same}, the whole model that {kind}_train.py saved with {folder} (its own "
+                      f"files only it reads back)", file=sys.stderr, flush=True)
+                return checkpoint_or_exit(same, fix, dropout)
             what = f"{kind}_train.py, which only it resumes"
             # ds: save_consolidated=False; decent_train.py exports at every save, and this one did not complete
             how = f"(save_consolidated=False): {export(run)}" if kind == 'ds' else \
@@ -1765,6 +1770,25 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
     model, checkpoint, path = newer_state(path, model, checkpoint, dropout)
     finite_or_exit(model, path)
     return model, checkpoint, find_checkpoint(path)
+
+
+def export_of(folder, run):
+    """The version of run's ckpt.pt (or best.pt) that ds_train.py or decent_train.py saved together with its step
+    folder (the same run and iteration), which the tools read where they cannot read the folder itself; else None.
+    The run's older step folders are its older versions (ckpt.prev.pt, ...), kept as many as the folders."""
+    m = re.fullmatch(r'(?:best-)?step-(\d{1,12})', os.path.basename(os.path.normpath(folder)))  # its iteration
+    run_id = folder_run(folder)
+    if not m or not run_id:  # no run id: the folder's files or run_id cut short, or a folder saved before runs had them
+        return None
+    versions = kept(os.path.join(run, 'ckpt.pt'))
+    for path in [os.path.join(run, 'best.pt')] + versions if m[0].startswith('best') else versions:
+        try:
+            saved = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
+            if (saved['iter_num'], saved.get('run_id')) == (int(m[1]), run_id):
+                return path
+        except Exception:  # missing or damaged: another version may be it
+            continue
+    return None
 
 
 def step_folder_kind(folder):

@@ -272,14 +272,18 @@ def test_resume_repeats_the_uninterrupted_run_exactly(tmp_path, data_dir):
     # the one before is kept, the fallback should the newest turn out damaged (and the best, besides)
     assert sorted(p.name for p in (tmp_path / 'split' / 'decent').iterdir() if not p.name.startswith('best')) == [
         'latest', 'step-00000004', 'step-00000008']
-    p = run('sample.py', f"--init_from={tmp_path / 'split' / 'decent' / 'step-00000008'}", '--device=cpu',
-            cwd=tmp_path, check=False)  # a step folder names the files a tool reads
-    assert one_line_error(p) == f"error: {tmp_path / 'split' / 'decent' / 'step-00000008'} is a step folder of " \
-        f"decent_train.py, which only it resumes: give the run folder {tmp_path / 'split'} (its newest, ckpt.pt, " \
-        f"the replicas averaged, or DiLoCo's global model; or this step's rank-R.pt, one replica)"
-    p = run('sample.py', f"--init_from={tmp_path / 'split' / 'decent' / 'latest'}", '--device=cpu', cwd=tmp_path,
-            check=False)  # as does the file that names it
-    assert one_line_error(p).startswith(f"error: {tmp_path / 'split' / 'decent' / 'step-00000008'} is a step folder")
+    # a step folder (or the file that names it) is read as the whole model saved with it: the replicas averaged, its
+    # export, of that iteration (the one before's is ckpt.prev.pt)
+    split, meta = tmp_path / 'split', f"--meta_path={data_dir / 'shakespeare_char' / 'meta.pkl'}"
+    texts = {}
+    for given, read in (('decent/step-00000004', 'ckpt.prev.pt'), ('decent/latest', 'ckpt.pt'),
+                        ('ckpt.prev.pt', None)):
+        p = run('sample.py', f"--init_from={split / given}", '--device=cpu', '--num_samples=1', '--max_new_tokens=20',
+                meta, cwd=tmp_path)
+        assert read is None or f"note: reading {split / read}, the whole model that decent_train.py saved with " \
+            f"{split / 'decent' / ('step-00000004' if '4' in given else 'step-00000008')} (" in p.stderr, p.stderr
+        texts[given] = p.stdout
+    assert texts['decent/step-00000004'] == texts['ckpt.prev.pt'] != texts['decent/latest']
     # another replica optimizer cannot take the replicas' state: the answer keeps them, and changes nothing
     before = {f: f.read_bytes() for f in (tmp_path / 'split').rglob('*') if f.is_file() and f.name != 'run.lock'}
     p = launch(tmp_path, data_dir, 'split', *args, '--max_iters=10', '--replica_optimizer=sgd', nproc=2, check=False)

@@ -336,6 +336,13 @@ def test_the_run_folder_stands_for_its_export_which_samples_and_resumes_under_tr
     s = run('sample.py', f'--out_dir={tmp_path / "run"}', f'--meta_path={data_dir / "shakespeare_char" / "meta.pkl"}',
             '--num_samples=2', '--max_new_tokens=20', '--device=cpu', cwd=tmp_path)
     assert s.stdout.count('---------------') == 2
+    # an older step folder, ZeRO's shards, is read as the whole model saved with it: the export of its iteration
+    texts = [run('sample.py', f'--init_from={tmp_path / "run" / name}', '--num_samples=1', '--max_new_tokens=20',
+                 f'--meta_path={data_dir / "shakespeare_char" / "meta.pkl"}', '--device=cpu', cwd=tmp_path)
+             for name in ('ds/step-00000005', 'ckpt.prev.pt', 'ckpt.pt')]
+    assert f"note: reading {tmp_path / 'run' / 'ckpt.prev.pt'}, the whole model that ds_train.py saved with " \
+        f"{tmp_path / 'run' / 'ds' / 'step-00000005'} (" in texts[0].stderr
+    assert texts[0].stdout == texts[1].stdout != texts[2].stdout
     # as save_consolidated=False leaves a run: the step folders, no ckpt.pt or best.pt beside them
     shutil.copytree(tmp_path / 'run', tmp_path / 'shards',
                     ignore=lambda d, names: [n for n in names if n.endswith('.pt') and d == str(tmp_path / 'run')])
