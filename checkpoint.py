@@ -332,20 +332,44 @@ def atomic_save(obj, path, keep=1, best=None):
                 signal.signal(signal.SIGINT, handler)
     # a save that crashed between linking ckpt.pt as ckpt.prev.pt and replacing it has moved the versions down already
     moved = os.path.exists(path) and os.path.exists(previous(path)) and os.path.samefile(path, previous(path))
+    # one saved in a run of float16 overflows (keep.keeping) replaces the newest where that holds the same weights, and
+    # the first after a taken step prunes the version kept besides it
+    newest = _header(path)
+    same = same_step(obj, path) or skipped(obj) and newest is not None and weights_of(newest) == weights_of(obj)
     try:
-        for n in range(keep - 1, 0, -1) if not same_step(obj, path) and not moved else []:
+        for n in range(keep - 1, 0, -1) if not same and not moved else []:
             if os.path.exists(previous(path, n - 1)):
                 # the newest becomes ckpt.prev.pt as a second name (a link), so that path names a whole checkpoint
                 # at every moment, which a crash here leaves to the tools that read it
                 (same_file if n == 1 else os.replace)(previous(path, n - 1), previous(path, n))
         os.replace(path + '.tmp', path)
         _writing.discard(path + '.tmp')
+        if newest is not None and skipped(newest) and not skipped(obj) and os.path.exists(previous(path, keep)):
+            os.remove(previous(path, keep))
     except BaseException:
         if os.path.exists(path + '.tmp'):  # a Ctrl-C may come once it is renamed
             os.remove(path + '.tmp')  # a copy in place of a link that did not fit: the space goes back, path is whole
         raise
     if best:
         same_file(path, best)
+
+
+def _header(path):
+    """The checkpoint at path with its tensors unread (mmap), or None where there is none or it does not load."""
+    try:
+        return torch.load(path, map_location='cpu', weights_only=True, mmap=True) if os.path.isfile(path) else None
+    except Exception:
+        return None
+
+
+def skipped(obj):
+    """The steps skipped in a row before a checkpoint was saved (float16's overflows, keep.skips_save), 0 for most."""
+    return obj.get('skipped', 0) if isinstance(obj, dict) else 0
+
+
+def weights_of(obj):
+    """(run id, the iteration whose weights a checkpoint holds): skipped steps leave them as the step before did."""
+    return obj.get('run_id'), obj['iter_num'] - skipped(obj) if 'iter_num' in obj else None
 
 
 def same_step(obj, path):
@@ -663,16 +687,16 @@ def in_background(wait, slot, then, path=None):
     _writers[slot] = (thread, copied)
 
 
-def commit(folder, ok, group, writer, iter_of=None, keep=2, best=False):
+def commit(folder, ok, group, writer, iter_of=None, keep=2, best=False, weights=None):
     """Called by each rank's writer thread once its files of the checkpoint folder are written (ok) or could not
     be: the ranks agree over group (a gloo group of the writer threads' own, since two threads' collectives on one
     group would pair up wrongly), and only if every rank's files are in does the writer point latest at the folder
-    and prune the ones before (point_latest, with keep and best). A crash before leaves latest naming the previous
-    folder. Returns whether this rank pointed latest at it."""
+    and prune the ones before (point_latest, with keep, best and weights). A crash before leaves latest naming the
+    previous folder. Returns whether this rank pointed latest at it."""
     written = torch.tensor(float(ok))
     dist.all_reduce(written, op=dist.ReduceOp.MIN, group=group)
     if written.item() and writer:
-        point_latest(folder, iter_of, keep, best)
+        point_latest(folder, iter_of, keep, best, weights)
         return True
     return False
 
@@ -891,7 +915,7 @@ def same_run(folder, run_id):
     return '' in (theirs, run_id) or theirs == run_id
 
 
-def point_latest(folder, iter_of=None, keep=2, best=False):
+def point_latest(folder, iter_of=None, keep=2, best=False, weights=None):
     """Once the checkpoint folder out_dir/<kind>/step-N is complete: rewrites the latest file beside it to name it,
     and removes the older step folders of its run (complete, cut short or damaged) but for the newest keep - 1
     complete ones, the fallbacks should this one ever turn out damaged: one that another run saved (copied in by
@@ -900,7 +924,8 @@ def point_latest(folder, iter_of=None, keep=2, best=False):
     save to the same step replaces them. With best, the folder is also kept as best-step-N (hard links: never
     pruned, nor changed by a later save to step-N), which the best file names, in place of the best before (the
     run's own alone). The best file names a whole folder at every moment: while best-step-N of a step saved as the
-    best again is replaced, the step folder itself."""
+    best again is replaced, the step folder itself. weights (a save in a run of float16 overflows, keep.keeping: a
+    function of an older folder, whether it holds the same weights): those are removed, not counted."""
     root, name = os.path.split(folder)
     write_name(os.path.join(root, 'latest'), name)
     mine = folder_run(folder)  # the run's own id, which pruning asks of every folder it would remove
@@ -931,8 +956,9 @@ def point_latest(folder, iter_of=None, keep=2, best=False):
         if not same_run(os.path.join(root, old), mine):
             continue  # another run's, copied in by hand, or one whose run no file tells: kept, and no fallback
         if fallbacks < keep - 1:
-            try:
-                if (iter_of or checkpoint_iter)(os.path.join(root, old)) is not None:
+            try:  # (not one of the same weights as this, which it replaces)
+                if (iter_of or checkpoint_iter)(os.path.join(root, old)) is not None and \
+                        not (weights and weights(os.path.join(root, old))):
                     fallbacks += 1
                     continue
             except Exception:

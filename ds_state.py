@@ -485,10 +485,12 @@ def count_step(model, nonfinite, in_a_row, limit, iter_num, log, out_dir, run_id
     engine did not take. In float16 a step of a finite loss that the engine did not take is its loss scaler's skip
     of overflowing gradients, said and logged with the scale it lowered to, as train.py's are (count_overflow):
     DeepSpeed's own line for it is at a log level that prints nothing, and a run of them up to its min_loss_scale
-    stopped as "1 steps in a row"."""
+    stopped as "1 steps in a row". A static scale (a ds_config's loss_scale) never reaches that stop: limit overflows
+    in a row stop the run as non-finite steps do (it skipped every step forever)."""
     skipped = not model.was_step_applied()
     if dtype == 'float16' and skipped and not nonfinite:
-        return count_overflow(in_a_row, iter_num, model.optimizer.loss_scale, log, out_dir, run_id)
+        return count_overflow(in_a_row, iter_num, model.optimizer.loss_scale, log, out_dir, run_id,
+                              limit=None if model.dynamic_loss_scale() else limit)
     return count_skipped(nonfinite or skipped, in_a_row, limit, iter_num, log, out_dir, run_id, dtype=dtype)
 
 

@@ -31,13 +31,14 @@ import torch.distributed as dist
 
 from checkpoint import (commit, create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, load_failed,
                         mark_run, reason, remove_snapshots, same_step, save_in_background, say_resumed, snapshot_dir,
-                        take_settings, upgrade_optimizer_state, wait_for_copies, wait_for_saves, where_saved)
+                        take_settings, upgrade_optimizer_state, wait_for_copies, wait_for_saves, weights_of,
+                        where_saved)
 from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, on_every_rank, pick_device, restore_rng,
                          split_accumulation, start, stop_signal, use_deterministic_algorithms)
 from model import GPT
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
-from keep import saves_at_eval, skips_save
+from keep import keeping, saves_at_eval, skips_save, unsaved
 from runlock import hold
 from runlog import diverged_fix, ends_diverged, open_log
 from seeds import start_tokens
@@ -359,6 +360,7 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         **where_saved(out_dir),  # the folder it is saved for, however named, and its inode (saved_for)
         'val_loss': val_loss,  # the eval's it was saved at (None: a save between evals)
         'world_size': world_size,
+        'skipped': nonfinite_steps,  # float16 overflows just before: its weights are those of iter_num - skipped
     }
     if whole and not beside and not (export and (best or behind or not same_step(extra, ckpt_path))):
         return
@@ -376,17 +378,19 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         model.save_non_zero_checkpoint = first_only
         files = [f for f in model.checkpoint_engine.files if not whole or f[0].endswith('model_states.pt')]
         paths, states = zip(*files) if files else ((), ())
+        keep = keeping(keep_checkpoints if to == 'storage' else 2, nonfinite_steps)
+        same = (lambda old: weights_of(engine_state(old)) == weights_of(extra)) if nonfinite_steps else None
         save_in_background(list(states), list(paths), slot=f'ds-{to}',
                            then=lambda ok: commit(folder, ok, checkpoint_groups[to], writer, best=best,
                                                   iter_of=folder_iter if to == 'storage' else engine_iter,
-                                                  keep=keep_checkpoints if to == 'storage' else 2))
+                                                  keep=keep, weights=same))
         if to == 'storage':
             print0(f"saving checkpoint to {folder}")
     if export:
         model_sd, optim_sd = gather_state(model, raw_model, optimizer, group_names, adamw_groups)
         if master_process:
             save_in_background({'model': model_sd, 'optimizer': optim_sd, **extra}, ckpt_path,
-                               keep=keep_checkpoints, best=(best or behind) and best_path)
+                               keep=keeping(keep_checkpoints, nonfinite_steps), best=(best or behind) and best_path)
             print0(f"saving consolidated checkpoint to {ckpt_path}")
     if wait:
         wait_for_saves()
@@ -526,5 +530,5 @@ while True:
         break
 
 finish_saves()  # a storage checkpoint that could not be written stops the run with an error
-remove_snapshots(run_id, eval_only, nonfinite_steps)  # out_dir holds the final state: free the RAM
+remove_snapshots(run_id, eval_only, unsaved(nonfinite_steps))  # out_dir holds the final state: free the RAM
 finish()

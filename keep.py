@@ -1,9 +1,10 @@
 """
 Which saved states a run keeps, shared by the entrypoints: never a worse one in place of a good one. An eval whose
-loss is not finite saves nothing (saves_at_eval), and no save is made in a run of non-finite steps; a run stopped
-by max_nonfinite_steps sets aside what it saved since its weights went bad (set_aside), so that its newest state is
-the newest good one. The newest keep_checkpoints states and the best by val loss (best.pt, or best-step-N beside
-the step folders) are written by checkpoint.py's atomic_save and point_latest; this module only decides.
+loss is not finite saves nothing (saves_at_eval), and no save is made in a run of non-finite steps (but for float16's
+overflows alone, whose weights gave a finite loss: skips_save); a run stopped by max_nonfinite_steps sets aside what
+it saved since its weights went bad (set_aside), so that its newest state is the newest good one. The newest
+keep_checkpoints states and the best by val loss (best.pt, or best-step-N beside the step folders) are written by
+checkpoint.py's atomic_save and point_latest; this module only decides.
 """
 
 import math
@@ -92,11 +93,33 @@ def _set_aside_in(folder, first_bad, files):
     return newest
 
 
+# whether a step of the run of skipped steps the loop is in had a non-finite loss (or, but for float16's overflows, a
+# non-finite gradient): the weights that gave it may have gone bad (runlog.count_skipped sets it; a taken step clears
+# it)
+bad_loss = [False]
+
+
 def skips_save(to, nonfinite_steps, iter_num, print0):
     """Whether the entrypoint's save_checkpoint(to) saves nothing: in a run of non-finite steps, whose weights may
-    have gone bad. No memory snapshot where the run's snapshot folder holds a copy's, which it would replace."""
+    have gone bad. Not in a run of float16's overflows alone (the loss scaler finding its scale): their weights are
+    the last taken step's, a finite loss their witness, and a run that ends there (a SIGTERM, max_iters) keeps them;
+    such a save (keeping) pushes out no state from before. No memory snapshot where the run's snapshot folder holds a
+    copy's, which it would replace."""
     if to == 'memory' and holds_a_copys_snapshots():
         return True
-    if nonfinite_steps:
+    if unsaved(nonfinite_steps):
         print0(f"iter {iter_num}: no {to} save after {nonfinite_steps} non-finite steps: the last good state stays")
-    return nonfinite_steps > 0
+    return unsaved(nonfinite_steps) > 0
+
+
+def unsaved(nonfinite_steps):
+    """The skipped steps in a row after which nothing is saved (skips_save): 0 in a run of float16 overflows alone."""
+    return nonfinite_steps if bad_loss[0] else 0
+
+
+def keeping(keep, nonfinite_steps):
+    """The versions a save keeps (keep, keep_checkpoints): one more in a run of float16 overflows, where its weights
+    are those of the step before them, which a run that goes on to stop diverged sets aside: the newest state from
+    before them is never pushed out for it. A later save of the same weights replaces it rather than push out another
+    (checkpoint.atomic_save, point_latest), and the first save after a taken step prunes the one kept besides."""
+    return keep + (nonfinite_steps > 0)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from checkpoint import reason, settle_earlier_run, snapshot_dir, wait_for_saves
 from distributed import verdicts
-from keep import set_aside
+from keep import bad_loss, set_aside
 from runlock import launch_identity, launch_pods
 
 EVALS = ('val_loss', 'hellaswag_acc_norm')  # the rows of an iteration's evals, which come before its checkpoint
@@ -226,6 +226,7 @@ def replace_text(path, text):
 def count_skipped(nonfinite, in_a_row, limit, iter_num, log, out_dir, run_id, what='loss or gradient', dtype=None):
     """The non-finite steps in a row after this one, which the loop skipped: each is logged, and `limit` in a row
     stop the run (stop_diverged)."""
+    bad_loss[0] = bool(nonfinite)  # a taken step ends the run of skips (float16's overflows leave it as it is)
     if not nonfinite:
         return 0
     in_a_row += 1
@@ -240,18 +241,19 @@ def count_skipped(nonfinite, in_a_row, limit, iter_num, log, out_dir, run_id, wh
 MIN_LOSS_SCALE = 1.0  # DeepSpeed's min_loss_scale too, below which its float16 runs stop
 
 
-def count_overflow(in_a_row, iter_num, scale, log, out_dir, run_id):
+def count_overflow(in_a_row, iter_num, scale, log, out_dir, run_id, limit=None):
     """As count_skipped, for a float16 step whose gradients overflowed, which GradScaler skipped and whose loss scale
     it halved (to scale): a few in a row are its way of finding its scale, but one below MIN_LOSS_SCALE means the
-    gradients overflow whatever the scale, and the run would skip every step from then on: it stops."""
+    gradients overflow whatever the scale, and the run would skip every step from then on: it stops. A static scale
+    (a ds_config's fp16 loss_scale; limit: max_nonfinite_steps) never falls: limit overflows in a row stop the run."""
     in_a_row += 1
     if int(os.environ.get('RANK', 0)) == 0:
-        print(f"iter {iter_num}: float16 gradient overflow, step skipped, loss scale now {scale:g} ({in_a_row} in a "
-              f"row)", flush=True)
+        print(f"iter {iter_num}: float16 gradient overflow, step skipped, loss scale {'now ' * (limit is None)}"
+              f"{scale:g} ({in_a_row} in a row)", flush=True)
     log(iter_num, skipped='float16 gradient overflow', loss_scale=scale)
-    if scale < MIN_LOSS_SCALE:
-        stop_diverged(in_a_row, iter_num, out_dir, run_id, f'gradient in float16 (loss scale down to {scale:g})',
-                      dtype='float16')
+    if scale < MIN_LOSS_SCALE or limit is not None and in_a_row >= limit:
+        stop_diverged(in_a_row, iter_num, out_dir, run_id, f"gradient in float16 ({'static ' * (limit is not None)}"
+                      f"loss scale {'down to ' * (limit is None)}{scale:g})", dtype='float16')
     return in_a_row
 
 

@@ -29,7 +29,7 @@ from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, on_every_rank, pick_device, restore_rng, skip_on_device,
                          split_accumulation, start, state_bytes, stop_signal, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
-from keep import saves_at_eval, skips_save
+from keep import keeping, saves_at_eval, skips_save, unsaved
 from runlock import hold
 from runlog import ends_diverged, heed, open_log
 from seeds import start_tokens
@@ -164,7 +164,7 @@ best_path = os.path.join(out_dir, 'best.pt')  # the state of the best val loss s
 if not eval_only:  # an eval writes nothing: it neither holds out_dir nor waits for whoever does
     hold(out_dir)  # one run at a time in out_dir, for the run's lifetime
 run_id, resume_from = find_resume(out_dir, init_from, auto_resume, eval_only,
-                                  snapshots=['ckpt.pt'],
+                                  snapshots=['ckpt.pt', 'ckpt.prev.pt'],  # (the one before: keep.keeping)
                                   storage=[kept(ckpt_path)], where=ckpt_path, script='train.py',
                                   whole=(ckpt_path, keep_checkpoints))  # a node's snapshot holds every rank's state
 snapshot_path = os.path.join(snapshot_dir(run_id), 'ckpt.pt')
@@ -228,7 +228,7 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
     forward and backward run (the optimizer step waits for the copy), then writes it to temporary files, renamed
     when complete: a crash mid-write leaves the previous one in place. Rank 0 writes out_dir/ckpt.pt (the one before
     kept as ckpt.prev.pt, and so on: keep_checkpoints in all; a new best also as best.pt), the first rank of each
-    node the node's snapshot. Nothing is saved in a run of non-finite steps."""
+    node the node's snapshot. Nothing is saved in a run of non-finite steps (but for float16's overflows alone)."""
     if skips_save(to, nonfinite_steps, iter_num, print0):
         return
     extra = {
@@ -244,13 +244,15 @@ def save_checkpoint(to='storage', wait=False, val_loss=None, best=False):
         'run_id': run_id,  # so that a run started afresh over this out_dir never takes it for its own
         **where_saved(out_dir),  # the folder it is saved for, however named, and its inode (saved_for)
         'val_loss': val_loss,  # the eval's it was saved at (None: a save between evals)
+        'skipped': nonfinite_steps,  # float16 overflows just before: its weights are those of iter_num - skipped
     }
     checkpoint = {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'scaler': scaler.state_dict(),
                   **extra}
     if to == 'memory' and local_rank == 0:
-        save_in_background(checkpoint, snapshot_path)
+        save_in_background(checkpoint, snapshot_path, keep=keeping(1, nonfinite_steps))
     elif to == 'storage' and master_process:
-        save_in_background(checkpoint, ckpt_path, keep=keep_checkpoints, best=best and best_path)
+        save_in_background(checkpoint, ckpt_path, keep=keeping(keep_checkpoints, nonfinite_steps),
+                           best=best and best_path)
         print0(f"saving checkpoint to {ckpt_path}")
     if wait:
         wait_for_saves()
@@ -393,5 +395,5 @@ while True:
     tokens_trained += tokens_per_iter
 
 finish_saves()  # a storage checkpoint that could not be written stops the run with an error
-remove_snapshots(run_id, eval_only, nonfinite_steps)  # out_dir holds the final state: free the RAM
+remove_snapshots(run_id, eval_only, unsaved(nonfinite_steps))  # out_dir holds the final state: free the RAM
 finish()

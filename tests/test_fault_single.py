@@ -119,9 +119,10 @@ import model, pipeline
 forward, loss_fn, calls = model.GPT.forward, pipeline.loss_fn, [0]
 bad = {int(s) for s in os.environ['NAN_STEPS'].split(',')}
 overflow_from = int(os.environ.get('OVERFLOW_FROM') or 1 << 30)  # from then on, a finite loss, inf gradients
+overflows = {int(s) for s in os.environ.get('OVERFLOW_STEPS', '').split(',') if s}  # and at these alone
 def nan(loss):
     calls[0] += 1
-    if calls[0] >= overflow_from:
+    if calls[0] >= overflow_from or calls[0] in overflows:
         loss.register_hook(lambda grad: grad * float('inf'))
     return loss * float('nan') if calls[0] in bad else loss
 def nan_forward(self, idx, targets=None):
@@ -149,17 +150,23 @@ if os.environ.get('TERM_STEP'):  # SIGTERM right after that optimizer step (a pr
         if taken[0] == int(os.environ['TERM_STEP']):
             os.kill(os.getpid(), signal.SIGTERM)
     register_optimizer_step_post_hook(term)
+if sys.argv[1].endswith('ds_train.py') and '--dtype=float16' in sys.argv:
+    # DeepSpeed's CPU accelerator says float16 only where oneDNN has its kernels (AVX512-FP16, AMX): elsewhere torch's
+    # own CPU float16 runs these tiny models, slower, and the loop under test is the same
+    from deepspeed.accelerator import get_accelerator
+    type(get_accelerator()).is_fp16_supported = lambda self: True
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name='__main__')
 '''
 
 
 def run_with_nans(tmp_path, nan_steps, *args, script='train.py', nproc=1, launcher=(), poison_step='',
-                  overflow_from='', term_step=''):
+                  overflow_from='', term_step='', overflow_steps=''):
     wrapper = tmp_path / 'nan_wrapper.py'
     wrapper.write_text(NAN_WRAPPER)
     environ = {**env(), 'REPO': str(REPO), 'NAN_STEPS': nan_steps, 'OMP_NUM_THREADS': '1',
-               'POISON_STEP': str(poison_step), 'OVERFLOW_FROM': str(overflow_from), 'TERM_STEP': str(term_step)}
+               'POISON_STEP': str(poison_step), 'OVERFLOW_FROM': str(overflow_from), 'TERM_STEP': str(term_step),
+               'OVERFLOW_STEPS': str(overflow_steps)}
     if not launcher:  # the ranks as tests/launcher.py starts them, each with the wrapper
         return launch(str(wrapper), [str(REPO / script), *map(str, args)], environ, tmp_path, nproc=nproc)
     return subprocess.run([sys.executable, *launcher, str(wrapper), str(REPO / script), *args], cwd=tmp_path,
@@ -224,6 +231,24 @@ def test_float16_overflows_are_counted_and_a_loss_scale_below_1_stops_the_run(tm
     assert ckpt['iter_num'] == 4 and all(torch.isfinite(t).all() for t in ckpt['model'].values())
 
 
+def test_saves_in_a_run_of_float16_overflows_that_stops_the_run_push_out_no_good_state(tmp_path, data_dir):
+    """keep_checkpoints=1, and every gradient overflows from iter 5 on: the saves of the run of overflows (storage
+    and memory, every 2 steps) hold the weights of iter 5, which the stop sets aside; each replaced the one before it
+    in place of pushing out the state of iter 4, which stays the newest in out_dir and in the node's memory."""
+    out = tmp_path / 'run'
+    p = run_with_nans(tmp_path, '0', *tiny(data_dir, out, '--gradient_accumulation_steps=1', '--max_iters=40',
+                                           '--eval_interval=4', '--dtype=float16', '--keep_checkpoints=1',
+                                           '--save_storage_interval=2', '--save_memory_interval=2'), overflow_from=6)
+    shm = snapshot_dir((out / 'run_id').read_text().strip())
+    kept = {f: torch.load(Path(shm) / f, weights_only=True)['iter_num'] for f in os.listdir(shm)}
+    shutil.rmtree(shm)  # the test's own, in RAM
+    assert p.returncode == 1 and f"{out / 'ckpt.pt'} (iter 4) holds the last good state" in p.stderr, p.stderr[-2000:]
+    assert 'no storage save' not in p.stdout and p.stdout.count('saving checkpoint') == len(range(2, 21, 2))
+    assert sorted(f.name for f in out.glob('*ckpt*')) == ['ckpt.pt', 'diverged-ckpt-20.pt']
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 4
+    assert kept == {'ckpt.pt': 4, 'diverged-ckpt-20.pt': 20}
+
+
 def test_deepspeed_float16_overflows_are_counted_and_its_min_loss_scale_stops_the_run(tmp_path, data_dir):
     """ds_train.py's float16 as train.py's: a step whose gradients overflow, which DeepSpeed's loss scaler skips, is
     said and logged with the scale it lowered to (DeepSpeed's own line is at a log level that prints nothing), and
@@ -243,6 +268,58 @@ def test_deepspeed_float16_overflows_are_counted_and_its_min_loss_scale_stops_th
     assert [r['loss_scale'] for r in rows if r.get('skipped') == 'float16 gradient overflow' and r['iter'] >= 5] \
         == [2.0 ** k for k in range(14, -1, -1)]
     assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 4
+
+
+def test_deepspeed_float16_at_a_static_loss_scale_stops_after_max_nonfinite_steps_overflows(tmp_path, data_dir):
+    """A ds_config's static fp16 loss scale never falls to DeepSpeed's min_loss_scale: gradients that overflow at it
+    every step had the run skip every step forever. max_nonfinite_steps of them in a row stop it, in the same line."""
+    out = tmp_path / 'run'
+    (tmp_path / 'static.json').write_text(json.dumps({'fp16': {'enabled': True, 'loss_scale': 128}}))
+    p = run_with_nans(tmp_path, '0', *tiny(data_dir, out, '--gradient_accumulation_steps=1', '--max_iters=30',
+                                           '--eval_interval=4', '--dtype=float16', '--zero_stage=2',
+                                           '--max_nonfinite_steps=3', f'--ds_config={tmp_path / "static.json"}'),
+                      script='ds_train.py', overflow_from=6)
+    assert p.returncode == 1, p.stdout[-2000:]
+    assert 'iter 5: float16 gradient overflow, step skipped, loss scale 128 (1 in a row)' in p.stdout, p.stdout[-2000:]
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"error: 3 steps in a row up to iter 7 had a non-finite gradient in float16 (static loss scale 128); "
+        f"{out / 'ckpt.pt'} (iter 4) holds the last good state: lower learning_rate, use bfloat16 rather than "
+        f"float16, or check the data")
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 4
+
+
+@pytest.mark.parametrize('script', ['train.py', 'ds_train.py'])
+def test_a_lone_float16_overflow_leaves_the_saves_after_it(tmp_path, data_dir, script):
+    """A step whose gradients overflowed (the 4th, iter 3), which the loss scaler skipped, leaves the weights as the
+    step before left them, and a finite loss showed them good: a SIGTERM heeded right after it saves the state
+    (nothing was saved there, and the run's progress since its last save was lost); and so does the end of a run
+    (max_iters) right after one. In train.py the memory snapshot after it is taken too: the non-finite losses from
+    iter 5 on stop the run naming it, the newest good state."""
+    args = ['--gradient_accumulation_steps=1', '--dtype=float16', *(['--zero_stage=2'] * (script == 'ds_train.py'))]
+    out = tmp_path / 'term'
+    # (DeepSpeed's scale starts at 65536, which overflows the first two steps: its first optimizer step is iter 2's)
+    p = run_with_nans(tmp_path, '0', *tiny(data_dir, out, *args, '--max_iters=12', '--eval_interval=6'),
+                      script=script, overflow_steps=4, term_step=1 if script == 'ds_train.py' else 3)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert 'iter 3: float16 gradient overflow, step skipped' in p.stdout, p.stdout[-2000:]
+    assert 'SIGTERM: saving a checkpoint at iter 4 and exiting' in p.stdout and 'no storage save' not in p.stdout
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 4
+    out = tmp_path / 'end'
+    p = run_with_nans(tmp_path, '0', *tiny(data_dir, out, *args, '--max_iters=4', '--eval_interval=6'),
+                      script=script, overflow_steps=4)
+    assert p.returncode == 0 and 'no storage save' not in p.stdout, p.stdout[-2000:]
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 4
+    if script == 'ds_train.py':
+        return
+    out = tmp_path / 'snapshot'
+    p = run_with_nans(tmp_path, ','.join(map(str, range(6, 40))),
+                      *tiny(data_dir, out, *args, '--max_iters=12', '--eval_interval=6', '--save_memory_interval=2',
+                            '--max_nonfinite_steps=3'), overflow_steps=4)
+    shutil.rmtree(snapshot_dir((out / 'run_id').read_text().strip()), ignore_errors=True)  # the test's own, in RAM
+    assert p.returncode == 1
+    assert re.search(r"error: 3 steps in a row up to iter 7 had a non-finite loss or gradient; \S+ holds no state "
+                     r"saved before the weights went bad \(the memory snapshot of iter 4 in \S+ is newer",
+                     p.stderr.strip().splitlines()[-1]), p.stderr[-2000:]
 
 
 def test_weights_spoiled_by_a_step_with_a_finite_loss_are_never_left_the_newest_state(tmp_path, data_dir):

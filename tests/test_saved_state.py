@@ -985,6 +985,26 @@ def test_a_crash_as_a_checkpoint_is_renamed_leaves_the_newest_name_whole(tmp_pat
     assert [iter_of(folder / f) for f in ('ckpt.pt', 'ckpt.prev.pt', 'ckpt.prev2.pt')] == [2, 1, 0]
 
 
+@pytest.mark.parametrize('keep', [1, 2])
+def test_saves_in_a_run_of_float16_overflows_keep_the_state_before_it_until_a_step_is_taken(tmp_path, keep):
+    """Saves made after skipped steps (float16's overflows: iters 5-7) hold the weights of the step before them: each
+    replaces the one of the same weights before it, and none pushes out the newest state from before them, which a
+    stop there names; the first save after a taken step prunes it, back to keep versions."""
+    from checkpoint import atomic_save, kept
+    from keep import keeping
+    path = str(tmp_path / 'ckpt.pt')
+
+    def save(it, skipped=0):
+        atomic_save({'iter_num': it, 'run_id': 'r', 'skipped': skipped}, path, keeping(keep, skipped))
+    for it in (2, 4):
+        save(it)
+    save(6, skipped=1)
+    save(8, skipped=3)
+    assert [iter_of(f) for f in kept(path)] == [8, 4, 2][:keep + 1]
+    save(10)
+    assert [iter_of(f) for f in kept(path)] == [10, 8][:keep]
+
+
 def test_a_save_on_a_full_disk_without_hard_links_leaves_no_temporary_file(small_disk, monkeypatch):
     # vfat, exFAT and some FUSE mounts of cloud buckets have no hard links: the versions move down by copies, and a
     # copy that did not fit left a half-written ckpt.prev.pt.tmp and the whole new ckpt.pt.tmp, holding the space
