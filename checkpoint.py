@@ -457,14 +457,15 @@ def _intact(path):
     folder = _step_folder(path)
     if folder is not None:
         return _latest_of(os.path.dirname(folder))
-    # where ckpt.pt is an export (decent_train.py's, pp_train.py's), the step folder saved before it at that
-    # iteration is the newest state, which the next start resumes: "no checkpoint was complete" was untrue
+    # where ckpt.pt is an export (decent_train.py's, pp_train.py's, ds_train.py's), the step folder saved before it
+    # at that iteration is the newest state, which the next start resumes: "no checkpoint was complete" was untrue,
+    # and so was the older ckpt.pt called the newest beside a ds_train.py folder, which checkpoint_iter cannot read
     found = [p for p in [path] + [_latest_of(os.path.join(os.path.dirname(path), kind))
                                   for kind in sorted(set(FOLDERS.values()))] if p and os.path.exists(p)]
 
     def newest(p):
         try:
-            it = checkpoint_iter(p)
+            it = _whole_iter(p, None) if os.path.isdir(p) else checkpoint_iter(p)
         except Exception:  # damaged: the resume passes over it
             it = None
         return -1 if it is None else it

@@ -1009,15 +1009,17 @@ def test_a_save_on_a_full_disk_without_hard_links_leaves_no_temporary_file(small
     assert sorted(os.listdir(step.parent)) == ['latest', 'step-00000002']
 
 
-def test_a_failed_export_names_the_step_folder_saved_before_it_as_intact(tmp_path, monkeypatch):
-    # decent_train.py writes its step folder, then the ckpt.pt export: where the export did not fit, the error said
-    # "no checkpoint was complete before" while the folder was complete and the next start resumed it
+@pytest.mark.parametrize('kind, file', [('decent', 'rank-0.pt'), ('ds', 'mp_rank_00_model_states.pt')])
+def test_a_failed_export_names_the_step_folder_saved_before_it_as_intact(tmp_path, monkeypatch, kind, file):
+    # decent_train.py and ds_train.py write their step folder, then the ckpt.pt export: where the export did not fit,
+    # the error said "no checkpoint was complete before" (ds_train.py's: the older ckpt.pt was "the newest complete
+    # one") while the folder was complete and newer, and the next start resumed it
     import checkpoint
     out = tmp_path / 'run'
-    step = out / 'decent' / 'step-00000005'
+    step = out / kind / 'step-00000005'
     step.mkdir(parents=True)
-    torch.save({'iter_num': 5, 'rng': [None]}, step / 'rank-0.pt')
-    (out / 'decent' / 'latest').write_text('step-00000005')
+    torch.save({'iter_num': 5, 'rng': [None]}, step / file)
+    (out / kind / 'latest').write_text('step-00000005')
     monkeypatch.setattr(checkpoint.dist, 'barrier', lambda: None)
     monkeypatch.setattr(checkpoint, '_failed', [(str(out / 'ckpt.pt'), 'No space left on device')])
     for before in (None, 3):  # no ckpt.pt yet, or the one of an older save still in its place
