@@ -456,7 +456,11 @@ def _intact(path):
     folder; for a ckpt.pt, the newer of the file still in its place and the step folders that latest names."""
     folder = _step_folder(path)
     if folder is not None:
-        return _latest_of(os.path.dirname(folder))
+        # where latest names none (the run's first step folder did not fit), the ckpt.pt beside them, an export that
+        # fitted once the folder's files were removed, or the train.py checkpoint the run began from: the next start
+        # resumes it, so "no checkpoint was complete" was untrue
+        ckpt = os.path.join(os.path.dirname(os.path.dirname(folder)), 'ckpt.pt')
+        return _latest_of(os.path.dirname(folder)) or (ckpt if _complete(ckpt) else None)
     # where ckpt.pt is an export (decent_train.py's, pp_train.py's, ds_train.py's), the step folder saved before it
     # at that iteration is the newest state, which the next start resumes: "no checkpoint was complete" was untrue,
     # and so was the older ckpt.pt called the newest beside a ds_train.py folder, which checkpoint_iter cannot read

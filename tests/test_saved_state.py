@@ -1030,6 +1030,26 @@ def test_a_failed_export_names_the_step_folder_saved_before_it_as_intact(tmp_pat
         assert f"the newest complete one, {step}, is intact" in str(e.value), e.value
 
 
+@pytest.mark.parametrize('kind, file', [('decent', 'rank-0.pt'), ('dcp', '__0_0.distcp')])
+def test_a_first_step_folder_that_did_not_fit_names_the_export_beside_it_as_intact(tmp_path, monkeypatch, kind, file):
+    # the first save's step folder failed on a full disk, then its ckpt.pt export fitted in the space freed: the error
+    # said "no checkpoint was complete before", and the next start resumed from that export at the same iteration
+    import checkpoint
+    out = tmp_path / 'run'
+    (out / kind).mkdir(parents=True)
+    torch.save({'iter_num': 5}, out / 'ckpt.pt')
+    path = out / kind / 'step-00000005' / file
+    monkeypatch.setattr(checkpoint.dist, 'barrier', lambda: None)
+    monkeypatch.setattr(checkpoint, '_failed', [(str(path), 'No space left on device')])
+    with pytest.raises(SystemExit) as e:
+        checkpoint.exit_after_failed_save()
+    assert f"so the run stopped; the newest complete one, {out / 'ckpt.pt'}, is intact: free space" in str(e.value)
+    (out / 'ckpt.pt').unlink()  # and where the export did not fit either
+    with pytest.raises(SystemExit) as e:
+        checkpoint.exit_after_failed_save()
+    assert "so the run stopped; no checkpoint was complete before: free space" in str(e.value), e.value
+
+
 def test_a_log_row_on_a_full_disk_is_a_warning_and_never_left_half_written(small_disk, capsys):
     # it was a traceback out of the loop, with the row cut short in metrics.jsonl; the checkpoints, not the log,
     # decide whether the run stops (a save that fails stops it, in one line)
