@@ -452,20 +452,22 @@ def _step_folder(path):
 
 
 def _intact(path):
-    """The newest complete checkpoint that a failed write to path left: the folder that latest names beside a step
-    folder; for a ckpt.pt, the newer of the file still in its place and the step folders that latest names."""
+    """The newest complete checkpoint that a failed write to path left, as the next start resumes it: of the step
+    folder that latest names (the one beside a step folder that failed; those of every kind for a ckpt.pt) and the
+    ckpt.pt in its place, the newer (on a tie the folder). Where ckpt.pt is an export (decent_train.py's, pp_train.py's,
+    ds_train.py's), the step folder saved before it at that iteration is the newest state, and a newer export of a
+    save whose step folder did not fit is the newest in turn (its folder's files removed, it fitted): "no checkpoint
+    was complete" was untrue, and so was the older one named. decent_train.py's resume takes its folders first (its
+    ckpt.pt holds the replicas' average): ckpt.pt only where latest names none."""
     folder = _step_folder(path)
-    if folder is not None:
-        # where latest names none (the run's first step folder did not fit), the ckpt.pt beside them, an export that
-        # fitted once the folder's files were removed, or the train.py checkpoint the run began from: the next start
-        # resumes it, so "no checkpoint was complete" was untrue
-        ckpt = os.path.join(os.path.dirname(os.path.dirname(folder)), 'ckpt.pt')
-        return _latest_of(os.path.dirname(folder)) or (ckpt if _complete(ckpt) else None)
-    # where ckpt.pt is an export (decent_train.py's, pp_train.py's, ds_train.py's), the step folder saved before it
-    # at that iteration is the newest state, which the next start resumes: "no checkpoint was complete" was untrue,
-    # and so was the older ckpt.pt called the newest beside a ds_train.py folder, which checkpoint_iter cannot read
-    found = [p for p in [path] + [_latest_of(os.path.join(os.path.dirname(path), kind))
-                                  for kind in sorted(set(FOLDERS.values()))] if p and os.path.exists(p)]
+    out_dir = os.path.dirname(os.path.dirname(folder) if folder else path)
+    ckpt = os.path.join(out_dir, 'ckpt.pt')
+    folders = [_latest_of(os.path.dirname(folder))] if folder else \
+        [_latest_of(os.path.join(out_dir, kind)) for kind in sorted(set(FOLDERS.values()))]
+    # (the folder latest names even where it is gone: removed as cut short, its error says it is not whole)
+    found = [p for p in folders if p and (folder or os.path.exists(p))] + [ckpt] * os.path.exists(ckpt)
+    if folder and os.path.basename(os.path.dirname(folder)) == 'decent' and found and found[0] != ckpt:
+        return found[0]
 
     def newest(p):
         try:

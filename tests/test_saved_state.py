@@ -1050,6 +1050,25 @@ def test_a_first_step_folder_that_did_not_fit_names_the_export_beside_it_as_inta
     assert "so the run stopped; no checkpoint was complete before: free space" in str(e.value), e.value
 
 
+@pytest.mark.parametrize('kind, file', [('decent', 'rank-0.pt'), ('ds', 'mp_rank_00_model_states.pt')])
+def test_a_step_folder_that_did_not_fit_names_what_the_next_start_resumes(tmp_path, monkeypatch, kind, file):
+    # step-10's folder failed on a full disk and its export fitted: ds_train.py's (and pp_train.py's) next start
+    # resumed that ckpt.pt at iter 10 while the error named step-5; decent_train.py's resumes step-5 (its ckpt.pt is
+    # the replicas' average)
+    import checkpoint
+    out = tmp_path / 'run'
+    (out / kind / 'step-00000005').mkdir(parents=True)
+    torch.save({'iter_num': 5, 'rng': [None]}, out / kind / 'step-00000005' / file)
+    (out / kind / 'latest').write_text('step-00000005')
+    torch.save({'iter_num': 10}, out / 'ckpt.pt')
+    monkeypatch.setattr(checkpoint.dist, 'barrier', lambda: None)
+    monkeypatch.setattr(checkpoint, '_failed', [(str(out / kind / 'step-00000010' / file), 'No space left on device')])
+    with pytest.raises(SystemExit) as e:
+        checkpoint.exit_after_failed_save()
+    intact = out / kind / 'step-00000005' if kind == 'decent' else out / 'ckpt.pt'
+    assert f"so the run stopped; the newest complete one, {intact}, is intact: free space" in str(e.value), e.value
+
+
 def test_a_log_row_on_a_full_disk_is_a_warning_and_never_left_half_written(small_disk, capsys):
     # it was a traceback out of the loop, with the row cut short in metrics.jsonl; the checkpoints, not the log,
     # decide whether the run stops (a save that fails stops it, in one line)
