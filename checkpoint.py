@@ -914,8 +914,11 @@ def point_latest(folder, iter_of=None, keep=2, best=False):
     if best:
         before, tmp, kept_as = read_name(os.path.join(root, 'best')), os.path.join(root, 'best.tmp'), \
             os.path.join(root, 'best-' + name)
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)  # our own temporary name, left by a crash
+        # our own temporary name, left by a crash: the copy of a folder, or the best file's own (write_name)
+        if os.path.isdir(tmp) and not os.path.islink(tmp):
+            shutil.rmtree(tmp)
+        elif os.path.lexists(tmp):
+            os.remove(tmp)
         if os.path.exists(kept_as):  # the step saved as the best again: no rename replaces a folder that holds files,
             write_name(os.path.join(root, 'best'), name)  # so best names the same state, whole, while it is replaced
         try:
@@ -952,11 +955,11 @@ def write_name(path, name):
     try:
         with open(path + '.tmp', 'w') as f:
             f.write(name)
+        os.replace(path + '.tmp', path)
     except BaseException:
         if os.path.isfile(path + '.tmp'):
-            os.remove(path + '.tmp')  # a full disk: the file still names the folder before
+            os.remove(path + '.tmp')  # a full disk, a name not to be replaced: the file still names the folder before
         raise
-    os.replace(path + '.tmp', path)
 
 
 def read_name(path):

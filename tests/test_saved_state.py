@@ -1009,6 +1009,27 @@ def test_a_save_on_a_full_disk_without_hard_links_leaves_no_temporary_file(small
     assert sorted(os.listdir(step.parent)) == ['latest', 'step-00000002']
 
 
+def test_a_best_name_left_unrenamed_never_stops_the_saves_after_it(tmp_path):
+    # point_latest copies the best's folder into best.tmp, the temporary name the best file is written under too: a
+    # kill between that write and its rename (or a rename refused: chattr +i on best) left a best.tmp file, and every
+    # later new best stopped its run ("Not a directory: best.tmp"), a rerun too, at its first new best
+    from checkpoint import point_latest, write_name
+    root = tmp_path / 'ds'
+    (root / 'latest').mkdir(parents=True)
+    (root / 'latest' / 'x').write_text('')  # a name that no rename replaces: the write's file is not left behind
+    with pytest.raises(OSError):
+        write_name(str(root / 'latest'), 'step-00000002')
+    assert sorted(os.listdir(root)) == ['latest']
+    shutil.rmtree(root / 'latest')
+    (root / 'best.tmp').write_text('best-step-00000002')  # as a kill leaves it
+    step = root / 'step-00000004'
+    step.mkdir()
+    torch.save({'iter_num': 4}, step / 'extra.pt')
+    point_latest(str(step), iter_of=lambda folder: 4, best=True)
+    assert (root / 'best').read_text() == 'best-step-00000004' and (root / 'best-step-00000004' / 'extra.pt').exists()
+    assert sorted(os.listdir(root)) == ['best', 'best-step-00000004', 'latest', 'step-00000004']
+
+
 @pytest.mark.parametrize('kind, file', [('decent', 'rank-0.pt'), ('ds', 'mp_rank_00_model_states.pt')])
 def test_a_failed_export_names_the_step_folder_saved_before_it_as_intact(tmp_path, monkeypatch, kind, file):
     # decent_train.py and ds_train.py write their step folder, then the ckpt.pt export: where the export did not fit,
