@@ -476,19 +476,26 @@ def _step_folder(path):
 
 
 def _intact(path):
-    """The newest complete checkpoint that a failed write to path left: the folder that latest names beside a step
-    folder; for a ckpt.pt, the newer of the file still in its place and the step folders that latest names."""
+    """The newest complete checkpoint that a failed write to path left, as the next start resumes it: of the step
+    folder that latest names (the one beside a step folder that failed; those of every kind for a ckpt.pt) and the
+    ckpt.pt in its place, the newer (on a tie the folder). Where ckpt.pt is an export (decent_train.py's, pp_train.py's,
+    ds_train.py's), the step folder saved before it at that iteration is the newest state, and a newer export of a
+    save whose step folder did not fit is the newest in turn (its folder's files removed, it fitted): "no checkpoint
+    was complete" was untrue, and so was the older one named. decent_train.py's resume takes its folders first (its
+    ckpt.pt holds the replicas' average): ckpt.pt only where latest names none."""
     folder = _step_folder(path)
-    if folder is not None:
-        return _latest_of(os.path.dirname(folder))
-    # where ckpt.pt is an export (decent_train.py's, pp_train.py's), the step folder saved before it at that
-    # iteration is the newest state, which the next start resumes: "no checkpoint was complete" was untrue
-    found = [p for p in [path] + [_latest_of(os.path.join(os.path.dirname(path), kind))
-                                  for kind in sorted(set(FOLDERS.values()))] if p and os.path.exists(p)]
+    out_dir = os.path.dirname(os.path.dirname(folder) if folder else path)
+    ckpt = os.path.join(out_dir, 'ckpt.pt')
+    folders = [_latest_of(os.path.dirname(folder))] if folder else \
+        [_latest_of(os.path.join(out_dir, kind)) for kind in sorted(set(FOLDERS.values()))]
+    # (the folder latest names even where it is gone: removed as cut short, its error says it is not whole)
+    found = [p for p in folders if p and (folder or os.path.exists(p))] + [ckpt] * os.path.exists(ckpt)
+    if folder and os.path.basename(os.path.dirname(folder)) == 'decent' and found and found[0] != ckpt:
+        return found[0]
 
     def newest(p):
         try:
-            it = checkpoint_iter(p)
+            it = _whole_iter(p, None) if os.path.isdir(p) else checkpoint_iter(p)
         except Exception:  # damaged: the resume passes over it
             it = None
         return -1 if it is None else it
@@ -932,8 +939,11 @@ def point_latest(folder, iter_of=None, keep=2, best=False, weights=None):
     if best:
         before, tmp, kept_as = read_name(os.path.join(root, 'best')), os.path.join(root, 'best.tmp'), \
             os.path.join(root, 'best-' + name)
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)  # our own temporary name, left by a crash
+        # our own temporary name, left by a crash: the copy of a folder, or the best file's own (write_name)
+        if os.path.isdir(tmp) and not os.path.islink(tmp):
+            shutil.rmtree(tmp)
+        elif os.path.lexists(tmp):
+            os.remove(tmp)
         if os.path.exists(kept_as):  # the step saved as the best again: no rename replaces a folder that holds files,
             write_name(os.path.join(root, 'best'), name)  # so best names the same state, whole, while it is replaced
         try:
@@ -971,11 +981,11 @@ def write_name(path, name):
     try:
         with open(path + '.tmp', 'w') as f:
             f.write(name)
+        os.replace(path + '.tmp', path)
     except BaseException:
         if os.path.isfile(path + '.tmp'):
-            os.remove(path + '.tmp')  # a full disk: the file still names the folder before
+            os.remove(path + '.tmp')  # a full disk, a name not to be replaced: the file still names the folder before
         raise
-    os.replace(path + '.tmp', path)
 
 
 def read_name(path):

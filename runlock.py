@@ -223,7 +223,10 @@ def _take(folder, what, tidy=False, pods=()):
     def release():
         holder = _read_hold(path)
         if holder.get('pid') == me['pid'] and _here(holder, me):
-            os.remove(path)
+            try:
+                os.remove(path)
+            except OSError:  # the folder made read-only meanwhile: a dead holder's hold, which the next start takes
+                pass
         # the folders this run made and left empty (a start that failed: new/run, and new too), or a dead run's
         _remove_empty(made or ([folder] if tidy else []))
     threading.Thread(target=beat, daemon=True, name='hold').start()

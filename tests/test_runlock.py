@@ -153,6 +153,24 @@ def test_a_folder_on_a_filesystem_without_hard_links_is_held_all_the_same(tmp_pa
     assert json.loads((folder / 'run.lock').read_text())['pid'] == 1 and os.listdir(folder) == ['run.lock']
 
 
+def test_a_hold_in_a_folder_made_read_only_meanwhile_is_let_go_without_a_traceback(tmp_path, monkeypatch):
+    # a run whose out_dir was made read-only mid-run (chattr +i, a remount) stopped with its one-line error, then
+    # printed the release's PermissionError as a traceback at its exit; the hold left there is a dead holder's
+    sys.path.insert(0, str(REPO))
+    import errno
+    import runlock
+    folder = tmp_path / 'run'
+    folder.mkdir()
+    assert runlock._take(str(folder), 'a run') is None
+
+    def read_only(path, *args, **kwargs):
+        raise PermissionError(errno.EPERM, 'Operation not permitted', path)
+    monkeypatch.setattr(os, 'remove', read_only)
+    runlock._held.pop(str(folder))()
+    monkeypatch.undo()
+    assert json.loads((folder / 'run.lock').read_text())['pid'] == os.getpid()
+
+
 def test_a_host_whose_clock_is_ahead_leaves_a_live_hold_alone(tmp_path, monkeypatch):
     # a host minutes ahead of the clock that stamps the shared folder's files (NFS: its server's; no NTP in a node,
     # or a clock stepped as a VM resumed) took a hold touched a second ago for a dead host's, and ran over the run

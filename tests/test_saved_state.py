@@ -1029,15 +1029,38 @@ def test_a_save_on_a_full_disk_without_hard_links_leaves_no_temporary_file(small
     assert sorted(os.listdir(step.parent)) == ['latest', 'step-00000002']
 
 
-def test_a_failed_export_names_the_step_folder_saved_before_it_as_intact(tmp_path, monkeypatch):
-    # decent_train.py writes its step folder, then the ckpt.pt export: where the export did not fit, the error said
-    # "no checkpoint was complete before" while the folder was complete and the next start resumed it
+def test_a_best_name_left_unrenamed_never_stops_the_saves_after_it(tmp_path):
+    # point_latest copies the best's folder into best.tmp, the temporary name the best file is written under too: a
+    # kill between that write and its rename (or a rename refused: chattr +i on best) left a best.tmp file, and every
+    # later new best stopped its run ("Not a directory: best.tmp"), a rerun too, at its first new best
+    from checkpoint import point_latest, write_name
+    root = tmp_path / 'ds'
+    (root / 'latest').mkdir(parents=True)
+    (root / 'latest' / 'x').write_text('')  # a name that no rename replaces: the write's file is not left behind
+    with pytest.raises(OSError):
+        write_name(str(root / 'latest'), 'step-00000002')
+    assert sorted(os.listdir(root)) == ['latest']
+    shutil.rmtree(root / 'latest')
+    (root / 'best.tmp').write_text('best-step-00000002')  # as a kill leaves it
+    step = root / 'step-00000004'
+    step.mkdir()
+    torch.save({'iter_num': 4}, step / 'extra.pt')
+    point_latest(str(step), iter_of=lambda folder: 4, best=True)
+    assert (root / 'best').read_text() == 'best-step-00000004' and (root / 'best-step-00000004' / 'extra.pt').exists()
+    assert sorted(os.listdir(root)) == ['best', 'best-step-00000004', 'latest', 'step-00000004']
+
+
+@pytest.mark.parametrize('kind, file', [('decent', 'rank-0.pt'), ('ds', 'mp_rank_00_model_states.pt')])
+def test_a_failed_export_names_the_step_folder_saved_before_it_as_intact(tmp_path, monkeypatch, kind, file):
+    # decent_train.py and ds_train.py write their step folder, then the ckpt.pt export: where the export did not fit,
+    # the error said "no checkpoint was complete before" (ds_train.py's: the older ckpt.pt was "the newest complete
+    # one") while the folder was complete and newer, and the next start resumed it
     import checkpoint
     out = tmp_path / 'run'
-    step = out / 'decent' / 'step-00000005'
+    step = out / kind / 'step-00000005'
     step.mkdir(parents=True)
-    torch.save({'iter_num': 5, 'rng': [None]}, step / 'rank-0.pt')
-    (out / 'decent' / 'latest').write_text('step-00000005')
+    torch.save({'iter_num': 5, 'rng': [None]}, step / file)
+    (out / kind / 'latest').write_text('step-00000005')
     monkeypatch.setattr(checkpoint.dist, 'barrier', lambda: None)
     monkeypatch.setattr(checkpoint, '_failed', [(str(out / 'ckpt.pt'), 'No space left on device')])
     for before in (None, 3):  # no ckpt.pt yet, or the one of an older save still in its place
@@ -1046,6 +1069,45 @@ def test_a_failed_export_names_the_step_folder_saved_before_it_as_intact(tmp_pat
         with pytest.raises(SystemExit) as e:
             checkpoint.exit_after_failed_save()
         assert f"the newest complete one, {step}, is intact" in str(e.value), e.value
+
+
+@pytest.mark.parametrize('kind, file', [('decent', 'rank-0.pt'), ('dcp', '__0_0.distcp')])
+def test_a_first_step_folder_that_did_not_fit_names_the_export_beside_it_as_intact(tmp_path, monkeypatch, kind, file):
+    # the first save's step folder failed on a full disk, then its ckpt.pt export fitted in the space freed: the error
+    # said "no checkpoint was complete before", and the next start resumed from that export at the same iteration
+    import checkpoint
+    out = tmp_path / 'run'
+    (out / kind).mkdir(parents=True)
+    torch.save({'iter_num': 5}, out / 'ckpt.pt')
+    path = out / kind / 'step-00000005' / file
+    monkeypatch.setattr(checkpoint.dist, 'barrier', lambda: None)
+    monkeypatch.setattr(checkpoint, '_failed', [(str(path), 'No space left on device')])
+    with pytest.raises(SystemExit) as e:
+        checkpoint.exit_after_failed_save()
+    assert f"so the run stopped; the newest complete one, {out / 'ckpt.pt'}, is intact: free space" in str(e.value)
+    (out / 'ckpt.pt').unlink()  # and where the export did not fit either
+    with pytest.raises(SystemExit) as e:
+        checkpoint.exit_after_failed_save()
+    assert "so the run stopped; no checkpoint was complete before: free space" in str(e.value), e.value
+
+
+@pytest.mark.parametrize('kind, file', [('decent', 'rank-0.pt'), ('ds', 'mp_rank_00_model_states.pt')])
+def test_a_step_folder_that_did_not_fit_names_what_the_next_start_resumes(tmp_path, monkeypatch, kind, file):
+    # step-10's folder failed on a full disk and its export fitted: ds_train.py's (and pp_train.py's) next start
+    # resumed that ckpt.pt at iter 10 while the error named step-5; decent_train.py's resumes step-5 (its ckpt.pt is
+    # the replicas' average)
+    import checkpoint
+    out = tmp_path / 'run'
+    (out / kind / 'step-00000005').mkdir(parents=True)
+    torch.save({'iter_num': 5, 'rng': [None]}, out / kind / 'step-00000005' / file)
+    (out / kind / 'latest').write_text('step-00000005')
+    torch.save({'iter_num': 10}, out / 'ckpt.pt')
+    monkeypatch.setattr(checkpoint.dist, 'barrier', lambda: None)
+    monkeypatch.setattr(checkpoint, '_failed', [(str(out / kind / 'step-00000010' / file), 'No space left on device')])
+    with pytest.raises(SystemExit) as e:
+        checkpoint.exit_after_failed_save()
+    intact = out / kind / 'step-00000005' if kind == 'decent' else out / 'ckpt.pt'
+    assert f"so the run stopped; the newest complete one, {intact}, is intact: free space" in str(e.value), e.value
 
 
 def test_a_log_row_on_a_full_disk_is_a_warning_and_never_left_half_written(small_disk, capsys):
