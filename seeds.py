@@ -861,10 +861,11 @@ def prepare_args(args):
 def _hydra_ours(key, value, script=None):
     """Our command for minGPT-DDP's Hydra key (section.key) set to value, given to script."""
     if key == 'trainer_config.distributed_method':
-        ours = {'ddp': 'train.py', 'fsdp': 'fsdp_train.py'}.get(str(value).lower(), HYDRA[key])
-        if ours == script:  # it named the script that runs: not another one to run
+        ours = {'ddp': 'train.py', 'fsdp': 'fsdp_train.py'}.get(str(value).lower())
+        if ours and ours == script:  # it named the script that runs: not another one to run
             return f"nothing to set, {script} is what it names: drop it"
-        return ours + ' as the script torchrun runs (`torchrun --nproc_per_node=N SCRIPT ...`)'
+        return (ours or HYDRA[key].removesuffix(' as the script torchrun runs')) + \
+            ' as the script torchrun runs (`torchrun --nproc_per_node=N SCRIPT ...`)'
     if key == 'data_config.train_split':  # its share for training, ours for val.bin
         try:
             value = round(1 - float(value), 6)
@@ -892,6 +893,34 @@ def check_positional(arg, script=None):
                  f"here that is {_hydra_ours(close[0], value, script)}")
     sys.exit(f"error: {arg} is a Hydra override (minGPT-DDP's): here keys are flags, --key=value, and config "
              f"files (docs/coming-from.md)")
+
+
+def hydra_command(args):
+    """The one line that answers minGPT-DDP's `python main.py` (or `python launch.py`, a process per GPU) with its Hydra
+    overrides (args): our command for them, the script its distributed_method names with the flags of the others,
+    and where a key is no flag of it (its data, its epochs of saves), what that is here. Its default data is a
+    character-level text, tiny Shakespeare: ours is config/train_shakespeare_char.py."""
+    script, flags, besides = 'train.py', [], []
+    for arg in args:
+        m = re.fullmatch(r'\+{0,2}([A-Za-z_]\w*(?:\.\w+)+)=(.*)', arg)
+        if not m or m[1] not in HYDRA:
+            check_positional(arg)  # a YAML file, a key of no section, a typo of one: its one line
+            return f"error: {arg} is not a Hydra override of minGPT-DDP's gpt2_train_cfg.yaml (section.key=value)"
+        key, value = m.groups()
+        if key == 'trainer_config.distributed_method' and value.lower() in ('ddp', 'fsdp'):
+            script = 'train.py' if value.lower() == 'ddp' else 'fsdp_train.py'
+            continue
+        ours = _hydra_ours(key, value)
+        if re.fullmatch(r'(fsdp_train\.py )?--\w+=\S+', ours):
+            script = 'fsdp_train.py' if ours.startswith('fsdp_train.py') else script
+            flags += [ours.split()[-1]] * (ours.split()[-1] not in flags)
+        else:
+            besides.append(f"{arg}: {ours}")
+    command = shlex.join([script, 'config/train_shakespeare_char.py', *flags])
+    name = os.path.basename(sys.argv[0])
+    return (f"error: {name} is minGPT-DDP's {'launcher' if name == 'launch.py' else 'entrypoint'}; here "
+            f"`torchrun --standalone --nproc_per_node=auto {command}` (a process per GPU, or `python {command}` for "
+            f"one)" + "".join(f"; {b}" for b in besides) + " (docs/coming-from.md)")
 
 
 def config_here(path):

@@ -275,6 +275,51 @@ def test_every_key_of_mingpt_ddps_yaml_names_ours():
                                                                          'share of the text for val.bin)')
 
 
+def test_mingpt_ddps_main_py_and_launch_py_answer_with_our_command_which_trains(tmp_path, data_dir):
+    # its two scripts, by their names, as its users type them: one line naming our command (they had none: python's
+    # "can't open file"), its Hydra overrides our flags where they are flags, the rest said after it
+    def line(script, *overrides):
+        p = subprocess.run([sys.executable, REPO / script, *overrides], cwd=tmp_path, env=env(), capture_output=True,
+                           text=True, timeout=60)
+        assert p.returncode == 1 and p.stdout == '' and len(p.stderr.splitlines()) == 1, p.stderr
+        return p.stderr.strip()
+    msg = line('main.py', 'trainer_config.batch_size=4', 'trainer_config.distributed_method=fsdp',
+               'gpt_config.n_layer=1', 'trainer_config.save_every=5')
+    command = 'fsdp_train.py config/train_shakespeare_char.py --batch_size=4 --n_layer=1'
+    assert msg == f"error: main.py is minGPT-DDP's entrypoint; here `torchrun --standalone --nproc_per_node=auto " \
+        f"{command}` (a process per GPU, or `python {command}` for one); trainer_config.save_every=5: " \
+        f"--save_storage_interval=STEPS (steps here, not epochs) (docs/coming-from.md)"
+    assert line('launch.py').startswith("error: launch.py is minGPT-DDP's launcher; here `torchrun --standalone "
+                                        "--nproc_per_node=auto train.py config/train_shakespeare_char.py`")
+    assert 'runs as the script' not in line('main.py', 'trainer_config.distributed_method=deepspeed')  # said once
+    assert line('main.py', 'trainer_config.batchsize=4').endswith('did you mean trainer_config.batch_size? here that '
+                                                                  'is --batch_size=4')
+    # the command it names trains (on the CPU, the recipe's model cut to the named layer and a few steps)
+    p = run(*command.split(), f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path / "o"}',
+            '--max_iters=2', '--eval_iters=2', cwd=REPO)  # in the repo, where its users type it
+    config = json.loads((tmp_path / 'o' / 'config.json').read_text())
+    assert (config['batch_size'], config['n_layer']) == (4, 1) and 'iter 1:' in p.stdout
+
+
+def test_nnscalers_train_nnscaler_py_runs_ours_with_its_flags(tmp_path, data_dir):
+    # its script's name runs ours with the same arguments: fsdp_train.py where a model is split over plan_ngpus ranks
+    args = [*TINY, f'--dataset={data_dir / "shakespeare_char"}', '--max_iters=2', '--eval_interval=2']
+    p = run('train_nnscaler.py', *args, '--out_dir=tp', '--plan_ngpus', '2', '--runtime_ngpus=2', nproc=2,
+            cwd=tmp_path)
+    assert "nnScaler's --plan_ngpus=2 --runtime_ngpus=2 is --tp_size=2" in p.stdout, p.stdout
+    config = json.loads((tmp_path / 'tp' / 'config.json').read_text())
+    assert config['tp_size'] == 2 and 'iter 1:' in p.stdout
+    # train.py for a whole model on each rank (its default plan_ngpus=1), the config path of its nanoGPT checkout
+    # answered as train.py answers it
+    p = run('train_nnscaler.py', *args, '--out_dir=dp', '--use_nnscaler=False', nproc=2, cwd=tmp_path)
+    assert json.loads((tmp_path / 'dp' / 'config.json').read_text())['world_size'] == 2 and 'tp_size' not in \
+        json.loads((tmp_path / 'dp' / 'config.json').read_text())
+    msg = one_line_error(run('train_nnscaler.py', 'nanoGPT/config/train_shakespeare_char.py', cwd=tmp_path,
+                             check=False))
+    assert msg.endswith(f"nanoGPT/config/train_shakespeare_char.py: No such file or directory: here "
+                        f"{REPO / 'config' / 'train_shakespeare_char.py'}"), msg  # (run from another folder)
+
+
 def test_nnscalers_plan_flags_are_taken_where_they_mean_what_ours_do(monkeypatch, capsys):
     # nnScaler's --plan_ngpus=1 (its default) over all of torchrun's ranks (runtime_ngpus=-1, its default) is train.py
     # itself: taken in one line; on another count of ranks it names the torchrun command that gives that count
