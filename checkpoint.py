@@ -937,13 +937,15 @@ def point_latest(folder, iter_of=None, keep=2, best=False, weights=None):
     write_name(os.path.join(root, 'latest'), name)
     mine = folder_run(folder)  # the run's own id, which pruning asks of every folder it would remove
     if best:
-        before, tmp, kept_as = read_name(os.path.join(root, 'best')), os.path.join(root, 'best.tmp'), \
+        # the folder's copy under a name of its own: best.tmp is the best file's (write_name), which a copy by that
+        # name left by a kill would stop from being written, at every later start
+        before, tmp, kept_as = read_name(os.path.join(root, 'best')), os.path.join(root, 'best-copy.tmp'), \
             os.path.join(root, 'best-' + name)
-        # our own temporary name, left by a crash: the copy of a folder, or the best file's own (write_name)
-        if os.path.isdir(tmp) and not os.path.islink(tmp):
-            shutil.rmtree(tmp)
-        elif os.path.lexists(tmp):
-            os.remove(tmp)
+        for left in (tmp, os.path.join(root, 'best.tmp')):  # our own temporary names, left by a crash
+            if os.path.isdir(left) and not os.path.islink(left):
+                shutil.rmtree(left)
+            elif os.path.lexists(left):
+                os.remove(left)
         if os.path.exists(kept_as):  # the step saved as the best again: no rename replaces a folder that holds files,
             write_name(os.path.join(root, 'best'), name)  # so best names the same state, whole, while it is replaced
         try:

@@ -303,7 +303,7 @@ def test_a_crash_as_a_best_saved_again_is_replaced_leaves_best_naming_a_whole_fo
     real = os.replace
 
     def killed(src, dst):  # as the new copy is renamed in
-        if src.endswith('best.tmp') and os.path.isdir(src):
+        if src.endswith('best-copy.tmp') and os.path.isdir(src):
             raise RuntimeError('killed')
         real(src, dst)
     monkeypatch.setattr(os, 'replace', killed)

@@ -1029,7 +1029,7 @@ def test_a_save_on_a_full_disk_without_hard_links_leaves_no_temporary_file(small
     assert sorted(os.listdir(step.parent)) == ['latest', 'step-00000002']
 
 
-def test_a_best_name_left_unrenamed_never_stops_the_saves_after_it(tmp_path):
+def test_a_best_name_left_unrenamed_never_stops_the_saves_after_it(tmp_path, monkeypatch):
     # point_latest copies the best's folder into best.tmp, the temporary name the best file is written under too: a
     # kill between that write and its rename (or a rename refused: chattr +i on best) left a best.tmp file, and every
     # later new best stopped its run ("Not a directory: best.tmp"), a rerun too, at its first new best
@@ -1048,6 +1048,25 @@ def test_a_best_name_left_unrenamed_never_stops_the_saves_after_it(tmp_path):
     point_latest(str(step), iter_of=lambda folder: 4, best=True)
     assert (root / 'best').read_text() == 'best-step-00000004' and (root / 'best-step-00000004' / 'extra.pt').exists()
     assert sorted(os.listdir(root)) == ['best', 'best-step-00000004', 'latest', 'step-00000004']
+    # the folder's copy, left by a kill before its rename, was best.tmp too: the best file could not be written beside
+    # it (IsADirectoryError), as a resume that moves another run's best aside writes it, at every start until the next
+    # best. It has a name of its own, which the next best removes
+    real = os.replace
+
+    def killed(src, dst):
+        if os.path.isdir(src):
+            raise KeyboardInterrupt  # a kill before the copy is renamed: nothing cleans up
+        real(src, dst)
+    step = root / 'step-00000006'
+    step.mkdir()
+    torch.save({'iter_num': 6}, step / 'extra.pt')
+    monkeypatch.setattr(os, 'replace', killed)
+    with pytest.raises(KeyboardInterrupt):
+        point_latest(str(step), iter_of=lambda folder: 6, best=True)
+    monkeypatch.undo()
+    write_name(str(root / 'best'), 'best-step-00000004')
+    point_latest(str(step), iter_of=lambda folder: 6, best=True)
+    assert (root / 'best').read_text() == 'best-step-00000006' and not (root / 'best-copy.tmp').exists()
 
 
 @pytest.mark.parametrize('kind, file', [('decent', 'rank-0.pt'), ('ds', 'mp_rank_00_model_states.pt')])
