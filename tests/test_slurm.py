@@ -256,15 +256,18 @@ def test_a_failing_job_is_reported_failed_with_the_error_in_its_log(cluster, tmp
     assert error in open(info['StdOut']).read(), job_logs(info)
 
 
+SIGNALLED_STEPS = 2000
+
+
 def signalled(cluster, tmp_path, data_dir, sig):
     """A one-node job of train.py sent sig once it has saved its first checkpoint, released from the queue when SLURM
     has requeued it, and waited for: its final info."""
     # long enough (seconds) that the signal lands between the first checkpoint, at iter 100, and the end: it landed
-    # 34 and 51 steps past it with the 2 cores' other jobs on them (1,000 steps, where 500 leave 400 to spare, were
-    # 5 s more of each job's time)
+    # 34 and 51 steps past it with the 2 cores' other jobs on them, but on an AMD EPYC's 2 cores with less beside them
+    # (2.8 ms a step) 500 steps ended before it; SIGNALLED_STEPS leave it 5 s there
     out = tmp_path / 'out'
     job = cluster.sbatch(tmp_path, 'train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}',
-                         '--gradient_accumulation_steps=1', '--max_iters=500', '--eval_interval=100',
+                         '--gradient_accumulation_steps=1', f'--max_iters={SIGNALLED_STEPS}', '--eval_interval=100',
                          '--always_save_checkpoint=True', *(['--auto_resume=False'] if sig == 'USR1' else []),
                          nodes=1, nproc=1)
     cluster.wait_for(lambda: (out / 'ckpt.pt').exists() or cluster.job(job)['JobState'] not in ('PENDING', 'RUNNING'),
@@ -304,12 +307,12 @@ def test_a_signalled_job_is_requeued_and_resumes_from_its_checkpoint(signalled_j
     auto = re.findall(rf"auto-resume: {re.escape(str(out))} holds (?:this run's state at iter |the state of the run "
                       rf"that this launch started \(iter )(\d+)", node_log)
     resumed = re.findall(r'resuming from .*ckpt\.pt at iter (\d+)', node_log)
-    assert len(resumed) == 1 and 100 <= int(resumed[0]) < 500 and auto == resumed, node_log[-3000:]
+    assert len(resumed) == 1 and 100 <= int(resumed[0]) < SIGNALLED_STEPS and auto == resumed, node_log[-3000:]
     # the run SLURM stopped got SIGTERM and saved a checkpoint at the end of its step: nothing is redone
     saved = re.findall(r'SIGTERM: saving a checkpoint at iter (\d+) and exiting', node_log)
     assert saved == resumed, node_log[-3000:]
     losses, _ = read_metrics(out)
-    assert sorted(losses) == list(range(500))  # the steps after the checkpoint were logged again, once
+    assert sorted(losses) == list(range(SIGNALLED_STEPS))  # the steps after the checkpoint were logged again, once
 
 
 def test_a_job_its_user_cancels_stays_cancelled(cluster, tmp_path):
