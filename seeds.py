@@ -170,6 +170,7 @@ HYDRA = {
     'hydra.run.dir': '--out_dir={} (the folder of the run\'s files)',
 }
 
+HYDRA_OVERRIDE = re.compile(r'\+{0,2}([A-Za-z_]\w*(?:\.\w+)+)=(.*)')  # section.key=value, Hydra's +key and ++key too
 HYDRA_SECTIONS = {key.split('.')[0] for key in HYDRA}  # trainer_config, gpt_config, ...: its --section.key flags
 
 # the launchers' options (torchrun's, dlrover-run's, deepspeed's), which go before the script, not after it
@@ -881,7 +882,7 @@ def check_positional(arg, script=None):
         sys.exit(f"error: {arg} is a YAML config (minGPT-DDP's Hydra file), which is not read here: give its keys as "
                  f"our flags (trainer_config.batch_size: 64 is --batch_size=64; any section.key=value on the command "
                  f"line names its flag), or put them in a *.py or *.toml config file")
-    m = re.fullmatch(r'\+{0,2}([A-Za-z_]\w*(?:\.\w+)+)=(.*)', arg)
+    m = HYDRA_OVERRIDE.fullmatch(arg)
     if not m:
         return
     key, value = m.groups()
@@ -902,7 +903,7 @@ def hydra_command(args):
     character-level text, tiny Shakespeare: ours is config/train_shakespeare_char.py."""
     script, flags, besides = 'train.py', [], []
     for arg in args:
-        m = re.fullmatch(r'\+{0,2}([A-Za-z_]\w*(?:\.\w+)+)=(.*)', arg)
+        m = HYDRA_OVERRIDE.fullmatch(arg)
         if not m or m[1] not in HYDRA:
             check_positional(arg)  # a YAML file, a key of no section, a typo of one: its one line
             return f"error: {arg} is not a Hydra override of minGPT-DDP's gpt2_train_cfg.yaml (section.key=value)"
