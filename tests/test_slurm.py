@@ -256,18 +256,21 @@ def test_a_failing_job_is_reported_failed_with_the_error_in_its_log(cluster, tmp
     assert error in open(info['StdOut']).read(), job_logs(info)
 
 
-SIGNALLED_STEPS = 2000
+STEPS_AFTER = 20  # the steps that the requeued run takes past the signalled one's checkpoint
 
 
 def signalled(cluster, tmp_path, data_dir, sig):
     """A one-node job of train.py sent sig once it has saved its first checkpoint, released from the queue when SLURM
-    has requeued it, and waited for: its final info."""
-    # long enough (seconds) that the signal lands between the first checkpoint, at iter 100, and the end: it landed
-    # 34 and 51 steps past it with the 2 cores' other jobs on them, but on an AMD EPYC's 2 cores with less beside them
-    # (2.8 ms a step) 500 steps ended before it; SIGNALLED_STEPS leave it 5 s there
+    has requeued it, and waited for: its final info and the iteration its first run saved at SLURM's signal."""
+    # the first run trains until the signal lands, however late (34 to 51 steps past the first checkpoint, at iter
+    # 100, with the 2 cores' other jobs on them; on an AMD EPYC's quieter 2 cores, 2.8 ms a step, 500 steps had ended
+    # first): its config file's max_iters is far off. While the job waits requeued, its user sets the run's end there
+    # (the file is read again at every start): the requeued run resumes and finishes STEPS_AFTER steps on
     out = tmp_path / 'out'
-    job = cluster.sbatch(tmp_path, 'train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}',
-                         '--gradient_accumulation_steps=1', f'--max_iters={SIGNALLED_STEPS}', '--eval_interval=100',
+    config = tmp_path / 'run_config.py'
+    config.write_text('max_iters = 1_000_000\n')
+    job = cluster.sbatch(tmp_path, 'train.py', config, *TINY, f'--dataset={data_dir / "shakespeare_char"}',
+                         f'--out_dir={out}', '--gradient_accumulation_steps=1', '--eval_interval=100',
                          '--always_save_checkpoint=True', *(['--auto_resume=False'] if sig == 'USR1' else []),
                          nodes=1, nproc=1)
     cluster.wait_for(lambda: (out / 'ckpt.pt').exists() or cluster.job(job)['JobState'] not in ('PENDING', 'RUNNING'),
@@ -277,16 +280,22 @@ def signalled(cluster, tmp_path, data_dir, sig):
     subprocess.run(['scancel', f'--signal={sig}', '--batch', job], env=cluster.env, check=True)
     cluster.wait_for(lambda: cluster.job(job)['Restarts'] == '1' and cluster.job(job)['JobState'] == 'PENDING', 60,
                      'the job to be requeued')
+    saved = lambda: re.findall(r'SIGTERM: saving a checkpoint at iter (\d+) and exiting', ''.join(
+        p.read_text() for p in (tmp_path / 'logs' / f'gpt-train-{job}').glob('*.log')))
+    cluster.wait_for(saved, 10, "the first run's checkpoint at the signal")
+    saved = saved()
+    assert len(saved) == 1, job_logs(cluster.job(job))
+    config.write_text(f'max_iters = {int(saved[0]) + STEPS_AFTER}\n')
     # SLURM holds a requeued job for two minutes; release it in 3 s. Not at once: slurmd refuses a credential made in
     # the second its old run was killed in ('Job credential revoked'), and slurmctld then fails the job
     subprocess.run(['scontrol', 'update', f'JobId={job}', 'StartTime=now+3'], env=cluster.env, check=True)
-    return job, cluster.wait_job(job)
+    return job, cluster.wait_job(job), int(saved[0])
 
 
 @pytest.fixture(scope='module')
 def signalled_jobs(cluster, tmp_path_factory, data_dir):
     """The jobs of both signals at once, one on each node (each mostly waits: for its checkpoint, its requeue, its
-    release): {sig: (its folder, job id, final info)}."""
+    release): {sig: (its folder, job id, final info, the iteration saved at the signal)}."""
     folders = {sig: tmp_path_factory.mktemp(f'signalled-{sig}') for sig in ('USR1', 'TERM')}
     with ThreadPoolExecutor(2) as pool:
         jobs = {sig: pool.submit(signalled, cluster, folder, data_dir, sig) for sig, folder in folders.items()}
@@ -295,7 +304,7 @@ def signalled_jobs(cluster, tmp_path_factory, data_dir):
 
 @pytest.mark.parametrize('sig', ['USR1', 'TERM'], ids=['time-limit-warning', 'preemption'])
 def test_a_signalled_job_is_requeued_and_resumes_from_its_checkpoint(signalled_jobs, sig):
-    tmp_path, job, info = signalled_jobs[sig]
+    tmp_path, job, info, stopped = signalled_jobs[sig]
     out = tmp_path / 'out'
     assert info['JobState'] == 'COMPLETED' and info['Restarts'] == '1', job_logs(info)
     batch_log = open(info['StdOut']).read()
@@ -307,12 +316,13 @@ def test_a_signalled_job_is_requeued_and_resumes_from_its_checkpoint(signalled_j
     auto = re.findall(rf"auto-resume: {re.escape(str(out))} holds (?:this run's state at iter |the state of the run "
                       rf"that this launch started \(iter )(\d+)", node_log)
     resumed = re.findall(r'resuming from .*ckpt\.pt at iter (\d+)', node_log)
-    assert len(resumed) == 1 and 100 <= int(resumed[0]) < SIGNALLED_STEPS and auto == resumed, node_log[-3000:]
+    assert len(resumed) == 1 and 100 <= int(resumed[0]) == stopped and auto == resumed, node_log[-3000:]
     # the run SLURM stopped got SIGTERM and saved a checkpoint at the end of its step: nothing is redone
     saved = re.findall(r'SIGTERM: saving a checkpoint at iter (\d+) and exiting', node_log)
     assert saved == resumed, node_log[-3000:]
     losses, _ = read_metrics(out)
-    assert sorted(losses) == list(range(SIGNALLED_STEPS))  # the steps after the checkpoint were logged again, once
+    # the steps after the checkpoint were logged again, once, and the run ended where its config file said
+    assert sorted(losses) == list(range(stopped + STEPS_AFTER))
 
 
 def test_a_job_its_user_cancels_stays_cancelled(cluster, tmp_path):
