@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+from data import gpt2_encoding_or_exit
+
 GPT2_VOCAB = 50257  # tokens of GPT-2's BPE; a model trained here pads its vocabulary to 50304
 EOT = 50256  # the padding token of a batch; padded positions are never scored, so any id would do
 DEFAULT_PATH = os.path.join('data', 'hellaswag', 'hellaswag_val.jsonl')
@@ -88,17 +90,20 @@ def load_or_exit(path, vocab_size=None):
     try:
         if vocab_size is not None:
             check_vocab(vocab_size)
-        return load_examples(path)
+        examples = load_examples(path)
     except FileNotFoundError:
         sys.exit(f"error: no HellaSwag file at {path}: run python prepare.py hellaswag (--input=FILE for a local "
                  f"copy of hellaswag_val.jsonl)")
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
+    # the evals render the examples with GPT-2's BPE, whose first use downloads two files: on a node that has no
+    # internet, a one-line error now, not a traceback at the first eval (maybe hours into a resumed run)
+    encoding()
+    return examples
 
 
 def encoding():
-    import tiktoken
-    return tiktoken.get_encoding('gpt2')
+    return gpt2_encoding_or_exit()  # loaded once per process: tiktoken keeps it
 
 
 def render(example, block_size, enc=None):

@@ -38,7 +38,7 @@ import numpy as np
 
 import seeds
 from configurator import configure, outside_runs_or_exit, quiet_interrupt
-from data import RECORD, read_record
+from data import RECORD, gpt2_encoding_or_exit, read_record
 from runlock import hold, let_go
 
 # -----------------------------------------------------------------------------
@@ -157,15 +157,6 @@ def safe_cut(buf, start):
         if a != b and 'S' not in (a, b) and buf[i - 1] != "'":
             return i
     return 0
-
-
-def gpt2_encoding():
-    import tiktoken
-    try:
-        return tiktoken.get_encoding('gpt2')
-    except Exception as e:  # its first use downloads two files
-        sys.exit(f"error: could not load the GPT-2 tokenizer ({type(e).__name__}): connect to the internet once, or "
-                 f"point TIKTOKEN_CACHE_DIR at a folder that holds tiktoken's gpt2 files")
 
 
 class Output:
@@ -311,7 +302,7 @@ def prepare_text(src, out_dir, kind):
             # vectorized: each character's code point looked up in the sorted vocabulary
             return [np.searchsorted(codepoints, np.frombuffer(p.encode('utf-32-le'), dtype=np.uint32)) for p in pieces]
     else:
-        enc = gpt2_encoding()
+        enc = gpt2_encoding_or_exit()
 
         def encode(pieces):
             return enc.encode_ordinary_batch(pieces, num_threads=num_proc)  # Rust threads, GIL released
@@ -476,7 +467,7 @@ def prepare_documents(dataset, out_dir):
     except OSError as e:  # it writes the order it draws into datasets' cache
         cache_full(e)
         raise
-    enc = gpt2_encoding()
+    enc = gpt2_encoding_or_exit()
     if make_out_dir(out_dir, settings):
         return
     interrupted_prep(out_dir, drop=True)  # again under the hold: one interrupted since the first look is kept too
@@ -685,7 +676,7 @@ def prepare_fineweb(dataset, out_dir):
     if val_docs >= total:
         sys.exit(f"error: val_docs={val_docs:,} but the files hold {total:,} documents: lower --val_docs to leave "
                  f"some for train")
-    enc = gpt2_encoding()
+    enc = gpt2_encoding_or_exit()
     if make_out_dir(out_dir, None if os.path.exists(progress_path) else settings):
         return
     progress = None if force else load_progress(progress_path, settings, paths)  # read under the hold

@@ -379,6 +379,20 @@ def test_every_entrypoint_scores_hellaswag_as_train_py_does(in_the_loop, script,
     assert sorted(rows) == [0, 1] and rows[0] == ref[0]
 
 
+def test_a_run_that_cannot_load_the_tokenizer_stops_before_it_trains_in_one_line(in_the_loop, tmp_path):
+    """HellaSwag's evals render the examples with GPT-2's BPE, whose first use downloads it: offline, with no copy
+    (an unreachable proxy fails the download, with a network or without), as on a cluster's node, the run stops at
+    its start with the line that names the fix, not a traceback at its first eval."""
+    tmp, args = in_the_loop
+    (tmp_path / 'empty').mkdir()
+    offline = dict(env(), TIKTOKEN_CACHE_DIR=str(tmp_path / 'empty'), HTTPS_PROXY='http://127.0.0.1:9',
+                   https_proxy='http://127.0.0.1:9')
+    p = launch(str(REPO / 'train.py'), [*args, f'--out_dir={tmp_path / "out"}'], offline, tmp)
+    assert p.returncode == 1 and one_line_error(p).startswith("error: could not load the GPT-2 tokenizer ("), \
+        p.stderr[-3000:]
+    assert 'step 0' not in p.stdout and not (tmp_path / 'out' / 'metrics.jsonl').exists(), p.stdout
+
+
 def test_a_damaged_model_in_the_hugging_face_cache_is_one_line(setup, tmp_path):
     """init_from=gpt2 offline, with the hub cache holding a cut-short model.safetensors under gpt2's name: one line
     that says where the cached copy is to be deleted, not a traceback."""
