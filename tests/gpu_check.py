@@ -29,6 +29,7 @@ Each check is a row: what, ok or FAIL, the figure. The exit status is 1 where a 
 """
 
 import argparse
+import atexit
 import json
 import os
 import re
@@ -82,6 +83,7 @@ def wanted(*checks):
 
 
 work = tempfile.mkdtemp(prefix='gpu_check-')
+atexit.register(shutil.rmtree, work, ignore_errors=True)  # the runs' folders; their logs are archived in out first
 out = args.out or work
 logs = os.path.join(work, 'logs')  # one archive of them in out at the end: a device call brings back 8 files
 os.makedirs(out, exist_ok=True)
@@ -740,6 +742,4 @@ for part, what, ok, figure in sorted(rows, key=lambda r: order[r[0]]):
     print(f"| {part} | {what} | {'ok' if ok else 'FAIL'} | {figure} |")
 if args.out:
     shutil.make_archive(os.path.join(out, 'logs-' + ''.join(part for part, _ in plan)), 'gztar', logs)
-else:
-    shutil.rmtree(work, ignore_errors=True)
 sys.exit(0 if rows and all(ok for _, _, ok, _ in rows) else 1)

@@ -15,9 +15,12 @@ from conftest import REPO, SHAKESPEARE, env, run
 
 
 def gpu_check(tmp_path, *args):
-    """tests/gpu_check.py --dry_run with args, started at once in tmp_path (its --out in tmp_path/out): a Popen."""
+    """tests/gpu_check.py --dry_run with args, started at once in tmp_path (its --out in tmp_path/out, its temporary
+    folders in tmp_path/tmp): a Popen."""
+    (tmp_path / 'tmp').mkdir()
     return subprocess.Popen([sys.executable, str(REPO / 'tests' / 'gpu_check.py'), '--dry_run', *args,
-                             f'--input={SHAKESPEARE}', f'--out={tmp_path / "out"}'], cwd=tmp_path, env=env(),
+                             f'--input={SHAKESPEARE}', f'--out={tmp_path / "out"}'], cwd=tmp_path,
+                            env={**env(), 'TMPDIR': str(tmp_path / 'tmp')},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -83,6 +86,8 @@ def test_gpu_check_dry_run_passes_every_part_and_prints_the_table(dry_runs):
     # a device call brings back at most 8 files from its output folder: the table, the logs in one archive, a trace
     assert sorted(f.name for f in (tmp_path / 'out').iterdir()) == ['bench_trace.tar.gz', 'logs-ABLC.tar.gz',
                                                                    'table.json']
+    # and its runs' folder (data, checkpoints, logs) is gone from the temporary folder: each run left 3 MB there
+    assert not list((tmp_path / 'tmp').glob('gpu_check-*')), list((tmp_path / 'tmp').iterdir())
 
 
 def test_gpu_check_fails_where_a_check_fails(tmp_path):
