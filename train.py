@@ -185,6 +185,7 @@ model.config.autocast_residual = autocast_residual  # how the step computes: not
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []
 iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_loss'])) if checkpoint else (0, 1e9)
+skipped = checkpoint.get('skipped', 0) if checkpoint else 0  # float16 overflows in a row just before it
 # the tokens trained so far: --epochs ends the run on them, whatever global batch each launch had
 max_iters, tokens_trained, lr_batch = start_tokens(checkpoint, iter_num, tokens_per_iter, config, print0)
 best_val_loss = kept_best(out_dir, run_id, best_val_loss)  # a resume from before the best keeps it best
@@ -305,7 +306,7 @@ device_name = torch.cuda.get_device_name(device) if device_type == 'cuda' else d
 t0, steps_timed = time.time(), 0
 local_iter_num = 0  # steps taken by this process, whatever iter_num it started from
 loss_sum = torch.zeros((), device=device)
-nonfinite_steps = 0  # in a row
+nonfinite_steps = skipped  # in a row: a resume within float16's overflows counts on from those before it
 while True:
     # the step before's verdict (agree), read only now: a non-finite step is counted, a SIGTERM or Ctrl-C stops here
     nonfinite_steps, stop = heed(nonfinite_steps, max_nonfinite_steps, log_metrics, out_dir, run_id, scaler)

@@ -231,6 +231,30 @@ def test_float16_overflows_are_counted_and_a_loss_scale_below_1_stops_the_run(tm
     assert ckpt['iter_num'] == 4 and all(torch.isfinite(t).all() for t in ckpt['model'].values())
 
 
+@pytest.mark.parametrize('script', ['train.py', 'ds_train.py'])
+def test_a_run_resumed_within_float16_overflows_counts_on_from_those_before_it(tmp_path, data_dir, script):
+    """The float16 runs of the tests around this one, whose gradients overflow from iter 5 on, ended by max_iters at
+    iter 10 and resumed: the saves made there say how many steps in a row were skipped before them, and the resumed
+    run counts on from them. It stops as the uninterrupted run does, word for word: the state of iter 4 the last good
+    one (counting from 0, it had named the save of iter 10, whose weights are iter 5's, and set aside only what came
+    after it)."""
+    out = tmp_path / 'run'
+    args = ['--gradient_accumulation_steps=1', '--eval_interval=4', '--dtype=float16',
+            *(['--zero_stage=2'] * (script == 'ds_train.py'))]
+    p = run_with_nans(tmp_path, '0', *tiny(data_dir, out, *args, '--max_iters=10'), script=script, overflow_from=6)
+    assert p.returncode == 0 and re.search(r'iter 9: float16 gradient overflow, .* \(5 in a row\)', p.stdout), \
+        p.stdout[-2000:]
+    p = run_with_nans(tmp_path, '0', *tiny(data_dir, out, *args, '--max_iters=40'), script=script, overflow_from=1)
+    assert p.returncode == 1 and re.search(r'iter 10: float16 gradient overflow, .* \(6 in a row\)', p.stdout), \
+        p.stdout[-2000:]
+    stop = '17 steps in a row up to iter 21 had a non-finite gradient in float16 (loss scale down to 0.5)' \
+        if script == 'train.py' else "16 steps in a row up to iter 20 had a non-finite gradient in float16 at " \
+        "DeepSpeed's min_loss_scale"
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"error: {stop}; {out / 'ckpt.pt'} (iter 4) holds the last good state: lower learning_rate, use bfloat16 "
+        f"rather than float16, or check the data")
+
+
 def test_saves_in_a_run_of_float16_overflows_that_stops_the_run_push_out_no_good_state(tmp_path, data_dir):
     """keep_checkpoints=1, and every gradient overflows from iter 5 on: the saves of the run of overflows (storage
     and memory, every 2 steps) hold the weights of iter 5, which the stop sets aside; each replaced the one before it
