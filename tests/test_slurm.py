@@ -280,10 +280,10 @@ def signalled(cluster, tmp_path, data_dir, sig):
     subprocess.run(['scancel', f'--signal={sig}', '--batch', job], env=cluster.env, check=True)
     cluster.wait_for(lambda: cluster.job(job)['Restarts'] == '1' and cluster.job(job)['JobState'] == 'PENDING', 60,
                      'the job to be requeued')
-    saved = lambda: re.findall(r'SIGTERM: saving a checkpoint at iter (\d+) and exiting', ''.join(
+    saves = lambda: re.findall(r'SIGTERM: saving a checkpoint at iter (\d+) and exiting', ''.join(
         p.read_text() for p in (tmp_path / 'logs' / f'gpt-train-{job}').glob('*.log')))
-    cluster.wait_for(saved, 10, "the first run's checkpoint at the signal")
-    saved = saved()
+    cluster.wait_for(saves, 10, "the first run's checkpoint at the signal")
+    saved = saves()
     assert len(saved) == 1, job_logs(cluster.job(job))
     config.write_text(f'max_iters = {int(saved[0]) + STEPS_AFTER}\n')
     # SLURM holds a requeued job for two minutes; release it in 3 s. Not at once: slurmd refuses a credential made in
