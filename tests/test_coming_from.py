@@ -827,3 +827,13 @@ def test_toml_with_our_keys_in_tables_and_its_errors_name_the_line(tmp_path):
     (tmp_path / 'latin.toml').write_bytes(b'[model]\nn_layer = 3\n# caf\xe9\n')  # read as the .py files are
     assert error_of('train.py', [str(tmp_path / 'latin.toml')]) == \
         f"error: {tmp_path / 'latin.toml'}:3: not UTF-8 (byte 0xe9): save the config file as UTF-8"
+
+
+def test_the_folder_of_decent_dps_log_dir_is_ignored_by_git():
+    # its TOML files' log_dir = "./log" holds each job's checkpoints under the repo: `git add -A` must not take them
+    import tomllib
+    for toml in sorted((REPO / 'config').glob('*.toml')):
+        log_dir = tomllib.loads(toml.read_text()).get('log_dir')
+        if log_dir:
+            path = os.path.join(log_dir, '12345', 'config', toml.stem, 'ckpt.pt')
+            assert subprocess.run(['git', 'check-ignore', '-q', path], cwd=REPO).returncode == 0, path
