@@ -217,7 +217,7 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
     whose shape it sets), or a one-line error."""
     argv = sys.argv[1:] if argv is None else argv
     defaults = config_keys(namespace)
-    given, flagged = set(), {}  # flagged: the flag that set each key
+    given = set()
     arguments, said = seeds.config_file_flag(_arguments(argv, defaults))  # torchtitan's --job.config_file FILE
     if any(arg in ('-h', '--help') and text is None for arg, _, text in arguments):  # alone, not a flag's value
         print(f"{(namespace.get('__doc__') or '').strip()}\n\nits keys, with their defaults (set by config files, *.py "
@@ -230,6 +230,7 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
                             {key: _parse(text, key, defaults) for _, key, text in arguments if key},
                             [arg for arg, key, _ in arguments if key is None and arg.endswith(('.py', '.toml'))])
     context['notes'] += said
+    flagged = context['flagged']  # the flag that set each key (a later file's value replaces it), for seeds.finish
     for arg, key, text in arguments:
         if key is None:
             if arg.endswith('.py'):
@@ -259,11 +260,14 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
                 value = _check(key, value, defaults, where, script)
                 if source == 'flag':
                     flagged[key] = arg
-                elif key in flagged and value != defaults[key] and os.environ.get('RANK', '0') == '0':
-                    # nanoGPT's rule, kept; argparse's, Hydra's and TOML users expect the flag to win wherever it is
-                    print(f"note: {where} sets {key}={value!r} over {flagged.pop(key)} before it on the command "
-                          f"line: the later one wins (arguments apply in order); give the flag after the file to "
-                          f"keep its value", flush=True)
+                elif key in flagged and value != defaults[key]:
+                    # nanoGPT's rule, kept; argparse's, Hydra's and TOML users expect the flag to win wherever it is.
+                    # Every rank forgets the flag alike (finish() reads what is left); rank 0 says so
+                    flag = flagged.pop(key)
+                    if os.environ.get('RANK', '0') == '0':
+                        print(f"note: {where} sets {key}={value!r} over {flag} before it on the command line: the "
+                              f"later one wins (arguments apply in order); give the flag after the file to keep its "
+                              f"value", flush=True)
                 namespace[key] = defaults[key] = value
                 given.add(key)
     for key, value in seeds.dlrover_defaults(context, given):  # defaults, not given: a checkpoint's shape still wins

@@ -220,7 +220,7 @@ def context(script, keys, flags, files):
     global _epochs
     _epochs = None  # a configure() before this one (a test's, in the same process) set no --epochs of this run
     return dict(script=script, keys=keys, flags=flags, files=files, toml={}, notes=[], epochs=None,
-                virtual=None, global_batch=None, semi_sync=None)
+                virtual=None, global_batch=None, semi_sync=None, flagged={})
 
 
 def _torchft(key, value, where, source, shown, ctx):
@@ -370,7 +370,7 @@ def translate(key, value, where, source, ctx):
     if key == 'global-batch-size' and 'gradient_accumulation_steps' in keys:  # Megatron-LM's, not Decent-DP's
         if type(value) is not int or value < 1:
             sys.exit(f"error: {where}: {key} must be a whole number of sequences, 1 or more, got {value!r}")
-        ctx['global_batch'] = (value, where, "Megatron-LM's")  # in micro-batches of the final batch_size (finish())
+        ctx['global_batch'] = (value, where, "Megatron-LM's", source, shown)  # split once the flags are in: finish()
         return []
     if key in MEGATRON_VIRTUAL and 'stages_per_rank' in keys:
         if type(value) is not int or value < 1:
@@ -402,6 +402,11 @@ def translate(key, value, where, source, ctx):
                 ctx['notes'].append((None, f"nnScaler's --plan_ngpus=1 --runtime_ngpus={given}: nothing to set here: "
                                            f"data parallel, a whole model on each of the {world} ranks, is train.py"))
             return []
+        given_tp = ctx['flags'].get('tp_size', plan)
+        if script == 'fsdp_train.py' and type(plan) is int and plan > 1 and given_tp != plan:
+            # either one alone says the split; both, and the run would split otherwise than the line below says
+            sys.exit(f"error: {where}: nnScaler's --plan_ngpus={plan} is --tp_size={plan} here, and --tp_size="
+                     f"{given_tp} beside it says another split: give one of them")
         if script == 'fsdp_train.py' and type(plan) is int and plan > 1 and runtime in ('N', world) and \
                 world % plan == 0:  # what fsdp_train.py --tp_size=plan does on these ranks
             if key == 'plan_ngpus' or 'plan_ngpus' not in ctx['flags']:  # one line for the pair
@@ -512,17 +517,8 @@ def translate(key, value, where, source, ctx):
         if type(value) is not int or value < 1:
             sys.exit(f"error: {where}: global_batch_size must be a whole number of sequences, 1 or more, "
                      f"got {value!r}")
-        # Decent-DP's is the step's sequences over all workers (480 = 16 GPUs x 30); ours counts micro-steps over
-        # all ranks, so 16 of them run on 16, 8, 4, 2 or 1 ranks alike; on more ranks, or a count that does not
-        # divide 16, a multiple of the ranks (480 on 32: 32 x 15), as its workers split it there. Where none splits
-        # it, the run's own check of the data-parallel ranks (fewer than these with tp_size or pp_size) says so
-        accum, world = math.gcd(value, 16), int(os.environ.get('WORLD_SIZE', '1'))
-        if accum % world and value % math.lcm(accum, world) == 0:
-            accum = math.lcm(accum, world)
-        _note(ctx, where, source, shown, f"--gradient_accumulation_steps={accum} --batch_size={value // accum}",
-              "Decent-DP's")
-        pairs = (('gradient_accumulation_steps', accum), ('batch_size', value // accum))
-        return [(k, v) for k, v in pairs if k in keys]
+        ctx['global_batch'] = (value, where, "Decent-DP's", source, shown)  # split once the flags are known (finish())
+        return []
     if key == 'betas' and 'beta1' in keys:
         if value is True and source == 'flag':  # --betas alone
             needs_value(where)
@@ -642,7 +638,7 @@ def _titan(key, value, where, source, ctx):
     if key == 'training.global_batch_size' and 'gradient_accumulation_steps' in keys:
         if type(value) is not int or not (value >= 1 or value == -1):
             sys.exit(f"error: {where}: global_batch_size must be a whole number of sequences, or -1, got {value!r}")
-        ctx['global_batch'] = (value, where, "torchtitan's")  # in micro-batches of the final batch_size (finish())
+        ctx['global_batch'] = (value, where, "torchtitan's", source, key)  # split once the flags are known (finish())
         return []
     if key == 'training.dataset':
         if any(k in flags for k in ('dataset', 'data_dir')) or 'training.dataset_path' in toml:
@@ -704,8 +700,12 @@ def dlrover_defaults(ctx, given):
     ranks = max(1, int(os.environ.get('WORLD_SIZE', '1')) // max(1, keys.get('tp_size', 1)))
     # a GPT-2's shape (model_size.py's --model, an init_from of OpenAI's weights) is not the command's to leave out
     gpt2 = 'model' in given or str(keys.get('init_from', '')).startswith('gpt2')
+    # a global batch beside it (Megatron-LM's, Decent-DP's) sets the micro-steps, and Decent-DP's the batch_size too
+    whose = ctx['global_batch'][2] if ctx['global_batch'] else ''
+    split = {"Megatron-LM's": ('gradient_accumulation_steps',),
+             "Decent-DP's": ('gradient_accumulation_steps', 'batch_size')}.get(whose, ())
     taken = [(k, v) for k, v in {**DLROVER_DEFAULTS, 'gradient_accumulation_steps': ranks}.items()
-             if k in keys and k not in given and not (gpt2 and k in ('n_layer', 'n_head', 'n_embd'))]
+             if k in keys and k not in given and k not in split and not (gpt2 and k in ('n_layer', 'n_head', 'n_embd'))]
     if taken:
         again = '' if ctx['script'] == 'model_size.py' else ', so resume it with the same command'
         flags = ' '.join(f"--{k}={v}" + (' (a micro-step a rank)' if k == 'gradient_accumulation_steps' else '')
@@ -733,26 +733,61 @@ def _semi_sync(ctx):
 
 
 def _global_batch(ctx):
-    """Megatron-LM's --global-batch-size: the sequences of a step over all ranks, in micro-batches of its
-    --micro-batch-size (our batch_size), which is our gradient_accumulation_steps (micro-steps over all ranks)."""
+    """The sequences of a step over all ranks (Megatron-LM's --global-batch-size, Decent-DP's and torchtitan's
+    global_batch_size) as our gradient_accumulation_steps (micro-steps over all ranks) x batch_size: the global batch
+    stays what it says whatever splits it. A --batch_size (or a seed's name for it) or --gradient_accumulation_steps
+    that a flag gives splits it, in any order; else Megatron-LM's and torchtitan's count micro-batches of the final
+    batch_size (their --micro-batch-size, local_batch_size) and Decent-DP's, which has no micro-batch, takes 16
+    micro-steps (below)."""
     if ctx['global_batch'] is None:
         return []
-    sequences, where, whose = ctx['global_batch']
-    keys = ctx['keys']
-    batch = keys['batch_size']
+    sequences, where, whose, source, shown = ctx['global_batch']
+    keys, flagged = ctx['keys'], ctx['flagged']
+    batch, accum = keys['batch_size'], keys.get('gradient_accumulation_steps')  # model_size.py has no accum
     if sequences == -1:  # torchtitan's default: a micro-batch on each data-parallel rank
         sequences = batch * max(1, int(os.environ.get('WORLD_SIZE', '1')) // keys.get('tp_size', 1) //
                                 keys.get('pp_size', 1))
-    if sequences % batch:
-        sys.exit(f"error: {where}: {sequences} sequences are no whole number of micro-batches of batch_size={batch} "
-                 f"({whose} {'local_batch_size' if 'torchtitan' in whose else '--micro-batch-size'}): give a "
-                 f"multiple of it")
-    ours = f"--gradient_accumulation_steps={sequences // batch} (micro-batches of --batch_size={batch}, over all ranks)"
+    by_batch, by_accum = 'batch_size' in flagged, accum is not None and 'gradient_accumulation_steps' in flagged
+    if by_batch and by_accum and batch * accum != sequences and source != 'flag':  # the flags win over a file
+        _note(ctx, where, source, shown, f"unused: --batch_size={batch} x --gradient_accumulation_steps={accum} on "
+                                         f"the command line make the step's {batch * accum} sequences", whose)
+        return []
+    if by_batch and by_accum and batch * accum != sequences:
+        sys.exit(f"error: {where}: {whose} {shown}={sequences} (sequences a step) is not --batch_size={batch} x "
+                 f"--gradient_accumulation_steps={accum} = {batch * accum}: drop one of the two, and the other "
+                 f"splits the {sequences}")
+    if by_accum and not by_batch:
+        if sequences % accum:
+            sys.exit(f"error: {where}: {sequences} sequences do not split into gradient_accumulation_steps={accum} "
+                     f"micro-batches: give a divisor of {sequences}")
+        batch = sequences // accum
+    elif by_batch or whose != "Decent-DP's":
+        if sequences % batch:
+            named = {"torchtitan's": ' (torchtitan\'s local_batch_size)', "Megatron-LM's": " (Megatron-LM's "
+                     "--micro-batch-size)"}.get(whose, '')
+            sys.exit(f"error: {where}: {sequences} sequences are no whole number of micro-batches of batch_size="
+                     f"{batch}{named}: give a multiple of it")
+        accum = sequences // batch
+    else:
+        # Decent-DP's is split over its workers (480 = 16 GPUs x 30); ours counts micro-steps over all ranks, so 16 of
+        # them run on 16, 8, 4, 2 or 1 ranks alike; on more ranks, or a count that does not divide 16, a multiple of
+        # the ranks (480 on 32: 32 x 15), as its workers split it there. Where none splits it, the run's own check
+        # of the data-parallel ranks (fewer than these with tp_size or pp_size) says so
+        accum, world = math.gcd(sequences, 16), int(os.environ.get('WORLD_SIZE', '1'))
+        if accum % world and sequences % math.lcm(accum, world) == 0:
+            accum = math.lcm(accum, world)
+        batch = sequences // accum
+    if whose == "Decent-DP's":
+        pairs = [('gradient_accumulation_steps', accum)] * ('gradient_accumulation_steps' in keys) + \
+            [('batch_size', batch)]
+        _note(ctx, where, source, shown, ' '.join(f"--{k}={v}" for k, v in pairs), whose)
+        return [(k, v, where) for k, v in pairs]
+    ours = f"--gradient_accumulation_steps={accum} (micro-batches of --batch_size={batch}, over all ranks)"
     if "torchtitan" in whose:  # a key of its TOML file, said in the file's line
-        _note(ctx, where, 'toml', 'training.global_batch_size', ours, whose)
+        _note(ctx, where, 'toml', shown, ours, whose)
     else:
         ctx['notes'].append((None, f"{where} is {whose} name: here {ours}"))
-    return [('gradient_accumulation_steps', sequences // batch, where)]
+    return [('gradient_accumulation_steps', accum, where), ('batch_size', batch, where)]
 
 
 def _virtual_stages(ctx):

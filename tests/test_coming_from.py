@@ -143,6 +143,36 @@ def test_decent_dp_toml_as_published_takes_its_hyperparameters(tmp_path, monkeyp
     assert "backend='decentdp'" in msg and 'decent_train.py /' in msg and msg.endswith('not train.py')
 
 
+def test_decent_dp_global_batch_stays_the_sequences_a_step_beside_our_batch_size_or_accumulation(monkeypatch):
+    # its global_batch_size is the step's sequences over all workers: a --batch_size (to fit a GPU's memory) or a
+    # --gradient_accumulation_steps beside it splits those, in either order, as Megatron-LM's --global-batch-size does
+    monkeypatch.setenv('WORLD_SIZE', '16')
+    toml = str(REPO / 'config' / 'decent-gpt2-small.toml')
+    for argv in ([toml, '--batch_size=10'], ['--batch_size=10', toml], ['--global_batch_size', '480',
+                 '--batch_size=10'], ['--batch_size=10', '--global_batch_size', '480']):
+        c = config_of('decent_train.py', argv)
+        assert (c['gradient_accumulation_steps'], c['batch_size']) == (48, 10), argv
+    c = config_of('decent_train.py', [toml, '--gradient_accumulation_steps=32'])
+    assert (c['gradient_accumulation_steps'], c['batch_size']) == (32, 15)
+    c = config_of('train.py', [str(REPO / 'config' / 'gpt2-small.toml'), '--batch_size=15',
+                               '--gradient_accumulation_steps=32'])
+    assert (c['gradient_accumulation_steps'], c['batch_size']) == (32, 15)  # both, and they agree
+    # both of ours on the command line make the step (a file's global batch shrunk to try it), two flags disagree
+    c = config_of('decent_train.py', [toml, '--batch_size=10', '--gradient_accumulation_steps=16'])
+    assert (c['gradient_accumulation_steps'], c['batch_size']) == (16, 10)
+    msg = error_of('decent_train.py', ['--global_batch_size=480', '--batch_size=10',
+                                        '--gradient_accumulation_steps=16'])
+    assert "global_batch_size=480 (sequences a step) is not --batch_size=10 x --gradient_accumulation_steps=16 = 160" \
+        in msg and 'drop one of the two' in msg
+    assert 'no whole number of micro-batches of batch_size=7' in error_of('decent_train.py', [toml, '--batch_size=7'])
+    # Megatron-LM's --global-batch-size keeps a --gradient_accumulation_steps beside it too, by the micro-batch's size
+    c = config_of('train.py', ['--global-batch-size', '64', '--gradient_accumulation_steps=16'])
+    assert (c['gradient_accumulation_steps'], c['batch_size']) == (16, 4)
+    # and a config file's batch is the one split where the command gives neither (config/train_gpt2.py's 12)
+    c = config_of('train.py', [str(REPO / 'config' / 'train_gpt2.py'), '--global-batch-size', '960'])
+    assert (c['gradient_accumulation_steps'], c['batch_size']) == (80, 12)
+
+
 def test_decent_dp_log_dir_is_a_folder_per_job_and_config_that_its_restarts_share(monkeypatch, capsys, tmp_path):
     # Decent-DP starts each job afresh in log_dir/<slurm job id>/, and a run here resumes what its out_dir holds: the
     # two shipped configs (both log_dir = "./log") must not continue each other's model, in one job or in two
@@ -339,6 +369,12 @@ def test_nnscalers_plan_flags_are_taken_where_they_mean_what_ours_do(monkeypatch
         assert capsys.readouterr().out == f"nnScaler's --plan_ngpus={tp} --runtime_ngpus={runtime} is --tp_size={tp} " \
             f"here: each model split over {tp} of the 4 ranks by tensor parallelism, {dp}\n"
     assert 'fsdp_train.py --tp_size=3' in error_of('fsdp_train.py', ['--plan_ngpus=3'])  # 4 ranks split in no 3s
+    # our --tp_size beside it, in either order, may agree with it but not say another split than its line does
+    assert config_of('fsdp_train.py', ['--plan_ngpus=2', '--runtime_ngpus=4', '--tp_size=2'])['tp_size'] == 2
+    for argv in (['--plan_ngpus=2', '--runtime_ngpus=4', '--tp_size=1'], ['--tp_size', '4', '--plan_ngpus', '2']):
+        msg = error_of('fsdp_train.py', argv)
+        assert "nnScaler's --plan_ngpus=2 is --tp_size=2 here, and --tp_size" in msg and 'give one of them' in msg
+    capsys.readouterr()
     # without nnScaler its script reads neither (Lightning's DDP on every rank): unused, in any order
     for argv, flag in ((['--use_nnscaler=False', '--plan_ngpus=2', '--runtime_ngpus=4'], '--plan_ngpus=2'),
                        (['--plan_ngpus', '2', '--use_nnscaler', 'false'], '--plan_ngpus 2')):
@@ -791,3 +827,13 @@ def test_toml_with_our_keys_in_tables_and_its_errors_name_the_line(tmp_path):
     (tmp_path / 'latin.toml').write_bytes(b'[model]\nn_layer = 3\n# caf\xe9\n')  # read as the .py files are
     assert error_of('train.py', [str(tmp_path / 'latin.toml')]) == \
         f"error: {tmp_path / 'latin.toml'}:3: not UTF-8 (byte 0xe9): save the config file as UTF-8"
+
+
+def test_the_folder_of_decent_dps_log_dir_is_ignored_by_git():
+    # its TOML files' log_dir = "./log" holds each job's checkpoints under the repo: `git add -A` must not take them
+    import tomllib
+    for toml in sorted((REPO / 'config').glob('*.toml')):
+        log_dir = tomllib.loads(toml.read_text()).get('log_dir')
+        if log_dir:
+            path = os.path.join(log_dir, '12345', 'config', toml.stem, 'ckpt.pt')
+            assert subprocess.run(['git', 'check-ignore', '-q', path], cwd=REPO).returncode == 0, path
