@@ -259,6 +259,10 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
                     seeds.needs_value(arg)
                 value = _check(key, value, defaults, where, script)
                 if source == 'flag':
+                    if key in flagged and flagged[key].split('=')[0] != arg.split('=')[0] and value != namespace[key]:
+                        # two names of one key (a seed's and ours): the line of the first would name a value unused
+                        context['notes'].append((None, f"note: {arg} sets {key}={value!r} over {flagged[key]} before "
+                                                       f"it on the command line: the later one wins"))
                     flagged[key] = arg
                 elif key in flagged and value != defaults[key]:
                     # nanoGPT's rule, kept; argparse's, Hydra's and TOML users expect the flag to win wherever it is.

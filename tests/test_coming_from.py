@@ -105,6 +105,19 @@ def test_space_separated_values_and_bare_booleans():
     assert 'DEFAULT_PATH' not in error_of('train.py', ['--xyzzy=1'])
 
 
+def test_two_names_of_one_key_on_the_command_line_say_which_one_the_run_takes(capsys):
+    # a seed's name and ours for one key: the later wins, as argparse's would, and a line says so, since the seed's
+    # line names the value of the first
+    c = config_of('train.py', ['--lr', '1e-3', '--learning_rate', '1e-4', '--n_steps', '100', '--max_iters', '50'])
+    assert (c['learning_rate'], c['max_iters'], c['lr_decay_iters']) == (1e-4, 50, 100)
+    out = capsys.readouterr().out
+    assert "note: --learning_rate 1e-4 sets learning_rate=0.0001 over --lr 1e-3 before it on the command line: the " \
+        "later one wins" in out
+    assert "note: --max_iters 50 sets max_iters=50 over --n_steps 100 before it" in out
+    config_of('train.py', ['--learning_rate=1e-4', '--lr=1e-4', '--lr=1e-3', '--lr=2e-3'])  # the same value or name
+    assert 'note:' not in capsys.readouterr().out
+
+
 def test_another_entrypoints_key_names_that_entrypoint(tmp_path):
     # a mode's key given to another entrypoint: the user meant that mode, which the error names
     for script, argv, owner in (('train.py', ['--tp_size=2'], 'fsdp_train.py and pp_train.py'),
