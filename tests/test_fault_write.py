@@ -1,5 +1,5 @@
-"""Fault tolerance in real processes: the workers SIGKILLed while they write a storage checkpoint, in all four
-entrypoints and pp_train.py; the job restarts from the checkpoint before and finishes on the curve of an uninterrupted run (a wider
+"""Fault tolerance in real processes: the workers SIGKILLed while they write a storage checkpoint, in all five
+entrypoints; the job restarts from the checkpoint before and finishes on the curve of an uninterrupted run (a wider
 model than the other tests', for a checkpoint big enough to be caught while it is written)."""
 
 import gc
@@ -44,7 +44,8 @@ def test_sigkill_during_a_storage_write_falls_back_to_the_previous_checkpoint(tm
     # a save every 2 steps, as few as the kill and the checkpoints kept after it need (each such step costs the
     # workers and the reference a third of a second of CPU)
     args = ['--n_layer=1', '--n_embd=768', '--n_head=4', '--block_size=16', '--batch_size=2',
-            '--gradient_accumulation_steps=2', '--max_iters=8', '--eval_interval=100', '--save_storage_interval=2', *LAYOUT.get(script, [])]
+            '--gradient_accumulation_steps=2', '--max_iters=8', '--eval_interval=100', '--save_storage_interval=2',
+            *LAYOUT.get(script, [])]
     out_dir = tmp_path / 'ft'
     log = open(tmp_path / 'torchrun.log', 'w')
     p = subprocess.Popen(elastic(script, *tiny(data_dir, out_dir, *args)), cwd=tmp_path, env=env(),
