@@ -1,4 +1,4 @@
-"""Fault tolerance in real processes: the workers SIGKILLed while they write a storage checkpoint, in all four
+"""Fault tolerance in real processes: the workers SIGKILLed while they write a storage checkpoint, in all five
 entrypoints; the job restarts from the checkpoint before and finishes on the curve of an uninterrupted run (a wider
 model than the other tests', for a checkpoint big enough to be caught while it is written)."""
 
@@ -20,10 +20,13 @@ from test_fault import KIND, assert_same_run, elastic, tiny, workers
 # what each entrypoint says it resumes from when that is its first storage checkpoint (iter 2), and where the second
 # one's (iter 4) files are while they are written: train.py renames ckpt.pt.tmp into place, DCP writes its shards and
 # then .metadata, ds_train.py and decent_train.py rename each rank's file from .tmp and then point latest at the folder
-FIRST = {'train.py': 'ckpt.pt', 'fsdp_train.py': 'dcp/step-00000002', 'ds_train.py': 'ds/step-00000002',
-         'decent_train.py': 'decent/step-00000002'}
+FIRST = {'train.py': 'ckpt.pt', 'fsdp_train.py': 'dcp/step-00000002', 'pp_train.py': 'dcp/step-00000002',
+         'ds_train.py': 'ds/step-00000002', 'decent_train.py': 'decent/step-00000002'}
 WRITING = {'train.py': 'ckpt.pt.tmp', 'fsdp_train.py': 'dcp/step-00000004/*.distcp',
-           'ds_train.py': 'ds/step-00000004/*.tmp', 'decent_train.py': 'decent/step-00000004/*.tmp'}
+           'pp_train.py': 'dcp/step-00000004/*.distcp', 'ds_train.py': 'ds/step-00000004/*.tmp',
+           'decent_train.py': 'decent/step-00000004/*.tmp'}
+# a pipeline of two stages, a block each (its stages write their own shards of the DCP folder)
+LAYOUT = {'pp_train.py': ['--n_layer=2', '--pp_size=2']}
 
 
 def first_complete(script, out_dir):
@@ -35,13 +38,14 @@ def first_complete(script, out_dir):
     return latest.exists() and latest.read_text() == 'step-00000002'
 
 
-@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py'])
+@pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py', 'pp_train.py', 'ds_train.py', 'decent_train.py'])
 def test_sigkill_during_a_storage_write_falls_back_to_the_previous_checkpoint(tmp_path, data_dir, script):
     # a wide layer makes the checkpoint big enough (~90 MB with AdamW's moments) to be caught while it is written;
     # a save every 2 steps, as few as the kill and the checkpoints kept after it need (each such step costs the
     # workers and the reference a third of a second of CPU)
     args = ['--n_layer=1', '--n_embd=768', '--n_head=4', '--block_size=16', '--batch_size=2',
-            '--gradient_accumulation_steps=2', '--max_iters=8', '--eval_interval=100', '--save_storage_interval=2']
+            '--gradient_accumulation_steps=2', '--max_iters=8', '--eval_interval=100', '--save_storage_interval=2',
+            *LAYOUT.get(script, [])]
     out_dir = tmp_path / 'ft'
     log = open(tmp_path / 'torchrun.log', 'w')
     p = subprocess.Popen(elastic(script, *tiny(data_dir, out_dir, *args)), cwd=tmp_path, env=env(),
