@@ -1897,7 +1897,7 @@ def newer_state(path, model, checkpoint, dropout):
         return *whole, state
     print(f"warning: reading {read} (iter {saved}), an older state than {what} {state} (iter {it}), which only "
           f"{writer} reads back: continue it with `{writer} --out_dir={shlex.quote(run)}{EXPORTS.get(writer, '')}` "
-          f"until it saves, for that state", file=sys.stderr, flush=True)
+          f"(its other flags and ranks as before) until it saves, for that state", file=sys.stderr, flush=True)
     return model, checkpoint, path
 
 

@@ -381,7 +381,8 @@ def test_a_finished_run_without_its_export_writes_it_when_run_again_with_save_co
     p = run('sample.py', f"--out_dir={tmp_path / 'run'}", f"--meta_path={data_dir / 'shakespeare_char' / 'meta.pkl'}",
             '--device=cpu', '--num_samples=1', '--max_new_tokens=2', cwd=tmp_path)
     assert f"(iter 10), which only ds_train.py reads back: continue it with `ds_train.py --out_dir=" \
-           f"{tmp_path / 'run'} --save_consolidated=True --always_save_checkpoint=True` until it saves" in p.stderr
+           f"{tmp_path / 'run'} --save_consolidated=True --always_save_checkpoint=True` (its other flags and ranks " \
+           f"as before) until it saves" in p.stderr
     # the run's own flags (config/train_shakespeare_char_cpu.py's always_save_checkpoint=False), then the message's:
     # the final eval, no new best, saved nothing without it
     launch('ds_train.py', tmp_path, data_dir, 'run', '--zero_stage=2', '--deterministic=True', '--max_iters=10',

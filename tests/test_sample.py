@@ -445,7 +445,8 @@ def test_a_run_killed_after_its_last_save_is_read_at_its_newer_memory_snapshot(c
         assert p.stdout == older.stdout
         assert p.stderr == f"warning: reading {out / 'ckpt.pt'} (iter {state['iter_num']}), an older state than the " \
             f"run's memory snapshot {shm / 'rank-0-of-1x1.pt'} (iter {newer['iter_num']}), which only fsdp_train.py " \
-            f"reads back: continue it with `fsdp_train.py --out_dir={out}` until it saves, for that state\n"
+            f"reads back: continue it with `fsdp_train.py --out_dir={out}` (its other flags and ranks as before) " \
+            f"until it saves, for that state\n"
         assert sorted((f, f.stat().st_mtime_ns) for f in [*out.rglob('*'), *shm.rglob('*')]) == sorted(before)
     finally:
         shutil.rmtree(shm)
@@ -485,4 +486,5 @@ def test_a_deepspeed_run_saved_since_its_export_says_that_what_the_tool_reads_is
         step = out / 'ds' / (f'step-{saved + 10:08d}' if newer == 'latest' else (out / 'ds' / newer).read_text())
         assert p.stderr == f"warning: reading {out / read} (iter {saved}), an older state than its step folder " \
             f"{step} (iter {saved + 10}), which only ds_train.py reads back: continue it with `ds_train.py " \
-            f"--out_dir={out} --save_consolidated=True --always_save_checkpoint=True` until it saves, for that state\n"
+            f"--out_dir={out} --save_consolidated=True --always_save_checkpoint=True` (its other flags and ranks as " \
+            f"before) until it saves, for that state\n"
