@@ -64,7 +64,7 @@ FINEWEB_CONFIG = 'sample-10BT'  # each repo's ~10B-token sample
 DATASETS = ('shakespeare_char', 'shakespeare', 'openwebtext', 'openwebtext-10k', 'text', 'hellaswag') + tuple(FINEWEB)
 HELLASWAG_URL = 'https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl'
 EOT = 50256  # GPT-2's <|endoftext|>
-DOCS_A_BATCH = 1024  # openwebtext*: documents tokenized and written at a time
+DOCS_A_BATCH = 1024  # openwebtext*: the most documents read at a time (fewer where they are long)
 created = []  # the folders this run made, deepest first: a failed run removes those still empty
 
 
