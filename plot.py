@@ -38,6 +38,10 @@ def read_run(path):
                 sys.exit(f"error: {path}:{n}: not a JSON line ({e}): remove or repair that line")
             if not isinstance(row, dict):
                 sys.exit(f"error: {path}:{n}: not a JSON object: remove or repair that line")
+            if type(row.get('time')) in (int, float):
+                if row['time'] < before:  # the first row of a later launch: its time goes on from the one before's
+                    launches += before
+                before, row['time'] = row['time'], row['time'] + launches
             for kind, rows in (('loss', steps), ('val_loss', evals), ('hellaswag_acc_norm', hellaswag)):
                 if kind not in row:
                     continue
@@ -47,11 +51,8 @@ def read_run(path):
                 if bad:
                     sys.exit(f"error: {path}:{n}: a row with '{kind}' lacks a number for '{bad[0]}': plot.py reads "
                              f"metrics.jsonl as the entrypoints write it; remove or repair that line")
-                rows.append(row)
-            if type(row.get('time')) in (int, float):
-                if row['time'] < before:  # the first row of a later launch: its time goes on from the one before's
-                    launches += before
-                before, row['time'] = row['time'], row['time'] + launches
+                # what is drawn, not the whole row: a long run logs a row a step (a 600k-step log held 762 MB)
+                rows.append({k: row[k] for k in ('iter', 'time', kind, 'hellaswag_acc') if k in row})
     if not steps and not evals:
         sys.exit(f"error: {path} holds no logged step or eval yet: plot the run once it has logged one")
     return steps, evals, hellaswag

@@ -64,7 +64,7 @@ FINEWEB_CONFIG = 'sample-10BT'  # each repo's ~10B-token sample
 DATASETS = ('shakespeare_char', 'shakespeare', 'openwebtext', 'openwebtext-10k', 'text', 'hellaswag') + tuple(FINEWEB)
 HELLASWAG_URL = 'https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl'
 EOT = 50256  # GPT-2's <|endoftext|>
-DOCS_A_BATCH = 1024  # openwebtext*: documents tokenized and written at a time
+DOCS_A_BATCH = 1024  # openwebtext*: the most documents read at a time (fewer where they are long)
 created = []  # the folders this run made, deepest first: a failed run removes those still empty
 
 
@@ -479,13 +479,11 @@ def prepare_documents(dataset, out_dir):
         # disk is an OSError here, where a memmap's page would kill the process
         for name_, dset in (('train', split['train']), ('val', split['test'])):
             outputs[name_] = Output(paths[name_])
-            dset = dset.select_columns(text_column)
-            for i in tqdm(range(0, len(dset), DOCS_A_BATCH), desc=f'tokenizing {name_}', unit='batch'):
-                flat = []
-                for ids in enc.encode_ordinary_batch(dset[i:i + DOCS_A_BATCH][text_column], num_threads=num_proc):
-                    flat += ids
-                    flat.append(EOT)
-                outputs[name_].write(flat)
+            with tqdm(total=len(dset), desc=f'tokenizing {name_}', unit='doc') as bar:
+                for texts in document_batches(dset.select_columns(text_column)):
+                    for ids in document_tokens(texts, enc):
+                        outputs[name_].write(ids)
+                    bar.update(len(texts))
             outputs[name_].f.close()
         commit(out_dir, settings, paths.values())
     except OSError as e:
@@ -495,6 +493,45 @@ def prepare_documents(dataset, out_dir):
             out.discard()
     for name_, path in paths.items():
         print(f"{path}: {outputs[name_].n:,} tokens")
+
+
+def batch_chars():
+    """Characters of text tokenized at a time: those of a text prep's batch of pieces."""
+    return num_proc * 4 * chunk_chars
+
+
+def document_batches(dset):
+    """The documents' texts, a batch at a time of about batch_chars() characters (at most DOCS_A_BATCH documents):
+    fewer documents a batch where they are long, so that the texts held at once do not grow with their length."""
+    i, n = 0, 1
+    while i < len(dset):
+        texts = dset[i:i + n][text_column]
+        yield texts
+        i += len(texts)
+        n = max(1, min(DOCS_A_BATCH, n * batch_chars() // max(1, sum(map(len, texts)))))
+
+
+def document_tokens(texts, enc):
+    """The GPT-2 tokens of texts, an EOT after each, as uint16 arrays of about batch_chars() characters' worth. A
+    document longer than chunk_chars goes in safe_pieces, whose tokens are the whole text's: a token is a Python
+    int of about 36 bytes until it is in an array, so a batch of long documents tokenized whole held 9 bytes a
+    character."""
+    pieces, chars = [], 0
+    for text in texts:
+        blocks = (text[i:i + chunk_chars] for i in range(0, len(text), chunk_chars))
+        for piece in [*(safe_pieces(blocks) if len(text) > chunk_chars else [text] if text else []), None]:
+            pieces.append(piece)  # None: the document's end, its EOT
+            chars += len(piece or '')
+            if chars >= batch_chars():
+                yield encode_pieces(pieces, enc)
+                pieces, chars = [], 0
+    if pieces:
+        yield encode_pieces(pieces, enc)
+
+
+def encode_pieces(pieces, enc):
+    ids = iter(enc.encode_ordinary_batch([p for p in pieces if p is not None], num_threads=num_proc))  # Rust threads
+    return np.concatenate([np.asarray(next(ids) if p is not None else [EOT], dtype=np.uint16) for p in pieces])
 
 
 def prepare_hellaswag(out_dir):

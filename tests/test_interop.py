@@ -218,6 +218,22 @@ def test_plot_puts_a_resumed_launch_after_the_one_before_in_wall_time(tmp_path):
 
 
 
+def test_plot_holds_no_more_of_a_long_log_than_it_draws(tmp_path):
+    # each logged row was kept whole (lr, ms, tokens/s, mfu...): a 600k-step run's log of 84 MB peaked at 762 MB
+    row = {'loss': 4.1868, 'lr': 0.002, 'ms': 9.2933, 'tokens_per_sec': 110186.6978, 'mfu': None}
+    with open(tmp_path / 'metrics.jsonl', 'w') as f:
+        for i in range(20000):
+            f.write(json.dumps({'iter': i, **row, 'time': i * 0.03}) + '\n')
+    import tracemalloc
+    import plot
+    tracemalloc.start()
+    steps, _, _ = plot.read_run(str(tmp_path))
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert len(steps) == 20000 and steps[-1]['loss'] == 4.1868 and steps[-1]['time'] == 599.97
+    assert held < 400 * 20000, held / 20000  # bytes: a row's step, time and loss (about 260), not the row (about 1,000)
+
+
 def logged_state(out):
     with open(out / 'metrics.jsonl') as f:
         return next(r for r in map(json.loads, f) if 'param_bytes' in r)
