@@ -1,7 +1,7 @@
 """
-Process start-up and the collectives every entrypoint shares. Under torchrun (or srun, the deepspeed launcher,
-dlrover-run) a process learns its place from RANK, LOCAL_RANK and WORLD_SIZE; without them it is a group of one,
-so the entrypoints' code is the same on one process as on many.
+Process start-up and the collectives every entrypoint shares. Under torchrun (srun starting one a node), the deepspeed
+launcher or dlrover-run a process learns its place from RANK, LOCAL_RANK and WORLD_SIZE; without them it is a group
+of one, so the entrypoints' code is the same on one process as on many.
 
     rank, local_rank, world_size = start(backend, device)   # the process group, SIGTERM noted, teardown at exit
     nonfinite, stop = agree(nonfinite)                       # the ranks decide alike: a step, SIGTERM, a failed save
@@ -32,6 +32,13 @@ _queued = []  # the verdicts agree() left on the device for the host to read at 
 def torchrun_env():
     """(rank, local_rank, world_size, local_world_size) as the launcher set them, or a group of one's."""
     if 'RANK' not in os.environ:
+        tasks = int(os.environ.get('SLURM_STEP_NUM_TASKS') or 1)
+        if tasks > 1:  # `srun python train.py`: srun's tasks know no RANK, and each would train alone over out_dir
+            script, first = os.path.basename(sys.argv[0]), os.environ.get('SLURM_PROCID', '0') == '0'
+            sys.exit(f"error: srun started {tasks} tasks of {script} without torchrun, which would each train alone: "
+                     f"start one torchrun a node, `srun --ntasks-per-node=1 torchrun --nnodes=$SLURM_NNODES "
+                     f"--nproc_per_node=N --rdzv-backend=c10d --rdzv-endpoint=HEAD:29500 {script} ...`, or submit "
+                     f"`sbatch slurm/torchrun.sbatch {script} ...`" if first else 1)  # the line once, not a task's
         return 0, 0, 1, 1
     rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE'))
     return rank, local_rank, world_size, int(os.environ.get('LOCAL_WORLD_SIZE', world_size))

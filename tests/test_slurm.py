@@ -256,6 +256,21 @@ def test_a_failing_job_is_reported_failed_with_the_error_in_its_log(cluster, tmp
     assert error in open(info['StdOut']).read(), job_logs(info)
 
 
+def test_srun_of_several_tasks_without_torchrun_is_refused_in_one_line(cluster, tmp_path, data_dir):
+    # `srun python train.py` sets no RANK: each task would train alone, over one out_dir, in the allocation meant for
+    # one job of them all
+    p = subprocess.run(['srun', '--nodes=2', '--ntasks-per-node=1', f'--chdir={tmp_path}', sys.executable,
+                        str(REPO / 'train.py'), *TINY, f'--dataset={data_dir / "shakespeare_char"}',
+                        f'--out_dir={tmp_path / "out"}'], env=cluster.env, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    lines = [line for line in (p.stdout + p.stderr).splitlines() if line.startswith('error: ')]
+    assert lines == ["error: srun started 2 tasks of train.py without torchrun, which would each train alone: start "
+                     "one torchrun a node, `srun --ntasks-per-node=1 torchrun --nnodes=$SLURM_NNODES "
+                     "--nproc_per_node=N --rdzv-backend=c10d --rdzv-endpoint=HEAD:29500 train.py ...`, or submit "
+                     "`sbatch slurm/torchrun.sbatch train.py ...`"], p.stdout + p.stderr
+    assert not (tmp_path / 'out').exists()
+
+
 STEPS_AFTER = 20  # the steps that the requeued run takes past the signalled one's checkpoint
 
 
