@@ -216,6 +216,10 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
     """positional(arg): [(key, value)] for an argument that is no config file nor flag (model_size.py's checkpoint,
     whose shape it sets), or a one-line error."""
     argv = sys.argv[1:] if argv is None else argv
+    # torch.distributed.launch and the deepspeed launcher add --local-rank=K (--local_rank=K), which says what
+    # LOCAL_RANK in the environment says
+    argv = [a for a in argv if a.partition('=')[::2] not in (('--local-rank', os.environ.get('LOCAL_RANK')),
+                                                              ('--local_rank', os.environ.get('LOCAL_RANK')))]
     defaults = config_keys(namespace)
     given = set()
     arguments, said = seeds.config_file_flag(_arguments(argv, defaults))  # torchtitan's --job.config_file FILE

@@ -40,8 +40,10 @@ def torchrun_env():
                      f"--nproc_per_node=N --rdzv-backend=c10d --rdzv-endpoint=HEAD:29500 {script} ...`, or submit "
                      f"`sbatch slurm/torchrun.sbatch {script} ...`" if first else 1)  # the line once, not a task's
         return 0, 0, 1, 1
-    rank, local_rank, world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE'))
-    return rank, local_rank, world_size, int(os.environ.get('LOCAL_WORLD_SIZE', world_size))
+    rank, world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
+    if 'LOCAL_RANK' not in os.environ:  # env:// as a Kubeflow PyTorchJob's plain `python` sets it: a process a pod
+        return rank, 0, world_size, 1
+    return rank, int(os.environ['LOCAL_RANK']), world_size, int(os.environ.get('LOCAL_WORLD_SIZE', world_size))
 
 
 def ranks_per_node():

@@ -103,8 +103,7 @@ ds_config = ''  # a DeepSpeed config JSON file whose entries are added to the ge
 overflow_by_norm = True  # ZeRO 1-2 in bf16/fp16 without offload: a non-finite gradient found by the global norm alone
 save_consolidated = True  # with each checkpoint also write out_dir/ckpt.pt in train.py's format (gathered on rank 0)
 # -----------------------------------------------------------------------------
-# the deepspeed launcher adds --local_rank=K, which says what LOCAL_RANK in the environment says
-config, given = configure(globals(), [a for a in sys.argv[1:] if not a.startswith('--local_rank=')])
+config, given = configure(globals())
 check_config(config)  # every key in its range and out_dir writable, before anything is written
 
 # DeepSpeed, imported after the config: the manifest tests read the config without it

@@ -3,11 +3,13 @@
 import json
 import math
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import TINY, read_metrics, run
+from conftest import REPO, TINY, env, free_port, read_metrics, run
 
 
 def train(tmp_path, data_dir, out, *extra, nproc=1, dataset='shakespeare_char', check=True):
@@ -36,6 +38,27 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(tmp_path, data_dir)
     # rounding noise that Adam scales up, ~1e-6 on either side
     for k in w1:
         assert (w1[k] - w2[k]).abs().max().item() < 1e-5, k
+    # the other launchers of two ranks: torch.distributed.launch (it adds --local-rank=K), and env:// alone, as a
+    # Kubeflow PyTorchJob's plain `python` command sets it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; no LOCAL_RANK)
+    flags = [*TINY, f'--dataset={data_dir / "shakespeare_char"}', *args]
+    launch = subprocess.run([sys.executable, '-m', 'torch.distributed.launch', '--nproc_per_node=2',
+                             f'--master_port={free_port()}', str(REPO / 'train.py'), *flags,
+                             f'--out_dir={tmp_path / "launch"}'], cwd=tmp_path, env=env(), capture_output=True,
+                            text=True, timeout=300)
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    port = free_port()
+    ranks = [subprocess.Popen([sys.executable, str(REPO / 'train.py'), *flags, f'--out_dir={tmp_path / "plain"}'],
+                              cwd=tmp_path, env={**env(), 'RANK': str(r), 'WORLD_SIZE': '2', 'MASTER_ADDR': '127.0.0.1',
+                                                 'MASTER_PORT': str(port)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    for out in ('launch', 'plain'):
+        assert json.loads((tmp_path / out / 'config.json').read_text())['world_size'] == 2
+        losses, _ = read_metrics(tmp_path / out)
+        assert sorted(losses) == list(range(12))
+        for it in two:
+            assert abs(losses[it] - two[it]) <= 1e-6 * abs(two[it]), (out, it, losses[it], two[it])
 
 
 @pytest.mark.parametrize('nproc', [1, 2])
