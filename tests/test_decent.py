@@ -348,8 +348,8 @@ def test_train_checkpoint_starts_the_replicas_and_their_average_goes_to_sample_a
     s = run('sample.py', f'--out_dir={out}', f'--meta_path={data_dir / "shakespeare_char" / "meta.pkl"}',
             '--num_samples=2', '--max_new_tokens=20', '--device=cpu', cwd=tmp_path)
     assert s.stdout.count('---------------') == 2
-    assert f"continue it with `decent_train.py --out_dir={out} --always_save_checkpoint=True` until it saves" \
-        in s.stderr, s.stderr
+    assert f"continue it with `decent_train.py --out_dir={out} --always_save_checkpoint=True` (its other flags and " \
+        f"ranks as before) until it saves" in s.stderr, s.stderr
     launch(tmp_path, data_dir, 'run', '--replica_optimizer=accumadamw', '--max_iters=8', '--eval_interval=4',
            '--gradient_accumulation_steps=2', '--always_save_checkpoint=False', '--always_save_checkpoint=True',
            nproc=2)
