@@ -136,7 +136,7 @@ else:
     # a model trained from scratch pads its vocabulary to 50304: the padding ids have no text, so none is drawn, and
     # a seed samples the text of the Hugging Face export, which drops them (torch.multinomial's draws hang on the
     # length of the row, not on its probabilities alone)
-    model.crop_vocab_size(min(model.config.vocab_size, enc.n_vocab))
+    model.crop_vocab_size(enc.n_vocab)
 
     def encode(s):
         return enc.encode(s, allowed_special={"<|endoftext|>"})
