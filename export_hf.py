@@ -37,7 +37,7 @@ BPE_FILES = {  # tiktoken's sources of GPT-2's BPE, which Hugging Face's tokeniz
 }
 
 
-def hf_state_dict(model, vocab_size):
+def hf_state_dict(model):
     """This repo's GPT as Hugging Face's GPT2LMHeadModel lays it out: q, k, v fused into c_attn, and the
     Linear weights transposed, since Hugging Face keeps them as Conv1D. A model without biases (bias=False) gets
     zero ones, which GPT2LMHeadModel always has: a missing bias adds nothing, as a zero one does."""
@@ -54,8 +54,6 @@ def hf_state_dict(model, vocab_size):
             v = torch.cat([v, sd[k.replace('c_attn', 'c_k')], sd[k.replace('c_attn', 'c_v')]])
         if k.endswith(('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')):
             v = v.t()
-        if k == 'transformer.wte.weight':
-            v = v[:vocab_size]
         out[k] = v.contiguous().clone()
     return out
 
@@ -108,7 +106,8 @@ def main():
                            attn_pdrop=0.0, layer_norm_epsilon=1e-5, tie_word_embeddings=True,
                            bos_token_id=eot, eos_token_id=eot)
     hf_model = GPT2LMHeadModel(hf_config)
-    missing, unexpected = hf_model.load_state_dict(hf_state_dict(model, vocab_size), strict=False)
+    model.crop_vocab_size(vocab_size)
+    missing, unexpected = hf_model.load_state_dict(hf_state_dict(model), strict=False)
     # only the causal-mask buffers (and the tied lm_head) may be missing
     missing = [k for k in missing if not k.endswith(('.attn.bias', '.attn.masked_bias')) and k != 'lm_head.weight']
     if missing or unexpected:

@@ -210,6 +210,14 @@ class GPT(nn.Module):
         self.config.block_size = block_size
         self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
 
+    def crop_vocab_size(self, vocab_size):
+        """Drop the embedding rows past vocab_size: the padding of a GPT-2 BPE model trained here (50304 -> 50257),
+        ids with no text. Its logits are then those of the tokens alone, as an export's are."""
+        assert vocab_size <= self.config.vocab_size
+        self.config.vocab_size = vocab_size
+        self.transformer.wte.weight = nn.Parameter(self.transformer.wte.weight[:vocab_size])
+        self.lm_head.weight = self.transformer.wte.weight  # still tied
+
     @staticmethod
     def upgrade_state_dict(sd):
         """Takes a model state dict in nanoGPT's or this repo's layout and returns it in this repo's layout:

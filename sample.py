@@ -133,13 +133,16 @@ else:
         sys.exit(f"error: the model's vocabulary has {model.config.vocab_size} tokens, but no meta.pkl was found "
                  f"({meta_path or where}): pass --meta_path={hint}")
     enc = gpt2_encoding_or_exit()
+    # a model trained from scratch pads its vocabulary to 50304: the padding ids have no text, so none is drawn, and
+    # a seed samples the text of the Hugging Face export, which drops them (torch.multinomial's draws hang on the
+    # length of the row, not on its probabilities alone)
+    model.crop_vocab_size(enc.n_vocab)
 
     def encode(s):
         return enc.encode(s, allowed_special={"<|endoftext|>"})
 
     def decode(ids):
-        # a model trained from scratch pads its vocabulary to 50304; the padding ids have no text
-        return enc.decode([i for i in ids if i < enc.n_vocab])
+        return enc.decode(ids)
 
 if start.startswith('FILE:'):
     try:

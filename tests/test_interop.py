@@ -146,6 +146,11 @@ def test_export_hf_gives_transformers_the_same_logits(tmp_path, data_dir):
     p = run('sample.py', f'--init_from={tmp_path / "hf"}', '--start=To be', '--temperature=0', '--num_samples=1',
             '--max_new_tokens=8', '--device=cpu', cwd=tmp_path)
     assert p.stdout == f'{greedy}\n---------------\n'
+    # and its sampled text, for a seed, is the run's: the run's 47 padding rows, which have no text, are no token
+    # to draw (torch.multinomial's draws hang on the length of the row, not on its probabilities alone)
+    sampled = [run('sample.py', f'--init_from={path}', '--start=To be', '--num_samples=2', '--max_new_tokens=24',
+                   '--top_k=0', '--device=cpu', cwd=tmp_path).stdout for path in (tmp_path / 'bpe', tmp_path / 'hf')]
+    assert sampled[0] == sampled[1] and sampled[0].count('---------------') == 2
     p = launch('train.py', tmp_path, data_dir, 'ft', f'--init_from={tmp_path / "hf"}', '--max_iters=1',
                '--learning_rate=0', '--min_lr=0', dataset='shakespeare')
     assert f'initializing from the weights of the Hugging Face folder {tmp_path / "hf"}' in p.stdout
