@@ -205,6 +205,10 @@ def config_file_flag(arguments):
 
 def launcher_option(key, where, script):
     """A one-line error where a launcher's option (DLRover's `--nproc_per_node=2`) follows the script."""
+    if key.replace('-', '_') == 'local_rank' and script in TRAINERS:  # left by a launcher only where LOCAL_RANK agrees
+        sys.exit(f"error: {where}: the rank that torch.distributed.launch and the deepspeed launcher add, with "
+                 f"LOCAL_RANK set alike; given by hand, it sets nothing: leave it out, and launch with `torchrun "
+                 f"--nproc_per_node=N {script} ...`")
     if key.replace('-', '_') in LAUNCHER_OPTIONS and script in TRAINERS:
         sys.exit(f"error: {where}: a launcher's option (torchrun's, dlrover-run's, deepspeed's), not {script}'s: give "
                  f"it before the script, as in `torchrun --{key}{'' if key == 'standalone' else '=N'} {script} ...`")

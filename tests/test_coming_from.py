@@ -103,6 +103,9 @@ def test_space_separated_values_and_bare_booleans():
         "launcher's option (torchrun's, dlrover-run's, deepspeed's), not train.py's: give it before the script, as " \
         "in `torchrun --nproc_per_node=N train.py ...`"
     assert 'DEFAULT_PATH' not in error_of('train.py', ['--xyzzy=1'])
+    # torch.distributed.launch's --local-rank=K is taken where LOCAL_RANK says the same (test_train.py), else named
+    assert "the rank that torch.distributed.launch and the deepspeed launcher add" in \
+        error_of('train.py', ['--local_rank=1'])
 
 
 def test_two_names_of_one_key_on_the_command_line_say_which_one_the_run_takes(capsys):
