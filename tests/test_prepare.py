@@ -30,7 +30,7 @@ def test_char_prep_matches_nanogpt_and_round_trips(data_dir):
 
 
 def test_bpe_prep_matches_nanogpt_and_round_trips(data_dir):
-    os.environ.update(TIKTOKEN_CACHE_DIR=env()['TIKTOKEN_CACHE_DIR'])
+    monkeypatch.setenv('TIKTOKEN_CACHE_DIR', env()['TIKTOKEN_CACHE_DIR'])
     import tiktoken
     enc = tiktoken.get_encoding('gpt2')
     d = data_dir / 'shakespeare'
@@ -53,7 +53,7 @@ def test_bpe_in_small_pieces_gives_the_tokens_of_the_whole(tmp_path, data_dir):
 def test_bpe_pieces_of_text_without_spaces_stay_small_and_give_the_tokens_of_the_whole():
     # minified JSON and CJK text have no whitespace to cut at: the pieces (and memory) grew to the whole file, and
     # each block rescanned them all (a 40 MB line of digits took 49 s and 488 MB as characters; 1.6 s and 88 MB now)
-    os.environ.update(TIKTOKEN_CACHE_DIR=env()['TIKTOKEN_CACHE_DIR'])
+    monkeypatch.setenv('TIKTOKEN_CACHE_DIR', env()['TIKTOKEN_CACHE_DIR'])
     import tiktoken
     from prepare import safe_pieces
     enc = tiktoken.get_encoding('gpt2')
@@ -125,7 +125,7 @@ def test_document_files_get_an_eot_after_each_document(tmp_path, monkeypatch):
     assert cached < 1.5 * given, (cached, given)
     assert json.loads((tmp_path / 'owt' / 'prep.json').read_text())['settings']['documents'] == \
         [str(tmp_path / f'docs-{part}.jsonl') for part in range(4)]  # the files, so that a new shard is a new prep
-    os.environ.update(TIKTOKEN_CACHE_DIR=env()['TIKTOKEN_CACHE_DIR'])
+    monkeypatch.setenv('TIKTOKEN_CACHE_DIR', env()['TIKTOKEN_CACHE_DIR'])
     import tiktoken
     enc = tiktoken.get_encoding('gpt2')
     got = []
@@ -168,10 +168,11 @@ prepare.main(sys.argv[1:])
 print('peak rise kB', peak() - before[0])"""
     p = subprocess.run([sys.executable, '-c', script, str(REPO), 'openwebtext-10k',
                         f'--data_files={tmp_path}/book-*.txt', '--val_fraction=0.25', '--name=books',
-                        f'--out_root={tmp_path}', '--num_proc=1', '--chunk_chars=65536'], cwd=tmp_path, env=env(), capture_output=True, text=True, check=True)
+                        f'--out_root={tmp_path}', '--num_proc=1', '--chunk_chars=65536'], cwd=tmp_path, env=env(),
+                       capture_output=True, text=True, check=True)
     rise = int(p.stdout.split('peak rise kB')[1])
     assert rise < 16 << 10, rise  # kB: a few pieces of 64k characters and a document, not 8.9 MB's tokens as ints
-    os.environ.update(TIKTOKEN_CACHE_DIR=env()['TIKTOKEN_CACHE_DIR'])
+    monkeypatch.setenv('TIKTOKEN_CACHE_DIR', env()['TIKTOKEN_CACHE_DIR'])
     import tiktoken
     enc = tiktoken.get_encoding('gpt2')
     ids = np.concatenate([tokens(tmp_path / 'books' / f'{split}.bin') for split in ('train', 'val')])
@@ -546,7 +547,7 @@ def read_back(folder):
         return None
     ids = np.concatenate([tokens(paths['train']), tokens(paths['val'])])
     if meta is None:
-        os.environ.update(TIKTOKEN_CACHE_DIR=env()['TIKTOKEN_CACHE_DIR'])
+        monkeypatch.setenv('TIKTOKEN_CACHE_DIR', env()['TIKTOKEN_CACHE_DIR'])
         import tiktoken
         return tiktoken.get_encoding('gpt2').decode(ids.tolist())
     return ''.join(meta['itos'].get(int(i), '\0') for i in ids)
