@@ -90,6 +90,20 @@ def env(nthreads=1):
     return e
 
 
+def gpt2():
+    """tiktoken's gpt2 encoding, read from the shared cache (offline) without setting TIKTOKEN_CACHE_DIR for the tests
+    that run after (tiktoken keeps the encoding it loaded)."""
+    saved = os.environ.get('TIKTOKEN_CACHE_DIR')
+    os.environ['TIKTOKEN_CACHE_DIR'] = env()['TIKTOKEN_CACHE_DIR']
+    try:
+        import tiktoken
+        return tiktoken.get_encoding('gpt2')
+    finally:
+        if saved is None:
+            del os.environ['TIKTOKEN_CACHE_DIR']
+        else:
+            os.environ['TIKTOKEN_CACHE_DIR'] = saved
+
 def run(script, *args, nproc=1, cwd, check=True, nthreads=1, nodes=None):
     """Runs one of the repo's scripts, on nproc ranks, in processes forked from a server that has imported torch
     (launcher.py: as torchrun would start them, in milliseconds instead of seconds). nthreads=None, the environment's

@@ -2,7 +2,6 @@
 SIGKILL, a finished prep kept, and bad input refused without leaving a folder."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO, SHAKESPEARE, env, one_line_error, run
+from conftest import REPO, SHAKESPEARE, env, gpt2, one_line_error, run
 
 EOT = 50256
 
@@ -36,9 +35,7 @@ def write_parquet(path, docs, row_group_size, **columns):
 
 
 def expected(docs):
-    os.environ.update(TIKTOKEN_CACHE_DIR=env()['TIKTOKEN_CACHE_DIR'])
-    import tiktoken
-    enc = tiktoken.get_encoding('gpt2')
+    enc = gpt2()
     return [t for doc in docs for t in enc.encode_ordinary(doc) + [EOT]]
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import seeds
-from conftest import REPO, SHAKESPEARE, TINY, env, one_line_error, run
+from conftest import REPO, SHAKESPEARE, TINY, env, gpt2, one_line_error, run
 from test_saved_state import small_disk  # noqa: F401 (a fixture)
 
 
@@ -30,9 +30,7 @@ def test_char_prep_matches_nanogpt_and_round_trips(data_dir):
 
 
 def test_bpe_prep_matches_nanogpt_and_round_trips(data_dir):
-    monkeypatch.setenv('TIKTOKEN_CACHE_DIR', env()['TIKTOKEN_CACHE_DIR'])
-    import tiktoken
-    enc = tiktoken.get_encoding('gpt2')
+    enc = gpt2()
     d = data_dir / 'shakespeare'
     train, val = tokens(d / 'train.bin'), tokens(d / 'val.bin')
     assert (len(train), len(val)) == (301966, 36059)  # nanoGPT's figures
@@ -53,10 +51,8 @@ def test_bpe_in_small_pieces_gives_the_tokens_of_the_whole(tmp_path, data_dir):
 def test_bpe_pieces_of_text_without_spaces_stay_small_and_give_the_tokens_of_the_whole():
     # minified JSON and CJK text have no whitespace to cut at: the pieces (and memory) grew to the whole file, and
     # each block rescanned them all (a 40 MB line of digits took 49 s and 488 MB as characters; 1.6 s and 88 MB now)
-    monkeypatch.setenv('TIKTOKEN_CACHE_DIR', env()['TIKTOKEN_CACHE_DIR'])
-    import tiktoken
     from prepare import safe_pieces
-    enc = tiktoken.get_encoding('gpt2')
+    enc = gpt2()
     json_line, chinese = '{"id":12,"tags":["it\'s","a1b2"],"n":3.5e-7}', '我们的模型，很小。第1章：它读了3本书！'
     for text in (json_line * 3000, chinese * 3000):
         pieces = list(safe_pieces(text[i:i + 1000] for i in range(0, len(text), 1000)))
@@ -125,9 +121,7 @@ def test_document_files_get_an_eot_after_each_document(tmp_path, monkeypatch):
     assert cached < 1.5 * given, (cached, given)
     assert json.loads((tmp_path / 'owt' / 'prep.json').read_text())['settings']['documents'] == \
         [str(tmp_path / f'docs-{part}.jsonl') for part in range(4)]  # the files, so that a new shard is a new prep
-    monkeypatch.setenv('TIKTOKEN_CACHE_DIR', env()['TIKTOKEN_CACHE_DIR'])
-    import tiktoken
-    enc = tiktoken.get_encoding('gpt2')
+    enc = gpt2()
     got = []
     for split, n_docs in (('train', 36), ('val', 4)):
         ids = tokens(tmp_path / 'owt' / f'{split}.bin').tolist()
@@ -172,9 +166,7 @@ print('peak rise kB', peak() - before[0])"""
                        capture_output=True, text=True, check=True)
     rise = int(p.stdout.split('peak rise kB')[1])
     assert rise < 16 << 10, rise  # kB: a few pieces of 64k characters and a document, not 8.9 MB's tokens as ints
-    monkeypatch.setenv('TIKTOKEN_CACHE_DIR', env()['TIKTOKEN_CACHE_DIR'])
-    import tiktoken
-    enc = tiktoken.get_encoding('gpt2')
+    enc = gpt2()
     ids = np.concatenate([tokens(tmp_path / 'books' / f'{split}.bin') for split in ('train', 'val')])
     docs = np.split(ids, np.flatnonzero(ids == 50256) + 1)[:-1]  # each with its EOT
     assert sorted(d.tolist() for d in docs) == sorted(enc.encode_ordinary(b) + [50256] for b in books)
@@ -547,9 +539,7 @@ def read_back(folder):
         return None
     ids = np.concatenate([tokens(paths['train']), tokens(paths['val'])])
     if meta is None:
-        monkeypatch.setenv('TIKTOKEN_CACHE_DIR', env()['TIKTOKEN_CACHE_DIR'])
-        import tiktoken
-        return tiktoken.get_encoding('gpt2').decode(ids.tolist())
+        return gpt2().decode(ids.tolist())
     return ''.join(meta['itos'].get(int(i), '\0') for i in ids)
 
 
