@@ -42,7 +42,8 @@ import torch.distributed as dist
 
 from data import data_dir, meta_vocab, vocabulary
 from model import GPT, GPTConfig
-from runlock import FOLDERS, HOLD, RUN_ID, is_snapshot, launch_identity, launch_pods, let_go, snapshot_dir, try_hold
+from runlock import (FOLDERS, HOLD, KEPT_SNAPSHOTS, RUN_ID, in_ram, is_snapshot, launch_identity, launch_pods,
+                     let_go, snapshot_dir, try_hold)
 
 
 def find_checkpoint(path):
@@ -1145,6 +1146,15 @@ def saved_for(snapshot, out_dir, run_id, state_of=None, say=True):
     return False
 
 
+def kept_snapshots(out_dir, run_id):
+    """The folders in out_dir of the run's memory snapshots that a start afresh over it kept there, each node's
+    (keep_earlier_snapshots; moved into before-RUN_ID/ with its other saved states): the run resumes them when it
+    is continued there (--out_dir=RUN/before-RUN_ID) as it would in RAM."""
+    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    return [os.path.join(out_dir, n) for n in names if n.startswith(f'snapshots.before-{run_id}-') and
+            KEPT_SNAPSHOTS.fullmatch(n) and os.path.isdir(os.path.join(out_dir, n))]
+
+
 def say_resumed(path, iter_num, max_iters, eval_only, print0):
     """The resume's line. A run started again once done (or with max_iters lowered below its state) has nothing to
     train: it evaluates and ends, which the line says, as the auto-resume line before it says that the run continues."""
@@ -1197,13 +1207,16 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         # a copy of this folder running on this node writes its snapshots there too: while it lives, this run
         # neither moves them nor writes its own (each would replace the other's), nor removes the folder at its end
         busy = try_hold(folder, "a run of a copy of this run's folder") if first and not eval_only else None
-        for path in snapshots(folder) if callable(snapshots) else [os.path.join(folder, n) for n in snapshots]:
-            it, _, bad = newest_loadable([path], iter_of=iter_of)
-            damaged += bad
-            if it is not None and saved_for(path, out_dir, run_id, state_of):
-                held[it] = path
-            elif it is not None:
-                passed = True
+        # and those that a start afresh over the run kept in its out_dir (keep_earlier_snapshots), which a return to
+        # it (--out_dir=RUN/before-RUN_ID) resumes: the run's own, from its own folder (a copy's were kept apart)
+        for where in [folder] + kept_snapshots(out_dir, run_id):
+            for path in snapshots(where) if callable(snapshots) else [os.path.join(where, n) for n in snapshots]:
+                it, _, bad = newest_loadable([path], iter_of=iter_of)
+                damaged += bad
+                if it is not None and (where != folder or saved_for(path, out_dir, run_id, state_of)):
+                    held.setdefault(it, path)  # the one in RAM first
+                elif it is not None:
+                    passed = True
         # another layout's, which this one cannot read: a copy's are passed over and kept, as those of this layout
         foreign = other_layouts(folder, [] if callable(snapshots) else snapshots,
                                 lambda path: saved_for(path, out_dir, run_id, state_of), script)
@@ -1366,7 +1379,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         # checkpoint) starts afresh too, under a new id: what the old id's folder holds is kept likewise, not left
         # holding RAM (a live copy's, or a copy's that did not fit, stays)
         if earlier and (not wanted or not holds_a_copys_snapshots()):
-            keep_earlier_snapshots(out_dir, earlier)
+            keep_earlier_snapshots(out_dir, earlier, state_of=state_of)
             dist.barrier()  # every node's are in out_dir before rank 0 moves them in with the run's other states
         kept = [keep_earlier_run(out_dir, earlier) if rank == 0 else None]
         dist.broadcast_object_list(kept)  # moved before any rank writes there; every rank learns where
@@ -1604,13 +1617,16 @@ def unused(path):
     return path
 
 
-def keep_earlier_snapshots(out_dir, run_id, whose='before', theirs=None):
+def keep_earlier_snapshots(out_dir, run_id, whose='before', theirs=None, state_of=None, afresh=False):
     """A run started afresh over out_dir (auto_resume=False) takes it over, so the earlier run's memory snapshots
     on this node could never be resumed again, and would hold its RAM until a reboot: they move into out_dir
-    (snapshots.before-RUN_ID-HOST/), where nothing of them is lost. Where they do not fit, they stay, with a
-    warning. whose='copy': those of a copy of out_dir (the same run_id), kept as snapshots.copy-RUN_ID-HOST/;
-    theirs, if given, names the folder's entries that are the copy's (the rest, this run's own, stay). Returns False
-    where they stay: the folder then holds what this run must neither replace nor remove."""
+    (snapshots.before-RUN_ID-HOST/), where nothing of them is lost and find_resume reads them once the run is
+    continued (in before-RUN_ID/, where keep_earlier_run moves them). Where they do not fit, they stay, with a
+    warning. whose='copy': those of a copy of out_dir (the same run_id), kept as snapshots.copy-RUN_ID-HOST/, which
+    no resume reads; theirs, if given, names the folder's entries that are the copy's (the rest, this run's own,
+    stay); afresh: those of a copy found as a run starts afresh, under another id. state_of reads a snapshot
+    folder's state (saved_for). Returns False where they stay: the folder then holds what this run must neither
+    replace nor remove."""
     folder = snapshot_dir(run_id)
     if int(os.environ.get('LOCAL_RANK', 0)) != 0 or not os.path.isdir(folder) or theirs == []:
         return True
@@ -1622,10 +1638,20 @@ def keep_earlier_snapshots(out_dir, run_id, whose='before', theirs=None):
         return False
     if not set(os.listdir(folder)) - {HOLD}:  # a run killed before its first snapshot: its hold, now this run's,
         return True  # goes with the folder at this run's end
+    if whose == 'before':  # a killed copy's among them would be resumed as the earlier run's own: kept apart first
+        copys = [n for n in sorted(os.listdir(folder))
+                 if n != HOLD and not saved_for(os.path.join(folder, n), out_dir, run_id, state_of, say=False)]
+        if not keep_earlier_snapshots(out_dir, run_id, 'copy', copys or [], state_of, afresh=True):
+            return False
+        if copys and not set(os.listdir(folder)) - {HOLD}:  # they were all the copy's
+            let_go(folder)
+            shutil.rmtree(folder, ignore_errors=True)
+            return True
     kept_as = base = os.path.join(out_dir, f"snapshots.{whose}-{run_id}-{socket.gethostname()}")
     n = 1
-    # a copy's are kept each time they are passed over, beside any .tmp that a crash mid-copy left (not ours to remove)
-    while whose == 'copy' and (os.path.lexists(kept_as) or os.path.lexists(kept_as + '.tmp')):
+    # a copy's are kept each time they are passed over, and a run's each time it is started afresh over (continued
+    # in before-RUN_ID/ between), beside any .tmp that a crash mid-copy left (not ours to remove)
+    while os.path.lexists(kept_as) or os.path.lexists(kept_as + '.tmp'):
         n += 1
         kept_as = f'{base}.{n}'
     # the hold on the folder is no snapshot (a dead run's, or this run's, taken above)
@@ -1645,7 +1671,8 @@ def keep_earlier_snapshots(out_dir, run_id, whose='before', theirs=None):
         print(f"warning: the {'copy' if whose == 'copy' else 'earlier run'}'s memory snapshots stay in {folder}, "
               f"holding RAM: they could not be kept in {out_dir} ({why}); " +
               ("this run takes no memory snapshots of its own, which would replace them, and leaves them there at "
-               "its end: free space and restart the run to keep them there, or " if whose == 'copy' else "") +
+               "its end: free space and restart the run to keep them there, or " if whose == 'copy' and not afresh
+               else "") +
               "delete the folder once they are not wanted", flush=True)
         return False
     for name in theirs or []:
@@ -1780,11 +1807,15 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
         if os.path.isfile(os.path.join(run, 'ds', 'latest')):  # ZeRO's shards alone: save_consolidated=False
             sys.exit(f"error: {run} holds ds_train.py's step folders but no {os.path.basename(find_checkpoint(path))} "
                      f"(save_consolidated=False), and only ds_train.py reads ZeRO's shards: {export(run)}")
-        snapshots = snapshot_dir(read_run_id(os.path.join(path, 'run_id'))) \
-            if os.path.isfile(os.path.join(path, 'run_id')) else None
-        if snapshots and os.path.isdir(snapshots) and set(os.listdir(snapshots)) - {HOLD}:  # killed before a save
+        run_id = read_run_id(os.path.join(path, 'run_id')) if os.path.isfile(os.path.join(path, 'run_id')) else None
+        # killed before a save: in RAM, or kept in the folder by a start afresh over the run (keep_earlier_snapshots)
+        snapshots = next((f for f in ([snapshot_dir(run_id)] + kept_snapshots(path, run_id) if run_id else [])
+                          if os.path.isdir(f) and set(os.listdir(f)) - {HOLD}), None)
+        if snapshots:
             whole = os.path.join(snapshots, 'ckpt.pt')  # train.py's snapshot is a whole ckpt.pt; the others' shards
-            sys.exit(f"error: {path} holds no checkpoint yet, only this node's memory snapshots of the run, in "
+            where = "this node's memory snapshots of the run, in" if in_ram(snapshots) else \
+                "memory snapshots of the run, kept in"
+            sys.exit(f"error: {path} holds no checkpoint yet, only {where} "
                      f"{snapshots}: " + (f"give {whole}, or " if os.path.isfile(whole) else "") +
                      "resume the run (it starts from them) until it saves one: its command, flags and ranks, with "
                      "--max_iters=1 saves the newest at once and ends (its own max_iters again trains on)")
@@ -1876,10 +1907,11 @@ def newer_state(path, model, checkpoint, dropout):
         # ds_train.py's snapshot is a step folder: its model states say which folder it was saved for
         engine = lambda folder: torch.load(os.path.join(folder, 'mp_rank_00_model_states.pt'), map_location='cpu',
                                            weights_only=True, mmap=True)
-        it, snapshot, writer = others_snapshot(snapshot_dir(run_id), None,
-                                               lambda p: saved_for(p, run, run_id, engine, say=False))
-        if it is not None:
-            newer.append((it, snapshot, writer, "the run's memory snapshot"))
+        for folder in [snapshot_dir(run_id)] + kept_snapshots(run, run_id):  # (those kept in run are its own)
+            it, snapshot, writer = others_snapshot(folder, None, lambda p: not in_ram(p) or
+                                                   saved_for(p, run, run_id, engine, say=False))
+            if it is not None:
+                newer.append((it, snapshot, writer, "the run's memory snapshot"))
     it, state, writer, what = max(newer, key=lambda n: n[0], default=(-1, None, None, None))
     if it <= saved:
         return model, checkpoint, path
@@ -1905,7 +1937,7 @@ def shards_snapshot_or_exit(path):
     """A one-line error where path is (or lies in) the memory snapshot of an fsdp_train.py, pp_train.py or
     ds_train.py run: each rank's own shards, in that run's layout, which only the run reads back as it resumes.
     train.py's, a whole ckpt.pt, is read as it is; decent_train.py's, one replica, with a note."""
-    if not (is_snapshot(path) and os.path.exists(path)):
+    if not (in_ram(path) and os.path.exists(path)):
         return
     shm = os.path.dirname(snapshot_dir(''))
     parts = os.path.relpath(os.path.abspath(path), shm).split(os.sep)

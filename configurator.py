@@ -381,9 +381,9 @@ def runs_own(path):
     the step folders, a new best replaces best-step-N) or its memory snapshots in RAM (its end removes them), as named
     or where a link leads (ln -s RUN/dcp/step-N mine): (the words that say so, RUN, the run id of the snapshots),
     else None. What a run or a tool writes there goes with them."""
-    from runlock import FOLDERS, is_snapshot, snapshot_dir  # (no torch: the light tools check their outputs)
+    from runlock import FOLDERS, in_ram, snapshot_dir  # (no torch: the light tools check their outputs)
     for p in dict.fromkeys((os.path.abspath(path), os.path.realpath(path))):
-        if is_snapshot(p) and snapshot_dir('').startswith('/dev/shm/'):
+        if in_ram(p) and snapshot_dir('').startswith('/dev/shm/'):
             run_id = p[len(snapshot_dir('')):].split(os.sep)[0]
             return (f"lies in {snapshot_dir('')}{run_id}, the memory snapshots of run {run_id}, which that run "
                     f"removes at its end"), None, run_id

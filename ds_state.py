@@ -27,8 +27,8 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
 from deepspeed.utils.tensor_fragment import fragment_address
 from pydantic import ValidationError
 
-from checkpoint import (checkpoint_iter, is_snapshot, kept, point_latest, read_name, reason, same_step, saved_for,
-                        step_folders)
+from checkpoint import (checkpoint_iter, in_ram, is_snapshot, kept, point_latest, read_name, reason, same_step,
+                        saved_for, step_folders)
 from runlog import count_overflow, count_skipped, stop_diverged
 
 # the classes that DeepSpeed 0.19.8 pickles into its checkpoints besides tensors and containers
@@ -334,8 +334,10 @@ def checkpoint_iter_at(path, run_id, layout, foreign, ds_dir, rank=None):
               'float16' if precision.get('fp16', {}).get('enabled') else 'float32'}
     kind = lambda k, v: 'nvme' if k.startswith('offload') and v not in ('none', 'cpu') else v  # one NVMe folder as any
     if any(kind(k, theirs[k]) != kind(k, layout[k]) for k in layout):
-        if path.startswith(ds_dir) or is_snapshot(path) and \
-                saved_for(path, os.path.dirname(ds_dir), ours.get('run_id'), engine_state, say=False):
+        # (a snapshot kept in out_dir is the run's own: keep_earlier_snapshots kept a copy's apart)
+        if path.startswith(ds_dir) or is_snapshot(path) and (not in_ram(path) or
+                                                             saved_for(path, os.path.dirname(ds_dir),
+                                                                       ours.get('run_id'), engine_state, say=False)):
             foreign.append((path, ours['world_size'], theirs))
         return None
     shards = lambda r='': [n for n in os.listdir(path) if f'zero_pp_rank_{r}' in n]

@@ -349,6 +349,18 @@ def snapshot_dir(run_id):
     return os.path.join('/dev/shm' if os.path.isdir('/dev/shm') else tempfile.gettempdir(), f'nanogpt-{run_id}')
 
 
-def is_snapshot(path):
-    """Whether path lies in a run's snapshot folder (node-local memory), not in out_dir (None: no path)."""
+# a node's memory snapshots of a run that a start afresh took over, kept out of RAM in its out_dir (and moved with
+# its other saved states into before-RUN_ID/): checkpoint.keep_earlier_snapshots
+KEPT_SNAPSHOTS = re.compile(r'snapshots\.before-[^/]+(?<!\.tmp)')
+
+
+def in_ram(path):
+    """Whether path lies in a run's snapshot folder in node-local memory (None: no path)."""
     return path is not None and os.path.abspath(path).startswith(snapshot_dir(''))
+
+
+def is_snapshot(path):
+    """Whether path is (or lies in) a memory snapshot, read as one: in node-local memory, or kept in an out_dir
+    (KEPT_SNAPSHOTS), not a checkpoint of out_dir (None: no path)."""
+    return in_ram(path) or path is not None and any(
+        KEPT_SNAPSHOTS.fullmatch(part) for part in os.path.abspath(path).split(os.sep))

@@ -8,6 +8,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -458,6 +459,24 @@ def test_a_copy_of_a_run_folder_never_resumes_the_others_memory_snapshot_a_moved
     assert cut.is_dir() and iter_of(a / f"{kept_as.name}.4" / 'ckpt.pt') == 13
 
 
+
+def test_a_copys_snapshot_found_as_a_run_starts_afresh_is_kept_apart_from_the_earlier_runs(tmp_path, data_dir,
+                                                                                         shared_run, in_ram):
+    # B (a copy of A) killed with its snapshot at 15, then A started afresh: the snapshot went with A's earlier run
+    # into A/before-RUN_ID/snapshots.before-*, and going back to that run resumed B's state as its own
+    a, b = tmp_path / 'a', tmp_path / 'b'
+    snapshots = copies(shared_run('train.py', *ARGS), a, b, in_ram)
+    run_id = (a / 'run_id').read_text().strip()
+    start(tmp_path, data_dir, b, '--max_iters=15', '--learning_rate=0.1')
+    snapshots.mkdir()
+    shutil.copy(b / 'ckpt.pt', snapshots / 'ckpt.pt')
+    p = start(tmp_path, data_dir, a, '--max_iters=2', '--auto_resume=False')
+    kept_as = a / f'snapshots.copy-{run_id}-{socket.gethostname()}'
+    assert f"the copy's memory snapshots moved from {snapshots} (RAM) to {kept_as}" in p.stdout, p.stdout[-2000:]
+    assert iter_of(kept_as / 'ckpt.pt') == 15 and not list((a / f'before-{run_id}').glob('snapshots.*'))
+    p = start(tmp_path, data_dir, a / f'before-{run_id}', '--max_iters=12')
+    assert f"resuming from {a / f'before-{run_id}' / 'ckpt.pt'} at iter 10" in p.stdout, p.stdout[-2000:]
+
 def test_a_copy_with_the_same_inode_number_on_another_filesystem_never_resumes_the_others_snapshot(tmp_path,
                                                                                                    data_dir,
                                                                                                    shared_run, in_ram):
@@ -793,6 +812,53 @@ def test_a_run_started_afresh_keeps_the_killed_earlier_runs_snapshots_in_out_dir
     assert (kept_as / 'config.json').read_bytes() == config and (kept_as / 'run_id').read_text().strip() == run_id
     assert (out / 'run_id').read_text().strip() != run_id
     assert not os.path.exists(f"/dev/shm/nanogpt-{(out / 'run_id').read_text().strip()}")  # its own, freed at the end
+    # a tool given that run's folder names them (it said: no checkpoint), and going back to the run
+    # (--out_dir=RUN/before-RUN_ID) resumes them, its only saved state (it started afresh over them)
+    p = run('sample.py', f'--out_dir={kept_as}', '--device=cpu', cwd=tmp_path, check=False)
+    assert one_line_error(p).startswith(f"error: {kept_as} holds no checkpoint yet, only memory snapshots of the run, "
+                                        f"kept in {kept_as / name}: give {kept_as / name / 'ckpt.pt'}, or resume")
+    newest = max(iter_of(kept_as / name / 'ckpt.pt'), iter_of(kept_as / name / 'ckpt.prev.pt')
+                 if (kept_as / name / 'ckpt.prev.pt').exists() else 0)
+    p = start(tmp_path, data_dir, kept_as, f'--max_iters={newest + 1}')
+    assert f'at iter {newest}' in p.stdout and f'resuming from {kept_as / name}' in p.stdout, p.stdout[-2000:]
+    assert iter_of(kept_as / 'ckpt.pt') == newest + 1 and files(kept_as / name) == before
+
+
+KEEP_SNAPSHOTS = '''import os, runpy, sys
+# the entrypoint run as it is, but its end leaves its memory snapshots in RAM, as a run killed after them would
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+import checkpoint
+checkpoint.remove_snapshots = lambda *args, **kwargs: None
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name='__main__')
+'''
+
+
+@pytest.mark.parametrize('script', ['fsdp_train.py', 'ds_train.py', 'pp_train.py'])
+def test_going_back_to_a_run_set_aside_resumes_its_memory_snapshots_kept_beside_it(tmp_path, data_dir, shared_run,
+                                                                                    script, in_ram):
+    # a run killed at 12 with its checkpoint at 10 and its snapshots of 10 and 11 in RAM, started afresh over: they
+    # moved into before-RUN_ID/ with its checkpoints, and --out_dir=RUN/before-RUN_ID resumed the checkpoint at 10
+    out = tmp_path / 'run'
+    shutil.copytree(shared_run(script, *ARGS), out)
+    (tmp_path / 'keep_snapshots.py').write_text(KEEP_SNAPSHOTS)
+    run(tmp_path / 'keep_snapshots.py', REPO / script, *TINY, f'--dataset={data_dir / "shakespeare_char"}',
+        f'--out_dir={out}', *ARGS, '--max_iters=12', '--save_memory_interval=1', cwd=tmp_path)
+    snapshots = in_ram(out)
+    shutil.rmtree(out)
+    shutil.copytree(shared_run(script, *ARGS), out)  # its storage as it was at 10: killed before its save at 12
+    run_id, before = (out / 'run_id').read_text().strip(), files(snapshots)
+    start(tmp_path, data_dir, out, '--max_iters=2', '--auto_resume=False', script=script)
+    kept_as = out / f'before-{run_id}' / f'snapshots.before-{run_id}-{socket.gethostname()}'
+    assert not snapshots.exists() and files(kept_as) == {k: v for k, v in before.items() if k != 'run.lock'}
+    p = run('sample.py', f'--out_dir={kept_as.parent}', '--device=cpu', '--num_samples=1', '--max_new_tokens=2',
+            f'--meta_path={data_dir / "shakespeare_char" / "meta.pkl"}', cwd=tmp_path)  # a tool reads its checkpoint,
+    # and says which newer state only the run reads back
+    assert re.search(rf"\(iter 10\), an older state than the run's memory snapshot {re.escape(str(kept_as))}/\S+ "
+                     rf"\(iter 11\), which only {script} reads back", p.stderr), p.stderr
+    p = start(tmp_path, data_dir, kept_as.parent, '--max_iters=13', script=script)
+    assert re.search(rf'resuming from {re.escape(str(kept_as))}/\S+ at iter 11\b', p.stdout), p.stdout[-2000:]
+    assert 'iter 11:' in p.stdout and 'iter 10:' not in p.stdout  # the steps from there to 13
 
 
 @pytest.mark.parametrize('script', ['train.py', 'fsdp_train.py'])
