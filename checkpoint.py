@@ -1147,11 +1147,13 @@ def saved_for(snapshot, out_dir, run_id, state_of=None, say=True):
 
 
 def kept_snapshots(out_dir, run_id):
-    """The folders in out_dir of the run's memory snapshots that a start afresh over it kept there, each node's
-    (keep_earlier_snapshots; moved into before-RUN_ID/ with its other saved states): the run resumes them when it
-    is continued there (--out_dir=RUN/before-RUN_ID) as it would in RAM."""
+    """The folders in out_dir of the run's memory snapshots kept there out of RAM, each node's (keep_earlier_snapshots):
+    by a start afresh over the run (moved into before-RUN_ID/ with its other saved states), which the run continued
+    there (--out_dir=RUN/before-RUN_ID) resumes, or by the start of a copy of out_dir that found them in the RAM the
+    two share (kept-): the run resumes them as it would in RAM."""
     names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
-    return [os.path.join(out_dir, n) for n in names if n.startswith(f'snapshots.before-{run_id}-') and
+    return [os.path.join(out_dir, n) for n in names if n.startswith((f'snapshots.before-{run_id}-',
+                                                                       f'snapshots.kept-{run_id}-')) and
             KEPT_SNAPSHOTS.fullmatch(n) and os.path.isdir(os.path.join(out_dir, n))]
 
 
@@ -1207,8 +1209,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         # a copy of this folder running on this node writes its snapshots there too: while it lives, this run
         # neither moves them nor writes its own (each would replace the other's), nor removes the folder at its end
         busy = try_hold(folder, "a run of a copy of this run's folder") if first and not eval_only else None
-        # and those that a start afresh over the run kept in its out_dir (keep_earlier_snapshots), which a return to
-        # it (--out_dir=RUN/before-RUN_ID) resumes: the run's own, from its own folder (a copy's were kept apart)
+        # and those kept in its out_dir (kept_snapshots): the run's own, from its own folder (a copy's kept apart)
         for where in [folder] + kept_snapshots(out_dir, run_id):
             for path in snapshots(where) if callable(snapshots) else [os.path.join(where, n) for n in snapshots]:
                 it, _, bad = newest_loadable([path], iter_of=iter_of)
@@ -1542,7 +1543,7 @@ def keep_earlier_run(out_dir, earlier):
     any. A log with no saved state is kept by runlog.open_log. Returns (the .tmp folder, the names moved), or None
     where there was nothing to move. Its memory snapshots, which keep_earlier_snapshots put in out_dir, count as
     saved states: a run that saved only those keeps its config.json."""
-    snapshots = re.compile(rf'snapshots\.before-{re.escape(earlier or "")}-.+')
+    snapshots = re.compile(rf'snapshots\.(before|kept)-{re.escape(earlier or "")}-.+')
     names = sorted(n for n in os.listdir(out_dir) if RUN_NAMES.fullmatch(n) or earlier and snapshots.fullmatch(n)) \
         if os.path.isdir(out_dir) else []
     if not any(n not in ('run_id', 'config.json', 'metrics.jsonl') for n in names):
@@ -1597,7 +1598,7 @@ def put_back_earlier_run(out_dir, say=True):
             continue
         for name in sorted(os.listdir(os.path.join(out_dir, tmp))):
             # only what keep_earlier_run moves, and none that is there twice (each moved, or did not)
-            ours = RUN_NAMES.fullmatch(name) or name.startswith('snapshots.before-')
+            ours = RUN_NAMES.fullmatch(name) or name.startswith(('snapshots.before-', 'snapshots.kept-'))
             if ours and not os.path.lexists(os.path.join(out_dir, name)):
                 os.rename(os.path.join(out_dir, tmp, name), os.path.join(out_dir, name))
         if not os.listdir(os.path.join(out_dir, tmp)):
@@ -1647,34 +1648,40 @@ def keep_earlier_snapshots(out_dir, run_id, whose='before', theirs=None, state_o
             let_go(folder)
             shutil.rmtree(folder, ignore_errors=True)
             return True
-    kept_as = base = os.path.join(out_dir, f"snapshots.{whose}-{run_id}-{socket.gethostname()}")
-    n = 1
-    # a copy's are kept each time they are passed over, and a run's each time it is started afresh over (continued
-    # in before-RUN_ID/ between), beside any .tmp that a crash mid-copy left (not ours to remove)
-    while os.path.lexists(kept_as) or os.path.lexists(kept_as + '.tmp'):
-        n += 1
-        kept_as = f'{base}.{n}'
-    # the hold on the folder is no snapshot (a dead run's, or this run's, taken above)
-    others = lambda d, names: [n for n in names if d == folder and (n == HOLD or theirs and n not in theirs)]
-    try:
-        if os.path.lexists(kept_as) or os.path.lexists(kept_as + '.tmp'):  # not ours to replace or remove
-            raise FileExistsError(f"{kept_as} or its .tmp is there already")
+    # a copy's go where its folder is (and holds that run still), whose next start resumes them there (find_resume);
+    # else into out_dir, where they are kept
+    home = whose == 'copy' and copys_folder([os.path.join(folder, n) for n in theirs or []], out_dir, run_id,
+                                            state_of)
+    for where, kind in ([(home, 'kept')] if home else []) + [(out_dir, whose)]:
+        kept_as = base = os.path.join(where, f"snapshots.{kind}-{run_id}-{socket.gethostname()}")
+        n = 1
+        # a copy's are kept each time they are passed over, and a run's each time it is started afresh over
+        # (continued in before-RUN_ID/ between), beside any .tmp that a crash mid-copy left (not ours to remove)
+        while os.path.lexists(kept_as) or os.path.lexists(kept_as + '.tmp'):
+            n += 1
+            kept_as = f'{base}.{n}'
+        # the hold on the folder is no snapshot (a dead run's, or this run's, taken above)
+        others = lambda d, names: [n for n in names if d == folder and (n == HOLD or theirs and n not in theirs)]
         try:
-            shutil.copytree(folder, kept_as + '.tmp', ignore=others)
-            os.rename(kept_as + '.tmp', kept_as)
-        except OSError:
-            shutil.rmtree(kept_as + '.tmp', ignore_errors=True)  # the part copied: made here, just now
-            raise
-    except OSError as e:
-        # copytree gathers its files' errors into one list: the first says why (a full disk)
-        why = e.args[0][0][2] if isinstance(e, shutil.Error) and e.args and e.args[0] else reason(e)
-        print(f"warning: the {'copy' if whose == 'copy' else 'earlier run'}'s memory snapshots stay in {folder}, "
-              f"holding RAM: they could not be kept in {out_dir} ({why}); " +
-              ("this run takes no memory snapshots of its own, which would replace them, and leaves them there at "
-               "its end: free space and restart the run to keep them there, or " if whose == 'copy' and not afresh
-               else "") +
-              "delete the folder once they are not wanted", flush=True)
-        return False
+            try:
+                shutil.copytree(folder, kept_as + '.tmp', ignore=others)
+                os.rename(kept_as + '.tmp', kept_as)
+            except OSError:
+                shutil.rmtree(kept_as + '.tmp', ignore_errors=True)  # the part copied: made here, just now
+                raise
+            break
+        except OSError as e:
+            if where != out_dir:
+                continue
+            # copytree gathers its files' errors into one list: the first says why (a full disk)
+            why = e.args[0][0][2] if isinstance(e, shutil.Error) and e.args and e.args[0] else reason(e)
+            print(f"warning: the {'copy' if whose == 'copy' else 'earlier run'}'s memory snapshots stay in {folder}, "
+                  f"holding RAM: they could not be kept in {out_dir} ({why}); " +
+                  ("this run takes no memory snapshots of its own, which would replace them, and leaves them there "
+                   "at its end: free space and restart the run to keep them there, or " if whose == 'copy' and
+                   not afresh else "") +
+                  "delete the folder once they are not wanted", flush=True)
+            return False
     for name in theirs or []:
         path = os.path.join(folder, name)
         shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
@@ -1682,8 +1689,28 @@ def keep_earlier_snapshots(out_dir, run_id, whose='before', theirs=None, state_o
         let_go(folder)
         shutil.rmtree(folder, ignore_errors=True)
     print(f"the {'copy' if whose == 'copy' else 'earlier run'}'s memory snapshots moved from {folder} (RAM) to "
-          f"{kept_as}", flush=True)
+          f"{kept_as}" + (f", where the run in {home} resumes them" if kind == 'kept' else ""), flush=True)
     return True
+
+
+def copys_folder(paths, out_dir, run_id, state_of=None):
+    """The folder that the snapshots at paths, a copy's of out_dir, were saved for, where it is there still (not
+    out_dir, nor moved: its real path) and holds that run (run_id; not started afresh since): there the copy's next
+    start resumes them, kept as snapshots.kept-RUN_ID-HOST/ (find_resume). None where they name no one such folder."""
+    homes = set()
+    for path in paths:
+        try:
+            state = state_of(path) if os.path.isdir(path) else \
+                torch.load(path, map_location='cpu', weights_only=True, mmap=True)
+            homes.add(os.path.realpath(state.get('out_dir') or state['config']['out_dir']))
+        except Exception:
+            return None  # unreadable here (or a folder with no state_of): kept in out_dir, where nothing is resumed
+    home = homes.pop() if len(homes) == 1 else None
+    try:
+        same = home and home != os.path.realpath(out_dir) and read_name(os.path.join(home, 'run_id')) == run_id
+    except ValueError:  # not text
+        return None
+    return home if same else None
 
 
 _copy_in_ram = []  # the snapshot folder, where a copy running there holds it, or its snapshots could not be moved

@@ -349,9 +349,9 @@ def snapshot_dir(run_id):
     return os.path.join('/dev/shm' if os.path.isdir('/dev/shm') else tempfile.gettempdir(), f'nanogpt-{run_id}')
 
 
-# a node's memory snapshots of a run that a start afresh took over, kept out of RAM in its out_dir (and moved with
-# its other saved states into before-RUN_ID/): checkpoint.keep_earlier_snapshots
-KEPT_SNAPSHOTS = re.compile(r'snapshots\.before-[^/]+(?<!\.tmp)')
+# a node's memory snapshots of a run kept out of RAM in its out_dir (checkpoint.keep_earlier_snapshots): by a start
+# afresh that took it over (moved with its other saved states into before-RUN_ID/), or by a copy's start (kept)
+KEPT_SNAPSHOTS = re.compile(r'snapshots\.(before|kept)-[^/]+(?<!\.tmp)')
 
 
 def in_ram(path):

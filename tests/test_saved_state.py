@@ -431,9 +431,10 @@ def test_a_copy_of_a_run_folder_never_resumes_the_others_memory_snapshot_a_moved
     p = start(tmp_path, data_dir, a, '--max_iters=12')
     assert f'resuming from {a / "ckpt.pt"} at iter 10' in p.stdout, p.stdout[-2000:]
     assert f'passing over the memory snapshot {snapshots / "ckpt.pt"}, which a run in {b} saved' in p.stdout
-    # B's snapshot, its newest state, was neither replaced by A's snapshots nor removed at A's end: kept in A
-    kept_as = a / f"snapshots.copy-{snapshots.name[len('nanogpt-'):]}-{socket.gethostname()}"
-    assert f"the copy's memory snapshots moved from {snapshots} (RAM) to {kept_as}" in p.stdout
+    # B's snapshot, its newest state, was neither replaced by A's snapshots nor removed at A's end: kept in B
+    kept_as = b / f"snapshots.kept-{snapshots.name[len('nanogpt-'):]}-{socket.gethostname()}"
+    assert f"the copy's memory snapshots moved from {snapshots} (RAM) to {kept_as}, where the run in {b} resumes " \
+        f"them" in p.stdout, p.stdout[-2000:]
     assert iter_of(kept_as / 'ckpt.pt') == 15
     # B renamed (mv b c) is B still, which resumes its own snapshot
     b.rename(tmp_path / 'c')
@@ -447,16 +448,17 @@ def test_a_copy_of_a_run_folder_never_resumes_the_others_memory_snapshot_a_moved
     shutil.rmtree(tmp_path / 'c')
     p = start(tmp_path, data_dir, a, '--max_iters=13')
     assert f'resuming from {a / "ckpt.pt"} at iter 12' in p.stdout, p.stdout[-2000:]
-    assert sorted(iter_of(k / 'ckpt.pt') for k in a.glob('snapshots.copy-*')) == [15, 16]  # C's kept too
+    copy_as = a / f"snapshots.copy-{snapshots.name[len('nanogpt-'):]}-{socket.gethostname()}"
+    assert iter_of(copy_as / 'ckpt.pt') == 16  # C's, kept in A: C's folder is gone
     # a copy of them cut short by a crash (its .tmp) is left as it is, and they are kept under another name
     snapshots.mkdir(exist_ok=True)
     torch.save({**torch.load(a / 'ckpt.pt', weights_only=True), 'out_dir': str(tmp_path / 'd'),
                 'out_dir_ino': tmp_path.stat().st_ino}, snapshots / 'ckpt.pt')  # another copy's, D's
-    cut = a / f"{kept_as.name}.3.tmp"
+    cut = a / f"{copy_as.name}.2.tmp"
     cut.mkdir()
     p = start(tmp_path, data_dir, a, '--max_iters=14')
-    assert f"moved from {snapshots} (RAM) to {a / kept_as.name}.4" in p.stdout, p.stdout[-2000:]
-    assert cut.is_dir() and iter_of(a / f"{kept_as.name}.4" / 'ckpt.pt') == 13
+    assert f"moved from {snapshots} (RAM) to {copy_as}.3" in p.stdout, p.stdout[-2000:]
+    assert cut.is_dir() and iter_of(a / f"{copy_as.name}.3" / 'ckpt.pt') == 13
 
 
 
@@ -471,11 +473,28 @@ def test_a_copys_snapshot_found_as_a_run_starts_afresh_is_kept_apart_from_the_ea
     snapshots.mkdir()
     shutil.copy(b / 'ckpt.pt', snapshots / 'ckpt.pt')
     p = start(tmp_path, data_dir, a, '--max_iters=2', '--auto_resume=False')
-    kept_as = a / f'snapshots.copy-{run_id}-{socket.gethostname()}'
+    kept_as = b / f'snapshots.kept-{run_id}-{socket.gethostname()}'  # in B, which resumes it
     assert f"the copy's memory snapshots moved from {snapshots} (RAM) to {kept_as}" in p.stdout, p.stdout[-2000:]
     assert iter_of(kept_as / 'ckpt.pt') == 15 and not list((a / f'before-{run_id}').glob('snapshots.*'))
     p = start(tmp_path, data_dir, a / f'before-{run_id}', '--max_iters=12')
     assert f"resuming from {a / f'before-{run_id}' / 'ckpt.pt'} at iter 10" in p.stdout, p.stdout[-2000:]
+
+
+def test_a_copys_snapshot_passed_over_is_kept_in_the_copys_folder_which_resumes_it(tmp_path, data_dir, shared_run,
+                                                                                    in_ram):
+    # B (a copy of A) killed at 15 with its checkpoint at 10, then A resumed on that node: B's snapshot was kept in A,
+    # and B's next start went on from its checkpoint at 10
+    a, b = tmp_path / 'a', tmp_path / 'b'
+    snapshots = copies(shared_run('train.py', *ARGS), a, b, in_ram)
+    start(tmp_path, data_dir, b, '--max_iters=15', '--learning_rate=0.1')
+    snapshots.mkdir()
+    shutil.copy(b / 'ckpt.pt', snapshots / 'ckpt.pt')
+    (b / 'ckpt.prev.pt').replace(b / 'ckpt.pt')  # its checkpoint at 10
+    start(tmp_path, data_dir, a, '--max_iters=12')
+    kept_as = b / f"snapshots.kept-{snapshots.name[len('nanogpt-'):]}-{socket.gethostname()}"
+    p = start(tmp_path, data_dir, b, '--max_iters=16', '--learning_rate=0.1')
+    assert f"resuming from {kept_as / 'ckpt.pt'} at iter 15" in p.stdout, p.stdout[-2000:]
+    assert iter_of(b / 'ckpt.pt') == 16 and iter_of(kept_as / 'ckpt.pt') == 15
 
 def test_a_copy_with_the_same_inode_number_on_another_filesystem_never_resumes_the_others_snapshot(tmp_path,
                                                                                                    data_dir,
@@ -491,7 +510,7 @@ def test_a_copy_with_the_same_inode_number_on_another_filesystem_never_resumes_t
                snapshots / 'ckpt.pt')  # as B's snapshot holds them, on its filesystem
     p = start(tmp_path, data_dir, a, '--max_iters=12')
     assert f'resuming from {a / "ckpt.pt"} at iter 10' in p.stdout, p.stdout[-2000:]
-    assert iter_of(next(a.glob('snapshots.copy-*')) / 'ckpt.pt') == 15
+    assert iter_of(next(b.glob('snapshots.kept-*')) / 'ckpt.pt') == 15  # kept in B, which resumes it
 
 
 def test_a_copys_snapshots_that_do_not_fit_in_out_dir_are_left_whole_in_ram(tmp_path, data_dir, shared_run,
@@ -503,6 +522,7 @@ def test_a_copys_snapshots_that_do_not_fit_in_out_dir_are_left_whole_in_ram(tmp_
     start(tmp_path, data_dir, b, '--max_iters=15', '--learning_rate=0.1')
     snapshots.mkdir()
     shutil.copy(b / 'ckpt.pt', snapshots / 'ckpt.pt')  # what B's snapshot held when it was killed
+    shutil.rmtree(b)  # deleted since: its snapshot is kept in A (in B, where B's next start would resume it, else)
     before = files(snapshots)
     fill(a.parent)
     os.truncate(a.parent / 'filler', (a.parent / 'filler').stat().st_size - 65536)  # A's log rows fit
@@ -535,7 +555,7 @@ def test_a_run_resuming_its_own_snapshot_keeps_the_copys_beside_it_in_out_dir(tm
         p = start(tmp_path, data_dir, a, f'--max_iters={newest + 2}', '--save_memory_interval=1',
                   script='fsdp_train.py')
         assert f'resuming from {mine} at iter {newest}' in p.stdout, p.stdout[-2000:]
-        kept_as = next(a.glob('snapshots.copy-*'))
+        kept_as = next(b.glob('snapshots.kept-*'))  # in B, which resumes it
         assert files(kept_as) == {theirs.name: before[theirs.name]}  # B's, as it was; A's own stayed for A
         assert not snapshots.exists()  # A's end freed its own
     finally:
@@ -553,7 +573,7 @@ def test_a_copys_snapshot_of_another_layout_is_passed_over_and_kept(tmp_path, da
     before = files(snapshots)
     p = start(tmp_path, data_dir, a, '--max_iters=12', script='fsdp_train.py')
     assert f'resuming from {a / "dcp" / "step-00000010"} at iter 10' in p.stdout, p.stdout[-2000:]
-    assert files(next(a.glob('snapshots.copy-*'))) == before and not snapshots.exists()
+    assert files(next(b.glob('snapshots.kept-*'))) == before and not snapshots.exists()  # kept in B
 
 
 @pytest.mark.parametrize('afresh', [False, True])
@@ -600,7 +620,7 @@ def test_a_copy_run_with_a_relative_out_dir_from_its_own_folder_never_resumes_th
     shutil.copy(p1 / 'out' / 'ckpt.pt', snapshots / 'ckpt.pt')  # what p1's snapshot held when it was killed
     p = start(p2, data_dir, 'out', '--max_iters=12')
     assert 'resuming from out/ckpt.pt at iter 10' in p.stdout, p.stdout[-2000:]
-    assert iter_of(next((p2 / 'out').glob('snapshots.copy-*')) / 'ckpt.pt') == 15  # p1's, kept
+    assert iter_of(next((p1 / 'out').glob('snapshots.kept-*')) / 'ckpt.pt') == 15  # p1's, kept where p1 resumes it
 
 
 def test_a_copy_of_a_deepspeed_run_folder_never_resumes_the_others_memory_snapshot(tmp_path, data_dir, shared_run,
