@@ -41,9 +41,33 @@ def torchrun_env():
                      f"`sbatch slurm/torchrun.sbatch {script} ...`" if first else 1)  # the line once, not a task's
         return 0, 0, 1, 1
     rank, world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
-    if 'LOCAL_RANK' not in os.environ:  # env:// as a Kubeflow PyTorchJob's plain `python` sets it: a process a pod
-        return rank, 0, world_size, 1
+    if 'LOCAL_RANK' not in os.environ:
+        # env:// with no launcher: a Kubeflow PyTorchJob's plain `python` (a process a pod), or ranks started by hand.
+        # Each took itself for its node's first rank: ranks on one host wrote one memory snapshot file at once, and
+        # would all take cuda:0. Their places come from the hosts that all ranks name, through the group's store
+        local_rank, local_world_size = place_on_node(rank, world_size)
+        os.environ['LOCAL_RANK'], os.environ['LOCAL_WORLD_SIZE'] = str(local_rank), str(local_world_size)
     return rank, int(os.environ['LOCAL_RANK']), world_size, int(os.environ.get('LOCAL_WORLD_SIZE', world_size))
+
+
+_store = []  # the store that place_on_node made, which the process group then uses (start)
+
+
+def place_on_node(rank, world_size):
+    """(local rank, local world size) of an env:// rank that no launcher placed: its order among the ranks that
+    run on its host (its hostname; a pod's is its own), as torchrun would have numbered them."""
+    if world_size == 1:
+        return 0, 1
+    if not os.environ.get('MASTER_ADDR') or not os.environ.get('MASTER_PORT'):
+        sys.exit("error: RANK and WORLD_SIZE are set, but not MASTER_ADDR and MASTER_PORT (rank 0's host and a free "
+                 "port on it), which env:// needs: set them, or launch with torchrun")
+    store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), world_size, rank == 0,
+                          timeout=timedelta(minutes=30))
+    store.set(f'host/{rank}', socket.gethostname())
+    hosts = [store.get(f'host/{r}').decode() for r in range(world_size)]  # (each waits for that rank's)
+    _store.append(store)
+    mine = [r for r, host in enumerate(hosts) if host == hosts[rank]]
+    return mine.index(rank), len(mine)
 
 
 def ranks_per_node():
@@ -121,6 +145,8 @@ def start(backend, device, deepspeed=False, config=None):
     if device_type == 'cuda':
         torch.cuda.set_device(device)
     store = dist.HashStore() if world_size == 1 and 'RANK' not in os.environ else None
+    if _store:  # (env:// with no launcher)
+        store = _store[0]
     if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
         # torchrun's store outlives a restart of the workers, and gloo would read the dead workers' addresses from
         # it (and fail the restart): each incarnation of the group gets a store of its own

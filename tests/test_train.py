@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY, env, free_port, read_metrics, run
+from conftest import REPO, TINY, env, free_port, one_line_error, read_metrics, run
+from launcher import launch
 
 
 def train(tmp_path, data_dir, out, *extra, nproc=1, dataset='shakespeare_char', check=True):
@@ -41,18 +42,25 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(tmp_path, data_dir)
     # the other launchers of two ranks: torch.distributed.launch (it adds --local-rank=K), and env:// alone, as a
     # Kubeflow PyTorchJob's plain `python` command sets it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; no LOCAL_RANK)
     flags = [*TINY, f'--dataset={data_dir / "shakespeare_char"}', *args]
-    launch = subprocess.run([sys.executable, '-m', 'torch.distributed.launch', '--nproc_per_node=2',
+    launched = subprocess.run([sys.executable, '-m', 'torch.distributed.launch', '--nproc_per_node=2',
                              f'--master_port={free_port()}', str(REPO / 'train.py'), *flags,
                              f'--out_dir={tmp_path / "launch"}'], cwd=tmp_path, env=env(), capture_output=True,
                             text=True, timeout=300)
-    assert launch.returncode == 0, launch.stderr[-3000:]
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    # (both on this host: each took itself for its node's first rank, and the two wrote one memory snapshot file)
     port = free_port()
-    ranks = [subprocess.Popen([sys.executable, str(REPO / 'train.py'), *flags, f'--out_dir={tmp_path / "plain"}'],
+    ranks = [subprocess.Popen([sys.executable, str(REPO / 'train.py'), *flags, f'--out_dir={tmp_path / "plain"}',
+                               '--save_memory_interval=1'],
                               cwd=tmp_path, env={**env(), 'RANK': str(r), 'WORLD_SIZE': '2', 'MASTER_ADDR': '127.0.0.1',
                                                  'MASTER_PORT': str(port)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outputs = [p.communicate(timeout=300)[0] for p in ranks]
     assert [p.returncode for p in ranks] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert not [line for out in outputs for line in out.splitlines() if 'memory snapshot' in line], outputs
+    p = launch(str(REPO / 'train.py'), flags + [f'--out_dir={tmp_path / "bare"}'], {**env(), 'RANK': '0',
+               'WORLD_SIZE': '2'}, tmp_path)  # without the rest of env://: init_process_group's ValueError
+    assert one_line_error(p) == "error: RANK and WORLD_SIZE are set, but not MASTER_ADDR and MASTER_PORT (rank 0's " \
+        "host and a free port on it), which env:// needs: set them, or launch with torchrun"
     for out in ('launch', 'plain'):
         assert json.loads((tmp_path / out / 'config.json').read_text())['world_size'] == 2
         losses, _ = read_metrics(tmp_path / out)
