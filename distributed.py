@@ -50,7 +50,12 @@ def torchrun_env():
     return rank, int(os.environ['LOCAL_RANK']), world_size, int(os.environ.get('LOCAL_WORLD_SIZE', world_size))
 
 
-_store = []  # the store that place_on_node made, which the process group then uses (start)
+_store = []  # the store that place_on_node made, which the process group then uses (start, env_store)
+
+
+def env_store():
+    """The store for init_process_group where place_on_node made one (its port is taken by it), else None."""
+    return _store[0] if _store else None
 
 
 def place_on_node(rank, world_size):
@@ -144,9 +149,8 @@ def start(backend, device, deepspeed=False, config=None):
     device_type = torch.device(device).type
     if device_type == 'cuda':
         torch.cuda.set_device(device)
-    store = dist.HashStore() if world_size == 1 and 'RANK' not in os.environ else None
-    if _store:  # (env:// with no launcher)
-        store = _store[0]
+    # a group of one's own; or the store that env:// ranks with no launcher met in (place_on_node), else env://'s
+    store = dist.HashStore() if world_size == 1 and 'RANK' not in os.environ else env_store()
     if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
         # torchrun's store outlives a restart of the workers, and gloo would read the dead workers' addresses from
         # it (and fail the restart): each incarnation of the group gets a store of its own

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from checkpoint import PRETRAINED, checkpoint_or_exit, find_checkpoint, hf_folder, pretrained_or_exit
 from configurator import configure, quiet_interrupt
 from data import gpt2_encoding_or_exit
-from distributed import finish, pick_device, torchrun_env
+from distributed import env_store, finish, pick_device, torchrun_env
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 
 quiet_interrupt()  # Ctrl-C: one line, no traceback
@@ -83,7 +83,8 @@ rank, _, world_size, _ = torchrun_env()
 if world_size > 1:
     if device_type == 'cuda':
         torch.cuda.set_device(device)
-    dist.init_process_group('nccl' if device_type == 'cuda' else 'gloo')
+    dist.init_process_group('nccl' if device_type == 'cuda' else 'gloo', store=env_store(), rank=rank,
+                            world_size=world_size)
 if device_type == 'cuda':
     torch.set_float32_matmul_precision('high')  # TF32 matmuls (the API that inductor's max-autotune reads)
 model.to(device)

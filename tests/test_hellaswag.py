@@ -14,8 +14,8 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from conftest import REPO, TINY, env, one_line_error, run
-from launcher import launch
+from conftest import REPO, TINY, env, free_port, one_line_error, run
+from launcher import finish, launch, start
 from test_untrusted import Payload
 
 os.environ.update(TIKTOKEN_CACHE_DIR=env()['TIKTOKEN_CACHE_DIR'], HF_HUB_OFFLINE='1')
@@ -219,6 +219,16 @@ def test_eval_hellaswag_on_two_ranks_prints_the_counts_of_one(setup):
             cwd=tmp)
     want = f"hellaswag: 11 examples, acc {ref['acc']:.4f}, acc_norm {ref['acc_norm']:.4f}"
     assert p.stdout.strip().splitlines()[-1] == want and p.stdout.count('hellaswag:') == 1
+    # two ranks by env:// alone (no launcher, no LOCAL_RANK: a PyTorchJob's plain `python`): the group met where
+    # the ranks had met to learn their places on the host, whose port that store holds (EADDRINUSE)
+    port = free_port()
+    ranks = [start(str(REPO / 'eval_hellaswag.py'), [f'--ckpt={tmp / "nobias"}', f'--input={data}', '--limit=11',
+                                                    '--device=cpu'],
+                   {**env(), 'RANK': str(r), 'WORLD_SIZE': '2', 'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': str(port)},
+                   tmp) for r in range(2)]
+    p = [finish(r, 180) for r in ranks]
+    assert [q.returncode for q in p] == [0, 0], p[0].stderr[-2000:] + p[1].stderr[-2000:]
+    assert p[0].stdout.strip().splitlines()[-1] == want and p[1].stdout.count('hellaswag:') == 0
 
 
 def test_the_first_line_names_the_state_read_a_killed_runs_newer_memory_snapshot(setup, tmp_path):
