@@ -1209,13 +1209,13 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         # a copy of this folder running on this node writes its snapshots there too: while it lives, this run
         # neither moves them nor writes its own (each would replace the other's), nor removes the folder at its end
         busy = try_hold(folder, "a run of a copy of this run's folder") if first and not eval_only else None
-        # and those kept in its out_dir (kept_snapshots): the run's own, from its own folder (a copy's kept apart)
+        # its snapshots in RAM, and those kept in its out_dir (kept_snapshots: its own, from its own folder)
         for where in [folder] + kept_snapshots(out_dir, run_id):
             for path in snapshots(where) if callable(snapshots) else [os.path.join(where, n) for n in snapshots]:
                 it, _, bad = newest_loadable([path], iter_of=iter_of)
                 damaged += bad
                 if it is not None and (where != folder or saved_for(path, out_dir, run_id, state_of)):
-                    held.setdefault(it, path)  # the one in RAM first
+                    held[it] = path if where == folder or it not in held else held[it]  # the one in RAM first
                 elif it is not None:
                     passed = True
         # another layout's, which this one cannot read: a copy's are passed over and kept, as those of this layout
