@@ -1040,6 +1040,21 @@ def test_an_export_folder_or_a_run_file_that_is_a_folder_is_refused_at_the_start
     assert sorted(os.listdir(tmp_path / 'run')) == ['run_id']
 
 
+def test_a_run_whose_out_dir_is_named_as_a_checkpoint_folder_is_not_taken_by_a_run_in_its_parent(tmp_path, data_dir):
+    """A run in out/ds (out/dcp, out/decent: a name for a DeepSpeed run, say), then one in out, the default: the
+    start in out took out/ds for its own ds_train.py state, moved it into out/before-*/ (under it, where it was still
+    training), and out/ds was refused from then on as out's checkpoint folder."""
+    inner = tmp_path / 'out' / 'ds'
+    start(tmp_path, data_dir, inner)
+    before = files(tmp_path / 'out')
+    for script, args in (('train.py', []), ('train.py', ['--auto_resume=False']), ('fsdp_train.py', [])):
+        error = one_line_error(start(tmp_path, data_dir, tmp_path / 'out', *args, script=script, check=False))
+        assert error == f"error: {inner} is the out_dir of another run (its run_id file says so), where a run in " \
+                        f"{tmp_path / 'out'} keeps its checkpoints: move it out of {tmp_path / 'out'} (nothing was " \
+                        f"changed)", error
+        assert files(tmp_path / 'out') == before and os.listdir(tmp_path / 'out') == ['ds']
+
+
 CRASH_AT_RENAME = '''import os, sys
 sys.path.insert(0, os.getcwd())  # the repo, which it runs in
 from checkpoint import atomic_save
