@@ -421,6 +421,13 @@ def check_out_dir(out_dir, evaluates=False):
         sys.exit(f"error: out_dir={out_dir} {found[0]}: to continue that run give "
                  f"--out_dir={shlex.quote(found[1])}; for a new run from a checkpoint there, --init_from=FOLDER and an "
                  f"--out_dir of its own")
+    # a step folder kept out of its run (cp -r RUN/dcp/step-N kept): a run there would start afresh over it, its own
+    # run_id in place of the one that the folder's files carry
+    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    saved = [n for n in names if n in ('.metadata', 'extra.pt') or re.fullmatch(r'.*model_states\.pt|rank-\d+\.pt', n)]
+    if saved:
+        sys.exit(f"error: out_dir={out_dir} is a checkpoint's step folder ({saved[0]} in it), not a run's out_dir: "
+                 f"to train from it give --init_from={shlex.quote(out_dir)} and an --out_dir of its own")
     parent = os.path.abspath(out_dir)
     while not os.path.exists(parent):
         if os.path.islink(parent):  # a link to a folder not there (scratch space purged, say): no folder can be made
