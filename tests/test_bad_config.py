@@ -113,6 +113,24 @@ def test_an_out_dir_in_a_runs_checkpoint_folders_or_snapshots_is_refused(tmp_pat
             "out_dir (whose run_id file holds 0123abc) to resume it" in str(e.value.code), e.value.code
 
 
+def test_an_out_dir_named_as_a_runs_best_is_refused(tmp_path):
+    # --out_dir=RUN/best (meant as a run from RUN's best): RUN/best was the new run's folder from then on, and
+    # export_hf.py --ckpt=RUN/best, sample.py --init_from=best and --init_from=RUN/best read its newest checkpoint in
+    # place of RUN's best, without a word
+    (tmp_path / 'run').mkdir()
+    (tmp_path / 'run' / 'run_id').write_text('abc')
+    (tmp_path / 'mine').symlink_to(tmp_path / 'run' / 'best')
+    for out in ('run/best', 'run/best/new', 'mine'):
+        with pytest.raises(SystemExit) as e:
+            configurator.check_out_dir(str(tmp_path / out))
+        best = tmp_path / 'run' / 'best'
+        assert f"{best}, which names the best checkpoint of the run in {tmp_path / 'run'} (sample.py, export_hf.py " \
+            f"and --init_from read it there): to train from it give --init_from={best} and an --out_dir of its own" \
+            in str(e.value.code), e.value.code
+    assert os.listdir(tmp_path / 'run') == ['run_id']
+    configurator.check_out_dir(str(tmp_path / 'best'))  # a folder named best in no run's folder: taken
+
+
 def test_an_out_dir_that_is_a_checkpoint_folder_is_refused(tmp_path, data_dir):
     # a step folder copied out of a run to keep it (cp -r RUN/dcp/step-N kept), then given as out_dir to go on from
     # it: a new run started afresh there, its run_id written over the one the folder's files carry
