@@ -1074,7 +1074,8 @@ def others_newest(out_dir, script):
 
 def misplaced(out_dir, storage):
     """A one-line reason where something stands in out_dir where the entrypoints write a file (a ckpt.pt that is
-    a folder) or a folder of step folders (a dcp that is a file): every save there would fail, or move it. And a
+    a folder) or a folder of step folders (a dcp that is a file): every save there would fail, or move it; a run's
+    own out_dir there (out/ds, out/ds/zero2), which a start afresh would move aside with the state it took it for. And a
     config.json that no run wrote (a Hugging Face export's): the run would write its own over it."""
     kinds = [os.path.join(out_dir, k) for k in sorted(set(FOLDERS.values()))]
     for path in [p for paths in storage for p in paths] + [os.path.join(out_dir, 'best.pt')] + kinds:
@@ -1082,6 +1083,14 @@ def misplaced(out_dir, storage):
             return f"{path} is a folder, where the checkpoint file goes"
         if not path.endswith('.pt') and os.path.exists(path) and not os.path.isdir(path):
             return f"{path} is a file, where a folder of checkpoints goes"
+    for kind in kinds:  # a run of its own (out/ds for a DeepSpeed run), or a folder of runs: a start afresh here would
+        # move them, under them. No step folder holds a config.json
+        inner = sorted(os.path.join(kind, n) for n in os.listdir(kind)) if os.path.isdir(kind) else []
+        run = next((r for r in [kind] + inner if os.path.isfile(os.path.join(r, 'config.json'))), None)
+        if run:
+            inside = '' if run == kind else f', inside {kind}'
+            return f"{run} is another run's out_dir (its config.json says so){inside}, where a run in {out_dir} " \
+                "keeps its checkpoints"
     for path in [os.path.join(kind, name) for kind in kinds for name in ('latest', 'best')]:
         if os.path.exists(path) and not os.path.isfile(path):  # the save that points it at its folder would fail
             return f"{path} is a folder, where the file that names the {os.path.basename(path)} step folder goes"

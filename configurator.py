@@ -421,6 +421,25 @@ def check_out_dir(out_dir, evaluates=False):
         sys.exit(f"error: out_dir={out_dir} {found[0]}: to continue that run give "
                  f"--out_dir={shlex.quote(found[1])}; for a new run from a checkpoint there, --init_from=FOLDER and an "
                  f"--out_dir of its own")
+    # RUN/best is the name the tools read RUN's best by (meant here as a run from it): a folder there, they would
+    # read its newest checkpoint in place of that best, without a word
+    for p in dict.fromkeys((os.path.abspath(out_dir), os.path.realpath(out_dir))):
+        best = p
+        while best != os.path.dirname(best) and os.path.basename(best) != 'best':
+            best = os.path.dirname(best)
+        run = os.path.dirname(best)
+        if os.path.basename(best) == 'best' and os.path.isfile(os.path.join(run, 'run_id')):
+            sys.exit(f"error: out_dir={out_dir} {'is' if best == p else 'lies in'} {best}, which names the best "
+                     f"checkpoint of the run in {run} (sample.py, export_hf.py and --init_from read it there): to "
+                     f"train from it give --init_from={shlex.quote(best)} and an --out_dir of its own; to continue "
+                     f"that run, --out_dir={shlex.quote(run)}")
+    # a step folder kept out of its run (cp -r RUN/dcp/step-N kept): a run there would start afresh over it, its own
+    # run_id in place of the one that the folder's files carry
+    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    saved = [n for n in names if n in ('.metadata', 'extra.pt') or re.fullmatch(r'.*model_states\.pt|rank-\d+\.pt', n)]
+    if saved:
+        sys.exit(f"error: out_dir={out_dir} is a checkpoint's step folder ({saved[0]} in it), not a run's out_dir: "
+                 f"to train from it give --init_from={shlex.quote(out_dir)} and an --out_dir of its own")
     parent = os.path.abspath(out_dir)
     while not os.path.exists(parent):
         if os.path.islink(parent):  # a link to a folder not there (scratch space purged, say): no folder can be made

@@ -2,6 +2,7 @@
 one-line error that names the fix before anything is written; a resume that fails leaves the run it would have
 resumed as it was."""
 
+import os
 import pickle
 import shutil
 
@@ -110,6 +111,43 @@ def test_an_out_dir_in_a_runs_checkpoint_folders_or_snapshots_is_refused(tmp_pat
             configurator.check_out_dir(out)
         assert "the memory snapshots of run 0123abc, which that run removes at its end: give that run's own " \
             "out_dir (whose run_id file holds 0123abc) to resume it" in str(e.value.code), e.value.code
+
+
+def test_an_out_dir_named_as_a_runs_best_is_refused(tmp_path):
+    # --out_dir=RUN/best (meant as a run from RUN's best): RUN/best was the new run's folder from then on, and
+    # export_hf.py --ckpt=RUN/best, sample.py --init_from=best and --init_from=RUN/best read its newest checkpoint in
+    # place of RUN's best, without a word
+    (tmp_path / 'run').mkdir()
+    (tmp_path / 'run' / 'run_id').write_text('abc')
+    (tmp_path / 'mine').symlink_to(tmp_path / 'run' / 'best')
+    for out in ('run/best', 'run/best/new', 'mine'):
+        with pytest.raises(SystemExit) as e:
+            configurator.check_out_dir(str(tmp_path / out))
+        best = tmp_path / 'run' / 'best'
+        assert f"{best}, which names the best checkpoint of the run in {tmp_path / 'run'} (sample.py, export_hf.py " \
+            f"and --init_from read it there): to train from it give --init_from={best} and an --out_dir of its own" \
+            in str(e.value.code), e.value.code
+    assert os.listdir(tmp_path / 'run') == ['run_id']
+    configurator.check_out_dir(str(tmp_path / 'best'))  # a folder named best in no run's folder: taken
+
+
+def test_an_out_dir_that_is_a_checkpoint_folder_is_refused(tmp_path, data_dir):
+    # a step folder copied out of a run to keep it (cp -r RUN/dcp/step-N kept), then given as out_dir to go on from
+    # it: a new run started afresh there, its run_id written over the one the folder's files carry
+    for kind, names in (('dcp', ['.metadata', '__0_0.distcp', 'extra.pt']), ('ds', ['mp_rank_00_model_states.pt']),
+                        ('decent', ['rank-0.pt', 'rank-1.pt'])):
+        kept = tmp_path / kind
+        kept.mkdir()
+        for name in names + ['run_id']:
+            (kept / name).write_text(name)
+        with pytest.raises(SystemExit) as e:
+            configurator.check_out_dir(str(kept))
+        assert str(e.value.code) == f"error: out_dir={kept} is a checkpoint's step folder ({names[0]} in it), not a " \
+            f"run's out_dir: to train from it give --init_from={kept} and an --out_dir of its own", e.value.code
+    before = (tmp_path / 'dcp' / 'run_id').read_text()
+    assert 'is a checkpoint\'s step folder' in fails(tmp_path, f'--dataset={data_dir / "shakespeare_char"}',
+                                                     f'--out_dir={tmp_path / "dcp"}')
+    assert (tmp_path / 'dcp' / 'run_id').read_text() == before and len(os.listdir(tmp_path / 'dcp')) == 4
 
 
 @pytest.fixture

@@ -1040,6 +1040,22 @@ def test_an_export_folder_or_a_run_file_that_is_a_folder_is_refused_at_the_start
     assert sorted(os.listdir(tmp_path / 'run')) == ['run_id']
 
 
+def test_a_run_whose_out_dir_is_named_as_a_checkpoint_folder_is_not_taken_by_a_run_in_its_parent(tmp_path, data_dir):
+    """A run in out/ds (out/dcp, out/decent: a name for a DeepSpeed run, say), then one in out, the default: the
+    start in out took out/ds for its own ds_train.py state, moved it into out/before-*/ (under it, where it was still
+    training), and out/ds was refused from then on as out's checkpoint folder."""
+    for outer, inner in ((tmp_path / 'out', tmp_path / 'out' / 'ds'),  # and a folder of such runs in one:
+                         (tmp_path / 'runs', tmp_path / 'runs' / 'decent' / 'zero2')):
+        start(tmp_path, data_dir, inner)
+        before = files(outer)
+        for script, args in (('train.py', []), ('train.py', ['--auto_resume=False']), ('fsdp_train.py', [])):
+            error = one_line_error(start(tmp_path, data_dir, outer, *args, script=script, check=False))
+            inside = '' if inner.parent == outer else f', inside {inner.parent}'
+            assert error == f"error: {inner} is another run's out_dir (its config.json says so){inside}, where a run " \
+                            f"in {outer} keeps its checkpoints: move it out of {outer} (nothing was changed)", error
+            assert files(outer) == before and os.listdir(outer) == [inner.relative_to(outer).parts[0]]
+
+
 CRASH_AT_RENAME = '''import os, sys
 sys.path.insert(0, os.getcwd())  # the repo, which it runs in
 from checkpoint import atomic_save
