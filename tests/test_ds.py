@@ -301,8 +301,8 @@ def test_without_deepspeed_a_one_line_error_says_how_to_install_it(tmp_path, dat
     (shim / 'deepspeed.py').write_text("raise ImportError('No module named deepspeed')\n")
     # forked as run() forks it (its server has not imported deepspeed), its imports finding the shim first
     p = launcher.launch(str(REPO / 'ds_train.py'), [*TINY, f'--dataset={data_dir / "shakespeare_char"}',
-                                                    f'--out_dir={tmp_path / "out"}'], {**env(), 'PYTHONPATH': str(shim)},
-                        tmp_path)
+                                                    f'--out_dir={tmp_path / "out"}'],
+                        {**env(), 'PYTHONPATH': str(shim)}, tmp_path)
     assert 'pip install deepspeed==0.19.8' in one_line_error(p)
     assert not (tmp_path / 'out').exists()
 
