@@ -2,9 +2,9 @@
 Trains a GPT with FSDP2 (fully_shard), tensor parallelism, or both on a 2-D mesh.
 
 FSDP, 8 GPUs:     torchrun --standalone --nproc_per_node=8 fsdp_train.py config/train_gpt2.py
-TP in a node:     torchrun --standalone --nproc_per_node=8 fsdp_train.py config/train_gpt2.py --tp_size=8
+TP in a node:     torchrun --standalone --nproc_per_node=4 fsdp_train.py config/train_gpt2.py --tp_size=4
 2-D, two nodes:   torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HEAD:29500 \
-                      fsdp_train.py config/train_gpt2.py --tp_size=8     # TP inside each node, FSDP across
+                      fsdp_train.py config/train_gpt2.py --tp_size=4     # TP inside each node, FSDP across
 
 The global batch in tokens, the data stream and the logged loss do not depend on the world size, and a run
 resumed from its checkpoint repeats the uninterrupted run exactly (RNG and data position are saved with it).
