@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from data import data_dir, meta_vocab, vocabulary
 from model import GPT, GPTConfig
-from runlock import (FOLDERS, HOLD, KEPT_SNAPSHOTS, RUN_ID, in_ram, is_snapshot, launch_identity, launch_pods,
+from runlock import (FOLDERS, HOLD, RUN_ID, in_ram, is_snapshot, kept_folder, launch_identity, launch_pods,
                      let_go, snapshot_dir, try_hold)
 
 
@@ -1155,15 +1155,13 @@ def saved_for(snapshot, out_dir, run_id, state_of=None, say=True):
     return False
 
 
-def kept_snapshots(out_dir, run_id):
-    """The folders in out_dir of the run's memory snapshots kept there out of RAM, each node's (keep_earlier_snapshots):
-    by a start afresh over the run (moved into before-RUN_ID/ with its other saved states), which the run continued
-    there (--out_dir=RUN/before-RUN_ID) resumes, or by the start of a copy of out_dir that found them in the RAM the
-    two share (kept-): the run resumes them as it would in RAM."""
+def kept_snapshots(out_dir):
+    """The folders in out_dir of its run's memory snapshots kept there out of RAM, each node's (keep_earlier_snapshots,
+    runlock.kept_folder): by a start afresh over the run (moved into before-RUN_ID/ with its other saved states),
+    which the run continued there (--out_dir=RUN/before-RUN_ID) resumes, or by the start of a copy of out_dir that
+    found them in the RAM the two share (kept-): the run resumes them as it would in RAM."""
     names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
-    return [os.path.join(out_dir, n) for n in names if n.startswith((f'snapshots.before-{run_id}-',
-                                                                       f'snapshots.kept-{run_id}-')) and
-            KEPT_SNAPSHOTS.fullmatch(n) and os.path.isdir(os.path.join(out_dir, n))]
+    return [p for p in (os.path.join(out_dir, n) for n in names) if kept_folder(p) and os.path.isdir(p)]
 
 
 def say_resumed(path, iter_num, max_iters, eval_only, print0):
@@ -1219,7 +1217,7 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         # neither moves them nor writes its own (each would replace the other's), nor removes the folder at its end
         busy = try_hold(folder, "a run of a copy of this run's folder") if first and not eval_only else None
         # its snapshots in RAM, and those kept in its out_dir (kept_snapshots: its own, from its own folder)
-        for where in [folder] + kept_snapshots(out_dir, run_id):
+        for where in [folder] + kept_snapshots(out_dir):
             for path in snapshots(where) if callable(snapshots) else [os.path.join(where, n) for n in snapshots]:
                 it, _, bad = newest_loadable([path], iter_of=iter_of)
                 damaged += bad
@@ -1845,7 +1843,7 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
                      f"(save_consolidated=False), and only ds_train.py reads ZeRO's shards: {export(run)}")
         run_id = read_run_id(os.path.join(path, 'run_id')) if os.path.isfile(os.path.join(path, 'run_id')) else None
         # killed before a save: in RAM, or kept in the folder by a start afresh over the run (keep_earlier_snapshots)
-        snapshots = next((f for f in ([snapshot_dir(run_id)] + kept_snapshots(path, run_id) if run_id else [])
+        snapshots = next((f for f in ([snapshot_dir(run_id)] + kept_snapshots(path) if run_id else [])
                           if os.path.isdir(f) and set(os.listdir(f)) - {HOLD}), None)
         if snapshots:
             whole = os.path.join(snapshots, 'ckpt.pt')  # train.py's snapshot is a whole ckpt.pt; the others' shards
@@ -1943,7 +1941,7 @@ def newer_state(path, model, checkpoint, dropout):
         # ds_train.py's snapshot is a step folder: its model states say which folder it was saved for
         engine = lambda folder: torch.load(os.path.join(folder, 'mp_rank_00_model_states.pt'), map_location='cpu',
                                            weights_only=True, mmap=True)
-        for folder in [snapshot_dir(run_id)] + kept_snapshots(run, run_id):  # (those kept in run are its own)
+        for folder in [snapshot_dir(run_id)] + kept_snapshots(run):  # (those kept in run are its own)
             it, snapshot, writer = others_snapshot(folder, None, lambda p: not in_ram(p) or
                                                    saved_for(p, run, run_id, engine, say=False))
             if it is not None:

@@ -361,6 +361,23 @@ def in_ram(path):
 
 def is_snapshot(path):
     """Whether path is (or lies in) a memory snapshot, read as one: in node-local memory, or kept in an out_dir
-    (KEPT_SNAPSHOTS), not a checkpoint of out_dir (None: no path)."""
-    return in_ram(path) or path is not None and any(
-        KEPT_SNAPSHOTS.fullmatch(part) for part in os.path.abspath(path).split(os.sep))
+    (a file or a DeepSpeed step folder of a kept_folder, or a file of that step folder), not a checkpoint of out_dir
+    (None: no path)."""
+    if path is None:
+        return False
+    parent = os.path.dirname(os.path.abspath(path))
+    return in_ram(path) or kept_folder(parent) or kept_folder(os.path.dirname(parent))
+
+
+def kept_folder(folder):
+    """Whether folder holds a run's memory snapshots kept out of RAM: named so (KEPT_SNAPSHOTS) for the run in the
+    folder it lies in (its run_id), so that a user's folder that happens to be named so is none."""
+    name = os.path.basename(folder)
+    if not KEPT_SNAPSHOTS.fullmatch(name):
+        return False
+    try:
+        with open(os.path.join(os.path.dirname(folder), 'run_id'), encoding='utf-8') as f:
+            run_id = f.read(200).strip()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return bool(run_id) and name.startswith((f'snapshots.before-{run_id}-', f'snapshots.kept-{run_id}-'))

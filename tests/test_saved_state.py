@@ -844,6 +844,22 @@ def test_a_run_started_afresh_keeps_the_killed_earlier_runs_snapshots_in_out_dir
     assert iter_of(kept_as / 'ckpt.pt') == newest + 1 and files(kept_as / name) == before
 
 
+
+def test_only_a_runs_own_kept_snapshot_folder_is_read_as_memory_snapshots(tmp_path):
+    # a user's run folder that happens to have such a name holds checkpoints: read as snapshots, pp_train.py would
+    # load its DCP folder as one rank's stages
+    from runlock import is_snapshot
+    run = tmp_path / 'snapshots.before-2024-runs'
+    (run / 'dcp' / 'step-00000010').mkdir(parents=True)
+    (run / 'run_id').write_text('abc')
+    assert not is_snapshot(run / 'ckpt.pt') and not is_snapshot(run / 'dcp' / 'step-00000010')
+    kept = run / 'snapshots.before-abc-node1.example.com'
+    (kept / 'step-00000011').mkdir(parents=True)
+    assert is_snapshot(kept / 'rank-0-of-2x1.pt') and is_snapshot(kept / 'step-00000011')
+    assert is_snapshot(kept / 'step-00000011' / 'mp_rank_00_model_states.pt')
+    assert not is_snapshot(run / 'snapshots.before-abd-node1' / 'rank-0-of-2x1.pt')  # another run's id
+    assert not is_snapshot(run / 'snapshots.before-abc-node1.tmp' / 'rank-0-of-2x1.pt')  # a copy cut short
+
 KEEP_SNAPSHOTS = '''import os, runpy, sys
 # the entrypoint run as it is, but its end leaves its memory snapshots in RAM, as a run killed after them would
 sys.path.insert(0, os.path.dirname(sys.argv[1]))
