@@ -1971,20 +1971,24 @@ def shards_snapshot_or_exit(path):
     """A one-line error where path is (or lies in) the memory snapshot of an fsdp_train.py, pp_train.py or
     ds_train.py run: each rank's own shards, in that run's layout, which only the run reads back as it resumes.
     train.py's, a whole ckpt.pt, is read as it is; decent_train.py's, one replica, with a note."""
-    if not (in_ram(path) and os.path.exists(path)):
+    if not (is_snapshot(path) and os.path.exists(path)):
         return
-    shm = os.path.dirname(snapshot_dir(''))
-    parts = os.path.relpath(os.path.abspath(path), shm).split(os.sep)
-    root = os.path.join(shm, parts[0])  # /dev/shm/nanogpt-RUN_ID
-    names = parts[1:] + (sorted(os.listdir(root)) if os.path.isdir(root) else [])  # the path's own names first
+    shm, parent = os.path.dirname(snapshot_dir('')), os.path.dirname(os.path.abspath(path))
+    if in_ram(path):  # the run's folder of snapshots: /dev/shm/nanogpt-RUN_ID
+        root = os.path.join(shm, os.path.relpath(os.path.abspath(path), shm).split(os.sep)[0])
+    else:  # or one kept in its out_dir (kept_folder), where path is a snapshot or lies in a DeepSpeed step folder
+        root = parent if kept_folder(parent) else os.path.dirname(parent)
+    names = os.path.relpath(os.path.abspath(path), root).split(os.sep) + \
+        (sorted(os.listdir(root)) if os.path.isdir(root) else [])  # the path's own names first
     scripts = {r'rank-\d+-of-\d+x\d+(x\d+)?pp(\.prev\d*)?\.pt': 'pp_train.py',
                r'rank-\d+-of-\d+x\d+(\.prev\d*)?\.pt': 'fsdp_train.py', r'latest|best|(best-)?step-\d+': 'ds_train.py'}
     script = next((s for n in names for pattern, s in scripts.items() if re.fullmatch(pattern, n)), None)
     if script:
-        run_id = os.path.basename(root)[len('nanogpt-'):]
+        run = f"the out_dir whose run_id file holds {os.path.basename(root)[len('nanogpt-'):]}" if in_ram(path) else \
+            f"--out_dir={shlex.quote(os.path.dirname(root))}, where it is kept"
         sys.exit(f"error: {path} is {script}'s memory snapshot of a run, its ranks' own shards, which only that run "
-                 f"reads back as it resumes: resume the run (the out_dir whose run_id file holds {run_id}) until it "
-                 f"saves, then give its out_dir (its command with --max_iters=1 saves the newest snapshot at once)")
+                 f"reads back as it resumes: resume the run ({run}) until it saves, then give its out_dir (its "
+                 f"command with --max_iters=1 saves the newest snapshot at once)")
 
 
 def finite_or_exit(model, path):

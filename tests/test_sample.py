@@ -392,6 +392,18 @@ def test_a_sharded_memory_snapshot_given_to_a_tool_says_whose_it_is(tmp_path):
             assert one_line_error(p) == f"error: {path} is {script}'s memory snapshot of a run, its ranks' own " \
                 f"shards, {fix}"
         assert not (tmp_path / 'hf').exists()
+        # kept in its out_dir by a start afresh over it (RUN/before-RUN_ID/snapshots.before-RUN_ID-HOST)
+        out = tmp_path / f'before-{run_id}'
+        out.mkdir()
+        (out / 'run_id').write_text(run_id)
+        shutil.copytree(shm, out / f'snapshots.before-{run_id}-node1')
+        for path, script in ((out / f'snapshots.before-{run_id}-node1' / 'rank-0-of-1x2.pt', 'fsdp_train.py'),
+                             (out / f'snapshots.before-{run_id}-node1' / 'step-00000010', 'ds_train.py')):
+            p = run('sample.py', f'--out_dir={path}', '--device=cpu', cwd=tmp_path, check=False)
+            assert one_line_error(p) == f"error: {path} is {script}'s memory snapshot of a run, its ranks' own " \
+                f"shards, which only that run reads back as it resumes: resume the run (--out_dir={out}, where it " \
+                f"is kept) until it saves, then give its out_dir (its command with --max_iters=1 saves the newest " \
+                f"snapshot at once)"
     finally:
         shutil.rmtree(shm)
 
