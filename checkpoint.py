@@ -1217,18 +1217,24 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         # neither moves them nor writes its own (each would replace the other's), nor removes the folder at its end
         busy = try_hold(folder, "a run of a copy of this run's folder") if first and not eval_only else None
         # its snapshots in RAM, and those kept in its out_dir (kept_snapshots: its own, from its own folder)
-        for where in [folder] + kept_snapshots(out_dir):
+        wheres = [folder] + kept_snapshots(out_dir)
+        mine = lambda where, say=True: (lambda path: where != folder or saved_for(path, out_dir, run_id, state_of,
+                                                                                  say=say))
+        for where in wheres:
             for path in snapshots(where) if callable(snapshots) else [os.path.join(where, n) for n in snapshots]:
                 it, _, bad = newest_loadable([path], iter_of=iter_of)
                 damaged += bad
-                if it is not None and (where != folder or saved_for(path, out_dir, run_id, state_of)):
+                if it is not None and mine(where)(path):
                     held[it] = path if where == folder or it not in held else held[it]  # the one in RAM first
                 elif it is not None:
                     passed = True
         # another layout's, which this one cannot read: a copy's are passed over and kept, as those of this layout
-        foreign = other_layouts(folder, [] if callable(snapshots) else snapshots,
-                                lambda path: saved_for(path, out_dir, run_id, state_of), script)
-        other = others_snapshot(folder, script, lambda path: saved_for(path, out_dir, run_id, state_of, say=False))
+        layouts = [other_layouts(where, [] if callable(snapshots) else snapshots, mine(where), script)
+                   for where in wheres]
+        foreign = ([f for found, _ in layouts for f in found], any(copys for _, copys in layouts))
+        # and another entrypoint's
+        other = max((others_snapshot(where, script, mine(where, say=False)) for where in wheres),
+                    key=lambda v: -1 if v[0] is None else v[0])
         if first and os.path.isdir(folder) and not busy:
             # all of them, those that the listing above leaves out too (a DeepSpeed step folder past its latest)
             theirs = [n for n in sorted(os.listdir(folder))

@@ -789,6 +789,24 @@ def test_another_entrypoint_never_goes_on_past_the_runs_newer_memory_snapshot(tm
         assert f'evaluating the newest state of the run in {run_dir}, {snapshots / snapshot} at iter 15' in p.stdout
 
 
+
+def test_another_entrypoint_never_goes_on_past_the_runs_newer_snapshot_kept_in_its_folder(tmp_path, data_dir,
+                                                                                          shared_run):
+    # the same, with train.py's snapshot kept in the run's folder (a start afresh over it kept it there, and this is
+    # the return to it, --out_dir=RUN/before-RUN_ID): fsdp_train.py went on from the ckpt.pt at 10 without a word
+    run_dir = tmp_path / 'run'
+    shutil.copytree(shared_run('train.py', *ARGS), run_dir)
+    kept = run_dir / f"snapshots.before-{(run_dir / 'run_id').read_text().strip()}-node1"
+    kept.mkdir()
+    torch.save({**torch.load(run_dir / 'ckpt.pt', weights_only=True), 'iter_num': 15}, kept / 'ckpt.pt')
+    before = files(run_dir)
+    p = start(tmp_path, data_dir, run_dir, '--max_iters=12', script='fsdp_train.py', check=False)
+    error = one_line_error(p)
+    assert f"newest state (iter 15) is the memory snapshot {kept / 'ckpt.pt'} of train.py" in error, error
+    assert files(run_dir) == before
+    p = start(tmp_path, data_dir, run_dir, '--max_iters=16')  # as it says
+    assert f"resuming from {kept / 'ckpt.pt'} at iter 15" in p.stdout, p.stdout[-2000:]
+
 def test_a_deepspeed_run_resuming_its_own_snapshot_keeps_the_copys_newer_one(tmp_path, data_dir, shared_run, in_ram):
     # A's snapshot at 12 (latest names it) beside its copy B's at 15, which the listing up to latest leaves out:
     # A's snapshot at 15 removed B's folder to write its own there
