@@ -1557,7 +1557,8 @@ def keep_earlier_run(out_dir, earlier):
     where there was nothing to move. Its memory snapshots, which keep_earlier_snapshots put in out_dir, count as
     saved states: a run that saved only those keeps its config.json."""
     snapshots = re.compile(rf'snapshots\.(before|kept)-{re.escape(earlier or "")}-.+')
-    names = sorted(n for n in os.listdir(out_dir) if RUN_NAMES.fullmatch(n) or earlier and snapshots.fullmatch(n)) \
+    names = sorted(n for n in os.listdir(out_dir) if RUN_NAMES.fullmatch(n) and (n not in FOLDERS.values() or
+                   _holds_steps(os.path.join(out_dir, n))) or earlier and snapshots.fullmatch(n)) \
         if os.path.isdir(out_dir) else []
     if not any(n not in ('run_id', 'config.json', 'metrics.jsonl') for n in names):
         return
@@ -1575,6 +1576,15 @@ def keep_earlier_run(out_dir, earlier):
     for name in names:
         os.rename(os.path.join(out_dir, name), os.path.join(kept_as + '.tmp', name))
     return os.path.abspath(kept_as + '.tmp'), names
+
+
+def _holds_steps(folder):
+    """Whether a dcp/, ds/ or decent/ in out_dir is a run's state: it holds step folders (step-N, best-step-N and
+    those set aside beside them). One that holds none is the user's own (notes, another tool's output), which stays
+    where they put it."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return any(re.fullmatch(r'([a-z-]+-)?step-\d+(\.\d+)?', n) and os.path.isdir(os.path.join(folder, n))
+               for n in names)
 
 
 def settle_earlier_run(out_dir):

@@ -940,6 +940,29 @@ def test_a_run_started_afresh_over_another_keeps_that_runs_states_whole_beside_i
     assert f'initializing from the weights of {out / f"before-{third}"}' in p.stdout, p.stdout[-2000:]
 
 
+def test_a_users_own_folder_named_as_a_checkpoint_folder_stays_where_it_is_at_a_start_afresh(tmp_path, data_dir,
+                                                                                              shared_run):
+    # a dcp/, ds/ or decent/ of the user's own (notes, another tool's output: no step folder in it) was taken for a
+    # run's state and moved into before-*/, also at a first start with no earlier run, said to be an earlier run's
+    out = tmp_path / 'run'
+    shutil.copytree(shared_run('train.py', *ARGS), out)
+    earlier, before = (out / 'run_id').read_text().strip(), files(out)
+    for kind in ('dcp', 'ds', 'decent'):
+        (out / kind / 'theirs').mkdir(parents=True)
+        (out / kind / 'theirs' / 'notes.txt').write_text(kind)
+    mine = files(out / 'ds')
+    start(tmp_path, data_dir, out, '--max_iters=2', '--auto_resume=False')
+    assert files(out / f'before-{earlier}') == before  # the earlier run's, all of it
+    assert all(files(out / kind) == {'theirs/notes.txt': hashlib.md5(kind.encode()).hexdigest()}
+               for kind in ('dcp', 'ds', 'decent')) and files(out / 'ds') == mine
+    fresh = tmp_path / 'fresh'
+    (fresh / 'dcp').mkdir(parents=True)
+    (fresh / 'dcp' / '.metadata').write_text('another tool')
+    p = start(tmp_path, data_dir, fresh, '--max_iters=2')
+    assert "earlier run" not in p.stdout and not list(fresh.glob('before-*'))
+    assert files(fresh / 'dcp') == {'.metadata': hashlib.md5(b'another tool').hexdigest()}
+
+
 def test_a_start_afresh_that_its_launcher_restarts_resumes_its_own_run(tmp_path, data_dir, shared_run, monkeypatch):
     # a SLURM requeue (or torchrun's restart of its workers) of a job started with --auto_resume=False started afresh
     # again: each restart set aside the steps since and trained from step 0
