@@ -1220,12 +1220,12 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         wheres = [folder] + kept_snapshots(out_dir)
         mine = lambda where, say=True: (lambda path: where != folder or saved_for(path, out_dir, run_id, state_of,
                                                                                   say=say))
-        for where in wheres:
-            for path in snapshots(where) if callable(snapshots) else [os.path.join(where, n) for n in snapshots]:
+        for kept_in in wheres:  # (not `where`: that names the checkpoint for init_from=resume's error)
+            for path in snapshots(kept_in) if callable(snapshots) else [os.path.join(kept_in, n) for n in snapshots]:
                 it, _, bad = newest_loadable([path], iter_of=iter_of)
                 damaged += bad
-                if it is not None and mine(where)(path):
-                    held[it] = path if where == folder or it not in held else held[it]  # the one in RAM first
+                if it is not None and mine(kept_in)(path):
+                    held[it] = path if kept_in == folder or it not in held else held[it]  # the one in RAM first
                 elif it is not None:
                     passed = True
         # another layout's, which this one cannot read: a copy's are passed over and kept, as those of this layout
