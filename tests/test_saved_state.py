@@ -860,6 +860,10 @@ def test_a_run_started_afresh_keeps_the_killed_earlier_runs_snapshots_in_out_dir
     p = start(tmp_path, data_dir, kept_as, f'--max_iters={newest + 1}')
     assert f'at iter {newest}' in p.stdout and f'resuming from {kept_as / name}' in p.stdout, p.stdout[-2000:]
     assert iter_of(kept_as / 'ckpt.pt') == newest + 1 and files(kept_as / name) == before
+    # they stay there, whole, once the run has saved past them, and its next resume goes on from its newer checkpoint
+    p = start(tmp_path, data_dir, kept_as, f'--max_iters={newest + 2}')
+    assert f"resuming from {kept_as / 'ckpt.pt'} at iter {newest + 1}" in p.stdout, p.stdout[-2000:]
+    assert files(kept_as / name) == before
 
 
 
