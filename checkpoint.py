@@ -1529,6 +1529,7 @@ def set_aside_others(out_dir, run_id, resume_path):
 
 _kept = {}  # out_dir -> (the folder that keep_earlier_run moved the earlier run's saved states into, their names)
 _unsettled = {}  # out_dir -> (before-RUN_ID.tmp, before-RUN_ID): an earlier run set aside by a start not yet training
+_settled = {}  # the same, once the start has renamed it before-RUN_ID, until its run's first records are written
 
 
 def where_kept(path):
@@ -1593,7 +1594,19 @@ def settle_earlier_run(out_dir):
     tmp, kept_as = _unsettled.pop(os.path.abspath(out_dir), (None, None))
     if tmp:
         os.rename(tmp, kept_as)
+        _settled[os.path.abspath(out_dir)] = (tmp, kept_as)
         print(f"{out_dir} holds an earlier run's saved states: kept, as they were, in {kept_as}", flush=True)
+
+
+def unsettle_earlier_run(out_dir):
+    """Called where the new run's first records (run_id, config.json, metrics.jsonl) could not be written (a full
+    disk) after settle_earlier_run: the start is refused, and the earlier run goes back into out_dir, as the start
+    found it, where a plain restart resumes it."""
+    tmp, kept_as = _settled.pop(os.path.abspath(out_dir), (None, None))
+    if tmp:
+        os.rename(kept_as, tmp)
+        put_back_earlier_run(out_dir, say=False)
+        print(f"the earlier run's saved states in {kept_as}: put back in {out_dir}, as they were", flush=True)
 
 
 def _put_back_unsettled():

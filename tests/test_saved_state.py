@@ -366,6 +366,25 @@ def test_a_start_or_resume_on_a_full_disk_is_one_line_and_leaves_nothing_half_wr
     assert files(disk / 'run') == before  # its log whole, no temporary file
 
 
+def test_a_start_afresh_whose_records_do_not_fit_puts_the_earlier_run_back(tmp_path, data_dir, shared_run,
+                                                                           small_disk):
+    # the earlier run stayed in before-RUN_ID/ once the start settled it, though the start was refused before it
+    # trained: a plain restart (space freed) started a new run in place of resuming it
+    disk = small_disk('2m')
+    shutil.copytree(shared_run('train.py', *ARGS), disk / 'run')
+    before = files(disk / 'run')
+    (disk / 'room').write_bytes(b'\0' * 4096)  # a page left once the disk is full: the run's hold fits, not its run_id
+    fill(disk)
+    (disk / 'room').unlink()
+    error = one_line_error(start(tmp_path, data_dir, disk / 'run', '--max_iters=12', '--auto_resume=False',
+                                 check=False))
+    assert 'No space left on device' in error and not list((disk / 'run').glob('before-*')), error
+    assert files(disk / 'run') == before  # all of it back where it was, nothing of the new run's
+    (disk / 'filler').unlink()
+    p = start(tmp_path, data_dir, disk / 'run', '--max_iters=12')
+    assert f"resuming from {disk / 'run' / 'ckpt.pt'} at iter 10" in p.stdout, p.stdout[-2000:]
+
+
 PRIVATE_SHM = '''import ctypes, os, runpy, subprocess, sys
 # this process alone in a mount namespace of its own (unshare -m: it has no other threads yet), its mounts private,
 # and there a /dev/shm mounted with the options given (tests/own_shm.py binds a node's folder there instead)
