@@ -249,7 +249,10 @@ def test_a_run_left_by_a_second_ctrl_c_before_its_first_save_is_named_so_and_sta
             assert p.exitcode is None
             time.sleep(0.01)
         os.kill(p.pid, signal.SIGINT)
-        assert finish(started, timeout=120).returncode == 130
+        done = finish(started, timeout=120)
+        assert done.returncode == 130 and done.stderr.strip() == "error: interrupted twice: left without saving; a " \
+            "save being written is dropped, those before it kept: rerun the same command to go on from the run's " \
+            "newest saved state", done.stderr[-2000:]  # it said "out_dir keeps its newest complete checkpoint"
         assert os.listdir(ram) == ['run.lock'] and not (out_dir / 'ckpt.pt').exists()
         for script, flags in (('sample.py', ['--device=cpu', f'--out_dir={out_dir}']),
                               ('export_hf.py', [f'--ckpt={out_dir}', f'--out={tmp_path / "hf"}']),
