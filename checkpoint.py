@@ -1220,12 +1220,12 @@ def find_resume(out_dir, init_from, auto_resume, eval_only, snapshots, storage, 
         wheres = [folder] + kept_snapshots(out_dir)
         mine = lambda where, say=True: (lambda path: where != folder or saved_for(path, out_dir, run_id, state_of,
                                                                                   say=say))
-        for where in wheres:
-            for path in snapshots(where) if callable(snapshots) else [os.path.join(where, n) for n in snapshots]:
+        for kept_in in wheres:  # (not `where`: that names the checkpoint for init_from=resume's error)
+            for path in snapshots(kept_in) if callable(snapshots) else [os.path.join(kept_in, n) for n in snapshots]:
                 it, _, bad = newest_loadable([path], iter_of=iter_of)
                 damaged += bad
-                if it is not None and mine(where)(path):
-                    held[it] = path if where == folder or it not in held else held[it]  # the one in RAM first
+                if it is not None and mine(kept_in)(path):
+                    held[it] = path if kept_in == folder or it not in held else held[it]  # the one in RAM first
                 elif it is not None:
                     passed = True
         # another layout's, which this one cannot read: a copy's are passed over and kept, as those of this layout
@@ -1529,6 +1529,7 @@ def set_aside_others(out_dir, run_id, resume_path):
 
 _kept = {}  # out_dir -> (the folder that keep_earlier_run moved the earlier run's saved states into, their names)
 _unsettled = {}  # out_dir -> (before-RUN_ID.tmp, before-RUN_ID): an earlier run set aside by a start not yet training
+_settled = {}  # the same, once the start has renamed it before-RUN_ID, until its run's first records are written
 
 
 def where_kept(path):
@@ -1557,7 +1558,8 @@ def keep_earlier_run(out_dir, earlier):
     where there was nothing to move. Its memory snapshots, which keep_earlier_snapshots put in out_dir, count as
     saved states: a run that saved only those keeps its config.json."""
     snapshots = re.compile(rf'snapshots\.(before|kept)-{re.escape(earlier or "")}-.+')
-    names = sorted(n for n in os.listdir(out_dir) if RUN_NAMES.fullmatch(n) or earlier and snapshots.fullmatch(n)) \
+    names = sorted(n for n in os.listdir(out_dir) if RUN_NAMES.fullmatch(n) and (n not in FOLDERS.values() or
+                   _holds_steps(os.path.join(out_dir, n))) or earlier and snapshots.fullmatch(n)) \
         if os.path.isdir(out_dir) else []
     if not any(n not in ('run_id', 'config.json', 'metrics.jsonl') for n in names):
         return
@@ -1577,13 +1579,34 @@ def keep_earlier_run(out_dir, earlier):
     return os.path.abspath(kept_as + '.tmp'), names
 
 
+def _holds_steps(folder):
+    """Whether a dcp/, ds/ or decent/ in out_dir is a run's state: it holds step folders (step-N, best-step-N and
+    those set aside beside them). One that holds none is the user's own (notes, another tool's output), which stays
+    where they put it."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return any(re.fullmatch(r'([a-z-]+-)?step-\d+(\.\d+)?', n) and os.path.isdir(os.path.join(folder, n))
+               for n in names)
+
+
 def settle_earlier_run(out_dir):
     """Called as a new run begins to write (runlog.open_log, rank 0): the earlier run that keep_earlier_run moved
     aside takes its own name, before-RUN_ID/."""
     tmp, kept_as = _unsettled.pop(os.path.abspath(out_dir), (None, None))
     if tmp:
         os.rename(tmp, kept_as)
+        _settled[os.path.abspath(out_dir)] = (tmp, kept_as)
         print(f"{out_dir} holds an earlier run's saved states: kept, as they were, in {kept_as}", flush=True)
+
+
+def unsettle_earlier_run(out_dir):
+    """Called where the new run's first records (run_id, config.json, metrics.jsonl) could not be written (a full
+    disk) after settle_earlier_run: the start is refused, and the earlier run goes back into out_dir, as the start
+    found it, where a plain restart resumes it."""
+    tmp, kept_as = _settled.pop(os.path.abspath(out_dir), (None, None))
+    if tmp:
+        os.rename(kept_as, tmp)
+        put_back_earlier_run(out_dir, say=False)
+        print(f"the earlier run's saved states in {kept_as}: put back in {out_dir}, as they were", flush=True)
 
 
 def _put_back_unsettled():

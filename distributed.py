@@ -237,8 +237,9 @@ def _interrupted(signum, frame):
     # a second Ctrl-C leaves now: checkpoints are written to temporary files and renamed when complete, so one
     # being written is lost (its temporary file removed), never the one before it
     remove_unfinished_writes()
-    print("error: interrupted twice: left without saving; out_dir keeps its newest complete checkpoint, rerun to "
-          "resume from it", file=sys.stderr, flush=True)
+    # (the run may have saved nothing yet, or hold a newer memory snapshot: the line names no state it cannot know)
+    print("error: interrupted twice: left without saving; a save being written is dropped, those before it kept: "
+          "rerun the same command to go on from the run's newest saved state", file=sys.stderr, flush=True)
     os._exit(130)
 
 

@@ -19,7 +19,7 @@ import time
 
 import torch.distributed as dist
 
-from checkpoint import reason, settle_earlier_run, snapshot_dir, wait_for_saves
+from checkpoint import reason, settle_earlier_run, snapshot_dir, unsettle_earlier_run, wait_for_saves
 from distributed import verdicts
 from keep import bad_loss, set_aside
 from runlock import launch_identity, launch_pods
@@ -77,6 +77,7 @@ def open_log(out_dir, run_id, settings, resumed_at=None, write=True, eval_only=F
                 for path in made:
                     if os.path.isfile(path):
                         os.remove(path)
+                unsettle_earlier_run(out_dir)
                 # (another --out_dir for a full disk only: for a file this user may not replace, one that a user of a
                 # sticky shared folder owns, it would start the run afresh there rather than go on with it)
                 fix = 'free space there, or give another --out_dir' if e.errno in (errno.ENOSPC, errno.EDQUOT) \

@@ -5,15 +5,17 @@ still loads. In a tool, Ctrl-C is one line and a non-zero exit, not a traceback.
 import os
 import pty
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, SHAKESPEARE, TINY, begin, env, free_port, run
+from conftest import REPO, SHAKESPEARE, TINY, begin, env, free_port, one_line_error, run
 from launcher import finish
 from test_fault import logged_iters
 
@@ -228,6 +230,43 @@ def test_a_second_ctrl_c_during_the_save_leaves_at_once_and_the_newest_checkpoin
     p = run('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out_dir}',
             '--gradient_accumulation_steps=2', f'--max_iters={max(newest) + 1}', cwd=tmp_path)
     assert f'at iter {max(newest)}' in p.stdout
+
+
+def test_a_run_left_by_a_second_ctrl_c_before_its_first_save_is_named_so_and_starts_again(tmp_path, data_dir):
+    # the second Ctrl-C leaves its snapshot folder in RAM holding its hold alone: no tool may call that a snapshot,
+    # and --init_from=resume named that folder ("no checkpoint at /dev/shm/nanogpt-...") in place of out_dir's ckpt.pt
+    out_dir = tmp_path / 'run'
+    (tmp_path / 'slow_save.py').write_text(SLOW_SAVE)
+    p, started = begin(tmp_path / 'slow_save.py', REPO / 'train.py', *TINY,
+                       f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out_dir}', *ARGS,
+                       '--eval_interval=100000', cwd=tmp_path)
+    ram = None
+    try:
+        ctrl_c_after(p, out_dir, 2)  # no eval yet, so no checkpoint
+        ram = Path('/dev/shm') / f"nanogpt-{(out_dir / 'run_id').read_text().strip()}"
+        stdout = os.path.join(started[1][2], 'out')
+        while 'write held\n' not in open(stdout).read():  # the stop's checkpoint, its first, is being written
+            assert p.exitcode is None
+            time.sleep(0.01)
+        os.kill(p.pid, signal.SIGINT)
+        done = finish(started, timeout=120)
+        assert done.returncode == 130 and done.stderr.strip() == "error: interrupted twice: left without saving; a " \
+            "save being written is dropped, those before it kept: rerun the same command to go on from the run's " \
+            "newest saved state", done.stderr[-2000:]  # it said "out_dir keeps its newest complete checkpoint"
+        assert os.listdir(ram) == ['run.lock'] and not (out_dir / 'ckpt.pt').exists()
+        for script, flags in (('sample.py', ['--device=cpu', f'--out_dir={out_dir}']),
+                              ('export_hf.py', [f'--ckpt={out_dir}', f'--out={tmp_path / "hf"}']),
+                              ('train.py', [*TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out_dir}',
+                                            '--init_from=resume'])):
+            msg = one_line_error(run(script, *flags, cwd=tmp_path, check=False))
+            assert msg.startswith(f"error: no checkpoint at {out_dir / 'ckpt.pt'}: "), msg
+        assert not (tmp_path / 'hf').exists()
+        p = run('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out_dir}',
+                '--gradient_accumulation_steps=2', '--max_iters=2', cwd=tmp_path)
+        assert 'resuming' not in p.stdout and (out_dir / 'ckpt.pt').exists() and not ram.exists()
+    finally:
+        if ram:
+            shutil.rmtree(ram, ignore_errors=True)
 
 
 @pytest.mark.parametrize('tool', ['sample.py', 'bench.py', 'bench_checkpoint.py', 'bench_pipeline.py', 'plot.py'])

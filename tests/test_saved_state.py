@@ -366,6 +366,25 @@ def test_a_start_or_resume_on_a_full_disk_is_one_line_and_leaves_nothing_half_wr
     assert files(disk / 'run') == before  # its log whole, no temporary file
 
 
+def test_a_start_afresh_whose_records_do_not_fit_puts_the_earlier_run_back(tmp_path, data_dir, shared_run,
+                                                                           small_disk):
+    # the earlier run stayed in before-RUN_ID/ once the start settled it, though the start was refused before it
+    # trained: a plain restart (space freed) started a new run in place of resuming it
+    disk = small_disk('2m')
+    shutil.copytree(shared_run('train.py', *ARGS), disk / 'run')
+    before = files(disk / 'run')
+    (disk / 'room').write_bytes(b'\0' * 4096)  # a page left once the disk is full: the run's hold fits, not its run_id
+    fill(disk)
+    (disk / 'room').unlink()
+    error = one_line_error(start(tmp_path, data_dir, disk / 'run', '--max_iters=12', '--auto_resume=False',
+                                 check=False))
+    assert 'No space left on device' in error and not list((disk / 'run').glob('before-*')), error
+    assert files(disk / 'run') == before  # all of it back where it was, nothing of the new run's
+    (disk / 'filler').unlink()
+    p = start(tmp_path, data_dir, disk / 'run', '--max_iters=12')
+    assert f"resuming from {disk / 'run' / 'ckpt.pt'} at iter 10" in p.stdout, p.stdout[-2000:]
+
+
 PRIVATE_SHM = '''import ctypes, os, runpy, subprocess, sys
 # this process alone in a mount namespace of its own (unshare -m: it has no other threads yet), its mounts private,
 # and there a /dev/shm mounted with the options given (tests/own_shm.py binds a node's folder there instead)
@@ -860,6 +879,10 @@ def test_a_run_started_afresh_keeps_the_killed_earlier_runs_snapshots_in_out_dir
     p = start(tmp_path, data_dir, kept_as, f'--max_iters={newest + 1}')
     assert f'at iter {newest}' in p.stdout and f'resuming from {kept_as / name}' in p.stdout, p.stdout[-2000:]
     assert iter_of(kept_as / 'ckpt.pt') == newest + 1 and files(kept_as / name) == before
+    # they stay there, whole, once the run has saved past them, and its next resume goes on from its newer checkpoint
+    p = start(tmp_path, data_dir, kept_as, f'--max_iters={newest + 2}')
+    assert f"resuming from {kept_as / 'ckpt.pt'} at iter {newest + 1}" in p.stdout, p.stdout[-2000:]
+    assert files(kept_as / name) == before
 
 
 
@@ -938,6 +961,29 @@ def test_a_run_started_afresh_over_another_keeps_that_runs_states_whole_beside_i
     third = (out / 'run_id').read_text().strip()
     p = start(tmp_path, data_dir, out, '--max_iters=2', '--auto_resume=False', f'--init_from={out}', script=script)
     assert f'initializing from the weights of {out / f"before-{third}"}' in p.stdout, p.stdout[-2000:]
+
+
+def test_a_users_own_folder_named_as_a_checkpoint_folder_stays_where_it_is_at_a_start_afresh(tmp_path, data_dir,
+                                                                                              shared_run):
+    # a dcp/, ds/ or decent/ of the user's own (notes, another tool's output: no step folder in it) was taken for a
+    # run's state and moved into before-*/, also at a first start with no earlier run, said to be an earlier run's
+    out = tmp_path / 'run'
+    shutil.copytree(shared_run('train.py', *ARGS), out)
+    earlier, before = (out / 'run_id').read_text().strip(), files(out)
+    for kind in ('dcp', 'ds', 'decent'):
+        (out / kind / 'theirs').mkdir(parents=True)
+        (out / kind / 'theirs' / 'notes.txt').write_text(kind)
+    mine = files(out / 'ds')
+    start(tmp_path, data_dir, out, '--max_iters=2', '--auto_resume=False')
+    assert files(out / f'before-{earlier}') == before  # the earlier run's, all of it
+    assert all(files(out / kind) == {'theirs/notes.txt': hashlib.md5(kind.encode()).hexdigest()}
+               for kind in ('dcp', 'ds', 'decent')) and files(out / 'ds') == mine
+    fresh = tmp_path / 'fresh'
+    (fresh / 'dcp').mkdir(parents=True)
+    (fresh / 'dcp' / '.metadata').write_text('another tool')
+    p = start(tmp_path, data_dir, fresh, '--max_iters=2')
+    assert "earlier run" not in p.stdout and not list(fresh.glob('before-*'))
+    assert files(fresh / 'dcp') == {'.metadata': hashlib.md5(b'another tool').hexdigest()}
 
 
 def test_a_start_afresh_that_its_launcher_restarts_resumes_its_own_run(tmp_path, data_dir, shared_run, monkeypatch):
