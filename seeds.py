@@ -946,7 +946,16 @@ def hydra_command(args):
     and where a key is no flag of it (its data, its epochs of saves), what that is here. Its default data is a
     character-level text, tiny Shakespeare: ours is config/train_shakespeare_char.py."""
     script, flags, besides = 'train.py', [], []
-    for arg in args:
+    # its FSDP fork's README writes them as flags, --trainer_config.batch_size=128 (or the value after a space)
+    overrides, i = [], 0
+    while i < len(args):
+        arg, i = args[i], i + 1
+        if arg.startswith('--') and '.' in arg.split('=')[0]:
+            arg = arg[2:]
+            if '=' not in arg and i < len(args) and not args[i].startswith('--'):
+                arg, i = f"{arg}={args[i]}", i + 1
+        overrides.append(arg)
+    for arg in overrides:
         m = HYDRA_OVERRIDE.fullmatch(arg)
         if not m or m[1] not in HYDRA:
             check_positional(arg)  # a YAML file, a key of no section, a typo of one: its one line

@@ -340,6 +340,12 @@ def test_mingpt_ddps_main_py_and_launch_py_answer_with_our_command_which_trains(
     assert 'runs as the script' not in line('main.py', 'trainer_config.distributed_method=deepspeed')  # said once
     assert line('main.py', 'trainer_config.batchsize=4').endswith('did you mean trainer_config.batch_size? here that '
                                                                   'is --batch_size=4')
+    # its FSDP fork's README writes them as flags: the same answer
+    assert line('main.py', '--trainer_config.distributed_method=fsdp', '--trainer_config.cpu_offload', 'True') == \
+        line('main.py', 'trainer_config.distributed_method=fsdp', 'trainer_config.cpu_offload=True')
+    assert line('launch.py', '--trainer_config.batch_size=4').startswith(
+        "error: launch.py is minGPT-DDP's launcher; here `torchrun --standalone --nproc_per_node=auto train.py "
+        "config/train_shakespeare_char.py --batch_size=4`")
     # the command it names trains (on the CPU, the recipe's model cut to the named layer and a few steps)
     p = run(*command.split(), f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path / "o"}',
             '--max_iters=2', '--eval_iters=2', cwd=REPO)  # in the repo, where its users type it
