@@ -361,9 +361,11 @@ def test_nnscalers_train_nnscaler_py_runs_ours_with_its_flags(tmp_path, data_dir
     assert "nnScaler's --plan_ngpus=2 --runtime_ngpus=2 is --tp_size=2" in p.stdout, p.stdout
     config = json.loads((tmp_path / 'tp' / 'config.json').read_text())
     assert config['tp_size'] == 2 and 'iter 1:' in p.stdout
-    # train.py for a whole model on each rank (its default plan_ngpus=1), the config path of its nanoGPT checkout
-    # answered as train.py answers it
-    p = run('train_nnscaler.py', *args, '--out_dir=dp', '--use_nnscaler=False', nproc=2, cwd=tmp_path)
+    # train.py for a whole model on each rank (its default plan_ngpus=1, or any without nnScaler: Lightning's DDP
+    # there), the config path of its nanoGPT checkout answered as train.py answers it
+    p = run('train_nnscaler.py', *args, '--out_dir=dp', '--plan_ngpus=2', '--use_nnscaler', 'False', nproc=2,
+            cwd=tmp_path)
+    assert "--plan_ngpus=2 is nnScaler's name: here unused with --use_nnscaler=False" in p.stdout
     assert json.loads((tmp_path / 'dp' / 'config.json').read_text())['world_size'] == 2 and 'tp_size' not in \
         json.loads((tmp_path / 'dp' / 'config.json').read_text())
     msg = one_line_error(run('train_nnscaler.py', 'nanoGPT/config/train_shakespeare_char.py', cwd=tmp_path,
