@@ -475,7 +475,8 @@ def translate(key, value, where, source, ctx):
                  f"(--init_from=gpt2 or a checkpoint, as config/finetune_shakespeare.py does); leave it out")
     if key == 'epochs' and 'max_iters' in keys:
         if type(value) not in (int, float) or not value > 0:
-            sys.exit(f"error: {where}: epochs must be a number above 0 (passes over train.bin), got {value!r}")
+            sys.exit(f"error: {where}: epochs must be a number above 0 (epochs over train.bin's sequences), "
+                     f"got {value!r}")
         ctx['epochs'] = (value, where)
         return []  # its max_iters needs the data and the batch, which later keys may still change: see finish()
     in_file = {k.rsplit('.', 1)[-1] for k in toml}  # the keys of this TOML file, which have no order there
@@ -721,7 +722,7 @@ def dlrover_defaults(ctx, given):
 
 def finish(ctx):
     """[(key, value, where)] that need the final config: Megatron-LM's layers a virtual stage, DLRover's
-    --epochs, passes over train.bin, which bounds max_iters (the smaller of the two ends the run, as there), and
+    --epochs (its loader's, over train.bin), which bounds max_iters (the smaller of the two ends the run, as there), and
     torchtitan's DiLoCo window where its semi_sync_method came without one."""
     return _global_batch(ctx) + _virtual_stages(ctx) + _epochs_iters(ctx) + _semi_sync(ctx)
 
@@ -825,17 +826,21 @@ def _epochs_iters(ctx):
     epochs, where = ctx['epochs']
     keys = ctx['keys']
     if keys.get('random_data'):
-        sys.exit(f"error: {where}: epochs counts passes over train.bin, and random_data=True reads none: give "
-                 f"--max_iters instead")
-    per_iter = keys['gradient_accumulation_steps'] * keys['batch_size'] * keys['block_size']
-    if per_iter < 1:
+        sys.exit(f"error: {where}: epochs counts epochs over train.bin's sequences, and random_data=True reads none: "
+                 f"give --max_iters instead")
+    per_iter = keys['gradient_accumulation_steps'] * keys['batch_size']  # sequences an iteration, over all ranks
+    if per_iter < 1 or keys['block_size'] < 1:
         return []  # check_config names the key that is out of range
     _, n_tokens = find_bins(keys['dataset'], keys['block_size'])
-    iters = math.ceil(epochs * n_tokens['train'] / per_iter)
+    # an epoch of DLRover's (and minGPT-DDP's) loader is a sequence starting at every offset of train.bin, not a pass
+    # over its tokens: --epochs 1, its default, given, must not end a run that its max_iters ends there
+    sequences = n_tokens['train'] - keys['block_size']
+    iters = math.ceil(epochs * sequences / per_iter)
     global _epochs
-    _epochs = (epochs * n_tokens['train'], keys['max_iters'])  # for a resume at another global batch: start_tokens
-    why = (f"{epochs} pass{'es' * (epochs != 1)} over train.bin's {n_tokens['train']:,} tokens at {per_iter:,} tokens "
-           f"an iteration")
+    # in tokens, for a resume at another global batch: start_tokens
+    _epochs = (epochs * sequences * keys['block_size'], keys['max_iters'])
+    why = (f"{epochs} epoch{'s' * (epochs != 1)} of train.bin's {sequences:,} sequences of {keys['block_size']} "
+           f"tokens, one at each offset as DLRover's loader takes them, at {per_iter:,} sequences an iteration")
     if iters >= keys['max_iters']:
         ctx['notes'].append((None, f"{where} is DLRover's name: here --max_iters={iters} ({why}); max_iters="
                                    f"{keys['max_iters']} ends the run first"))
@@ -941,7 +946,16 @@ def hydra_command(args):
     and where a key is no flag of it (its data, its epochs of saves), what that is here. Its default data is a
     character-level text, tiny Shakespeare: ours is config/train_shakespeare_char.py."""
     script, flags, besides = 'train.py', [], []
-    for arg in args:
+    # its FSDP fork's README writes them as flags, --trainer_config.batch_size=128 (or the value after a space)
+    overrides, i = [], 0
+    while i < len(args):
+        arg, i = args[i], i + 1
+        if arg.startswith('--') and '.' in arg.split('=')[0]:
+            arg = arg[2:]
+            if '=' not in arg and i < len(args) and not args[i].startswith('--'):
+                arg, i = f"{arg}={args[i]}", i + 1
+        overrides.append(arg)
+    for arg in overrides:
         m = HYDRA_OVERRIDE.fullmatch(arg)
         if not m or m[1] not in HYDRA:
             check_positional(arg)  # a YAML file, a key of no section, a typo of one: its one line

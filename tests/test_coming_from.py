@@ -340,6 +340,12 @@ def test_mingpt_ddps_main_py_and_launch_py_answer_with_our_command_which_trains(
     assert 'runs as the script' not in line('main.py', 'trainer_config.distributed_method=deepspeed')  # said once
     assert line('main.py', 'trainer_config.batchsize=4').endswith('did you mean trainer_config.batch_size? here that '
                                                                   'is --batch_size=4')
+    # its FSDP fork's README writes them as flags: the same answer
+    assert line('main.py', '--trainer_config.distributed_method=fsdp', '--trainer_config.cpu_offload', 'True') == \
+        line('main.py', 'trainer_config.distributed_method=fsdp', 'trainer_config.cpu_offload=True')
+    assert line('launch.py', '--trainer_config.batch_size=4').startswith(
+        "error: launch.py is minGPT-DDP's launcher; here `torchrun --standalone --nproc_per_node=auto train.py "
+        "config/train_shakespeare_char.py --batch_size=4`")
     # the command it names trains (on the CPU, the recipe's model cut to the named layer and a few steps)
     p = run(*command.split(), f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path / "o"}',
             '--max_iters=2', '--eval_iters=2', cwd=REPO)  # in the repo, where its users type it
@@ -355,9 +361,11 @@ def test_nnscalers_train_nnscaler_py_runs_ours_with_its_flags(tmp_path, data_dir
     assert "nnScaler's --plan_ngpus=2 --runtime_ngpus=2 is --tp_size=2" in p.stdout, p.stdout
     config = json.loads((tmp_path / 'tp' / 'config.json').read_text())
     assert config['tp_size'] == 2 and 'iter 1:' in p.stdout
-    # train.py for a whole model on each rank (its default plan_ngpus=1), the config path of its nanoGPT checkout
-    # answered as train.py answers it
-    p = run('train_nnscaler.py', *args, '--out_dir=dp', '--use_nnscaler=False', nproc=2, cwd=tmp_path)
+    # train.py for a whole model on each rank (its default plan_ngpus=1, or any without nnScaler: Lightning's DDP
+    # there), the config path of its nanoGPT checkout answered as train.py answers it
+    p = run('train_nnscaler.py', *args, '--out_dir=dp', '--plan_ngpus=2', '--use_nnscaler', 'False', nproc=2,
+            cwd=tmp_path)
+    assert "--plan_ngpus=2 is nnScaler's name: here unused with --use_nnscaler=False" in p.stdout
     assert json.loads((tmp_path / 'dp' / 'config.json').read_text())['world_size'] == 2 and 'tp_size' not in \
         json.loads((tmp_path / 'dp' / 'config.json').read_text())
     msg = one_line_error(run('train_nnscaler.py', 'nanoGPT/config/train_shakespeare_char.py', cwd=tmp_path,
@@ -570,13 +578,14 @@ def test_torchtitans_and_megatrons_pipeline_names_are_taken_or_name_ours(tmp_pat
 @pytest.fixture(scope='module')
 def here(tmp_path_factory, data_dir):
     """DLRover's layout: train.bin, val.bin and meta.pkl in the folder it runs in (and in mydata/, as its prep's
-    --output_dir mydata writes them), train.bin cut to 1,000 tokens."""
+    --output_dir mydata writes them), train.bin cut to 64 tokens: an epoch of its loader at block_size 32 is the 32
+    sequences that start at each offset."""
     d = tmp_path_factory.mktemp('dlrover')
     for folder in (d, d / 'mydata'):
         folder.mkdir(exist_ok=True)
         for name in ('val.bin', 'meta.pkl'):
             shutil.copy(data_dir / 'shakespeare_char' / name, folder / name)
-        (folder / 'train.bin').write_bytes((data_dir / 'shakespeare_char' / 'train.bin').read_bytes()[:2000])
+        (folder / 'train.bin').write_bytes((data_dir / 'shakespeare_char' / 'train.bin').read_bytes()[:128])
     return d
 
 
@@ -589,7 +598,8 @@ def test_dlrover_train_command_runs_as_written(here, script, data):
             '--gradient_accumulation_steps', '1', '--eval_iters', '2', '--out_dir', str(out), cwd=here)
     dataset = './' if data == './' else './mydata'  # a path, as there: not data/mydata
     assert f"--data_dir {data} is DLRover's and Decent-DP's name: here --dataset={dataset}" in p.stdout
-    assert '--max_iters=8 (1 pass over' in p.stdout  # ceil(1,000 tokens / 128 a step); it said '1 passes'
+    # DLRover's epoch: a sequence at each offset, 64 - 32 of them, at 4 a step (not the 64 tokens' 1 step of 128)
+    assert '--max_iters=8 (1 epoch of train.bin\'s 32 sequences' in p.stdout  # it said '1 epochs'
     config = json.loads((out / 'config.json').read_text())
     assert config['max_iters'] == 8 and config['dataset'] == dataset and config['bias'] is True
     assert 'iter 7:' in p.stdout and 'iter 8:' not in p.stdout
@@ -602,10 +612,10 @@ def test_dlrover_train_command_runs_as_written(here, script, data):
 
 def test_dlrover_epochs_count_tokens_across_a_relaunch_at_another_world_size(here, tmp_path):
     """DLRover's default of a micro-step a rank makes the global batch the world size's: 2 ranks train 256 tokens an
-    iteration, a relaunch on 1 rank 128. --epochs 2 of train.bin's 1,000 tokens ends on the tokens trained (not on the
-    iterations at the new batch: 16 there, 2,432 tokens, 2.4 passes), and the LR schedule, given in iterations of the
-    first batch (8 of them), decays over the epochs without restarting warmup. A checkpoint saved before the count
-    was kept resumes on its iterations at its own batch."""
+    iteration, a relaunch on 1 rank 128. --epochs 2 of train.bin's 32 sequences (2,048 tokens) ends on the tokens
+    trained (not on the iterations at the new batch: 16 there, 2,432 tokens), and the LR schedule, given in
+    iterations of the first batch (8 of them), decays over the epochs without restarting warmup. A checkpoint saved
+    before the count was kept resumes on its iterations at its own batch."""
     dlrover = ['--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--data_dir', './', '--epochs', '2', '--device',
                'cpu', '--block_size', '32', '--batch_size', '4', '--eval_iters', '2', '--decay_lr', '--warmup_iters',
                '2', '--lr_decay_iters', '8', '--out_dir', str(tmp_path / 'out')]
@@ -619,11 +629,11 @@ def test_dlrover_epochs_count_tokens_across_a_relaunch_at_another_world_size(her
     torch.save(saved, tmp_path / 'old' / 'ckpt.pt')  # as this project saved it before it counted tokens
     p = run('train.py', *dlrover, cwd=here)
     assert 'world size 1, 1 micro-step per rank, 128 tokens per iteration' in p.stdout
-    assert '--epochs: 768 of their 2,000 tokens trained by iter 3: here --max_iters=13 at 128 tokens an iteration' \
+    assert '--epochs: 768 of their 2,048 tokens trained by iter 3: here --max_iters=13 at 128 tokens an iteration' \
         in p.stdout
     end = torch.load(tmp_path / 'out' / 'ckpt.pt', weights_only=True)
     trained = 3 * 256 + (end['iter_num'] - 3) * 128  # each launch's iterations at its own global batch
-    assert 2000 <= trained < 2000 + 128 and end['tokens_trained'] == trained
+    assert trained == 2048 and end['tokens_trained'] == trained
     lrs = [row['lr'] for row in map(json.loads, (tmp_path / 'out' / 'metrics.jsonl').read_text().splitlines())
            if 'lr' in row]
     # warmup over the first 2 iterations, then down at every iteration, to within 2% of the range above min_lr (6e-5,
@@ -637,18 +647,21 @@ def test_dlrover_epochs_count_tokens_across_a_relaunch_at_another_world_size(her
 
 
 def test_dlrover_command_takes_dlrover_defaults_for_what_it_leaves_out(here, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(here)
+    seed_dir = tmp_path / 'seed'  # here's train.bin at DLRover's block_size of 128: 1,000 tokens, 872 sequences
+    shutil.copytree(here, seed_dir, ignore=shutil.ignore_patterns('out*', 'mydata'))
+    (seed_dir / 'train.bin').write_bytes((here / 'val.bin').read_bytes()[:2000])
+    monkeypatch.chdir(seed_dir)
     monkeypatch.setenv('WORLD_SIZE', '2')
     monkeypatch.delenv('RANK', raising=False)
     seed = ['--n_layer', '48', '--n_head', '16', '--n_embd', '1600', '--data_dir', './', '--epochs', '50',
             '--save_memory_interval', '50', '--save_storage_interval', '500']  # SEEDS.md's, as written
     c = config_of('ds_train.py', seed)
     assert (c['n_layer'], c['block_size'], c['batch_size'], c['gradient_accumulation_steps'], c['decay_lr'],
-            c['compile'], c['save_memory_interval'], c['max_iters']) == (48, 128, 32, 2, False, False, 50, 7)
+            c['compile'], c['save_memory_interval'], c['max_iters']) == (48, 128, 32, 2, False, False, 50, 682)
     assert "DLRover's command line (--data_dir, no config file): its nanoGPT example's defaults where it gives none, " \
         "so resume it with the same command: --block_size=128 --batch_size=32 --max_iters=2000 --decay_lr=False " \
         "--warmup_iters=0 --lr_decay_iters=10 --compile=False --gradient_accumulation_steps=2 (a micro-step a rank)" \
-        "\n--epochs 50 is DLRover's name: here --max_iters=7 " in capsys.readouterr().out
+        "\n--epochs 50 is DLRover's name: here --max_iters=682 " in capsys.readouterr().out  # 50 x 872 / 64
     # its default given as a flag, 0: one micro-step a rank there, so as many in total here, not an error
     assert config_of('ds_train.py', [*seed, '--gradient_accumulation_steps', '0'])['gradient_accumulation_steps'] == 2
     assert "--gradient_accumulation_steps 0 is DLRover's default, one micro-step a rank" in capsys.readouterr().out

@@ -130,8 +130,9 @@ def stages(tmp_path_factory, data_dir, ref):
         runs = list(pool.map(one, (0, 1, 2, 3)))
     for stage, p in enumerate(runs):
         if stage == 0:
-            # one pass over train.bin's 1,003,854 tokens at 512 an iteration; max_iters=10 ends the run first
-            assert "--epochs 1 is DLRover's name: here --max_iters=1961" in p.stdout and 'max_iters=10 ends' in p.stdout
+            # one epoch of train.bin's 1,003,822 sequences (one at each offset) at 16 an iteration; max_iters=10 ends
+            assert "--epochs 1 is DLRover's name: here --max_iters=62739" in p.stdout
+            assert 'max_iters=10 ends' in p.stdout
             assert 'running as dlrover-run --standalone' in p.stdout
             assert 'saving checkpoint to ' + str(tmp / 'zero0' / 'ds' / 'step-00000004') in p.stdout
         assert 'world size 2, 2 micro-steps per rank' in p.stdout

@@ -468,7 +468,7 @@ def test_dlrover_run_restarts_sigkilled_workers_and_train_py_finishes_bit_exact(
     # store, and a new MASTER_PORT at each restart
     ref_dir = beside(shared_run, 'train.py', *KILLED)
     # the workers' flags as DLRover's nanoGPT example writes them: argparse's space-separated values, the data's
-    # folder as --data_dir, and --epochs (one pass over train.bin is 3,922 steps here: max_iters=60 ends the run);
+    # folder as --data_dir, and --epochs (an epoch of its loader is 125,478 steps here: max_iters=60 ends the run);
     # bare --decay_lr, since DLRover's default (taken here for what its flags leave out) is a constant rate
     dlrover = ['--n_layer', '2', '--n_head', '2', '--n_embd', '32', '--data_dir', str(data_dir / 'shakespeare_char'),
                '--epochs', '1', '--save_memory_interval', '4', '--save_storage_interval', '50', '--decay_lr']
@@ -477,7 +477,7 @@ def test_dlrover_run_restarts_sigkilled_workers_and_train_py_finishes_bit_exact(
     cmd = [sys.executable, str(REPO / 'launch' / 'dlrover_run.py'), '--standalone', '--nproc_per_node=2',
            '--max_restarts=3', str(REPO / 'train.py'), *dlrover, *ours, f'--out_dir={tmp_path / "ft"}']
     out, killed_at, _ = run_with_kills(cmd, tmp_path / 'ft', [6, 18], cwd=tmp_path)
-    assert "--epochs 1 is DLRover's name: here --max_iters=3922" in out and 'max_iters=60 ends the run first' in out
+    assert "--epochs 1 is DLRover's name: here --max_iters=125478" in out and 'max_iters=60 ends the run first' in out
     # the storage checkpoint at 50, between evals: saved before that step
     steps = [line for line in out.splitlines() if line.startswith(('iter ', 'saving checkpoint to '))]
     assert steps[steps.index(next(x for x in steps if x.startswith('iter 50:'))) - 1].startswith('saving checkpoint')
