@@ -425,7 +425,8 @@ def read_replica(path, rank, world_size, print0):
         return torch.load(os.path.join(path, f'rank-{rank}.pt'), map_location='cpu', weights_only=True)
     # DiLoCo's replicas are put back to θ_global (restore_outer), which the files hold beside them
     start = "DiLoCo's global model θ_global" if 'outer' in first.get('diloco', {}) else "their average"
-    print0(f"{path} holds the replicas of {saved} ranks, not {world_size}: every rank starts from {start}")
+    print0(f"{path} holds the replica{'s' * (saved > 1)} of {saved} rank{'s' * (saved > 1)}, not {world_size}: every "
+           f"rank starts from {start}")
     return averaged_replicas(path, saved)
 
 

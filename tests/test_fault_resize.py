@@ -35,7 +35,8 @@ RESHAPES = [('train.py', 2, [], 1, [], 'at iter 8'), ('train.py', 1, [], 2, [], 
             ('ds_train.py', 2, ['--zero_stage=3'], 1, ['--zero_stage=3'], 'continuing from the consolidated'),
             ('ds_train.py', 1, ['--zero_stage=2'], 2, ['--zero_stage=3'], 'continuing from the consolidated'),
             ('decent_train.py', 2, DECENT_AS_DDP, 1, DECENT_AS_DDP, 'every rank starts from their average'),
-            ('decent_train.py', 1, DECENT_AS_DDP, 2, DECENT_AS_DDP, 'every rank starts from their average')]
+            ('decent_train.py', 1, DECENT_AS_DDP, 2, DECENT_AS_DDP,
+             'holds the replica of 1 rank, not 2: every rank starts from their average')]
 
 
 @pytest.mark.parametrize('script,first,first_args,then,then_args,says', RESHAPES)

@@ -14,7 +14,7 @@ import torch
 
 from checkpoint import previous, snapshot_dir
 from conftest import REPO, TINY, env, one_line_error, read_metrics, run
-from launcher import finish, start
+from launcher import finish, launch as launch_ranks, start
 from model import GPT, GPTConfig
 from pipeline import Part, stage_memory
 from test_fault import logged_iters
@@ -145,6 +145,36 @@ def test_pipeline_matches_single_process(tmp_path, data_dir, ref, sizes, nproc, 
         assert again[0] == losses and scores(again[1]) == scores(evals)
         assert_same_curve(ref[1], whole[0], range(STEPS))
         assert abs(whole[1][-1]['val_loss'] - ref[2][-1]['val_loss']) <= 1e-5 * ref[2][-1]['val_loss']
+
+
+# Each rank prints the size of every tensor that pipeline.py broadcasts over its pipeline, then runs the script
+COUNT_BROADCASTS = '''
+import os, runpy, sys
+import torch.distributed as dist
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+broadcast = dist.broadcast
+def counted(tensor, *args, **kwargs):
+    if sys._getframe(1).f_code.co_filename.endswith('pipeline.py'):
+        print('pipeline broadcast', tensor.numel(), flush=True)
+    return broadcast(tensor, *args, **kwargs)
+dist.broadcast = counted
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name='__main__')
+'''
+
+
+def test_an_eval_sends_the_last_stages_loss_across_the_pipeline_not_its_logits(tmp_path, data_dir):
+    # an eval batch's logits are batch x block x vocab, 2.5 GB in fp32 at GPT-2's 12 x 1024 x 50304, and the eval
+    # needs the loss alone: they crossed the pipeline once a batch (here 4 x 32 x 65)
+    wrapper = tmp_path / 'count_broadcasts.py'
+    wrapper.write_text(COUNT_BROADCASTS)
+    p = launch_ranks(str(wrapper), [str(REPO / 'pp_train.py'), *TINY, '--pp_size=2', '--gradient_accumulation_steps=2',
+                                    '--max_iters=0', f'--dataset={data_dir / "shakespeare_char"}',
+                                    f'--out_dir={tmp_path / "pp"}'], env(), tmp_path, nproc=2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    sizes = [int(n) for n in re.findall(r'^pipeline broadcast (\d+)$', p.stdout, re.M)]
+    assert len(sizes) == 2 * 2 * 4, p.stdout[-3000:]  # both ranks, both splits, eval_iters batches
+    assert set(sizes) == {1}
 
 
 @pytest.mark.parametrize('schedule', ['interleaved-1f1b', 'zbv'])
