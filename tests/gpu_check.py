@@ -544,8 +544,8 @@ def part_b():
         tiny = SYSTEM + MODEL[:5] + ['--gradient_accumulation_steps=2'] if dry else []
         code, _, secs = run(name, [
             sys.executable, os.path.join(REPO, 'train.py'), os.path.join(REPO, 'config', 'train_gpt2.py'),
-            '--random_data=True', f'--max_iters={4 if dry else 6}', '--log_interval=1', '--eval_interval=1000', '--eval_iters=1',
-            '--always_save_checkpoint=False', f'--out_dir={name}'] + tiny + extra)
+            '--random_data=True', f'--max_iters={4 if dry else 6}', '--log_interval=1', '--eval_interval=1000',
+            '--eval_iters=1', '--always_save_checkpoint=False', f'--out_dir={name}'] + tiny + extra)
         logged = sorted((r['ms'], r['tokens_per_sec'], r['mfu']) for r in metrics(name)
                         if r.get('iter', 0) >= 2 and 'ms' in r)
         ms, tok, mfu = logged[len(logged) // 2] if logged else (None, None, None)
