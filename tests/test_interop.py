@@ -167,9 +167,9 @@ def test_export_hf_of_a_bias_free_char_model_gives_transformers_the_same_logits(
     from checkpoint import load_checkpoint
     launch('train.py', tmp_path, data_dir, 'run', '--max_iters=3', '--bias=False')
     p = run('export_hf.py', f'--ckpt={tmp_path / "run"}', f'--out={tmp_path / "hf"}', cwd=tmp_path)
-    # it said '65 tokens, (a 65-token vocabulary: ...)', the count twice
-    assert p.stdout.strip().endswith("M parameters, 65 tokens, no tokenizer written (the vocabulary is the dataset's "
-                                     "own)")
+    # it said '65 tokens, (a 65-token vocabulary: ...)', the count twice; and not which state of the run it wrote
+    assert p.stdout.strip().startswith(f"wrote {tmp_path / 'hf'} from {tmp_path / 'run' / 'ckpt.pt'} (iter 3): ") and \
+        p.stdout.strip().endswith("M parameters, 65 tokens, no tokenizer written (the vocabulary is the dataset's own)")
     ours, _ = load_checkpoint(str(tmp_path / 'run'), dropout=0.0)
     assert not any(k.endswith('.bias') for k in ours.state_dict())
     theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / 'hf').eval()
