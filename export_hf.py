@@ -95,6 +95,8 @@ def main():
                                                  "give --ckpt=a run folder, a ckpt.pt or a sharded checkpoint folder")
     try:
         from transformers import GPT2Config, GPT2LMHeadModel  # after the checks: it takes seconds to import
+        from transformers.utils.logging import disable_progress_bar
+        disable_progress_bar()  # its "Writing model shards" bar on stderr: the line below says what was written
     except ImportError:
         sys.exit("error: export_hf.py needs Hugging Face transformers: pip install transformers")
     cfg = model.config

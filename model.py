@@ -242,6 +242,8 @@ class GPT(nn.Module):
         override_args = override_args or {}
         assert all(k == 'dropout' for k in override_args), "only dropout can be overridden"
         from transformers import GPT2LMHeadModel  # imported here only: training from scratch does not need it
+        from transformers.utils.logging import disable_progress_bar
+        disable_progress_bar()  # its "Loading weights" bar: lines on stderr around a tool's output or one-line error
         hf_model = GPT2LMHeadModel.from_pretrained(model_type, weights_only=True)  # a .bin is data, never code
         hf = hf_model.config
         config = GPTConfig(block_size=hf.n_positions, vocab_size=hf.vocab_size, n_layer=hf.n_layer,

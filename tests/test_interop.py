@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import TINY, read_metrics, run
+from conftest import TINY, one_line_error, read_metrics, run
 
 BASE = ['--gradient_accumulation_steps=2', '--eval_interval=3', '--always_save_checkpoint=True']
 
@@ -184,6 +184,11 @@ def test_export_hf_of_a_bias_free_char_model_gives_transformers_the_same_logits(
     assert config['bos_token_id'] is None and config['eos_token_id'] is None
     assert sorted(f.name for f in (tmp_path / 'hf').iterdir()) == ['config.json', 'generation_config.json',
                                                                    'model.safetensors']
+    # transformers' progress bars ("Writing model shards", "Loading weights") were lines on stderr besides: before the
+    # one-line error of a tool given the folder, and in an export that went well
+    assert p.stderr == ''
+    p = run('sample.py', f"--init_from={tmp_path / 'hf'}", '--device=cpu', cwd=tmp_path, check=False)
+    assert one_line_error(p).startswith("error: the model's vocabulary has 65 tokens, but no meta.pkl was found")
 
 
 def test_plot_draws_two_runs(trip, tmp_path):
