@@ -1894,6 +1894,12 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
         # ckpt.prev.pt, best.pt) that torch.load could not read. Any other file (DCP's extra.pt,
         # DeepSpeed's model states, a config.json, a meta.pkl, another project's .pt) may be a run's good state.
         unread = any(f.filename == torch.serialization.__file__ for f in traceback.extract_tb(e.__traceback__))
+        folder = os.path.dirname(path) or '.'
+        if os.path.isfile(path) and hf_folder(folder) and not re.fullmatch(r'(ckpt|best)(\.prev\d*)?\.pt',
+                                                                            os.path.basename(path)):
+            # model.safetensors, config.json: a Hugging Face model is read as its folder
+            sys.exit(f"error: {path} is a file of the Hugging Face folder {folder}: give the folder, which sample.py "
+                     f"and every entrypoint take with --init_from={folder}, and transformers reads as it is")
         if os.path.isdir(path) or unread and re.fullmatch(r'(ckpt|best)(\.prev\d*)?\.pt', os.path.basename(path)):
             sys.exit(f"error: checkpoint {path} is corrupt ({reason(e)}): move it aside (mv, to a name of your own) "
                      f"or restore a good copy")

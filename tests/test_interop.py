@@ -189,6 +189,14 @@ def test_export_hf_of_a_bias_free_char_model_gives_transformers_the_same_logits(
     assert p.stderr == ''
     p = run('sample.py', f"--init_from={tmp_path / 'hf'}", '--device=cpu', cwd=tmp_path, check=False)
     assert one_line_error(p).startswith("error: the model's vocabulary has 65 tokens, but no meta.pkl was found")
+    # a file of the folder given instead of the folder was "not a model checkpoint (KeyError: 'model_args'): give a
+    # ckpt.pt, a run folder or a sharded checkpoint folder", never the folder that the user has
+    for script, flag in (('sample.py', '--init_from'), ('export_hf.py', '--ckpt')):
+        p = run(script, f"{flag}={tmp_path / 'hf' / 'model.safetensors'}", f"--out={tmp_path / 'again'}"
+                if script == 'export_hf.py' else '--device=cpu', cwd=tmp_path, check=False)
+        assert one_line_error(p) == f"error: {tmp_path / 'hf' / 'model.safetensors'} is a file of the Hugging Face " \
+            f"folder {tmp_path / 'hf'}: give the folder, which sample.py and every entrypoint take with " \
+            f"--init_from={tmp_path / 'hf'}, and transformers reads as it is"
 
 
 def test_plot_draws_two_runs(trip, tmp_path):
