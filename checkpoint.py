@@ -129,12 +129,17 @@ def load_checkpoint(path, dropout=None):
     run folder stands for its newest ckpt.pt that loads: a damaged one is passed over for the version before it
     (ckpt.prev.pt, ...), with a warning, as a resume does. Where a run in progress moves its latest (or best) on
     while its folder is read, and prunes the step folder it named, the newest is read again."""
+    return read_checkpoint(path, dropout)[:2]
+
+
+def read_checkpoint(path, dropout=None):
+    """load_checkpoint's (model, checkpoint) and the file or folder read: a version before a damaged ckpt.pt."""
     found = find_checkpoint(path)
     try:
         return _load_newest(path, found, dropout)
     except Exception:
         if found != path and find_checkpoint(path) != found:
-            return load_checkpoint(path, dropout)
+            return read_checkpoint(path, dropout)
         raise
 
 
@@ -160,7 +165,7 @@ def _load_newest(path, found, dropout):
                   + ("DiLoCo's global model (the replica moves away from it within a window)"
                      if 'diloco' in checkpoint else "the replicas' average") + ": the run folder's ckpt.pt holds that",
                   file=sys.stderr, flush=True)
-        return model, checkpoint
+        return model, checkpoint, version
 
 
 def run_versions(path, found):
@@ -1828,7 +1833,7 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
     try:
         with warnings.catch_warnings():  # torch's note on a plain pickle's protocol (a meta.pkl given by mistake)
             warnings.filterwarnings('ignore', 'Detected pickle protocol', UserWarning)
-            model, checkpoint = load_checkpoint(path, dropout=dropout)
+            model, checkpoint, read = read_checkpoint(path, dropout=dropout)
     except FileNotFoundError as e:
         shards_snapshot_or_exit(path)
         parent, name = os.path.split(os.path.normpath(path))
@@ -1905,9 +1910,10 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
                      f"or restore a good copy")
         sys.exit(f"error: {path} is not a model checkpoint ({reason(e)}): give a ckpt.pt, a run folder or a sharded "
                  f"checkpoint folder (dcp/step-N)")
-    model, checkpoint, path = newer_state(path, model, checkpoint, dropout)
-    finite_or_exit(model, path)
-    return model, checkpoint, find_checkpoint(path)
+    model, checkpoint, newer = newer_state(path, model, checkpoint, dropout)
+    read = read if newer == path else find_checkpoint(newer)  # a memory snapshot newer than the run's checkpoints
+    finite_or_exit(model, read)
+    return model, checkpoint, read
 
 
 def export_of(folder, run):
