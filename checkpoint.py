@@ -1999,6 +1999,7 @@ def newer_state(path, model, checkpoint, dropout):
             print(f"warning: reading {read} (iter {saved}): the run's newer memory snapshot {state} (iter {it}) does "
                   f"not load ({reason(e)})", file=sys.stderr, flush=True)
             return model, checkpoint, path
+        it = whole[1].get('iter_num', it)  # a run in progress may have replaced it since it was listed
         print(f"note: reading the run's memory snapshot {state} (iter {it}), newer than {read} (iter {saved}): "
               f"the run's newest state, which it has not saved since", file=sys.stderr, flush=True)
         return *whole, state
