@@ -1806,6 +1806,9 @@ def pretrained_or_exit(name, dropout=0.0):
             return GPT.from_pretrained(name, dict(dropout=dropout))
     except ImportError:
         sys.exit(f"error: init_from={name} needs Hugging Face transformers: pip install transformers")
+    except NotImplementedError as e:  # GPT.from_pretrained's refusal: settings that make another function
+        sys.exit(f"error: {name} is a GPT-2 of another kind, which model.py's GPT does not compute ({e}): give a "
+                 f"GPT-2 folder with GPT-2's settings (export_hf.py's)")
     except Exception as e:
         if local:  # a folder given by mistake, or damaged: its pickles were read as data, a planted one refused
             sys.exit(f"error: {name} is not an intact Hugging Face GPT-2 folder ({reason(e)}): give a folder that "

@@ -199,6 +199,27 @@ def test_export_hf_of_a_bias_free_char_model_gives_transformers_the_same_logits(
             f"--init_from={tmp_path / 'hf'}, and transformers reads as it is"
 
 
+@pytest.mark.parametrize('setting,value', [('activation_function', 'relu'), ('layer_norm_epsilon', 1e-3),
+                                           ('scale_attn_weights', False), ('scale_attn_by_inverse_layer_idx', True),
+                                           ('tie_word_embeddings', False), ('n_inner', 100)])
+def test_a_hugging_face_gpt2_of_another_function_is_refused_never_loaded_as_another_model(tmp_path, setting, value):
+    """A GPT-2 folder whose config makes another function than model.py's GPT (a setting save_pretrained keeps):
+    it loaded without a word into a model whose logits were off by up to 1.06 (n_inner: an AssertionError called the
+    folder not intact). The same config at GPT-2's values loads and gives Hugging Face's logits."""
+    import transformers
+    from checkpoint import pretrained_or_exit
+    config = dict(n_positions=16, n_embd=32, n_layer=1, n_head=2, vocab_size=65)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(**config, **{setting: value})).save_pretrained(tmp_path / 'hf')
+    with pytest.raises(SystemExit) as e:
+        pretrained_or_exit(str(tmp_path / 'hf'))
+    assert str(e.value) == f"error: {tmp_path / 'hf'} is a GPT-2 of another kind, which model.py's GPT does not " \
+        f"compute ({setting}={value!r}): give a GPT-2 folder with GPT-2's settings (export_hf.py's)"
+    theirs = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config)).eval()
+    theirs.save_pretrained(tmp_path / 'gpt2')
+    idx = torch.randint(65, (2, 16))
+    assert (pretrained_or_exit(str(tmp_path / 'gpt2')).eval()(idx, idx)[0] - theirs(idx).logits).abs().max() < 1e-5
+
+
 def test_plot_draws_two_runs(trip, tmp_path):
     out = tmp_path / 'loss.png'
     (tmp_path / 'loss.png.tmp').write_text('a user file')  # no name of the user's is taken for a temporary file
