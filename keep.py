@@ -36,7 +36,7 @@ def set_aside(out_dir, first_bad, run_id):
     the states saved at first_bad or later hold the weights that gave it (skipped steps change nothing), so they
     are renamed diverged-... (kept, not deleted, but out of every resume's and tool's sight) and the good ones
     before take the newest names: ckpt.pt stays the newest. Rank 0 does it in out_dir, the first rank of each node
-    in its memory snapshots. Returns (path, iter) of out_dir's newest good state, or (None, None), and the iter of
+    in its memory snapshots. Returns (path, iter) of out_dir's newest good state, or (None, None), and the
     (path, iter) of rank 0's newest good snapshot where it is newer (the next start resumes from it), else None:
     in RAM, or kept in out_dir out of RAM (before-RUN_ID/, a copy's start), which a resume reads alike."""
     snapshot = (None, -1)
