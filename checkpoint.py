@@ -129,12 +129,17 @@ def load_checkpoint(path, dropout=None):
     run folder stands for its newest ckpt.pt that loads: a damaged one is passed over for the version before it
     (ckpt.prev.pt, ...), with a warning, as a resume does. Where a run in progress moves its latest (or best) on
     while its folder is read, and prunes the step folder it named, the newest is read again."""
+    return read_checkpoint(path, dropout)[:2]
+
+
+def read_checkpoint(path, dropout=None):
+    """load_checkpoint's (model, checkpoint) and the file or folder read: a version before a damaged ckpt.pt."""
     found = find_checkpoint(path)
     try:
         return _load_newest(path, found, dropout)
     except Exception:
         if found != path and find_checkpoint(path) != found:
-            return load_checkpoint(path, dropout)
+            return read_checkpoint(path, dropout)
         raise
 
 
@@ -160,7 +165,7 @@ def _load_newest(path, found, dropout):
                   + ("DiLoCo's global model (the replica moves away from it within a window)"
                      if 'diloco' in checkpoint else "the replicas' average") + ": the run folder's ckpt.pt holds that",
                   file=sys.stderr, flush=True)
-        return model, checkpoint
+        return model, checkpoint, version
 
 
 def run_versions(path, found):
@@ -1801,6 +1806,9 @@ def pretrained_or_exit(name, dropout=0.0):
             return GPT.from_pretrained(name, dict(dropout=dropout))
     except ImportError:
         sys.exit(f"error: init_from={name} needs Hugging Face transformers: pip install transformers")
+    except NotImplementedError as e:  # GPT.from_pretrained's refusal: settings that make another function
+        sys.exit(f"error: {name} is a GPT-2 of another kind, which model.py's GPT does not compute ({e}): give a "
+                 f"GPT-2 folder with GPT-2's settings (export_hf.py's)")
     except Exception as e:
         if local:  # a folder given by mistake, or damaged: its pickles were read as data, a planted one refused
             sys.exit(f"error: {name} is not an intact Hugging Face GPT-2 folder ({reason(e)}): give a folder that "
@@ -1828,7 +1836,7 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
     try:
         with warnings.catch_warnings():  # torch's note on a plain pickle's protocol (a meta.pkl given by mistake)
             warnings.filterwarnings('ignore', 'Detected pickle protocol', UserWarning)
-            model, checkpoint = load_checkpoint(path, dropout=dropout)
+            model, checkpoint, read = read_checkpoint(path, dropout=dropout)
     except FileNotFoundError as e:
         shards_snapshot_or_exit(path)
         parent, name = os.path.split(os.path.normpath(path))
@@ -1894,14 +1902,21 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
         # ckpt.prev.pt, best.pt) that torch.load could not read. Any other file (DCP's extra.pt,
         # DeepSpeed's model states, a config.json, a meta.pkl, another project's .pt) may be a run's good state.
         unread = any(f.filename == torch.serialization.__file__ for f in traceback.extract_tb(e.__traceback__))
+        folder = os.path.dirname(path) or '.'
+        if os.path.isfile(path) and hf_folder(folder) and not re.fullmatch(r'(ckpt|best)(\.prev\d*)?\.pt',
+                                                                            os.path.basename(path)):
+            # model.safetensors, config.json: a Hugging Face model is read as its folder
+            sys.exit(f"error: {path} is a file of the Hugging Face folder {folder}: give the folder, which sample.py "
+                     f"and every entrypoint take with --init_from={folder}, and transformers reads as it is")
         if os.path.isdir(path) or unread and re.fullmatch(r'(ckpt|best)(\.prev\d*)?\.pt', os.path.basename(path)):
             sys.exit(f"error: checkpoint {path} is corrupt ({reason(e)}): move it aside (mv, to a name of your own) "
                      f"or restore a good copy")
         sys.exit(f"error: {path} is not a model checkpoint ({reason(e)}): give a ckpt.pt, a run folder or a sharded "
                  f"checkpoint folder (dcp/step-N)")
-    model, checkpoint, path = newer_state(path, model, checkpoint, dropout)
-    finite_or_exit(model, path)
-    return model, checkpoint, find_checkpoint(path)
+    model, checkpoint, newer = newer_state(path, model, checkpoint, dropout)
+    read = read if newer == path else find_checkpoint(newer)  # a memory snapshot newer than the run's checkpoints
+    finite_or_exit(model, read)
+    return model, checkpoint, read
 
 
 def export_of(folder, run):
@@ -1987,6 +2002,7 @@ def newer_state(path, model, checkpoint, dropout):
             print(f"warning: reading {read} (iter {saved}): the run's newer memory snapshot {state} (iter {it}) does "
                   f"not load ({reason(e)})", file=sys.stderr, flush=True)
             return model, checkpoint, path
+        it = whole[1].get('iter_num', it)  # a run in progress may have replaced it since it was listed
         print(f"note: reading the run's memory snapshot {state} (iter {it}), newer than {read} (iter {saved}): "
               f"the run's newest state, which it has not saved since", file=sys.stderr, flush=True)
         return *whole, state

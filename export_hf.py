@@ -91,10 +91,12 @@ def main():
     if hf_folder(ckpt):  # it said "no checkpoint at FOLDER/ckpt.pt"
         sys.exit(f"error: {ckpt} is a Hugging Face folder already: transformers reads it as it is, and so do sample.py "
                  f"and every entrypoint with --init_from={ckpt}")
-    model, checkpoint, _ = checkpoint_or_exit(ckpt,
-                                              "give --ckpt=a run folder, a ckpt.pt or a sharded checkpoint folder")
+    model, checkpoint, read = checkpoint_or_exit(ckpt,
+                                                 "give --ckpt=a run folder, a ckpt.pt or a sharded checkpoint folder")
     try:
         from transformers import GPT2Config, GPT2LMHeadModel  # after the checks: it takes seconds to import
+        from transformers.utils.logging import disable_progress_bar
+        disable_progress_bar()  # its "Writing model shards" bar on stderr: the line below says what was written
     except ImportError:
         sys.exit("error: export_hf.py needs Hugging Face transformers: pip install transformers")
     cfg = model.config
@@ -150,7 +152,10 @@ def main():
             sys.exit(f"error: interrupted; {out} not written")
         sys.exit(f"error: cannot write {out} ({reason(e)}): give --out=PATH in a writable folder with room")
     what = 'with GPT-2 tokenizer files' if bpe else "no tokenizer written (the vocabulary is the dataset's own)"
-    print(f"wrote {out}: {model.get_num_params() / 1e6:.2f}M parameters, {vocab_size} tokens, {what}")
+    # which of the run's states it is (a run folder's newest, RUN/best's best), as the path and step that name it
+    it = checkpoint.get('iter_num')
+    source = f"{read} (iter {it})" if isinstance(it, int) else read
+    print(f"wrote {out} from {source}: {model.get_num_params() / 1e6:.2f}M parameters, {vocab_size} tokens, {what}")
 
 
 if __name__ == '__main__':

@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from checkpoint import holds_a_copys_snapshots, kept, read_name, snapshot_dir, unused, write_name
+from checkpoint import holds_a_copys_snapshots, kept, kept_snapshots, read_name, snapshot_dir, unused, write_name
 
 KINDS = ('dcp', 'ds', 'decent')  # the folders of step folders that fsdp_train.py, ds_train.py, decent_train.py write
 
@@ -36,20 +36,26 @@ def set_aside(out_dir, first_bad, run_id):
     the states saved at first_bad or later hold the weights that gave it (skipped steps change nothing), so they
     are renamed diverged-... (kept, not deleted, but out of every resume's and tool's sight) and the good ones
     before take the newest names: ckpt.pt stays the newest. Rank 0 does it in out_dir, the first rank of each node
-    in its memory snapshots. Returns (path, iter) of out_dir's newest good state, or (None, None), and the iter of
-    rank 0's newest good snapshot where it is newer (the next start resumes from it), else None."""
+    in its memory snapshots. Returns (path, iter) of out_dir's newest good state, or (None, None), and the
+    (path, iter) of rank 0's newest good snapshot where it is newer (the next start resumes from it), else None:
+    in RAM, or kept in out_dir out of RAM (before-RUN_ID/, a copy's start), which a resume reads alike."""
     snapshot = (None, -1)
     # (not where the folder holds a copy's snapshots: this run took none, and those are the copy's newest states)
     if int(os.environ.get('LOCAL_RANK', 0)) == 0 and os.path.isdir(snapshot_dir(run_id)) \
             and not holds_a_copys_snapshots():
-        snapshot = _set_aside_in(snapshot_dir(run_id), first_bad, files=[
-            f for f in os.listdir(snapshot_dir(run_id)) if f.endswith('.pt') and not f.startswith('diverged')])
+        snapshot = _set_aside_in(snapshot_dir(run_id), first_bad, files=_snapshots(snapshot_dir(run_id)))
     if int(os.environ.get('RANK', 0)) != 0:
         return None, None, None
+    for folder in kept_snapshots(out_dir):  # every node's, in the storage they share
+        snapshot = max(snapshot, _set_aside_in(folder, first_bad, files=_snapshots(folder)), key=lambda n: n[1])
     newest = _set_aside_in(out_dir, first_bad, files=['ckpt.pt'])
     for kind in KINDS:
         newest = max(newest, _set_aside_in(os.path.join(out_dir, kind), first_bad, files=[]), key=lambda n: n[1])
-    return (*(newest if newest[0] is not None else (None, None)), snapshot[1] if snapshot[1] > newest[1] else None)
+    return (*(newest if newest[0] is not None else (None, None)), snapshot if snapshot[1] > newest[1] else None)
+
+
+def _snapshots(folder):
+    return [f for f in os.listdir(folder) if f.endswith('.pt') and not f.startswith('diverged')]
 
 
 def _iter(path):

@@ -242,8 +242,18 @@ class GPT(nn.Module):
         override_args = override_args or {}
         assert all(k == 'dropout' for k in override_args), "only dropout can be overridden"
         from transformers import GPT2LMHeadModel  # imported here only: training from scratch does not need it
+        from transformers.utils.logging import disable_progress_bar
+        disable_progress_bar()  # its "Loading weights" bar: lines on stderr around a tool's output or one-line error
         hf_model = GPT2LMHeadModel.from_pretrained(model_type, weights_only=True)  # a .bin is data, never code
         hf = hf_model.config
+        # settings that save_pretrained keeps and under which GPT2LMHeadModel computes another function than this GPT:
+        # loaded, they would give another model without a word ('gelu_pytorch_tanh' is gelu_new, in another kernel)
+        ours = {'activation_function': ('gelu_new', 'gelu_pytorch_tanh'), 'layer_norm_epsilon': (1e-5,),
+                'scale_attn_weights': (True,), 'scale_attn_by_inverse_layer_idx': (False,),
+                'tie_word_embeddings': (True,), 'n_inner': (None, 4 * hf.n_embd)}
+        other = [f"{k}={getattr(hf, k)!r}" for k, values in ours.items() if getattr(hf, k, values[0]) not in values]
+        if other:
+            raise NotImplementedError(', '.join(other))
         config = GPTConfig(block_size=hf.n_positions, vocab_size=hf.vocab_size, n_layer=hf.n_layer,
                            n_head=hf.n_head, n_embd=hf.n_embd, bias=True,
                            dropout=override_args.get('dropout', 0.0))

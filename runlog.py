@@ -19,7 +19,7 @@ import time
 
 import torch.distributed as dist
 
-from checkpoint import reason, settle_earlier_run, snapshot_dir, unsettle_earlier_run, wait_for_saves
+from checkpoint import reason, settle_earlier_run, unsettle_earlier_run, wait_for_saves
 from distributed import verdicts
 from keep import bad_loss, set_aside
 from runlock import launch_identity, launch_pods
@@ -279,7 +279,8 @@ def stop_diverged(in_a_row, iter_num, out_dir, run_id, what, also='', dtype=None
     held = f"{newest[0]} (iter {newest[1]}) holds the last good state" if newest[0] else \
         f"{out_dir} holds no state saved before the weights went bad"
     if newest[2] is not None:  # a memory snapshot after out_dir's newest: the next start resumes from it, not that
-        held += f" (the memory snapshot of iter {newest[2]} in {snapshot_dir(run_id)} is newer: a restart resumes it)"
+        held += f" (the memory snapshot of iter {newest[2][1]} in {os.path.dirname(newest[2][0])} is newer: a " \
+                f"restart resumes it)"
     sys.exit(f"error: {in_a_row} steps in a row up to iter {iter_num} had a non-finite {what}{also}; {held}: "
              f"{diverged_fix(dtype)}")
 

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from conftest import REPO, begin, env, one_line_error, read_metrics, run
 from launcher import finish, launch
 from test_fault import (KIND, assert_same_run, beside, cut_short, final_weights, killed_past, logged_iters, tiny,
                         weights)
+from test_saved_state import KEEP_SNAPSHOTS
 
 ONE = ['--gradient_accumulation_steps=2', '--dropout=0.1', '--max_iters=24', '--eval_interval=12',
        '--save_memory_interval=2', '--save_storage_interval=6']
@@ -210,6 +212,41 @@ def test_train_nonfinite_loss_skips_the_step_and_several_in_a_row_stop_the_run(t
     assert ckpt['iter_num'] == 6 and all(torch.isfinite(t).all() for t in ckpt['model'].values())
     # the stop keeps its memory snapshot, which a restart would resume: the test's own, in RAM, removed here
     shutil.rmtree(snapshot_dir((tmp_path / 'many' / 'run_id').read_text().strip()))
+
+
+def test_a_run_resumed_from_a_kept_memory_snapshot_that_diverges_names_the_state_a_restart_resumes(
+        tmp_path, data_dir, shared_run):
+    """A run killed at 12, its checkpoint at 10 and its memory snapshot of 11 kept out of RAM in its folder (by a
+    start afresh over it, or a copy's start): resumed from that snapshot and diverging, its error named the older
+    ckpt.pt as the state a restart resumes, while the restart resumed the snapshot."""
+    args = ['--gradient_accumulation_steps=1', '--max_iters=10', '--eval_interval=5']
+    out = tmp_path / 'run'
+    shutil.copytree(shared_run('train.py', *args), out)
+    (tmp_path / 'keep_snapshots.py').write_text(KEEP_SNAPSHOTS)
+    run(tmp_path / 'keep_snapshots.py', REPO / 'train.py', *tiny(data_dir, out, *args, '--max_iters=12',
+                                                                    '--save_memory_interval=1'), cwd=tmp_path)
+    run_id = (out / 'run_id').read_text().strip()
+    shutil.rmtree(out)
+    shutil.copytree(shared_run('train.py', *args), out)  # its storage as it was at 10
+    kept = out / f'snapshots.kept-{run_id}-{socket.gethostname()}'
+    shutil.move(snapshot_dir(run_id), kept)
+    # steps 12 and 13 non-finite (the wrapper counts from the resumed step 11)
+    p = run_with_nans(tmp_path, ','.join(map(str, range(2, 40))), *tiny(data_dir, out, *args, '--max_iters=20',
+                                                                         '--max_nonfinite_steps=2'))
+    assert f'resuming from {kept}/ckpt.pt at iter 11' in p.stdout, p.stdout[-2000:]
+    assert p.returncode == 1 and p.stderr.strip().splitlines()[-1] == (
+        f"error: 2 steps in a row up to iter 13 had a non-finite loss or gradient; {out / 'ckpt.pt'} (iter 10) holds "
+        f"the last good state (the memory snapshot of iter 11 in {kept} is newer: a restart resumes it): lower "
+        f"learning_rate, or check the data"), p.stderr[-2000:]
+    # diverging at the very step it resumes (11), the kept snapshot holds the weights that gave it: set aside as a
+    # snapshot in RAM is, the error naming ckpt.pt, which the restart resumes
+    p = run_with_nans(tmp_path, ','.join(map(str, range(1, 40))), *tiny(data_dir, out, *args, '--max_iters=20',
+                                                                         '--max_nonfinite_steps=2'))
+    assert p.returncode == 1 and p.stderr.strip().splitlines()[-1] == (
+        f"error: 2 steps in a row up to iter 12 had a non-finite loss or gradient; {out / 'ckpt.pt'} (iter 10) holds "
+        f"the last good state: lower learning_rate, or check the data"), p.stderr[-2000:]
+    assert sorted(os.listdir(kept)) == ['diverged-ckpt-11.pt']
+    shutil.rmtree(snapshot_dir(run_id), ignore_errors=True)  # (none is left in RAM: the test's own, if any)
 
 
 def test_float16_overflows_are_counted_and_a_loss_scale_below_1_stops_the_run(tmp_path, data_dir):

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import TINY, read_metrics, run
+from conftest import TINY, one_line_error, read_metrics, run
 
 BASE = ['--gradient_accumulation_steps=2', '--eval_interval=3', '--always_save_checkpoint=True']
 
@@ -167,9 +167,9 @@ def test_export_hf_of_a_bias_free_char_model_gives_transformers_the_same_logits(
     from checkpoint import load_checkpoint
     launch('train.py', tmp_path, data_dir, 'run', '--max_iters=3', '--bias=False')
     p = run('export_hf.py', f'--ckpt={tmp_path / "run"}', f'--out={tmp_path / "hf"}', cwd=tmp_path)
-    # it said '65 tokens, (a 65-token vocabulary: ...)', the count twice
-    assert p.stdout.strip().endswith("M parameters, 65 tokens, no tokenizer written (the vocabulary is the dataset's "
-                                     "own)")
+    # it said '65 tokens, (a 65-token vocabulary: ...)', the count twice; and not which state of the run it wrote
+    assert p.stdout.strip().startswith(f"wrote {tmp_path / 'hf'} from {tmp_path / 'run' / 'ckpt.pt'} (iter 3): ") and \
+        p.stdout.strip().endswith("M parameters, 65 tokens, no tokenizer written (the vocabulary is the dataset's own)")
     ours, _ = load_checkpoint(str(tmp_path / 'run'), dropout=0.0)
     assert not any(k.endswith('.bias') for k in ours.state_dict())
     theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / 'hf').eval()
@@ -184,6 +184,40 @@ def test_export_hf_of_a_bias_free_char_model_gives_transformers_the_same_logits(
     assert config['bos_token_id'] is None and config['eos_token_id'] is None
     assert sorted(f.name for f in (tmp_path / 'hf').iterdir()) == ['config.json', 'generation_config.json',
                                                                    'model.safetensors']
+    # transformers' progress bars ("Writing model shards", "Loading weights") were lines on stderr besides: before the
+    # one-line error of a tool given the folder, and in an export that went well
+    assert p.stderr == ''
+    p = run('sample.py', f"--init_from={tmp_path / 'hf'}", '--device=cpu', cwd=tmp_path, check=False)
+    assert one_line_error(p).startswith("error: the model's vocabulary has 65 tokens, but no meta.pkl was found")
+    # a file of the folder given instead of the folder was "not a model checkpoint (KeyError: 'model_args'): give a
+    # ckpt.pt, a run folder or a sharded checkpoint folder", never the folder that the user has
+    for script, flag in (('sample.py', '--init_from'), ('export_hf.py', '--ckpt')):
+        p = run(script, f"{flag}={tmp_path / 'hf' / 'model.safetensors'}", f"--out={tmp_path / 'again'}"
+                if script == 'export_hf.py' else '--device=cpu', cwd=tmp_path, check=False)
+        assert one_line_error(p) == f"error: {tmp_path / 'hf' / 'model.safetensors'} is a file of the Hugging Face " \
+            f"folder {tmp_path / 'hf'}: give the folder, which sample.py and every entrypoint take with " \
+            f"--init_from={tmp_path / 'hf'}, and transformers reads as it is"
+
+
+@pytest.mark.parametrize('setting,value', [('activation_function', 'relu'), ('layer_norm_epsilon', 1e-3),
+                                           ('scale_attn_weights', False), ('scale_attn_by_inverse_layer_idx', True),
+                                           ('tie_word_embeddings', False), ('n_inner', 100)])
+def test_a_hugging_face_gpt2_of_another_function_is_refused_never_loaded_as_another_model(tmp_path, setting, value):
+    """A GPT-2 folder whose config makes another function than model.py's GPT (a setting save_pretrained keeps):
+    it loaded without a word into a model whose logits were off by up to 1.06 (n_inner: an AssertionError called the
+    folder not intact). The same config at GPT-2's values loads and gives Hugging Face's logits."""
+    import transformers
+    from checkpoint import pretrained_or_exit
+    config = dict(n_positions=16, n_embd=32, n_layer=1, n_head=2, vocab_size=65)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(**config, **{setting: value})).save_pretrained(tmp_path / 'hf')
+    with pytest.raises(SystemExit) as e:
+        pretrained_or_exit(str(tmp_path / 'hf'))
+    assert str(e.value) == f"error: {tmp_path / 'hf'} is a GPT-2 of another kind, which model.py's GPT does not " \
+        f"compute ({setting}={value!r}): give a GPT-2 folder with GPT-2's settings (export_hf.py's)"
+    theirs = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config)).eval()
+    theirs.save_pretrained(tmp_path / 'gpt2')
+    idx = torch.randint(65, (2, 16))
+    assert (pretrained_or_exit(str(tmp_path / 'gpt2')).eval()(idx, idx)[0] - theirs(idx).logits).abs().max() < 1e-5
 
 
 def test_plot_draws_two_runs(trip, tmp_path):

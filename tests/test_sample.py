@@ -464,6 +464,36 @@ def test_a_run_killed_after_its_last_save_is_read_at_its_newer_memory_snapshot(c
         shutil.rmtree(shm)
 
 
+def test_a_memory_snapshot_replaced_while_a_tool_reads_it_is_named_at_the_step_read(char_run, tmp_path, monkeypatch,
+                                                                                    capsys):
+    """A run in progress replaces its memory snapshot every few steps: one replaced between the tool's look at it and
+    its read was named at the step it had seen, not the one read."""
+    import checkpoint
+    from checkpoint import where_saved
+    out = tmp_path / 'run'
+    shutil.copytree(char_run, out, symlinks=True)
+    run_id = f'test-{uuid.uuid4().hex}'
+    (out / 'run_id').write_text(run_id)
+    shm = Path(snapshot_dir(run_id))
+    shm.mkdir()
+    try:
+        state = {**torch.load(out / 'ckpt.pt', weights_only=True), **where_saved(out)}
+        torch.save({**state, 'iter_num': state['iter_num'] + 5}, shm / 'ckpt.pt')
+        load = checkpoint._load
+
+        def replaced_meanwhile(path, dropout):
+            if path == str(shm / 'ckpt.pt'):
+                torch.save({**state, 'iter_num': state['iter_num'] + 6}, path)
+            return load(path, dropout)
+        monkeypatch.setattr(checkpoint, '_load', replaced_meanwhile)
+        _, read, path = checkpoint.checkpoint_or_exit(str(out), 'fix')
+        assert read['iter_num'] == state['iter_num'] + 6 and path == str(shm / 'ckpt.pt')
+        assert f"note: reading the run's memory snapshot {shm / 'ckpt.pt'} (iter {state['iter_num'] + 6}), newer " \
+            f"than" in capsys.readouterr().err
+    finally:
+        shutil.rmtree(shm)
+
+
 def test_a_deepspeed_run_saved_since_its_export_says_that_what_the_tool_reads_is_older(char_run, tmp_path):
     """A ds_train.py run continued with save_consolidated=False holds step folders newer than its ckpt.pt and best.pt,
     which only ds_train.py reads: a tool reads the export, and says that it is older and how to have the newest,

@@ -1374,9 +1374,13 @@ def test_a_tool_reads_the_version_before_a_damaged_or_missing_ckpt_pt(tmp_path, 
     assert f"warning: {ckpt} is damaged" in p.stderr and f"reading {ckpt.parent / 'ckpt.prev.pt'} (iter 5)" in p.stderr
     p = run('model_size.py', str(tmp_path / 'run'), cwd=tmp_path)  # the shape, from the version before
     assert f"warning: {ckpt} is damaged" in p.stderr and ' 2 layers, 2 heads, 32 wide' in p.stdout, p.stdout
+    # and a run started from its weights names that file, not ckpt.pt
+    p = start(tmp_path, data_dir, tmp_path / 'new', f"--init_from={tmp_path / 'run'}", '--max_iters=1')
+    assert f"initializing from the weights of {ckpt.parent / 'ckpt.prev.pt'}\n" in p.stdout, p.stdout[-2000:]
     ckpt.unlink()
     p = run('export_hf.py', f'--ckpt={tmp_path / "run"}', f'--out={tmp_path / "hf"}', cwd=tmp_path)
     assert f"reading {ckpt.parent / 'ckpt.prev.pt'} (iter 5)" in p.stderr and (tmp_path / 'hf' / 'config.json').exists()
+    assert f"wrote {tmp_path / 'hf'} from {ckpt.parent / 'ckpt.prev.pt'} (iter 5): " in p.stdout, p.stdout
     (tmp_path / 'run' / 'ckpt.prev.pt').write_bytes(b'damaged')  # none left that loads: the one line
     error = one_line_error(run('sample.py', f'--out_dir={tmp_path / "run"}', '--device=cpu', meta, cwd=tmp_path,
                                check=False))
