@@ -121,13 +121,24 @@ def render(example, block_size, enc=None):
     return rows
 
 
+def token_losses(logits, targets):
+    """The cross-entropy of each scored position (target >= 0), 0 at the others: a float32 tensor of targets' shape.
+    The softmax runs over GPT-2's 50257 tokens only: a model trained here has 47 padding rows, tokens no text has,
+    that the exported model and OpenAI's GPT-2 do not have."""
+    keep = targets >= 0
+    losses = torch.zeros(targets.shape, device=logits.device)
+    losses[keep] = F.cross_entropy(logits[keep][:, :GPT2_VOCAB].float(), targets[keep], reduction='none')
+    return losses
+
+
 @torch.no_grad()
-def ending_losses(model, example, device, ctx, block_size, enc=None):
+def ending_losses(model, example, device, ctx, block_size, enc=None, pipeline=False):
     """(sums, means): the cross-entropy of each ending's tokens, summed and averaged per token, as float32 tensors
     of 4 on the device. One forward for the 4 endings, padded on the right to the longest (causal attention never
     looks right, so the padding changes nothing before it) and the padding left unscored. The forward is the
     model's own (model(idx, targets), whatever wraps it), which returns every position's logits when given
-    targets."""
+    targets; a pipeline's (pipeline.Forward) is given token_losses, which its last stage computes, to send every
+    rank 4 x T losses rather than 4 x T x vocab logits."""
     rows = render(example, block_size, enc)
     T = max(len(tokens) for tokens, _ in rows) - 1
     idx = torch.full((4, T), EOT, dtype=torch.long)
@@ -138,16 +149,15 @@ def ending_losses(model, example, device, ctx, block_size, enc=None):
         targets[i, :n] = torch.tensor([t if s else -1 for t, s in zip(tokens[1:], scored[1:])])
     idx, targets = idx.to(device), targets.to(device)
     with ctx:
-        logits, _ = model(idx, targets)
-    # the softmax runs over GPT-2's 50257 tokens only: a model trained here has 47 padding rows, tokens no text
-    # has, that the exported model and OpenAI's GPT-2 do not have
+        out, _ = model(idx, targets, per_token=token_losses) if pipeline else model(idx, targets)
+    losses = out if pipeline else token_losses(out, targets)
     keep = targets >= 0
-    losses = F.cross_entropy(logits[keep][:, :GPT2_VOCAB].float(), targets[keep], reduction='none')
-    sums = torch.zeros(4, device=losses.device).index_add_(0, keep.nonzero()[:, 0], losses)
+    sums = torch.zeros(4, device=losses.device).index_add_(0, keep.nonzero()[:, 0], losses[keep])
     return sums, sums / keep.sum(1)
 
 
-def evaluate(model, examples, device, ctx, block_size, rank=0, world_size=1, group=None, progress=False):
+def evaluate(model, examples, device, ctx, block_size, rank=0, world_size=1, group=None, progress=False,
+             pipeline=False):
     """{'n', 'acc', 'acc_norm'} of the model over the examples. Rank r of world_size data-parallel ranks scores
     examples r, r + world_size, ...; the counts are all-reduced over group (the default group) where
     torch.distributed is initialized and world_size > 1 (else they are this rank's share's). Where the group holds
@@ -155,7 +165,7 @@ def evaluate(model, examples, device, ctx, block_size, rank=0, world_size=1, gro
     is counted once.
     Every rank runs the same number of forwards, since under FSDP, ZeRO-3 or TP each is a collective: where the
     examples do not share out evenly, a rank scores a repeat of an example that counts for nothing.
-    The model is put in eval mode and back."""
+    The model is put in eval mode and back. pipeline: the model is pipeline.Forward (ending_losses)."""
     check_vocab(unwrap(model).config.vocab_size)
     reduce = world_size > 1 and dist.is_initialized()
     replicas, rest = divmod(dist.get_world_size(group), world_size) if reduce else (1, 0)
@@ -173,7 +183,7 @@ def evaluate(model, examples, device, ctx, block_size, rank=0, world_size=1, gro
         steps = tqdm(steps, desc='hellaswag', unit='example', disable=None)  # None: no bar where stderr is no tty
     for k in steps:
         example = examples[k % n]
-        sums, means = ending_losses(model, example, device, ctx, block_size, enc)
+        sums, means = ending_losses(model, example, device, ctx, block_size, enc, pipeline)
         right = torch.stack([sums.argmin(), means.argmin()]) == example['label']  # argmin: the first of a tie
         counts += torch.cat([torch.ones(1, dtype=torch.long, device=device), right.long()]) * int(k < n)
     model.train(was_training)

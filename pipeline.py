@@ -290,10 +290,12 @@ def clip(params, norm, max_norm):
 
 
 class Forward(nn.Module):
-    """model(idx, targets) -> (logits, loss) through a pipeline, for evals (estimate_loss, HellaSwag): the stages
-    run one after the other, each rank's activations sent point to point to the next stage's rank, and the last
-    stage's logits and loss broadcast to the pipeline's ranks (logits=False: the loss alone, and None for the
-    logits). A plain loop, not a schedule: evals' shapes vary."""
+    """model(idx, targets) -> (None, loss) through a pipeline, for evals (estimate_loss, HellaSwag): the stages run
+    one after the other, each rank's activations sent point to point to the next stage's rank, and the last stage's
+    loss broadcast to the pipeline's ranks. With per_token, a function of (logits, targets) whose result has targets'
+    shape (HellaSwag's token losses), its result instead, and None for the loss. Either way the last stage computes
+    what the eval needs from the logits, which are B x T x vocab (2.5 GB in fp32 for GPT-2's eval batch) and never
+    leave it. A plain loop, not a schedule: evals' shapes vary."""
 
     def __init__(self, stages, ids, owners, pp_group, device):
         super().__init__()
@@ -301,7 +303,7 @@ class Forward(nn.Module):
         self.owners, self.pp_group, self.device = owners, pp_group, device  # owners: each stage's global rank
         self.config = stages[0].config
 
-    def forward(self, idx, targets, logits=True):
+    def forward(self, idx, targets, per_token=None):
         B, T = idx.shape
         x, mine = None, dist.get_rank()
         for s in self.ids:  # in order; the neighbouring stages' ranks send and receive their activations
@@ -311,16 +313,16 @@ class Forward(nn.Module):
             x = self.stages[self.ids.index(s)](idx if s == 0 else x)
             if s < self.n_stages - 1 and self.owners[s + 1] != mine:
                 dist.send(x.float().contiguous(), self.owners[s + 1], group=self.pp_group)
-        if not logits:  # the loss alone: an eval batch's logits are B x T x vocab (2.5 GB in fp32 for GPT-2's)
-            loss = loss_fn(x.float(), targets) if self.n_stages - 1 in self.ids else torch.empty((), device=self.device)
-            if len(set(self.owners)) > 1:
-                dist.broadcast(loss, self.owners[-1], group=self.pp_group)
-            return None, loss
-        logits = x.float() if self.n_stages - 1 in self.ids else torch.empty(B, T, self.config.vocab_size,
-                                                                             device=self.device)
+        if per_token:
+            return self.from_last_stage(lambda: per_token(x.float(), targets), targets.shape), None
+        return None, self.from_last_stage(lambda: loss_fn(x.float(), targets), ())
+
+    def from_last_stage(self, compute, shape):
+        """compute() on the last stage's rank, a float32 tensor of that shape, broadcast to the pipeline's ranks."""
+        out = compute() if self.n_stages - 1 in self.ids else torch.empty(shape, device=self.device)
         if len(set(self.owners)) > 1:
-            dist.broadcast(logits, self.owners[-1], group=self.pp_group)
-        return logits, loss_fn(logits, targets)
+            dist.broadcast(out, self.owners[-1], group=self.pp_group)
+        return out
 
 
 def sharded_state(part, optimizer, raw_model):

@@ -339,7 +339,7 @@ def estimate_loss():
         for k in range(dp_rank, -(-eval_iters // dp_size) * dp_size, dp_size):
             X, Y = get_batch(split, offsets[k % eval_iters])
             with ctx:
-                _, loss = eval_model(X, Y, logits=False)  # only HellaSwag needs the logits sent
+                _, loss = eval_model(X, Y)
             total += loss.float() * (k < eval_iters)
         dist.all_reduce(total)
         out[split] = total.item() / eval_iters / pp_size / tp_size  # a pipeline's ranks all add the same losses
@@ -401,7 +401,7 @@ while True:
     elif save_storage_interval and iter_num % save_storage_interval == 0 and local_iter_num > 0:
         save_checkpoint()
     if hellaswag_interval and (iter_num % hellaswag_interval == 0 or iter_num == max_iters):
-        hs = evaluate(eval_model, hellaswag, device, ctx, block_size, dp_rank, dp_size)
+        hs = evaluate(eval_model, hellaswag, device, ctx, block_size, dp_rank, dp_size, pipeline=True)
         print0(f"step {iter_num}: hellaswag acc {hs['acc']:.4f}, acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
         log_metrics(iter_num, hellaswag_acc=hs['acc'], hellaswag_acc_norm=hs['acc_norm'])
         t0, steps_timed = time.time(), 0

@@ -224,7 +224,7 @@ def context(script, keys, flags, files):
     global _epochs
     _epochs = None  # a configure() before this one (a test's, in the same process) set no --epochs of this run
     return dict(script=script, keys=keys, flags=flags, files=files, toml={}, notes=[], epochs=None,
-                virtual=None, global_batch=None, semi_sync=None, flagged={})
+                virtual=None, global_batch=None, semi_sync=None, flagged={}, said={}, replaced={})
 
 
 def _torchft(key, value, where, source, shown, ctx):
@@ -282,11 +282,13 @@ def print_notes(ctx):
     if os.environ.get('RANK', '0') != '0':
         return
     files = {}
-    for path, text in ctx['notes']:
+    for i, (path, text) in enumerate(ctx['notes']):
+        keys, later = ctx['replaced'].get(i, ((), {}))
         if path is None:
             print(text, flush=True)
-        else:
-            files.setdefault(path, []).append(text)
+        elif not keys or len(later) < len(keys):  # left out where the run has none of its values
+            files.setdefault(path, []).append(text + ''.join(f", its {k} replaced by {w} after it"
+                                                             for k, w in later.items()))
     for (path, whose), texts in files.items():
         unused = [t.removesuffix(UNUSED) for t in texts if t.endswith(UNUSED)]  # named together, at the end
         texts = [t for t in texts if not t.endswith(UNUSED)] + [f"unused here: {', '.join(unused)}"] * bool(unused)
@@ -336,7 +338,23 @@ def _job_folder(log_dir, where, source, files):
 def translate(key, value, where, source, ctx):
     """[(our key, value)] for a key a flag ('flag'), .py ('file') or TOML file ('toml') sets: ours as they are, a
     seed's name translated (saying so once), or a one-line error. A key this entrypoint lacks and no seed names comes
-    back unchanged, for the configurator's unknown-key error."""
+    back unchanged, for the configurator's unknown-key error. A flag (or a file) after a config file that sets a key
+    of the file's line otherwise is noted, so that the line does not name a value the run no longer has
+    (print_notes)."""
+    n = len(ctx['notes'])
+    pairs = _translate(key, value, where, source, ctx)
+    for k, v in pairs:
+        line = ctx['said'].pop(k, None)  # (the note, its keys, its value) of the file's line that set k last
+        if line and v != line[2]:
+            ctx['replaced'].setdefault(line[0], (line[1], {}))[1][k] = where
+        elif line:
+            ctx['said'][k] = line  # the file's own value again: its line holds
+    if source != 'flag' and len(ctx['notes']) > n and ctx['notes'][n][0] is not None:  # the file's line said them
+        ctx['said'].update({k: (n, [k for k, _ in pairs], v) for k, v in pairs})
+    return pairs
+
+
+def _translate(key, value, where, source, ctx):
     keys, script = ctx['keys'], ctx['script']
     toml = ctx['toml'] if source == 'toml' else {}
     if key.startswith('titan:'):  # a torchtitan file's key, with its table (read_toml)

@@ -121,6 +121,38 @@ def test_two_names_of_one_key_on_the_command_line_say_which_one_the_run_takes(ca
     assert 'note:' not in capsys.readouterr().out
 
 
+def test_a_flag_or_file_after_a_config_file_takes_what_it_replaces_out_of_the_files_line(capsys, tmp_path):
+    # the file's line said the file's values of keys that flags after it replaced: n_steps is --max_iters=600000
+    # beside --n_steps=6's own line (max_iters=6)
+    toml = str(REPO / 'config' / 'decent-gpt2-small.toml')
+
+    def file_line(argv):
+        c = config_of('decent_train.py', argv)
+        lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(toml)]
+        assert len(lines) == 1, lines
+        return c, lines[0]
+    c, line = file_line([toml, '--n_steps=6', '--lr', '1e-3', '--out_dir=mine', '--beta2=0.95'])
+    assert (c['max_iters'], c['lr_decay_iters'], c['learning_rate'], c['out_dir'], c['beta2']) == \
+        (6, 6, 1e-3, 'mine', 0.95)
+    assert 'n_steps is' not in line and 'lr is' not in line and 'log_dir' not in line, line
+    # a key that sets two: the one a flag replaced is named so
+    assert '; betas is --beta1=0.9 --beta2=0.98, its beta2 replaced by --beta2=0.95 after it;' in line, line
+    assert '; eta_min is --min_lr=6e-05;' in line and '; warmup_steps is --warmup_iters=2000;' in line  # the rest
+    # a flag before the file (the file wins), or after it with the file's own value: the line holds
+    c, line = file_line(['--n_steps=6', toml, '--learning_rate=6e-4'])
+    assert (c['max_iters'], c['learning_rate']) == (600000, 6e-4)
+    assert '; n_steps is --max_iters=600000 --lr_decay_iters=600000;' in line and '; lr is --learning_rate=0.0006;' \
+        in line, line
+    # a file whose every seed's key a flag replaces has no line; a later file replaces as a flag does
+    (tmp_path / 'steps.toml').write_text('n_steps = 100\n')
+    config_of('train.py', [str(tmp_path / 'steps.toml'), '--max_iters=5', '--lr_decay_iters=5'])
+    assert 'steps.toml' not in capsys.readouterr().out
+    (tmp_path / 'ours.toml').write_text('max_iters = 5\n')
+    config_of('train.py', [str(tmp_path / 'steps.toml'), str(tmp_path / 'ours.toml')])
+    assert f"n_steps is --max_iters=100 --lr_decay_iters=100, its max_iters replaced by {tmp_path / 'ours.toml'}:1 " \
+        f"after it" in capsys.readouterr().out
+
+
 def test_another_entrypoints_key_names_that_entrypoint(tmp_path):
     # a mode's key given to another entrypoint: the user meant that mode, which the error names
     for script, argv, owner in (('train.py', ['--tp_size=2'], 'fsdp_train.py and pp_train.py'),

@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import random
+import re
 import runpy
 import shutil
 import sys
@@ -371,22 +372,47 @@ def hellaswag_rows(out):
     return {r['iter']: (r['hellaswag_acc'], r['hellaswag_acc_norm']) for r in rows if 'hellaswag_acc' in r}
 
 
-@pytest.mark.parametrize('script, nproc, extra', [
-    ('fsdp_train.py', 2, []), ('fsdp_train.py', 2, ['--tp_size=2']), ('ds_train.py', 2, ['--zero_stage=3']),
-    ('decent_train.py', 2, []), ('pp_train.py', 2, ['--pp_size=2'])])
-def test_every_entrypoint_scores_hellaswag_as_train_py_does(in_the_loop, script, nproc, extra):
-    """At step 0 every entrypoint holds the same model (the same seed), sharded, replicated or split as its mode
-    does: the counts over the ranks must be train.py's on one process."""
-    tmp, args = in_the_loop
+def train_py_rows(tmp, args):
+    """train.py's HellaSwag scores on one process at steps 0 and 1 (run once a module)."""
     if not (tmp / 'ref' / 'metrics.jsonl').exists():
         p = run('train.py', *args, f'--out_dir={tmp / "ref"}', cwd=tmp)
         assert 'step 0: hellaswag acc' in p.stdout and '(7 examples)' in p.stdout
     ref = hellaswag_rows(tmp / 'ref')
     assert sorted(ref) == [0, 1] and all(0 <= a <= 1 for pair in ref.values() for a in pair)
+    return ref
+
+
+@pytest.mark.parametrize('script, nproc, extra', [
+    ('fsdp_train.py', 2, []), ('fsdp_train.py', 2, ['--tp_size=2']), ('ds_train.py', 2, ['--zero_stage=3']),
+    ('decent_train.py', 2, [])])
+def test_every_entrypoint_scores_hellaswag_as_train_py_does(in_the_loop, script, nproc, extra):
+    """At step 0 every entrypoint holds the same model (the same seed), sharded, replicated or split as its mode
+    does: the counts over the ranks must be train.py's on one process (pp_train.py's in the test below)."""
+    tmp, args = in_the_loop
+    ref = train_py_rows(tmp, args)
     name = script.split('.')[0] + ''.join(extra).replace('--', '-').replace('=', '')
     run(script, *args, *extra, f'--out_dir={tmp / name}', nproc=nproc, cwd=tmp)
     rows = hellaswag_rows(tmp / name)
     assert sorted(rows) == [0, 1] and rows[0] == ref[0]
+
+
+def test_a_pipeline_scores_hellaswag_as_train_py_does_sending_each_tokens_loss_not_the_logits(in_the_loop):
+    # each example's logits are 4 x T x 50304 floats (120 MB at GPT-2's T), and they crossed the pipeline to every
+    # rank; the scores need one loss a token, which the last stage computes
+    from test_pp import COUNT_BROADCASTS
+    tmp, args = in_the_loop
+    ref = train_py_rows(tmp, args)
+    (tmp / 'count_broadcasts.py').write_text(COUNT_BROADCASTS)
+    p = launch(str(tmp / 'count_broadcasts.py'), [str(REPO / 'pp_train.py'), *args, '--pp_size=2',
+                                                 f'--out_dir={tmp / "pp"}'], env(), tmp, nproc=2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = hellaswag_rows(tmp / 'pp')
+    assert sorted(rows) == [0, 1] and rows[0] == ref[0]
+    sizes = [int(n) for n in re.findall(r'^pipeline broadcast (\d+)$', p.stdout, re.M)]
+    # both ranks, steps 0 and 1: the loss of each split's batch (eval_iters 1), then each of the 7 examples' losses,
+    # 4 endings x at most block_size tokens
+    assert len(sizes) == 2 * 2 * (2 + 7) and sizes.count(1) == 2 * 2 * 2, p.stdout[-3000:]
+    assert max(sizes) <= 4 * 64, sizes
 
 
 def test_a_run_that_cannot_load_the_tokenizer_stops_before_it_trains_in_one_line(in_the_loop, tmp_path):
