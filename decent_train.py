@@ -149,7 +149,6 @@ accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)  # micro-
 # one group would interleave
 checkpoint_group = dist.new_group(backend='gloo')
 mixing_groups = make_mixing_groups(rounds, rank)  # per round: (this rank's group, its size), or None
-tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
 torch.manual_seed(seed)  # every rank builds the same initial model
 if device_type == 'cuda':
     torch.set_float32_matmul_precision('high')  # TF32 matmuls (the API that inductor's max-autotune reads)
@@ -167,9 +166,6 @@ if deterministic:
     if dropout != 0.0:
         print0(f"deterministic: dropout {dropout} turned off")
     dropout = config['dropout'] = 0.0
-print0(f"world size {world_size}, {accum_steps} micro-step{'s' * (accum_steps > 1)} per rank, "
-       f"{tokens_per_iter:,} tokens per iteration")
-print0(plan_words(config, rounds))  # DiLoCo's window and fragments, or the topology's mixing rounds
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin
@@ -223,7 +219,11 @@ check_fits(model_args, device)  # a shape too big for this machine is refused be
 # this rank's replica from a folder of every rank's (at another world size, their average), or a whole file
 model, checkpoint = create_model(resume_path, lambda path: read_replica(path, rank, world_size, print0), init_from,
                                  model_args, config, given)
-block_size = model_args['block_size']
+block_size = model_args['block_size']  # the checkpoint's, where the run resumes or starts from one
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
+print0(f"world size {world_size}, {accum_steps} micro-step{'s' * (accum_steps > 1)} per rank, "
+       f"{tokens_per_iter:,} tokens per iteration")
+print0(plan_words(config, rounds))  # DiLoCo's window and fragments, or the topology's mixing rounds
 # a resumed (or --init_from) model's depth is its checkpoint's, not the config's that the fragments were checked against
 if message := check_optimizers(config, model_args['n_layer']):
     sys.exit(f"error: {message}")

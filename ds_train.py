@@ -158,7 +158,6 @@ accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)  # micro-
 # the threads that write checkpoints agree in collectives of their own that they are complete, one group a kind
 # (memory, storage) so that two threads' collectives never meet
 checkpoint_groups = {to: dist.new_group(backend='gloo') for to in ('memory', 'storage')}
-tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
 torch.manual_seed(seed)  # every rank builds the same initial model
 if device_type == 'cuda':
     torch.set_float32_matmul_precision('high')  # TF32 matmuls (the API that inductor's max-autotune reads)
@@ -175,8 +174,6 @@ if deterministic:
     if dropout != 0.0:
         print0(f"deterministic: dropout {dropout} turned off")
     dropout = config['dropout'] = 0.0
-print0(f"world size {world_size}, {accum_steps} micro-step{'s' * (accum_steps > 1)} per rank, "
-       f"{tokens_per_iter:,} tokens per iteration")
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin
@@ -243,7 +240,10 @@ if checkpoint is not None and 'model' in checkpoint:
             if checkpoint.get('optimizer') else {'state': {}}
     except Exception as e:
         load_failed(resume_path, e, out_dir, eval_only)
-block_size = model_args['block_size']
+block_size = model_args['block_size']  # the checkpoint's, where the run resumes or starts from one
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
+print0(f"world size {world_size}, {accum_steps} micro-step{'s' * (accum_steps > 1)} per rank, "
+       f"{tokens_per_iter:,} tokens per iteration")
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []
 iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_loss'])) if checkpoint else (0, 1e9)

@@ -125,7 +125,6 @@ dp_rank, dp_size = rank // tp_size, world_size // tp_size
 # before the mesh: a rank that exits while another is still making the mesh's groups cuts those short (a traceback)
 accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)  # micro-steps on this rank
 mesh = init_device_mesh(device_type, (dp_size, tp_size), mesh_dim_names=('dp', 'tp'))
-tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
 torch.manual_seed(seed)  # every rank builds the same initial model
 if device_type == 'cuda':
     torch.set_float32_matmul_precision('high')  # TF32 matmuls (the API that inductor's max-autotune reads)
@@ -143,8 +142,6 @@ if deterministic:
     if dropout != 0.0:
         print0(f"deterministic: dropout {dropout} turned off")
     dropout = config['dropout'] = 0.0
-print0(f"world size {world_size} (dp {dp_size} x tp {tp_size}), {accum_steps} micro-step{'s' * (accum_steps > 1)} "
-       f"per rank, {tokens_per_iter:,} tokens per iteration")
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin
@@ -197,7 +194,10 @@ check_fits(model_args, device)  # a shape too big for this machine is refused be
 # a checkpoint is data, never code
 model, checkpoint = create_model(resume_path, read_start,
                                  init_from, model_args, config, given)
-block_size = model_args['block_size']
+block_size = model_args['block_size']  # the checkpoint's, where the run resumes or starts from one
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
+print0(f"world size {world_size} (dp {dp_size} x tp {tp_size}), {accum_steps} micro-step{'s' * (accum_steps > 1)} "
+       f"per rank, {tokens_per_iter:,} tokens per iteration")
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []
 iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_loss'])) if checkpoint else (0, 1e9)

@@ -151,7 +151,6 @@ master_process = rank == 0  # does all the logging and checkpoint writing
 # need its links), a pipeline pp_size x tp_size (only activations cross stages, to the same tp rank), reading one batch
 dp_rank, pp_rank = rank // (pp_size * tp_size), rank // tp_size % pp_size
 mesh = init_device_mesh(device_type, (dp_size, pp_size, tp_size), mesh_dim_names=('dp', 'pp', 'tp'))
-tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
 torch.manual_seed(seed)  # every rank builds the same initial model
 if device_type == 'cuda':
     torch.set_float32_matmul_precision('high')  # TF32 matmuls (the API that inductor's max-autotune reads)
@@ -169,9 +168,6 @@ if deterministic:
     if dropout != 0.0:
         print0(f"deterministic: dropout {dropout} turned off")
     dropout = config['dropout'] = 0.0
-print0(f"world size {world_size} (dp {dp_size} x pp {pp_size} x tp {tp_size}, {pp_schedule}"
-       f"{', stages sharded over dp' * dp_shard}), "
-       f"{accum_steps} micro-batch{'es' * (accum_steps > 1)} per pipeline, {tokens_per_iter:,} tokens per iteration")
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin
@@ -224,7 +220,11 @@ model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=bloc
 check_fits(model_args, device)  # a shape too big for this machine is refused before it is built
 # a checkpoint is data, never code
 model, checkpoint = create_model(resume_path, read_start, init_from, model_args, config, given)
-block_size = model_args['block_size']
+block_size = model_args['block_size']  # the checkpoint's, where the run resumes or starts from one
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
+print0(f"world size {world_size} (dp {dp_size} x pp {pp_size} x tp {tp_size}, {pp_schedule}"
+       f"{', stages sharded over dp' * dp_shard}), "
+       f"{accum_steps} micro-batch{'es' * (accum_steps > 1)} per pipeline, {tokens_per_iter:,} tokens per iteration")
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []
 iter_num, best_val_loss = (checkpoint['iter_num'], float(checkpoint['best_val_loss'])) if checkpoint else (0, 1e9)

@@ -110,7 +110,6 @@ rank, local_rank, world_size = start(backend, device, config=config)
 master_process = rank == 0  # does all the logging and checkpoint writing
 dp_rank, dp_size = rank, world_size  # with DDP every rank is a data-parallel rank
 accum_steps = split_accumulation(gradient_accumulation_steps, dp_size)  # micro-steps on this rank
-tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
 torch.manual_seed(seed)  # every rank builds the same initial model
 if device_type == 'cuda':
     torch.set_float32_matmul_precision('high')  # TF32 matmuls (the API that inductor's max-autotune reads)
@@ -128,8 +127,6 @@ if deterministic:
     if dropout != 0.0:
         print0(f"deterministic: dropout {dropout} turned off")
     dropout = config['dropout'] = 0.0
-print0(f"world size {world_size}, {accum_steps} micro-step{'s' * (accum_steps > 1)} per rank, "
-       f"{tokens_per_iter:,} tokens per iteration")
 
 # -----------------------------------------------------------------------------
 # data: nanoGPT's uint16 train.bin / val.bin
@@ -180,7 +177,10 @@ check_fits(model_args, device)  # a shape too big for this machine is refused be
 # a checkpoint is data, never code
 model, checkpoint = create_model(resume_path, lambda path: torch.load(path, map_location='cpu', weights_only=True),
                                  init_from, model_args, config, given)
-block_size = model_args['block_size']
+block_size = model_args['block_size']  # the checkpoint's, where the run resumes or starts from one
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
+print0(f"world size {world_size}, {accum_steps} micro-step{'s' * (accum_steps > 1)} per rank, "
+       f"{tokens_per_iter:,} tokens per iteration")
 model.config.autocast_residual = autocast_residual  # how the step computes: not in model_args, nor checkpoints
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []

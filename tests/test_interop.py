@@ -97,6 +97,20 @@ def test_init_from_any_checkpoint_path(trip, data_dir, tmp_path):
         assert s.stdout.count('---------------') == 1
 
 
+@pytest.mark.parametrize('script,nproc', [('train.py', 1), ('fsdp_train.py', 2)])
+def test_a_run_started_from_a_checkpoint_counts_its_tokens_at_the_checkpoints_block_size(trip, data_dir, tmp_path,
+                                                                                           script, nproc):
+    # no --block_size: the model's 32 positions come from the checkpoint, not the default's 1024, and so do the
+    # batches; the tokens an iteration (the log's tok/s, --epochs' count) were counted at 1024, 32 times too many
+    tiny = [a for a in TINY if not a.startswith('--block_size=')]
+    p = run(script, *tiny, *BASE, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path / "new"}',
+            f'--init_from={trip / "a"}', '--max_iters=2', nproc=nproc, cwd=tmp_path)
+    assert f"{2 * 4 * 32:,} tokens per iteration" in p.stdout  # accumulation 2 x batch 4 x block 32
+    rows = [json.loads(line) for line in (tmp_path / 'new' / 'metrics.jsonl').read_text().splitlines()]
+    steps = [r for r in rows if 'tokens_per_sec' in r]
+    assert len(steps) == 2 and all(r['tokens_per_sec'] * r['ms'] / 1000 == pytest.approx(256, rel=1e-3) for r in steps)
+
+
 def test_a_tool_reads_a_run_in_progress_whose_latest_moves_on_while_it_reads(trip, tmp_path, monkeypatch):
     """A run that saves often (fsdp_train.py with save_storage_interval=1) points latest at its new step folder and
     prunes the one before while a tool reads the run folder: every sample.py of such a run failed ("its save was cut
