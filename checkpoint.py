@@ -2123,6 +2123,11 @@ def create_model(resume_path, read, init_from, model_args, config, given):
     else:
         model = GPT(GPTConfig(**model_args))
     block_size = config['block_size']
+    if block_size > model.config.block_size and 'block_size' not in given:
+        # a Hugging Face GPT-2 of a shorter context than the default's (a small run exported): its own, as a
+        # checkpoint's; one given (a flag, a config file) longer than the model's is the error below
+        print0(f"block_size={model.config.block_size}: the model's positions (the default's {block_size} is longer)")
+        block_size = config['block_size'] = model_args['block_size'] = model.config.block_size
     if block_size < model.config.block_size:
         model.crop_block_size(block_size)  # fine-tune GPT-2 with a shorter context
         model_args['block_size'] = block_size

@@ -165,9 +165,12 @@ def test_export_hf_gives_transformers_the_same_logits(tmp_path, data_dir):
     sampled = [run('sample.py', f'--init_from={path}', '--start=To be', '--num_samples=2', '--max_new_tokens=24',
                    '--top_k=0', '--device=cpu', cwd=tmp_path).stdout for path in (tmp_path / 'bpe', tmp_path / 'hf')]
     assert sampled[0] == sampled[1] and sampled[0].count('---------------') == 2
-    p = launch('train.py', tmp_path, data_dir, 'ft', f'--init_from={tmp_path / "hf"}', '--max_iters=1',
-               '--learning_rate=0', '--min_lr=0', dataset='shakespeare')
+    # with no --block_size: the model's 32 positions, as from a checkpoint (it was "block_size=1024 is longer")
+    tiny = [a for a in TINY if not a.startswith('--block_size=')]
+    p = run('train.py', *tiny, *BASE, f'--dataset={data_dir / "shakespeare"}', f'--out_dir={tmp_path / "ft"}',
+            f'--init_from={tmp_path / "hf"}', '--max_iters=1', '--learning_rate=0', '--min_lr=0', cwd=tmp_path)
     assert f'initializing from the weights of the Hugging Face folder {tmp_path / "hf"}' in p.stdout
+    assert "block_size=32: the model's positions" in p.stdout and f"{2 * 4 * 32:,} tokens per iteration" in p.stdout
     a, b = ours.state_dict(), weights(tmp_path / 'ft' / 'ckpt.pt')
     assert set(a) == set(b) and all(torch.equal(a[k][:50257], b[k]) for k in a)  # the padding rows cropped
     # the folder exists now: a second export refuses to write over it
