@@ -178,8 +178,8 @@ LAUNCHER_OPTIONS = ('nproc_per_node', 'nnodes', 'standalone', 'max_restarts', 'r
                     'rdzv_id', 'node_rank', 'master_addr', 'master_port', 'network_check', 'num_gpus', 'num_nodes')
 
 
-# DLRover's --epochs as finish() read it, for start_tokens: (the tokens to train, the max_iters that may end the run
-# first); None where no --epochs bounds the run
+# DLRover's --epochs as finish() read it, for start_tokens: (the epochs, train.bin's tokens, the max_iters that may
+# end the run first); None where no --epochs bounds the run
 _epochs = None
 
 
@@ -855,8 +855,9 @@ def _epochs_iters(ctx):
     sequences = n_tokens['train'] - keys['block_size']
     iters = math.ceil(epochs * sequences / per_iter)
     global _epochs
-    # in tokens, for a resume at another global batch: start_tokens
-    _epochs = (epochs * sequences * keys['block_size'], keys['max_iters'])
+    # (epochs, train.bin's tokens, max_iters), for start_tokens: a resume at another global batch, and a checkpoint's
+    # block_size (the model's, not this config's) that an epoch's sequences and tokens are counted at
+    _epochs = (epochs, n_tokens['train'], keys['max_iters'])
     why = (f"{epochs} epoch{'s' * (epochs != 1)} of train.bin's {sequences:,} sequences of {keys['block_size']} "
            f"tokens, one at each offset as DLRover's loader takes them, at {per_iter:,} sequences an iteration")
     if iters >= keys['max_iters']:
@@ -885,7 +886,9 @@ def start_tokens(checkpoint, iter_num, tokens_per_iter, config, print0):
                    f"its {iter_num} iterations at its global batch of {batch:,} tokens")
     if _epochs is None:
         return config['max_iters'], tokens, None
-    target, cap = _epochs
+    epochs, n_train, cap = _epochs
+    block = config['block_size']  # the model's: create_model set it from a checkpoint or a Hugging Face folder
+    target = epochs * (n_train - block) * block  # an epoch's tokens: a sequence at every offset
     iters = iter_num + math.ceil(max(0, target - tokens) / tokens_per_iter)
     if min(cap, iters) != config['max_iters']:  # a resume at another global batch than this launch counted with
         print0(f"--epochs: {tokens:,} of their {target:,.0f} tokens trained by iter {iter_num}: here --max_iters="

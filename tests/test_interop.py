@@ -103,8 +103,10 @@ def test_a_run_started_from_a_checkpoint_counts_its_tokens_at_the_checkpoints_bl
     # no --block_size: the model's 32 positions come from the checkpoint, not the default's 1024, and so do the
     # batches; the tokens an iteration (the log's tok/s, --epochs' count) were counted at 1024, 32 times too many
     tiny = [a for a in TINY if not a.startswith('--block_size=')]
+    # --epochs sized to 2 iterations of 8 sequences of the checkpoint's 32 positions, one at every offset of train.bin
+    n = os.path.getsize(data_dir / 'shakespeare_char' / 'train.bin') // 2 - 32
     p = run(script, *tiny, *BASE, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path / "new"}',
-            f'--init_from={trip / "a"}', '--max_iters=2', nproc=nproc, cwd=tmp_path)
+            f'--init_from={trip / "a"}', f'--epochs={15 / n}', '--max_iters=100', nproc=nproc, cwd=tmp_path)
     assert f"{2 * 4 * 32:,} tokens per iteration" in p.stdout  # accumulation 2 x batch 4 x block 32
     rows = [json.loads(line) for line in (tmp_path / 'new' / 'metrics.jsonl').read_text().splitlines()]
     steps = [r for r in rows if 'tokens_per_sec' in r]
