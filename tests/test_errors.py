@@ -112,6 +112,19 @@ def test_a_missing_folder_with_a_space_is_quoted_in_the_prep_command(tmp_path):
         find_bins(str(tmp_path / 'my data'), 32)
 
 
+@pytest.mark.parametrize('script, flag', [('sample.py', '--out_dir'), ('export_hf.py', '--ckpt'),
+                                          ('eval_hellaswag.py', '--ckpt')])
+def test_a_tool_given_a_training_config_names_the_flag_for_its_run(tmp_path, script, flag):
+    # nanoGPT's sample.py runs a training config as Python and samples from its out_dir; here it was "unknown config
+    # key 'eval_interval'" and a list of keys: the step after training is to give the run, not the config
+    config = REPO / 'config' / 'train_shakespeare_char_cpu.py'
+    msg = one_line_error(run(script, config, cwd=tmp_path, check=False))
+    assert msg.startswith(f"error: {config}:") and msg.endswith(
+        f"is a key of training configs (train.py's), not of {script}, which reads the run such a config trained: "
+        f"give {script} {flag}=OUT_DIR, the config's out_dir, in place of the config"), msg
+    assert os.listdir(tmp_path) == []
+
+
 def test_bin_shorter_than_a_block(tmp_path, data_dir):
     short = tmp_path / 'short'
     shutil.copytree(data_dir / 'shakespeare_char', short)
