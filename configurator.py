@@ -61,9 +61,10 @@ def _check(key, value, defaults, where, script=''):
         run_flag = TOOLS.get(script)
         if run_flag and not where.startswith('-') and key in _keys_of('train.py'):
             # nanoGPT's sample.py runs a training config and samples from its out_dir: here the tools take the run
+            out = value if key == 'out_dir' else defaults.get('out_dir', 'OUT_DIR')  # the file's, where read yet
             sys.exit(f"error: {where}: {key} is a key of training configs (train.py's), not of {script}, which reads "
-                     f"the run such a config trained: give {script} {run_flag}=OUT_DIR, the config's out_dir, in "
-                     f"place of the config")
+                     f"the run such a config trained: give {script} {run_flag}={shlex.quote(str(out))}, the config's "
+                     f"out_dir, in place of the config")
         close = difflib.get_close_matches(key, [*defaults, *seeds.names(defaults)], n=3, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(sorted(defaults))}"
         sys.exit(f"error: {where}: unknown config key '{key}'; {hint}")

@@ -121,7 +121,7 @@ def test_a_tool_given_a_training_config_names_the_flag_for_its_run(tmp_path, scr
     msg = one_line_error(run(script, config, cwd=tmp_path, check=False))
     assert msg.startswith(f"error: {config}:") and msg.endswith(
         f"is a key of training configs (train.py's), not of {script}, which reads the run such a config trained: "
-        f"give {script} {flag}=OUT_DIR, the config's out_dir, in place of the config"), msg
+        f"give {script} {flag}=out-shakespeare-char, the config's out_dir, in place of the config"), msg
     assert os.listdir(tmp_path) == []
 
 
