@@ -252,9 +252,10 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
                 settings, source = seeds.read_toml(arg, _read_text(arg), context), 'toml'
             else:
                 seeds.check_positional(arg, script)  # minGPT-DDP's Hydra overrides
-                if arg.split('=')[0] in defaults and '=' in arg:  # Hydra's habit, with a key of ours
+                bare = arg.lstrip('-')  # Hydra's habit (key=value) or one dash (-key=value), with a key of ours
+                if bare.split('=')[0] in defaults and '=' in bare:
                     sys.exit(f"error: argument '{arg}' is neither a config file (*.py, *.toml) nor --key=value: "
-                             f"write it as --{arg}")
+                             f"write it as --{bare}")
                 if positional is None or arg.startswith('-'):
                     sys.exit(f"error: argument '{arg}' is neither a config file (*.py, *.toml) nor --key=value")
                 settings, source = [(key, value, arg) for key, value in positional(arg)], 'file'
