@@ -58,6 +58,13 @@ def _check(key, value, defaults, where, script=''):
             sys.exit(f"error: {where}: {key} is a key of {' and '.join(owners)}, not of {script}: run "
                      f"{owners[0]} in its place, with the same flags and launcher (`torchrun ... {owners[0]} ...`)")
         seeds.launcher_option(key, where, script)
+        run_flag = TOOLS.get(script)
+        if run_flag and not where.startswith('-') and key in _keys_of('train.py'):
+            # nanoGPT's sample.py runs a training config and samples from its out_dir: here the tools take the run
+            out = value if key == 'out_dir' else defaults.get('out_dir', 'OUT_DIR')  # the file's, where read yet
+            sys.exit(f"error: {where}: {key} is a key of training configs (train.py's), not of {script}, which reads "
+                     f"the run such a config trained: give {script} {run_flag}={shlex.quote(str(out))}, the config's "
+                     f"out_dir, in place of the config")
         close = difflib.get_close_matches(key, [*defaults, *seeds.names(defaults)], n=3, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}?" if close else f"valid keys: {', '.join(sorted(defaults))}"
         sys.exit(f"error: {where}: unknown config key '{key}'; {hint}")
@@ -77,30 +84,32 @@ def _check(key, value, defaults, where, script=''):
 
 
 ENTRYPOINTS = ('train.py', 'fsdp_train.py', 'ds_train.py', 'decent_train.py', 'pp_train.py')
+TOOLS = {'sample.py': '--out_dir', 'export_hf.py': '--ckpt', 'eval_hellaswag.py': '--ckpt'}  # the flag of a run
+
+
+def _keys_of(script):
+    """The config keys of one of the entrypoints beside this file: the names assigned at its top before its
+    configure() call, read as text, not run; none where it is not there (one script copied alone)."""
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), script), encoding='utf-8') as f:
+            body = ast.parse(f.read()).body
+    except (OSError, SyntaxError, ValueError):
+        return set()
+    keys = set()
+    for node in body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and \
+                getattr(node.value.func, 'id', None) == 'configure':
+            break
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, 'target', None)]
+        keys.update(t.id for t in targets if isinstance(t, ast.Name))
+    return {key for key in keys if not key.startswith('_') and not key.isupper()}
 
 
 def _owners(key, script):
-    """The other entrypoints that have key in their config, where script is one of them: their keys are the names
-    assigned at the top of each before its configure() call, read as text, not run."""
+    """The other entrypoints that have key in their config, where script is one of them."""
     if script not in ENTRYPOINTS:
         return []
-    owners = []
-    for other in ENTRYPOINTS:
-        try:
-            with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), other), encoding='utf-8') as f:
-                body = ast.parse(f.read()).body
-        except (OSError, SyntaxError, ValueError):  # not beside this file (one script copied alone): no advice
-            continue
-        keys = set()
-        for node in body:
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and \
-                    getattr(node.value.func, 'id', None) == 'configure':
-                break
-            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, 'target', None)]
-            keys.update(t.id for t in targets if isinstance(t, ast.Name))
-        if other != script and key in keys and not key.startswith('_') and not key.isupper():
-            owners.append(other)
-    return owners
+    return [other for other in ENTRYPOINTS if other != script and key in _keys_of(other)]
 
 
 def _assigned_names(source):
@@ -243,9 +252,10 @@ def configure(namespace, argv=None, skip_unknown_in_files=False, positional=None
                 settings, source = seeds.read_toml(arg, _read_text(arg), context), 'toml'
             else:
                 seeds.check_positional(arg, script)  # minGPT-DDP's Hydra overrides
-                if arg.split('=')[0] in defaults and '=' in arg:  # Hydra's habit, with a key of ours
+                bare = arg.lstrip('-')  # Hydra's habit (key=value) or one dash (-key=value), with a key of ours
+                if bare.split('=')[0] in defaults and '=' in bare:
                     sys.exit(f"error: argument '{arg}' is neither a config file (*.py, *.toml) nor --key=value: "
-                             f"write it as --{arg}")
+                             f"write it as --{bare}")
                 if positional is None or arg.startswith('-'):
                     sys.exit(f"error: argument '{arg}' is neither a config file (*.py, *.toml) nor --key=value")
                 settings, source = [(key, value, arg) for key, value in positional(arg)], 'file'

@@ -168,6 +168,13 @@ def find_bins(dataset, block_size, random_data=False):
                 if not is_path(dataset) and os.path.isfile(os.path.join(seed, f'{split}.bin')):
                     sys.exit(f"error: {path} not found, but {seed} holds one ({whose}): give --dataset="
                              f"{shlex.quote(seed)}, or run `python prepare.py {prep}` for {folder}")
+            repo = os.path.dirname(os.path.abspath(__file__))
+            if not is_path(dataset) and os.path.isfile(os.path.join(repo, path)):
+                # a run started in another folder: data/ is the current folder's, as in nanoGPT, where a prep would
+                # make a second copy of what the repo's data/ holds
+                sys.exit(f"error: {path} not found: run `python prepare.py {prep}` here first, or use the repo's "
+                         f"{os.path.join(repo, folder)}: run from {repo} (cd there), or give "
+                         f"--dataset={shlex.quote(os.path.join(repo, folder))}")
             if not is_path(dataset):
                 sys.exit(f"error: {path} not found: run `python prepare.py {prep}` first")
             # a path: prepare.py's --out_dir is the folder itself, absolute or relative, whatever data/ holds

@@ -300,6 +300,10 @@ def main():
         sys.exit(f"error: --kill={args.kill}: give NODE@SECONDS, e.g. --kill=1@30")
     if args.kill and not 0 <= kill_node < args.nodes:
         sys.exit(f"error: --kill={args.kill}: no node {kill_node} among {args.nodes}")
+    # a mistyped script was found by every node's torchrun, after the nodes were made: python's error and a traceback
+    if not rest[0].startswith('-') and not os.path.isfile(rest[0]):
+        sys.exit(f"error: {rest[0]} is not a file in {os.getcwd()}: give the entrypoint after --, as from the repo "
+                 f"root: -- train.py config/...")
     with Cluster(args.nodes, args.rate) as c:
         print(f"{args.nodes} nodes on {c.subnet} ({', '.join(c.addrs)}), links {args.rate or 'uncapped'}; "
               f"rendezvous at {c.addrs[0]}:{args.port}", flush=True)

@@ -106,6 +106,17 @@ def test_bad_harness_flags_are_one_line_errors_before_any_node_is_made():
         assert leftovers(p.pid) == ([], [])
 
 
+def test_a_script_that_is_not_there_is_one_line_before_any_node_is_made():
+    # a typo (`-- trian.py`) built the nodes, then every node's torchrun printed python's error and its own traceback
+    p = subprocess.Popen([sys.executable, str(REPO / 'launch' / 'cluster.py'), '--nodes=2', '--', 'trian.py',
+                          'config/train_shakespeare_char_cpu.py'], cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=60)
+    assert (p.returncode, out, err) == (1, '', f"error: trian.py is not a file in {REPO}: give the entrypoint after "
+                                               "--, as from the repo root: -- train.py config/...\n")
+    assert leftovers(p.pid) == ([], [])
+
+
 def test_kill_ends_everything_in_one_node_and_nothing_in_the_others():
     with Cluster(2) as c:
         procs = [c.popen(i, ['sh', '-c', 'sleep 60 & sleep 60']) for i in range(2)]  # a parent and its child each

@@ -110,6 +110,7 @@ def test_malformed_arguments(capsys):
                                                                          capsys)
     assert 'neither a config file' in fails(defaults(), ['batch_size=3'], capsys)
     assert 'write it as --batch_size=3' in fails(defaults(), ['batch_size=3'], capsys)  # Hydra's habit, our key
+    assert 'write it as --batch_size=3' in fails(defaults(), ['-batch_size=3'], capsys)  # one dash, our key
     assert 'write cfg.py without --config' in fails(defaults(), ['--config', 'cfg.py'], capsys)
     # minGPT-DDP's gpt2_train_cfg.yaml: not "write it without --config", which is then no config file either
     assert 'first: a *.py or *.toml one (a YAML' in fails(defaults(), ['--config', 'gpt2_train_cfg.yaml'], capsys)

@@ -81,6 +81,28 @@ def test_a_folder_of_shards_is_named_as_one(tmp_path):
         find_bins(str(tmp_path), 32)
 
 
+def test_a_run_started_outside_the_repo_is_pointed_at_the_repo_s_prepared_data(tmp_path, monkeypatch):
+    # `python ~/gpt-train/train.py ~/gpt-train/config/...` from another folder: data/ is the current folder's, and the
+    # advice to prepare the dataset again (there, another copy) missed the one the repo's data/ holds
+    sys.path.insert(0, str(REPO))
+    import data
+    repo, elsewhere = tmp_path / 'repo', tmp_path / 'elsewhere'
+    (repo / 'data' / 'mine').mkdir(parents=True)
+    for split in ('train', 'val'):
+        (repo / 'data' / 'mine' / f'{split}.bin').write_bytes(b'\1\0' * 100)
+    elsewhere.mkdir()
+    monkeypatch.setattr(data, '__file__', str(repo / 'data.py'))
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(SystemExit) as e:
+        data.find_bins('mine', 32)
+    assert str(e.value) == ("error: data/mine/train.bin not found: run `python prepare.py text --input=FILE "
+                            f"--name=mine` here first, or use the repo's {repo}/data/mine: run from {repo} (cd there), "
+                            f"or give --dataset={repo}/data/mine"), e.value
+    assert data.find_bins(f'{repo}/data/mine', 32)[1] == {'train': 100, 'val': 100}  # the advice works
+    monkeypatch.chdir(repo)
+    assert data.find_bins('mine', 32)[1] == {'train': 100, 'val': 100}  # and so does the other
+
+
 def test_a_missing_folder_with_a_space_is_quoted_in_the_prep_command(tmp_path):
     # the command the error names is pasted into a shell, which would split `--out_dir=my data`
     sys.path.insert(0, str(REPO))
@@ -88,6 +110,19 @@ def test_a_missing_folder_with_a_space_is_quoted_in_the_prep_command(tmp_path):
     with pytest.raises(SystemExit, match=f"run `python prepare.py text --input=FILE --out_dir='{tmp_path}/my data'` "
                                          "first"):
         find_bins(str(tmp_path / 'my data'), 32)
+
+
+@pytest.mark.parametrize('script, flag', [('sample.py', '--out_dir'), ('export_hf.py', '--ckpt'),
+                                          ('eval_hellaswag.py', '--ckpt')])
+def test_a_tool_given_a_training_config_names_the_flag_for_its_run(tmp_path, script, flag):
+    # nanoGPT's sample.py runs a training config as Python and samples from its out_dir; here it was "unknown config
+    # key 'eval_interval'" and a list of keys: the step after training is to give the run, not the config
+    config = REPO / 'config' / 'train_shakespeare_char_cpu.py'
+    msg = one_line_error(run(script, config, cwd=tmp_path, check=False))
+    assert msg.startswith(f"error: {config}:") and msg.endswith(
+        f"is a key of training configs (train.py's), not of {script}, which reads the run such a config trained: "
+        f"give {script} {flag}=out-shakespeare-char, the config's out_dir, in place of the config"), msg
+    assert os.listdir(tmp_path) == []
 
 
 def test_bin_shorter_than_a_block(tmp_path, data_dir):
@@ -218,14 +253,14 @@ def test_an_out_dir_data_or_settings_of_each_nodes_own_are_one_line_on_every_ran
         msg.endswith('give a folder on a filesystem that every node shares (NFS, Lustre, a ReadWriteMany volume)'), msg
     assert '[rank' not in p.stderr and not any((node / 'out').exists() for node in nodes), p.stderr[-3000:]
     # the data under data/ on node 0 alone: every rank says which node lacks it (node 0's ranks went on to gloo's
-    # traceback, "Connection closed by peer", the line in node 1's log alone)
-    shutil.copytree(data_dir / 'shakespeare_char', nodes[0] / 'data' / 'shakespeare_char')
-    p = run(*args, '--dataset=shakespeare_char', nproc=2, nodes=[(node, 1) for node in nodes], cwd=tmp_path,
-            check=False)
+    # traceback, "Connection closed by peer", the line in node 1's log alone). A name the repo's own data/ does not
+    # hold, whose copy the error would name besides
+    shutil.copytree(data_dir / 'shakespeare_char', nodes[0] / 'data' / 'node0_only')
+    p = run(*args, '--dataset=node0_only', nproc=2, nodes=[(node, 1) for node in nodes], cwd=tmp_path, check=False)
     errors = [line for line in p.stderr.splitlines() if line.startswith('error: ')]
-    assert errors == ['error: rank 1 on host ' + socket.gethostname() + ': data/shakespeare_char/train.bin not found: '
-                      'run `python prepare.py shakespeare_char` first'] * 2 and '[rank' not in p.stderr, \
-        p.stderr[-3000:]
+    assert errors == ['error: rank 1 on host ' + socket.gethostname() + ': data/node0_only/train.bin not found: '
+                      'run `python prepare.py text --input=FILE --name=node0_only` first'] * 2 and \
+        '[rank' not in p.stderr, p.stderr[-3000:]
     # a config file of one name that says another batch on each node (a copy of the repo per node, one edited): rank
     # 0's settings went into config.json, and the ranks trained on with no word
     for node, batch in zip(nodes, (4, 8)):
