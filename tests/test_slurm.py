@@ -20,6 +20,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, TINY, env, free_port, read_metrics, run
+from test_k8s import script_config  # puts the repo on sys.path
+
+import decent  # noqa: E402
+import distributed  # noqa: E402
 
 INSTALL = 'apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge'
 SBATCH = REPO / 'slurm' / 'torchrun.sbatch'
@@ -464,10 +468,6 @@ def test_every_documented_submission_fits_the_ranks_it_asks_for(where, command, 
     """The ranks a documented command starts (--nodes x NPROC_PER_NODE, else --gpus-per-node, else 1, as the
     script counts them) are ones its entrypoint and config run on: the micro-steps divide over the data-parallel
     ranks, and a decentralized topology has the nodes it needs."""
-    from test_k8s import script_config
-    sys.path.insert(0, str(REPO))
-    import decent
-    import distributed
     words = command.split()
     at = words.index('slurm/torchrun.sbatch')
     flags = dict(w.lstrip('-').split('=', 1) for w in words[:at] if '=' in w)
