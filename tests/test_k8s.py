@@ -341,6 +341,20 @@ def test_dockerfile_puts_the_repo_where_the_manifests_run():
     assert not [(n, p) for n in needed for p in ignored if fnmatch.fnmatch(n, p) or n.startswith(p + '/')]
 
 
+
+def test_every_documented_kubectl_command_runs_the_image_from_a_registry():
+    # the manifests name the image as k8s/Dockerfile's tag, gpt-train:latest, which no node can pull: a command
+    # that hands kubectl the file as it is leaves the pods in ImagePullBackOff; the docs' apply() puts the
+    # registry in first (sed ... | kubectl apply -f -)
+    given = []
+    for path in [REPO / 'README.md', *sorted((REPO / 'docs').glob('*.md')), *MANIFESTS]:
+        for line in path.read_text().splitlines():
+            for command in re.findall(r'kubectl [^`|;&]*', line):
+                given += [(path.name, command.strip(), name) for name in re.findall(r'-f (k8s/[\w.-]+\.yaml)', command)]
+    assert given  # the docs do hand manifests to kubectl
+    with_image = [(where, command) for where, command, name in given if IMAGE in (REPO / name).read_text()]
+    assert with_image == [], with_image
+
 # -----------------------------------------------------------------------------
 # broken manifests: a change a person could make by mistake, and the words the checks reject it with
 

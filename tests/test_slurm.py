@@ -20,6 +20,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, TINY, env, free_port, read_metrics, run
+from test_k8s import script_config  # puts the repo on sys.path
+
+import decent  # noqa: E402
+import distributed  # noqa: E402
 
 INSTALL = 'apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge'
 SBATCH = REPO / 'slurm' / 'torchrun.sbatch'
@@ -444,3 +448,40 @@ def test_every_entrypoint_passes_the_scripts_check(tmp_path, script):
     p = subprocess.run(['bash', str(SBATCH), script, 'config/train_gpt2.py'], cwd=tmp_path, capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 1 and p.stdout.startswith(f"error: {script} is not a file"), p.stdout
+
+
+def documented_submissions():
+    """Every `sbatch ... slurm/torchrun.sbatch ENTRYPOINT ...` that the docs, the README and the script's own header
+    give, continuation lines joined; placeholders (CONFIG, [options]) left out."""
+    found = []
+    for path in [REPO / 'README.md', SBATCH, *sorted((REPO / 'docs').glob('*.md'))]:
+        text = re.sub(r'\\\n#?\s*', ' ', path.read_text())
+        for m in re.finditer(r'(?:\w+=\S+ )*sbatch [^\n`|#;]*?slurm/torchrun\.sbatch [^\n`|#;(]*', text):
+            words = m.group(0).split()
+            if not any('[' in w or (w.isupper() and '=' not in w) or w.endswith('SCRIPT.py') for w in words):
+                found.append((path.name, m.group(0).strip()))
+    return found
+
+
+@pytest.mark.parametrize('where, command', documented_submissions())
+def test_every_documented_submission_fits_the_ranks_it_asks_for(where, command, monkeypatch):
+    """The ranks a documented command starts (--nodes x NPROC_PER_NODE, else --gpus-per-node, else 1, as the
+    script counts them) are ones its entrypoint and config run on: the micro-steps divide over the data-parallel
+    ranks, and a decentralized topology has the nodes it needs."""
+    words = command.split()
+    at = words.index('slurm/torchrun.sbatch')
+    flags = dict(w.lstrip('-').split('=', 1) for w in words[:at] if '=' in w)
+    nodes = int(flags.get('nodes', 1))
+    nproc = int(flags.get('NPROC_PER_NODE', flags.get('gpus-per-node', 1)))
+    world = nodes * nproc
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv('WORLD_SIZE', str(world))  # what Decent-DP's global_batch_size is translated at
+    monkeypatch.setenv('LOCAL_WORLD_SIZE', str(nproc))
+    config = script_config(words[at + 1], words[at + 2:])
+    try:
+        distributed.split_accumulation(config['gradient_accumulation_steps'],
+                                       world // config.get('tp_size', 1) // config.get('pp_size', 1))
+        if words[at + 1] == 'decent_train.py' and not config['diloco_steps']:
+            decent.mixing_rounds(config['topology'], world, nproc)
+    except (SystemExit, ValueError) as e:
+        pytest.fail(f"{where}: {command}: on {nodes} node(s) x {nproc}: {e}")
