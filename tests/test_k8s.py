@@ -341,7 +341,6 @@ def test_dockerfile_puts_the_repo_where_the_manifests_run():
     assert not [(n, p) for n in needed for p in ignored if fnmatch.fnmatch(n, p) or n.startswith(p + '/')]
 
 
-
 def test_every_documented_kubectl_command_runs_the_image_from_a_registry():
     # the manifests name the image as k8s/Dockerfile's tag, gpt-train:latest, which no node can pull: a command
     # that hands kubectl the file as it is leaves the pods in ImagePullBackOff; the docs' apply() puts the
