@@ -1,5 +1,5 @@
-"""Bad input to the tools beside training (model_size.py, bench.py, bench_pipeline.py, plot.py): a one-line error
-that names the fix, a non-zero exit, and nothing written."""
+"""Bad input to the tools beside training (model_size.py, bench.py, bench_pipeline.py, bench_checkpoint.py, plot.py):
+a one-line error that names the fix, a non-zero exit, and nothing written."""
 
 import json
 import os
@@ -290,3 +290,17 @@ def test_bench_refuses_real_data_it_cannot_read_as_tokens(tmp_path, data, messag
     for split in ('train', 'val'):
         (tmp_path / 'data' / 'bad' / f'{split}.bin').write_bytes(data)
     assert message in fails(tmp_path, 'bench.py', *BENCH, '--real_data=True', '--dataset=bad')
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--what=saves'], "error: what='saves': use save, recovery or all"),  # was rc 0, nothing measured
+    (['--dtype=fp32'], "error: dtype='fp32': use auto, float32, bfloat16 or float16"),
+    (['--n_embd=33', '--n_head=2'], 'error: n_embd=33 is not a multiple of n_head=2'),
+    (['--repeats=0'], 'error: repeats=0 must be 1 or more'),
+    (['--kills=0'], 'error: kills=0 must be 1 or more'),
+    (['--device=gpu'], "error: device='gpu' is not a device torch knows"),
+])
+def test_bench_checkpoint_refuses_bad_settings_before_making_its_folder(tmp_path, args, message):
+    tiny = ['--n_layer=1', '--n_head=2', '--n_embd=32', '--vocab_size=64', '--block_size=16', '--repeats=1']
+    assert fails(tmp_path, 'bench_checkpoint.py', '--what=save', *tiny, *args).startswith(message)
+    assert not (tmp_path / 'bench_checkpoint').exists()
