@@ -28,7 +28,8 @@ from contextlib import nullcontext
 import torch
 
 from checkpoint import atomic_save, save_in_background, snapshot_dir, wait_for_copies, wait_for_saves
-from configurator import check_out_dir, configure, quiet_interrupt
+from configurator import check_model_shape, check_out_dir, configure, quiet_interrupt
+from distributed import pick_device
 from model import GPT, GPTConfig
 
 quiet_interrupt()  # Ctrl-C: one line, no traceback
@@ -50,9 +51,16 @@ nproc = 0  # recovery: worker processes; 0: one per GPU, or 2 on the CPU
 dataset = 'shakespeare_char'  # recovery: data/<dataset> as prepare.py writes it
 # -----------------------------------------------------------------------------
 config, _ = configure(globals())
-if device == 'auto':
-    device = 'cuda' if torch.cuda.is_available() else 'cpu'
-device_type = device.split(':')[0]
+# a bad value is one line here, before out_dir is made: not a traceback, nor (a misspelt what) nothing measured
+if what not in ('save', 'recovery', 'all'):
+    sys.exit(f"error: what={what!r}: use save, recovery or all")
+if dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
+    sys.exit(f"error: dtype={dtype!r}: use auto, float32, bfloat16 or float16")
+check_model_shape(config)
+for key, least in (('repeats', 1), ('kills', 1), ('batch_size', 0), ('nproc', 0)):
+    if config[key] < least:
+        sys.exit(f"error: {key}={config[key]} must be {least} or more")
+device, device_type = pick_device(device)
 if dtype == 'auto':
     dtype = ('bfloat16' if torch.cuda.is_bf16_supported(including_emulation=False) else 'float16') \
         if device_type == 'cuda' else 'float32'

@@ -94,6 +94,9 @@ def load_or_exit(path, vocab_size=None):
     except FileNotFoundError:
         sys.exit(f"error: no HellaSwag file at {path}: run python prepare.py hellaswag (--input=FILE for a local "
                  f"copy of hellaswag_val.jsonl)")
+    except IsADirectoryError:
+        sys.exit(f"error: {path} is a folder, not HellaSwag's jsonl: give the file, e.g. "
+                 f"{os.path.join(path, 'hellaswag_val.jsonl')}")
     except (ValueError, OSError) as e:
         sys.exit(f"error: {e}")
     # the evals render the examples with GPT-2's BPE, whose first use downloads two files: on a node that has no

@@ -211,12 +211,15 @@ for r in range(pp_size):
 
 print(f"{N:,} parameters ({N - block_size * n_embd:,} without position embeddings), "
       f"{n_layer} layers, {n_head} heads, {n_embd} wide, block {block_size}, vocab {vocab_size}")
-print(f"checkpoint: {4 * N / 2**20:,.1f} MiB of fp32 weights, {12 * N / 2**20:,.1f} MiB with AdamW state")
+# a save copies each tensor of the state dict to the host apart, so a ckpt.pt holds the tied head beside the embedding
+saved = 4 * (N + vocab_size * n_embd) + 8 * N
+print(f"checkpoint: {(saved - 8 * N) / 2**20:,.1f} MiB of fp32 weights (the tied head a copy of its own), "
+      f"{saved / 2**20:,.1f} MiB with AdamW state")
 print(f"per rank at world size {W}, {dtype}, batch {batch_size}x{block_size}"
       f"{', activation checkpointing' if activation_checkpointing else ''} (MiB):")
 print(f"{'':>18} {'params':>10} {'grads':>10} {'optim':>10} {'acts (est.)':>12} {'total':>10}")
 for name, (p, g, o) in rows.items():
     print(f"{name:>18} {p / 2**20:10.1f} {g / 2**20:10.1f} {o / 2**20:10.1f} {act[name] / 2**20:12.1f} "
           f"{(p + g + o + act[name]) / 2**20:10.1f}")
-print(json.dumps({'params': N, 'checkpoint_bytes': 12 * N, **{name: dict(param_bytes=p, grad_bytes=g, optim_bytes=o,
+print(json.dumps({'params': N, 'checkpoint_bytes': saved, **{name: dict(param_bytes=p, grad_bytes=g, optim_bytes=o,
                   activation_bytes=act[name]) for name, (p, g, o) in rows.items()}}))

@@ -262,6 +262,11 @@ def test_bad_input_is_a_one_line_error(setup, tmp_path):
         hellaswag.load_or_exit(str(tmp_path / 'none.jsonl'))
     assert str(e.value).startswith(f"error: no HellaSwag file at {tmp_path / 'none.jsonl'}: run python prepare.py "
                                    f"hellaswag")
+    # a folder in the file's place (the one prepare.py wrote it into) was "[Errno 21] Is a directory", no fix named
+    with pytest.raises(SystemExit) as e:
+        hellaswag.load_or_exit(str(tmp_path))
+    assert str(e.value) == f"error: {tmp_path} is a folder, not HellaSwag's jsonl: give the file, e.g. " \
+                           f"{tmp_path / 'hellaswag_val.jsonl'}"
     # a char-level model cannot read the examples' tokens
     with pytest.raises(SystemExit) as e:
         hellaswag.load_or_exit(str(data), vocab_size=65)

@@ -1,11 +1,13 @@
-"""Bad input to the tools beside training (model_size.py, bench.py, bench_pipeline.py, plot.py): a one-line error
-that names the fix, a non-zero exit, and nothing written."""
+"""Bad input to the tools beside training (model_size.py, bench.py, bench_pipeline.py, bench_checkpoint.py, plot.py):
+a one-line error that names the fix, a non-zero exit, and nothing written."""
 
 import json
 import os
 
 import pytest
+import torch
 
+from checkpoint import tensors
 from conftest import one_line_error, run
 
 SMALL = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32']
@@ -279,6 +281,13 @@ def test_model_size_reads_a_training_config_and_a_run_folder(tmp_path, shared_ru
     out = shared_run('train.py', '--max_iters=4', '--gradient_accumulation_steps=1')
     p = run('model_size.py', str(out), '--n_layer=3', cwd=tmp_path)
     assert ' 3 layers, 2 heads, 32 wide, block 32, vocab 65' in p.stdout  # the run's shape, a flag after it wins
+    # its checkpoint figure is the tensor bytes the run's ckpt.pt holds (the tied head's copy too), to 0.5%
+    p = run('model_size.py', str(out), cwd=tmp_path)
+    state = torch.load(out / 'ckpt.pt', map_location='cpu', weights_only=True)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for part in ('model', 'optimizer')
+                for t in tensors(state[part])}
+    estimate = json.loads(p.stdout.strip().splitlines()[-1])['checkpoint_bytes']
+    assert abs(estimate - sum(storages.values())) <= 0.005 * sum(storages.values()), (estimate, storages)
 
 
 @pytest.mark.parametrize('data, message', [
@@ -290,3 +299,17 @@ def test_bench_refuses_real_data_it_cannot_read_as_tokens(tmp_path, data, messag
     for split in ('train', 'val'):
         (tmp_path / 'data' / 'bad' / f'{split}.bin').write_bytes(data)
     assert message in fails(tmp_path, 'bench.py', *BENCH, '--real_data=True', '--dataset=bad')
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--what=saves'], "error: what='saves': use save, recovery or all"),  # was rc 0, nothing measured
+    (['--dtype=fp32'], "error: dtype='fp32': use auto, float32, bfloat16 or float16"),
+    (['--n_embd=33', '--n_head=2'], 'error: n_embd=33 is not a multiple of n_head=2'),
+    (['--repeats=0'], 'error: repeats=0 must be 1 or more'),
+    (['--kills=0'], 'error: kills=0 must be 1 or more'),
+    (['--device=gpu'], "error: device='gpu' is not a device torch knows"),
+])
+def test_bench_checkpoint_refuses_bad_settings_before_making_its_folder(tmp_path, args, message):
+    tiny = ['--n_layer=1', '--n_head=2', '--n_embd=32', '--vocab_size=64', '--block_size=16', '--repeats=1']
+    assert fails(tmp_path, 'bench_checkpoint.py', '--what=save', *tiny, *args).startswith(message)
+    assert not (tmp_path / 'bench_checkpoint').exists()
