@@ -12,6 +12,7 @@ import torch
 from conftest import TINY, one_line_error, read_metrics, run
 
 BASE = ['--gradient_accumulation_steps=2', '--eval_interval=3', '--always_save_checkpoint=True']
+NO_BLOCK_SIZE = [a for a in TINY if not a.startswith('--block_size=')]  # a model's own positions, where it has them
 
 
 def launch(script, tmp_path, data_dir, out, *extra, nproc=1, dataset='shakespeare_char', check=True, nthreads=1):
@@ -102,11 +103,11 @@ def test_a_run_started_from_a_checkpoint_counts_its_tokens_at_the_checkpoints_bl
                                                                                            script, nproc):
     # no --block_size: the model's 32 positions come from the checkpoint, not the default's 1024, and so do the
     # batches; the tokens an iteration (the log's tok/s, --epochs' count) were counted at 1024, 32 times too many
-    tiny = [a for a in TINY if not a.startswith('--block_size=')]
     # --epochs sized to 2 iterations of 8 sequences of the checkpoint's 32 positions, one at every offset of train.bin
     n = os.path.getsize(data_dir / 'shakespeare_char' / 'train.bin') // 2 - 32
-    p = run(script, *tiny, *BASE, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={tmp_path / "new"}',
-            f'--init_from={trip / "a"}', f'--epochs={15 / n}', '--max_iters=100', nproc=nproc, cwd=tmp_path)
+    p = run(script, *NO_BLOCK_SIZE, *BASE, f'--dataset={data_dir / "shakespeare_char"}',
+            f'--out_dir={tmp_path / "new"}', f'--init_from={trip / "a"}', f'--epochs={15 / n}', '--max_iters=100',
+            nproc=nproc, cwd=tmp_path)
     assert f"{2 * 4 * 32:,} tokens per iteration" in p.stdout  # accumulation 2 x batch 4 x block 32
     rows = [json.loads(line) for line in (tmp_path / 'new' / 'metrics.jsonl').read_text().splitlines()]
     steps = [r for r in rows if 'tokens_per_sec' in r]
@@ -168,8 +169,7 @@ def test_export_hf_gives_transformers_the_same_logits(tmp_path, data_dir):
                    '--top_k=0', '--device=cpu', cwd=tmp_path).stdout for path in (tmp_path / 'bpe', tmp_path / 'hf')]
     assert sampled[0] == sampled[1] and sampled[0].count('---------------') == 2
     # with no --block_size: the model's 32 positions, as from a checkpoint (it was "block_size=1024 is longer")
-    tiny = [a for a in TINY if not a.startswith('--block_size=')]
-    p = run('train.py', *tiny, *BASE, f'--dataset={data_dir / "shakespeare"}', f'--out_dir={tmp_path / "ft"}',
+    p = run('train.py', *NO_BLOCK_SIZE, *BASE, f'--dataset={data_dir / "shakespeare"}', f'--out_dir={tmp_path / "ft"}',
             f'--init_from={tmp_path / "hf"}', '--max_iters=1', '--learning_rate=0', '--min_lr=0', cwd=tmp_path)
     assert f'initializing from the weights of the Hugging Face folder {tmp_path / "hf"}' in p.stdout
     assert "block_size=32: the model's positions" in p.stdout and f"{2 * 4 * 32:,} tokens per iteration" in p.stdout
