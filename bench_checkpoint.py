@@ -129,9 +129,10 @@ def time_saves(save_dir, shm):
         return time.perf_counter() - t0, (t1 - t0) + (t3 - t2)
 
     step()  # AdamW's moments exist from the first step on
-    size = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + \
+    # each tensor once: the state dict names the tied head and the token embedding, one tensor that a save writes once
+    size = sum({t.data_ptr(): t.nbytes for t in model.state_dict().values()}.values()) + \
         sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-    print(f"state: {model.get_num_params() / 1e6:.1f}M parameters, {size / 2**20:.0f} MiB with AdamW's moments; "
+    print(f"state: {model.get_num_params() / 1e6:.1f}M parameters, {size / 2**20:,.1f} MiB with AdamW's moments; "
           f"steps of {batch_size}x{block_size} tokens" + (f" in {dtype} on {torch.cuda.get_device_name(device)}"
                                                           if device_type == 'cuda' else ""))
     keys = ('sync torch.save', 'plain step', 'memory: blocked', 'memory: step', 'storage: blocked', 'storage: step')

@@ -725,19 +725,30 @@ def wait_for_saves(slot=None):
             _writers.pop(p)[0].join()
 
 
-def host_copy(obj, into=None):
+def host_copy(obj, into=None, _memo=None):
     """obj with every tensor copied to the CPU (pinned when it comes from a GPU), into the tensors of an earlier
-    copy where their shapes match."""
+    copy where their shapes match. A tensor that appears twice (the tied head's weight is the token embedding's) is
+    copied once and appears twice in the copy too, so a save writes it once, as torch.save of the live state does."""
+    memo = {} if _memo is None else _memo
     if torch.is_tensor(obj):
-        if torch.is_tensor(into) and into.shape == obj.shape and into.dtype == obj.dtype:
-            return into.copy_(obj.detach(), non_blocking=True)
-        out = torch.empty(obj.shape, dtype=obj.dtype, device='cpu', pin_memory=obj.is_cuda)
-        return out.copy_(obj.detach(), non_blocking=True)
+        key = (obj.device, obj.data_ptr(), obj.dtype, tuple(obj.shape), obj.stride()) if obj.numel() else None
+        if key in memo:
+            return memo[key]
+        # an earlier copy's tensor that holds another's copy already (shared there, apart here) is not written over
+        if torch.is_tensor(into) and into.shape == obj.shape and into.dtype == obj.dtype \
+                and all(into is not t for t in memo.values()):
+            out = into.copy_(obj.detach(), non_blocking=True)
+        else:
+            out = torch.empty(obj.shape, dtype=obj.dtype, device='cpu', pin_memory=obj.is_cuda)
+            out.copy_(obj.detach(), non_blocking=True)
+        if key is not None:
+            memo[key] = out
+        return out
     if isinstance(obj, dict):
-        return {k: host_copy(v, into.get(k) if isinstance(into, dict) else None) for k, v in obj.items()}
+        return {k: host_copy(v, into.get(k) if isinstance(into, dict) else None, memo) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         into = into if isinstance(into, (list, tuple)) and len(into) == len(obj) else [None] * len(obj)
-        return type(obj)(host_copy(v, i) for v, i in zip(obj, into))
+        return type(obj)(host_copy(v, i, memo) for v, i in zip(obj, into))
     return obj
 
 

@@ -211,10 +211,8 @@ for r in range(pp_size):
 
 print(f"{N:,} parameters ({N - block_size * n_embd:,} without position embeddings), "
       f"{n_layer} layers, {n_head} heads, {n_embd} wide, block {block_size}, vocab {vocab_size}")
-# a save copies each tensor of the state dict to the host apart, so a ckpt.pt holds the tied head beside the embedding
-saved = 4 * (N + vocab_size * n_embd) + 8 * N
-print(f"checkpoint: {(saved - 8 * N) / 2**20:,.1f} MiB of fp32 weights (the tied head a copy of its own), "
-      f"{saved / 2**20:,.1f} MiB with AdamW state")
+saved = 12 * N  # fp32 weights and AdamW's two moments; the tied head is the embedding, saved once
+print(f"checkpoint: {4 * N / 2**20:,.1f} MiB of fp32 weights, {saved / 2**20:,.1f} MiB with AdamW state")
 print(f"per rank at world size {W}, {dtype}, batch {batch_size}x{block_size}"
       f"{', activation checkpointing' if activation_checkpointing else ''} (MiB):")
 print(f"{'':>18} {'params':>10} {'grads':>10} {'optim':>10} {'acts (est.)':>12} {'total':>10}")

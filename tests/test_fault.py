@@ -496,7 +496,7 @@ def test_dlrover_run_without_dlrover_a_one_line_error_says_how_to_install_it(tmp
 
 
 def test_bench_checkpoint_times_the_loop_blocked_per_save_against_a_synchronous_one(tmp_path):
-    args = ['--what=save', '--device=cpu', '--n_layer=1', '--n_head=2', '--n_embd=64', '--vocab_size=256',
+    args = ['--what=save', '--device=cpu', '--n_layer=1', '--n_head=2', '--n_embd=64', '--vocab_size=2048',
             '--block_size=32', '--repeats=1']
     # a run's folder given by mistake is refused, and stays as it was
     run_dir = tmp_path / 'run'
@@ -513,4 +513,9 @@ def test_bench_checkpoint_times_the_loop_blocked_per_save_against_a_synchronous_
         assert re.search(rf'{kind}: the loop is blocked [\d.]+% of a synchronous save; the step with it takes',
                          p.stdout)
     assert os.listdir(tmp_path / 'bench') == ['BENCH_CHECKPOINT']  # the saves it timed are gone, only its mark stays
+    # the state it saves: weights and AdamW's two moments, the tied head counted once (as a save writes it)
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=64, vocab_size=2048, block_size=32))
+    n = sum(p.numel() for p in model.parameters())
+    assert re.search(r"M parameters, ([\d.]+) MiB with AdamW's moments", p.stdout)[1] == f'{12 * n / 2**20:.1f}'
     assert set(glob.glob('/dev/shm/nanogpt-bench*')) == snapshots  # and its snapshot folder

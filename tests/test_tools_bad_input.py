@@ -281,7 +281,7 @@ def test_model_size_reads_a_training_config_and_a_run_folder(tmp_path, shared_ru
     out = shared_run('train.py', '--max_iters=4', '--gradient_accumulation_steps=1')
     p = run('model_size.py', str(out), '--n_layer=3', cwd=tmp_path)
     assert ' 3 layers, 2 heads, 32 wide, block 32, vocab 65' in p.stdout  # the run's shape, a flag after it wins
-    # its checkpoint figure is the tensor bytes the run's ckpt.pt holds (the tied head's copy too), to 0.5%
+    # its checkpoint figure is the tensor bytes the run's ckpt.pt holds (the tied head once), to 0.5%
     p = run('model_size.py', str(out), cwd=tmp_path)
     state = torch.load(out / 'ckpt.pt', map_location='cpu', weights_only=True)
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for part in ('model', 'optimizer')
