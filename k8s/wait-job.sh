@@ -8,7 +8,8 @@ timeout=${2:-24h}
 kubectl get "$job" -o name >/dev/null || exit 1  # kubectl's line says what is wrong (no such job, no cluster)
 kubectl wait --for=condition=complete --timeout="$timeout" "$job" >/dev/null 2>&1 & complete=$!
 kubectl wait --for=condition=failed --timeout="$timeout" "$job" >/dev/null 2>&1 & failed=$!
-wait -n "$complete" "$failed"  # the first to end: the job has, or the time is up
+# until the first of them ends (the job has, or the time is up): polled, as macOS's bash 3.2 has no `wait -n`
+while kill -0 "$complete" 2>/dev/null && kill -0 "$failed" 2>/dev/null; do sleep 1; done
 kill "$complete" "$failed" 2>/dev/null
 kubectl wait --for=condition=complete --timeout=0 "$job" 2>/dev/null && exit 0
 if kubectl wait --for=condition=failed --timeout=0 "$job" >/dev/null 2>&1; then
