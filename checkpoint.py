@@ -1828,9 +1828,9 @@ def pretrained_or_exit(name, dropout=0.0):
             sys.exit(f"error: {name} from the Hugging Face hub does not load ({reason(e)}): its copy in the local "
                      f"cache (HF_HOME, ~/.cache/huggingface) may be damaged: delete that model's folder there to "
                      f"download it again")
-        fix = "put the model in the local cache (HF_HOME, ~/.cache/huggingface) on a machine with the network, or " \
-              "give an export_hf.py folder" if os.environ.get('HF_HUB_OFFLINE', '') not in ('', '0') else \
-              "check the network, or set HF_HUB_OFFLINE=1 with the model in the local cache"
+        cache = "put the model in the local cache (HF_HOME, ~/.cache/huggingface) on a machine with the network"
+        fix = f"{cache}, or give an export_hf.py folder" if os.environ.get('HF_HUB_OFFLINE', '') not in ('', '0') \
+            else f"check the network, or {cache}"
         sys.exit(f"error: could not load {name} from the Hugging Face hub ({reason(e)}): {fix}")
 
 

@@ -67,7 +67,8 @@ def mixing_rounds(topology, world_size, local_world_size):
 
 def plan_words(config, rounds):
     """What the replicas do, as the log says it: DiLoCo's outer steps (the window, the fragments, the overlap), or
-    the topology's cycle of mixing rounds; with the replicas' optimizer. Counts of one in the singular."""
+    the topology's cycle of mixing rounds; with the replicas' optimizer, and a warning where no round mixes (one
+    process). Counts of one in the singular."""
     n = lambda count, word: f"{count} {word}{'s' * (count != 1)}"
     if config['diloco_steps']:
         fragments = config['diloco_fragments']
@@ -75,8 +76,14 @@ def plan_words(config, rounds):
                 f"{f'each of {fragments} fragments' if fragments > 1 else 'the whole model'}, landing "
                 f"{n(config['diloco_overlap'], 'step')} later, pseudo-gradients sent in {config['diloco_dtype']}; "
                 f"inner optimizer {config['replica_optimizer']}")
-    return (f"topology {config['topology']}, a cycle of {n(len(rounds), 'mixing round')}; optimizer "
-            f"{config['replica_optimizer']}")
+    plan = f"topology {config['topology']}, a cycle of {n(len(rounds), 'mixing round')}; optimizer " \
+           f"{config['replica_optimizer']}"
+    if any(len(group) > 1 for groups in rounds for group in groups):
+        return plan
+    # one rank: every round leaves its replica as it is, and each step is train.py's on one process
+    how = launch_with(2) if 'RANK' not in os.environ else 'give torchrun --nproc_per_node=2 or more'
+    return (f"{plan}\nwarning: one process: topology {config['topology']} has no other replica to mix with, so this "
+            f"trains a single model with no gossip; {how}")
 
 
 def check_optimizers(config, n_layer):

@@ -244,7 +244,10 @@ class GPT(nn.Module):
         from transformers import GPT2LMHeadModel  # imported here only: training from scratch does not need it
         from transformers.utils.logging import disable_progress_bar
         disable_progress_bar()  # its "Loading weights" bar: lines on stderr around a tool's output or one-line error
-        hf_model = GPT2LMHeadModel.from_pretrained(model_type, weights_only=True)  # a .bin is data, never code
+        try:  # the local cache first: with the hub asked first, an offline node waits out its retries (or hangs)
+            hf_model = GPT2LMHeadModel.from_pretrained(model_type, weights_only=True, local_files_only=True)
+        except OSError:  # not there: from the hub, as before (a .bin is data, never code)
+            hf_model = GPT2LMHeadModel.from_pretrained(model_type, weights_only=True)
         hf = hf_model.config
         # settings that save_pretrained keeps and under which GPT2LMHeadModel computes another function than this GPT:
         # loaded, they would give another model without a word ('gelu_pytorch_tanh' is gelu_new, in another kernel)

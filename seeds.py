@@ -852,20 +852,12 @@ def _epochs_iters(ctx):
     _, n_tokens = find_bins(keys['dataset'], keys['block_size'])
     # an epoch of DLRover's (and minGPT-DDP's) loader is a sequence starting at every offset of train.bin, not a pass
     # over its tokens: --epochs 1, its default, given, must not end a run that its max_iters ends there
-    sequences = n_tokens['train'] - keys['block_size']
-    iters = math.ceil(epochs * sequences / per_iter)
+    iters = math.ceil(epochs * (n_tokens['train'] - keys['block_size']) / per_iter)
     global _epochs
-    # (epochs, train.bin's tokens, max_iters), for start_tokens: a resume at another global batch, and a checkpoint's
-    # block_size (the model's, not this config's) that an epoch's sequences and tokens are counted at
-    _epochs = (epochs, n_tokens['train'], keys['max_iters'])
-    why = (f"{epochs} epoch{'s' * (epochs != 1)} of train.bin's {sequences:,} sequences of {keys['block_size']} "
-           f"tokens, one at each offset as DLRover's loader takes them, at {per_iter:,} sequences an iteration")
-    if iters >= keys['max_iters']:
-        ctx['notes'].append((None, f"{where} is DLRover's name: here --max_iters={iters} ({why}); max_iters="
-                                   f"{keys['max_iters']} ends the run first"))
-        return []
-    ctx['notes'].append((None, f"{where} is DLRover's name: here --max_iters={iters} ({why})"))
-    return [('max_iters', iters, where)]
+    # (epochs, the flag, train.bin's tokens, max_iters), for start_tokens, which says the run's max_iters in a line
+    # once the model's block_size (a checkpoint's, not this config's) that an epoch is counted at is known
+    _epochs = (epochs, where, n_tokens['train'], keys['max_iters'])
+    return [('max_iters', iters, where)] if iters < keys['max_iters'] else []
 
 
 def start_tokens(checkpoint, iter_num, tokens_per_iter, config, print0):
@@ -886,11 +878,15 @@ def start_tokens(checkpoint, iter_num, tokens_per_iter, config, print0):
                    f"its {iter_num} iterations at its global batch of {batch:,} tokens")
     if _epochs is None:
         return config['max_iters'], tokens, None
-    epochs, n_train, cap = _epochs
+    epochs, where, n_train, cap = _epochs
     block = config['block_size']  # the model's: create_model set it from a checkpoint or a Hugging Face folder
     target = epochs * (n_train - block) * block  # an epoch's tokens: a sequence at every offset
-    iters = iter_num + math.ceil(max(0, target - tokens) / tokens_per_iter)
-    if min(cap, iters) != config['max_iters']:  # a resume at another global batch than this launch counted with
+    whole, iters = math.ceil(target / tokens_per_iter), iter_num + math.ceil(max(0, target - tokens) / tokens_per_iter)
+    print0(f"{where} is DLRover's name: here --max_iters={whole} ({epochs} epoch{'s' * (epochs != 1)} of train.bin's "
+           f"{n_train - block:,} sequences of {block} tokens, one at each offset as DLRover's loader takes them, at "
+           f"{tokens_per_iter // block:,} sequences an iteration)" + (f"; max_iters={cap} ends the run first"
+                                                                       if whole >= cap else ''))
+    if min(cap, iters) != min(cap, whole):  # a resume at another global batch than the run's so far
         print0(f"--epochs: {tokens:,} of their {target:,.0f} tokens trained by iter {iter_num}: here --max_iters="
                f"{iters} at {tokens_per_iter:,} tokens an iteration" + (f"; max_iters={cap} ends the run first"
                                                                         if cap < iters else ''))

@@ -184,8 +184,13 @@ def test_complete_sgd_two_ranks_match_one_rank_with_twice_the_micro_steps(tmp_pa
     # SGD steps is one step on the average gradient, so the runs agree to rounding
     args = ['--topology=complete', '--replica_optimizer=sgd', '--grad_clip=0.0', '--learning_rate=0.5', '--min_lr=0.05',
             '--gradient_accumulation_steps=4', '--max_iters=10', '--eval_interval=10']
-    launch(tmp_path, data_dir, 'one', *args)
-    launch(tmp_path, data_dir, 'two', *args, nproc=2)
+    one_p, two_p = launch(tmp_path, data_dir, 'one', *args), launch(tmp_path, data_dir, 'two', *args, nproc=2)
+    # alone, a topology has no replica to mix with: the run says that it trains a single model, and how to launch
+    # ranks (it said 'topology complete, a cycle of 1 mixing round' and nothing more); with peers it warns of nothing
+    assert "warning: one process: topology complete has no other replica to mix with, so this trains a single " \
+        "model with no gossip; plain python starts one process: launch with `torchrun --nproc_per_node=2 " \
+        "decent_train.py ...`\n" in one_p.stdout, one_p.stdout[:2000]
+    assert 'warning' not in two_p.stdout + two_p.stderr, two_p.stdout[:2000]
     (one, one_evals), (two, two_evals) = read_metrics(tmp_path / 'one'), read_metrics(tmp_path / 'two')
     assert sorted(one) == sorted(two) == list(range(10))
     assert one[9] < one[0] - 0.3  # it learns

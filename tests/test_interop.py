@@ -109,6 +109,11 @@ def test_a_run_started_from_a_checkpoint_counts_its_tokens_at_the_checkpoints_bl
             f'--out_dir={tmp_path / "new"}', f'--init_from={trip / "a"}', f'--epochs={15 / n}', '--max_iters=100',
             nproc=nproc, cwd=tmp_path)
     assert f"{2 * 4 * 32:,} tokens per iteration" in p.stdout  # accumulation 2 x batch 4 x block 32
+    # --epochs' line counts at the model's 32 positions too: it said the default's 1024 (the run's iterations were
+    # counted at 32 after it, and this line agreed by chance with so many sequences)
+    assert f"--epochs={15 / n} is DLRover's name: here --max_iters=2 ({15 / n} epochs of train.bin's {n:,} sequences " \
+        f"of 32 tokens, one at each offset as DLRover's loader takes them, at 8 sequences an iteration)\n" in p.stdout
+    assert '1024' not in p.stdout, p.stdout
     rows = [json.loads(line) for line in (tmp_path / 'new' / 'metrics.jsonl').read_text().splitlines()]
     steps = [r for r in rows if 'tokens_per_sec' in r]
     assert len(steps) == 2 and all(r['tokens_per_sec'] * r['ms'] / 1000 == pytest.approx(256, rel=1e-3) for r in steps)

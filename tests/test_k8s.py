@@ -8,9 +8,11 @@ import contextlib
 import copy
 import fnmatch
 import io
+import os
 import re
 import runpy
 import shlex
+import subprocess
 import sys
 from unittest import mock
 
@@ -353,6 +355,48 @@ def test_every_documented_kubectl_command_runs_the_image_from_a_registry():
     assert given  # the docs do hand manifests to kubectl
     with_image = [(where, command) for where, command, name in given if IMAGE in (REPO / name).read_text()]
     assert with_image == [], with_image
+
+# kubectl wait against a job whose true conditions are the lines of $JOB_CONDITIONS: it waits until its condition
+# is one of them, or for --timeout=Ns (a longer one: for good; 0: it looks once), as kubectl waits on a cluster
+FAKE_KUBECTL = """#!/bin/sh
+[ "$1" = get ] && exit 0
+for a; do case $a in --for=condition=*) c=${a#--for=condition=};; --timeout=*) t=${a#--timeout=};; esac; done
+n=0
+while ! grep -qix "$c" "$JOB_CONDITIONS"; do
+  case $t in 0|*s) [ "$n" -ge "${t%s}" ] && { echo 'error: timed out waiting for the condition' >&2; exit 1; };; esac
+  sleep 1; n=$((n + 1))
+done
+echo "$2 condition met"
+"""
+
+
+def test_the_documented_wait_for_the_data_job_ends_when_the_job_fails(tmp_path):
+    """The docs waited for the data job with `kubectl wait --for=condition=complete --timeout=24h`: a job that failed
+    (its backoffLimit spent) was waited for 24 hours. Each documented wait ends as the job does: 0 once it
+    completes, 1 with a line saying so once it fails."""
+    (tmp_path / 'bin').mkdir()
+    (tmp_path / 'bin' / 'kubectl').write_text(FAKE_KUBECTL)
+    (tmp_path / 'bin' / 'kubectl').chmod(0o755)
+    e = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", JOB_CONDITIONS=str(tmp_path / 'job'))
+    waits = [(path.name, line.lstrip('# ')) for path in (REPO / 'README.md', REPO / 'docs' / 'cluster.md',
+                                                         REPO / 'k8s' / 'prepare-openwebtext.yaml')
+             for line in path.read_text().splitlines() if 'wait' in line and 'job/prepare-openwebtext' in line]
+    assert [where for where, _ in waits] == ['README.md', 'cluster.md', 'prepare-openwebtext.yaml'], waits
+    for where, command in waits:
+        for conditions, code, says in (('Complete', 0, ''), ('FailureTarget\nFailed', 1, 'failed')):
+            (tmp_path / 'job').write_text(conditions + '\n')
+            try:
+                p = subprocess.run(['bash', '-c', command], cwd=REPO, env=e, capture_output=True, text=True,
+                                   timeout=15)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{where}: {command} still waits for a job that ended ({conditions!r})")
+            assert p.returncode == code and says in p.stderr, (where, command, p.stderr)
+    (tmp_path / 'job').write_text('')  # running still: the time given is up
+    p = subprocess.run(['k8s/wait-job.sh', 'job/prepare-openwebtext', '1s'], cwd=REPO, env=e, capture_output=True,
+                       text=True, timeout=15)
+    assert p.returncode == 1 and p.stderr == 'error: job/prepare-openwebtext has not ended in 1s: it runs on; wait ' \
+        'again, or look with kubectl logs job/prepare-openwebtext\n', p.stderr
+
 
 # -----------------------------------------------------------------------------
 # broken manifests: a change a person could make by mistake, and the words the checks reject it with

@@ -5,6 +5,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -84,6 +85,44 @@ def test_sample_from_a_bpe_model(tmp_path, data_dir):
                dict(offline, HF_HOME=str(tmp_path / 'empty'), HF_HUB_OFFLINE='1'), tmp_path)
     assert p.returncode == 1 and one_line_error(p).startswith("error: could not load gpt2 from the Hugging Face hub (")
     assert one_line_error(p).endswith("on a machine with the network, or give an export_hf.py folder"), p.stderr[-500:]
+
+
+def hub_that_hangs_up():
+    """A Hugging Face hub (its address) that takes each connection and closes it, as a node's proxy or firewall may,
+    and the list of the requests it was sent."""
+    server = socket.create_server(('127.0.0.1', 0))
+    calls = []
+
+    def serve():
+        while True:
+            conn, _ = server.accept()
+            calls.append(conn.recv(200))
+            conn.close()
+    threading.Thread(target=serve, daemon=True).start()
+    return f'http://127.0.0.1:{server.getsockname()[1]}', calls
+
+
+def test_gpt2_in_the_hugging_face_cache_loads_without_asking_the_hub(tmp_path):
+    """init_from=gpt2 on a node whose Hugging Face cache holds the model and whose hub cannot be reached: it asked the
+    hub first (waiting out its retries, or for good on a hub that never answers) and then read the cache. It reads the
+    cache and asks nothing. A model not in the cache is still fetched from the hub, and failing that is one line."""
+    import transformers
+    repo = tmp_path / 'hf_home' / 'hub' / 'models--gpt2'
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_positions=16, n_embd=16, n_layer=1, n_head=2)) \
+        .save_pretrained(repo / 'snapshots' / ('0' * 40))
+    (repo / 'refs').mkdir()
+    (repo / 'refs' / 'main').write_text('0' * 40)
+    hub, calls = hub_that_hangs_up()
+    e = dict(env(), HF_HOME=str(tmp_path / 'hf_home'), HF_ENDPOINT=hub)
+    e.pop('HF_HUB_OFFLINE', None)  # test_hellaswag.py sets it for the session: the hub is to be reachable here
+    p = launch(str(REPO / 'sample.py'), ['--init_from=gpt2', '--device=cpu', '--num_samples=1', '--max_new_tokens=3'],
+               e, tmp_path)
+    assert p.returncode == 0 and p.stdout.count('---------------') == 1, p.stderr[-2000:]
+    assert calls == [], calls
+    p = launch(str(REPO / 'sample.py'), ['--init_from=gpt2-medium', '--device=cpu'], e, tmp_path)
+    assert calls and one_line_error(p).startswith("error: could not load gpt2-medium from the Hugging Face hub (")
+    assert one_line_error(p).endswith("check the network, or put the model in the local cache (HF_HOME, "
+                                      "~/.cache/huggingface) on a machine with the network")
 
 
 def test_sample_errors(char_run, tmp_path):
