@@ -23,6 +23,7 @@ import itertools
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -31,7 +32,7 @@ import torch
 
 from configurator import configure, quiet_interrupt
 from data import read_meta
-from decent import fragment_of, mixing_rounds
+from decent import check_optimizers, fragment_of, mixing_rounds
 from model import GPT, GPTConfig
 from pipeline import stage_memory
 
@@ -69,21 +70,6 @@ if quick:  # its defaults, where a flag does not set the key
                  block_size=32)
     config.update({k: v for k, v in smoke.items() if k not in given})
     globals().update(config)
-why = namespaces_work()
-if why:
-    sys.exit(f"error: {why}")
-if not os.path.exists(os.path.join(dataset, 'train.bin')):
-    sys.exit(f"error: no {dataset}/train.bin: run `python prepare.py shakespeare_char` or give --dataset=FOLDER")
-for mode in [m for m in modes.split(',') if m in ('pp', 'pp-zbv', 'pp-shard')]:  # a block at least for each stage
-    most = max(int(n) for n in nodes.split(','))
-    if mode == 'pp-shard' and any(int(n) * nproc_per_node % 2 for n in nodes.split(',')):
-        sys.exit(f"error: pp-shard runs two pipelines, each stage sharded over both: give nodes x nproc_per_node "
-                 f"that are even, not --nodes={nodes} --nproc_per_node={nproc_per_node}")
-    stages = most * nproc_per_node * {'pp': 2, 'pp-zbv': 4, 'pp-shard': 1}[mode] // 2
-    if n_layer < stages:
-        sys.exit(f"error: {mode} on {most} nodes has {stages} stages, a block each at least: give --n_layer={stages} "
-                 f"or more")
-
 SCRIPTS = {'ddp': ('train.py', []), 'fsdp': ('fsdp_train.py', []), 'zero2': ('ds_train.py', ['--zero_stage=2']),
            'zero3': ('ds_train.py', ['--zero_stage=3']), 'pp': ('pp_train.py', []),  # pp: one pipeline over all ranks
            'pp-zbv': ('pp_train.py', ['--pp_schedule=zbv']),  # its stages in a V, two a rank
@@ -95,9 +81,11 @@ SCRIPTS.update({t: ('decent_train.py', [f'--topology={t}', '--grad_clip=0.0'])
 def diloco_of(mode):
     """(H, F, τ, dtype) of diloco-H, diloco-H-F (Streaming DiLoCo's F fragments) or diloco-H-F-τ (τ steps of
     overlap), each with -bf16 after it for pseudo-gradients sent in bfloat16 (float32 without)."""
-    dtype = 'bfloat16' if mode.endswith('-bf16') else 'float32'
-    n = [int(x) for x in mode.removesuffix('-bf16').split('-')[1:]]
-    return n[0], n[1] if len(n) > 1 else 1, n[2] if len(n) > 2 else 0, dtype
+    m = re.fullmatch(r'diloco-(\d+)(?:-(\d+))?(?:-(\d+))?(-bf16)?', mode)
+    if not m or int(m[1]) < 1:
+        sys.exit(f"error: mode {mode}: give diloco-H (H >= 1 steps a window), then -F (fragments) and -τ (steps of "
+                 f"overlap) or not, and -bf16 or not, e.g. diloco-40, diloco-40-4-2 or diloco-40-bf16")
+    return int(m[1]), int(m[2] or 1), int(m[3] or 0), 'bfloat16' if m[4] else 'float32'
 
 
 def script_of(mode):
@@ -315,6 +303,51 @@ def bits_per_second(rate):
 
 
 if __name__ == '__main__':
+    # every flag checked before a node is made or a folder written: a typo was a row of failures (or a traceback)
+    # after the runs before it, or a wait without end (no nodes)
+    if not re.fullmatch(r'\d+(,\d+)*', nodes) or min(map(int, nodes.split(','))) < 2:
+        sys.exit(f"error: --nodes={nodes}: give counts of 2 nodes or more, e.g. --nodes=2,4")
+    for key, least in (('nproc_per_node', 1), ('steps', 1), ('warmup', 0)):
+        if globals()[key] < least:
+            sys.exit(f"error: --{key}={globals()[key]}: give {least} or more")
+    for rate in rates.split(','):  # what bits_per_second reads; tc's mbps would be megabytes a second
+        if not re.fullmatch(r'\d+(\.\d+)?[kKmMgG]?bit', rate) or not bits_per_second(rate) > 0:
+            sys.exit(f"error: --rates={rates}: {rate!r} is not a rate in bits a second as tc writes it: give e.g. "
+                     f"100mbit, 1gbit or 25000000bit")
+    for mode in modes.split(','):
+        if mode == 'allreduce':
+            continue
+        script, extra = script_of(mode)  # an unknown mode, or a diloco-H-F-τ not well formed, exits here
+        if mode.startswith('diloco-'):  # the window, fragments and overlap as decent_train.py checks them
+            h, f, t, dtype = diloco_of(mode)
+            why = check_optimizers(dict(replica_optimizer='adamw', moment_accum_steps=1, diloco_steps=h,
+                                        outer_optimizer='nesterov', outer_learning_rate=0.7, outer_momentum=0.9,
+                                        diloco_fragments=f, diloco_overlap=t, diloco_alpha=0.5 if t else 0.0,
+                                        diloco_dtype=dtype), n_layer)
+            if why:
+                sys.exit(f"error: mode {mode}: {why}")
+        if script == 'decent_train.py' and not mode.startswith('diloco-') and \
+                (mode != 'alternating-exp-ring' or nproc_per_node > 1):  # (which is skipped on one rank a node)
+            for n in map(int, nodes.split(',')):
+                try:
+                    mixing_rounds(mode, n * nproc_per_node, nproc_per_node)
+                except ValueError as e:  # its fix is the entrypoint's (--topology=...): here it is other nodes
+                    sys.exit(f"error: mode {mode} on {n} nodes, {nproc_per_node} a node: {str(e).split(':')[0]}: "
+                             f"give other --nodes, or drop it from --modes")
+    why = namespaces_work()
+    if why:
+        sys.exit(f"error: {why}")
+    if not os.path.exists(os.path.join(dataset, 'train.bin')):
+        sys.exit(f"error: no {dataset}/train.bin: run `python prepare.py shakespeare_char` or give --dataset=FOLDER")
+    for mode in [m for m in modes.split(',') if m in ('pp', 'pp-zbv', 'pp-shard')]:  # a block at least a stage
+        most = max(int(n) for n in nodes.split(','))
+        if mode == 'pp-shard' and any(int(n) * nproc_per_node % 2 for n in nodes.split(',')):
+            sys.exit(f"error: pp-shard runs two pipelines, each stage sharded over both: give nodes x "
+                     f"nproc_per_node that are even, not --nodes={nodes} --nproc_per_node={nproc_per_node}")
+        stages = most * nproc_per_node * {'pp': 2, 'pp-zbv': 4, 'pp-shard': 1}[mode] // 2
+        if n_layer < stages:
+            sys.exit(f"error: {mode} on {most} nodes has {stages} stages, a block each at least: give "
+                     f"--n_layer={stages} or more")
     # each invocation's runs in a new folder of its own, named by the time: one started in the same second gets -2
     run_dir = base = os.path.join(out_dir, time.strftime('%Y%m%d-%H%M%S'))
     for n in itertools.count(2):

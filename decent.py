@@ -86,9 +86,9 @@ def plan_words(config, rounds):
             f"trains a single model with no gossip; {how}")
 
 
-def check_optimizers(config, n_layer):
+def check_optimizers(config, n_layer, given=()):
     """What is wrong with the keys of the replicas' optimizer and DiLoCo's (config's, for a model of n_layer
-    blocks), in a sentence, or None."""
+    blocks; given: the keys a file or flag set), in a sentence, or None."""
     if config['replica_optimizer'] not in ('adamw', 'accumadamw', 'sgd'):
         return f"unknown replica_optimizer={config['replica_optimizer']!r}: use adamw, accumadamw or sgd"
     if config['moment_accum_steps'] < 1:
@@ -109,6 +109,15 @@ def check_optimizers(config, n_layer):
                 f"then each of its {n_layer} blocks)")
     if (fragments > 1 or overlap) and not steps:
         return "diloco_fragments and diloco_overlap take effect with diloco_steps > 0 only: give diloco_steps"
+    # a key given that the run would not use goes unsaid otherwise: a topology under DiLoCo (any name), or DiLoCo's
+    # outer keys under gossip
+    if steps and 'topology' in given:
+        return (f"topology={config['topology']!r} is not used with diloco_steps={steps}: DiLoCo averages over all "
+                f"ranks once a window; drop topology, or diloco_steps for gossip")
+    unused = sorted({'outer_optimizer', 'outer_learning_rate', 'outer_momentum', 'diloco_alpha'} & set(given))
+    if unused and not steps:
+        return (f"{' and '.join(unused)} take{'s' * (len(unused) == 1)} effect with diloco_steps > 0 only: give "
+                f"diloco_steps")
     if not 0 <= overlap < max(steps, 1):
         return (f"diloco_overlap={overlap}: from 0 to diloco_steps - 1 ({steps - 1}), so that a fragment's outer "
                 f"step lands before its next one starts")

@@ -131,7 +131,7 @@ if dtype == 'auto':
 if dtype not in ('float32', 'bfloat16'):
     sys.exit(f"error: dtype={dtype!r}: decent_train.py takes auto, float32 or bfloat16 (float16's loss scaler would "
              f"have to see every bucket's gradients before any bucket steps; use train.py for it)")
-if message := check_optimizers(config, n_layer):
+if message := check_optimizers(config, n_layer, given):
     sys.exit(f"error: {message}")
 if backend == 'auto':
     backend = 'nccl' if device_type == 'cuda' else 'gloo'
@@ -225,7 +225,7 @@ print0(f"world size {world_size}, {accum_steps} micro-step{'s' * (accum_steps > 
        f"{tokens_per_iter:,} tokens per iteration")
 print0(plan_words(config, rounds))  # DiLoCo's window and fragments, or the topology's mixing rounds
 # a resumed (or --init_from) model's depth is its checkpoint's, not the config's that the fragments were checked against
-if message := check_optimizers(config, model_args['n_layer']):
+if message := check_optimizers(config, model_args['n_layer'], given):
     sys.exit(f"error: {message}")
 check_token_ids(bin_path, model.config.vocab_size)
 hellaswag = load_or_exit(DEFAULT_PATH, model.config.vocab_size) if hellaswag_interval else []

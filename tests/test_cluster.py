@@ -200,3 +200,23 @@ def test_bench_network_started_twice_in_a_second_keeps_each_ones_runs_apart(tmp_
     new = new.pop()
     assert new.name.rsplit('-', 1)[0] in {f.name for f in taken} and (new / 'results.jsonl').read_text() == '', new
     assert all((folder / 'results.jsonl').read_text() == 'theirs\n' for folder in taken)
+
+
+@pytest.mark.parametrize('flags, said', [
+    ('--modes=diloco-0', 'mode diloco-0: give diloco-H (H >= 1 steps a window), then -F'),
+    ('--modes=diloco-4-9', 'mode diloco-4-9: diloco_fragments=9: from 1 to the 3 buckets of the model'),
+    ('--modes=diloco-4-2-4', 'mode diloco-4-2-4: diloco_overlap=4: from 0 to diloco_steps - 1 (3)'),
+    ('--rates=100mbit,1gbti', "--rates=100mbit,1gbti: '1gbti' is not a rate in bits a second as tc writes it"),
+    ('--rates=100mbps', "--rates=100mbps: '100mbps' is not a rate in bits a second as tc writes it"),
+    ('--nodes=two', '--nodes=two: give counts of 2 nodes or more'),
+    ('--nodes=3 --modes=one-peer-exp', 'mode one-peer-exp on 3 nodes, 1 a node: topology=one-peer-exp needs a '
+                                       'power-of-2 world size, not 3: give other --nodes'),
+])
+def test_bench_network_bad_flags_are_one_line_errors_before_any_run(tmp_path, data_dir, flags, said):
+    # each was found only when its run came: a row of failures and exit 0 (a rate tc does not read, fragments or an
+    # overlap decent_train.py refuses, a world size the topology cannot use), a traceback after the modes before it
+    # (H = 0, a count that is no number, tc's mbps: megabytes a second, which no link-use figure could be made of)
+    p = run('bench_network.py', '--quick=True', f'--dataset={data_dir / "shakespeare_char"}',
+            f'--out_dir={tmp_path / "bench"}', *flags.split(), cwd=tmp_path, check=False)
+    assert one_line_error(p).startswith(f'error: {said}') and p.stdout == ''
+    assert not (tmp_path / 'bench').exists()
