@@ -19,6 +19,9 @@ from checkpoint import (checkpoint_iter, latest_before, mark_run, note_failure, 
 from distributed import launch_with
 
 
+TOPOLOGIES = ('complete', 'ring', 'one-peer-exp', 'alternating-exp-ring')
+
+
 def mixing_rounds(topology, world_size, local_world_size):
     """The topology's cycle of mixing rounds. A round is a partition of the ranks into groups (sorted lists of
     ranks); every group averages its replicas, a rank alone keeps its own. Step t mixes with round t % len(rounds).
@@ -62,20 +65,22 @@ def mixing_rounds(topology, world_size, local_world_size):
             rounds.append([[a * local_world_size + j, b * local_world_size + j]
                            for a, b in node_pairs for j in range(local_world_size)])
         return rounds
-    raise ValueError(f"unknown topology={topology!r}: use complete, ring, one-peer-exp or alternating-exp-ring")
+    raise ValueError(f"unknown topology={topology!r}: use {', '.join(TOPOLOGIES[:-1])} or {TOPOLOGIES[-1]}")
 
 
-def plan_words(config, rounds):
+def plan_words(config, rounds, given=()):
     """What the replicas do, as the log says it: DiLoCo's outer steps (the window, the fragments, the overlap), or
     the topology's cycle of mixing rounds; with the replicas' optimizer, and a warning where no round mixes (one
-    process). Counts of one in the singular."""
+    process) or a topology given goes unused (DiLoCo's). Counts of one in the singular."""
     n = lambda count, word: f"{count} {word}{'s' * (count != 1)}"
     if config['diloco_steps']:
         fragments = config['diloco_fragments']
+        idle = (f"\nwarning: topology {config['topology']} is not used: DiLoCo averages over all ranks once a "
+                f"window (drop --diloco_steps for gossip)") if 'topology' in given else ''
         return (f"DiLoCo: an outer {config['outer_optimizer']} step every {n(config['diloco_steps'], 'step')} on "
                 f"{f'each of {fragments} fragments' if fragments > 1 else 'the whole model'}, landing "
                 f"{n(config['diloco_overlap'], 'step')} later, pseudo-gradients sent in {config['diloco_dtype']}; "
-                f"inner optimizer {config['replica_optimizer']}")
+                f"inner optimizer {config['replica_optimizer']}{idle}")
     plan = f"topology {config['topology']}, a cycle of {n(len(rounds), 'mixing round')}; optimizer " \
            f"{config['replica_optimizer']}"
     if any(len(group) > 1 for groups in rounds for group in groups):
@@ -109,11 +114,11 @@ def check_optimizers(config, n_layer, given=()):
                 f"then each of its {n_layer} blocks)")
     if (fragments > 1 or overlap) and not steps:
         return "diloco_fragments and diloco_overlap take effect with diloco_steps > 0 only: give diloco_steps"
-    # a key given that the run would not use goes unsaid otherwise: a topology under DiLoCo (any name), or DiLoCo's
-    # outer keys under gossip
-    if steps and 'topology' in given:
-        return (f"topology={config['topology']!r} is not used with diloco_steps={steps}: DiLoCo averages over all "
-                f"ranks once a window; drop topology, or diloco_steps for gossip")
+    # a key given that the run would not use goes unsaid otherwise: a misspelt topology under DiLoCo (a known one, a
+    # config file's say, is a warning in plan_words), or DiLoCo's outer keys under gossip
+    if steps and 'topology' in given and config['topology'] not in TOPOLOGIES:
+        return (f"unknown topology={config['topology']!r}, which diloco_steps={steps} would not use anyway (DiLoCo "
+                f"averages over all ranks once a window): drop it, or use {', '.join(TOPOLOGIES)} for gossip")
     unused = sorted({'outer_optimizer', 'outer_learning_rate', 'outer_momentum', 'diloco_alpha'} & set(given))
     if unused and not steps:
         return (f"{' and '.join(unused)} take{'s' * (len(unused) == 1)} effect with diloco_steps > 0 only: give "

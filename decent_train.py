@@ -223,7 +223,7 @@ block_size = model_args['block_size']  # the checkpoint's, where the run resumes
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # the global batch, whatever the world size
 print0(f"world size {world_size}, {accum_steps} micro-step{'s' * (accum_steps > 1)} per rank, "
        f"{tokens_per_iter:,} tokens per iteration")
-print0(plan_words(config, rounds))  # DiLoCo's window and fragments, or the topology's mixing rounds
+print0(plan_words(config, rounds, given))  # DiLoCo's window and fragments, or the topology's mixing rounds
 # a resumed (or --init_from) model's depth is its checkpoint's, not the config's that the fragments were checked against
 if message := check_optimizers(config, model_args['n_layer'], given):
     sys.exit(f"error: {message}")
