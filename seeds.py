@@ -126,6 +126,16 @@ TITAN_TABLES = ('job', 'model', 'training', 'lr_scheduler', 'checkpoint', 'metri
 LLAMA3 = {'debugmodel': (6, 16, 256), '8B': (32, 32, 4096), '70B': (80, 64, 8192), '405B': (126, 128, 16384)}
 MEGATRON = {k for k, (whose, _) in RENAMES.items() if whose == "Megatron-LM's"}
 MEGATRON_VIRTUAL = [k for k in MEGATRON if RENAMES[k][1] == 'stages_per_rank']
+# torchtitan's and Megatron-LM's uneven cuts of a pipeline into stages (by layers, by modules, lighter end stages):
+# pp_train.py shares the blocks out evenly (pipeline.stage_blocks), so only their even settings (0, false) mean ours
+STAGE_SPLITS = {
+    'pipeline_parallel_layers_per_stage': "torchtitan's", 'pipeline_parallel_first_stage_less_layers': "torchtitan's",
+    'pipeline_parallel_last_stage_less_layers': "torchtitan's", 'module_fqns_per_model_part': "torchtitan's",
+    'pipeline_parallel_module_fqns_per_model_part': "torchtitan's", 'pipeline_parallel_split_points': "torchtitan's",
+    'decoder_first_pipeline_num_layers': "Megatron-LM's", 'decoder_last_pipeline_num_layers': "Megatron-LM's",
+    'account_for_embedding_in_pipeline_split': "Megatron-LM's", 'account_for_loss_in_pipeline_split': "Megatron-LM's",
+    'pipeline_model_parallel_layout': "Megatron-LM's",
+}
 # the default of a seed's flag, whose type says how `--key VALUE` and a bare `--key` read
 FLAG_DEFAULTS = {'data_dir': '', 'log_dir': '', 'epochs': 0, 'use_nnscaler': False, 'plan_ngpus': 0,
                  'runtime_ngpus': 0, 'in_memory': False, 'amp': False, 'save_dir': '', 'use_fsdp': False,
@@ -372,6 +382,15 @@ def _translate(key, value, where, source, ctx):
                  f"runs its workers as torchrun's ranks, which meet at its --rdzv-endpoint; leave it out")
     if section == 'fault_tolerance' and key in (*TORCHFT, 'process_group', 'semi_sync_method') and script in TRAINERS:
         return _torchft(key, value, where, source, shown, ctx)
+    if name.replace('-', '_') in STAGE_SPLITS and section in ('', 'parallelism') and \
+            (script in TRAINERS or script == 'model_size.py'):
+        whose = STAGE_SPLITS[name.replace('-', '_')]
+        if value in (0, False) and ('less_layers' in name or name.startswith('account')):  # their even split
+            _note(ctx, where, source, shown, "nothing to set (the blocks are shared out evenly over the stages)", whose)
+            return []
+        sys.exit(f"error: {where}: {whose} {name} sets the layers of each stage; here the blocks are shared out "
+                 f"evenly over the pp_size x stages_per_rank stages (the embeddings and the head not counted as "
+                 f"layers): leave it out, and give pp_train.py --stages_per_rank=S for S stages a rank")
     if key.replace('-', '_') in MEGATRON:
         key = key.replace('-', '_')  # Megatron-LM's dashes
     if key in TITAN_KEYS and 'pp_schedule' in keys:  # the schedule, by torchtitan's name or ours

@@ -607,6 +607,29 @@ def test_torchtitans_and_megatrons_pipeline_names_are_taken_or_name_ours(tmp_pat
         "error: --pipeline-model-parallel-size 2: pp_size is a key of pp_train.py, not of train.py: run pp_train.py")
 
 
+def test_torchtitans_and_megatrons_uneven_stage_splits_name_our_even_one(tmp_path, capsys, monkeypatch):
+    # each was an unknown key (one of them "did you mean pipeline_parallel_degree?"): the blocks are shared out
+    # evenly here, so a split by layers is one line naming --stages_per_rank, and a split that is even is nothing
+    monkeypatch.delenv('RANK', raising=False)
+    for argv in (['--parallelism.pipeline_parallel_layers_per_stage', '2'],
+                 ['--parallelism.pipeline_parallel_first_stage_less_layers=1'],
+                 ['--parallelism.module_fqns_per_model_part=[["tok_embeddings"]]'],
+                 ['--decoder-first-pipeline-num-layers', '3'], ['--account-for-embedding-in-pipeline-split'],
+                 ['--pipeline-model-parallel-layout=Et|tL']):
+        msg = error_of('pp_train.py', argv)
+        assert msg.startswith(f"error: {' '.join(argv)}: ") and 'shared out evenly' in msg and \
+            msg.endswith('--stages_per_rank=S for S stages a rank'), msg
+    (tmp_path / 'titan.toml').write_text('[parallelism]\npipeline_parallel_degree = 2\n'
+                                         'pipeline_parallel_first_stage_less_layers = 0\n'
+                                         'pipeline_parallel_last_stage_less_layers = 0\n')
+    assert config_of('pp_train.py', [str(tmp_path / 'titan.toml')])['pp_size'] == 2
+    assert "pipeline_parallel_first_stage_less_layers: nothing to set (the blocks are shared out evenly over the " \
+        "stages)" in capsys.readouterr().out
+    (tmp_path / 'uneven.toml').write_text('[parallelism]\npipeline_parallel_layers_per_stage = 4\n')
+    assert error_of('pp_train.py', [str(tmp_path / 'uneven.toml')]).startswith(
+        f"error: {tmp_path / 'uneven.toml'}:2: torchtitan's pipeline_parallel_layers_per_stage")
+
+
 @pytest.fixture(scope='module')
 def here(tmp_path_factory, data_dir):
     """DLRover's layout: train.bin, val.bin and meta.pkl in the folder it runs in (and in mydata/, as its prep's
