@@ -234,7 +234,7 @@ def context(script, keys, flags, files):
     global _epochs
     _epochs = None  # a configure() before this one (a test's, in the same process) set no --epochs of this run
     return dict(script=script, keys=keys, flags=flags, files=files, toml={}, notes=[], epochs=None,
-                virtual=None, global_batch=None, semi_sync=None, flagged={}, said={}, replaced={})
+                virtual=None, global_batch=None, local_batch=None, semi_sync=None, flagged={}, said={}, replaced={})
 
 
 def _torchft(key, value, where, source, shown, ctx):
@@ -651,6 +651,8 @@ def _titan(key, value, where, source, ctx):
             'keep_checkpoints' not in flags:  # its "keep every checkpoint"
         sys.exit(f"error: {where}: torchtitan's keep_latest_k = 0 keeps every checkpoint; here the newest "
                  f"keep_checkpoints states and the best are kept: give keep_latest_k = N (N states), 1 or more")
+    if key in ('training.local_batch_size', 'training.batch_size') and type(value) is int and value >= 1:
+        ctx['local_batch'] = (value, where)  # a pipeline's step, where it has micro-batches (_global_batch)
     if key in TITAN_TOML and (TITAN_TOML[key] in keys or value in (False, 0)):
         ours = TITAN_TOML[key]
         note(f"--{ours}={value}" if ours in keys else f"nothing to set ({script} has no {ours})")
@@ -781,14 +783,20 @@ def _global_batch(ctx):
     that a flag gives splits it, in any order; else Megatron-LM's and torchtitan's count micro-batches of the final
     batch_size (their --micro-batch-size, local_batch_size) and Decent-DP's, which has no micro-batch, takes 16
     micro-steps (below)."""
+    keys, flagged = ctx['keys'], ctx['flagged']
+    # torchtitan cuts a pipeline's local_batch_size into micro-batches of pipeline_parallel_microbatch_size (our
+    # batch_size, which both set): the micro-batches of its step follow, at its global batch's default of -1 too
+    micro = any(k.rpartition('.')[2] == 'pipeline_parallel_microbatch_size' for k in [*ctx['flags'], *ctx['toml']])
+    local = ctx['local_batch'] if micro and 'batch_size' not in flagged else None
+    if ctx['global_batch'] is None and local and 'gradient_accumulation_steps' in keys:
+        ctx['global_batch'] = (-1, local[1], "torchtitan's", 'toml', 'training.local_batch_size')
     if ctx['global_batch'] is None:
         return []
     sequences, where, whose, source, shown = ctx['global_batch']
-    keys, flagged = ctx['keys'], ctx['flagged']
     batch, accum = keys['batch_size'], keys.get('gradient_accumulation_steps')  # model_size.py has no accum
-    if sequences == -1:  # torchtitan's default: a micro-batch on each data-parallel rank
-        sequences = batch * max(1, int(os.environ.get('WORLD_SIZE', '1')) // keys.get('tp_size', 1) //
-                                keys.get('pp_size', 1))
+    if sequences == -1:  # torchtitan's default: a local batch on each data-parallel rank
+        sequences = (local[0] if local else batch) * max(1, int(os.environ.get('WORLD_SIZE', '1')) //
+                                                         keys.get('tp_size', 1) // keys.get('pp_size', 1))
     by_batch, by_accum = 'batch_size' in flagged, accum is not None and 'gradient_accumulation_steps' in flagged
     if by_batch and by_accum and batch * accum != sequences and source != 'flag':  # the flags win over a file
         _note(ctx, where, source, shown, f"unused: --batch_size={batch} x --gradient_accumulation_steps={accum} on "

@@ -630,6 +630,27 @@ def test_torchtitans_and_megatrons_uneven_stage_splits_name_our_even_one(tmp_pat
         f"error: {tmp_path / 'uneven.toml'}:2: torchtitan's pipeline_parallel_layers_per_stage")
 
 
+def test_torchtitans_pipelined_local_batch_is_the_micro_batches_of_a_step(tmp_path, capsys, monkeypatch):
+    # with a pipeline, torchtitan cuts each data-parallel rank's local_batch_size into micro-batches of
+    # pipeline_parallel_microbatch_size; both set batch_size here, and the local batch was lost: its global batch
+    # of -1 (a local batch a rank) gave 1 micro-batch of 2 where torchtitan runs 4, and without one, ours stood
+    monkeypatch.delenv('RANK', raising=False)
+    monkeypatch.setenv('WORLD_SIZE', '4')  # 2 pipelines of 2 stages
+    titan = '[job]\ndump_folder = "out"\n[training]\nlocal_batch_size = 8\n{}[parallelism]\n' \
+            'pipeline_parallel_degree = 2\npipeline_parallel_microbatch_size = 2\n'
+    for line in ('global_batch_size = -1\n', ''):
+        (tmp_path / 'pp.toml').write_text(titan.format(line))
+        c = config_of('pp_train.py', [str(tmp_path / 'pp.toml')])
+        assert (c['batch_size'], c['gradient_accumulation_steps']) == (2, 8)  # 4 micro-batches on each pipeline
+        assert "--gradient_accumulation_steps=8 (micro-batches of --batch_size=2, over all ranks)" in \
+            capsys.readouterr().out
+    (tmp_path / 'pp.toml').write_text(titan.format('global_batch_size = 32\n'))  # 2 accumulation steps
+    assert config_of('pp_train.py', [str(tmp_path / 'pp.toml')])['gradient_accumulation_steps'] == 16
+    (tmp_path / 'dp.toml').write_text('[job]\n[training]\nlocal_batch_size = 8\nglobal_batch_size = -1\n')
+    c = config_of('train.py', [str(tmp_path / 'dp.toml')])  # no pipeline: a micro-batch of 8 a rank, as before
+    assert (c['batch_size'], c['gradient_accumulation_steps']) == (8, 4)
+
+
 @pytest.fixture(scope='module')
 def here(tmp_path_factory, data_dir):
     """DLRover's layout: train.bin, val.bin and meta.pkl in the folder it runs in (and in mydata/, as its prep's
