@@ -644,6 +644,8 @@ def test_torchtitans_pipelined_local_batch_is_the_micro_batches_of_a_step(tmp_pa
         assert (c['batch_size'], c['gradient_accumulation_steps']) == (2, 8)  # 4 micro-batches on each pipeline
         assert "--gradient_accumulation_steps=8 (micro-batches of --batch_size=2, over all ranks)" in \
             capsys.readouterr().out
+    c = config_of('pp_train.py', [str(tmp_path / 'pp.toml'), '--gradient_accumulation_steps=6'])  # the flag's count
+    assert (c['batch_size'], c['gradient_accumulation_steps']) == (2, 6)
     (tmp_path / 'pp.toml').write_text(titan.format('global_batch_size = 32\n'))  # 2 accumulation steps
     assert config_of('pp_train.py', [str(tmp_path / 'pp.toml')])['gradient_accumulation_steps'] == 16
     (tmp_path / 'dp.toml').write_text('[job]\n[training]\nlocal_batch_size = 8\nglobal_batch_size = -1\n')
