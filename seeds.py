@@ -391,6 +391,10 @@ def _translate(key, value, where, source, ctx):
         sys.exit(f"error: {where}: {whose} {name} sets the layers of each stage; here the blocks are shared out "
                  f"evenly over the pp_size x stages_per_rank stages (the embeddings and the head not counted as "
                  f"layers): leave it out, and give pp_train.py --stages_per_rank=S for S stages a rank")
+    if name == 'pipeline_parallel_schedule_csv' and section in ('', 'parallelism') and script in TRAINERS:
+        sys.exit(f"error: {where}: torchtitan's {name} reads a schedule's actions from a file, which is not built "
+                 f"here: leave it out, and give --pp_schedule=NAME (gpipe, 1f1b, interleaved-1f1b, interleaved-zb, zbv "
+                 f"or dualpipev)")
     if key.replace('-', '_') in MEGATRON:
         key = key.replace('-', '_')  # Megatron-LM's dashes
     if key in TITAN_KEYS and 'pp_schedule' in keys:  # the schedule, by torchtitan's name or ours

@@ -625,6 +625,9 @@ def test_torchtitans_and_megatrons_uneven_stage_splits_name_our_even_one(tmp_pat
     assert config_of('pp_train.py', [str(tmp_path / 'titan.toml')])['pp_size'] == 2
     assert "pipeline_parallel_first_stage_less_layers: nothing to set (the blocks are shared out evenly over the " \
         "stages)" in capsys.readouterr().out
+    # its schedule from a file was "did you mean pipeline_parallel_schedule?": the schedules are torch's, by name
+    assert error_of('pp_train.py', ['--parallelism.pipeline_parallel_schedule_csv=zb.csv']).endswith(
+        "leave it out, and give --pp_schedule=NAME (gpipe, 1f1b, interleaved-1f1b, interleaved-zb, zbv or dualpipev)")
     (tmp_path / 'uneven.toml').write_text('[parallelism]\npipeline_parallel_layers_per_stage = 4\n')
     assert error_of('pp_train.py', [str(tmp_path / 'uneven.toml')]).startswith(
         f"error: {tmp_path / 'uneven.toml'}:2: torchtitan's pipeline_parallel_layers_per_stage")
