@@ -791,7 +791,7 @@ def _global_batch(ctx):
     # torchtitan cuts a pipeline's local_batch_size into micro-batches of pipeline_parallel_microbatch_size (our
     # batch_size, which both set): the micro-batches of its step follow, at its global batch's default of -1 too
     micro = any(k.rpartition('.')[2] == 'pipeline_parallel_microbatch_size' for k in [*ctx['flags'], *ctx['toml']])
-    local = ctx['local_batch'] if micro and 'batch_size' not in flagged else None
+    local = ctx['local_batch'] if micro and 'microbatch' in flagged.get('batch_size', 'microbatch') else None
     if ctx['global_batch'] is None and local and 'gradient_accumulation_steps' in keys.keys() - flagged.keys():
         ctx['global_batch'] = (-1, local[1], "torchtitan's", 'toml', 'training.local_batch_size')
     if ctx['global_batch'] is None:

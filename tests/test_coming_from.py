@@ -647,6 +647,9 @@ def test_torchtitans_pipelined_local_batch_is_the_micro_batches_of_a_step(tmp_pa
         assert (c['batch_size'], c['gradient_accumulation_steps']) == (2, 8)  # 4 micro-batches on each pipeline
         assert "--gradient_accumulation_steps=8 (micro-batches of --batch_size=2, over all ranks)" in \
             capsys.readouterr().out
+    (tmp_path / 'local.toml').write_text(titan.format('').rsplit('pipeline_parallel_microbatch', 1)[0])  # a flag's
+    c = config_of('pp_train.py', [str(tmp_path / 'local.toml'), '--parallelism.pipeline_parallel_microbatch_size', '2'])
+    assert (c['batch_size'], c['gradient_accumulation_steps']) == (2, 8)
     c = config_of('pp_train.py', [str(tmp_path / 'pp.toml'), '--gradient_accumulation_steps=6'])  # the flag's count
     assert (c['batch_size'], c['gradient_accumulation_steps']) == (2, 6)
     (tmp_path / 'pp.toml').write_text(titan.format('global_batch_size = 32\n'))  # 2 accumulation steps
