@@ -126,6 +126,16 @@ TITAN_TABLES = ('job', 'model', 'training', 'lr_scheduler', 'checkpoint', 'metri
 LLAMA3 = {'debugmodel': (6, 16, 256), '8B': (32, 32, 4096), '70B': (80, 64, 8192), '405B': (126, 128, 16384)}
 MEGATRON = {k for k, (whose, _) in RENAMES.items() if whose == "Megatron-LM's"}
 MEGATRON_VIRTUAL = [k for k in MEGATRON if RENAMES[k][1] == 'stages_per_rank']
+# torchtitan's and Megatron-LM's uneven cuts of a pipeline into stages (by layers, by modules, lighter end stages):
+# pp_train.py shares the blocks out evenly (pipeline.stage_blocks), so only their even settings (0, false) mean ours
+STAGE_SPLITS = {
+    'pipeline_parallel_layers_per_stage': "torchtitan's", 'pipeline_parallel_first_stage_less_layers': "torchtitan's",
+    'pipeline_parallel_last_stage_less_layers': "torchtitan's", 'module_fqns_per_model_part': "torchtitan's",
+    'pipeline_parallel_module_fqns_per_model_part': "torchtitan's", 'pipeline_parallel_split_points': "torchtitan's",
+    'decoder_first_pipeline_num_layers': "Megatron-LM's", 'decoder_last_pipeline_num_layers': "Megatron-LM's",
+    'account_for_embedding_in_pipeline_split': "Megatron-LM's", 'account_for_loss_in_pipeline_split': "Megatron-LM's",
+    'pipeline_model_parallel_layout': "Megatron-LM's",
+}
 # the default of a seed's flag, whose type says how `--key VALUE` and a bare `--key` read
 FLAG_DEFAULTS = {'data_dir': '', 'log_dir': '', 'epochs': 0, 'use_nnscaler': False, 'plan_ngpus': 0,
                  'runtime_ngpus': 0, 'in_memory': False, 'amp': False, 'save_dir': '', 'use_fsdp': False,
@@ -224,7 +234,7 @@ def context(script, keys, flags, files):
     global _epochs
     _epochs = None  # a configure() before this one (a test's, in the same process) set no --epochs of this run
     return dict(script=script, keys=keys, flags=flags, files=files, toml={}, notes=[], epochs=None,
-                virtual=None, global_batch=None, semi_sync=None, flagged={}, said={}, replaced={})
+                virtual=None, global_batch=None, local_batch=None, semi_sync=None, flagged={}, said={}, replaced={})
 
 
 def _torchft(key, value, where, source, shown, ctx):
@@ -372,6 +382,19 @@ def _translate(key, value, where, source, ctx):
                  f"runs its workers as torchrun's ranks, which meet at its --rdzv-endpoint; leave it out")
     if section == 'fault_tolerance' and key in (*TORCHFT, 'process_group', 'semi_sync_method') and script in TRAINERS:
         return _torchft(key, value, where, source, shown, ctx)
+    if name.replace('-', '_') in STAGE_SPLITS and section in ('', 'parallelism') and \
+            (script in TRAINERS or script == 'model_size.py'):
+        whose = STAGE_SPLITS[name.replace('-', '_')]
+        if value in (0, False) and ('less_layers' in name or name.startswith('account')):  # their even split
+            _note(ctx, where, source, shown, "nothing to set (the blocks are shared out evenly over the stages)", whose)
+            return []
+        sys.exit(f"error: {where}: {whose} {name} sets the layers of each stage; here the blocks are shared out "
+                 f"evenly over the pp_size x stages_per_rank stages (the embeddings and the head not counted as "
+                 f"layers): leave it out, and give pp_train.py --stages_per_rank=S for S stages a rank")
+    if name == 'pipeline_parallel_schedule_csv' and section in ('', 'parallelism') and script in TRAINERS:
+        sys.exit(f"error: {where}: torchtitan's {name} reads a schedule's actions from a file, which is not built "
+                 f"here: leave it out, and give --pp_schedule=NAME (gpipe, 1f1b, interleaved-1f1b, interleaved-zb, zbv "
+                 f"or dualpipev)")
     if key.replace('-', '_') in MEGATRON:
         key = key.replace('-', '_')  # Megatron-LM's dashes
     if key in TITAN_KEYS and 'pp_schedule' in keys:  # the schedule, by torchtitan's name or ours
@@ -632,6 +655,8 @@ def _titan(key, value, where, source, ctx):
             'keep_checkpoints' not in flags:  # its "keep every checkpoint"
         sys.exit(f"error: {where}: torchtitan's keep_latest_k = 0 keeps every checkpoint; here the newest "
                  f"keep_checkpoints states and the best are kept: give keep_latest_k = N (N states), 1 or more")
+    if key in ('training.local_batch_size', 'training.batch_size') and type(value) is int and value >= 1:
+        ctx['local_batch'] = (value, where)  # a pipeline's step, where it has micro-batches (_global_batch)
     if key in TITAN_TOML and (TITAN_TOML[key] in keys or value in (False, 0)):
         ours = TITAN_TOML[key]
         note(f"--{ours}={value}" if ours in keys else f"nothing to set ({script} has no {ours})")
@@ -762,14 +787,20 @@ def _global_batch(ctx):
     that a flag gives splits it, in any order; else Megatron-LM's and torchtitan's count micro-batches of the final
     batch_size (their --micro-batch-size, local_batch_size) and Decent-DP's, which has no micro-batch, takes 16
     micro-steps (below)."""
+    keys, flagged = ctx['keys'], ctx['flagged']
+    # torchtitan cuts a pipeline's local_batch_size into micro-batches of pipeline_parallel_microbatch_size (our
+    # batch_size, which both set): the micro-batches of its step follow, at its global batch's default of -1 too
+    micro = any(k.rpartition('.')[2] == 'pipeline_parallel_microbatch_size' for k in [*ctx['flags'], *ctx['toml']])
+    local = ctx['local_batch'] if micro and 'microbatch' in flagged.get('batch_size', 'microbatch') else None
+    if ctx['global_batch'] is None and local and 'gradient_accumulation_steps' in keys.keys() - flagged.keys():
+        ctx['global_batch'] = (-1, local[1], "torchtitan's", 'toml', 'training.local_batch_size')
     if ctx['global_batch'] is None:
         return []
     sequences, where, whose, source, shown = ctx['global_batch']
-    keys, flagged = ctx['keys'], ctx['flagged']
     batch, accum = keys['batch_size'], keys.get('gradient_accumulation_steps')  # model_size.py has no accum
-    if sequences == -1:  # torchtitan's default: a micro-batch on each data-parallel rank
-        sequences = batch * max(1, int(os.environ.get('WORLD_SIZE', '1')) // keys.get('tp_size', 1) //
-                                keys.get('pp_size', 1))
+    if sequences == -1:  # torchtitan's default: a local batch on each data-parallel rank
+        sequences = (local[0] if local else batch) * max(1, int(os.environ.get('WORLD_SIZE', '1')) //
+                                                         keys.get('tp_size', 1) // keys.get('pp_size', 1))
     by_batch, by_accum = 'batch_size' in flagged, accum is not None and 'gradient_accumulation_steps' in flagged
     if by_batch and by_accum and batch * accum != sequences and source != 'flag':  # the flags win over a file
         _note(ctx, where, source, shown, f"unused: --batch_size={batch} x --gradient_accumulation_steps={accum} on "

@@ -607,6 +607,58 @@ def test_torchtitans_and_megatrons_pipeline_names_are_taken_or_name_ours(tmp_pat
         "error: --pipeline-model-parallel-size 2: pp_size is a key of pp_train.py, not of train.py: run pp_train.py")
 
 
+def test_torchtitans_and_megatrons_uneven_stage_splits_name_our_even_one(tmp_path, capsys, monkeypatch):
+    # each was an unknown key (one of them "did you mean pipeline_parallel_degree?"): the blocks are shared out
+    # evenly here, so a split by layers is one line naming --stages_per_rank, and a split that is even is nothing
+    monkeypatch.delenv('RANK', raising=False)
+    for argv in (['--parallelism.pipeline_parallel_layers_per_stage', '2'],
+                 ['--parallelism.pipeline_parallel_first_stage_less_layers=1'],
+                 ['--parallelism.module_fqns_per_model_part=[["tok_embeddings"]]'],
+                 ['--decoder-first-pipeline-num-layers', '3'], ['--account-for-embedding-in-pipeline-split'],
+                 ['--pipeline-model-parallel-layout=Et|tL']):
+        msg = error_of('pp_train.py', argv)
+        assert msg.startswith(f"error: {' '.join(argv)}: ") and 'shared out evenly' in msg and \
+            msg.endswith('--stages_per_rank=S for S stages a rank'), msg
+    (tmp_path / 'titan.toml').write_text('[parallelism]\npipeline_parallel_degree = 2\n'
+                                         'pipeline_parallel_first_stage_less_layers = 0\n'
+                                         'pipeline_parallel_last_stage_less_layers = 0\n')
+    assert config_of('pp_train.py', [str(tmp_path / 'titan.toml')])['pp_size'] == 2
+    assert "pipeline_parallel_first_stage_less_layers: nothing to set (the blocks are shared out evenly over the " \
+        "stages)" in capsys.readouterr().out
+    # its schedule from a file was "did you mean pipeline_parallel_schedule?": the schedules are torch's, by name
+    assert error_of('pp_train.py', ['--parallelism.pipeline_parallel_schedule_csv=zb.csv']).endswith(
+        "leave it out, and give --pp_schedule=NAME (gpipe, 1f1b, interleaved-1f1b, interleaved-zb, zbv or dualpipev)")
+    (tmp_path / 'uneven.toml').write_text('[parallelism]\npipeline_parallel_layers_per_stage = 4\n')
+    assert error_of('pp_train.py', [str(tmp_path / 'uneven.toml')]).startswith(
+        f"error: {tmp_path / 'uneven.toml'}:2: torchtitan's pipeline_parallel_layers_per_stage")
+
+
+def test_torchtitans_pipelined_local_batch_is_the_micro_batches_of_a_step(tmp_path, capsys, monkeypatch):
+    # with a pipeline, torchtitan cuts each data-parallel rank's local_batch_size into micro-batches of
+    # pipeline_parallel_microbatch_size; both set batch_size here, and the local batch was lost: its global batch
+    # of -1 (a local batch a rank) gave 1 micro-batch of 2 where torchtitan runs 4, and without one, ours stood
+    monkeypatch.delenv('RANK', raising=False)
+    monkeypatch.setenv('WORLD_SIZE', '4')  # 2 pipelines of 2 stages
+    titan = '[job]\ndump_folder = "out"\n[training]\nlocal_batch_size = 8\n{}[parallelism]\n' \
+            'pipeline_parallel_degree = 2\npipeline_parallel_microbatch_size = 2\n'
+    for line in ('global_batch_size = -1\n', ''):
+        (tmp_path / 'pp.toml').write_text(titan.format(line))
+        c = config_of('pp_train.py', [str(tmp_path / 'pp.toml')])
+        assert (c['batch_size'], c['gradient_accumulation_steps']) == (2, 8)  # 4 micro-batches on each pipeline
+        assert "--gradient_accumulation_steps=8 (micro-batches of --batch_size=2, over all ranks)" in \
+            capsys.readouterr().out
+    (tmp_path / 'local.toml').write_text(titan.format('').rsplit('pipeline_parallel_microbatch', 1)[0])  # a flag's
+    c = config_of('pp_train.py', [str(tmp_path / 'local.toml'), '--parallelism.pipeline_parallel_microbatch_size', '2'])
+    assert (c['batch_size'], c['gradient_accumulation_steps']) == (2, 8)
+    c = config_of('pp_train.py', [str(tmp_path / 'pp.toml'), '--gradient_accumulation_steps=6'])  # the flag's count
+    assert (c['batch_size'], c['gradient_accumulation_steps']) == (2, 6)
+    (tmp_path / 'pp.toml').write_text(titan.format('global_batch_size = 32\n'))  # 2 accumulation steps
+    assert config_of('pp_train.py', [str(tmp_path / 'pp.toml')])['gradient_accumulation_steps'] == 16
+    (tmp_path / 'dp.toml').write_text('[job]\n[training]\nlocal_batch_size = 8\nglobal_batch_size = -1\n')
+    c = config_of('train.py', [str(tmp_path / 'dp.toml')])  # no pipeline: a micro-batch of 8 a rank, as before
+    assert (c['batch_size'], c['gradient_accumulation_steps']) == (8, 4)
+
+
 @pytest.fixture(scope='module')
 def here(tmp_path_factory, data_dir):
     """DLRover's layout: train.bin, val.bin and meta.pkl in the folder it runs in (and in mydata/, as its prep's
