@@ -195,6 +195,39 @@ print('peak rise kB', peak() - before[0])"""
     assert sorted(d.tolist() for d in docs) == sorted(enc.encode_ordinary(b) + [50256] for b in books)
 
 
+def test_a_document_prep_of_4x_the_documents_maps_no_more_of_them(tmp_path, monkeypatch):
+    # its check of the text and its tokenizing read the documents through datasets' map of its Arrow files, which
+    # kept every page read in the RSS to the end: it grew by the documents' size (+100 MB for 100 MB of JSON lines)
+    words = SHAKESPEARE.read_text().split()
+    monkeypatch.setenv('HF_DATASETS_CACHE', str(tmp_path / 'hf'))
+    # the file pages mapped once the tokens are written (commit), less those once datasets has read the files in
+    # (load_local): the pages of its Arrow files that the check, the split and tokenizing left mapped
+    script = """import sys
+sys.path.insert(0, sys.argv.pop(1))
+import prepare
+def mapped():
+    return int(next(line for line in open('/proc/self/status') if line.startswith('RssFile')).split()[1])
+def load(*args, load=prepare.load_local):
+    ds = load(*args)
+    before.append(mapped())
+    return ds
+def commit(*args, commit=prepare.commit):
+    print('mapped kB', mapped() - before[0])
+    commit(*args)
+before, prepare.load_local, prepare.commit = [], load, commit
+prepare.main(sys.argv[1:])"""
+    rises = []
+    for mb in (2, 8):
+        with open(tmp_path / f'{mb}.jsonl', 'w') as f:
+            for i in range((mb << 20) // 4000):  # documents of ~4,000 characters, as OpenWebText's
+                f.write(json.dumps({'text': ' '.join(words[i * 700 % 200000:][:700])}) + '\n')
+        p = subprocess.run([sys.executable, '-c', script, str(REPO), 'openwebtext', f'--out_dir={tmp_path}/{mb}',
+                            f'--data_files={tmp_path}/{mb}.jsonl', '--num_proc=1', '--chunk_chars=65536'],
+                           cwd=tmp_path, env=env(), capture_output=True, text=True, check=True)
+        rises.append(int(p.stdout.split('mapped kB')[1].split()[0]))
+    assert rises[1] < rises[0] + (3 << 10), rises  # kB: 6 MB more documents, not 6 MB more of them mapped
+
+
 def test_vocab_larger_than_uint16_is_refused_without_output(tmp_path):
     src = tmp_path / 'wide.txt'
     src.write_text(''.join(chr(0x10000 + i) for i in range(70000)), encoding='utf-8')
