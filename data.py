@@ -163,9 +163,18 @@ def find_bins(dataset, block_size, random_data=False):
             others = sorted(f for f in os.listdir(folder) if f.endswith(('.bin', '.npy')) and
                             f not in ('train.bin', 'val.bin')) if os.path.isdir(folder) else []
             if others:  # shards, as llm.c and build-nanogpt write them: a prep's advice would read as a text's
+                try:  # llm.c's headers, joined with cat, would be read as tokens
+                    with open(os.path.join(folder, others[0]), 'rb') as f:
+                        llmc = f.read(4) == LLMC_MAGIC
+                except OSError:
+                    llmc = False
+                q, tmp = shlex.quote(folder), shlex.quote(f'{path}.tmp')
+                join = (f"join each file's tokens after its 1,024-byte header (llm.c's): `for f in {q}/*{split}*.bin; "
+                        f"do tail -c +1025 \"$f\"; done > {tmp} && mv {tmp} {shlex.quote(path)}`, and the same for "
+                        f"the other split") if llmc else "join shards of headerless uint16 tokens with cat"
                 sys.exit(f"error: {path} not found, and {folder} holds {len(others)} other token file(s) ({others[0]}"
                          f"{', ...' if len(others) > 1 else ''}): a run reads one train.bin and one val.bin; prepare "
-                         f"the corpus with prepare.py, or join shards of headerless uint16 tokens with cat")
+                         f"the corpus with prepare.py, or {join}")
             from prepare import DATASETS  # here: only this error needs them
             name = os.path.basename(os.path.normpath(folder))
             known = name in DATASETS and name not in ('text', 'hellaswag')  # those that prepare.py NAME makes
@@ -227,3 +236,4 @@ def check_token_ids(paths, vocab_size):
 
 
 CHUNK = 1 << 24  # tokens a chunk: 32 MB
+LLMC_MAGIC = (20240520).to_bytes(4, 'little')  # the first int32 of llm.c's 256-int32 header of a token file
