@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from configurator import check_model_name, check_model_shape, check_optimizer, check_seed, configure, quiet_interrupt
-from data import check_token_ids, data_dir, find_bins, open_tokens, read_meta
+from data import check_token_ids, data_dir, find_bins, read_meta, read_rows
 from distributed import check_fits
 from model import GPT2_SHAPES, GPT, GPTConfig
 
@@ -119,14 +119,13 @@ if real_data or not random_data:
     gen = torch.Generator().manual_seed(seed)
 
     def get_batch():
-        data = np.memmap(path, dtype=np.uint16, mode='r', shape=(n_tokens,))
-        offsets = torch.randint(len(data) - block_size, (batch_size,), generator=gen).numpy()
-        chunk = torch.from_numpy(data[offsets[:, None] + np.arange(block_size + 1)].astype(np.int64))
+        offsets = torch.randint(n_tokens - block_size, (batch_size,), generator=gen).numpy()
+        chunk = torch.from_numpy(read_rows(path, offsets, block_size + 1))
         return chunk[:, :-1].contiguous().to(device), chunk[:, 1:].contiguous().to(device)
 else:
     # kept on the device and reused, so that the timing is the model's alone
-    chunk = torch.from_numpy(open_tokens(find_bins(dataset, block_size, random_data=True)[0]['train'])[
-        np.arange(batch_size)[:, None] * (block_size + 1) + np.arange(block_size + 1)].astype(np.int64))
+    chunk = torch.from_numpy(read_rows(find_bins(dataset, block_size, random_data=True)[0]['train'],
+                                       np.arange(batch_size) * (block_size + 1), block_size + 1))
     x, y = chunk[:, :-1].contiguous().to(device), chunk[:, 1:].contiguous().to(device)
 
     def get_batch():

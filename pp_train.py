@@ -27,7 +27,6 @@ from contextlib import nullcontext
 
 from configurator import check_config, configure, quiet_interrupt
 quiet_interrupt()  # before torch's ~3 s import: a Ctrl-C there ends with one line, not a traceback
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -36,7 +35,7 @@ from torch.distributed.pipelining import PipelineStage
 from checkpoint import (create_model, find_resume, finish_saves, is_snapshot, kept, kept_best, load_failed, previous,
                         remove_snapshots, save_in_background, say_resumed, snapshot_dir, step_folders, take_settings,
                         wait_for_copies, wait_for_saves, where_saved)
-from data import check_token_ids, find_bins, meta_vocab, open_tokens, vocabulary
+from data import check_token_ids, find_bins, meta_vocab, read_rows, vocabulary
 from distributed import (agree, check_fits, finish, gather_rng, groups_of, on_every_rank, pick_device, restore_rng,
                          skip_on_device, split_accumulation, start, state_bytes, stop_signal, torchrun_env,
                          use_deterministic_algorithms)
@@ -175,8 +174,7 @@ bin_path, n_tokens = on_every_rank(find_bins, dataset, block_size, random_data) 
 
 
 def get_batch(split, offsets):
-    data = open_tokens(bin_path[split])
-    chunk = torch.from_numpy(data[offsets.numpy()[:, None] + np.arange(block_size + 1)].astype(np.int64))
+    chunk = torch.from_numpy(read_rows(bin_path[split], offsets.numpy(), block_size + 1))
     x, y = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
     if device_type == 'cuda':
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)

@@ -28,6 +28,7 @@ import errno
 import glob
 import hashlib
 import json
+import mmap
 import os
 import pickle
 import sys
@@ -450,9 +451,12 @@ def prepare_documents(dataset, out_dir):
     nulls = ds.data.column(text_column).null_count
     if nulls:
         sys.exit(f"error: {nulls} document(s) have a null '{text_column}': give each one a string, or remove them")
+    cached = [f['filename'] for f in ds.cache_files]  # the documents, as datasets' Arrow files, in order
     try:
         if data_files:  # the json reader keeps bytes that are not UTF-8 as they are (a full pass: local files only)
-            ds.data.column(text_column).validate(full=True)
+            for mapped, texts in cached_batches(cached):
+                texts.validate(full=True)
+                mapped.madvise(mmap.MADV_DONTNEED)
     except Exception as e:
         bad = first_bad_line(files) if files[0].endswith('.jsonl') else None
         sys.exit(f"error: {bad or 'a document'}: its '{text_column}' is not UTF-8 text ({str(e)[:100]}): convert the "
@@ -462,11 +466,10 @@ def prepare_documents(dataset, out_dir):
             " (a .txt file is one): give more files, or split one by characters with prepare.py text --input=FILE"
             if builder == 'text' else ''))
     n_val = min(max(1, round(len(ds) * frac)), len(ds) - 1)  # at least one document each
-    try:
-        split = ds.train_test_split(test_size=n_val, seed=2357, shuffle=True)
-    except OSError as e:  # it writes the order it draws into datasets' cache
-        cache_full(e)
-        raise
+    # the documents that datasets' train_test_split(seed=2357) draws for val, as nanoGPT's prep does; each split is
+    # then written in the documents' order, which reads the files once from start to end
+    val = np.zeros(len(ds), dtype=bool)
+    val[np.random.default_rng(2357).permutation(len(ds))[:n_val]] = True
     enc = gpt2_encoding_or_exit()
     if make_out_dir(out_dir, settings):
         return
@@ -477,14 +480,16 @@ def prepare_documents(dataset, out_dir):
         # a batch of documents at a time, straight into the .bin: no tokenized copy in datasets' cache (8 bytes a
         # token, kept there after the prep: 0.9 GB for 202 MB of JSON lines). Appended, as the text prep's: a full
         # disk is an OSError here, where a memmap's page would kill the process
-        for name_, dset in (('train', split['train']), ('val', split['test'])):
+        for name_ in paths:
             outputs[name_] = Output(paths[name_])
-            with tqdm(total=len(dset), desc=f'tokenizing {name_}', unit='doc') as bar:
-                for texts in document_batches(dset.select_columns(text_column)):
-                    for ids in document_tokens(texts, enc):
+        with tqdm(total=len(ds), desc='tokenizing', unit='doc') as bar:
+            for texts, is_val in document_batches(cached, val):
+                for name_, part in (('train', ~is_val), ('val', is_val)):
+                    for ids in document_tokens([text for text, take in zip(texts, part) if take], enc):
                         outputs[name_].write(ids)
-                    bar.update(len(texts))
-            outputs[name_].f.close()
+                bar.update(len(texts))
+        for out in outputs.values():
+            out.f.close()
         commit(out_dir, settings, paths.values())
     except OSError as e:
         write_failed(out_dir, e)
@@ -500,15 +505,33 @@ def batch_chars():
     return num_proc * 4 * chunk_chars
 
 
-def document_batches(dset):
-    """The documents' texts, a batch at a time of about batch_chars() characters (at most DOCS_A_BATCH documents):
-    fewer documents a batch where they are long, so that the texts held at once do not grow with their length."""
-    i, n = 0, 1
-    while i < len(dset):
-        texts = dset[i:i + n][text_column]
-        yield texts
-        i += len(texts)
-        n = max(1, min(DOCS_A_BATCH, n * batch_chars() // max(1, sum(map(len, texts)))))
+def cached_batches(files):
+    """(the map, the texts) of each record batch of datasets' Arrow files, in order, read through a map of each file
+    whose pages the reader drops (madvise) once it is done with them: datasets' own map of the files, held for the
+    whole prep, keeps every page read through it, so a prep's RSS grew by the size of its documents."""
+    import pyarrow as pa
+    for path in files:
+        with open(path, 'rb') as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        for batch in pa.ipc.open_stream(pa.py_buffer(mapped)):
+            yield mapped, batch.column(text_column)
+
+
+def document_batches(files, val):
+    """(texts, which of them are val) of the documents in datasets' Arrow files, in order, a batch at a time of about
+    batch_chars() characters (at most DOCS_A_BATCH documents): fewer documents a batch where they are long, so that
+    the texts held at once do not grow with their length, nor the pages mapped with the files' size."""
+    i, texts, chars = 0, [], 0
+    for mapped, column in cached_batches(files):
+        for text in column:
+            texts.append(text.as_py())
+            chars += len(texts[-1])
+            if chars >= batch_chars() or len(texts) == DOCS_A_BATCH:
+                mapped.madvise(mmap.MADV_DONTNEED)  # the texts are copies; a page read again comes from the file
+                yield texts, val[i:i + len(texts)]
+                i, texts, chars = i + len(texts), [], 0
+    if texts:
+        yield texts, val[i:i + len(texts)]
 
 
 def document_tokens(texts, enc):

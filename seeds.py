@@ -164,7 +164,7 @@ HYDRA = {
     'trainer_config.grad_norm_clip': '--grad_clip={}', 'trainer_config.snapshot_path': '--out_dir=FOLDER',
     'trainer_config.save_every': '--save_storage_interval=STEPS (steps here, not epochs)',
     'trainer_config.use_amp': '--dtype=auto (bfloat16 on GPUs) or --dtype=float32',
-    'trainer_config.data_loader_workers': 'nothing: batches are read from a memory-mapped train.bin, no workers',
+    'trainer_config.data_loader_workers': 'nothing: each batch is read straight from train.bin, no workers',
     'trainer_config.distributed_method': 'train.py (ddp) or fsdp_train.py (fsdp) as the script torchrun runs',
     'trainer_config.cpu_offload': 'fsdp_train.py --cpu_offload={}',
     'gpt_config.n_layer': '--n_layer={}', 'gpt_config.n_head': '--n_head={}', 'gpt_config.n_embd': '--n_embd={}',
@@ -578,7 +578,7 @@ def _translate(key, value, where, source, ctx):
         _note(ctx, where, source, shown, "nothing to set (Adam's default)", "Decent-DP's")
         return []
     if key == 'in_memory' and 'dataset' in keys:
-        _note(ctx, where, source, shown, "nothing to set (train.bin is memory-mapped)", "Decent-DP's")
+        _note(ctx, where, source, shown, "nothing to set (train.bin is read a batch at a time)", "Decent-DP's")
         return []
     if key == 'vocab_size' and key not in keys and 'n_layer' in keys:
         if value != 50304:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -79,6 +80,32 @@ def test_a_folder_of_shards_is_named_as_one(tmp_path):
     with pytest.raises(SystemExit, match=f"error: {tmp_path}/train.bin not found, and {tmp_path} holds 3 other token "
                                          r"file\(s\) \(fineweb_train_000001.bin, ...\): a run reads one train.bin"):
         find_bins(str(tmp_path), 32)
+
+
+def test_llm_c_shards_are_named_with_a_join_that_drops_their_headers(tmp_path):
+    # each of llm.c's token files starts with a 1,024-byte header (256 int32: 20240520, version, count): the advice
+    # to join them with cat put those words among the tokens
+    sys.path.insert(0, str(REPO))
+    from data import find_bins, read_rows
+    folder = tmp_path / 'fine web'  # a name the shell must quote
+    folder.mkdir()
+    tokens = {}
+    for name, n in (('fineweb_val_000000.bin', 300), ('fineweb_train_000001.bin', 500),
+                    ('fineweb_train_000002.bin', 200)):
+        header = np.zeros(256, dtype='<i4')
+        header[:3] = 20240520, 1, n
+        tokens[name] = np.arange(n, dtype=np.uint16) + len(tokens) * 1000
+        (folder / name).write_bytes(header.tobytes() + tokens[name].tobytes())
+    for split in ('train', 'val'):
+        with pytest.raises(SystemExit) as e:
+            find_bins(str(folder), 32)
+        assert "join each file's tokens after its 1,024-byte header (llm.c's)" in str(e.value), e.value
+        subprocess.run(['bash', '-c', str(e.value).split('`')[1]], check=True)  # the command, as given
+    files, n = find_bins(str(folder), 32)
+    for split, names in (('train', ['fineweb_train_000001.bin', 'fineweb_train_000002.bin']),
+                         ('val', ['fineweb_val_000000.bin'])):
+        assert read_rows(files[split], [0], n[split])[0].tolist() == np.concatenate([tokens[f] for f in names]).tolist()
+    assert sorted(os.listdir(folder)) == sorted([*tokens, 'train.bin', 'val.bin'])  # no .tmp left
 
 
 def test_a_run_started_outside_the_repo_is_pointed_at_the_repo_s_prepared_data(tmp_path, monkeypatch):

@@ -20,6 +20,11 @@ def tokens(path):
     return np.fromfile(path, dtype=np.uint16)
 
 
+def peak_kb():
+    with open('/proc/self/status') as f:
+        return int(next(line for line in f if line.startswith('VmHWM')).split()[1])
+
+
 def test_char_prep_matches_nanogpt_and_round_trips(data_dir):
     d = data_dir / 'shakespeare_char'
     meta = pickle.loads((d / 'meta.pkl').read_bytes())
@@ -72,10 +77,6 @@ def test_token_check_of_a_big_file_keeps_the_peak_memory_flat(tmp_path, monkeypa
     del ids
     monkeypatch.setattr(data, 'CHUNK', 1 << 20)
 
-    def peak_kb():
-        with open('/proc/self/status') as f:
-            return int(next(line for line in f if line.startswith('VmHWM')).split()[1])
-
     with open(path, 'rb') as f:
         with open('/proc/self/clear_refs', 'w') as clear:
             clear.write('5')  # the peak RSS counts from here
@@ -84,6 +85,28 @@ def test_token_check_of_a_big_file_keeps_the_peak_memory_flat(tmp_path, monkeypa
         assert peak_kb() - before < 16 << 10  # kB: a chunk or two of 2 MB, not the file's 64 MB
         with pytest.raises(SystemExit, match='holds token id 300, past the model'):
             data.check_token_ids({'train': f}, 300)
+
+
+def test_a_batch_from_a_bigger_token_file_takes_no_more_memory(tmp_path):
+    # a memory map made anew for each batch held each page-cache folio a row touched (up to 2 MB on Linux 6.x) in the
+    # run's RSS: 64 rows peaked at about the file's size up to ~75 MB, 4x higher for a 4x bigger train.bin
+    import data
+    rises = []
+    for mb in (16, 64):
+        path = tmp_path / f'{mb}.bin'
+        np.arange(mb << 19, dtype=np.uint16).tofile(path)  # token i is i % 65536
+        offsets = np.random.default_rng(0).integers(0, (mb << 19) - 257, 64)
+        with open(path, 'rb') as f:
+            with open('/proc/self/clear_refs', 'w') as clear:
+                clear.write('5')  # the peak RSS counts from here
+            before = peak_kb()
+            rows = data.read_rows(f, offsets, 257)
+            rises.append(peak_kb() - before)
+            assert np.array_equal(rows, (offsets[:, None] + np.arange(257)) % 65536)
+            os.truncate(path, 2 * offsets.max())  # written over in place (not renamed in) while a run reads it
+            with pytest.raises(SystemExit, match=f'{path} shrank while this run read it'):
+                data.read_rows(f, offsets, 257)
+    assert rises[1] < 2 * rises[0] + (4 << 10), rises  # kB: the rows, whatever the size of the file
 
 
 def test_bpe_prep_over_a_char_folder_removes_its_vocabulary(tmp_path):
@@ -170,6 +193,39 @@ print('peak rise kB', peak() - before[0])"""
     ids = np.concatenate([tokens(tmp_path / 'books' / f'{split}.bin') for split in ('train', 'val')])
     docs = np.split(ids, np.flatnonzero(ids == 50256) + 1)[:-1]  # each with its EOT
     assert sorted(d.tolist() for d in docs) == sorted(enc.encode_ordinary(b) + [50256] for b in books)
+
+
+def test_a_document_prep_of_4x_the_documents_maps_no_more_of_them(tmp_path, monkeypatch):
+    # its check of the text and its tokenizing read the documents through datasets' map of its Arrow files, which
+    # kept every page read in the RSS to the end: it grew by the documents' size (+100 MB for 100 MB of JSON lines)
+    words = SHAKESPEARE.read_text().split()
+    monkeypatch.setenv('HF_DATASETS_CACHE', str(tmp_path / 'hf'))
+    # the file pages mapped once the tokens are written (commit), less those once datasets has read the files in
+    # (load_local): the pages of its Arrow files that the check, the split and tokenizing left mapped
+    script = """import sys
+sys.path.insert(0, sys.argv.pop(1))
+import prepare
+def mapped():
+    return int(next(line for line in open('/proc/self/status') if line.startswith('RssFile')).split()[1])
+def load(*args, load=prepare.load_local):
+    ds = load(*args)
+    before.append(mapped())
+    return ds
+def commit(*args, commit=prepare.commit):
+    print('mapped kB', mapped() - before[0])
+    commit(*args)
+before, prepare.load_local, prepare.commit = [], load, commit
+prepare.main(sys.argv[1:])"""
+    rises = []
+    for mb in (2, 8):
+        with open(tmp_path / f'{mb}.jsonl', 'w') as f:
+            for i in range((mb << 20) // 4000):  # documents of ~4,000 characters, as OpenWebText's
+                f.write(json.dumps({'text': ' '.join(words[i * 700 % 200000:][:700])}) + '\n')
+        p = subprocess.run([sys.executable, '-c', script, str(REPO), 'openwebtext', f'--out_dir={tmp_path}/{mb}',
+                            f'--data_files={tmp_path}/{mb}.jsonl', '--num_proc=1', '--chunk_chars=65536'],
+                           cwd=tmp_path, env=env(), capture_output=True, text=True, check=True)
+        rises.append(int(p.stdout.split('mapped kB')[1].split()[0]))
+    assert rises[1] < rises[0] + (3 << 10), rises  # kB: 6 MB more documents, not 6 MB more of them mapped
 
 
 def test_vocab_larger_than_uint16_is_refused_without_output(tmp_path):
@@ -458,7 +514,7 @@ def test_a_finished_prep_is_kept_unless_forced(tmp_path):
     meta = pickle.loads((folder / 'meta.pkl').read_bytes())
     assert ''.join(meta['itos'][i] for i in tokens(folder / 'train.bin')) == other.read_text()[:1800]
     # the run goes on with the tokens it began with: it read the new ones, another vocabulary's ids, mid-run
-    assert {split: data.open_tokens(f).tolist() for split, f in files.items()} == began
+    assert {split: data.read_rows(f, [0], len(began[split]))[0].tolist() for split, f in files.items()} == began
 
 
 def test_a_vocabulary_whose_token_files_were_removed_is_kept_unless_forced(tmp_path):
