@@ -1,0 +1,46 @@
+"""Running out of memory: one line that says what ran out, where, what was asked for and how to fit it; a non-zero
+exit; and nothing a run saved lost. The allocations fail for real: each rank may map only TEST_AS_MARGIN bytes more
+than it had when it started (RLIMIT_AS, set by launcher.py), and the batch asks for far more at once, so the
+failure comes at once, whatever the machine's RAM, and nothing else runs short."""
+
+import shutil
+
+import pytest
+
+from conftest import TINY, one_line_error, run
+
+MARGIN = 1 << 30
+HUGE = ['--batch_size=524288', '--eval_iters=2', '--max_iters=4']  # an activation of 2 GiB, its tokens' 0.14 GiB
+
+
+@pytest.fixture
+def limited(monkeypatch):
+    monkeypatch.setenv('TEST_AS_MARGIN', str(MARGIN))
+
+
+@pytest.mark.parametrize('script, nproc', [('train.py', 1), ('fsdp_train.py', 1), ('ds_train.py', 1),
+                                           ('decent_train.py', 2), ('pp_train.py', 2), ('bench.py', 1)])
+def test_running_out_of_memory_is_one_line_that_names_the_fix(tmp_path, data_dir, limited, script, nproc):
+    args = ['--compile=False', '--device=cpu', '--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32',
+            '--batch_size=524288', '--warmup=0', '--iters=1'] if script == 'bench.py' else \
+        [*TINY, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out', '--gradient_accumulation_steps=2', *HUGE]
+    p = run(script, *args, nproc=nproc, cwd=tmp_path, check=False)
+    line = one_line_error(p, nproc)
+    assert 'Traceback' not in p.stderr, p.stderr[-3000:]
+    where = 'a training step' if script == 'bench.py' else 'an eval'
+    assert line.startswith(f"error: out of host RAM{' of rank ' if nproc > 1 else ''}"), line
+    assert f" in {where}, asking " in line and "batch_size=524288 x block_size=32 tokens" in line, line
+    assert "n_layer=2, n_head=2, n_embd=32" in line and "a larger --gradient_accumulation_steps" in line, line
+    assert ("--activation_checkpointing=True" in line) == (script == 'fsdp_train.py'), line
+    assert "python model_size.py --n_layer=2 --n_head=2 --n_embd=32 " in line, line
+
+
+def test_a_resume_that_runs_out_of_memory_leaves_the_checkpoint_as_it_was(tmp_path, data_dir, shared_run, limited):
+    out = tmp_path / 'run'
+    shutil.copytree(shared_run('train.py', '--max_iters=2', '--eval_interval=2'), out)
+    before = (out / 'ckpt.pt').read_bytes()
+    p = run('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', f'--out_dir={out}', '--eval_interval=2',
+            *HUGE, cwd=tmp_path, check=False)
+    assert one_line_error(p).startswith("error: out of host RAM in an eval, asking "), p.stderr[-3000:]
+    assert (out / 'ckpt.pt').read_bytes() == before
+    assert not list(out.glob('*.tmp'))
