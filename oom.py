@@ -12,8 +12,12 @@ import re
 import socket
 import sys
 import traceback
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
+
+POSTED = 'nanogpt/out_of_memory'  # the store's key where a rank that ran out of memory posts its rank
 
 
 def is_oom(e):
@@ -29,7 +33,8 @@ def asked(e):
     text = str(e)
     found = re.search(r'allocate (\d+) bytes', text)  # torch's CPU allocator
     if found:
-        return f"{int(found[1]) / 2**30:,.1f} GiB"
+        n = int(found[1])
+        return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
     found = re.search(r'(?:[Tt]ried to|Unable to) allocate ([\d.]+ [KMGTP]?i?B)', text)  # torch's CUDA's, numpy's
     return found and found[1]
 
@@ -70,21 +75,23 @@ def shape(g):
 def oom_line(e, tb, g):
     """The one-line error for exception e (an allocation that failed) with traceback tb, in the script whose
     globals are g."""
-    size = asked(e)
-    head = f"error: out of {ran_out(g.get('device', 'cpu'))} in {where(tb, g)}"
-    head += f", asking {size} more" if size else ""
+    size, part = asked(e), where(tb, g)
+    head = f"error: out of {ran_out(g.get('device', 'cpu'))} in {part}" + (f", asking {size} more" if size else "")
     model, config = shape(g)
     if 'num_samples' in g:  # sample.py: one sequence at a time, so the weights and max_new_tokens' cache count
         return (f"{head}, sampling {g['max_new_tokens']} tokens from a model of {model}: use --dtype=bfloat16 (or "
                 f"float16) for half the weights' memory, or --device=cpu")
     block = config.get('block_size', g.get('block_size'))
     ask = f"with batch_size={g['batch_size']} x block_size={block} tokens a micro-step a rank and a model of {model}"
-    checkpointing = " or --activation_checkpointing=True," if g.get('activation_checkpointing') is False else ""
     size_it = " ".join(f"--{k}={config[k]}" for k in ('n_layer', 'n_head', 'n_embd', 'vocab_size') if k in config)
-    world = int(os.environ.get('WORLD_SIZE', 1))
+    size_it = (f"size a run first with `python model_size.py {size_it} --block_size={block} --batch_size=N "
+               f"--world_size={os.environ.get('WORLD_SIZE', 1)}`")
+    if part.startswith('the start'):  # before a batch: the weights, gradients and AdamW state alone do not fit
+        return (f"{head}, {ask}: the model's state does not fit, whatever the batch: use a smaller model, or shard "
+                f"it over more ranks (fsdp_train.py, ds_train.py --zero_stage=3), and {size_it}")
+    checkpointing = " or --activation_checkpointing=True," if g.get('activation_checkpointing') is False else ""
     return (f"{head}, {ask}: use a smaller --batch_size with a larger --gradient_accumulation_steps, which keeps the "
-            f"tokens per step,{checkpointing} and size a run first with `python model_size.py {size_it} "
-            f"--block_size={block} --batch_size=N --world_size={world}`")
+            f"tokens per step,{checkpointing} and {size_it}")
 
 
 def explain_oom(g):
@@ -92,8 +99,32 @@ def explain_oom(g):
     script's globals, read then. The interpreter's end follows as for any uncaught exception: the checkpoint saves
     still in flight (threads) are finished first, and the exit status is non-zero."""
     def hook(kind, value, tb, chained=sys.excepthook):
+        store = group_store()
         if not is_oom(value):
-            return chained(kind, value, tb)
+            # the other ranks' collectives fail once a rank that ran out has left (gloo's "Connection closed by
+            # peer"): no fault of theirs, and a traceback of each would bury the line that says how to fit
+            ran_out = store and store.check([POSTED]) and store.get(POSTED).decode()
+            if not ran_out:
+                return chained(kind, value, tb)
+            print(f"error: rank {os.environ['RANK']} stopped: rank {ran_out} ran out of memory (its line above says "
+                  f"how to fit the run)", file=sys.__stderr__, flush=True)
+            return
+        if store:
+            store.set(POSTED, os.environ['RANK'])
         # to the process's own stderr: torch's init_process_group wraps this hook in one that prefixes each line
         print(oom_line(value, tb, g), file=sys.__stderr__, flush=True)
     sys.excepthook = hook
+
+
+def group_store():
+    """The store of a process group of several ranks, where they meet even once a collective has failed; None
+    without one, or where it cannot be reached (its host, rank 0, is the rank that ran out and has left)."""
+    try:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=5))
+        store.check([POSTED])
+        return store
+    except Exception:
+        return None

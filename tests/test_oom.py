@@ -44,3 +44,18 @@ def test_a_resume_that_runs_out_of_memory_leaves_the_checkpoint_as_it_was(tmp_pa
     assert one_line_error(p).startswith("error: out of host RAM in an eval, asking "), p.stderr[-3000:]
     assert (out / 'ckpt.pt').read_bytes() == before
     assert not list(out.glob('*.tmp'))
+
+
+def test_a_rank_that_runs_out_says_so_and_the_others_stop_with_a_line_not_a_traceback(tmp_path, data_dir, limited,
+                                                                                          monkeypatch):
+    # rank 1 alone is short of memory (a smaller GPU, a busier host): it leaves, rank 0's next collective fails
+    # ("Connection closed by peer"), and rank 0 names the rank that ran out rather than print gloo's traceback
+    monkeypatch.setenv('TEST_AS_MARGIN', str(80 << 20))  # less than the 6M-parameter model's state (~125 MiB)
+    monkeypatch.setenv('TEST_AS_RANKS', '1')
+    p = run('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out', '--n_embd=512',
+            '--gradient_accumulation_steps=2', '--max_iters=2', nproc=2, cwd=tmp_path, check=False)
+    assert p.returncode != 0 and 'Traceback' not in p.stderr, p.stderr[-3000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith('error: ')]
+    assert len(errors) == 2 and errors[0].startswith("error: out of host RAM of rank 1 on "), p.stderr[-3000:]
+    assert "n_embd=512 (6.36M parameters)" in errors[0] and "model_size.py" in errors[0], errors[0]
+    assert errors[1] == "error: rank 0 stopped: rank 1 ran out of memory (its line above says how to fit the run)"
