@@ -25,7 +25,9 @@ def is_oom(e):
     numpy's or Python's MemoryError."""
     if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
         return True
-    return isinstance(e, RuntimeError) and any(s in str(e) for s in ("can't allocate memory", 'out of memory'))
+    # (a mapped file's read that the address space has no room for: "unable to mmap ...: Cannot allocate memory")
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in ("can't allocate memory", 'out of memory',
+                                                                     'Cannot allocate memory'))
 
 
 def asked(e):

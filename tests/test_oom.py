@@ -59,3 +59,33 @@ def test_a_rank_that_runs_out_says_so_and_the_others_stop_with_a_line_not_a_trac
     assert len(errors) == 2 and errors[0].startswith("error: out of host RAM of rank 1 on "), p.stderr[-3000:]
     assert "n_embd=512 (6.36M parameters)" in errors[0] and "model_size.py" in errors[0], errors[0]
     assert errors[1] == "error: rank 0 stopped: rank 1 ran out of memory (its line above says how to fit the run)"
+
+
+# a 25M-parameter model trains in a margin of 0.8 GiB (weights, gradients, AdamW's moments), but a save's copy of
+# weights and moments in host memory needs 0.3 GiB more, and reading them back at a resume does not fit 0.4 GiB
+BIG = ['--n_embd=1024', '--gradient_accumulation_steps=1', '--eval_interval=2', '--eval_iters=1']
+
+
+def test_a_resume_short_of_memory_for_its_checkpoint_says_so_and_never_calls_it_damaged(tmp_path, data_dir,
+                                                                                         monkeypatch):
+    # the failed read was taken for damage: "checkpoint out/ckpt.pt is corrupt ...: move it aside", of a good one
+    big = [*TINY, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out', *BIG]
+    run('train.py', *big, '--max_iters=2', cwd=tmp_path)
+    files = {f.name: f.read_bytes() for f in (tmp_path / 'out').iterdir() if f.is_file() and f.suffix == '.pt'}
+    monkeypatch.setenv('TEST_AS_MARGIN', str(400 << 20))
+    p = run('train.py', *big, '--max_iters=4', cwd=tmp_path, check=False)
+    line = one_line_error(p)
+    assert line.startswith("error: out of host RAM in the start (building the model, loading the state)"), line
+    assert "the model's state does not fit, whatever the batch" in line, line
+    assert {f.name: f.read_bytes() for f in (tmp_path / 'out').iterdir() if f.is_file() and f.suffix == '.pt'} == files
+
+
+def test_a_save_whose_host_copy_runs_out_stops_the_run_naming_host_ram(tmp_path, data_dir, monkeypatch):
+    monkeypatch.setenv('TEST_AS_MARGIN', str(800 << 20))
+    p = run('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out', *BIG, '--max_iters=4',
+            cwd=tmp_path, check=False)
+    line = one_line_error(p)
+    assert line.startswith("error: writing the checkpoint out/ckpt.pt failed (out of host RAM copying the state "
+                           "for it, asking "), line
+    assert "no checkpoint was complete before: free host RAM" in line, line
+    assert not (tmp_path / 'out' / 'ckpt.pt').exists() and not list((tmp_path / 'out').glob('*.tmp'))
