@@ -63,15 +63,16 @@ def where(tb, g):
 
 
 def shape(g):
-    """The model's shape in words, from the script's globals: model_args where it has them (a checkpoint's, where
+    """The model's shape in words ('a model of ...'), from the script's globals: model_args where it has them (a checkpoint's, where
     it resumed), else its n_layer / n_head / n_embd, or a loaded model's config (sample.py)."""
     config = g.get('model_args') or getattr(getattr(g.get('model'), 'config', None), '__dict__', None) or g
     n = ""
     if all(k in config for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size')):
         from model import count_params
         n = f" ({count_params(**config) / 1e6:,.2f}M parameters)"
-    return (f"n_layer={config.get('n_layer')}, n_head={config.get('n_head')}, n_embd={config.get('n_embd')}{n}",
-            config)
+    if 'n_layer' not in config:  # a tool still reading it
+        return "the model", config
+    return f"a model of n_layer={config['n_layer']}, n_head={config['n_head']}, n_embd={config['n_embd']}{n}", config
 
 
 def oom_line(e, tb, g):
@@ -80,11 +81,11 @@ def oom_line(e, tb, g):
     size, part = asked(e), where(tb, g)
     head = f"error: out of {ran_out(g.get('device', 'cpu'))} in {part}" + (f", asking {size} more" if size else "")
     model, config = shape(g)
-    if 'num_samples' in g:  # sample.py: one sequence at a time, so the weights and max_new_tokens' cache count
-        return (f"{head}, sampling {g['max_new_tokens']} tokens from a model of {model}: use --dtype=bfloat16 (or "
-                f"float16) for half the weights' memory, or --device=cpu")
+    if 'num_samples' in g:  # sample.py: one sequence at a time, so it is the model's fp32 weights that do not fit
+        fix = "use --device=cpu (host RAM)" if torch.device(g['device']).type != 'cpu' else "free host RAM"
+        return f"{head}, sampling from {model}, whose fp32 weights do not fit: {fix}, or a smaller model"
     block = config.get('block_size', g.get('block_size'))
-    ask = f"with batch_size={g['batch_size']} x block_size={block} tokens a micro-step a rank and a model of {model}"
+    ask = f"with batch_size={g['batch_size']} x block_size={block} tokens a micro-step a rank and {model}"
     size_it = " ".join(f"--{k}={config[k]}" for k in ('n_layer', 'n_head', 'n_embd', 'vocab_size') if k in config)
     size_it = (f"size a run first with `python model_size.py {size_it} --block_size={block} --batch_size=N "
                f"--world_size={os.environ.get('WORLD_SIZE', 1)}`")

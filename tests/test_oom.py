@@ -78,6 +78,12 @@ def test_a_resume_short_of_memory_for_its_checkpoint_says_so_and_never_calls_it_
     assert line.startswith("error: out of host RAM in the start (building the model, loading the state)"), line
     assert "the model's state does not fit, whatever the batch" in line, line
     assert {f.name: f.read_bytes() for f in (tmp_path / 'out').iterdir() if f.is_file() and f.suffix == '.pt'} == files
+    monkeypatch.setenv('TEST_AS_MARGIN', str(200 << 20))  # a tool reading it alike: its weights and moments, 0.3 GiB
+    p = run('sample.py', '--out_dir=out', '--device=cpu', '--num_samples=1', '--max_new_tokens=8',
+            f'--meta_path={data_dir / "shakespeare_char" / "meta.pkl"}', cwd=tmp_path, check=False)
+    assert one_line_error(p).startswith("error: out of host RAM in the start (building the model, loading the state)"
+                                        ", asking "), p.stderr[-3000:]
+    assert "sampling from the model, whose fp32 weights do not fit: free host RAM, or a smaller model" in p.stderr
 
 
 def test_a_save_whose_host_copy_runs_out_stops_the_run_naming_host_ram(tmp_path, data_dir, monkeypatch):
