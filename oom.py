@@ -63,8 +63,9 @@ def where(tb, g):
 
 
 def shape(g):
-    """The model's shape in words ('a model of ...'), from the script's globals: model_args where it has them (a checkpoint's, where
-    it resumed), else its n_layer / n_head / n_embd, or a loaded model's config (sample.py)."""
+    """The model's shape in words ('a model of ...'), and its settings, from the script's globals: model_args where
+    it has them (a checkpoint's, where it resumed), else its n_layer / n_head / n_embd, or a loaded model's config
+    (sample.py)."""
     config = g.get('model_args') or getattr(getattr(g.get('model'), 'config', None), '__dict__', None) or g
     n = ""
     if all(k in config for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size')):
@@ -106,10 +107,10 @@ def explain_oom(g):
         if not is_oom(value):
             # the other ranks' collectives fail once a rank that ran out has left (gloo's "Connection closed by
             # peer"): no fault of theirs, and a traceback of each would bury the line that says how to fit
-            ran_out = store and store.check([POSTED]) and store.get(POSTED).decode()
-            if not ran_out:
+            who = store and store.check([POSTED]) and store.get(POSTED).decode()
+            if not who:
                 return chained(kind, value, tb)
-            print(f"error: rank {os.environ['RANK']} stopped: rank {ran_out} ran out of memory (its line above says "
+            print(f"error: rank {os.environ['RANK']} stopped: rank {who} ran out of memory (its line above says "
                   f"how to fit the run)", file=sys.__stderr__, flush=True)
             return
         if store:

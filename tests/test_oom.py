@@ -1,13 +1,14 @@
 """Running out of memory: one line that says what ran out, where, what was asked for and how to fit it; a non-zero
-exit; and nothing a run saved lost. The allocations fail for real: each rank may map only TEST_AS_MARGIN bytes more
-than it had when it started (RLIMIT_AS, set by launcher.py), and the batch asks for far more at once, so the
-failure comes at once, whatever the machine's RAM, and nothing else runs short."""
+exit; and nothing a run saved lost. The allocations fail for real: a rank may map only TEST_AS_MARGIN bytes more than
+it had when it started (RLIMIT_AS, set by launcher.py), and what runs out asks for more than that (a batch's
+activations, at once, or a model's state, a save's copy of it, a checkpoint read back), whatever the machine's RAM."""
 
 import shutil
+import sys
 
 import pytest
 
-from conftest import TINY, one_line_error, run
+from conftest import REPO, TINY, one_line_error, run
 
 MARGIN = 1 << 30
 HUGE = ['--batch_size=524288', '--eval_iters=2', '--max_iters=4']  # an activation of 2 GiB, its tokens' 0.14 GiB
@@ -95,3 +96,26 @@ def test_a_save_whose_host_copy_runs_out_stops_the_run_naming_host_ram(tmp_path,
                            "for it, asking "), line
     assert "no checkpoint was complete before: free host RAM" in line, line
     assert not (tmp_path / 'out' / 'ckpt.pt').exists() and not list((tmp_path / 'out').glob('*.tmp'))
+
+
+def test_the_line_names_the_step_that_ran_out():
+    # the runs above run out at their first eval, which comes before any step: the loop's own steps, by its counters
+    sys.path.insert(0, str(REPO))
+    from oom import where
+
+    def traceback_of(fail):
+        try:
+            fail()
+        except RuntimeError as e:
+            return e.__traceback__
+
+    def forward():
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 99 bytes")
+    tb = traceback_of(forward)
+    assert where(tb, {'local_iter_num': 0, 'iter_num': 30}) == 'the first training step'
+    assert where(tb, {'local_iter_num': 5, 'iter_num': 35}) == 'training step 35'
+    assert where(tb, {}) == 'the start (building the model, loading the state)'
+
+    def estimate_loss():
+        forward()
+    assert where(traceback_of(estimate_loss), {'local_iter_num': 5, 'iter_num': 35}) == 'an eval'
