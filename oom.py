@@ -103,32 +103,39 @@ def explain_oom(g):
     script's globals, read then. The interpreter's end follows as for any uncaught exception: the checkpoint saves
     still in flight (threads) are finished first, and the exit status is non-zero."""
     def hook(kind, value, tb, chained=sys.excepthook):
-        store = group_store()
+        store, key = group_store() or (None, None)
         if not is_oom(value):
             # the other ranks' collectives fail once a rank that ran out has left (gloo's "Connection closed by
             # peer"): no fault of theirs, and a traceback of each would bury the line that says how to fit
-            who = store and store.check([POSTED]) and store.get(POSTED).decode()
+            who = store and store.check([key]) and store.get(key).decode()
             if not who:
                 return chained(kind, value, tb)
             print(f"error: rank {os.environ['RANK']} stopped: rank {who} ran out of memory (its line above says "
                   f"how to fit the run)", file=sys.__stderr__, flush=True)
             return
         if store:
-            store.set(POSTED, os.environ['RANK'])
+            store.set(key, os.environ['RANK'])
         # to the process's own stderr: torch's init_process_group wraps this hook in one that prefixes each line
         print(oom_line(value, tb, g), file=sys.__stderr__, flush=True)
     sys.excepthook = hook
 
 
 def group_store():
-    """The store of a process group of several ranks, where they meet even once a collective has failed; None
-    without one, or where it cannot be reached (its host, rank 0, is the rank that ran out and has left)."""
+    """(store, key): where the ranks of a group of several meet even once a collective has failed, and the key
+    under which a rank that ran out posts its rank; None without a group, or where the store cannot be reached.
+    Under torchrun, its agents' store, which outlives the workers (rank 0, the group's own store's host, may be the
+    one that ran out), keyed by this incarnation of the group (distributed.incarnation_store's post); else the
+    group's own."""
     try:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return None
+        if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True':
+            store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False,
+                                  timeout=timedelta(seconds=5))
+            return store, f"{POSTED}/{store.get('nanogpt/incarnation').decode()}"
         store = dist.distributed_c10d._get_default_store()
         store.set_timeout(timedelta(seconds=5))
         store.check([POSTED])
-        return store
+        return store, POSTED
     except Exception:
         return None

@@ -119,3 +119,15 @@ def test_the_line_names_the_step_that_ran_out():
     def estimate_loss():
         forward()
     assert where(traceback_of(estimate_loss), {'local_iter_num': 5, 'iter_num': 35}) == 'an eval'
+
+
+def test_rank_0_that_runs_out_is_named_by_the_others_though_it_hosted_the_groups_store(tmp_path, data_dir, limited,
+                                                                                         monkeypatch):
+    monkeypatch.setenv('TEST_AS_MARGIN', str(80 << 20))
+    monkeypatch.setenv('TEST_AS_RANKS', '0')
+    p = run('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out', '--n_embd=512',
+            '--gradient_accumulation_steps=2', '--max_iters=2', nproc=2, cwd=tmp_path, check=False)
+    assert p.returncode != 0 and 'Traceback' not in p.stderr, p.stderr[-3000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith('error: ')]
+    assert len(errors) == 2 and errors[0].startswith("error: out of host RAM of rank 0 on "), p.stderr[-3000:]
+    assert errors[1] == "error: rank 1 stopped: rank 0 ran out of memory (its line above says how to fit the run)"
