@@ -7,6 +7,7 @@ import shutil
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO, TINY, one_line_error, run
 
@@ -131,3 +132,29 @@ def test_rank_0_that_runs_out_is_named_by_the_others_though_it_hosted_the_groups
     errors = [line for line in p.stderr.splitlines() if line.startswith('error: ')]
     assert len(errors) == 2 and errors[0].startswith("error: out of host RAM of rank 0 on "), p.stderr[-3000:]
     assert errors[1] == "error: rank 1 stopped: rank 0 ran out of memory (its line above says how to fit the run)"
+
+
+SAVING_WHEN_IT_RUNS_OUT = '''
+import sys, time, torch
+sys.path.insert(0, sys.argv[1])
+import checkpoint
+from oom import explain_oom
+batch_size, block_size = 8, 16
+explain_oom(globals())
+save = torch.save
+def slow_save(obj, f, *args, **kwargs):  # a big state's write, still going when the step runs out
+    time.sleep(2)
+    return save(obj, f, *args, **kwargs)
+torch.save = slow_save
+checkpoint.save_in_background({'iter_num': 7, 'w': torch.ones(4)}, 'ckpt.pt')
+torch.empty(2 << 30, dtype=torch.uint8)  # beyond what the process may map
+'''
+
+
+def test_a_save_in_flight_when_memory_runs_out_is_written_whole_before_the_exit(tmp_path, limited):
+    (tmp_path / 'saving.py').write_text(SAVING_WHEN_IT_RUNS_OUT)
+    p = run(tmp_path / 'saving.py', REPO, cwd=tmp_path, check=False)
+    assert one_line_error(p).startswith("error: out of host RAM in the start (building the model, loading the "
+                                        "state), asking 2.0 GiB more, with batch_size=8 x block_size=16"), p.stderr
+    assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 7
+    assert not list(tmp_path.glob('*.tmp'))
