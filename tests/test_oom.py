@@ -158,3 +158,25 @@ def test_a_save_in_flight_when_memory_runs_out_is_written_whole_before_the_exit(
                                         "state), asking 2.0 GiB more, with batch_size=8 x block_size=16"), p.stderr
     assert torch.load(tmp_path / 'ckpt.pt', weights_only=True)['iter_num'] == 7
     assert not list(tmp_path.glob('*.tmp'))
+
+
+def test_a_gpus_out_of_memory_names_the_gpu_and_the_size_torch_gives():
+    # no GPU here: torch's CUDA error as its caching allocator words it, raised where an eval would run out
+    sys.path.insert(0, str(REPO))
+    from oom import is_oom, oom_line
+
+    def estimate_loss():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity of "
+                                     "79.19 GiB of which 1.06 GiB is free.")
+    try:
+        estimate_loss()
+    except torch.OutOfMemoryError as e:
+        g = {'device': 'cuda:0', 'batch_size': 64, 'gradient_accumulation_steps': 8, 'activation_checkpointing': False,
+             'model_args': dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, bias=False)}
+        assert is_oom(e) and oom_line(e, e.__traceback__, g).startswith(
+            "error: out of cuda:0's memory in an eval, asking 2.50 GiB more, with batch_size=64 x block_size=1024 "
+            "tokens a micro-step a rank and a model of n_layer=12, n_head=12, n_embd=768 (124.")
+        assert "--gradient_accumulation_steps, which keeps the tokens per step, or --activation_checkpointing=True, " \
+            "and size a run first with `python model_size.py --n_layer=12 --n_head=12 --n_embd=768 " \
+            "--vocab_size=50304 --block_size=1024 --batch_size=N --world_size=1`" in oom_line(e, e.__traceback__, g)
+    assert not is_oom(RuntimeError("Expected all tensors to be on the same device"))  # a bug keeps its traceback
