@@ -37,6 +37,15 @@ def test_running_out_of_memory_is_one_line_that_names_the_fix(tmp_path, data_dir
     assert "python model_size.py --n_layer=2 --n_head=2 --n_embd=32 " in line, line
 
 
+def test_a_batch_whose_eval_fits_but_whose_step_does_not_names_the_first_step(tmp_path, data_dir, limited):
+    # an eval keeps one layer's activations at a time, a training step all 8 layers' for the backward
+    p = run('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out', '--n_layer=8',
+            '--batch_size=2048', '--eval_iters=1', '--gradient_accumulation_steps=1', cwd=tmp_path, check=False)
+    line = one_line_error(p)
+    assert line.startswith("error: out of host RAM in the first training step, asking "), line
+    assert "with batch_size=2048 x block_size=32 tokens a micro-step a rank" in line, line
+
+
 def test_a_resume_that_runs_out_of_memory_leaves_the_checkpoint_as_it_was(tmp_path, data_dir, shared_run, limited):
     out = tmp_path / 'run'
     shutil.copytree(shared_run('train.py', '--max_iters=2', '--eval_interval=2'), out)
