@@ -98,8 +98,9 @@ def test_a_resume_short_of_memory_for_its_checkpoint_says_so_and_never_calls_it_
 
 
 def test_a_save_whose_host_copy_runs_out_stops_the_run_naming_host_ram(tmp_path, data_dir, monkeypatch):
+    # the run's last save, which no step runs beside (a step's allocations, beside the copy, could run out first)
     monkeypatch.setenv('TEST_AS_MARGIN', str(800 << 20))
-    p = run('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out', *BIG, '--max_iters=4',
+    p = run('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out', *BIG, '--max_iters=2',
             cwd=tmp_path, check=False)
     line = one_line_error(p)
     assert line.startswith("error: writing the checkpoint out/ckpt.pt failed (out of host RAM copying the state "
