@@ -23,6 +23,7 @@ from configurator import check_model_name, check_model_shape, check_optimizer, c
 from data import check_token_ids, data_dir, find_bins, read_meta, read_rows
 from distributed import check_fits
 from model import GPT2_SHAPES, GPT, GPTConfig
+from oom import explain_oom
 
 quiet_interrupt()  # Ctrl-C: one line, no traceback
 
@@ -59,6 +60,7 @@ seed = 1337
 profile = False  # write a torch.profiler trace instead of timing
 # -----------------------------------------------------------------------------
 config, given = configure(globals(), skip_unknown_in_files=True)  # training configs set keys a benchmark lacks
+explain_oom(globals())  # running out of memory ends in one line that says how to fit, not a traceback
 check_model_name(model, given)
 if model:
     if model not in GPT2_SHAPES:

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from data import data_dir, meta_vocab, vocabulary
 from model import GPT, GPTConfig
+from oom import asked, is_oom
 from runlock import (FOLDERS, HOLD, RUN_ID, in_ram, is_snapshot, kept_folder, launch_identity, launch_pods,
                      let_go, snapshot_dir, try_hold)
 
@@ -151,7 +152,7 @@ def _load_newest(path, found, dropout):
         try:
             model, checkpoint = _load(version, dropout)
         except Exception as e:
-            if version == versions[-1]:
+            if version == versions[-1] or is_oom(e):  # (short of memory: no damage, nor cause to read an older one)
                 e.checkpoint_path = version  # the file that failed, for the error (checkpoint_or_exit)
                 raise
             print(f"warning: {version} is damaged ({reason(e)}): passed over for the version before it",
@@ -455,6 +456,8 @@ def note_failure(paths, e):
     why = reason(next(iter(failures.values()))[0] if isinstance(failures, dict) and failures else e)
     if 'unexpected pos' in why and _nearly_full(paths[0]):  # torch's serializer, on a write that fell short
         why = f"No space left on device, as it seems ({why})"
+    if is_oom(e):  # the copy of the state in host memory that the write starts from
+        why = "out of host RAM copying the state for it" + (f", asking {asked(e)} more" if asked(e) else "")
     if all(is_snapshot(p) for p in paths):
         print(f"warning: the memory snapshot {paths[0]} could not be written ({why}); training goes on, and a "
               f"restart would resume from the newest storage checkpoint", file=sys.stderr, flush=True)
@@ -531,7 +534,9 @@ def load_failed(path, e, out_dir, eval_only):
     """Exits in one line where the state a run resumes (path) does not load into its model or optimizer (e): an
     eval's read of a state that the live run pruned meanwhile is no damage (pruned_under_eval); anything else is a
     damaged or foreign checkpoint, to be moved aside (for an eval, which moving it would leave nothing to read:
-    restored, or another one evaluated)."""
+    restored, or another one evaluated). Running short of memory is no damage: that error goes on (oom.py)."""
+    if is_oom(e):
+        raise e
     if eval_only:
         pruned_under_eval(path, out_dir)
     sys.exit(f"error: checkpoint {path} does not fit this model ({reason(e)}): {aside_or_restore(eval_only)}")
@@ -616,8 +621,10 @@ def exit_after_failed_save():
             named = ", which latest names," if _step_folder(intact) == intact else ""
             before = f"{intact}{named} is not whole (it was damaged, and this save was writing it anew); " + \
                 (f"the newest complete one before it, {older}, is intact" if older else "none before it is complete")
-        sys.exit(f"error: writing the checkpoint {path} failed ({why}), so the run stopped; {before}: free space "
-                 f"(or fix the folder) and run the same command again to resume")
+        fix = "free host RAM (the save copies the whole state there first)" if why.startswith('out of host RAM') \
+            else "free space (or fix the folder)"
+        sys.exit(f"error: writing the checkpoint {path} failed ({why}), so the run stopped; {before}: {fix} and run "
+                 f"the same command again to resume")
     sys.exit(1)
 
 
@@ -793,6 +800,8 @@ def newest_loadable(paths, run_id=None, or_any=False, iter_of=None):
         try:
             it = (iter_of or checkpoint_iter)(path, run_id)
         except Exception as e:
+            if is_oom(e):  # a good checkpoint that this process has no memory to read: not one to pass over
+                raise
             skipped.append((path, reason(e)))
             continue
         if it is None:
@@ -1903,6 +1912,8 @@ def checkpoint_or_exit(path, fix, dropout=0.0):
                      "--max_iters=1 saves the newest at once and ends (its own max_iters again trains on)")
         sys.exit(f"error: {e}: {fix}")
     except Exception as e:
+        if is_oom(e):  # no damage: the one line says how to fit (oom.py)
+            raise
         shards_snapshot_or_exit(path)
         try:
             path = getattr(e, 'checkpoint_path', None) or find_checkpoint(path)
@@ -2010,6 +2021,8 @@ def newer_state(path, model, checkpoint, dropout):
             if not all(torch.isfinite(p).all() for p in whole[0].parameters()):
                 raise ValueError("its weights hold inf or nan")
         except Exception as e:  # cut short, or spoilt: the checkpoint is the newest good state
+            if is_oom(e):
+                raise
             print(f"warning: reading {read} (iter {saved}): the run's newer memory snapshot {state} (iter {it}) does "
                   f"not load ({reason(e)})", file=sys.stderr, flush=True)
             return model, checkpoint, path
@@ -2113,6 +2126,8 @@ def create_model(resume_path, read, init_from, model_args, config, given):
             if 'model' in checkpoint or not (os.path.isdir(resume_path) or 'shards' in checkpoint):
                 model.load_state_dict(GPT.upgrade_state_dict(checkpoint['model']))
         except Exception as e:
+            if is_oom(e):  # no damage: the one line says how to fit (oom.py)
+                raise
             if config.get('eval_only'):
                 pruned_under_eval(resume_path, config['out_dir'])
             sys.exit(f"error: checkpoint {resume_path} is corrupt or not a training checkpoint ({reason(e)}): "

@@ -38,6 +38,7 @@ from distributed import (agree, check_fits, finish, gather_rng, on_every_rank, p
 from model import GPT
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import keeping, saves_at_eval, skips_save, unsaved
+from oom import explain_oom
 from runlock import hold
 from runlog import diverged_fix, ends_diverged, open_log
 from seeds import start_tokens
@@ -104,6 +105,7 @@ save_consolidated = True  # with each checkpoint also write out_dir/ckpt.pt in t
 # -----------------------------------------------------------------------------
 config, given = configure(globals())
 check_config(config)  # every key in its range and out_dir writable, before anything is written
+explain_oom(globals())  # running out of memory ends in one line that says how to fit, not a traceback
 
 # DeepSpeed, imported after the config: the manifest tests read the config without it
 try:

@@ -41,6 +41,7 @@ from distributed import (agree, check_fits, finish, gather_rng, groups_of, on_ev
                          use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import saves_at_eval, skips_save
+from oom import explain_oom
 from pipeline import (SCHEDULES, ZERO_BUBBLE, Forward, Part, check_snapshot_layout, clip, embedding_group, loss_fn,
                       make_schedule, placement, save_full, shard_stages, sharded_state, sharding_refused, stage_blocks,
                       stage_ids, stage_rank, stages_refused, tied_grads_and_norm, untaken)
@@ -116,6 +117,7 @@ save_consolidated = False  # with each checkpoint also write out_dir/ckpt.pt in 
 # -----------------------------------------------------------------------------
 config, given = configure(globals())
 check_config(config)  # every key in its range and out_dir writable, before anything is written
+explain_oom(globals())  # running out of memory ends in one line that says how to fit, not a traceback
 
 # distributed init: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without it, a group of one
 device, device_type = pick_device(device)

@@ -16,6 +16,7 @@ import torch
 from configurator import check_seed, configure, quiet_interrupt
 from checkpoint import PRETRAINED, checkpoint_or_exit, find_checkpoint, hf_folder, pretrained_or_exit
 from data import gpt2_encoding_or_exit, read_meta, vocabulary_of
+from oom import explain_oom
 
 # -----------------------------------------------------------------------------
 init_from = 'resume'  # 'resume' (out_dir's newest checkpoint), 'best' (its best by val loss), 'gpt2'..'gpt2-xl',
@@ -34,6 +35,7 @@ meta_path = ''  # a char-level vocabulary (meta.pkl); by default data/<the check
 # -----------------------------------------------------------------------------
 quiet_interrupt()  # Ctrl-C: one line, no traceback
 configure(globals())
+explain_oom(globals())  # running out of memory ends in one line that says how to fit, not a traceback
 check_seed(globals())
 
 for name in ('num_samples', 'max_new_tokens'):

@@ -29,6 +29,7 @@ from distributed import (agree, check_fits, finish, gather_rng, on_every_rank, p
                          split_accumulation, start, state_bytes, stop_signal, use_deterministic_algorithms)
 from hellaswag import DEFAULT_PATH, evaluate, load_or_exit
 from keep import keeping, saves_at_eval, skips_save, unsaved
+from oom import explain_oom
 from runlock import hold
 from runlog import ends_diverged, heed, open_log
 from seeds import start_tokens
@@ -91,6 +92,7 @@ keep_checkpoints = 2  # the newest states kept in out_dir (fallbacks of a damage
 # -----------------------------------------------------------------------------
 config, given = configure(globals())
 check_config(config)  # every key in its range and out_dir writable, before anything is written
+explain_oom(globals())  # running out of memory ends in one line that says how to fit, not a traceback
 
 # distributed init: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without it, a group of one
 device, device_type = pick_device(device)

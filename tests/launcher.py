@@ -16,6 +16,7 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
 import os
+import resource
 import runpy
 import shutil
 import subprocess
@@ -23,7 +24,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 
 # what every entrypoint imports and would take a fresh interpreter seconds; none of them starts a thread on import.
 # inductor's compile_fx: deepspeed.initialize imports it in every ds_train.py process (its Muon optimizer's
@@ -70,6 +70,12 @@ def _child(script, args, env, cwd, out, err, path):
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    if env.get('TEST_AS_MARGIN') and env.get('RANK', '0') in env.get('TEST_AS_RANKS', env.get('RANK', '0')).split(','):
+        # a test of running out of memory: the rank (of TEST_AS_RANKS, or each) may map this many bytes more than
+        # it has now, so that an allocation beyond fails at once, as on a full device, whatever the machine's RAM
+        with open('/proc/self/status') as f:
+            now = int(next(line for line in f if line.startswith('VmSize:')).split()[1]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (now + int(env['TEST_AS_MARGIN']),) * 2)
     given = [os.path.abspath(p) for p in env.get('PYTHONPATH', '').split(os.pathsep) if p]  # a test's stand-in modules
     as_main(script, args, [*given, *path])
 
@@ -87,7 +93,7 @@ def as_main(script, args, path):
         if not isinstance(e.code, int) and e.code is not None:
             print(e.code, file=sys.stderr)
     except BaseException:
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())  # as the interpreter reports it: through the hooks a script installed
         code = 1
     # the interpreter's end: wait for the threads that are not daemons, then the atexit functions
     for thread in threading.enumerate():
