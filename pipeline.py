@@ -57,6 +57,12 @@ def make_schedule(name, stages, micro_batches, loss_fn, **kwargs):
     reshard_after_forward=False: torch's plan keeps 3 of a rank's stages gathered, and would let the first go (its
     root gathers the tied embedding, shard_stages) while the last still computes with it."""
     Schedule = SCHEDULES[name]
+    for stage in stages:
+        # torch 2.11 (the GPU machine's) opens a stage's links with a send to each neighbour, even one on this rank,
+        # which gloo cannot reach ("Pair is not connected": zbv's V, any pp 1); 2.13 no longer sends such. A schedule
+        # hands a neighbour on the same rank its tensors directly, so those links are never used: leave them out.
+        opens = stage._get_init_p2p_neighbors_ops
+        stage._get_init_p2p_neighbors_ops = lambda opens=opens: [op for op in opens() if op.peer != dist.get_rank()]
     schedule = Schedule(stages[0] if issubclass(Schedule, PipelineScheduleSingle) else stages, micro_batches,
                         loss_fn=loss_fn, **kwargs)
     if len(stages) > 3 and stages[0].is_first and stages[-1].is_last and isinstance(stages[0].submod, FSDPModule):
