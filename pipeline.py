@@ -61,8 +61,9 @@ def make_schedule(name, stages, micro_batches, loss_fn, **kwargs):
         # torch 2.11 (the GPU machine's) opens a stage's links with a send to each neighbour, even one on this rank,
         # which gloo cannot reach ("Pair is not connected": zbv's V, any pp 1); 2.13 no longer sends such. A schedule
         # hands a neighbour on the same rank its tensors directly, so those links are never used: leave them out.
-        opens = stage._get_init_p2p_neighbors_ops
-        stage._get_init_p2p_neighbors_ops = lambda opens=opens: [op for op in opens() if op.peer != dist.get_rank()]
+        opens = getattr(stage, '_get_init_p2p_neighbors_ops', None)  # (a private method: gone in a later torch)
+        if opens is not None:
+            stage._get_init_p2p_neighbors_ops = lambda opens=opens: [op for op in opens() if op.peer != dist.get_rank()]
     schedule = Schedule(stages[0] if issubclass(Schedule, PipelineScheduleSingle) else stages, micro_batches,
                         loss_fn=loss_fn, **kwargs)
     if len(stages) > 3 and stages[0].is_first and stages[-1].is_last and isinstance(stages[0].submod, FSDPModule):
