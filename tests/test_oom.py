@@ -57,19 +57,22 @@ def test_a_resume_that_runs_out_of_memory_leaves_the_checkpoint_as_it_was(tmp_pa
     assert not list(out.glob('*.tmp'))
 
 
-def test_a_rank_that_runs_out_says_so_and_the_others_stop_with_a_line_not_a_traceback(tmp_path, data_dir, limited,
-                                                                                          monkeypatch):
-    # rank 1 alone is short of memory (a smaller GPU, a busier host): it leaves, rank 0's next collective fails
-    # ("Connection closed by peer"), and rank 0 names the rank that ran out rather than print gloo's traceback
+@pytest.mark.parametrize('short', [1, 0])
+def test_a_rank_that_runs_out_says_so_and_the_other_stops_with_a_line_not_a_traceback(tmp_path, data_dir, limited,
+                                                                                       monkeypatch, short):
+    # one rank alone is short of memory (a smaller GPU, a busier host): it leaves, the other's next collective fails
+    # ("Connection closed by peer"), and that rank names the rank that ran out rather than print gloo's traceback;
+    # rank 0 too, though it hosted the group's store
     monkeypatch.setenv('TEST_AS_MARGIN', str(80 << 20))  # less than the 6M-parameter model's state (~125 MiB)
-    monkeypatch.setenv('TEST_AS_RANKS', '1')
+    monkeypatch.setenv('TEST_AS_RANKS', str(short))
     p = run('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out', '--n_embd=512',
             '--gradient_accumulation_steps=2', '--max_iters=2', nproc=2, cwd=tmp_path, check=False)
     assert p.returncode != 0 and 'Traceback' not in p.stderr, p.stderr[-3000:]
     errors = [line for line in p.stderr.splitlines() if line.startswith('error: ')]
-    assert len(errors) == 2 and errors[0].startswith("error: out of host RAM of rank 1 on "), p.stderr[-3000:]
+    assert len(errors) == 2 and errors[0].startswith(f"error: out of host RAM of rank {short} on "), p.stderr[-3000:]
     assert "n_embd=512 (6.36M parameters)" in errors[0] and "model_size.py" in errors[0], errors[0]
-    assert errors[1] == "error: rank 0 stopped: rank 1 ran out of memory (its line above says how to fit the run)"
+    assert errors[1] == f"error: rank {1 - short} stopped: rank {short} ran out of memory (its line above says how " \
+                        f"to fit the run)"
 
 
 # a 25M-parameter model trains in a margin of 0.8 GiB (weights, gradients, AdamW's moments), but a save's copy of
@@ -130,18 +133,6 @@ def test_the_line_names_the_step_that_ran_out():
     def estimate_loss():
         forward()
     assert where(traceback_of(estimate_loss), {'local_iter_num': 5, 'iter_num': 35}) == 'an eval'
-
-
-def test_rank_0_that_runs_out_is_named_by_the_others_though_it_hosted_the_groups_store(tmp_path, data_dir, limited,
-                                                                                         monkeypatch):
-    monkeypatch.setenv('TEST_AS_MARGIN', str(80 << 20))
-    monkeypatch.setenv('TEST_AS_RANKS', '0')
-    p = run('train.py', *TINY, f'--dataset={data_dir / "shakespeare_char"}', '--out_dir=out', '--n_embd=512',
-            '--gradient_accumulation_steps=2', '--max_iters=2', nproc=2, cwd=tmp_path, check=False)
-    assert p.returncode != 0 and 'Traceback' not in p.stderr, p.stderr[-3000:]
-    errors = [line for line in p.stderr.splitlines() if line.startswith('error: ')]
-    assert len(errors) == 2 and errors[0].startswith("error: out of host RAM of rank 0 on "), p.stderr[-3000:]
-    assert errors[1] == "error: rank 1 stopped: rank 0 ran out of memory (its line above says how to fit the run)"
 
 
 SAVING_WHEN_IT_RUNS_OUT = '''
